@@ -1,0 +1,233 @@
+"""The child runner: runs handlers, one at a time, for the supervisor that started it.
+
+Started by the supervisor as ``python -m cyclone_mp._child CTRL_FD CANCEL_FD PARENT_PID``
+in its own process group. It owns only the handler call and the pipe (STYLE pattern 9):
+it never touches the database. It dies with its parent (``PR_SET_PDEATHSIG``), reads
+tasks from the control socket, reads cancels from the cancellation pipe on a watcher
+thread, and sends back progress and one result per task, as JSON.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime as dt
+import importlib
+import importlib.util
+import inspect
+import os
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from . import protocol
+from .context import Cancellation, Context
+from .errors import Cancelled, Permanent
+
+PR_SET_PDEATHSIG = 1
+PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent thread dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(70)
+
+
+class Runner:
+    """The child's main loop; see the module docstring."""
+
+    def __init__(self, ctrl: socket.socket, cancel_fd: int, limit: int) -> None:
+        self.ctrl = ctrl
+        self.limit = limit
+        self.cancel_file = os.fdopen(cancel_fd, "r", buffering=1)
+        self.lock = threading.Lock()
+        self.task: str | None = None
+        self.cancellation = Cancellation()
+        self.modules: dict[tuple[str, str | None], Any] = {}
+        self._last_progress = 0.0
+        self._pending_progress: dict[str, Any] | None = None
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = protocol.encode(message)
+        with self.lock:
+            self.ctrl.sendall(data)
+
+    def watch_cancels(self) -> None:
+        """Watcher thread: trip the current task's handle when its cancel arrives."""
+        for line in self.cancel_file:
+            token, _, reason = line.strip().partition(" ")
+            with self.lock:
+                if token == self.task:
+                    self.cancellation.set(reason or "cancelled")
+        os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
+
+    def resolve(self, ref: dict[str, Any]) -> Any:
+        """Import the handler's module (by name, or from a file for scripts) and find it."""
+        key = (ref["module"], ref.get("path"))
+        module = self.modules.get(key)
+        if module is None:
+            name, path = ref["module"], ref.get("path")
+            if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
+                load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
+                spec = importlib.util.spec_from_file_location(load_name, path)
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"cannot load {path}")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[load_name] = module
+                spec.loader.exec_module(module)
+            else:
+                module = importlib.import_module(name)
+            self.modules[key] = module
+        target: Any = module
+        for part in ref["qualname"].split("."):
+            target = getattr(target, part)
+        return getattr(target, "fn", target)  # a Step object wraps the function
+
+    def progress(self, done: Any, total: Any, message: Any) -> None:
+        msg = {"t": "progress", "task": self.task, "done": done, "total": total,
+               "message": None if message is None else str(message)[:500]}
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_MIN_INTERVAL:
+            self._pending_progress = msg
+            return
+        self._last_progress = now
+        self._pending_progress = None
+        try:
+            self.send(msg)
+        except (TypeError, ValueError):
+            pass  # a non-JSON progress value is dropped, never fatal
+
+    def run_task(self, task: dict[str, Any]) -> dict[str, Any]:
+        deadline = None
+        if task.get("timeout") is not None:
+            deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=task["timeout"])
+        ctx = Context(
+            run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
+            deadline=deadline, upstream=task.get("upstream"), progress_sink=self.progress,
+            cancellation=self.cancellation,
+        )
+        try:
+            fn = self.resolve(task["ref"])
+            output = call_handler(fn, ctx, task.get("input"))
+        except Cancelled as exc:
+            return failure("cancelled", exc)
+        except Permanent as exc:
+            return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
+        except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
+            return failure("error", exc)
+        return {"ok": True, "output": to_json_value(output)}
+
+    def loop(self) -> None:
+        threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
+        self.send({"t": "ready", "pid": os.getpid()})
+        while True:
+            message = protocol.read_message(self.ctrl, self.limit)
+            if message is None or message.get("t") == "exit":
+                return
+            if message.get("t") != "task":
+                continue
+            with self.lock:
+                self.task = message["task"]
+                self.cancellation = Cancellation()
+            self._pending_progress = None
+            before = resource.getrusage(resource.RUSAGE_SELF)
+            result = self.run_task(message)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            result.update({
+                "t": "result", "task": message["task"],
+                "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
+                "maxrss_kb": after.ru_maxrss, "cancel_reason": self.cancellation.reason,
+                "progress": self._pending_progress,
+            })
+            self.send(self.checked(result))
+            with self.lock:
+                self.task = None
+
+    def checked(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Turn a non-JSON or oversized output into a stored error, never a crash."""
+        try:
+            size = len(protocol.encode(result))
+        except (TypeError, ValueError) as exc:
+            result.pop("output", None)
+            result.update(failure("error", TypeError(f"handler output is not a JSON value: {exc}")), ok=False)
+            return result
+        if size > self.limit:
+            result.pop("output", None)
+            result.update(failure("error", ValueError(
+                f"handler output is {size} bytes, over the max_payload limit of {self.limit} bytes")), ok=False)
+        return result
+
+
+def failure(kind: str, exc: BaseException) -> dict[str, Any]:
+    """Describe an exception as plain data: type, message and traceback (never pickled)."""
+    exc_type = type(exc)
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the failure
+        message = f"<{exc_type.__name__}: str() failed>"
+    try:
+        tb = "".join(traceback.format_exception(exc))
+    except BaseException:  # noqa: BLE001
+        tb = f"{exc_type.__name__}: {message}"
+    return {
+        "ok": False, "kind": kind, "type": f"{exc_type.__module__}.{exc_type.__qualname__}",
+        "message": message[:10_000], "traceback": tb[-50_000:],
+    }
+
+
+def call_handler(fn: Any, ctx: Context, inp: Any) -> Any:
+    """Call ``fn(ctx, input)``, converting the input to a dataclass or pydantic model
+    when the handler's annotation asks for one."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+        hints = getattr(fn, "__annotations__", {})
+        if len(params) >= 2:
+            ann = hints.get(params[1].name)
+            if isinstance(ann, str):
+                ann = inspect.get_annotations(fn, eval_str=True).get(params[1].name)
+            inp = convert_input(ann, inp)
+    except (ValueError, TypeError, NameError):
+        pass
+    return fn(ctx, inp)
+
+
+def convert_input(ann: Any, inp: Any) -> Any:
+    """dict -> dataclass or pydantic model per the annotation; anything else unchanged."""
+    if isinstance(ann, type) and isinstance(inp, dict):
+        if dataclasses.is_dataclass(ann):
+            return ann(**inp)
+        if hasattr(ann, "model_validate"):
+            return ann.model_validate(inp)
+    return inp
+
+
+def to_json_value(output: Any) -> Any:
+    """dataclass and pydantic outputs become plain JSON values."""
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return dataclasses.asdict(output)
+    if hasattr(output, "model_dump") and callable(output.model_dump):
+        return output.model_dump(mode="json")
+    return output
+
+
+def main(argv: list[str]) -> None:
+    ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    sys.path[:0] = [p for p in os.environ.get("CYCLONE_MP_SYS_PATH", "").split(os.pathsep) if p and p not in sys.path]
+    ctrl = socket.socket(fileno=ctrl_fd)
+    Runner(ctrl, cancel_fd, limit).loop()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

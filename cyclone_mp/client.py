@@ -1,0 +1,423 @@
+"""The public entry point: enqueue and manage runs, and run the supervisor (SPEC section 2).
+
+``Client`` holds a psycopg_pool pool for API calls; the supervisor it starts opens its
+own connections (so it can reconnect on its own after an outage).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import signal
+import threading
+import uuid
+from typing import Any, Callable, Iterable, Sequence
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from .config import Config
+from .durations import Duration, seconds
+from .errors import ConfigurationError, CycloneError, DatabaseError, PayloadError, RunNotFound, UnknownStep
+from .status import RunStatus, StepStatus
+from .steps import Mux, Step, StepOptions
+from .store import NodeRow, Store, connect, redact
+from .workflow import Workflow
+
+log = logging.getLogger("cyclone_mp.client")
+
+
+class Client:
+    """A connection to the cyclone tables, and (with ``run``/``start``) a supervisor.
+
+    Args:
+        dsn: PostgreSQL connection string; None means the embedded default server
+            (started or reused on first use, SPEC 2).
+        mux: the registered steps and workflows (required to run a supervisor).
+        workers: child slots; lease_ttl, kill_grace, shutdown_grace: seconds;
+        poll_interval: seconds or a ``(min, max)`` pair; max_reclaims: client-wide
+            default bound (None: unbounded); queues: queues to claim from;
+        timeout, max_attempts, backoff, queue, priority: client-wide step defaults;
+        max_steps_per_child, max_child_rss (bytes), max_payload (bytes): child limits.
+        clock, wall_clock: injectable local clocks (seconds) for the supervisor.
+
+    Raises:
+        ConfigurationError: an invalid option.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        mux: Mux | None = None,
+        *,
+        workers: int = 4,
+        lease_ttl: Duration = 30.0,
+        kill_grace: Duration = 5.0,
+        poll_interval: Duration | Sequence[Duration] = (0.1, 1.0),
+        max_reclaims: int | None = None,
+        shutdown_grace: Duration = 30.0,
+        queues: Sequence[str] | str | None = None,
+        timeout: Duration | None = None,
+        max_attempts: int | None = None,
+        backoff: Callable[[int], float] | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_steps_per_child: int | None = None,
+        max_child_rss: int | None = None,
+        max_payload: int | None = None,
+        clock: Callable[[], float] | None = None,
+        wall_clock: Callable[[], float] | None = None,
+    ) -> None:
+        if mux is not None and not isinstance(mux, Mux):
+            raise ConfigurationError(f"mux must be a cy.Mux, not {type(mux).__name__}")
+        extra: dict[str, Any] = {}
+        if max_payload is not None:
+            extra["max_payload"] = max_payload
+        self.config = Config.build(
+            workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace, poll_interval=poll_interval,
+            shutdown_grace=shutdown_grace, queues=queues, max_steps_per_child=max_steps_per_child,
+            max_child_rss=max_child_rss, timeout=timeout, max_attempts=max_attempts,
+            max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority, **extra,
+        )
+        self.mux = mux if mux is not None else Mux()
+        self._dsn = dsn
+        self._pool: ConnectionPool | None = None
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._supervisor: Any = None
+        self._thread: threading.Thread | None = None
+
+    # -- connection -------------------------------------------------------------------------
+
+    @property
+    def dsn(self) -> str:
+        """The DSN in use (the embedded default's, started on first use, when None was given)."""
+        if self._dsn is None:
+            from .embedded import ensure_default_dsn
+
+            self._dsn = ensure_default_dsn()
+        return self._dsn
+
+    def _store_pool(self) -> ConnectionPool:
+        with self._lock:
+            if self._pool is None:
+                dsn = self.dsn
+                connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                self._pool = ConnectionPool(
+                    dsn, min_size=1, max_size=4, open=True, timeout=30.0,
+                    kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
+                )
+            return self._pool
+
+    def _call(self, fn: Callable[[Store], Any]) -> Any:
+        pool = self._store_pool()
+        try:
+            with pool.connection() as conn:
+                return fn(Store(conn))
+        except psycopg.Error as exc:
+            raise DatabaseError(f"database error: {type(exc).__name__}: {exc}") from exc
+        except DatabaseError as exc:
+            if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+                raise DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`") from exc
+            raise
+
+    def close(self) -> None:
+        """Close the API connection pool (the supervisor, if any, is not affected)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self.stop()
+        self.close()
+
+    def migrate(self) -> list[str]:
+        """Create or upgrade the schema (idempotent, versioned, advisory-locked).
+
+        Returns the migration files applied now (empty when up to date).
+        """
+        return self._call(lambda store: store.migrate())
+
+    # -- enqueue ------------------------------------------------------------------------------
+
+    def _resolve(self, target: Step | Workflow | str) -> Step | Workflow:
+        if isinstance(target, (Step, Workflow)):
+            return target
+        if isinstance(target, str):
+            return self.mux.lookup(target)
+        raise UnknownStep(f"enqueue takes a cy.step, a cy.Workflow or a registered name, not {type(target).__name__}")
+
+    def _check_payload(self, value: Any, what: str) -> None:
+        try:
+            size = len(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise PayloadError(f"{what} is not a JSON value: {exc}") from exc
+        if size > self.config.max_payload:
+            raise PayloadError(f"{what} is {size} bytes, over the max_payload limit of {self.config.max_payload} bytes")
+
+    def _node_options(self, step: Step, overrides: StepOptions) -> StepOptions:
+        return overrides.over(step.options).over(self.config.defaults)
+
+    def enqueue(
+        self,
+        target: Step | Workflow | str,
+        input: Any = None,
+        *,
+        timeout: Duration | None = None,
+        max_attempts: int | None = None,
+        max_reclaims: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: Duration | None = None,
+        scheduled_at: dt.datetime | None = None,
+        idempotency_key: str | None = None,
+        conn: psycopg.Connection | None = None,
+    ) -> str:
+        """Enqueue one run of a step or workflow; returns the run id (a UUID string).
+
+        Per-enqueue options win over the step's, which win over the client's (SPEC 2).
+        ``delay`` (seconds) or ``scheduled_at`` (aware datetime) postpone the first
+        claim. With ``conn`` the run is written in the caller's open transaction. With
+        ``idempotency_key`` an existing run with that key is returned instead.
+
+        Raises:
+            UnknownStep: a name that is not registered. PayloadError: input not JSON or
+            too large. ConfigurationError: bad options. DatabaseError.
+        """
+        definition = self._resolve(target)
+        self._check_payload(input, "input")
+        overrides = StepOptions.build(
+            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+        )
+        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
+        if scheduled_at is not None and (scheduled_at.tzinfo is None or scheduled_at.utcoffset() is None):
+            raise ConfigurationError("scheduled_at must be a timezone-aware datetime")
+        if idempotency_key is not None and (not isinstance(idempotency_key, str) or not idempotency_key):
+            raise ConfigurationError("idempotency_key must be a non-empty string")
+        if isinstance(definition, Workflow):
+            nodes = [self._workflow_row(node, overrides) for node in definition.nodes]
+            kind = "workflow"
+        else:
+            opts = self._node_options(definition, overrides)
+            nodes = [self._task_row(definition.name, definition, opts, (), "available")]
+            kind = "step"
+
+        def write(store: Store) -> str:
+            run_id, _ = store.enqueue_run(
+                name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
+                scheduled_at=scheduled_at, idempotency_key=idempotency_key, conn=conn,
+            )
+            return run_id
+
+        if conn is not None:
+            return write(Store(conn))
+        return self._call(write)
+
+    @staticmethod
+    def _task_row(node: str, step: Step, opts: StepOptions, after: Sequence[str], state: str) -> NodeRow:
+        return NodeRow(
+            node=node, step_name=step.name, kind="task", depends_on=tuple(after), queue=opts.queue or "default",
+            priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
+            max_reclaims=opts.max_reclaims, timeout=opts.timeout,
+        )
+
+    def _workflow_row(self, node: Any, overrides: StepOptions) -> NodeRow:
+        if node.kind == "task":
+            return self._task_row(node.name, node.step, self._node_options(node.step, overrides), node.after, "pending")
+        return NodeRow(
+            node=node.name, step_name=None, kind=node.kind, depends_on=node.after,
+            queue=overrides.queue or self.config.defaults.queue or "default", priority=0, state="pending",
+            max_attempts=1, max_reclaims=None, timeout=None, timer_delay=node.delay, due_at=node.until,
+        )
+
+    def enqueue_many(
+        self,
+        target: Step | str,
+        inputs: Iterable[Any],
+        *,
+        timeout: Duration | None = None,
+        max_attempts: int | None = None,
+        max_reclaims: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: Duration | None = None,
+        scheduled_at: dt.datetime | None = None,
+    ) -> list[str]:
+        """Enqueue one single-step run per input, in one INSERT; returns run ids in order.
+
+        Raises:
+            UnknownStep, PayloadError, ConfigurationError, DatabaseError.
+        """
+        definition = self._resolve(target)
+        if not isinstance(definition, Step):
+            raise ConfigurationError("enqueue_many takes a step, not a workflow")
+        items = list(inputs)
+        for i, item in enumerate(items):
+            self._check_payload(item, f"input #{i}")
+        if not items:
+            return []
+        opts = self._node_options(definition, StepOptions.build(
+            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+        ))
+        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
+        return self._call(lambda store: store.enqueue_many(
+            name=definition.name, inputs=items, queue=opts.queue or "default", priority=opts.priority or 0,
+            max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
+            delay=delay_s, scheduled_at=scheduled_at,
+        ))
+
+    # -- operator actions ------------------------------------------------------------------------
+
+    @staticmethod
+    def _run_id(run_id: str) -> str:
+        try:
+            return str(uuid.UUID(str(run_id)))
+        except ValueError:
+            raise RunNotFound(f"no run with id {run_id!r} (not a UUID)") from None
+
+    def status(self, run_id: str) -> RunStatus:
+        """The run and each of its steps, as the database has them. Raises RunNotFound."""
+        rid = self._run_id(run_id)
+        run, steps = self._call(lambda store: store.get_run(rid))
+        return RunStatus(
+            id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
+            created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
+            steps={row["node"]: StepStatus.from_row(row) for row in steps},
+        )
+
+    def cancel(self, run_id: str) -> int:
+        """Cancel the run and all its non-terminal steps in one transaction (seed).
+
+        An in-flight handler learns of it on its next heartbeat and is killed after
+        ``kill_grace``. Returns how many steps were cancelled.
+        Raises RunNotFound, InvalidTransition (already finished).
+        """
+        rid = self._run_id(run_id)
+        return self._call(lambda store: store.cancel_run(rid))
+
+    def retry(self, run_id: str) -> int:
+        """Reopen the run's discarded steps (``max_attempts`` raised, no attempt consumed).
+
+        Returns how many steps were reopened. Raises RunNotFound, InvalidTransition.
+        """
+        rid = self._run_id(run_id)
+        return self._call(lambda store: store.retry_run(rid))
+
+    def pause(self, run_id: str) -> int:
+        """Pause a run: waiting steps become paused, running ones finish (SPEC 6)."""
+        rid = self._run_id(run_id)
+        return self._call(lambda store: store.pause_run(rid))
+
+    def resume(self, run_id: str) -> int:
+        """Resume a paused run: each step returns to the state it was paused from."""
+        rid = self._run_id(run_id)
+        return self._call(lambda store: store.resume_run(rid))
+
+    def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
+        """Send signal ``name``; the first one per name is kept (returns False for a repeat).
+
+        Raises RunNotFound, PayloadError.
+        """
+        rid = self._run_id(run_id)
+        self._check_payload(payload, "payload")
+        return self._call(lambda store: store.signal(rid, name, payload))
+
+    def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """Recent runs (dicts: id, name, kind, state, created_at, finished_at, steps)."""
+        return self._call(lambda store: store.list_runs(state=state, limit=limit))
+
+    def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
+        """Live supervisors (refreshed within ``within`` seconds) and their children."""
+        return self._call(lambda store: store.list_workers(within))
+
+    # -- the supervisor -------------------------------------------------------------------------
+
+    def _make_supervisor(self) -> Any:
+        from .supervisor import Supervisor
+
+        if not self.mux.step_names:
+            raise ConfigurationError("the mux registers no steps: nothing to run")
+        self.migrate()
+        kwargs: dict[str, Any] = {}
+        if self._clock is not None:
+            kwargs["clock"] = self._clock
+        if self._wall_clock is not None:
+            kwargs["wall_clock"] = self._wall_clock
+        self._supervisor = Supervisor(self.dsn, self.mux, self.config, **kwargs)
+        return self._supervisor
+
+    def run(self) -> None:
+        """Run the supervisor in this thread until shut down (blocking).
+
+        In the main thread, the first SIGTERM/SIGINT drains (SPEC 5) and a second one
+        stops hard. Raises ConfigurationError, DatabaseError (schema could not be set up).
+        """
+        sup = self._make_supervisor()
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            def on_signal(signum: int, frame: Any) -> None:
+                if sup.draining or sup._shutdown_req.is_set():
+                    log.warning("second signal: hard stop")
+                    sup.request_stop()
+                else:
+                    log.info("signal %s: draining", signal.Signals(signum).name)
+                    sup.request_shutdown()
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, on_signal)
+        try:
+            sup.run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def start(self) -> None:
+        """Run the supervisor in a background thread; returns once it is running."""
+        if self._thread is not None and self._thread.is_alive():
+            raise CycloneError("this client's supervisor is already running")
+        sup = self._make_supervisor()
+        self._thread = threading.Thread(target=sup.run, name="cyclone-mp-supervisor", daemon=True)
+        self._thread.start()
+        sup.running.wait(30.0)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Soft stop: claim nothing more; in-flight steps get ``shutdown_grace`` seconds, then
+        are cancelled, killed after ``kill_grace`` and released (SPEC 5)."""
+        if self._supervisor is not None:
+            self._supervisor.request_shutdown()
+            if wait:
+                self._join()
+
+    def stop(self, wait: bool = True) -> None:
+        """Hard stop: cancel every in-flight handler now, SIGKILL after ``kill_grace``, release."""
+        if self._supervisor is not None:
+            self._supervisor.request_stop()
+            if wait:
+                self._join()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        elif self._supervisor is not None:
+            self._supervisor.stopped.wait()
+
+    @property
+    def supervisor(self) -> Any:
+        """The running :class:`~cyclone_mp.supervisor.Supervisor`, or None."""
+        return self._supervisor
+
+    def __repr__(self) -> str:
+        return f"Client(dsn={redact(self._dsn) if self._dsn else None!r}, workers={self.config.workers})"
+
+
+def enqueue(client: Client, target: Step | Workflow | str, input: Any = None, **options: Any) -> str:
+    """Seed-style alias of :meth:`Client.enqueue`: ``cy.enqueue(client, step, input)``."""
+    return client.enqueue(target, input, **options)

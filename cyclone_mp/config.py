@@ -1,0 +1,119 @@
+"""Client and supervisor configuration: one frozen dataclass, seconds everywhere, checked early.
+
+Defaults follow the seed and River: ``lease_ttl`` 30 s (crash-detection latency),
+``poll_interval`` [0.1, 1.0) s (the sweep ticks on it too), ``max_attempts`` 25,
+``kill_grace`` 5 s, ``shutdown_grace`` 30 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from .durations import Duration, seconds
+from .errors import ConfigurationError
+from .protocol import DEFAULT_MAX_PAYLOAD
+from .steps import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, StepOptions
+
+LEASE_TTL_DEFAULT = 30.0
+KILL_GRACE_DEFAULT = 5.0
+SHUTDOWN_GRACE_DEFAULT = 30.0
+POLL_INTERVAL_DEFAULT = (0.1, 1.0)
+SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a Client and its supervisor need besides the DSN and the mux.
+
+    Attributes:
+        workers: child slots (handlers running at once), >= 1.
+        lease_ttl: seconds a lease lasts without renewal; renewed every ``lease_ttl/3``.
+        kill_grace: seconds between the cooperative cancel and the SIGKILL.
+        poll_interval: ``(min, max)`` seconds between claims when idle; the recovery
+            sweep ticks at a random point of this range.
+        shutdown_grace: seconds in-flight handlers may run on after a soft shutdown.
+        queues: the queues this supervisor claims from.
+        defaults: client-wide step options (``timeout``, ``max_attempts`` 25,
+            ``max_reclaims``, ``backoff``, ``queue``, ``priority``).
+        max_steps_per_child: recycle a child after this many steps (None: never).
+        max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
+        max_payload: largest message (input or output, bytes) crossing the pipe.
+    """
+
+    workers: int = 4
+    lease_ttl: float = LEASE_TTL_DEFAULT
+    kill_grace: float = KILL_GRACE_DEFAULT
+    poll_interval: tuple[float, float] = POLL_INTERVAL_DEFAULT
+    shutdown_grace: float = SHUTDOWN_GRACE_DEFAULT
+    queues: tuple[str, ...] = (DEFAULT_QUEUE,)
+    defaults: StepOptions = StepOptions(max_attempts=DEFAULT_MAX_ATTEMPTS, queue=DEFAULT_QUEUE, priority=0)
+    max_steps_per_child: int | None = None
+    max_child_rss: int | None = None
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        workers: int = 4,
+        lease_ttl: Duration = LEASE_TTL_DEFAULT,
+        kill_grace: Duration = KILL_GRACE_DEFAULT,
+        poll_interval: Duration | Sequence[Duration] = POLL_INTERVAL_DEFAULT,
+        shutdown_grace: Duration = SHUTDOWN_GRACE_DEFAULT,
+        queues: Sequence[str] | str | None = None,
+        max_steps_per_child: int | None = None,
+        max_child_rss: int | None = None,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        **step_defaults: object,
+    ) -> "Config":
+        """Validate raw options (SPEC 2's ``Client(...)`` keywords).
+
+        Raises:
+            ConfigurationError: a value is out of range or of the wrong type.
+        """
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ConfigurationError(f"workers must be an int >= 1, got {workers!r}")
+        if isinstance(poll_interval, (list, tuple)):
+            if len(poll_interval) != 2:
+                raise ConfigurationError("poll_interval must be seconds or a (min, max) pair")
+            lo = seconds(poll_interval[0], "poll_interval", allow_none=False)
+            hi = seconds(poll_interval[1], "poll_interval", allow_none=False)
+        else:
+            lo = hi = seconds(poll_interval, "poll_interval", allow_none=False)  # type: ignore[arg-type]
+        assert lo is not None and hi is not None
+        if hi < lo:
+            raise ConfigurationError(f"poll_interval max ({hi}) is below min ({lo})")
+        if isinstance(queues, str):
+            queues = (queues,)
+        queue_tuple = tuple(queues) if queues else (str(step_defaults.get("queue") or DEFAULT_QUEUE),)
+        if not all(isinstance(q, str) and q for q in queue_tuple):
+            raise ConfigurationError(f"queues must be non-empty strings, got {queues!r}")
+        for name, value in (("max_steps_per_child", max_steps_per_child), ("max_child_rss", max_child_rss)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(max_payload, int) or max_payload < 1024:
+            raise ConfigurationError(f"max_payload must be an int >= 1024 bytes, got {max_payload!r}")
+        unknown = set(step_defaults) - {f.name for f in dataclasses.fields(StepOptions)}
+        if unknown:
+            raise ConfigurationError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        defaults = StepOptions.build(**step_defaults).over(  # type: ignore[arg-type]
+            StepOptions(max_attempts=DEFAULT_MAX_ATTEMPTS, queue=DEFAULT_QUEUE, priority=0)
+        )
+        return cls(
+            workers=workers,
+            lease_ttl=seconds(lease_ttl, "lease_ttl", allow_none=False),  # type: ignore[arg-type]
+            kill_grace=seconds(kill_grace, "kill_grace", allow_none=False, allow_zero=True),  # type: ignore[arg-type]
+            poll_interval=(lo, hi),
+            shutdown_grace=seconds(shutdown_grace, "shutdown_grace", allow_none=False, allow_zero=True),  # type: ignore[arg-type]
+            queues=queue_tuple,
+            defaults=defaults,
+            max_steps_per_child=max_steps_per_child,
+            max_child_rss=max_child_rss,
+            max_payload=max_payload,
+        )
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between renewals of one lease: ``lease_ttl / 3`` (seed)."""
+        return self.lease_ttl / 3.0

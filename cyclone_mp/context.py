@@ -1,0 +1,111 @@
+"""The ``ctx`` a handler receives in its child process (SPEC section 2).
+
+Cancellation is cooperative first: ``ctx.cancelled`` turns true when the supervisor
+sends a cancel over the cancellation pipe (reason ``"timeout"``, ``"cancelled"``,
+``"lease_lost"`` or ``"shutdown"``); after ``kill_grace`` seconds the supervisor
+SIGKILLs the child whatever the handler does.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from typing import Any, Callable
+
+from .errors import Cancelled
+
+
+class Cancellation:
+    """The cancellation handle (the Ruby SDK's ``ctx.cancellation``)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> None:
+        """Trip the handle (first reason wins)."""
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    def is_set(self) -> bool:
+        """True once cancellation was requested."""
+        return self._event.is_set()
+
+    def wait(self, seconds: float | None = None) -> bool:
+        """Sleep up to ``seconds``; return True at once when woken by cancellation."""
+        return self._event.wait(seconds)
+
+
+class Context:
+    """What a handler knows about its attempt.
+
+    Attributes:
+        run_id: the run's id (str, a UUID); use it to make side effects idempotent.
+        step_name: the step's registered name; node: the node name in its run.
+        attempt: 1 on the first execution, one higher after each consumed attempt;
+            a reclaim re-runs with the same number.
+        deadline: worker-clock deadline of this attempt (aware UTC datetime) or None.
+            The database clock stays authoritative (seed).
+        upstream: ``{node: output}`` of the nodes this one depends on.
+        cancellation: the :class:`Cancellation` handle.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        step_name: str,
+        node: str,
+        attempt: int,
+        deadline: dt.datetime | None,
+        upstream: dict[str, Any] | None = None,
+        progress_sink: Callable[[Any, Any, Any], None] | None = None,
+        cancellation: Cancellation | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.step_name = step_name
+        self.node = node
+        self.attempt = attempt
+        self.deadline = deadline
+        self.upstream = dict(upstream or {})
+        self.cancellation = cancellation or Cancellation()
+        self._progress_sink = progress_sink
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the supervisor asked this attempt to stop."""
+        return self.cancellation.is_set()
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """``"timeout"``, ``"cancelled"``, ``"lease_lost"``, ``"shutdown"`` or None."""
+        return self.cancellation.reason
+
+    def check_cancellation(self) -> None:
+        """Raise :class:`cyclone_mp.Cancelled` if the attempt was cancelled."""
+        if self.cancellation.is_set():
+            raise Cancelled(self.cancellation.reason)
+
+    def time_left(self) -> float | None:
+        """Seconds until the worker-clock deadline (may be negative), or None."""
+        if self.deadline is None:
+            return None
+        return (self.deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
+
+    def set_progress(self, done: float, total: float | None = None, message: str | None = None) -> None:
+        """Report progress; the parent stores the latest value with its next heartbeat.
+
+        ``done``/``total`` are numbers (any unit), ``message`` a short string.
+        """
+        if self._progress_sink is not None:
+            self._progress_sink(done, total, message)
+
+    def __repr__(self) -> str:
+        return f"Context(run_id={self.run_id!r}, node={self.node!r}, attempt={self.attempt})"
+
+
+def monotonic() -> float:
+    """The clock local timers use (seconds)."""
+    return time.monotonic()

@@ -1,0 +1,85 @@
+"""What an event does to a step: pure functions, no I/O (SPEC section 3's table).
+
+The store reads the row under its locks, asks one of these functions, and writes the
+answer. Tests call them directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# error_kind values (SPEC 3)
+TIMEOUT = "timeout"
+ERROR = "error"
+PERMANENT = "permanent"
+CHILD_EXITED = "child_exited"
+RECLAIM_LIMIT = "reclaim_limit"
+
+FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptEnd:
+    """The durable outcome of a consumed attempt.
+
+    Attributes:
+        state: ``"available"`` (retry after ``delay`` seconds) or ``"discarded"``.
+        attempt: the step's ``attempt`` column afterwards (the next attempt's number when
+            retrying; the number of attempts consumed when discarded).
+        error_kind: the stored kind (``timeout`` wins over the reported kind once the
+            database deadline has passed).
+        delay: seconds until the retry may be claimed (0 when discarded).
+    """
+
+    state: str
+    attempt: int
+    error_kind: str
+    delay: float
+
+
+def end_attempt(*, attempt: int, max_attempts: int, kind: str, timed_out: bool, backoff: float) -> AttemptEnd:
+    """Decide a failed attempt: retry after backoff, or discard when exhausted.
+
+    Args:
+        attempt: the number of the attempt that ended (1-based).
+        max_attempts: the step's bound.
+        kind: the reported error kind (one of ``FAILURE_KINDS``).
+        timed_out: the database says ``started_at + timeout <= now()``; the database
+            clock is the authority, so the attempt then counts as a timeout.
+        backoff: seconds to wait before the next attempt (already jittered).
+    """
+    if kind not in FAILURE_KINDS:
+        raise ValueError(f"unknown failure kind {kind!r}")
+    effective = TIMEOUT if timed_out else kind
+    if effective == PERMANENT or attempt >= max_attempts:
+        return AttemptEnd(state="discarded", attempt=attempt, error_kind=effective, delay=0.0)
+    return AttemptEnd(state="available", attempt=attempt + 1, error_kind=effective, delay=max(0.0, backoff))
+
+
+@dataclasses.dataclass(frozen=True)
+class Expiry:
+    """What the recovery sweep does with a running row it re-checked under lock.
+
+    ``action`` is ``"timeout"`` (consume the attempt, see :func:`end_attempt`),
+    ``"reclaim"`` (available at once, ``reclaims + 1``), ``"reclaim_limit"`` (discard)
+    or ``"none"`` (the row was renewed meanwhile).
+    """
+
+    action: str
+
+
+def expiry(*, timed_out: bool, lease_expired: bool, reclaims: int, max_reclaims: int | None) -> Expiry:
+    """Decide a sweep candidate (seed: "What Happens When a Worker Crashes").
+
+    A timed-out step consumes an attempt whether or not its lease also expired. A lease
+    expiry alone is a crash: reclaimed without consuming an attempt, unless
+    ``reclaims`` already reached ``max_reclaims`` (then discarded with
+    ``error_kind="reclaim_limit"``; ``max_reclaims=0`` discards on the first expiry).
+    """
+    if timed_out:
+        return Expiry("timeout")
+    if not lease_expired:
+        return Expiry("none")
+    if max_reclaims is not None and reclaims >= max_reclaims:
+        return Expiry("reclaim_limit")
+    return Expiry("reclaim")

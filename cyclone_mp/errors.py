@@ -1,0 +1,65 @@
+"""Exceptions raised by cyclone_mp, and the two control-flow exceptions handlers use.
+
+The root is :class:`CycloneError`; each subclass's docstring is its default message
+(STYLE.md pattern 3). :class:`Cancelled` derives from ``BaseException`` so a handler's
+``except Exception`` cannot swallow a cancellation (as rq does with its timeout).
+"""
+
+from __future__ import annotations
+
+
+class CycloneError(Exception):
+    """A cyclone_mp operation failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConfigurationError(CycloneError, ValueError):
+    """An option or a registration is invalid."""
+
+
+class UnknownStep(CycloneError, LookupError):
+    """No step or workflow of that name is registered in the mux."""
+
+
+class RunNotFound(CycloneError, LookupError):
+    """No run with that id exists."""
+
+
+class InvalidTransition(CycloneError):
+    """The run is not in a state that allows this operation."""
+
+
+class DatabaseError(CycloneError):
+    """The database could not be reached or rejected a query."""
+
+
+class PayloadError(CycloneError, ValueError):
+    """An input or output is not a JSON value, or is larger than the configured limit."""
+
+
+class Permanent(Exception):
+    """Raise from a handler to discard the step at once: no more attempts.
+
+    ``raise cy.Permanent("bad input")`` or ``raise cy.Permanent(exc)`` (the wrapped
+    exception's type and message are stored). SPEC section 2, seed table row
+    "Handler returns Permanent(err)": the attempt is consumed, the step is discarded.
+    """
+
+    def __init__(self, error: BaseException | str | None = None) -> None:
+        self.error = error
+        super().__init__(str(error) if error is not None else "permanent failure")
+
+
+class Cancelled(BaseException):
+    """Raised by ``ctx.check_cancellation()`` once the attempt is cancelled.
+
+    ``reason`` is one of ``"timeout"``, ``"cancelled"``, ``"lease_lost"`` or
+    ``"shutdown"`` (SPEC section 2). Derives from ``BaseException`` so that
+    ``except Exception`` in user code does not swallow it.
+    """
+
+    def __init__(self, reason: str | None = None) -> None:
+        self.reason = reason
+        super().__init__(f"attempt cancelled ({reason})" if reason else "attempt cancelled")

@@ -1,0 +1,193 @@
+"""The supervisor's side of one child process: spawn, pipes, kill, reap.
+
+A :class:`ChildProc` is a fresh interpreter (``python -m cyclone_mp._child``), never a
+fork of the grown supervisor. It runs in its own process group, carries the
+supervisor's marker in its environment (so reparented grandchildren can be recognised),
+and is reused for many steps until it is killed or recycled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+
+from . import procs, protocol
+
+
+class ChildProc:
+    """One child: its Popen, control socket (non-blocking), cancellation pipe, buffers.
+
+    Attributes:
+        pid: the child's pid (also its process group id).
+        ready: the child said hello and can take a task.
+        attempt: the attempt it is running (set by the supervisor), or None.
+        steps_run: tasks finished by this child (for ``max_steps_per_child``).
+    """
+
+    def __init__(self, supervisor_id: str, limit: int) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        cancel_r, cancel_w = os.pipe()
+        env = dict(os.environ)
+        env[procs.MARKER_ENV] = supervisor_id
+        env["CYCLONE_MP_SYS_PATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "cyclone_mp._child", str(child_sock.fileno()), str(cancel_r),
+                 str(os.getpid()), str(limit)],
+                pass_fds=(child_sock.fileno(), cancel_r),
+                process_group=0,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+        finally:
+            child_sock.close()
+            os.close(cancel_r)
+        self.pid = self.popen.pid
+        self.sock = parent_sock
+        self.sock.setblocking(False)
+        self.cancel_w = cancel_w
+        self.reader = protocol.FrameReader(limit)
+        self.outbox = bytearray()
+        self.ready = False
+        self.attempt: Any = None
+        self.steps_run = 0
+        self.spawned = time.monotonic()
+        self.ready_after: float | None = None
+        self.returncode: int | None = None
+        self.rusage: Any = None
+        self.proc: psutil.Process | None = None
+        with contextlib.suppress(psutil.Error):
+            self.proc = psutil.Process(self.pid)
+        self.descendants_seen: set[int] = set()
+
+    # -- I/O ------------------------------------------------------------------------------
+
+    def queue(self, message: dict[str, Any]) -> None:
+        """Queue a message for the child (written when the socket is writable)."""
+        self.outbox += protocol.encode(message)
+
+    def flush(self) -> None:
+        """Write as much of the outbox as the socket takes now (never blocks)."""
+        while self.outbox:
+            try:
+                sent = self.sock.send(self.outbox[: 1 << 20])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.outbox.clear()  # the child is gone; its exit is handled on EOF
+                return
+            del self.outbox[:sent]
+
+    def receive(self) -> tuple[list[dict[str, Any]], bool]:
+        """Read what is available: ``(messages, eof)``. Raises ProtocolError on a bad frame."""
+        messages: list[dict[str, Any]] = []
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return messages, False
+            except OSError:
+                return messages, True
+            if not data:
+                return messages, True
+            messages.extend(self.reader.feed(data))
+
+    def cancel(self, token: str, reason: str) -> None:
+        """Send a cancel line over the cancellation pipe (never blocks the parent)."""
+        with contextlib.suppress(OSError):
+            os.set_blocking(self.cancel_w, False)
+            os.write(self.cancel_w, f"{token} {reason}\n".encode())
+
+    # -- life and death -------------------------------------------------------------------
+
+    def note_descendants(self) -> None:
+        """Remember the child's current descendants (so their zombies can be reaped later)."""
+        self.descendants_seen.update(p.pid for p in procs.descendants(self.pid))
+
+    def kill(self) -> list[int]:
+        """SIGKILL the child's process group and every descendant, then reap; returns pids hit."""
+        extra = []
+        for pid in self.descendants_seen:
+            with contextlib.suppress(psutil.Error):
+                extra.append(psutil.Process(pid))
+        hit = procs.kill_tree(self.pid, self.pid, extra)
+        self.wait(timeout=5.0)
+        procs.reap([p for p in hit if p != self.pid], timeout=2.0)
+        return hit
+
+    def kill_descendants(self) -> list[int]:
+        """Kill whatever a finished task left running under the (reused) child."""
+        left = procs.descendants(self.pid)
+        if not left:
+            return []
+        hit: list[int] = []
+        for proc in left:
+            hit.extend(procs.kill_tree(proc.pid, None))
+        procs.reap(sorted(set(hit)), timeout=2.0)
+        return hit
+
+    def wait(self, timeout: float) -> int | None:
+        """Reap the child with ``wait4`` (keeping its rusage); None if still alive at timeout."""
+        if self.returncode is not None:
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                pid, status, rusage = os.wait4(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = self.popen.poll() if self.popen.returncode is None else self.popen.returncode
+                if self.returncode is None:
+                    self.returncode = -9
+                break
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                self.rusage = rusage
+                self.popen.returncode = self.returncode
+                break
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.002)
+        self.close()
+        return self.returncode
+
+    def retire(self) -> None:
+        """Ask an idle child to exit (recycling or shutdown); the caller reaps it."""
+        with contextlib.suppress(Exception):
+            self.outbox.clear()
+            self.queue({"t": "exit"})
+            self.flush()
+        self.close()
+
+    def close(self) -> None:
+        """Close our ends of the pipes (idempotent)."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.cancel_w >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.cancel_w)
+            self.cancel_w = -1
+
+    def usage(self) -> dict[str, Any]:
+        """CPU seconds and peak RSS of the dead child (from wait4), for forensics."""
+        if self.rusage is None:
+            return {}
+        return {
+            "cpu_seconds": round(self.rusage.ru_utime + self.rusage.ru_stime, 3),
+            "peak_rss_kb": int(self.rusage.ru_maxrss),
+        }
+
+    def rss(self) -> int | None:
+        """Current RSS in bytes, or None."""
+        if self.proc is None:
+            return None
+        with contextlib.suppress(psutil.Error):
+            return int(self.proc.memory_info().rss)
+        return None

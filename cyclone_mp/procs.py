@@ -1,0 +1,145 @@
+"""Process-tree control for the supervisor: subreaping, killing a child's whole tree.
+
+Killing (SPEC 4): the child runs in its own process group; a kill is SIGKILL to the
+group and to every descendant psutil still finds (a grandchild that left the group
+with ``setsid()`` included), then reaping, so no zombie and no grandchild survives.
+The supervisor is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) so escapees
+whose parent died are reparented to it, found by the marker in their environment,
+killed and reaped. Only processes this supervisor started are ever signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import sys
+import time
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36
+MARKER_ENV = "CYCLONE_MP_SUPERVISOR"
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux); returns True when it took effect."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (empty when it is gone)."""
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children(recursive=True)
+    return []
+
+
+def kill_tree(pid: int, pgid: int | None, extra: list[psutil.Process] | None = None) -> list[int]:
+    """SIGKILL the process group ``pgid``, ``pid`` and every descendant; returns the pids hit.
+
+    Descendants are listed before and after the group kill (a fork may race the first
+    listing); processes are signalled by pid, never by name.
+    """
+    hit: list[int] = []
+    seen: dict[int, psutil.Process] = {p.pid: p for p in (extra or [])}
+    for _ in range(3):
+        for proc in descendants(pid):
+            seen.setdefault(proc.pid, proc)
+        # Freeze the tree first so nobody forks between our listing and our kill.
+        for proc in seen.values():
+            with contextlib.suppress(psutil.Error):
+                proc.suspend()
+        if pgid is not None and pgid > 1:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        for proc in list(seen.values()):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+                hit.append(proc.pid)
+        if not any(p.pid not in seen for p in descendants(pid)):
+            break
+    return sorted(set(hit))
+
+
+def reap(pids: list[int], timeout: float = 2.0) -> None:
+    """Wait for killed processes that are (or became) our children, so none is a zombie.
+
+    Processes that are not our children (ECHILD) are only waited for until they vanish.
+    """
+    deadline = time.monotonic() + timeout
+    pending = set(pids)
+    while pending and time.monotonic() < deadline:
+        for pid in list(pending):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done == pid:
+                    pending.discard(pid)
+            except ChildProcessError:
+                if not psutil.pid_exists(pid) or _is_zombie_of_other(pid):
+                    pending.discard(pid)
+        if pending:
+            time.sleep(0.005)
+
+
+def _is_zombie_of_other(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    return True
+
+
+def marked_strays(supervisor_id: str, known: set[int], descended: set[int]) -> list[psutil.Process]:
+    """Our direct children that are not pool children but came from a handler.
+
+    These are handler descendants reparented to us (subreaper) after their parent died:
+    live ones carry our marker in their environment; zombies count only when their pid
+    was seen earlier as a handler's descendant (``descended``).
+    """
+    strays = []
+    with contextlib.suppress(psutil.Error):
+        for proc in psutil.Process().children(recursive=False):
+            if proc.pid in known:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    if proc.pid in descended:
+                        strays.append(proc)
+                elif proc.environ().get(MARKER_ENV) == supervisor_id:
+                    strays.append(proc)
+    return strays
+
+
+def reap_strays(supervisor_id: str, known: set[int], descended: set[int]) -> int:
+    """Kill and reap handler descendants reparented to us; returns how many."""
+    strays = marked_strays(supervisor_id, known, descended)
+    pids = []
+    for proc in strays:
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                pids.extend(kill_tree(proc.pid, None))
+            pids.append(proc.pid)
+    if pids:
+        reap(sorted(set(pids)), timeout=1.0)
+    return len(strays)
+
+
+def exit_description(status: int | None) -> dict[str, object]:
+    """``{"exit_code": n}`` or ``{"signal": n, "signal_name": "SIGKILL"}`` for a wait status/returncode."""
+    if status is None:
+        return {}
+    if status < 0:
+        with contextlib.suppress(ValueError):
+            return {"signal": -status, "signal_name": signal.Signals(-status).name}
+        return {"signal": -status}
+    return {"exit_code": status}
+
+
+def errno_name(exc: OSError) -> str:
+    """Readable errno name for logs."""
+    return errno.errorcode.get(exc.errno or 0, str(exc.errno))

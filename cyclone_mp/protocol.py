@@ -1,0 +1,79 @@
+"""Messages between the supervisor and a child: length-prefixed JSON frames.
+
+Nothing crosses the pipe as pickle: a child turns its handler's return value into JSON
+and its exceptions into ``{type, message, traceback}`` before sending, so an
+unpicklable exception or a non-JSON output can never break the parent (SPEC 2,
+scenario SC-10). The cancellation pipe carries one text line per cancel:
+``"<task> <reason>\\n"``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+HEADER = struct.Struct(">Q")
+DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
+
+CANCEL_REASONS = ("timeout", "cancelled", "lease_lost", "shutdown")
+
+
+class ProtocolError(Exception):
+    """A frame was malformed or larger than the limit."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One frame: 8-byte big-endian length, then UTF-8 JSON (raises TypeError/ValueError)."""
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    return HEADER.pack(len(body)) + body
+
+
+class FrameReader:
+    """Incremental decoder: feed bytes, take whole messages. Rejects frames over ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Add bytes; return every complete message (raises ProtocolError)."""
+        self._buf += data
+        out = []
+        while len(self._buf) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self._buf)
+            if size > self.limit:
+                raise ProtocolError(f"message of {size} bytes exceeds the {self.limit}-byte limit")
+            if len(self._buf) < HEADER.size + size:
+                break
+            body = bytes(self._buf[HEADER.size:HEADER.size + size])
+            del self._buf[:HEADER.size + size]
+            try:
+                out.append(json.loads(body))
+            except ValueError as exc:
+                raise ProtocolError(f"malformed message: {exc}") from exc
+        return out
+
+
+def read_message(sock: Any, limit: int) -> dict[str, Any] | None:
+    """Blocking read of one frame from a socket (the child's side); None at EOF."""
+    header = _read_exact(sock, HEADER.size)
+    if header is None:
+        return None
+    (size,) = HEADER.unpack(header)
+    if size > limit:
+        raise ProtocolError(f"message of {size} bytes exceeds the {limit}-byte limit")
+    body = _read_exact(sock, size)
+    if body is None:
+        return None
+    return json.loads(body)
+
+
+def _read_exact(sock: Any, size: int) -> bytes | None:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(min(size - len(chunks), 1 << 20))
+        if not chunk:
+            return None
+        chunks += chunk
+    return bytes(chunks)

@@ -1,0 +1,386 @@
+-- Every query cyclone_mp runs, one per "-- name:" header, with a one-line purpose.
+-- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
+
+-- name: claim
+-- Claim up to %(limit)s available steps in one statement; the claim is the first heartbeat (SPEC 4).
+WITH picked AS (
+    SELECT id
+      FROM cyclone_steps
+     WHERE state = 'available'
+       AND queue = ANY(%(queues)s)
+       AND step_name = ANY(%(names)s)
+       AND scheduled_at <= now()
+     ORDER BY priority, scheduled_at, id
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE cyclone_steps s
+   SET state = 'running',
+       started_at = now(),
+       lease_owner = %(owner)s,
+       lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
+       lease_generation = s.lease_generation + 1,
+       heartbeat_at = now(),
+       progress = NULL
+  FROM picked, cyclone_runs r
+ WHERE s.id = picked.id
+   AND r.id = s.run_id
+RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts,
+          extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input,
+          (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
+             FROM cyclone_steps d
+            WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) AS upstream;
+
+-- name: heartbeat
+-- Renew one step's lease, addressed by id, with exactly the seed's WHERE clause.
+UPDATE cyclone_steps
+   SET lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
+       heartbeat_at = now(),
+       progress = coalesce(%(progress)s::jsonb, progress)
+ WHERE id = %(id)s
+   AND state = 'running'
+   AND lease_owner = %(owner)s
+   AND lease_generation = %(generation)s
+   AND (timeout IS NULL OR started_at + timeout > now());
+
+-- name: lease_state
+-- After a renewal matched nothing: why (cancelled, reclaimed, timed out, finished).
+SELECT state, lease_owner, lease_generation,
+       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
+  FROM cyclone_steps
+ WHERE id = %(id)s;
+
+-- name: complete
+-- Completion CAS for many steps in one statement; each row must still be running under
+-- the same lease_owner and lease_generation, before its DB deadline. Locks runs first, by id.
+WITH done_in AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(progress)s::jsonb[])
+        AS t(id, generation, output, progress)
+), runs AS (
+    SELECT r.id, r.kind
+      FROM cyclone_runs r
+     WHERE r.id IN (SELECT s.run_id FROM cyclone_steps s JOIN done_in USING (id))
+     ORDER BY r.id
+       FOR UPDATE
+), done AS (
+    UPDATE cyclone_steps s
+       SET state = 'completed',
+           output = i.output,
+           progress = coalesce(i.progress, s.progress),
+           finished_at = now(),
+           lease_expiry = NULL,
+           error = NULL,
+           error_kind = NULL
+      FROM done_in i
+     WHERE s.id = i.id
+       AND s.run_id IN (SELECT id FROM runs)
+       AND s.state = 'running'
+       AND s.lease_owner = %(owner)s
+       AND s.lease_generation = i.generation
+       AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
+    RETURNING s.id, s.run_id
+), finished_runs AS (
+    UPDATE cyclone_runs r
+       SET state = 'completed', finished_at = now(), updated_at = now()
+      FROM done d
+     WHERE r.id = d.run_id AND r.kind = 'step' AND r.state = 'running'
+    RETURNING r.id
+)
+SELECT d.id, d.run_id::text AS run_id, runs.kind
+  FROM done d JOIN runs ON runs.id = d.run_id;
+
+-- name: lock_run
+-- Take the run row lock (always before any step row lock of that run).
+SELECT id::text AS id, kind, state FROM cyclone_runs WHERE id = %(run_id)s FOR UPDATE;
+
+-- name: lock_run_of_step
+-- Take the run row lock of the run that owns step %(id)s.
+SELECT r.id::text AS id, r.kind, r.state
+  FROM cyclone_runs r
+ WHERE r.id = (SELECT run_id FROM cyclone_steps WHERE id = %(id)s)
+   FOR UPDATE;
+
+-- name: lock_attempt
+-- Under the run lock: the step row of one attempt, if still running under that lease.
+SELECT attempt, max_attempts, reclaims, max_reclaims, step_name,
+       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
+  FROM cyclone_steps
+ WHERE id = %(id)s
+   AND state = 'running'
+   AND lease_owner = %(owner)s
+   AND lease_generation = %(generation)s
+   FOR UPDATE;
+
+-- name: end_attempt
+-- Record a failed or timed-out attempt (already checked under lock): retry later or discard.
+UPDATE cyclone_steps
+   SET state = %(state)s,
+       attempt = %(attempt)s,
+       scheduled_at = CASE WHEN %(state)s = 'available'
+                           THEN now() + (%(delay_us)s::bigint * interval '1 microsecond')
+                           ELSE scheduled_at END,
+       finished_at = CASE WHEN %(state)s = 'discarded' THEN now() ELSE NULL END,
+       lease_owner = CASE WHEN %(state)s = 'available' THEN NULL ELSE lease_owner END,
+       lease_expiry = NULL,
+       error = %(error)s,
+       error_kind = %(error_kind)s,
+       errors = errors || jsonb_build_array(%(entry)s::jsonb),
+       progress = coalesce(%(progress)s::jsonb, progress)
+ WHERE id = %(id)s;
+
+-- name: release
+-- Graceful shutdown gives a step back: available at once, no attempt, no reclaim (SPEC 5).
+UPDATE cyclone_steps
+   SET state = 'available', lease_owner = NULL, lease_expiry = NULL
+ WHERE id = %(id)s
+   AND state = 'running'
+   AND lease_owner = %(owner)s
+   AND lease_generation = %(generation)s
+   AND (timeout IS NULL OR started_at + timeout > now());
+
+-- name: sweep_candidates
+-- Recovery sweep page: running rows whose lease expired or whose DB deadline passed.
+SELECT id, run_id::text AS run_id
+  FROM cyclone_steps
+ WHERE state = 'running'
+   AND (lease_expiry < now() OR (timeout IS NOT NULL AND started_at + timeout <= now()))
+ ORDER BY id
+ LIMIT %(limit)s;
+
+-- name: sweep_recheck
+-- Under the run lock and the step lock, re-check a sweep candidate's expiry.
+SELECT id, step_name, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation,
+       lease_expiry < now() AS lease_expired,
+       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
+  FROM cyclone_steps
+ WHERE id = %(id)s AND state = 'running'
+   FOR UPDATE;
+
+-- name: reclaim
+-- A crash is a lease expiry: available at once, same attempt and scheduled_at, reclaims + 1.
+UPDATE cyclone_steps
+   SET state = 'available', lease_owner = NULL, lease_expiry = NULL, reclaims = reclaims + 1
+ WHERE id = %(id)s;
+
+-- name: discard_reclaim_limit
+-- The expiry after the n-th reclaim with max_reclaims = n discards the step.
+UPDATE cyclone_steps
+   SET state = 'discarded', lease_expiry = NULL, finished_at = now(),
+       error = %(error)s, error_kind = 'reclaim_limit',
+       errors = errors || jsonb_build_array(%(entry)s::jsonb)
+ WHERE id = %(id)s;
+
+-- name: due_timer_runs
+-- Runs with a timer node due on the database clock.
+SELECT DISTINCT run_id::text AS run_id
+  FROM cyclone_steps
+ WHERE state = 'waiting_timer' AND due_at <= now()
+ LIMIT %(limit)s;
+
+-- name: promote_ready
+-- Nodes whose dependencies all completed leave pending (or stay paused, remembering where to go).
+WITH ready AS (
+    SELECT s.id,
+           CASE s.kind WHEN 'task' THEN 'available'
+                       WHEN 'signal' THEN 'waiting_signal'
+                       ELSE 'waiting_timer' END AS target
+      FROM cyclone_steps s
+     WHERE s.run_id = %(run_id)s
+       AND (s.state = 'pending' OR (s.state = 'paused' AND s.paused_from = 'pending'))
+       AND NOT EXISTS (
+            SELECT 1 FROM cyclone_steps d
+             WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.state <> 'completed')
+)
+UPDATE cyclone_steps s
+   SET state = CASE WHEN s.state = 'paused' THEN 'paused' ELSE ready.target END,
+       paused_from = CASE WHEN s.state = 'paused' THEN ready.target ELSE NULL END,
+       scheduled_at = greatest(s.scheduled_at, now()),
+       due_at = CASE WHEN s.kind = 'timer' THEN coalesce(s.due_at, now() + s.timer_delay) ELSE s.due_at END
+  FROM ready
+ WHERE s.id = ready.id;
+
+-- name: fire_nodes
+-- Signal nodes whose signal arrived and timer nodes due (DB clock) complete.
+UPDATE cyclone_steps s
+   SET state = 'completed',
+       finished_at = now(),
+       output = CASE WHEN s.kind = 'signal'
+                     THEN (SELECT g.payload FROM cyclone_signals g WHERE g.run_id = s.run_id AND g.name = s.node)
+                     ELSE to_jsonb(s.due_at) END
+ WHERE s.run_id = %(run_id)s
+   AND ((s.state = 'waiting_signal'
+         AND EXISTS (SELECT 1 FROM cyclone_signals g WHERE g.run_id = s.run_id AND g.name = s.node))
+     OR (s.state = 'waiting_timer' AND s.due_at <= now()));
+
+-- name: refresh_run_state
+-- Keep the run state in step with its steps: completed when all are, discarded when a
+-- discarded step leaves nothing that can progress.
+UPDATE cyclone_runs r
+   SET state = x.new_state,
+       finished_at = CASE WHEN x.new_state IN ('completed', 'discarded') THEN now() ELSE NULL END,
+       updated_at = now()
+  FROM (
+    SELECT CASE
+             WHEN bool_and(state = 'completed') THEN 'completed'
+             WHEN bool_or(state = 'discarded')
+                  AND NOT bool_or(state IN ('available', 'running', 'waiting_signal', 'waiting_timer', 'paused'))
+                  THEN 'discarded'
+             ELSE NULL END AS new_state
+      FROM cyclone_steps WHERE run_id = %(run_id)s
+  ) x
+ WHERE r.id = %(run_id)s
+   AND r.state IN ('running', 'discarded')
+   AND x.new_state IS NOT NULL
+   AND x.new_state <> r.state;
+
+-- name: cancel_run
+-- client.cancel: every non-terminal step of the run, then the run, in one transaction.
+WITH steps AS (
+    UPDATE cyclone_steps
+       SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL
+     WHERE run_id = %(run_id)s
+       AND state IN ('pending', 'available', 'running', 'waiting_signal', 'waiting_timer', 'paused')
+    RETURNING id
+)
+UPDATE cyclone_runs
+   SET state = 'cancelled', finished_at = now(), updated_at = now()
+ WHERE id = %(run_id)s AND state IN ('running', 'paused')
+RETURNING (SELECT count(*) FROM steps) AS steps;
+
+-- name: retry_run
+-- client.retry: reopen discarded steps; no attempt consumed, max_attempts raised instead.
+UPDATE cyclone_steps
+   SET state = 'available',
+       attempt = CASE WHEN error_kind = 'reclaim_limit' THEN attempt ELSE attempt + 1 END,
+       max_attempts = CASE WHEN error_kind = 'reclaim_limit' THEN max_attempts
+                           ELSE greatest(max_attempts, attempt + 1) END,
+       reclaims = CASE WHEN error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
+       scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
+       error = NULL, error_kind = NULL
+ WHERE run_id = %(run_id)s AND state = %(from_state)s AND kind = 'task';
+
+-- name: reopen_run
+-- After a retry: the run is running again.
+UPDATE cyclone_runs SET state = 'running', finished_at = NULL, updated_at = now() WHERE id = %(run_id)s;
+
+-- name: pause_run
+-- client.pause: pending, available and waiting steps become paused, remembering where they were.
+WITH steps AS (
+    UPDATE cyclone_steps
+       SET paused_from = state, state = 'paused'
+     WHERE run_id = %(run_id)s AND state IN ('pending', 'available', 'waiting_signal', 'waiting_timer')
+    RETURNING id
+)
+UPDATE cyclone_runs SET state = 'paused', updated_at = now()
+ WHERE id = %(run_id)s AND state = 'running'
+RETURNING (SELECT count(*) FROM steps) AS steps;
+
+-- name: resume_run
+-- client.resume: each paused step goes back to the state it was paused from.
+WITH steps AS (
+    UPDATE cyclone_steps
+       SET state = paused_from, paused_from = NULL,
+           scheduled_at = CASE WHEN paused_from = 'available' THEN greatest(scheduled_at, now()) ELSE scheduled_at END
+     WHERE run_id = %(run_id)s AND state = 'paused'
+    RETURNING id
+)
+UPDATE cyclone_runs SET state = 'running', updated_at = now()
+ WHERE id = %(run_id)s AND state = 'paused'
+RETURNING (SELECT count(*) FROM steps) AS steps;
+
+-- name: put_signal
+-- Keep the first signal of a name for a run; later ones are ignored (returns nothing).
+INSERT INTO cyclone_signals (run_id, name, payload)
+VALUES (%(run_id)s, %(name)s, %(payload)s)
+ON CONFLICT (run_id, name) DO NOTHING
+RETURNING name;
+
+-- name: insert_run
+-- One run row; with an idempotency key an existing run wins (returns nothing then).
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
+VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s)
+ON CONFLICT (idempotency_key) DO NOTHING
+RETURNING id::text AS id;
+
+-- name: run_by_key
+-- The run that holds an idempotency key.
+SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s;
+
+-- name: insert_steps
+-- The step rows of one run (one per node), from parallel arrays.
+INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
+                           max_attempts, max_reclaims, timeout, timer_delay, due_at, scheduled_at)
+SELECT %(run_id)s, t.node, t.step_name, t.kind,
+       coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
+       t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
+       t.timeout_us * interval '1 microsecond', t.timer_delay_us * interval '1 microsecond', t.due_at,
+       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+  FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
+              %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
+              %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
+              %(due_ats)s::timestamptz[])
+    AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
+         timeout_us, timer_delay_us, due_at);
+
+-- name: enqueue_many
+-- Many single-step runs in one statement (bulk load).
+WITH runs AS (
+    INSERT INTO cyclone_runs (id, name, kind, input)
+    SELECT t.id, %(name)s, 'step', t.input
+      FROM unnest(%(ids)s::uuid[], %(inputs)s::jsonb[]) AS t(id, input)
+    RETURNING id
+)
+INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
+                           max_reclaims, timeout, scheduled_at)
+SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
+       %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond',
+       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+  FROM runs;
+
+-- name: notify
+-- Wake idle supervisors serving this queue (delivered at commit).
+SELECT pg_notify('cyclone_mp', %(queue)s);
+
+-- name: get_run
+-- The run row of client.status.
+SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
+  FROM cyclone_runs WHERE id = %(run_id)s;
+
+-- name: get_steps
+-- Every step row of a run, in definition order.
+SELECT id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt,
+       max_attempts, reclaims, max_reclaims, extract(epoch FROM timeout)::float8 AS timeout,
+       due_at, scheduled_at, started_at, finished_at, lease_owner, lease_expiry,
+       lease_generation, heartbeat_at, error, error_kind, errors, output, progress
+  FROM cyclone_steps WHERE run_id = %(run_id)s ORDER BY id;
+
+-- name: list_runs
+-- Recent runs, optionally by state, newest first.
+SELECT r.id::text AS id, r.name, r.kind, r.state, r.created_at, r.finished_at,
+       (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = r.id) AS steps
+  FROM cyclone_runs r
+ WHERE (%(state)s::text IS NULL OR r.state = %(state)s)
+ ORDER BY r.created_at DESC, r.id
+ LIMIT %(limit)s;
+
+-- name: register_worker
+-- Announce or refresh a live supervisor (informational only).
+INSERT INTO cyclone_workers (id, hostname, pid, info)
+VALUES (%(id)s, %(hostname)s, %(pid)s, %(info)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), info = excluded.info;
+
+-- name: unregister_worker
+-- A supervisor that exits cleanly removes its row.
+DELETE FROM cyclone_workers WHERE id = %(id)s;
+
+-- name: list_workers
+-- Supervisors seen recently, with their children.
+SELECT id, hostname, pid, started_at, heartbeat_at, info,
+       extract(epoch FROM now() - heartbeat_at)::float8 AS age
+  FROM cyclone_workers
+ WHERE heartbeat_at > now() - (%(within_us)s::bigint * interval '1 microsecond')
+ ORDER BY started_at;
+
+-- name: prune_workers
+-- Forget supervisors silent for a long time.
+DELETE FROM cyclone_workers WHERE heartbeat_at < now() - interval '1 hour';

@@ -1,0 +1,127 @@
+"""What ``client.status(run_id)`` returns: plain frozen dataclasses (SPEC section 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Any
+
+TERMINAL_STEP_STATES = ("completed", "discarded", "cancelled")
+TERMINAL_RUN_STATES = ("completed", "discarded", "cancelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatus:
+    """One step (node) of a run, as the database has it.
+
+    Attributes:
+        name: the node name (the step name for a single-step run).
+        state: one of ``pending, available, running, waiting_signal, waiting_timer,
+            paused, completed, discarded, cancelled``.
+        attempt: current attempt number (1-based); for a discarded step, the number of
+            attempts consumed.
+        max_attempts, reclaims, max_reclaims: the bounds stored at enqueue.
+        error, error_kind: the last error (``timeout``, ``error``, ``permanent``,
+            ``child_exited``, ``reclaim_limit``) or None.
+        errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,
+            ``message``, ``traceback``, ``exit_code``/``signal``, ``killed_by_supervisor``,
+            ``trigger``, ``cpu_seconds``, ``peak_rss_kb``, ``elapsed`` (seconds), ``at``.
+        started_at, finished_at, scheduled_at, heartbeat_at, lease_expiry: DB-clock
+            timestamps (aware datetimes) or None.
+        lease_owner: the supervisor id holding (or that last held) the lease.
+        output: the handler's JSON output once completed; progress: latest
+            ``{"done", "total", "message"}`` or None.
+    """
+
+    name: str
+    state: str
+    attempt: int
+    max_attempts: int
+    reclaims: int
+    error: str | None
+    error_kind: str | None
+    errors: list[dict[str, Any]]
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    lease_owner: str | None
+    output: Any
+    step_name: str | None = None
+    kind: str = "task"
+    max_reclaims: int | None = None
+    timeout: float | None = None
+    queue: str = "default"
+    priority: int = 0
+    depends_on: tuple[str, ...] = ()
+    scheduled_at: dt.datetime | None = None
+    heartbeat_at: dt.datetime | None = None
+    lease_expiry: dt.datetime | None = None
+    lease_generation: int = 0
+    progress: Any = None
+    paused_from: str | None = None
+    due_at: dt.datetime | None = None
+    id: int = 0
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> "StepStatus":
+        """Build from a ``get_steps`` row."""
+        return cls(
+            name=row["node"], state=row["state"], attempt=row["attempt"], max_attempts=row["max_attempts"],
+            reclaims=row["reclaims"], error=row["error"], error_kind=row["error_kind"],
+            errors=list(row["errors"] or []), started_at=row["started_at"], finished_at=row["finished_at"],
+            lease_owner=row["lease_owner"], output=row["output"], step_name=row["step_name"], kind=row["kind"],
+            max_reclaims=row["max_reclaims"], timeout=row["timeout"], queue=row["queue"],
+            priority=row["priority"], depends_on=tuple(row["depends_on"] or ()),
+            scheduled_at=row["scheduled_at"], heartbeat_at=row["heartbeat_at"],
+            lease_expiry=row["lease_expiry"], lease_generation=row["lease_generation"],
+            progress=row["progress"], paused_from=row["paused_from"], due_at=row["due_at"], id=row["id"],
+        )
+
+    @property
+    def terminal(self) -> bool:
+        """True for completed, discarded and cancelled."""
+        return self.state in TERMINAL_STEP_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (datetimes as ISO 8601 strings)."""
+        return _jsonable(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus:
+    """A run and its steps: ``state`` is one of ``running, paused, completed, discarded,
+    cancelled``; ``steps`` maps node name to :class:`StepStatus`."""
+
+    id: str
+    name: str
+    kind: str
+    state: str
+    input: Any
+    created_at: dt.datetime
+    finished_at: dt.datetime | None
+    steps: dict[str, StepStatus]
+    idempotency_key: str | None = None
+
+    @property
+    def step(self) -> StepStatus:
+        """The only step of a single-step run (the first node otherwise)."""
+        return next(iter(self.steps.values()))
+
+    @property
+    def terminal(self) -> bool:
+        """True once the run is completed, discarded or cancelled."""
+        return self.state in TERMINAL_RUN_STATES
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (datetimes as ISO 8601 strings)."""
+        data = dataclasses.asdict(self)
+        return _jsonable(data)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return value

@@ -1,0 +1,249 @@
+"""Step definitions and the mux that names them (SPEC section 2).
+
+``@cy.step(name, timeout=..., max_attempts=...)`` wraps a handler ``fn(ctx, input)`` in a
+:class:`Step`; a :class:`Mux` maps names to steps (and workflows). A step keeps the
+module path of its handler so a child process can import it by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+from .backoff import BackoffFn
+from .durations import Duration, seconds
+from .errors import ConfigurationError, UnknownStep
+
+if TYPE_CHECKING:
+    from .workflow import Workflow
+
+DEFAULT_QUEUE = "default"
+DEFAULT_MAX_ATTEMPTS = 25
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Per-step options; ``None`` means "use the next level's value".
+
+    Precedence (SPEC 2): enqueue value > step value > client default.
+
+    Attributes:
+        timeout: seconds per attempt (float) or None for no timeout. Stored on the
+            step row as an ``INTERVAL``; the database clock decides (seed).
+        max_attempts: attempts before the step is discarded (default 25).
+        max_reclaims: lease expiries reclaimed before the step is discarded with
+            ``error_kind="reclaim_limit"``; None means unbounded.
+        backoff: ``backoff(attempt) -> seconds``; default ``attempt**4`` +-10 %.
+        queue: queue name (default ``"default"``).
+        priority: lower runs first (as in River and Oban); default 0.
+    """
+
+    timeout: float | None = None
+    max_attempts: int | None = None
+    max_reclaims: int | None = None
+    backoff: BackoffFn | None = None
+    queue: str | None = None
+    priority: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        timeout: Duration | None = None,
+        max_attempts: int | None = None,
+        max_reclaims: int | None = None,
+        backoff: BackoffFn | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+    ) -> "StepOptions":
+        """Validate and normalise raw option values.
+
+        Raises:
+            ConfigurationError: a value has the wrong type or range.
+        """
+        if max_attempts is not None and (not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1):
+            raise ConfigurationError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
+        if max_reclaims is not None and (not isinstance(max_reclaims, int) or isinstance(max_reclaims, bool) or max_reclaims < 0):
+            raise ConfigurationError(f"max_reclaims must be an int >= 0 or None, got {max_reclaims!r}")
+        if backoff is not None and not callable(backoff):
+            raise ConfigurationError("backoff must be a callable backoff(attempt) -> seconds")
+        if queue is not None and (not isinstance(queue, str) or not queue):
+            raise ConfigurationError(f"queue must be a non-empty string, got {queue!r}")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ConfigurationError(f"priority must be an int, got {priority!r}")
+        return cls(
+            timeout=seconds(timeout, "timeout"),
+            max_attempts=max_attempts,
+            max_reclaims=max_reclaims,
+            backoff=backoff,
+            queue=queue,
+            priority=priority,
+        )
+
+    def over(self, base: "StepOptions") -> "StepOptions":
+        """Return these options with unset fields taken from ``base``."""
+        return StepOptions(**{
+            f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
+            for f in dataclasses.fields(self)
+        })
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerRef:
+    """Where a child process finds a handler: ``module`` (and ``path`` for a script), ``qualname``."""
+
+    module: str
+    qualname: str
+    path: str | None = None
+
+    def importable(self) -> bool:
+        """False for lambdas and functions defined inside other functions."""
+        return "<" not in self.qualname
+
+
+def _handler_ref(fn: Callable[..., Any]) -> HandlerRef:
+    module = getattr(fn, "__module__", None) or "__main__"
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "<unknown>")
+    mod = sys.modules.get(module)
+    path = getattr(mod, "__file__", None) if module in ("__main__", "__mp_main__") or module.startswith("cyclone_mp_app_") else None
+    return HandlerRef(module=module, qualname=qualname, path=path)
+
+
+class Step:
+    """A registered handler ``fn(ctx, input) -> output`` with its options.
+
+    Calling a ``Step`` calls the handler directly (useful in unit tests).
+    """
+
+    kind = "step"
+
+    def __init__(self, name: str, fn: Callable[..., Any], options: StepOptions) -> None:
+        if not isinstance(name, str) or not name or len(name) > 200:
+            raise ConfigurationError(f"step name must be a non-empty string of at most 200 characters, got {name!r}")
+        if not callable(fn):
+            raise ConfigurationError(f"step {name!r}: handler must be callable")
+        self.name = name
+        self.fn = fn
+        self.options = options
+        self.ref = _handler_ref(fn)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__wrapped__ = fn
+
+    def __call__(self, ctx: Any, inp: Any) -> Any:
+        return self.fn(ctx, inp)
+
+    def __repr__(self) -> str:
+        return f"Step({self.name!r})"
+
+
+def step(
+    name: str,
+    *,
+    timeout: Duration | None = None,
+    max_attempts: int | None = None,
+    max_reclaims: int | None = None,
+    backoff: BackoffFn | None = None,
+    queue: str | None = None,
+    priority: int | None = None,
+) -> Callable[[Callable[..., Any]], Step]:
+    """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
+
+    Args:
+        name: the step's unique name (what workers claim by).
+        timeout: seconds (float) or timedelta per attempt; None: no timeout.
+        max_attempts: attempts before discard (default 25, SPEC 3).
+        max_reclaims: lease expiries tolerated before discard (default unbounded).
+        backoff: ``backoff(attempt) -> seconds`` (default ``attempt**4`` +-10 %).
+        queue: queue name (default ``"default"``); priority: lower runs first.
+
+    Raises:
+        ConfigurationError: an invalid option.
+    """
+    options = StepOptions.build(
+        timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims,
+        backoff=backoff, queue=queue, priority=priority,
+    )
+
+    def decorate(fn: Callable[..., Any]) -> Step:
+        return Step(name, fn, options)
+
+    return decorate
+
+
+class Mux:
+    """Maps step and workflow names to their definitions (the seed's ``Mux``).
+
+    A supervisor claims only the steps its mux registers.
+    """
+
+    def __init__(self) -> None:
+        self._steps: dict[str, Step] = {}
+        self._workflows: dict[str, "Workflow"] = {}
+
+    def register(self, *items: "Step | Workflow") -> "Mux":
+        """Register steps or workflows; returns the mux so calls can chain.
+
+        Registering a workflow also registers each of its steps.
+
+        Raises:
+            ConfigurationError: not a Step/Workflow, or a different object already
+                holds that name.
+        """
+        from .workflow import Workflow
+
+        for item in items:
+            if isinstance(item, Step):
+                existing = self._steps.get(item.name)
+                if existing is not None and existing is not item and existing.fn is not item.fn:
+                    raise ConfigurationError(f"a different step named {item.name!r} is already registered")
+                if item.name in self._workflows:
+                    raise ConfigurationError(f"{item.name!r} is already registered as a workflow")
+                self._steps[item.name] = item
+            elif isinstance(item, Workflow):
+                if item.name in self._steps:
+                    raise ConfigurationError(f"{item.name!r} is already registered as a step")
+                self._workflows[item.name] = item
+                for node in item.task_nodes():
+                    self.register(node.step)
+            else:
+                raise ConfigurationError(f"can only register cy.step(...) objects or cy.Workflow, not {type(item).__name__}")
+        return self
+
+    def step(self, name: str) -> Step:
+        """Return the step registered under ``name``.
+
+        Raises:
+            UnknownStep: nothing of that name is registered.
+        """
+        try:
+            return self._steps[name]
+        except KeyError:
+            raise UnknownStep(f"unknown step {name!r}; registered: {', '.join(sorted(self._steps)) or 'none'}") from None
+
+    def lookup(self, name: str) -> "Step | Workflow":
+        """Return the step or workflow named ``name``; raises :class:`UnknownStep`."""
+        if name in self._workflows:
+            return self._workflows[name]
+        return self.step(name)
+
+    @property
+    def step_names(self) -> list[str]:
+        """Names of every registered step, sorted."""
+        return sorted(self._steps)
+
+    @property
+    def steps(self) -> dict[str, Step]:
+        """A copy of the name -> Step mapping."""
+        return dict(self._steps)
+
+    @property
+    def workflows(self) -> dict[str, "Workflow"]:
+        """A copy of the name -> Workflow mapping."""
+        return dict(self._workflows)
+
+
+def as_timedelta(value: float | None) -> dt.timedelta | None:
+    """Seconds to timedelta (None stays None); how a timeout reaches SQL as an INTERVAL."""
+    return None if value is None else dt.timedelta(seconds=value)

@@ -1,0 +1,561 @@
+"""The only module that talks to psycopg: named SQL, typed methods, translated errors.
+
+Every query lives in ``sql/queries.sql`` under a ``-- name:`` header (STYLE pattern 1);
+migrations are the numbered files in ``sql/migrations`` applied under an advisory lock.
+psycopg errors become :class:`~cyclone_mp.errors.DatabaseError` with the cause kept
+(STYLE pattern 2). The store never decides a transition itself: it reads rows under
+their locks and asks :mod:`cyclone_mp.decisions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import functools
+import importlib.resources
+import json
+import re
+import uuid
+from typing import Any, Callable, Iterator, Sequence
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from . import decisions
+from .errors import DatabaseError, InvalidTransition, RunNotFound
+
+MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
+NOTIFY_CHANNEL = "cyclone_mp"
+
+
+def _load_queries() -> dict[str, str]:
+    text = importlib.resources.files("cyclone_mp.sql").joinpath("queries.sql").read_text()
+    queries: dict[str, str] = {}
+    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+        name, _, body = block.partition("\n")
+        queries[name.strip()] = body.strip().rstrip(";")
+    return queries
+
+
+Q = _load_queries()
+
+
+def _migrations() -> list[tuple[int, str, str]]:
+    folder = importlib.resources.files("cyclone_mp.sql.migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = re.match(r"^(\d+)_.*\.sql$", entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.name, entry.read_text()))
+    return sorted(found)
+
+
+def redact(dsn: str) -> str:
+    """Return ``dsn`` with any password replaced by ``***`` (never print a secret)."""
+    dsn = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
+    return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", dsn, flags=re.I)
+
+
+def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: psycopg errors leave as DatabaseError (cause kept, no DSN in the text)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except psycopg.Error as exc:
+            raise DatabaseError(f"database error: {type(exc).__name__}: {str(exc).strip() or 'connection lost'}") from exc
+
+    return wrapper
+
+
+def to_us(seconds: float | None) -> int | None:
+    """Seconds to whole microseconds (how durations reach SQL)."""
+    return None if seconds is None else int(round(seconds * 1_000_000))
+
+
+def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
+    """Open one connection with dict rows.
+
+    Raises:
+        DatabaseError: the server cannot be reached (message without the password).
+    """
+    try:
+        return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(1, int(timeout)))
+    except psycopg.Error as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DatabaseError(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRow:
+    """One step row to insert at enqueue (a node of the run)."""
+
+    node: str
+    step_name: str | None
+    kind: str
+    depends_on: Sequence[str]
+    queue: str
+    priority: int
+    state: str
+    max_attempts: int
+    max_reclaims: int | None
+    timeout: float | None
+    timer_delay: float | None = None
+    due_at: dt.datetime | None = None
+
+
+class Store:
+    """Typed access to the cyclone tables over one autocommit connection.
+
+    Methods that change several rows run in one transaction. All methods raise
+    :class:`DatabaseError` when the database fails.
+    """
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+
+    @classmethod
+    def open(cls, dsn: str) -> "Store":
+        """Connect to ``dsn``; raises DatabaseError."""
+        return cls(connect(dsn))
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+    @property
+    def broken(self) -> bool:
+        """True when the connection is closed or lost."""
+        return self.conn.closed or self.conn.broken
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[psycopg.Cursor]:
+        with self.conn.transaction(), self.conn.cursor() as cur:
+            yield cur
+
+    def _one(self, cur: psycopg.Cursor, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        cur.execute(Q[name], params)
+        return cur.fetchone() if cur.description else None
+
+    # -- schema -----------------------------------------------------------------------
+
+    @translate
+    def migrate(self) -> list[str]:
+        """Apply pending numbered migrations under an advisory lock; returns their names.
+
+        Idempotent and safe to run from many processes at once.
+        """
+        applied: list[str] = []
+        with self._tx() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            cur.execute(
+                "CREATE TABLE IF NOT EXISTS cyclone_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            cur.execute("SELECT version FROM cyclone_migrations")
+            done = {row["version"] for row in cur.fetchall()}
+            for version, name, text in _migrations():
+                if version in done:
+                    continue
+                cur.execute(text)
+                cur.execute("INSERT INTO cyclone_migrations (version, name) VALUES (%s, %s)", (version, name))
+                applied.append(name)
+        return applied
+
+    @translate
+    def schema_ready(self) -> bool:
+        """True when the cyclone tables exist."""
+        with self.conn.cursor() as cur:
+            cur.execute("SELECT to_regclass('cyclone_steps') IS NOT NULL AS ok")
+            row = cur.fetchone()
+        return bool(row and row["ok"])
+
+    # -- enqueue ----------------------------------------------------------------------
+
+    @translate
+    def enqueue_run(
+        self,
+        *,
+        name: str,
+        kind: str,
+        input: Any,
+        nodes: Sequence[NodeRow],
+        delay: float,
+        scheduled_at: dt.datetime | None = None,
+        idempotency_key: str | None,
+        conn: psycopg.Connection | None = None,
+    ) -> tuple[str, bool]:
+        """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``.
+
+        With ``conn`` the rows are written in the caller's open transaction (they exist
+        only if it commits). With an ``idempotency_key`` already used, returns the
+        existing run id and ``created=False``.
+        """
+        target = conn if conn is not None else self.conn
+        run_id = str(uuid.uuid4())
+        ctx = contextlib.nullcontext() if conn is not None else self.conn.transaction()
+        with ctx, target.cursor(row_factory=dict_row) as cur:
+            cur.execute(Q["insert_run"], {
+                "id": run_id, "name": name, "kind": kind, "input": Jsonb(input), "idempotency_key": idempotency_key,
+            })
+            if cur.fetchone() is None:
+                cur.execute(Q["run_by_key"], {"key": idempotency_key})
+                row = cur.fetchone()
+                if row is None:  # the conflicting run was deleted between the two statements
+                    raise DatabaseError("idempotency key conflict; try again")
+                return row["id"], False
+            cur.execute(Q["insert_steps"], {
+                "run_id": run_id,
+                "delay_us": to_us(delay),
+                "scheduled_at": scheduled_at,
+                "nodes": [n.node for n in nodes],
+                "step_names": [n.step_name for n in nodes],
+                "kinds": [n.kind for n in nodes],
+                "depends_on": [Jsonb(list(n.depends_on)) for n in nodes],
+                "queues": [n.queue for n in nodes],
+                "priorities": [n.priority for n in nodes],
+                "states": [n.state for n in nodes],
+                "max_attempts": [n.max_attempts for n in nodes],
+                "max_reclaims": [n.max_reclaims for n in nodes],
+                "timeouts_us": [to_us(n.timeout) for n in nodes],
+                "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
+                "due_ats": [n.due_at for n in nodes],
+            })
+            if kind == "workflow":
+                self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
+            else:
+                for queue in sorted({n.queue for n in nodes if n.state == "available"}):
+                    cur.execute(Q["notify"], {"queue": queue})
+        return run_id, True
+
+    @translate
+    def enqueue_many(
+        self,
+        *,
+        name: str,
+        inputs: Sequence[Any],
+        queue: str,
+        priority: int,
+        max_attempts: int,
+        max_reclaims: int | None,
+        timeout: float | None,
+        delay: float,
+        scheduled_at: dt.datetime | None = None,
+    ) -> list[str]:
+        """Insert many single-step runs in one statement; returns their ids in input order."""
+        ids = [str(uuid.uuid4()) for _ in inputs]
+        with self._tx() as cur:
+            cur.execute(Q["enqueue_many"], {
+                "ids": ids, "inputs": [Jsonb(i) for i in inputs], "name": name, "queue": queue,
+                "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
+                "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
+            })
+            cur.execute(Q["notify"], {"queue": queue})
+        return ids
+
+    # -- the supervisor's hot path ------------------------------------------------------
+
+    @translate
+    def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float) -> list[dict[str, Any]]:
+        """Claim up to ``limit`` available steps (SKIP LOCKED), one statement."""
+        if limit <= 0 or not names:
+            return []
+        with self.conn.cursor() as cur:
+            cur.execute(Q["claim"], {
+                "owner": owner, "queues": list(queues), "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
+            })
+            return cur.fetchall()
+
+    @translate
+    def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None) -> bool:
+        """Renew one lease (the seed's WHERE clause); False when it matched no row."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["heartbeat"], {
+                "id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
+                "progress": Jsonb(progress) if progress is not None else None,
+            })
+            return cur.rowcount == 1
+
+    @translate
+    def lease_state(self, id: int) -> dict[str, Any] | None:
+        """The row's state, owner, generation and whether its DB deadline passed."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "lease_state", {"id": id})
+
+    @translate
+    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]]) -> set[int]:
+        """Apply success CASes for ``(id, generation, output, progress)`` items in one statement.
+
+        Returns the ids whose CAS held (the others were late: cancelled, reclaimed or
+        timed out, and change nothing). Workflow runs are advanced in the same transaction.
+        """
+        if not items:
+            return set()
+        with self._tx() as cur:
+            cur.execute(Q["complete"], {
+                "owner": owner,
+                "ids": [i[0] for i in items],
+                "generations": [i[1] for i in items],
+                "outputs": [Jsonb(i[2]) for i in items],
+                "progress": [Jsonb(i[3]) if i[3] is not None else None for i in items],
+            })
+            rows = cur.fetchall()
+            for run_id in sorted({r["run_id"] for r in rows if r["kind"] == "workflow"}):
+                self._advance(cur, run_id)
+        return {r["id"] for r in rows}
+
+    @translate
+    def fail(
+        self,
+        *,
+        owner: str,
+        id: int,
+        generation: int,
+        kind: str,
+        entry: dict[str, Any],
+        backoff: Callable[[int], float],
+        require_timed_out: bool = False,
+        progress: Any = None,
+    ) -> str:
+        """Record a failed attempt under the run lock and the CAS.
+
+        Returns ``"applied"``, ``"lost"`` (the row is no longer this attempt's) or
+        ``"not_yet"`` (``require_timed_out`` and the DB deadline has not passed yet:
+        the worker clock never shortens a durable timeout).
+        """
+        with self._tx() as cur:
+            if self._one(cur, "lock_run_of_step", {"id": id}) is None:
+                return "lost"
+            row = self._one(cur, "lock_attempt", {"id": id, "owner": owner, "generation": generation})
+            if row is None:
+                return "lost"
+            if require_timed_out and not row["timed_out"]:
+                return "not_yet"
+            self._end_attempt(cur, id, row, kind, entry, backoff, progress)
+        return "applied"
+
+    def _end_attempt(
+        self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
+        backoff: Callable[[int], float], progress: Any = None,
+    ) -> decisions.AttemptEnd:
+        end = decisions.end_attempt(
+            attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
+            timed_out=bool(row["timed_out"]), backoff=backoff(row["attempt"]),
+        )
+        entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
+        if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
+            entry["reported_kind"] = kind
+        cur.execute(Q["end_attempt"], {
+            "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
+            "error": entry.get("message") or end.error_kind, "error_kind": end.error_kind,
+            "entry": Jsonb(entry), "progress": Jsonb(progress) if progress is not None else None,
+        })
+        self._advance(cur, self._run_of(cur, id))
+        return end
+
+    @staticmethod
+    def _run_of(cur: psycopg.Cursor, id: int) -> str:
+        cur.execute("SELECT run_id::text AS run_id FROM cyclone_steps WHERE id = %s", (id,))
+        return cur.fetchone()["run_id"]
+
+    @translate
+    def release(self, *, owner: str, id: int, generation: int) -> bool:
+        """Give an unfinished step back at shutdown (available at once, nothing counted)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["release"], {"id": id, "owner": owner, "generation": generation})
+            return cur.rowcount == 1
+
+    # -- recovery sweep -----------------------------------------------------------------
+
+    @translate
+    def sweep_candidates(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Running rows whose lease expired or whose DB deadline passed (one page)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sweep_candidates"], {"limit": limit})
+            return cur.fetchall()
+
+    @translate
+    def expire(self, id: int, backoff_for: Callable[[str | None], Callable[[int], float]], entry: dict[str, Any]) -> str:
+        """Settle one sweep candidate under the run lock then the step lock.
+
+        Returns the action taken: ``"timeout"``, ``"reclaim"``, ``"reclaim_limit"`` or
+        ``"none"`` (renewed, finished or gone meanwhile).
+        """
+        with self._tx() as cur:
+            if self._one(cur, "lock_run_of_step", {"id": id}) is None:
+                return "none"
+            row = self._one(cur, "sweep_recheck", {"id": id})
+            if row is None:
+                return "none"
+            action = decisions.expiry(
+                timed_out=bool(row["timed_out"]), lease_expired=bool(row["lease_expired"]),
+                reclaims=row["reclaims"], max_reclaims=row["max_reclaims"],
+            ).action
+            if action == "timeout":
+                self._end_attempt(cur, id, row, decisions.TIMEOUT, {
+                    **entry, "message": "timed out (database clock); settled by the recovery sweep",
+                    "lease_owner": row["lease_owner"],
+                }, backoff_for(row["step_name"]))
+            elif action == "reclaim":
+                cur.execute(Q["reclaim"], {"id": id})
+            elif action == "reclaim_limit":
+                message = f"lease expired after {row['reclaims']} reclaims (max_reclaims={row['max_reclaims']})"
+                cur.execute(Q["discard_reclaim_limit"], {"id": id, "error": message, "entry": Jsonb({
+                    **entry, "attempt": row["attempt"], "kind": decisions.RECLAIM_LIMIT, "message": message,
+                    "lease_owner": row["lease_owner"],
+                })})
+                self._advance(cur, self._run_of(cur, id))
+            return action
+
+    @translate
+    def fire_due_timers(self, limit: int = 100) -> int:
+        """Complete timer nodes due on the database clock; returns how many runs moved."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["due_timer_runs"], {"limit": limit})
+            run_ids = [r["run_id"] for r in cur.fetchall()]
+        for run_id in run_ids:
+            with self._tx() as cur:
+                if self._one(cur, "lock_run", {"run_id": run_id}) is not None:
+                    self._advance(cur, run_id)
+        return len(run_ids)
+
+    def _advance(self, cur: psycopg.Cursor, run_id: str) -> None:
+        """Under the run lock: promote ready nodes, fire signals and timers, refresh the run."""
+        for _ in range(10_000):
+            cur.execute(Q["promote_ready"], {"run_id": run_id})
+            promoted = cur.rowcount
+            cur.execute(Q["fire_nodes"], {"run_id": run_id})
+            if promoted == 0 and cur.rowcount == 0:
+                break
+        cur.execute(Q["refresh_run_state"], {"run_id": run_id})
+        cur.execute(
+            "SELECT DISTINCT queue FROM cyclone_steps WHERE run_id = %s AND state = 'available'", (run_id,)
+        )
+        for row in cur.fetchall():
+            cur.execute(Q["notify"], {"queue": row["queue"]})
+
+    # -- operator actions ---------------------------------------------------------------
+
+    def _locked_run(self, cur: psycopg.Cursor, run_id: str) -> dict[str, Any]:
+        row = self._one(cur, "lock_run", {"run_id": run_id})
+        if row is None:
+            raise RunNotFound(f"no run with id {run_id}")
+        return row
+
+    @translate
+    def cancel_run(self, run_id: str) -> int:
+        """Cancel the run and every non-terminal step in one transaction; returns steps cancelled.
+
+        Raises:
+            RunNotFound, InvalidTransition: the run is already completed, discarded or cancelled.
+        """
+        with self._tx() as cur:
+            run = self._locked_run(cur, run_id)
+            row = self._one(cur, "cancel_run", {"run_id": run_id})
+            if row is None:
+                raise InvalidTransition(f"run {run_id} is {run['state']}; only running or paused runs can be cancelled")
+            return int(row["steps"])
+
+    @translate
+    def retry_run(self, run_id: str) -> int:
+        """Reopen the run's discarded steps (or a cancelled single step); returns how many.
+
+        Raises:
+            RunNotFound, InvalidTransition: nothing to retry.
+        """
+        with self._tx() as cur:
+            run = self._locked_run(cur, run_id)
+            count = 0
+            if run["state"] in ("discarded", "running"):
+                cur.execute(Q["retry_run"], {"run_id": run_id, "from_state": "discarded"})
+                count = cur.rowcount
+            elif run["state"] == "cancelled" and run["kind"] == "step":
+                cur.execute(Q["retry_run"], {"run_id": run_id, "from_state": "cancelled"})
+                count = cur.rowcount
+            if count == 0:
+                raise InvalidTransition(f"run {run_id} is {run['state']} with no discarded step; nothing to retry")
+            cur.execute(Q["reopen_run"], {"run_id": run_id})
+            self._advance(cur, run_id)
+            return count
+
+    @translate
+    def pause_run(self, run_id: str) -> int:
+        """Pause a running run; returns how many steps were paused. Raises RunNotFound, InvalidTransition."""
+        with self._tx() as cur:
+            run = self._locked_run(cur, run_id)
+            row = self._one(cur, "pause_run", {"run_id": run_id})
+            if row is None:
+                raise InvalidTransition(f"run {run_id} is {run['state']}; only a running run can be paused")
+            return int(row["steps"])
+
+    @translate
+    def resume_run(self, run_id: str) -> int:
+        """Resume a paused run; returns how many steps were restored. Raises RunNotFound, InvalidTransition."""
+        with self._tx() as cur:
+            run = self._locked_run(cur, run_id)
+            row = self._one(cur, "resume_run", {"run_id": run_id})
+            if row is None:
+                raise InvalidTransition(f"run {run_id} is {run['state']}; only a paused run can be resumed")
+            self._advance(cur, run_id)
+            return int(row["steps"])
+
+    @translate
+    def signal(self, run_id: str, name: str, payload: Any) -> bool:
+        """Store the first signal ``name`` for the run; False when one was already kept.
+
+        Raises:
+            RunNotFound.
+        """
+        with self._tx() as cur:
+            self._locked_run(cur, run_id)
+            kept = self._one(cur, "put_signal", {"run_id": run_id, "name": name, "payload": Jsonb(payload)}) is not None
+            self._advance(cur, run_id)
+            return kept
+
+    # -- reads ----------------------------------------------------------------------------
+
+    @translate
+    def get_run(self, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The run row and its step rows. Raises RunNotFound."""
+        with self.conn.cursor() as cur:
+            run = self._one(cur, "get_run", {"run_id": run_id})
+            if run is None:
+                raise RunNotFound(f"no run with id {run_id}")
+            cur.execute(Q["get_steps"], {"run_id": run_id})
+            return run, cur.fetchall()
+
+    @translate
+    def list_runs(self, *, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """Recent runs, newest first."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["list_runs"], {"state": state, "limit": limit})
+            return cur.fetchall()
+
+    @translate
+    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any]) -> None:
+        """Announce or refresh this supervisor's registry row (informational)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info)})
+
+    @translate
+    def unregister_worker(self, id: str) -> None:
+        """Remove this supervisor's registry row."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["unregister_worker"], {"id": id})
+
+    @translate
+    def list_workers(self, within: float = 15.0) -> list[dict[str, Any]]:
+        """Supervisors that refreshed their row within ``within`` seconds."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["list_workers"], {"within_us": to_us(within)})
+            return cur.fetchall()
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON text (raises TypeError/ValueError for non-JSON values)."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)

@@ -1,0 +1,796 @@
+"""The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
+
+One thread runs one loop. Each turn it reads what children sent, renews the leases
+that are due (one renewal per step, addressed by id, with the seed's WHERE clause),
+cancels attempts whose worker-clock deadline passed or whose renewal matched nothing,
+SIGKILLs the process tree of a child still running ``kill_grace`` seconds after its
+cancel, applies outcomes with the CAS guard, claims as many steps as it has idle
+children, and ticks the recovery sweep. The database decides every durable
+transition; the local clock only schedules work.
+
+Which file owns what: "a step's lease was lost" is decided here (:meth:`Supervisor._renew`);
+the SQL of it lives in ``sql/queries.sql``; what a failure does to the row is
+:mod:`cyclone_mp.decisions`; killing a process tree is :mod:`cyclone_mp.procs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import os
+import random
+import selectors
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import psutil
+
+from . import decisions, procs, protocol
+from .backoff import compute_backoff
+from .config import SWEEP_LIMIT, Config
+from .errors import ConfigurationError, DatabaseError
+from .pool import ChildProc
+from .steps import Mux
+from .store import NOTIFY_CHANNEL, Store, connect
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+REGISTRY_INTERVAL = 2.0  # seconds between refreshes of the informational worker row
+RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
+
+
+@dataclasses.dataclass
+class Attempt:
+    """The parent's view of one running attempt."""
+
+    step_id: int
+    run_id: str
+    node: str
+    step_name: str
+    attempt: int
+    generation: int
+    timeout: float | None
+    token: str
+    child: ChildProc
+    started: float  # local monotonic
+    deadline: float | None  # local monotonic worker-clock deadline
+    next_beat: float
+    lease_ok_until: float  # local estimate of lease_expiry: last good renewal + ttl
+    progress: Any = None
+    progress_dirty: bool = False
+    cancel_reason: str | None = None
+    kill_at: float | None = None
+    killed_by: str | None = None
+    settled: bool = False  # the outcome was handed to the writer
+
+
+@dataclasses.dataclass
+class PendingWrite:
+    """An outcome that could not be written yet (database down, or DB deadline not reached)."""
+
+    kind: str  # "complete" | "fail" | "release"
+    attempt: Attempt
+    payload: dict[str, Any]
+    retry_at: float
+
+
+class Supervisor:
+    """The multiprocess supervisor; see the module docstring.
+
+    Args:
+        dsn: PostgreSQL connection string.
+        mux: the steps this supervisor may claim (by name).
+        config: a :class:`~cyclone_mp.config.Config`.
+        clock: local monotonic clock in seconds (injectable; only schedules work).
+        wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
+
+    Raises:
+        ConfigurationError: a registered handler cannot be imported by a child.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        mux: Mux,
+        config: Config,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        for step in mux.steps.values():
+            if not step.ref.importable():
+                raise ConfigurationError(
+                    f"step {step.name!r}: handler {step.ref.qualname} is not importable by module path "
+                    f"(define it at module level in {step.ref.module}); children import handlers by name"
+                )
+        self.dsn = dsn
+        self.mux = mux
+        self.config = config
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.children: list[ChildProc] = []
+        self.attempts: dict[int, Attempt] = {}
+        self.pending: list[PendingWrite] = []
+        self.completions: list[tuple[Attempt, Any, Any]] = []
+        self.store: Store | None = None
+        self.listen_conn: Any = None
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.hard_stop = False
+        self._shutdown_req = threading.Event()
+        self._stop_req = threading.Event()
+        self.running = threading.Event()
+        self.stopped = threading.Event()
+        self.db_ok = False
+        self.reconnect_at = 0.0
+        self.reconnect_delay = RECONNECT_BACKOFF[0]
+        self.next_poll = 0.0
+        self.poll_delay = config.poll_interval[0]
+        self.next_sweep = 0.0
+        self.next_registry = 0.0
+        self.stats = {"claimed": 0, "completed": 0, "failed": 0, "killed": 0, "grandchildren_killed": 0,
+                      "released": 0, "lease_lost": 0, "reclaimed": 0, "swept_timeouts": 0,
+                      "reclaim_limits": 0, "children_spawned": 0, "late_completions_dropped": 0}
+        self.descended: set[int] = set()
+
+    # -- control from other threads / signal handlers -----------------------------------
+
+    def request_shutdown(self) -> None:
+        """Soft stop: claim nothing more; in-flight handlers get ``shutdown_grace`` (SPEC 5)."""
+        self._shutdown_req.set()
+        self._wake()
+
+    def request_stop(self) -> None:
+        """Hard stop: cancel every in-flight handler now, kill after ``kill_grace``."""
+        self._shutdown_req.set()
+        self._stop_req.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Run until shut down. Children are created from this thread (PDEATHSIG is per thread)."""
+        procs.become_subreaper()
+        try:
+            self._connect()
+        except DatabaseError as exc:
+            log.warning("database unavailable at start (%s); retrying", exc)
+        try:
+            for _ in range(self.config.workers):
+                self._spawn()
+            self.running.set()
+            while True:
+                now = self.clock()
+                self._handle_requests(now)
+                if self.draining and not self.attempts and not self.completions and not self._pending_live():
+                    break
+                self._tick(now)
+                self._wait(self._next_wake(self.clock()))
+        finally:
+            self._teardown()
+            self.stopped.set()
+
+    def _pending_live(self) -> bool:
+        return any(p for p in self.pending) and self.db_ok
+
+    def _handle_requests(self, now: float) -> None:
+        if self._shutdown_req.is_set() and not self.draining:
+            self.draining = True
+            self.drain_deadline = now + self.config.shutdown_grace
+            log.info("shutdown: draining %d in-flight step(s) for up to %.1fs", len(self.attempts), self.config.shutdown_grace)
+        if self._stop_req.is_set() and not self.hard_stop:
+            self.hard_stop = True
+            self.drain_deadline = now
+        if self.draining and self.drain_deadline is not None and now >= self.drain_deadline:
+            for att in self.attempts.values():
+                self._cancel(att, "shutdown", now)
+
+    def _tick(self, now: float) -> None:
+        self._check_children_io()
+        now = self.clock()
+        if not self.db_ok and now >= self.reconnect_at:
+            try:
+                self._connect()
+            except DatabaseError as exc:
+                log.warning("reconnect failed: %s", exc)
+        self._renew_due(now)
+        self._enforce_deadlines(self.clock())
+        self._flush_completions()
+        self._retry_pending(self.clock())
+        now = self.clock()
+        if self.db_ok and not self.draining and now >= self.next_poll:
+            self._claim(now)
+        if self.db_ok and now >= self.next_sweep:
+            self.sweep_once()
+            lo, hi = self.config.poll_interval
+            self.next_sweep = now + random.uniform(lo, hi)
+        if now >= self.next_registry:
+            self._registry(now)
+
+    def _next_wake(self, now: float) -> float:
+        times = [now + 1.0]
+        for att in self.attempts.values():
+            times.append(att.next_beat)
+            if att.kill_at is not None:
+                times.append(att.kill_at)
+            elif att.deadline is not None:
+                times.append(att.deadline)
+            times.append(att.lease_ok_until)
+        if self.pending:
+            times.append(min(p.retry_at for p in self.pending))
+        if self.db_ok and not self.draining and self._idle_children():
+            times.append(self.next_poll)
+        times.append(self.next_sweep)
+        if not self.db_ok:
+            times.append(self.reconnect_at)
+        if self.draining and self.drain_deadline is not None:
+            times.append(self.drain_deadline)
+        if self.completions:
+            times.append(now)
+        return max(0.0, min(times) - now)
+
+    def _wait(self, timeout: float) -> None:
+        for key, _ in self.selector.select(timeout):
+            kind, obj = key.data
+            if kind == "wake":
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            elif kind == "listen":
+                self._drain_notifies()
+            # child sockets are read in _check_children_io on the next tick
+
+    # -- children ---------------------------------------------------------------------------
+
+    def _spawn(self) -> ChildProc | None:
+        try:
+            child = ChildProc(self.id, self.config.max_payload)
+        except OSError as exc:
+            log.error("cannot start a child process: %s", exc)
+            return None
+        self.children.append(child)
+        self.stats["children_spawned"] += 1
+        self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
+        return child
+
+    def _idle_children(self) -> list[ChildProc]:
+        return [c for c in self.children if c.ready and c.attempt is None and c.returncode is None]
+
+    def _check_children_io(self) -> None:
+        for child in list(self.children):
+            child.flush()
+            try:
+                messages, eof = child.receive()
+            except protocol.ProtocolError as exc:
+                log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
+                if child.attempt is not None:
+                    self._cancel(child.attempt, "lease_lost", self.clock())
+                messages, eof = [], True
+                self._kill_child(child, "protocol_error")
+            for message in messages:
+                self._on_message(child, message)
+            if eof:
+                self._on_child_exit(child)
+            self._update_write_interest(child)
+
+    def _update_write_interest(self, child: ChildProc) -> None:
+        if child.returncode is not None:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if child.outbox else 0)
+        try:
+            self.selector.modify(child.sock, events, ("child", child))
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
+        kind = message.get("t")
+        if kind == "ready":
+            child.ready = True
+            child.ready_after = self.clock() - child.spawned
+            return
+        att = child.attempt
+        if att is None or message.get("task") != att.token:
+            return
+        if kind == "progress":
+            att.progress = {k: message.get(k) for k in ("done", "total", "message")}
+            att.progress_dirty = True
+        elif kind == "result":
+            self._on_result(att, message)
+
+    def _on_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        child = att.child
+        child.attempt = None
+        child.steps_run += 1
+        self.attempts.pop(att.step_id, None)
+        att.settled = True
+        if result.get("progress"):
+            att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
+        hit = child.kill_descendants()
+        self._count_grandchildren(child, hit)
+        self._maybe_recycle(child)
+        entry = {
+            "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
+            "elapsed": round(self.clock() - att.started, 3),
+        }
+        reason = att.cancel_reason
+        if result.get("ok"):
+            if reason in ("cancelled", "lease_lost"):
+                self.stats["late_completions_dropped"] += 1
+                return
+            self.completions.append((att, result.get("output"), att.progress))
+            return
+        entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
+        if reason is not None:
+            entry["cancel_reason"] = reason
+            self._settle_cancelled(att, entry)
+            return
+        kind = decisions.PERMANENT if result.get("kind") == "permanent" else decisions.ERROR
+        self._write_fail(att, kind, entry, require_timed_out=False)
+
+    def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
+        """An attempt that ended after a cancel: its reason decides what is written."""
+        reason = att.cancel_reason
+        if reason == "timeout":
+            entry.setdefault("message", "timed out")
+            self._write_fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
+        elif reason == "shutdown":
+            self._write("release", att, {})
+        else:  # cancelled by an operator, or the lease is someone else's: change nothing
+            self.stats["late_completions_dropped"] += 1
+
+    def _on_child_exit(self, child: ChildProc) -> None:
+        with_suppress_unregister(self.selector, child.sock)
+        code = child.wait(timeout=5.0)
+        if code is None:  # EOF but still alive: it closed its socket; kill it
+            self._kill_child(child, "protocol_error")
+            code = child.returncode
+        if child in self.children:
+            self.children.remove(child)
+        att = child.attempt
+        child.attempt = None
+        if att is None or not att.killed_by:
+            # It died on its own: its group and descendants go with it (they are ours).
+            hit = procs.kill_tree(child.pid, child.pid)
+            procs.reap(hit, timeout=1.0)
+            self._count_grandchildren(child, hit)
+        self._reap_strays(child)
+        if att is not None and not att.settled:
+            att.settled = True
+            self.attempts.pop(att.step_id, None)
+            entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(),
+                     "elapsed": round(self.clock() - att.started, 3)}
+            if att.killed_by:
+                entry["killed_by_supervisor"] = True
+                entry["trigger"] = att.killed_by
+                entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
+                self._settle_cancelled(att, entry)
+            else:
+                entry["killed_by_supervisor"] = False
+                desc = procs.exit_description(code)
+                what = f"signal {desc.get('signal_name', desc.get('signal'))}" if "signal" in desc else f"exit code {code}"
+                entry["message"] = f"child process exited unexpectedly ({what})"
+                if att.cancel_reason is not None:
+                    entry["cancel_reason"] = att.cancel_reason
+                    self._settle_cancelled(att, entry)
+                else:
+                    self._write_fail(att, decisions.CHILD_EXITED, entry, require_timed_out=False)
+        if not self.draining:
+            self._spawn()
+
+    def _reap_strays(self, child: ChildProc) -> None:
+        self.descended.update(child.descendants_seen)
+        known = {c.pid for c in self.children}
+        n = procs.reap_strays(self.id, known, self.descended)
+        if n:
+            self.stats["grandchildren_killed"] += n
+
+    def _count_grandchildren(self, child: ChildProc, hit: list[int]) -> None:
+        others = [p for p in hit if p != child.pid]
+        self.stats["grandchildren_killed"] += len(others)
+
+    def _kill_child(self, child: ChildProc, trigger: str) -> None:
+        child.note_descendants()
+        with_suppress_unregister(self.selector, child.sock)
+        hit = child.kill()
+        self.stats["killed"] += 1
+        self._count_grandchildren(child, hit)
+        log.warning("killed child %d (%s) and %d descendant(s)", child.pid, trigger, len([p for p in hit if p != child.pid]))
+
+    def _maybe_recycle(self, child: ChildProc) -> None:
+        cfg = self.config
+        too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
+        rss = child.rss() if cfg.max_child_rss is not None else None
+        too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
+        if not (too_many or too_big):
+            return
+        with_suppress_unregister(self.selector, child.sock)
+        child.retire()
+        if child.wait(timeout=2.0) is None:
+            child.kill()
+        self.children.remove(child)
+        if not self.draining:
+            self._spawn()
+
+    # -- claiming ---------------------------------------------------------------------------
+
+    def _claim(self, now: float) -> None:
+        idle = self._idle_children()
+        if not idle or self.store is None:
+            self.next_poll = now + self.poll_delay
+            return
+        try:
+            rows = self.store.claim(
+                owner=self.id, queues=self.config.queues, names=self.mux.step_names,
+                limit=len(idle), ttl=self.config.lease_ttl,
+            )
+        except DatabaseError as exc:
+            self._db_down(exc)
+            return
+        now = self.clock()
+        for row, child in zip(rows, idle):
+            self._start(row, child, now)
+        self.stats["claimed"] += len(rows)
+        lo, hi = self.config.poll_interval
+        if rows and len(rows) == len(idle):
+            self.poll_delay = lo
+            self.next_poll = now  # maybe more to take once a slot frees
+        elif rows:
+            self.poll_delay = lo
+            self.next_poll = now + lo
+        else:
+            self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
+            self.next_poll = now + self.poll_delay
+
+    def _start(self, row: dict[str, Any], child: ChildProc, now: float) -> None:
+        step = self.mux.steps.get(row["step_name"])
+        interval = self.config.heartbeat_interval
+        timeout = row["timeout"]
+        token = uuid.uuid4().hex[:12]
+        att = Attempt(
+            step_id=row["id"], run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
+            attempt=row["attempt"], generation=row["lease_generation"], timeout=timeout, token=token,
+            child=child, started=now, deadline=(now + timeout) if timeout is not None else None,
+            next_beat=now + random.uniform(0, interval),  # the claim was the first heartbeat
+            lease_ok_until=now + self.config.lease_ttl,
+        )
+        self.attempts[att.step_id] = att
+        child.attempt = att
+        assert step is not None
+        ref = step.ref
+        child.queue({
+            "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
+            "attempt": att.attempt, "timeout": timeout,
+            "deadline": (self.wall_clock() + timeout) if timeout is not None else None,
+            "input": row["input"], "upstream": row["upstream"] or {},
+            "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
+        })
+        child.flush()
+        self._update_write_interest(child)
+
+    # -- heartbeats, deadlines, kills --------------------------------------------------------
+
+    def _renew_due(self, now: float) -> None:
+        interval = self.config.heartbeat_interval
+        for att in list(self.attempts.values()):
+            if now < att.next_beat or att.settled:
+                continue
+            att.next_beat = now + interval * random.uniform(0.9, 1.1)
+            if att.cancel_reason in ("cancelled", "lease_lost"):
+                continue
+            if not self.db_ok or self.store is None:
+                continue
+            self._renew(att)
+
+    def _renew(self, att: Attempt) -> None:
+        """Renew one lease; on zero rows learn why and cancel the attempt (seed: Heartbeats)."""
+        assert self.store is not None
+        progress = att.progress if att.progress_dirty else None
+        try:
+            renewed = self.store.heartbeat(
+                id=att.step_id, owner=self.id, generation=att.generation, ttl=self.config.lease_ttl, progress=progress,
+            )
+            if renewed:
+                att.lease_ok_until = self.clock() + self.config.lease_ttl
+                att.progress_dirty = False
+                return
+            row = self.store.lease_state(att.step_id)
+        except DatabaseError as exc:
+            self._db_down(exc)
+            return
+        if row is None:
+            reason = "cancelled"
+        elif row["state"] == "cancelled":
+            reason = "cancelled"
+        elif row["state"] == "running" and row["lease_owner"] == self.id and row["lease_generation"] == att.generation:
+            reason = "timeout" if row["timed_out"] else "lease_lost"
+        else:
+            reason = "lease_lost"
+        if reason == "lease_lost":
+            self.stats["lease_lost"] += 1
+        log.info("renewal of step %d matched nothing (%s); cancelling its attempt", att.step_id, reason)
+        self._cancel(att, reason, self.clock())
+
+    def _cancel(self, att: Attempt, reason: str, now: float) -> None:
+        if att.cancel_reason is not None:
+            return
+        att.cancel_reason = reason
+        att.killed_by = None
+        att.kill_at = now + self.config.kill_grace
+        att.child.cancel(att.token, reason)
+
+    def _enforce_deadlines(self, now: float) -> None:
+        for att in list(self.attempts.values()):
+            if att.settled:
+                continue
+            if att.cancel_reason is None and att.deadline is not None and now >= att.deadline:
+                self._cancel(att, "timeout", now)
+            if att.cancel_reason is None and now >= att.lease_ok_until:
+                # We could not renew before the lease ran out: someone else may reclaim it.
+                self.stats["lease_lost"] += 1
+                self._cancel(att, "lease_lost", now)
+            if att.kill_at is not None and now >= att.kill_at and not att.settled:
+                att.killed_by = att.cancel_reason
+                child = att.child
+                self._kill_child(child, att.cancel_reason or "kill")
+                self._on_child_exit(child)
+
+    # -- writing outcomes ---------------------------------------------------------------------
+
+    def _flush_completions(self) -> None:
+        if not self.completions:
+            return
+        batch, self.completions = self.completions, []
+        if not self.db_ok or self.store is None:
+            for att, output, progress in batch:
+                self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
+            return
+        try:
+            applied = self.store.complete(
+                owner=self.id, items=[(a.step_id, a.generation, out, prog) for a, out, prog in batch],
+            )
+        except DatabaseError as exc:
+            self._db_down(exc)
+            for att, output, progress in batch:
+                self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
+            return
+        self.stats["completed"] += len(applied)
+        for att, _, _ in batch:
+            if att.step_id not in applied:
+                self._late_success(att)
+
+    def _late_success(self, att: Attempt) -> None:
+        """A success whose CAS failed: a timed-out attempt still counts once, as a timeout."""
+        assert self.store is not None
+        try:
+            row = self.store.lease_state(att.step_id)
+        except DatabaseError as exc:
+            self._db_down(exc)
+            return
+        if row and row["state"] == "running" and row["lease_owner"] == self.id and row["lease_generation"] == att.generation and row["timed_out"]:
+            self._write_fail(att, decisions.TIMEOUT, {"message": "returned after the database deadline"}, require_timed_out=True)
+        else:
+            self.stats["late_completions_dropped"] += 1
+
+    def _write_fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool) -> None:
+        self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": require_timed_out})
+
+    def _write(self, kind: str, att: Attempt, payload: dict[str, Any]) -> None:
+        write = PendingWrite(kind, att, payload, self.clock())
+        if not self._apply(write):
+            self.pending.append(write)
+
+    def _apply(self, write: PendingWrite) -> bool:
+        """Try one write; True when it is done (applied or definitively lost)."""
+        if not self.db_ok or self.store is None:
+            return False
+        att = write.attempt
+        try:
+            if write.kind == "complete":
+                applied = self.store.complete(owner=self.id, items=[(att.step_id, att.generation, write.payload["output"], write.payload["progress"])])
+                if applied:
+                    self.stats["completed"] += 1
+                else:
+                    self._late_success(att)
+                return True
+            if write.kind == "release":
+                if self.store.release(owner=self.id, id=att.step_id, generation=att.generation):
+                    self.stats["released"] += 1
+                return True
+            entry = {
+                "at": dt.datetime.now(dt.timezone.utc).isoformat(), "worker": self.id, **write.payload["entry"],
+            }
+            step = self.mux.steps.get(att.step_name)
+            result = self.store.fail(
+                owner=self.id, id=att.step_id, generation=att.generation, kind=write.payload["kind"], entry=entry,
+                backoff=self._backoff_for(att.step_name),
+                require_timed_out=write.payload["require_timed_out"], progress=att.progress,
+            )
+        except DatabaseError as exc:
+            self._db_down(exc)
+            return False
+        if result == "not_yet":
+            write.retry_at = self.clock() + 0.05
+            return False
+        if result == "applied":
+            self.stats["failed"] += 1
+        return True
+
+    def _retry_pending(self, now: float) -> None:
+        if not self.pending or not self.db_ok:
+            return
+        due = [p for p in self.pending if p.retry_at <= now]
+        self.pending = [p for p in self.pending if p.retry_at > now]
+        for write in due:
+            if not self._apply(write):
+                if write not in self.pending:
+                    write.retry_at = max(write.retry_at, now + 0.05)
+                    self.pending.append(write)
+
+    # -- the recovery sweep ---------------------------------------------------------------------
+
+    def sweep_once(self) -> dict[str, int]:
+        """One pass of the recovery sweep (STYLE pattern 4): at most 100 candidates.
+
+        Returns counts by action (``timeout``, ``reclaim``, ``reclaim_limit``, ``none``).
+        """
+        counts = {"timeout": 0, "reclaim": 0, "reclaim_limit": 0, "none": 0, "timers": 0}
+        if self.store is None:
+            return counts
+        try:
+            for row in self.store.sweep_candidates(SWEEP_LIMIT):
+                action = self.store.expire(row["id"], self._backoff_for, {
+                    "at": dt.datetime.now(dt.timezone.utc).isoformat(), "swept_by": self.id,
+                })
+                counts[action] += 1
+            counts["timers"] = self.store.fire_due_timers(SWEEP_LIMIT)
+        except DatabaseError as exc:
+            self._db_down(exc)
+        self.stats["reclaimed"] += counts["reclaim"]
+        self.stats["swept_timeouts"] += counts["timeout"]
+        self.stats["reclaim_limits"] += counts["reclaim_limit"]
+        return counts
+
+    def _backoff_for(self, step_name: str | None) -> Callable[[int], float]:
+        step = self.mux.steps.get(step_name or "")
+        fn = step.options.backoff if step and step.options.backoff else self.config.defaults.backoff
+        return lambda n: compute_backoff(fn, n)
+
+    # -- database connection ----------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        self._close_db()
+        self.store = Store.open(self.dsn)
+        try:
+            conn = connect(self.dsn)
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self.listen_conn = conn
+            self.selector.register(conn.pgconn.socket, selectors.EVENT_READ, ("listen", None))
+        except (DatabaseError, Exception) as exc:  # noqa: BLE001 - polling still works without LISTEN
+            log.warning("LISTEN unavailable (%s); polling only", exc)
+            self.listen_conn = None
+        self.db_ok = True
+        self.reconnect_delay = RECONNECT_BACKOFF[0]
+        self.next_poll = self.clock()
+        log.info("connected; supervisor %s", self.id)
+
+    def _close_db(self) -> None:
+        if self.listen_conn is not None:
+            try:
+                self.selector.unregister(self.listen_conn.pgconn.socket)
+            except (KeyError, ValueError, Exception):  # noqa: BLE001
+                pass
+            try:
+                self.listen_conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self.listen_conn = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def _db_down(self, exc: Exception) -> None:
+        if self.db_ok:
+            log.warning("database lost (%s); stop claiming, reconnecting", exc)
+        self.db_ok = False
+        self._close_db()
+        self.reconnect_at = self.clock() + self.reconnect_delay
+        self.reconnect_delay = min(RECONNECT_BACKOFF[1], self.reconnect_delay * 2)
+
+    def _drain_notifies(self) -> None:
+        conn = self.listen_conn
+        if conn is None:
+            return
+        try:
+            conn.pgconn.consume_input()
+            got = False
+            while conn.pgconn.notifies() is not None:
+                got = True
+            if got:
+                self.next_poll = self.clock()
+        except Exception as exc:  # noqa: BLE001 - a lost LISTEN connection is re-established
+            self._db_down(exc)
+
+    # -- registry (informational) -------------------------------------------------------------------
+
+    def _registry(self, now: float) -> None:
+        self.next_registry = now + REGISTRY_INTERVAL
+        if not self.db_ok or self.store is None:
+            return
+        kids = []
+        for child in self.children:
+            att = child.attempt
+            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run}
+            if child.proc is not None:
+                try:
+                    info["cpu_percent"] = child.proc.cpu_percent(None)
+                    info["rss"] = child.proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            if att is not None:
+                info.update({"run_id": att.run_id, "node": att.node, "step": att.step_name,
+                             "attempt": att.attempt, "elapsed": round(now - att.started, 3)})
+            kids.append(info)
+        try:
+            self.store.register_worker(id=self.id, hostname=socket.gethostname(), pid=os.getpid(), info={
+                "workers": self.config.workers, "queues": list(self.config.queues),
+                "draining": self.draining, "children": kids, "stats": self.stats,
+            })
+        except DatabaseError as exc:
+            self._db_down(exc)
+
+    # -- teardown ---------------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        for child in list(self.children):
+            with_suppress_unregister(self.selector, child.sock)
+            if child.attempt is None:
+                child.retire()
+        deadline = time.monotonic() + 2.0
+        for child in list(self.children):
+            if child.attempt is not None or child.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
+                child.kill()
+        self.children.clear()
+        procs.reap_strays(self.id, set(), self.descended)
+        if self.db_ok and self.store is not None:
+            for write in list(self.pending):
+                self._apply(write)
+            try:
+                self.store.unregister_worker(self.id)
+            except DatabaseError:
+                pass
+        self._close_db()
+        try:
+            self.selector.close()
+        except Exception:  # noqa: BLE001
+            pass
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def with_suppress_unregister(selector: selectors.BaseSelector, sock: socket.socket) -> None:
+    """Unregister a socket from the selector if it is registered."""
+    try:
+        selector.unregister(sock)
+    except (KeyError, ValueError, OSError):
+        pass

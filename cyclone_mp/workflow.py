@@ -1,0 +1,119 @@
+"""Runs of several steps: a DAG of task, signal and timer nodes (SPEC section 6).
+
+A :class:`Workflow` is a definition only; enqueueing it inserts one run row and one
+step row per node. Validation happens at definition time: unique node names, known
+dependencies (a dependency must be added first, so cycles cannot be built).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from typing import Iterable, Union
+
+from .durations import Duration
+from .durations import seconds as to_seconds
+from .errors import ConfigurationError
+from .steps import Step
+
+NodeRef = Union["Node", str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One node of a workflow.
+
+    Attributes:
+        name: unique within the workflow; tools address a step as ``(run_id, name)``.
+        kind: ``"task"``, ``"signal"`` or ``"timer"``.
+        step: the Step a task node runs (None otherwise).
+        after: names of the nodes it depends on.
+        delay: timer nodes: seconds after the node is reached.
+        until: timer nodes: an absolute UTC instant.
+    """
+
+    name: str
+    kind: str
+    after: tuple[str, ...]
+    step: Step | None = None
+    delay: float | None = None
+    until: dt.datetime | None = None
+
+
+class Workflow:
+    """A named DAG of nodes: ``wf.add(step, after=[...])``, ``wf.signal``, ``wf.timer``."""
+
+    kind = "workflow"
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError("workflow name must be a non-empty string")
+        self.name = name
+        self._nodes: dict[str, Node] = {}
+
+    def _deps(self, after: Iterable[NodeRef] | None) -> tuple[str, ...]:
+        names: list[str] = []
+        for dep in after or ():
+            dep_name = dep.name if isinstance(dep, Node) else dep
+            if not isinstance(dep_name, str) or dep_name not in self._nodes:
+                raise ConfigurationError(
+                    f"workflow {self.name!r}: unknown dependency {dep_name!r} (add a node before the nodes that depend on it)"
+                )
+            if dep_name in names:
+                raise ConfigurationError(f"workflow {self.name!r}: dependency {dep_name!r} listed twice")
+            names.append(dep_name)
+        return tuple(names)
+
+    def _put(self, node: Node) -> Node:
+        if node.name in self._nodes:
+            raise ConfigurationError(f"workflow {self.name!r}: duplicate node name {node.name!r}")
+        self._nodes[node.name] = node
+        return node
+
+    def add(self, step: Step, after: Iterable[NodeRef] | None = None, name: str | None = None) -> Node:
+        """Add a task node running ``step``; returns the node (use it in ``after=``).
+
+        Raises:
+            ConfigurationError: not a Step, duplicate name, unknown dependency.
+        """
+        if not isinstance(step, Step):
+            raise ConfigurationError(f"workflow {self.name!r}: add() takes a cy.step, not {type(step).__name__}")
+        return self._put(Node(name=name or step.name, kind="task", after=self._deps(after), step=step))
+
+    def signal(self, name: str, after: Iterable[NodeRef] | None = None) -> Node:
+        """Add a node that waits in ``waiting_signal`` until ``client.signal(run_id, name, payload)``."""
+        return self._put(Node(name=name, kind="signal", after=self._deps(after)))
+
+    def timer(
+        self,
+        name: str,
+        seconds: Duration | None = None,
+        after: Iterable[NodeRef] | None = None,
+        until: dt.datetime | None = None,
+    ) -> Node:
+        """Add a node that waits in ``waiting_timer`` until due on the database clock.
+
+        Give ``seconds`` (after the node is reached) or ``until`` (an aware UTC instant).
+
+        Raises:
+            ConfigurationError: both or neither given, or a naive ``until``.
+        """
+        if (seconds is None) == (until is None):
+            raise ConfigurationError(f"timer {name!r}: give exactly one of seconds= or until=")
+        if until is not None and (until.tzinfo is None or until.utcoffset() is None):
+            raise ConfigurationError(f"timer {name!r}: until= must be timezone-aware (UTC)")
+        delay = to_seconds(seconds, "seconds", allow_zero=True) if seconds is not None else None
+        return self._put(Node(name=name, kind="timer", after=self._deps(after), delay=delay, until=until))
+
+    @property
+    def nodes(self) -> list[Node]:
+        """Nodes in definition (topological) order."""
+        return list(self._nodes.values())
+
+    def task_nodes(self) -> list[Node]:
+        """The nodes that run a step."""
+        return [n for n in self._nodes.values() if n.kind == "task"]
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, nodes={list(self._nodes)})"
+
