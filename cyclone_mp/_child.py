@@ -225,7 +225,10 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     sys.path[:0] = [p for p in os.environ.get("CYCLONE_MP_SYS_PATH", "").split(os.pathsep) if p and p not in sys.path]
     ctrl = socket.socket(fileno=ctrl_fd)
-    Runner(ctrl, cancel_fd, limit).loop()
+    try:
+        Runner(ctrl, cancel_fd, limit).loop()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the supervisor went away (or recycled us): nothing left to report to
     os._exit(0)
 
 

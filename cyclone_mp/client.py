@@ -67,6 +67,7 @@ class Client:
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int | None = None,
+        registry_interval: Duration = 2.0,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -79,7 +80,8 @@ class Client:
             workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace, poll_interval=poll_interval,
             shutdown_grace=shutdown_grace, queues=queues, max_steps_per_child=max_steps_per_child,
             max_child_rss=max_child_rss, timeout=timeout, max_attempts=max_attempts,
-            max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority, **extra,
+            max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
+            registry_interval=registry_interval, **extra,
         )
         self.mux = mux if mux is not None else Mux()
         self._dsn = dsn

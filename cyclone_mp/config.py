@@ -39,6 +39,8 @@ class Config:
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest message (input or output, bytes) crossing the pipe.
+        registry_interval: seconds between refreshes of the informational
+            ``cyclone_workers`` row (what ``cyclone-mp workers`` shows).
     """
 
     workers: int = 4
@@ -51,6 +53,7 @@ class Config:
     max_steps_per_child: int | None = None
     max_child_rss: int | None = None
     max_payload: int = DEFAULT_MAX_PAYLOAD
+    registry_interval: float = 2.0
 
     @classmethod
     def build(
@@ -65,6 +68,7 @@ class Config:
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
+        registry_interval: Duration = 2.0,
         **step_defaults: object,
     ) -> "Config":
         """Validate raw options (SPEC 2's ``Client(...)`` keywords).
@@ -111,6 +115,7 @@ class Config:
             max_steps_per_child=max_steps_per_child,
             max_child_rss=max_child_rss,
             max_payload=max_payload,
+            registry_interval=seconds(registry_interval, "registry_interval", allow_none=False),  # type: ignore[arg-type]
         )
 
     @property

@@ -21,15 +21,23 @@ import time
 import psutil
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_GET_CHILD_SUBREAPER = 37
 MARKER_ENV = "CYCLONE_MP_SUPERVISOR"
 
 
-def become_subreaper() -> bool:
-    """Make this process a child subreaper (Linux); returns True when it took effect."""
+def set_subreaper(on: bool) -> bool | None:
+    """Turn this process's child-subreaper flag on or off (Linux).
+
+    Returns the previous value (None where unsupported), so a supervisor running in a
+    thread of a bigger program can restore it when it stops.
+    """
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    previous = ctypes.c_int(0)
+    libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(previous), 0, 0, 0)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0)
+    return bool(previous.value)
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -127,6 +135,38 @@ def reap_strays(supervisor_id: str, known: set[int], descended: set[int]) -> int
     if pids:
         reap(sorted(set(pids)), timeout=1.0)
     return len(strays)
+
+
+def kill_marked(supervisor_id: str, exclude: set[int] | None = None) -> int:
+    """SIGKILL every process carrying ``supervisor_id`` as its marker; returns how many.
+
+    Used by the watchdog once the supervisor is dead: the marker is set only in the
+    environment of children this supervisor started, and inherited by their descendants.
+    """
+    hit = 0
+    for proc in psutil.process_iter():
+        if exclude and proc.pid in exclude:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get(MARKER_ENV) == supervisor_id:
+                proc.kill()
+                hit += 1
+    return hit
+
+
+def spawn_watchdog(supervisor_id: str) -> tuple["subprocess.Popen[bytes]", int]:
+    """Start the watchdog process; returns it and the pipe end to keep open (close = fire)."""
+    import subprocess
+
+    r, w = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "cyclone_mp._watchdog", str(r), supervisor_id],
+            pass_fds=(r,), process_group=0, stdin=subprocess.DEVNULL, close_fds=True,
+        )
+    finally:
+        os.close(r)
+    return popen, w
 
 
 def exit_description(status: int | None) -> dict[str, object]:

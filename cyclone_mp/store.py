@@ -26,6 +26,11 @@ from psycopg.types.json import Jsonb
 from . import decisions
 from .errors import DatabaseError, InvalidTransition, RunNotFound
 
+#: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
+FORENSIC_KEYS = frozenset({
+    "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
+    "cpu_seconds", "peak_rss_kb", "elapsed", "worker",
+})
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
 NOTIFY_CHANNEL = "cyclone_mp"
 
@@ -333,6 +338,11 @@ class Store:
                 return "lost"
             row = self._one(cur, "lock_attempt", {"id": id, "owner": owner, "generation": generation})
             if row is None:
+                forensics = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+                if forensics:
+                    cur.execute(Q["annotate_attempt"], {
+                        "id": id, "owner": owner, "generation": generation, "forensics": Jsonb(forensics),
+                    })
                 return "lost"
             if require_timed_out and not row["timed_out"]:
                 return "not_yet"
@@ -399,7 +409,7 @@ class Store:
             if action == "timeout":
                 self._end_attempt(cur, id, row, decisions.TIMEOUT, {
                     **entry, "message": "timed out (database clock); settled by the recovery sweep",
-                    "lease_owner": row["lease_owner"],
+                    "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
                 }, backoff_for(row["step_name"]))
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
@@ -407,7 +417,7 @@ class Store:
                 message = f"lease expired after {row['reclaims']} reclaims (max_reclaims={row['max_reclaims']})"
                 cur.execute(Q["discard_reclaim_limit"], {"id": id, "error": message, "entry": Jsonb({
                     **entry, "attempt": row["attempt"], "kind": decisions.RECLAIM_LIMIT, "message": message,
-                    "lease_owner": row["lease_owner"],
+                    "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
                 })})
                 self._advance(cur, self._run_of(cur, id))
             return action

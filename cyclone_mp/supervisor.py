@@ -39,7 +39,6 @@ from .store import NOTIFY_CHANNEL, Store, connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
-REGISTRY_INTERVAL = 2.0  # seconds between refreshes of the informational worker row
 RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
 
 
@@ -166,7 +165,8 @@ class Supervisor:
 
     def run(self) -> None:
         """Run until shut down. Children are created from this thread (PDEATHSIG is per thread)."""
-        procs.become_subreaper()
+        self._was_subreaper = procs.set_subreaper(True)
+        self._watchdog, self._watchdog_fd = procs.spawn_watchdog(self.id)
         try:
             self._connect()
         except DatabaseError as exc:
@@ -397,7 +397,7 @@ class Supervisor:
 
     def _reap_strays(self, child: ChildProc) -> None:
         self.descended.update(child.descendants_seen)
-        known = {c.pid for c in self.children}
+        known = {c.pid for c in self.children} | {self._watchdog.pid}
         n = procs.reap_strays(self.id, known, self.descended)
         if n:
             self.stats["grandchildren_killed"] += n
@@ -615,7 +615,8 @@ class Supervisor:
                     self.stats["released"] += 1
                 return True
             entry = {
-                "at": dt.datetime.now(dt.timezone.utc).isoformat(), "worker": self.id, **write.payload["entry"],
+                "at": dt.datetime.now(dt.timezone.utc).isoformat(), "worker": self.id,
+                "lease_generation": att.generation, **write.payload["entry"],
             }
             step = self.mux.steps.get(att.step_name)
             result = self.store.fail(
@@ -731,7 +732,7 @@ class Supervisor:
     # -- registry (informational) -------------------------------------------------------------------
 
     def _registry(self, now: float) -> None:
-        self.next_registry = now + REGISTRY_INTERVAL
+        self.next_registry = now + self.config.registry_interval
         if not self.db_ok or self.store is None:
             return
         kids = []
@@ -768,7 +769,15 @@ class Supervisor:
             if child.attempt is not None or child.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 child.kill()
         self.children.clear()
-        procs.reap_strays(self.id, set(), self.descended)
+        procs.reap_strays(self.id, {self._watchdog.pid}, self.descended)
+        if self._was_subreaper is False:
+            procs.set_subreaper(False)
+        os.close(self._watchdog_fd)  # EOF: the watchdog sweeps anything marked, then exits
+        try:
+            self._watchdog.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            self._watchdog.kill()
+            self._watchdog.wait()
         if self.db_ok and self.store is not None:
             for write in list(self.pending):
                 self._apply(write)

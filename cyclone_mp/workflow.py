@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import sys
 from typing import Iterable, Union
 
 from .durations import Duration
@@ -50,6 +51,8 @@ class Workflow:
             raise ConfigurationError("workflow name must be a non-empty string")
         self.name = name
         self._nodes: dict[str, Node] = {}
+        # Where a worker process finds this definition again (a module-level attribute).
+        self.module: str = sys._getframe(1).f_globals.get("__name__", "__main__")
 
     def _deps(self, after: Iterable[NodeRef] | None) -> tuple[str, ...]:
         names: list[str] = []

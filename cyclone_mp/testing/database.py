@@ -1,0 +1,124 @@
+"""The PostgreSQL that tests run against, and one fresh database per test (SPEC section 7).
+
+Chosen in this order: ``CYCLONE_TEST_DSN``; testcontainers' PostgreSQL when a Docker
+engine answers; otherwise the embedded server on a temporary data directory (removed at
+the end of the session). A migrated template database is cloned for every test
+(``CREATE DATABASE ... TEMPLATE``), so tests are isolated and child processes see
+committed rows (STYLE pattern 10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from ..store import Store, redact
+
+log = logging.getLogger("cyclone_mp.testing")
+
+ENV_DSN = "CYCLONE_TEST_DSN"
+POSTGRES_IMAGE = "postgres:16-alpine"
+
+
+def docker_available(timeout: float = 2.0) -> bool:
+    """True when a Docker engine answers a ping (fast False when there is no socket)."""
+    host = os.environ.get("DOCKER_HOST", "")
+    if not host and not os.path.exists("/var/run/docker.sock"):
+        return False
+    try:
+        import docker
+
+        client = docker.from_env(timeout=int(max(1, timeout)))
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:  # noqa: BLE001 - any failure means "no usable engine"
+        return False
+
+
+class TestServer:
+    """One PostgreSQL server for the session and a migrated template on it.
+
+    Attributes:
+        admin_dsn: DSN of a maintenance database on the server.
+        source: ``"env"``, ``"testcontainers"`` or ``"embedded"``.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self) -> None:
+        self._container: Any = None
+        self._embedded: Any = None
+        self._tmpdir: str | None = None
+        env_dsn = os.environ.get(ENV_DSN)
+        if env_dsn:
+            self.admin_dsn, self.source = env_dsn, "env"
+        elif docker_available():
+            from testcontainers.postgres import PostgresContainer
+
+            self._container = PostgresContainer(POSTGRES_IMAGE, driver=None)
+            self._container.start()
+            self.admin_dsn, self.source = self._container.get_connection_url(), "testcontainers"
+        else:
+            from ..embedded import EmbeddedServer
+
+            self._tmpdir = tempfile.mkdtemp(prefix="cyclone-mp-test-")
+            os.chmod(self._tmpdir, 0o755)  # the server runs as its own user when we are root
+            self._embedded = EmbeddedServer(os.path.join(self._tmpdir, "pgdata"))
+            self.admin_dsn, self.source = self._embedded.start(), "embedded"
+        self.template = f"cyclone_tpl_{uuid.uuid4().hex[:10]}"
+        self._create(self.template, template=None)
+        store = Store.open(self.dsn_for(self.template))
+        try:
+            store.migrate()
+        finally:
+            store.close()
+        log.info("test database server: %s (%s)", self.source, redact(self.admin_dsn))
+
+    def dsn_for(self, dbname: str) -> str:
+        """The server's DSN pointed at ``dbname``."""
+        return make_conninfo(self.admin_dsn, dbname=dbname)
+
+    def _create(self, name: str, template: str | None) -> None:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+            if template:
+                query = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template))
+            conn.execute(query)
+
+    def new_database(self) -> str:
+        """Clone the migrated template into a fresh database; returns its DSN."""
+        name = f"cyclone_t_{uuid.uuid4().hex[:12]}"
+        self._create(name, template=self.template)
+        return self.dsn_for(name)
+
+    def drop_database(self, dsn: str) -> None:
+        """Drop a database made by :meth:`new_database` (closing its connections)."""
+        name = psycopg.conninfo.conninfo_to_dict(dsn).get("dbname")
+        if not name or not str(name).startswith("cyclone_t_"):
+            return
+        with contextlib.suppress(psycopg.Error), psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(str(name))))
+
+    def close(self) -> None:
+        """Drop the template and stop whatever this object started."""
+        with contextlib.suppress(psycopg.Error), psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.template)))
+        if self._container is not None:
+            with contextlib.suppress(Exception):
+                self._container.stop()
+        if self._embedded is not None:
+            with contextlib.suppress(Exception):
+                self._embedded.destroy()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,0 +1,355 @@
+"""``Env``: a cyclone_mp test environment with real crash simulation (SPEC section 7).
+
+The Python counterpart of the seed's ``cyclonetest``. ``worker="process"`` runs each
+supervisor as a real separate process, so :meth:`Env.crash_worker` is a real SIGKILL
+and :meth:`Env.freeze_worker` a real SIGSTOP; ``worker="thread"`` runs the supervisor
+inside the test process (faster; crash helpers are then unavailable). Handlers always
+run in child processes, so they must be importable by module path (defined at module
+level of an importable module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+from .. import procs
+from ..client import Client
+from ..errors import ConfigurationError
+from ..status import RunStatus, StepStatus
+from ..steps import Mux, Step
+from ..store import connect
+from ..workflow import Workflow
+
+
+class WorkerHandle:
+    """One supervisor started by an Env: a process (``popen``) or a thread (``client``)."""
+
+    def __init__(self, *, popen: subprocess.Popen[bytes] | None = None, client: Client | None = None,
+                 supervisor_id: str = "") -> None:
+        self.popen = popen
+        self.client = client
+        self.supervisor_id = supervisor_id
+
+    @property
+    def pid(self) -> int:
+        """The supervisor's pid (the test process itself in thread mode)."""
+        return self.popen.pid if self.popen is not None else os.getpid()
+
+    def alive(self) -> bool:
+        """True while the supervisor runs."""
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return self.client is not None and self.client.supervisor is not None and not self.client.supervisor.stopped.is_set()
+
+
+class Env:
+    """A test environment bound to one fresh database.
+
+    Args:
+        dsn: the test database (the fixtures give each test its own).
+        workers: child slots per supervisor. lease_ttl, kill_grace, shutdown_grace:
+            seconds (short defaults for fast tests). poll_interval: seconds or (min, max).
+        worker: ``"process"`` (a real supervisor process) or ``"thread"``.
+        **options: any other :class:`~cyclone_mp.Client` option.
+
+    Raises:
+        ConfigurationError: an unknown ``worker`` mode.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        workers: int = 2,
+        lease_ttl: float = 0.2,
+        kill_grace: float = 0.5,
+        shutdown_grace: float = 5.0,
+        poll_interval: Any = (0.02, 0.1),
+        worker: str = "process",
+        **options: Any,
+    ) -> None:
+        if worker not in ("process", "thread"):
+            raise ConfigurationError(f"worker must be 'process' or 'thread', not {worker!r}")
+        self.dsn = dsn
+        self.mode = worker
+        self.options: dict[str, Any] = {
+            "workers": workers, "lease_ttl": lease_ttl, "kill_grace": kill_grace,
+            "shutdown_grace": shutdown_grace, "poll_interval": list(poll_interval) if isinstance(poll_interval, (tuple, list)) else poll_interval,
+            "registry_interval": 0.1, **options,
+        }
+        self._mux = Mux()
+        self._client = Client(dsn, self._mux, **self.options)
+        self.workers: list[WorkerHandle] = []
+        self.clock_skew = 0.0
+        self._tmp = tempfile.mkdtemp(prefix="cyclone-env-")
+        self._pids_seen: set[int] = set()
+
+    # -- accessors ----------------------------------------------------------------------------
+
+    def mux(self) -> Mux:
+        """The environment's mux: register steps and workflows here."""
+        return self._mux
+
+    def client(self) -> Client:
+        """A client on the test database (enqueue, status, cancel, ...)."""
+        return self._client
+
+    def enqueue(self, target: Step | Workflow | str, input: Any = None, **options: Any) -> str:
+        """Register ``target`` if needed and enqueue it; returns the run id.
+
+        Raises:
+            ConfigurationError: ``target`` is new but a supervisor already runs (it would
+                never claim it: register every step before :meth:`start_worker`).
+        """
+        if isinstance(target, (Step, Workflow)) and target.name not in self._mux.steps and target.name not in self._mux.workflows:
+            if any(w.alive() for w in self.workers):
+                raise ConfigurationError(
+                    f"{target.name!r} was not registered when the worker started; register it first "
+                    "(env.mux().register(...)) or enqueue it before env.start_worker()"
+                )
+            self._mux.register(target)
+        return self._client.enqueue(target, input, **options)
+
+    # -- supervisors ---------------------------------------------------------------------------
+
+    def start_worker(self, **overrides: Any) -> WorkerHandle:
+        """Start one more supervisor (process or thread per the mode) and wait until it runs."""
+        options = {**self.options, **overrides}
+        if self.mode == "thread":
+            skew = self.clock_skew
+            client = Client(self.dsn, self._mux, clock=lambda: time.monotonic() + skew,
+                            wall_clock=lambda: time.time() + skew, **options)
+            client.start()
+            handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
+        else:
+            handle = self._spawn_process(options)
+        self.workers.append(handle)
+        return handle
+
+    def _spawn_process(self, options: dict[str, Any]) -> WorkerHandle:
+        steps, workflows = [], []
+        for step in self._mux.steps.values():
+            if not step.ref.importable():
+                raise ConfigurationError(
+                    f"step {step.name!r}: handler {step.ref.qualname} must be defined at module level of an "
+                    f"importable module to run in a worker process (it is in {step.ref.module})"
+                )
+            steps.append({"module": step.ref.module, "qualname": _step_attr(step), "path": step.ref.path})
+        for wf in self._mux.workflows.values():
+            workflows.append({"module": wf.module, "name": wf.name})
+        ready = os.path.join(self._tmp, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
+        config = {
+            "dsn": self.dsn, "steps": steps, "workflows": workflows, "options": options,
+            "ready_file": ready, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
+            "clock_skew": self.clock_skew,
+        }
+        popen = subprocess.Popen([sys.executable, "-m", "cyclone_mp.testing.worker", json.dumps(config)],
+                                 stdin=subprocess.DEVNULL)
+        self._pids_seen.add(popen.pid)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready):
+            if popen.poll() is not None:
+                raise RuntimeError(f"test worker exited with code {popen.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                popen.kill()
+                popen.wait()
+                raise TimeoutError("test worker did not become ready in 30 s")
+            time.sleep(0.01)
+        with open(ready) as fh:
+            return WorkerHandle(popen=popen, supervisor_id=fh.read().strip())
+
+    def _worker(self) -> WorkerHandle:
+        live = [w for w in self.workers if w.alive()]
+        if not live:
+            raise RuntimeError("no live worker: call env.start_worker() first")
+        return live[-1]
+
+    def _require_process(self, what: str) -> WorkerHandle:
+        if self.mode != "process":
+            raise ConfigurationError(f"{what} needs Env(worker='process')")
+        return self._worker()
+
+    def crash_worker(self) -> int:
+        """SIGKILL the newest live supervisor process (a real crash); returns its pid.
+
+        Its children die with it (PDEATHSIG); its leases expire and are reclaimed by
+        another supervisor's sweep.
+        """
+        handle = self._require_process("crash_worker()")
+        assert handle.popen is not None
+        handle.popen.send_signal(signal.SIGKILL)
+        handle.popen.wait()
+        return handle.popen.pid
+
+    def freeze_worker(self) -> None:
+        """SIGSTOP the newest supervisor process (a partition or a long pause)."""
+        handle = self._require_process("freeze_worker()")
+        os.kill(handle.pid, signal.SIGSTOP)
+
+    def thaw_worker(self) -> None:
+        """SIGCONT every frozen supervisor process."""
+        for handle in self.workers:
+            if handle.popen is not None and handle.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(handle.pid, signal.SIGCONT)
+
+    def terminate_worker(self, sig: int = signal.SIGTERM) -> WorkerHandle:
+        """Send ``sig`` to the newest supervisor process (SIGTERM drains, SPEC 5)."""
+        handle = self._require_process("terminate_worker()")
+        os.kill(handle.pid, sig)
+        return handle
+
+    def skew_worker_clock(self, seconds: float) -> None:
+        """Shift the local clocks of supervisors started from now on by ``seconds``.
+
+        Durable timeouts and lease expiries are decided on the database clock, so a
+        skew must change nothing; restart workers after calling this to apply it.
+        """
+        self.clock_skew = float(seconds)
+
+    def kill_child(self, run_id: str, node: str | None = None, timeout: float = 10.0) -> int:
+        """SIGKILL the child process running ``(run_id, node)``; returns its pid."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for row in self._client.workers(within=5.0):
+                for child in (row.get("info") or {}).get("children", []):
+                    if child.get("run_id") == run_id and (node is None or child.get("node") == node):
+                        pid = int(child["pid"])
+                        if _is_our_descendant(pid):
+                            os.kill(pid, signal.SIGKILL)
+                            return pid
+            time.sleep(0.02)
+        raise TimeoutError(f"no child is running {run_id}/{node}")
+
+    def child_pids(self) -> list[int]:
+        """Pids of every child process of every live supervisor."""
+        pids: list[int] = []
+        for handle in self.workers:
+            if handle.alive():
+                for proc in psutil.Process(handle.pid).children():
+                    with contextlib.suppress(psutil.Error):
+                        if proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id:
+                            pids.append(proc.pid)
+        return pids
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def status(self, run_id: str) -> RunStatus:
+        """``client.status(run_id)``."""
+        return self._client.status(run_id)
+
+    def run_until_complete(self, run_id: str, timeout: float = 30.0) -> RunStatus:
+        """Start a worker if none runs, wait until the run is terminal, return its status.
+
+        Raises:
+            TimeoutError: still not terminal after ``timeout`` seconds (message has the states).
+        """
+        if not any(w.alive() for w in self.workers):
+            self.start_worker()
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self._client.status(run_id)
+            if status.terminal:
+                return status
+            if time.monotonic() > deadline:
+                states = {n: s.state for n, s in status.steps.items()}
+                raise TimeoutError(f"run {run_id} is still {status.state} after {timeout}s: {states}")
+            time.sleep(0.02)
+
+    def wait_for_state(
+        self, run_id: str, node: str | None, state: str | tuple[str, ...], timeout: float = 10.0,
+        owner: "WorkerHandle | None" = None,
+    ) -> StepStatus:
+        """Wait until step ``node`` (None: the only step) is in ``state``; returns its status.
+
+        With ``owner``, also wait until that supervisor holds the step's lease (for
+        example the new worker after a crash, once it reclaimed and claimed the step).
+        """
+        wanted = (state,) if isinstance(state, str) else tuple(state)
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self._client.status(run_id)
+            step = run.steps[node] if node is not None else run.step
+            if step.state in wanted and (owner is None or step.lease_owner == owner.supervisor_id):
+                return step
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{run_id}/{step.name} is {step.state}, not {wanted}, after {timeout}s")
+            time.sleep(0.01)
+
+    def expire_lease(self, run_id: str, node: str | None = None) -> int:
+        """Set the step's ``lease_expiry`` to the past; the next sweep reclaims it. Returns rows hit."""
+        with connect(self.dsn) as conn:
+            cur = conn.execute(
+                "UPDATE cyclone_steps SET lease_expiry = now() - interval '1 second' "
+                "WHERE run_id = %s AND (%s::text IS NULL OR node = %s) AND state = 'running'",
+                (run_id, node, node),
+            )
+            return cur.rowcount
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def stop_workers(self) -> None:
+        """Stop every supervisor: SIGKILL processes (their children die with them), stop threads."""
+        for handle in self.workers:
+            if handle.popen is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(handle.popen.pid, signal.SIGCONT)
+                if handle.popen.poll() is None:
+                    handle.popen.terminate()
+                    try:
+                        handle.popen.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        handle.popen.kill()
+                        handle.popen.wait()
+            elif handle.client is not None:
+                handle.client.stop()
+                handle.client.close()
+        self.workers.clear()
+
+    def close(self) -> None:
+        """Stop workers, close the client, and check that no process of ours is left."""
+        self.stop_workers()
+        self._client.close()
+        _wait_gone(self._pids_seen, timeout=5.0)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._tmp):
+                os.unlink(os.path.join(self._tmp, name))
+            os.rmdir(self._tmp)
+
+    def __enter__(self) -> "Env":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _step_attr(step: Step) -> str:
+    """The module attribute holding the Step object (its handler's qualname)."""
+    return step.ref.qualname
+
+
+def _is_our_descendant(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        me = os.getpid()
+        return any(p.pid == me for p in psutil.Process(pid).parents())
+    return False
+
+
+def _wait_gone(pids: set[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            time.sleep(0.01)

@@ -1,0 +1,97 @@
+"""Entry point of a test supervisor process (``Env(worker="process")``).
+
+``python -m cyclone_mp.testing.worker CONFIG_JSON``: rebuilds the mux from handler
+references (children and this process import handlers by module path), runs a
+:class:`~cyclone_mp.Client` supervisor, and writes its supervisor id to
+``config["ready_file"]`` once running. Dies with the test process (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from .._child import die_with_parent
+from ..steps import Mux, Step
+from ..workflow import Workflow
+
+
+def resolve(ref: dict[str, Any]) -> Any:
+    """Import ``ref["module"]`` (or load ``ref["path"]``) and return ``ref["qualname"]``."""
+    name, path = ref["module"], ref.get("path")
+    if path and name in ("__main__", "__mp_main__"):
+        spec = importlib.util.spec_from_file_location("__mp_main__", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["__mp_main__"] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(name)
+    target: Any = module
+    for part in ref["qualname"].split("."):
+        target = getattr(target, part)
+    return target
+
+
+def find_workflow(module_name: str, wf_name: str) -> Workflow:
+    """The module-level Workflow named ``wf_name`` in ``module_name``."""
+    module = importlib.import_module(module_name)
+    for value in vars(module).values():
+        if isinstance(value, Workflow) and value.name == wf_name:
+            return value
+    raise LookupError(f"workflow {wf_name!r} is not a module-level attribute of {module_name}")
+
+
+def build_mux(config: dict[str, Any]) -> Mux:
+    """Rebuild the test's mux in this process."""
+    mux = Mux()
+    for ref in config["steps"]:
+        target = resolve(ref)
+        if not isinstance(target, Step):
+            raise TypeError(f"{ref['module']}.{ref['qualname']} is not a cy.step")
+        mux.register(target)
+    for ref in config["workflows"]:
+        mux.register(find_workflow(ref["module"], ref["name"]))
+    return mux
+
+
+def main(argv: list[str]) -> None:
+    config = json.loads(argv[0])
+    die_with_parent(config["parent_pid"])
+    logging.basicConfig(level=os.environ.get("CYCLONE_MP_LOG", "WARNING"),
+                        format="%(asctime)s worker %(process)d %(name)s: %(message)s")
+    sys.path[:0] = [p for p in config.get("sys_path", []) if p not in sys.path]
+    from ..client import Client
+
+    skew = float(config.get("clock_skew", 0.0))
+    client = Client(
+        config["dsn"], build_mux(config),
+        clock=lambda: time.monotonic() + skew, wall_clock=lambda: time.time() + skew,
+        **config["options"],
+    )
+
+    def announce() -> None:
+        sup = None
+        while sup is None:
+            sup = client.supervisor
+            time.sleep(0.005)
+        sup.running.wait()
+        tmp = config["ready_file"] + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(sup.id)
+        os.replace(tmp, config["ready_file"])
+
+    threading.Thread(target=announce, daemon=True).start()
+    client.run()
+    client.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,38 @@
+"""Shared test setup: every test must leave no child, grandchild or zombie behind."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    """Fail a test that leaves a live or zombie descendant of the test process."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = [p for p in me.children(recursive=True) if p.pid not in before]
+        zombies = [p for p in left if _status(p) == psutil.STATUS_ZOMBIE]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {[(p.pid, _cmd(p)) for p in left]} (zombies: {[p.pid for p in zombies]})"
+
+
+def _status(p: psutil.Process) -> str:
+    try:
+        return p.status()
+    except psutil.Error:
+        return "gone"
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())[:120]
+    except psutil.Error:
+        return "?"

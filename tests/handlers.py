@@ -1,0 +1,123 @@
+"""Module-level step handlers used by the tests (children import them by module path)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import cyclone_mp as cy
+
+
+def _no_backoff(attempt: int) -> float:
+    return 0.0
+
+
+@cy.step("ok")
+def ok(ctx: cy.Context, inp: dict) -> dict:
+    return {"echo": inp, "attempt": ctx.attempt, "run_id": ctx.run_id}
+
+
+@cy.step("raises", max_attempts=3, backoff=_no_backoff)
+def raises(ctx: cy.Context, inp: dict) -> dict:
+    raise ValueError(f"bad value on attempt {ctx.attempt}")
+
+
+@cy.step("flaky", max_attempts=5, backoff=_no_backoff)
+def flaky(ctx: cy.Context, inp: dict) -> dict:
+    if ctx.attempt < inp.get("succeed_on", 2):
+        raise RuntimeError("not yet")
+    return {"attempt": ctx.attempt}
+
+
+@cy.step("flaky_default_backoff", max_attempts=5)
+def flaky_default_backoff(ctx: cy.Context, inp: dict) -> dict:
+    if ctx.attempt < 2:
+        raise RuntimeError("first attempt fails")
+    return {"attempt": ctx.attempt}
+
+
+@cy.step("permanent", max_attempts=5, backoff=_no_backoff)
+def permanent(ctx: cy.Context, inp: dict) -> dict:
+    raise cy.Permanent(KeyError("missing thing"))
+
+
+@cy.step("exits", max_attempts=2, backoff=_no_backoff)
+def exits(ctx: cy.Context, inp: dict) -> dict:
+    os._exit(inp.get("code", 3))
+
+
+@cy.step("segfault", max_attempts=1)
+def segfault(ctx: cy.Context, inp: dict) -> dict:
+    ctypes.string_at(0)
+    return {}
+
+
+@cy.step("cooperative", timeout=0.5, max_attempts=2, backoff=_no_backoff)
+def cooperative(ctx: cy.Context, inp: dict) -> dict:
+    """Waits on the cancellation handle; returns when woken."""
+    woke = ctx.cancellation.wait(inp.get("sleep", 30))
+    if woke:
+        ctx.check_cancellation()
+    return {"woke": woke}
+
+
+@cy.step("ignores_cancel", timeout=0.5, max_attempts=2, backoff=_no_backoff)
+def ignores_cancel(ctx: cy.Context, inp: dict) -> dict:
+    """Sleeps in small slices whatever ctx says, then returns (too late)."""
+    end = time.monotonic() + inp.get("sleep", 1.5)
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    Path(inp["marker"]).write_text(str(ctx.attempt)) if inp.get("marker") else None
+    return {"late": True}
+
+
+@cy.step("regex_wedge", timeout=1, max_attempts=1)
+def regex_wedge(ctx: cy.Context, inp: dict) -> dict:
+    re.match(r"(a+)+$", "a" * 60 + "b")  # catastrophic backtracking in C
+    return {}
+
+
+@cy.step("deque_wedge", timeout=1, max_attempts=1)
+def deque_wedge(ctx: cy.Context, inp: dict) -> dict:
+    import collections
+    import itertools
+
+    collections.deque(itertools.repeat(None, 10**12), maxlen=0)  # a C loop holding the GIL
+    return {}
+
+
+@cy.step("sleeper", max_attempts=3)
+def sleeper(ctx: cy.Context, inp: dict) -> dict:
+    """Sleeps ``seconds`` (ignoring ctx); appends a line to ``log`` when it starts and ends."""
+    log = inp.get("log")
+    if log:
+        with open(log, "a") as fh:
+            fh.write(f"start {os.getpid()} {ctx.attempt}\n")
+    time.sleep(inp.get("seconds", 1.0))
+    if log:
+        with open(log, "a") as fh:
+            fh.write(f"end {os.getpid()} {ctx.attempt}\n")
+    return {"slept": inp.get("seconds", 1.0)}
+
+
+@cy.step("spawner", max_attempts=3)
+def spawner(ctx: cy.Context, inp: dict) -> dict:
+    """Starts grandchildren (one in its group, one setsid'd), records pids, then blocks."""
+    a = subprocess.Popen(["sleep", "300"])
+    b = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    Path(inp["pids"]).write_text(f"{os.getpid()} {a.pid} {b.pid}\n")
+    if inp.get("block", True):
+        time.sleep(300)
+    return {"pids": [a.pid, b.pid]}
+
+
+@cy.step("progress", max_attempts=1)
+def progress(ctx: cy.Context, inp: dict) -> dict:
+    for i in range(inp.get("n", 5)):
+        ctx.set_progress(i + 1, inp.get("n", 5), f"item {i + 1}")
+        time.sleep(inp.get("pause", 0.1))
+    return {"done": True}

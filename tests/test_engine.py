@@ -1,0 +1,389 @@
+"""The engine against a real PostgreSQL and real processes: SPEC sections 3 and 4 (issue 2)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import cyclone_mp as cy
+from cyclone_mp.store import connect
+
+import handlers as h
+
+
+def wait_gone(pids, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+        if not alive:
+            return []
+        time.sleep(0.02)
+    return [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+
+
+def _not_zombie(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def read_pids(path: Path, timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().endswith("\n"):
+            return [int(x) for x in path.read_text().split()]
+        time.sleep(0.02)
+    raise TimeoutError(f"{path} never written")
+
+
+# -- SPEC 3, row by row ------------------------------------------------------------------------
+
+
+def test_success_completes(cyclone_env):
+    run_id = cyclone_env.enqueue(h.ok, {"x": 1})
+    run = cyclone_env.run_until_complete(run_id)
+    step = run.step
+    assert (run.state, step.state, step.attempt, step.reclaims) == ("completed", "completed", 1, 0)
+    assert step.output == {"echo": {"x": 1}, "attempt": 1, "run_id": run_id}
+    assert step.error is None and step.error_kind is None and step.errors == []
+    assert step.finished_at is not None and step.lease_owner
+
+
+def test_handler_raises_retries_then_discards(cyclone_env):
+    run_id = cyclone_env.enqueue(h.raises, {})
+    run = cyclone_env.run_until_complete(run_id)
+    step = run.step
+    assert (run.state, step.state, step.attempt, step.max_attempts) == ("discarded", "discarded", 3, 3)
+    assert step.error_kind == "error"
+    assert [e["kind"] for e in step.errors] == ["error"] * 3
+    assert [e["attempt"] for e in step.errors] == [1, 2, 3]
+    assert step.errors[0]["type"] == "builtins.ValueError"
+    assert "bad value on attempt 1" in step.errors[0]["message"]
+    assert "Traceback" in step.errors[0]["traceback"]
+
+
+def test_retryable_error_then_success(cyclone_env):
+    run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.flaky, {"succeed_on": 3}))
+    assert run.step.state == "completed" and run.step.attempt == 3
+    assert [e["kind"] for e in run.step.errors] == ["error", "error"]
+    assert run.step.error_kind is None
+
+
+def test_default_backoff_schedules_the_retry(cyclone_env):
+    run_id = cyclone_env.enqueue(h.flaky_default_backoff, {})
+    cyclone_env.start_worker()
+    step = cyclone_env.wait_for_state(run_id, None, ("available", "completed"), timeout=10)
+    if step.state == "available" and step.attempt == 2:
+        with connect(cyclone_env.dsn) as conn:
+            row = conn.execute(
+                "SELECT extract(epoch FROM scheduled_at - finished_at)::float8 AS a, "
+                "extract(epoch FROM scheduled_at - now())::float8 AS b FROM cyclone_steps WHERE run_id = %s",
+                (run_id,),
+            ).fetchone()
+        assert row["b"] <= 1.1  # attempt**4 = 1 s, +-10 %
+    run = cyclone_env.run_until_complete(run_id)
+    assert (run.step.state, run.step.attempt) == ("completed", 2)
+    gap = (run.step.started_at - dt.datetime.fromisoformat(run.step.errors[0]["at"])).total_seconds()
+    assert 0.85 <= gap <= 2.0
+
+
+def test_permanent_discards_at_once(cyclone_env):
+    run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.permanent, {}))
+    step = run.step
+    assert (step.state, step.attempt, step.max_attempts, step.error_kind) == ("discarded", 1, 5, "permanent")
+    assert len(step.errors) == 1 and step.errors[0]["type"] == "builtins.KeyError"
+
+
+def test_child_exit_code_is_recorded(cyclone_env):
+    run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.exits, {"code": 7}))
+    step = run.step
+    assert (step.state, step.attempt, step.error_kind) == ("discarded", 2, "child_exited")
+    assert [e["exit_code"] for e in step.errors] == [7, 7]
+    assert all(e["killed_by_supervisor"] is False for e in step.errors)
+    assert all("cpu_seconds" in e and "peak_rss_kb" in e for e in step.errors)
+
+
+def test_segfault_is_child_exited_with_signal(cyclone_env):
+    cyclone_env.mux().register(h.ok)
+    run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.segfault, {}))
+    entry = run.step.errors[0]
+    assert run.step.error_kind == "child_exited"
+    assert entry["signal_name"] == "SIGSEGV"
+    # the supervisor survived and still takes work
+    assert cyclone_env.run_until_complete(cyclone_env.enqueue(h.ok, {})).state == "completed"
+
+
+def test_cooperative_timeout_consumes_one_attempt_each(cyclone_env):
+    run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.cooperative, {}))
+    step = run.step
+    assert (step.state, step.attempt, step.error_kind) == ("discarded", 2, "timeout")
+    assert [e["kind"] for e in step.errors] == ["timeout", "timeout"]
+    assert [e["attempt"] for e in step.errors] == [1, 2]
+
+
+def test_timeout_retries_when_attempts_remain(cyclone_env):
+    run_id = cyclone_env.enqueue(h.cooperative, {}, max_attempts=3)
+    cyclone_env.start_worker()
+    step = cyclone_env.wait_for_state(run_id, None, "discarded", timeout=15)
+    assert step.attempt == 3 and step.max_attempts == 3 and len(step.errors) == 3
+
+
+def test_cancel_is_immediate_and_consumes_nothing(cyclone_env):
+    run_id = cyclone_env.enqueue(h.sleeper, {"seconds": 30}, delay=60)
+    assert cyclone_env.client().cancel(run_id) == 1
+    run = cyclone_env.status(run_id)
+    assert run.state == "cancelled" and run.step.state == "cancelled"
+    assert run.step.attempt == 1 and run.step.errors == [] and run.step.error is None
+    with pytest.raises(cy.InvalidTransition):
+        cyclone_env.client().cancel(run_id)
+
+
+def test_supervisor_crash_reclaims_without_consuming_an_attempt(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(lease_ttl=1.0)
+    log = tmp_path / "log"
+    run_id = env.enqueue(h.sleeper, {"seconds": 1.5, "log": str(log)})
+    env.start_worker()
+    running = env.wait_for_state(run_id, None, "running")
+    gen = running.lease_generation
+    time.sleep(0.3)
+    env.crash_worker()
+    env.start_worker()
+    run = env.run_until_complete(run_id, timeout=30)
+    step = run.step
+    assert (step.state, step.attempt, step.reclaims) == ("completed", 1, 1)
+    assert step.lease_generation == gen + 1
+    assert step.errors == [] and step.error_kind is None
+    lines = log.read_text().split("\n")
+    assert sum(1 for line in lines if line.startswith("end")) == 1
+
+
+def test_max_reclaims_discards_after_the_nth_reclaim(cyclone_env_factory):
+    env = cyclone_env_factory(lease_ttl=0.5)
+    run_id = env.enqueue(h.sleeper, {"seconds": 30}, max_reclaims=1)
+    for expected_reclaims in (0, 1):
+        handle = env.start_worker()
+        step = env.wait_for_state(run_id, None, "running", timeout=15, owner=handle)
+        assert step.reclaims == expected_reclaims
+        env.crash_worker()
+    env.start_worker()  # its sweep sees the second expiry
+    step = env.wait_for_state(run_id, None, "discarded", timeout=15)
+    assert (step.reclaims, step.error_kind, step.attempt) == (1, "reclaim_limit", 1)
+    assert env.status(run_id).state == "discarded"
+
+
+def test_max_reclaims_zero_discards_on_first_expiry(cyclone_env_factory):
+    env = cyclone_env_factory(lease_ttl=0.5)
+    run_id = env.enqueue(h.sleeper, {"seconds": 30}, max_reclaims=0)
+    env.start_worker()
+    env.wait_for_state(run_id, None, "running")
+    env.crash_worker()
+    env.start_worker()
+    step = env.wait_for_state(run_id, None, "discarded", timeout=15)
+    assert (step.reclaims, step.error_kind) == (0, "reclaim_limit")
+
+
+def test_retry_raises_max_attempts_and_clears_the_error(cyclone_env):
+    run_id = cyclone_env.enqueue(h.raises, {})
+    cyclone_env.run_until_complete(run_id)
+    assert cyclone_env.client().retry(run_id) == 1
+    step = cyclone_env.status(run_id).step
+    assert step.state in ("available", "running")  # the live worker may claim it at once
+    assert (step.attempt, step.max_attempts) == (4, 4)
+    assert step.error is None and step.error_kind is None and len(step.errors) == 3
+    assert cyclone_env.status(run_id).state == "running"
+    run = cyclone_env.run_until_complete(run_id)
+    assert (run.step.state, run.step.attempt, len(run.step.errors)) == ("discarded", 4, 4)
+
+
+def test_graceful_shutdown_releases_without_counting(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", shutdown_grace=0.3, kill_grace=0.3)
+    run_id = env.enqueue(h.sleeper, {"seconds": 30})
+    handle = env.start_worker()
+    env.wait_for_state(run_id, None, "running")
+    t0 = time.monotonic()
+    handle.client.shutdown()
+    assert time.monotonic() - t0 < 5
+    step = env.status(run_id).step
+    assert (step.state, step.attempt, step.reclaims, step.errors) == ("available", 1, 0, [])
+    assert step.lease_owner is None
+
+
+# -- issue 2 acceptance -----------------------------------------------------------------------------
+
+
+def test_native_regex_wedge_is_killed_and_the_slot_returns(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(workers=1, kill_grace=0.5, lease_ttl=3)
+    env.mux().register(h.ok)
+    run_id = env.enqueue(h.regex_wedge, {})
+    handle = env.start_worker()
+    running = env.wait_for_state(run_id, None, "running")
+    child = [p for p in env.child_pids()]
+    assert len(child) == 1
+    t_start = running.started_at
+    assert not wait_gone(child, timeout=4.0), "the wedged child was not killed"
+    step = env.wait_for_state(run_id, None, ("available", "discarded"), timeout=5)
+    assert step.error_kind == "timeout" and step.state == "discarded"
+    with connect(env.dsn) as conn:
+        now = conn.execute("SELECT now() AS n").fetchone()["n"]
+    assert (now - t_start).total_seconds() < 6
+    ok = env.run_until_complete(env.enqueue(h.ok, {}))
+    assert ok.state == "completed" and handle.alive()
+
+
+def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
+    env = cyclone_env_factory(workers=1, kill_grace=0.5, lease_ttl=3)
+    env.mux().register(h.deque_wedge)
+    env.start_worker()
+    time.sleep(0.2)
+    run_id = env.enqueue(h.deque_wedge, {})
+    env.wait_for_state(run_id, None, "running")
+    t0 = time.monotonic()
+    pids = env.child_pids()
+    assert not wait_gone(pids, timeout=3.0)
+    assert time.monotonic() - t0 < 2.5
+    step = env.wait_for_state(run_id, None, "discarded", timeout=5)
+    entry = step.errors[-1]
+    assert entry["kind"] == "timeout"
+    # forensics: killed by the supervisor after the timeout trigger, with its usage
+    assert entry.get("killed_by_supervisor") is True and entry.get("trigger") == "timeout"
+    assert entry.get("signal_name") == "SIGKILL" and entry.get("cpu_seconds", 0) > 0.5
+
+
+def test_late_completion_is_discarded_by_the_cas(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(workers=1, kill_grace=5.0, lease_ttl=3)
+    marker = tmp_path / "returned"
+    run_id = env.enqueue(h.ignores_cancel, {"sleep": 1.5, "marker": str(marker)}, max_attempts=1)
+    env.start_worker()
+    step = env.wait_for_state(run_id, None, "discarded", timeout=10)
+    assert step.error_kind == "timeout"
+    deadline = time.monotonic() + 10
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the handler should have returned late"
+    time.sleep(0.5)
+    after = env.status(run_id).step
+    assert (after.state, after.output, after.error_kind, after.attempt) == ("discarded", None, "timeout", 1)
+    assert len(after.errors) == 1
+
+
+def test_crashed_supervisor_leaves_no_orphans_and_work_is_done_once(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(lease_ttl=1.0, poll_interval=(0.02, 0.1))
+    pids_file = tmp_path / "pids"
+    run_id = env.enqueue(h.spawner, {"pids": str(pids_file)})
+    env.start_worker()
+    pids = read_pids(pids_file)
+    env.crash_worker()
+    assert not wait_gone(pids, timeout=1.5), "child or grandchild outlived the SIGKILLed supervisor"
+    pids_file.unlink()
+    t0 = time.monotonic()
+    handle = env.start_worker()
+    step = env.wait_for_state(run_id, None, "running", timeout=10, owner=handle)
+    reclaim_after = time.monotonic() - t0
+    assert step.reclaims == 1 and step.attempt == 1
+    assert reclaim_after < 1.0 + 0.1 + 2.0
+    new_pids = read_pids(pids_file)
+    env.client().cancel(run_id)
+    assert not wait_gone(new_pids, timeout=1.0 + 0.5 + 3.0)
+
+
+def test_cancel_running_cooperative_and_uncooperative(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(lease_ttl=0.6, kill_grace=0.5)
+    coop = env.enqueue(h.cooperative, {"sleep": 60}, timeout=None)
+    stubborn = env.enqueue(h.sleeper, {"seconds": 60})
+    env.start_worker()
+    env.wait_for_state(coop, None, "running")
+    env.wait_for_state(stubborn, None, "running")
+    pids = env.child_pids()
+    assert len(pids) == 2
+    t0 = time.monotonic()
+    env.client().cancel(coop)
+    env.client().cancel(stubborn)
+    assert env.status(coop).state == "cancelled" and env.status(stubborn).step.state == "cancelled"
+    # the cooperative child returns (and is reused), the stubborn one is killed
+    deadline = time.monotonic() + 0.2 + 0.5 + 2.0
+    while time.monotonic() < deadline and sum(1 for p in pids if psutil.pid_exists(p) and _not_zombie(p)) > 1:
+        time.sleep(0.02)
+    alive = [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+    assert len(alive) == 1, "exactly the stubborn child should have been killed"
+    assert time.monotonic() - t0 < 0.2 + 0.5 + 2.0
+    assert env.status(coop).step.errors == [] and env.status(stubborn).step.errors == []
+
+
+@pytest.mark.parametrize("skew", [3600.0, -3600.0])
+def test_worker_clock_skew_changes_nothing(cyclone_env_factory, skew):
+    env = cyclone_env_factory(worker="thread", lease_ttl=0.6)
+    env.skew_worker_clock(skew)
+    short = env.enqueue(h.sleeper, {"seconds": 0.5}, timeout=2)
+    long = env.enqueue(h.cooperative, {"sleep": 30}, timeout=1, max_attempts=1)
+    env.start_worker()
+    running = env.wait_for_state(short, None, "running")
+    lease = (running.lease_expiry - running.heartbeat_at).total_seconds()
+    assert 0.55 <= lease <= 0.65
+    assert env.run_until_complete(short).state == "completed"
+    t0 = time.monotonic()
+    step = env.wait_for_state(long, None, "discarded", timeout=10)
+    assert step.error_kind == "timeout"
+    assert (step.errors[0]["at"] is not None) and time.monotonic() - t0 < 5
+    # the durable deadline is started_at + 1 s on the database clock, whatever the worker clock says
+    assert step.finished_at - step.started_at >= dt.timedelta(seconds=1)
+
+
+def test_progress_is_stored_with_heartbeats(cyclone_env_factory):
+    env = cyclone_env_factory(lease_ttl=0.3)
+    run_id = env.enqueue(h.progress, {"n": 5, "pause": 0.15})
+    run = env.run_until_complete(run_id)
+    assert run.step.progress == {"done": 5, "total": 5, "message": "item 5"}
+
+
+def test_process_mode_rejects_unimportable_handlers(cyclone_env):
+    @cy.step("local")
+    def local(ctx, inp):
+        return 1
+
+    cyclone_env.mux().register(local)
+    with pytest.raises(cy.ConfigurationError, match="module level"):
+        cyclone_env.start_worker()
+
+
+def test_enqueue_in_callers_transaction(cyclone_env):
+    cyclone_env.mux().register(h.ok)
+    client = cyclone_env.client()
+    with connect(cyclone_env.dsn, autocommit=False) as conn:
+        run_id = client.enqueue(h.ok, {"tx": True}, conn=conn)
+        conn.rollback()
+    with pytest.raises(cy.RunNotFound):
+        client.status(run_id)
+    with connect(cyclone_env.dsn, autocommit=False) as conn:
+        run_id = client.enqueue(h.ok, {"tx": True}, conn=conn)
+        conn.commit()
+    assert cyclone_env.run_until_complete(run_id).state == "completed"
+
+
+def test_enqueue_many_and_idempotency(cyclone_env):
+    client = cyclone_env.client()
+    cyclone_env.mux().register(h.ok)
+    ids = client.enqueue_many(h.ok, [{"i": i} for i in range(50)])
+    assert len(set(ids)) == 50
+    a = client.enqueue(h.ok, {}, idempotency_key="k1")
+    b = client.enqueue(h.ok, {}, idempotency_key="k1")
+    assert a == b
+    for run_id in ids[:3]:
+        assert cyclone_env.run_until_complete(run_id).step.output["echo"]["i"] == ids.index(run_id)
+
+
+def test_bad_input_is_rejected_cleanly(cyclone_env):
+    client = cyclone_env.client()
+    with pytest.raises(cy.PayloadError):
+        client.enqueue(h.ok, {"x": object()})
+    with pytest.raises(cy.UnknownStep):
+        client.enqueue("no_such_step", {})
+    with pytest.raises(cy.RunNotFound):
+        client.status("not-a-uuid")
+    with pytest.raises(cy.RunNotFound):
+        client.status("00000000-0000-0000-0000-000000000000")
