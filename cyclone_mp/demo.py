@@ -376,6 +376,6 @@ def run_demo(
         grandchildren=grandchildren, grandchildren_alive=grandchildren_alive, leftover_pids=leftovers,
         cpu_steps=cpu_steps, cpu_throughput=throughput, run_seconds=round(run_seconds, 3),
         wall_seconds=round(time.monotonic() - wall_start, 3), database=redact(dsn),
-        embedded=server is not None, server_started=server_started, server_stopped=server_stopped, supervisor_id=supervisor_id,
-        stats=stats, checks=checks, timed_out=timed_out,
+        embedded=server is not None, server_started=server_started, server_stopped=server_stopped,
+        supervisor_id=supervisor_id, stats=stats, checks=checks, timed_out=timed_out,
     )

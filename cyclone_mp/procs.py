@@ -42,9 +42,32 @@ def set_subreaper(on: bool) -> bool | None:
 
 def descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of ``pid`` (empty when it is gone)."""
+    if has_no_children(pid):
+        return []
     with contextlib.suppress(psutil.Error):
         return psutil.Process(pid).children(recursive=True)
     return []
+
+
+def has_no_children(pid: int) -> bool:
+    """Fast check (Linux ``/proc/PID/task/*/children``) that ``pid`` has no child now.
+
+    False when unsure (no such files): the caller then asks psutil, which scans /proc.
+    """
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                if fh.read().strip():
+                    return False
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        except OSError:
+            return False
+    return True
 
 
 def kill_tree(pid: int, pgid: int | None, extra: list[psutil.Process] | None = None) -> list[int]:

@@ -293,15 +293,17 @@ class Store:
             return self._one(cur, "lease_state", {"id": id})
 
     @translate
-    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]]) -> set[int]:
+    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], workflows: bool = True) -> set[int]:
         """Apply success CASes for ``(id, generation, output, progress)`` items in one statement.
 
         Returns the ids whose CAS held (the others were late: cancelled, reclaimed or
-        timed out, and change nothing). Workflow runs are advanced in the same transaction.
+        timed out, and change nothing). Workflow runs are advanced in the same
+        transaction; with ``workflows=False`` (every item belongs to a single-step run)
+        the one statement runs on its own, one round trip and one commit.
         """
         if not items:
             return set()
-        with self._tx() as cur:
+        with (self._tx() if workflows else self.conn.cursor()) as cur:
             cur.execute(Q["complete"], {
                 "owner": owner,
                 "ids": [i[0] for i in items],

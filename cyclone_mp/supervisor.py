@@ -55,6 +55,7 @@ class Attempt:
     timeout: float | None
     token: str
     child: ChildProc
+    workflow: bool  # the run has several nodes (its completion advances the run)
     started: float  # local monotonic
     deadline: float | None  # local monotonic worker-clock deadline
     next_beat: float
@@ -467,6 +468,7 @@ class Supervisor:
         att = Attempt(
             step_id=row["id"], run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
             attempt=row["attempt"], generation=row["lease_generation"], timeout=timeout, token=token,
+            workflow=row["run_kind"] == "workflow",
             child=child, started=now, deadline=(now + timeout) if timeout is not None else None,
             next_beat=now + random.uniform(0, interval),  # the claim was the first heartbeat
             lease_ok_until=now + self.config.lease_ttl,
@@ -565,6 +567,7 @@ class Supervisor:
         try:
             applied = self.store.complete(
                 owner=self.id, items=[(a.step_id, a.generation, out, prog) for a, out, prog in batch],
+                workflows=any(a.workflow for a, _, _ in batch),
             )
         except DatabaseError as exc:
             self._db_down(exc)
@@ -604,7 +607,10 @@ class Supervisor:
         att = write.attempt
         try:
             if write.kind == "complete":
-                applied = self.store.complete(owner=self.id, items=[(att.step_id, att.generation, write.payload["output"], write.payload["progress"])])
+                applied = self.store.complete(
+                    owner=self.id, items=[(att.step_id, att.generation, write.payload["output"], write.payload["progress"])],
+                    workflows=att.workflow,
+                )
                 if applied:
                     self.stats["completed"] += 1
                 else:

@@ -26,7 +26,7 @@ UPDATE cyclone_steps s
  WHERE s.id = picked.id
    AND r.id = s.run_id
 RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts,
-          extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input,
+          extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input, r.kind AS run_kind,
           (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
              FROM cyclone_steps d
             WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) AS upstream;
