@@ -111,6 +111,7 @@ class Client:
                 self._pool = ConnectionPool(
                     dsn, min_size=1, max_size=4, open=True, timeout=30.0,
                     kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
+                    check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
                 )
             return self._pool
 

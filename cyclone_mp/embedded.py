@@ -139,10 +139,13 @@ class EmbeddedServer:
                 time.sleep(0.05)
             return self.uri()
 
-    def stop(self, timeout: float = 30.0) -> bool:
-        """Stop the server with ``pg_ctl stop -m fast``; True if it was running. If that
-        fails or exceeds ``timeout`` seconds, SIGTERM then (5 s later) SIGKILL go to the
-        postmaster pid from ``postmaster.pid``, and to no other process."""
+    def stop(self, timeout: float = 30.0, mode: str = "fast") -> bool:
+        """Stop the server with ``pg_ctl stop -m MODE`` (``fast`` or ``immediate``: a crash
+        stop, used by outage tests); True if it was running. If that fails or exceeds
+        ``timeout`` seconds, SIGTERM then (5 s later) SIGKILL go to the postmaster pid
+        from ``postmaster.pid``, and to no other process."""
+        if mode not in ("smart", "fast", "immediate"):
+            raise ValueError(f"mode must be smart, fast or immediate, not {mode!r}")
         if not self.data_dir.parent.is_dir():
             return False
         with self._lock(timeout + 10):
@@ -151,7 +154,7 @@ class EmbeddedServer:
                 return False
             proc = psutil.Process(pid)
             with contextlib.suppress(EmbeddedError):
-                self._run("pg_ctl", ["-D", str(self.data_dir), "-m", "fast", "-w",
+                self._run("pg_ctl", ["-D", str(self.data_dir), "-m", mode, "-w",
                                      "-t", str(max(1, round(timeout))), "stop"], timeout + 5)
             for signal_it, grace in ((proc.terminate, 0.0), (proc.kill, 5.0)):
                 if not _gone(proc, grace):

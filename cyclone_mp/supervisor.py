@@ -119,6 +119,7 @@ class Supervisor:
         self.completions: list[tuple[Attempt, Any, Any]] = []
         self.store: Store | None = None
         self.listen_conn: Any = None
+        self._listen_fd: int | None = None
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -209,7 +210,8 @@ class Supervisor:
             try:
                 self._connect()
             except DatabaseError as exc:
-                log.warning("reconnect failed: %s", exc)
+                log.info("reconnect failed (next try in %.1fs): %s", self.reconnect_delay, exc)
+                self._db_down(exc)
         self._renew_due(now)
         self._enforce_deadlines(self.clock())
         self._flush_completions()
@@ -689,7 +691,8 @@ class Supervisor:
             conn = connect(self.dsn)
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             self.listen_conn = conn
-            self.selector.register(conn.pgconn.socket, selectors.EVENT_READ, ("listen", None))
+            self._listen_fd = conn.pgconn.socket
+            self.selector.register(self._listen_fd, selectors.EVENT_READ, ("listen", None))
         except (DatabaseError, Exception) as exc:  # noqa: BLE001 - polling still works without LISTEN
             log.warning("LISTEN unavailable (%s); polling only", exc)
             self.listen_conn = None
@@ -699,11 +702,13 @@ class Supervisor:
         log.info("connected; supervisor %s", self.id)
 
     def _close_db(self) -> None:
-        if self.listen_conn is not None:
+        if self._listen_fd is not None:
             try:
-                self.selector.unregister(self.listen_conn.pgconn.socket)
-            except (KeyError, ValueError, Exception):  # noqa: BLE001
+                self.selector.unregister(self._listen_fd)
+            except (KeyError, ValueError, OSError):
                 pass
+            self._listen_fd = None
+        if self.listen_conn is not None:
             try:
                 self.listen_conn.close()
             except Exception:  # noqa: BLE001

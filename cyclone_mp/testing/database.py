@@ -85,6 +85,25 @@ class TestServer:
             store.close()
         log.info("test database server: %s (%s)", self.source, redact(self.admin_dsn))
 
+    @property
+    def restartable(self) -> bool:
+        """True when this object runs the server itself (embedded), so tests may restart it."""
+        return self._embedded is not None
+
+    def restart(self, down_for: float = 2.0) -> None:
+        """Crash-stop the server (``immediate``), wait ``down_for`` seconds, start it again.
+
+        Raises:
+            RuntimeError: the server is not one this object started.
+        """
+        import time
+
+        if self._embedded is None:
+            raise RuntimeError("only an embedded test server can be restarted")
+        self._embedded.stop(mode="immediate")
+        time.sleep(down_for)
+        self._embedded.start()
+
     def dsn_for(self, dbname: str) -> str:
         """The server's DSN pointed at ``dbname``."""
         return make_conninfo(self.admin_dsn, dbname=dbname)
