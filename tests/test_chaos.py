@@ -1,0 +1,89 @@
+"""Chaos (issue 4): 3 supervisors, 300 mixed steps, random SIGKILLs of supervisors and
+children, then restarts. Nothing is lost, nothing completes twice, no process is left."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import psutil
+
+import chaos_handlers as ch
+from cyclone_mp.store import connect
+
+N_STEPS = 300
+
+
+def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn):
+    with connect(cyclone_dsn) as conn:
+        conn.execute("CREATE TABLE chaos_effects (run_id uuid PRIMARY KEY, attempt int, pid int)")
+        conn.execute("CREATE TABLE chaos_log (run_id uuid, attempt int)")
+    env = cyclone_env_factory(workers=2, lease_ttl=1.0, kill_grace=0.3, poll_interval=(0.02, 0.1))
+    rng = random.Random(20261130)
+    kinds = [ch.chaos_fast] * 120 + [ch.chaos_slow] * 50 + [ch.chaos_cpu] * 100 + [ch.chaos_wedged] * 10 + [ch.chaos_crash] * 20
+    rng.shuffle(kinds)
+    assert len(kinds) == N_STEPS
+    for step in {k.name: k for k in kinds}.values():
+        env.mux().register(step)
+    client = env.client()
+    ids = {}
+    for step in kinds:
+        inp = {"dsn": cyclone_dsn, "seconds": rng.uniform(0.2, 0.8)}
+        ids[client.enqueue(step, inp)] = step.name
+
+    handles = [env.start_worker() for _ in range(3)]
+    kills = {"supervisor": 0, "child": 0}
+    chaos_until, give_up = time.monotonic() + 8.0, time.monotonic() + 30.0
+    while time.monotonic() < give_up and (time.monotonic() < chaos_until or min(kills.values()) < 3):
+        time.sleep(rng.uniform(0.3, 0.8))
+        live = [hd for hd in handles if hd.alive()]
+        victim = rng.choice(live)
+        if rng.random() < 0.4 if min(kills.values()) >= 3 else kills["supervisor"] < kills["child"]:
+            victim.popen.send_signal(signal.SIGKILL)
+            victim.popen.wait()
+            kills["supervisor"] += 1
+            handles.remove(victim)
+            handles.append(env.start_worker())
+        else:
+            kids = [p for p in psutil.Process(victim.pid).children() if "cyclone_mp._child" in " ".join(p.cmdline())]
+            if kids:
+                os.kill(rng.choice(kids).pid, signal.SIGKILL)
+                kills["child"] += 1
+    assert kills["supervisor"] >= 3 and kills["child"] >= 3, kills
+
+    deadline = time.monotonic() + 180
+    while True:
+        with connect(cyclone_dsn) as conn:
+            left = conn.execute(
+                "SELECT count(*) AS n FROM cyclone_steps WHERE state NOT IN ('completed', 'discarded', 'cancelled')"
+            ).fetchone()["n"]
+        if left == 0:
+            break
+        assert time.monotonic() < deadline, f"{left} steps still not terminal"
+        time.sleep(0.2)
+
+    with connect(cyclone_dsn) as conn:
+        rows = conn.execute(
+            "SELECT s.run_id::text AS run_id, s.step_name, s.state, s.error_kind, e.run_id IS NOT NULL AS effect "
+            "FROM cyclone_steps s LEFT JOIN chaos_effects e ON e.run_id = s.run_id"
+        ).fetchall()
+        running = conn.execute("SELECT count(*) AS n FROM cyclone_steps WHERE state = 'running'").fetchone()["n"]
+    assert len(rows) == N_STEPS and running == 0
+    by_state = {}
+    for row in rows:
+        by_state.setdefault((row["step_name"], row["state"]), 0)
+        by_state[(row["step_name"], row["state"])] += 1
+        if row["step_name"] == "chaos_wedged":
+            assert row["state"] == "discarded" and row["error_kind"] == "timeout", row
+        else:
+            assert row["state"] == "completed", row
+            assert row["effect"], f"completed without its side effect: {row}"
+    # every supervisor still alive takes new work, and nothing of ours is left when they stop
+    assert all(hd.alive() for hd in handles)
+    env.stop_workers()
+    strays = [p for p in psutil.process_iter(["environ"]) if (p.info.get("environ") or {}).get("CYCLONE_MP_SUPERVISOR")]
+    time.sleep(0.5)
+    strays = [p for p in strays if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not strays, f"handler processes left: {[p.pid for p in strays]}"
