@@ -335,10 +335,10 @@ def run_demo(
         raise
     if timed_out:
         client.stop()
-        for rid in run_ids:
-            statuses[rid] = client.status(rid)
     else:
         client.shutdown()
+    for rid in run_ids:  # read once more: a killing supervisor annotates entries the sweep wrote first
+        statuses[rid] = client.status(rid)
     sup = client.supervisor
     supervisor_id = sup.id if sup is not None else None
     stats = dict(sup.stats) if sup is not None else {}

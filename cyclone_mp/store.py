@@ -40,7 +40,14 @@ def _load_queries() -> dict[str, str]:
     queries: dict[str, str] = {}
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         name, _, body = block.partition("\n")
+        body = "\n".join(line for line in body.strip().splitlines() if not line.startswith("-- "))
         queries[name.strip()] = body.strip().rstrip(";")
+    # Fragments (names ending in _ctes) are spliced into the queries that cite them.
+    fragments = {name: sql for name, sql in queries.items() if name.endswith("_ctes")}
+    for name, body in queries.items():
+        for frag, frag_sql in fragments.items():
+            body = body.replace("{" + frag + "}", frag_sql)
+        queries[name] = body
     return queries
 
 
@@ -304,17 +311,28 @@ class Store:
         if not items:
             return set()
         with (self._tx() if workflows else self.conn.cursor()) as cur:
-            cur.execute(Q["complete"], {
-                "owner": owner,
-                "ids": [i[0] for i in items],
-                "generations": [i[1] for i in items],
-                "outputs": [Jsonb(i[2]) for i in items],
-                "progress": [Jsonb(i[3]) if i[3] is not None else None for i in items],
-            })
+            cur.execute(Q["complete"], {"owner": owner, **_completion_params(items)})
             rows = cur.fetchall()
             for run_id in sorted({r["run_id"] for r in rows if r["kind"] == "workflow"}):
                 self._advance(cur, run_id)
         return {r["id"] for r in rows}
+
+    @translate
+    def complete_and_claim(
+        self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], queues: Sequence[str],
+        names: Sequence[str], limit: int, ttl: float,
+    ) -> tuple[set[int], list[dict[str, Any]]]:
+        """Completions of single-step runs plus the next claim, in one statement and one commit.
+
+        Returns ``(ids whose completion CAS held, claimed rows)``.
+        """
+        with self.conn.cursor() as cur:
+            cur.execute(Q["complete_and_claim"], {
+                "owner": owner, **_completion_params(items), "queues": list(queues), "names": list(names),
+                "limit": limit, "ttl_us": to_us(ttl),
+            })
+            rows = cur.fetchall()
+        return {r["row"]["id"] for r in rows if r["what"] == "completed"}, [r["row"] for r in rows if r["what"] == "claimed"]
 
     @translate
     def fail(
@@ -566,6 +584,15 @@ class Store:
         with self.conn.cursor() as cur:
             cur.execute(Q["list_workers"], {"within_us": to_us(within)})
             return cur.fetchall()
+
+
+def _completion_params(items: Sequence[tuple[int, int, Any, Any]]) -> dict[str, Any]:
+    return {
+        "ids": [i[0] for i in items],
+        "generations": [i[1] for i in items],
+        "outputs": [Jsonb(i[2]) for i in items],
+        "progress": [Jsonb(i[3]) if i[3] is not None else None for i in items],
+    }
 
 
 def dumps(value: Any) -> str:

@@ -447,6 +447,10 @@ class Supervisor:
         except DatabaseError as exc:
             self._db_down(exc)
             return
+        self._dispatch(rows, idle)
+
+    def _dispatch(self, rows: list[dict[str, Any]], idle: list[ChildProc]) -> None:
+        """Hand claimed rows to idle children and schedule the next poll."""
         now = self.clock()
         for row, child in zip(rows, idle):
             self._start(row, child, now)
@@ -559,27 +563,37 @@ class Supervisor:
     # -- writing outcomes ---------------------------------------------------------------------
 
     def _flush_completions(self) -> None:
+        """Write this tick's successes in one statement (with the next claim when it can)."""
         if not self.completions:
             return
         batch, self.completions = self.completions, []
+        items = [(a.step_id, a.generation, out, prog) for a, out, prog in batch]
         if not self.db_ok or self.store is None:
-            for att, output, progress in batch:
-                self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
+            self._defer_completions(batch)
             return
+        idle = self._idle_children() if not self.draining else []
+        workflows = any(a.workflow for a, _, _ in batch)
         try:
-            applied = self.store.complete(
-                owner=self.id, items=[(a.step_id, a.generation, out, prog) for a, out, prog in batch],
-                workflows=any(a.workflow for a, _, _ in batch),
-            )
+            if idle and not workflows:
+                applied, rows = self.store.complete_and_claim(
+                    owner=self.id, items=items, queues=self.config.queues, names=self.mux.step_names,
+                    limit=len(idle), ttl=self.config.lease_ttl,
+                )
+                self._dispatch(rows, idle)
+            else:
+                applied = self.store.complete(owner=self.id, items=items, workflows=workflows)
         except DatabaseError as exc:
             self._db_down(exc)
-            for att, output, progress in batch:
-                self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
+            self._defer_completions(batch)
             return
         self.stats["completed"] += len(applied)
         for att, _, _ in batch:
             if att.step_id not in applied:
                 self._late_success(att)
+
+    def _defer_completions(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
+        for att, output, progress in batch:
+            self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
 
     def _late_success(self, att: Attempt) -> None:
         """A success whose CAS failed: a timed-out attempt still counts once, as a timeout."""

@@ -248,6 +248,10 @@ def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
     assert not wait_gone(pids, timeout=3.0)
     assert time.monotonic() - t0 < 2.5
     step = env.wait_for_state(run_id, None, "discarded", timeout=5)
+    deadline = time.monotonic() + 5  # the sweep may settle it first; the kill's forensics follow
+    while "killed_by_supervisor" not in step.errors[-1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        step = env.status(run_id).step
     entry = step.errors[-1]
     assert entry["kind"] == "timeout"
     # forensics: killed by the supervisor after the timeout trigger, with its usage

@@ -1,9 +1,9 @@
 -- Every query cyclone_mp runs, one per "-- name:" header, with a one-line purpose.
 -- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
 
--- name: claim
--- Claim up to %(limit)s available steps in one statement; the claim is the first heartbeat (SPEC 4).
-WITH picked AS (
+-- name: claim_ctes
+-- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first heartbeat (SPEC 4).
+picked AS (
     SELECT id
       FROM cyclone_steps
      WHERE state = 'available'
@@ -13,23 +13,24 @@ WITH picked AS (
      ORDER BY priority, scheduled_at, id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE cyclone_steps s
+       SET state = 'running',
+           started_at = now(),
+           lease_owner = %(owner)s,
+           lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
+           lease_generation = s.lease_generation + 1,
+           heartbeat_at = now(),
+           progress = NULL
+      FROM picked, cyclone_runs r
+     WHERE s.id = picked.id
+       AND r.id = s.run_id
+    RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts,
+              extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input, r.kind AS run_kind,
+              (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
+                 FROM cyclone_steps d
+                WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) AS upstream
 )
-UPDATE cyclone_steps s
-   SET state = 'running',
-       started_at = now(),
-       lease_owner = %(owner)s,
-       lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
-       lease_generation = s.lease_generation + 1,
-       heartbeat_at = now(),
-       progress = NULL
-  FROM picked, cyclone_runs r
- WHERE s.id = picked.id
-   AND r.id = s.run_id
-RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts,
-          extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input, r.kind AS run_kind,
-          (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
-             FROM cyclone_steps d
-            WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) AS upstream;
 
 -- name: heartbeat
 -- Renew one step's lease, addressed by id, with exactly the seed's WHERE clause.
@@ -50,10 +51,10 @@ SELECT state, lease_owner, lease_generation,
   FROM cyclone_steps
  WHERE id = %(id)s;
 
--- name: complete
--- Completion CAS for many steps in one statement; each row must still be running under
+-- name: complete_ctes
+-- (Fragment) completion CAS for many steps at once; each row must still be running under
 -- the same lease_owner and lease_generation, before its DB deadline. Locks runs first, by id.
-WITH done_in AS (
+done_in AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(progress)s::jsonb[])
         AS t(id, generation, output, progress)
 ), runs AS (
@@ -85,9 +86,26 @@ WITH done_in AS (
       FROM done d
      WHERE r.id = d.run_id AND r.kind = 'step' AND r.state = 'running'
     RETURNING r.id
+), completed AS (
+    SELECT d.id, d.run_id::text AS run_id, runs.kind FROM done d JOIN runs ON runs.id = d.run_id
 )
-SELECT d.id, d.run_id::text AS run_id, runs.kind
-  FROM done d JOIN runs ON runs.id = d.run_id;
+
+-- name: claim
+-- Claim up to %(limit)s available steps in one statement.
+WITH {claim_ctes}
+SELECT * FROM claimed
+
+-- name: complete
+-- Apply many completion CASes in one statement.
+WITH {complete_ctes}
+SELECT * FROM completed
+
+-- name: complete_and_claim
+-- The hot path: this tick's completions and the next claims in one statement, one commit.
+WITH {complete_ctes}, {claim_ctes}
+SELECT 'completed' AS what, to_jsonb(c) AS row FROM completed c
+UNION ALL
+SELECT 'claimed', to_jsonb(c) FROM claimed c
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
