@@ -67,6 +67,7 @@ class ChildProc:
         with contextlib.suppress(psutil.Error):
             self.proc = psutil.Process(self.pid)
         self.descendants_seen: set[int] = set()
+        self.killed = False  # the supervisor SIGKILLed it
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -114,6 +115,7 @@ class ChildProc:
 
     def kill(self) -> list[int]:
         """SIGKILL the child's process group and every descendant, then reap; returns pids hit."""
+        self.killed = True
         extra = []
         for pid in self.descendants_seen:
             with contextlib.suppress(psutil.Error):

@@ -40,6 +40,7 @@ from .store import NOTIFY_CHANNEL, Store, connect
 log = logging.getLogger("cyclone_mp.supervisor")
 
 RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
+RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
 
 
 @dataclasses.dataclass
@@ -133,16 +134,19 @@ class Supervisor:
         self.running = threading.Event()
         self.stopped = threading.Event()
         self.db_ok = False
-        self.reconnect_at = 0.0
+        start = clock()  # every local timer is relative to the injected clock, whatever its origin
+        self.reconnect_at = start
         self.reconnect_delay = RECONNECT_BACKOFF[0]
-        self.next_poll = 0.0
+        self.next_poll = start
         self.poll_delay = config.poll_interval[0]
-        self.next_sweep = 0.0
-        self.next_registry = 0.0
+        self.next_sweep = start
+        self.next_registry = start
         self.stats = {"claimed": 0, "completed": 0, "failed": 0, "killed": 0, "grandchildren_killed": 0,
                       "released": 0, "lease_lost": 0, "reclaimed": 0, "swept_timeouts": 0,
                       "reclaim_limits": 0, "children_spawned": 0, "late_completions_dropped": 0}
         self.descended: set[int] = set()
+        self.respawn_at = start
+        self.respawn_delay = RESPAWN_BACKOFF[0]
 
     # -- control from other threads / signal handlers -----------------------------------
 
@@ -174,8 +178,7 @@ class Supervisor:
         except DatabaseError as exc:
             log.warning("database unavailable at start (%s); retrying", exc)
         try:
-            for _ in range(self.config.workers):
-                self._spawn()
+            self._maintain_pool(self.clock())
             self.running.set()
             while True:
                 now = self.clock()
@@ -205,6 +208,7 @@ class Supervisor:
 
     def _tick(self, now: float) -> None:
         self._check_children_io()
+        self._maintain_pool(self.clock())
         now = self.clock()
         if not self.db_ok and now >= self.reconnect_at:
             try:
@@ -395,10 +399,26 @@ class Supervisor:
                     self._settle_cancelled(att, entry)
                 else:
                     self._write_fail(att, decisions.CHILD_EXITED, entry, require_timed_out=False)
-        if not self.draining:
-            self._spawn()
+        if not child.ready and not child.killed:
+            self.respawn_delay = min(RESPAWN_BACKOFF[1], self.respawn_delay * 2)
+            self.respawn_at = self.clock() + self.respawn_delay
+            log.error("a child exited before it was ready (code %s); next start in %.1fs", code, self.respawn_delay)
+        else:
+            self.respawn_delay = RESPAWN_BACKOFF[0]
+        self._maintain_pool(self.clock())
+
+    def _maintain_pool(self, now: float) -> None:
+        """Keep ``workers`` children alive (a killed or recycled one is replaced at once)."""
+        if self.draining or now < self.respawn_at:
+            return
+        while len(self.children) < self.config.workers:
+            if self._spawn() is None:
+                self.respawn_at = now + self.respawn_delay
+                return
 
     def _reap_strays(self, child: ChildProc) -> None:
+        if len(self.descended) > 10_000:
+            self.descended = {pid for pid in self.descended if psutil.pid_exists(pid)}
         self.descended.update(child.descendants_seen)
         known = {c.pid for c in self.children} | {self._watchdog.pid}
         n = procs.reap_strays(self.id, known, self.descended)
@@ -429,8 +449,7 @@ class Supervisor:
         if child.wait(timeout=2.0) is None:
             child.kill()
         self.children.remove(child)
-        if not self.draining:
-            self._spawn()
+        self._maintain_pool(self.clock())
 
     # -- claiming ---------------------------------------------------------------------------
 
@@ -596,8 +615,12 @@ class Supervisor:
             self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
 
     def _late_success(self, att: Attempt) -> None:
-        """A success whose CAS failed: a timed-out attempt still counts once, as a timeout."""
-        assert self.store is not None
+        """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
+
+        Without a database the sweep settles a timed-out row later; nothing is lost.
+        """
+        if self.store is None:
+            return
         try:
             row = self.store.lease_state(att.step_id)
         except DatabaseError as exc:
