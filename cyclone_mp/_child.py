@@ -107,9 +107,9 @@ class Runner:
             pass  # a non-JSON progress value is dropped, never fatal
 
     def run_task(self, task: dict[str, Any]) -> dict[str, Any]:
-        deadline = None
-        if task.get("timeout") is not None:
-            deadline = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=task["timeout"])
+        deadline = None  # the supervisor's worker clock decides it (and may be skewed in tests)
+        if task.get("deadline") is not None:
+            deadline = dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
             deadline=deadline, upstream=task.get("upstream"), progress_sink=self.progress,

@@ -257,6 +257,48 @@ def _settle(check: Callable[[], list[int]], seconds: float) -> list[int]:
         time.sleep(0.05)
 
 
+def _drive(client: Any, cpu_steps: int, time_limit: float, on_tick: TickFn | None) -> tuple[list[RunStatus], bool, float]:
+    """Start the supervisor, enqueue, wait, stop; returns ``(final statuses in enqueue
+    order, timed out, seconds from start to the last run's end)``. The supervisor is
+    always stopped, also when this raises."""
+    slots = [(cpu_steps // 4, wedge), (cpu_steps // 2, crash), ((3 * cpu_steps) // 4, spawn_and_hang)]
+    run_ids: list[str] = []
+    statuses: dict[str, RunStatus] = {}
+    timed_out = False
+    try:
+        client.migrate()
+        client.start()
+        run_start = time.monotonic()
+        for i in range(cpu_steps):
+            run_ids.append(client.enqueue(crunch, {"index": i, "blocks": CPU_BLOCKS}))
+            run_ids.extend(client.enqueue(bad, {"index": i}) for slot, bad in slots if slot == i)
+        deadline = run_start + time_limit
+        while True:
+            for rid in run_ids:
+                if rid not in statuses or not statuses[rid].terminal:
+                    statuses[rid] = client.status(rid)
+            states = collections.Counter(s.step.state for s in statuses.values())
+            done = sum(1 for s in statuses.values() if s.terminal)
+            if on_tick is not None:
+                on_tick(done, len(run_ids), dict(states), time.monotonic() - run_start)
+            if done == len(run_ids):
+                break
+            if time.monotonic() >= deadline:
+                timed_out = True
+                break
+            time.sleep(0.1)
+        run_seconds = time.monotonic() - run_start
+    except BaseException:
+        client.stop()
+        raise
+    if timed_out:
+        client.stop()
+    else:
+        client.shutdown()
+    # Read once more: a killing supervisor annotates the entries its sweep wrote first.
+    return [client.status(rid) for rid in run_ids], timed_out, run_seconds
+
+
 def run_demo(
     dsn: str | None = None,
     *,
@@ -296,54 +338,21 @@ def run_demo(
         server_started = not server.is_running()
         dsn = server.start()
     queue = f"demo-{uuid.uuid4().hex[:8]}"  # isolates this demo from any other work in the database
-    client = Client(dsn, build_mux(), workers=workers, lease_ttl=5.0, kill_grace=0.5, poll_interval=(0.05, 0.5),
-                    shutdown_grace=5.0, queues=[queue], queue=queue)
-    run_ids: list[str] = []
-    statuses: dict[str, RunStatus] = {}
-    timed_out = False
     try:
-        client.migrate()
-        client.start()
-        run_start = time.monotonic()
-        bad = {cpu_steps // 4: wedge, cpu_steps // 2: crash, (3 * cpu_steps) // 4: spawn_and_hang}
-        for i in range(cpu_steps):
-            run_ids.append(client.enqueue(crunch, {"index": i, "blocks": CPU_BLOCKS}))
-            if i in bad:
-                run_ids.append(client.enqueue(bad[i], {"index": i}))
-        deadline = run_start + time_limit
-        while True:
-            for rid in run_ids:
-                if rid not in statuses or not statuses[rid].terminal:
-                    statuses[rid] = client.status(rid)
-            states = collections.Counter(s.step.state for s in statuses.values())
-            done = sum(1 for s in statuses.values() if s.terminal)
-            if on_tick is not None:
-                on_tick(done, len(run_ids), dict(states), time.monotonic() - run_start)
-            if done == len(run_ids):
-                break
-            if time.monotonic() >= deadline:
-                timed_out = True
-                break
-            time.sleep(0.1)
-        run_seconds = time.monotonic() - run_start
+        client = Client(dsn, build_mux(), workers=workers, lease_ttl=5.0, kill_grace=0.5,
+                        poll_interval=(0.05, 0.5), shutdown_grace=5.0, queues=[queue], queue=queue)
+        try:
+            ordered, timed_out, run_seconds = _drive(client, cpu_steps, time_limit, on_tick)
+        finally:
+            client.close()
     except BaseException:
-        client.stop()
-        client.close()
         if server is not None and server_started:
             with contextlib.suppress(Exception):
                 server.stop()
         raise
-    if timed_out:
-        client.stop()
-    else:
-        client.shutdown()
-    for rid in run_ids:  # read once more: a killing supervisor annotates entries the sweep wrote first
-        statuses[rid] = client.status(rid)
     sup = client.supervisor
     supervisor_id = sup.id if sup is not None else None
     stats = dict(sup.stats) if sup is not None else {}
-    ordered = [statuses[rid] for rid in run_ids]
-    client.close()
 
     rows = [_row(s) for s in ordered]
     grandchildren = _grandchild_pids(ordered)

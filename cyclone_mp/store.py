@@ -396,9 +396,15 @@ class Store:
     @translate
     def release(self, *, owner: str, id: int, generation: int) -> bool:
         """Give an unfinished step back at shutdown (available at once, nothing counted)."""
-        with self.conn.cursor() as cur:
+        with self._tx() as cur:
+            run = self._one(cur, "lock_run_of_step", {"id": id})
+            if run is None:
+                return False
             cur.execute(Q["release"], {"id": id, "owner": owner, "generation": generation})
-            return cur.rowcount == 1
+            released = cur.rowcount == 1
+            if released and run["state"] == "paused":
+                cur.execute(Q["hold_paused"], {"run_id": run["id"]})
+            return released
 
     # -- recovery sweep -----------------------------------------------------------------
 
@@ -433,6 +439,7 @@ class Store:
                 }, backoff_for(row["step_name"]))
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
+                cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
             elif action == "reclaim_limit":
                 message = f"lease expired after {row['reclaims']} reclaims (max_reclaims={row['max_reclaims']})"
                 cur.execute(Q["discard_reclaim_limit"], {"id": id, "error": message, "entry": Jsonb({
@@ -456,6 +463,7 @@ class Store:
 
     def _advance(self, cur: psycopg.Cursor, run_id: str) -> None:
         """Under the run lock: promote ready nodes, fire signals and timers, refresh the run."""
+        cur.execute(Q["hold_paused"], {"run_id": run_id})
         for _ in range(10_000):
             cur.execute(Q["promote_ready"], {"run_id": run_id})
             promoted = cur.rowcount

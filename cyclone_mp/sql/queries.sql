@@ -412,3 +412,14 @@ UPDATE cyclone_steps
    AND jsonb_array_length(errors) > 0
    AND errors -> -1 ->> 'lease_owner' = %(owner)s
    AND (errors -> -1 ->> 'lease_generation')::bigint = %(generation)s;
+
+-- name: hold_paused
+-- In a paused run, a step that became claimable or waiting (a retry, a reclaim, a release)
+-- is held paused too, remembering where to go on resume.
+UPDATE cyclone_steps s
+   SET paused_from = s.state, state = 'paused'
+  FROM cyclone_runs r
+ WHERE s.run_id = %(run_id)s
+   AND r.id = s.run_id
+   AND r.state = 'paused'
+   AND s.state IN ('pending', 'available', 'waiting_signal', 'waiting_timer');
