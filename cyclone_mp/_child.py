@@ -93,14 +93,33 @@ class Runner:
         return getattr(target, "fn", target)  # a Step object wraps the function
 
     def progress(self, done: Any, total: Any, message: Any) -> None:
+        """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
+        is sent by a timer once the interval has passed, so the latest always lands."""
         msg = {"t": "progress", "task": self.task, "done": done, "total": total,
                "message": None if message is None else str(message)[:500]}
-        now = time.monotonic()
-        if now - self._last_progress < PROGRESS_MIN_INTERVAL:
-            self._pending_progress = msg
-            return
-        self._last_progress = now
-        self._pending_progress = None
+        with self.lock:
+            wait = self._last_progress + PROGRESS_MIN_INTERVAL - time.monotonic()
+            if wait > 0:
+                schedule = self._pending_progress is None
+                self._pending_progress = msg
+                if schedule:
+                    timer = threading.Timer(wait, self._flush_progress)
+                    timer.daemon = True
+                    timer.start()
+                return
+            self._pending_progress = None
+            self._last_progress = time.monotonic()
+        self._send_progress(msg)
+
+    def _flush_progress(self) -> None:
+        with self.lock:
+            msg, self._pending_progress = self._pending_progress, None
+            if msg is None or msg["task"] != self.task:
+                return
+            self._last_progress = time.monotonic()
+        self._send_progress(msg)
+
+    def _send_progress(self, msg: dict[str, Any]) -> None:
         try:
             self.send(msg)
         except (TypeError, ValueError):
@@ -138,7 +157,7 @@ class Runner:
             with self.lock:
                 self.task = message["task"]
                 self.cancellation = Cancellation()
-            self._pending_progress = None
+                self._pending_progress = None
             before = resource.getrusage(resource.RUSAGE_SELF)
             result = self.run_task(message)
             after = resource.getrusage(resource.RUSAGE_SELF)
@@ -146,8 +165,9 @@ class Runner:
                 "t": "result", "task": message["task"],
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
                 "maxrss_kb": after.ru_maxrss, "cancel_reason": self.cancellation.reason,
-                "progress": self._pending_progress,
             })
+            with self.lock:
+                result["progress"], self._pending_progress = self._pending_progress, None
             self.send(self.checked(result))
             with self.lock:
                 self.task = None

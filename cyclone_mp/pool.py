@@ -177,14 +177,24 @@ class ChildProc:
                 os.close(self.cancel_w)
             self.cancel_w = -1
 
-    def usage(self) -> dict[str, Any]:
-        """CPU seconds and peak RSS of the dead child (from wait4), for forensics."""
+    def usage(self, since: float = 0.0) -> dict[str, Any]:
+        """Forensics of the dead child (from wait4): CPU seconds used since ``since`` (its
+        CPU total when the attempt began) and the child's peak RSS in KiB."""
         if self.rusage is None:
             return {}
         return {
-            "cpu_seconds": round(self.rusage.ru_utime + self.rusage.ru_stime, 3),
+            "cpu_seconds": round(max(0.0, self.rusage.ru_utime + self.rusage.ru_stime - since), 3),
             "peak_rss_kb": int(self.rusage.ru_maxrss),
         }
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the live child has used so far; 0.0 if unknown."""
+        if self.proc is None:
+            return 0.0
+        with contextlib.suppress(psutil.Error):
+            times = self.proc.cpu_times()
+            return float(times.user + times.system)
+        return 0.0
 
     def rss(self) -> int | None:
         """Current RSS in bytes, or None."""

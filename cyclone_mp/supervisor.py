@@ -67,6 +67,7 @@ class Attempt:
     kill_at: float | None = None
     killed_by: str | None = None
     settled: bool = False  # the outcome was handed to the writer
+    cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
 
 
 @dataclasses.dataclass
@@ -382,7 +383,7 @@ class Supervisor:
         if att is not None and not att.settled:
             att.settled = True
             self.attempts.pop(att.step_id, None)
-            entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(),
+            entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(since=att.cpu_start),
                      "elapsed": round(self.clock() - att.started, 3)}
             if att.killed_by:
                 entry["killed_by_supervisor"] = True
@@ -498,6 +499,7 @@ class Supervisor:
             next_beat=now + random.uniform(0, interval),  # the claim was the first heartbeat
             lease_ok_until=now + self.config.lease_ttl,
         )
+        att.cpu_start = child.cpu_seconds()
         self.attempts[att.step_id] = att
         child.attempt = att
         assert step is not None

@@ -247,7 +247,7 @@ UPDATE cyclone_runs r
       FROM cyclone_steps WHERE run_id = %(run_id)s
   ) x
  WHERE r.id = %(run_id)s
-   AND r.state IN ('running', 'discarded')
+   AND (r.state IN ('running', 'discarded') OR (r.state = 'paused' AND x.new_state = 'completed'))
    AND x.new_state IS NOT NULL
    AND x.new_state <> r.state;
 

@@ -1,0 +1,498 @@
+"""The ``cyclone-mp`` command line (SPEC section 8).
+
+A thin layer: each command parses its options, sets up logging, calls one library
+function (a :class:`cyclone_mp.Client` method, :func:`cyclone_mp.apps.load_app`, the
+embedded server, :func:`cyclone_mp.demo.run_demo`) and prints the result with
+:mod:`render`. No SQL and no process logic live here.
+
+Exit codes: 0 ok; 1 the run or the command failed (unreachable database, unknown run
+id, a run that did not complete); 2 bad usage (malformed JSON, unknown step name, an
+APP that does not import, an invalid option). Every error is ONE line on stderr,
+never a traceback (``-v`` adds the traceback of unexpected errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+import traceback
+from typing import Any, NoReturn
+
+import click
+
+from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep
+from cyclone_mp.status import TERMINAL_RUN_STATES
+from cyclone_mp.store import redact
+
+from . import render
+from .params import BYTES, JSON, POLL, SECONDS
+
+RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
+USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclasses.dataclass
+class Settings:
+    """Global options: ``dsn`` (None: the embedded default server), ``verbose`` (count)."""
+
+    dsn: str | None
+    verbose: int
+
+
+class LibraryUsageError(click.UsageError):
+    """A library error caused by the caller's input (exit 2, no usage hint)."""
+
+
+class LibraryError(click.ClickException):
+    """A library error that makes the command fail (exit 1)."""
+
+
+class CycloneGroup(click.Group):
+    """A click group that turns cyclone_mp errors into one-line click errors."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CycloneError as exc:
+            message = " ".join(str(exc).split("\n")[0].split()) or type(exc).__name__
+            if isinstance(exc, USAGE_ERRORS):
+                raise LibraryUsageError(message, ctx) from exc
+            raise LibraryError(message) from exc
+
+
+def _settings() -> Settings:
+    return click.get_current_context().find_object(Settings) or Settings(dsn=None, verbose=0)
+
+
+def _client(mux: Any = None, **options: Any) -> Any:
+    """A Client on the global ``--dsn`` (None: the embedded default server)."""
+    from cyclone_mp.client import Client
+
+    return Client(_settings().dsn, mux, **options)
+
+
+def _load(app: str) -> Any:
+    """Import APP; a failure is bad usage (exit 2) naming the APP."""
+    from cyclone_mp.apps import load_app
+
+    try:
+        return load_app(app)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc).replace("cannot load APP ", "", 1), param_hint="APP") from exc
+
+
+def _out() -> Any:
+    return render.console()
+
+
+# -- the group ---------------------------------------------------------------------------------------
+
+
+@click.group(cls=CycloneGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--dsn", envvar="CYCLONE_DSN", metavar="DSN", default=None,
+              help="PostgreSQL connection string [env CYCLONE_DSN]; default: the embedded server.")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.version_option(package_name="cyclone-mp", prog_name="cyclone-mp")
+@click.pass_context
+def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
+    """cyclone-mp: a PostgreSQL-backed durable step engine whose worker is a
+    multiprocess supervisor that can kill wedged handlers.
+
+    Start with `cyclone-mp demo`, or run a worker for your app:
+    `cyclone-mp worker examples.app:mux`.
+    """
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    if verbose < 2:
+        logging.getLogger("psycopg").setLevel(logging.ERROR)  # pool chatter; our errors say it once
+    ctx.obj = Settings(dsn=dsn or None, verbose=verbose)
+
+
+# -- worker, migrate ---------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("app")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Child processes: handlers running at once.")
+@click.option("--lease-ttl", type=SECONDS, default=30.0, show_default=True,
+              help="Seconds a lease lasts without renewal (renewed every ttl/3).")
+@click.option("--kill-grace", type=SECONDS, default=5.0, show_default=True,
+              help="Seconds between a cooperative cancel and the SIGKILL.")
+@click.option("--shutdown-grace", type=SECONDS, default=30.0, show_default=True,
+              help="Seconds in-flight steps may run on after SIGTERM/SIGINT.")
+@click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
+              help="Default bound on lease expiries before a step is discarded [default: unbounded].")
+@click.option("--queue", "queues", multiple=True, metavar="NAME",
+              help="Queue to claim from (repeatable) [default: default].")
+@click.option("--poll-interval", type=POLL, default="0.1,1.0", show_default=True,
+              help="Seconds between claims when idle: S or MIN,MAX.")
+@click.option("--max-steps-per-child", type=click.IntRange(min=1), default=None,
+              help="Recycle a child after this many steps [default: never].")
+@click.option("--max-child-rss", type=BYTES, default=None,
+              help="Recycle a child whose RSS exceeds this size, e.g. 500M [default: never].")
+def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
+           max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
+           max_steps_per_child: int | None, max_child_rss: int | None) -> None:
+    """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
+
+    Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
+    in-flight steps finish for up to --shutdown-grace), a second one stops hard.
+    Exits 0 after a drain.
+    """
+    mux = _load(app)
+    client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
+                     shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
+                     poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
+                     max_child_rss=max_child_rss)
+    cfg = client.config
+    client.migrate()  # fail before the banner when the database is unreachable
+    click.echo(
+        f"cyclone-mp worker: {cfg.workers} children, queues {', '.join(cfg.queues)}, "
+        f"steps {', '.join(mux.step_names) or '(none)'}; database {redact(client.dsn)}; "
+        "SIGTERM/Ctrl-C drains, a second one stops", err=True,
+    )
+    try:
+        client.run()
+    finally:
+        client.close()
+    sup = client.supervisor
+    if sup is not None:
+        stats = sup.stats
+        click.echo(f"cyclone-mp worker: stopped; {stats['completed']} completed, {stats['failed']} failed, "
+                   f"{stats['released']} released, {stats['killed']} children killed", err=True)
+
+
+@cli.command()
+def migrate() -> None:
+    """Create or upgrade the cyclone tables (idempotent; other commands do it too)."""
+    client = _client()
+    try:
+        applied = client.migrate()
+    finally:
+        client.close()
+    click.echo(f"applied {', '.join(applied)}" if applied else "schema up to date")
+
+
+# -- enqueue -------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("app")
+@click.argument("name")
+@click.option("--input", "input_", type=JSON, default=None, metavar="JSON|@FILE",
+              help="The run's input: JSON, @file.json, or @- for stdin [default: null].")
+@click.option("--timeout", type=SECONDS, default=None, help="Seconds per attempt (overrides the step's).")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Attempts before discard.")
+@click.option("--queue", default=None, metavar="NAME", help="Queue (overrides the step's).")
+@click.option("--delay", type=SECONDS, default=None, help="Seconds before the first claim.")
+@click.option("--idempotency-key", default=None, metavar="KEY", help="Return the existing run for this key.")
+@click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
+@click.option("--wait-timeout", type=SECONDS, default=None, help="With --wait: give up after these seconds (exit 1).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (the run id, or with --wait the final status).")
+def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None, queue: str | None,
+            delay: float | None, idempotency_key: str | None, wait: bool, wait_timeout: float | None,
+            as_json: bool) -> None:
+    """Enqueue a run of step or workflow NAME registered in APP; print its run id."""
+    mux = _load(app)
+    mux.lookup(name)  # an unknown name is bad usage, before touching the database
+    client = _client(mux)
+    try:
+        client.migrate()
+        run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts, queue=queue,
+                                delay=delay, idempotency_key=idempotency_key)
+        if not wait:
+            render.print_json({"run_id": run_id}) if as_json else click.echo(run_id)
+            return
+        if not as_json:
+            click.echo(run_id)
+        status = _wait(client, run_id, wait_timeout, live=not as_json)
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(status.to_dict())
+    else:
+        took = (status.finished_at - status.created_at).total_seconds() if status.finished_at else None
+        click.echo(f"run {run_id} {status.state}" + (f" in {took:.2f}s" if took is not None else ""))
+        for step in status.steps.values():
+            if step.state == "completed" and step.output is not None:
+                click.echo(f"output[{step.name}]: {render.dumps(step.output, indent=None)}")
+            elif step.error:
+                click.echo(f"{step.name}: {step.state} ({step.error_kind}): {render.short(step.error, 200)}", err=True)
+    if status.state != "completed":
+        click.get_current_context().exit(1)
+
+
+def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any:
+    """Poll ``client.status`` until the run is terminal, showing a live view on stderr."""
+    from rich.live import Live
+
+    start = time.monotonic()
+    con = render.console(stderr=True)
+    status = client.status(run_id)
+    view = Live(render.wait_view(status, 0.0), console=con, refresh_per_second=8, transient=False) if live else None
+    try:
+        if view is not None:
+            view.start()
+        while not status.terminal:
+            if timeout is not None and time.monotonic() - start >= timeout:
+                break
+            time.sleep(0.2)
+            status = client.status(run_id)
+            if view is not None:
+                view.update(render.wait_view(status, time.monotonic() - start))
+    except KeyboardInterrupt:
+        if view is not None:
+            view.stop()
+        raise click.ClickException(f"stopped waiting; run {run_id} goes on (cyclone-mp status {run_id})") from None
+    finally:
+        if view is not None:
+            view.stop()
+            if not con.is_terminal:
+                con.line()  # a non-terminal Live leaves its last frame without a newline
+    if not status.terminal:
+        raise click.ClickException(f"run {run_id} is still {status.state} after {timeout:g}s")
+    return status
+
+
+# -- read commands ------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(run_id: str, as_json: bool) -> None:
+    """Show a run: every step, and the forensics of every failed attempt."""
+    client = _client()
+    try:
+        client.migrate()
+        result = client.status(run_id)
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(result.to_dict())
+    else:
+        render.print_status(_out(), result)
+
+
+@cli.command()
+@click.option("--state", type=click.Choice(RUN_STATES), default=None, help="Only runs in this state.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def runs(state: str | None, limit: int, as_json: bool) -> None:
+    """List recent runs, newest first."""
+    client = _client()
+    try:
+        client.migrate()
+        rows = client.runs(state=state, limit=limit)
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif rows:
+        _out().print(render.runs_table(rows))
+    else:
+        click.echo("no runs" + (f" in state {state}" if state else ""))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def workers(as_json: bool) -> None:
+    """Live supervisors and their children: pid, step, elapsed, CPU %, RSS."""
+    client = _client()
+    try:
+        client.migrate()
+        rows = client.workers()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    else:
+        render.print_workers(_out(), rows)
+
+
+# -- operator actions ---------------------------------------------------------------------------------
+
+
+def _act(action: str, run_id: str) -> int:
+    client = _client()
+    try:
+        client.migrate()
+        return getattr(client, action)(run_id)
+    finally:
+        client.close()
+
+
+@cli.command()
+@click.argument("run_id")
+def cancel(run_id: str) -> None:
+    """Cancel a run: every unfinished step, in one transaction (in-flight handlers are killed)."""
+    click.echo(f"cancelled run {run_id} ({_act('cancel', run_id)} step(s))")
+
+
+@cli.command()
+@click.argument("run_id")
+def retry(run_id: str) -> None:
+    """Reopen a run's discarded steps (no attempt consumed)."""
+    click.echo(f"retrying run {run_id} ({_act('retry', run_id)} step(s) reopened)")
+
+
+@cli.command()
+@click.argument("run_id")
+def pause(run_id: str) -> None:
+    """Pause a run: waiting steps stay put, running ones finish."""
+    click.echo(f"paused run {run_id} ({_act('pause', run_id)} step(s))")
+
+
+@cli.command()
+@click.argument("run_id")
+def resume(run_id: str) -> None:
+    """Resume a paused run."""
+    click.echo(f"resumed run {run_id} ({_act('resume', run_id)} step(s))")
+
+
+@cli.command("signal")
+@click.argument("run_id")
+@click.argument("name")
+@click.option("--payload", type=JSON, default=None, metavar="JSON|@FILE", help="The signal's payload [default: null].")
+def signal_(run_id: str, name: str, payload: Any) -> None:
+    """Send signal NAME to a run (the first signal of a name is kept)."""
+    client = _client()
+    try:
+        client.migrate()
+        fresh = client.signal(run_id, name, payload)
+    finally:
+        client.close()
+    click.echo(f"signal {name!r} sent to run {run_id}" if fresh
+               else f"signal {name!r} was already received by run {run_id}; the first one is kept")
+
+
+# -- the embedded server --------------------------------------------------------------------------------
+
+
+@cli.group()
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="The cluster directory [default: the per-user default].")
+@click.pass_context
+def db(ctx: click.Context, data_dir: str | None) -> None:
+    """Manage the embedded PostgreSQL server (the default when --dsn is not given)."""
+    from cyclone_mp.embedded import EmbeddedServer, default_server
+
+    ctx.obj = default_server() if data_dir is None else EmbeddedServer(data_dir)
+
+
+def _server() -> Any:
+    from cyclone_mp.embedded import EmbeddedServer
+
+    return click.get_current_context().find_object(EmbeddedServer)
+
+
+@db.command("start")
+def db_start() -> None:
+    """Start the server (initialising it the first time); print its URI."""
+    click.echo(_server().start())
+
+
+@db.command("stop")
+def db_stop() -> None:
+    """Stop the server."""
+    click.echo("stopped" if _server().stop() else "not running")
+
+
+@db.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def db_status(as_json: bool) -> None:
+    """Show whether the server runs, its pid, data directory and URI."""
+    info = _server().status()
+    render.print_json(info) if as_json else render.print_db_status(_out(), info)
+
+
+@db.command("uri")
+def db_uri() -> None:
+    """Print the server's connection URI (fails when it is not running)."""
+    click.echo(_server().uri())
+
+
+# -- demo -----------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--cpu-steps", type=click.IntRange(1, 1000), default=24, show_default=True,
+              help="CPU-bound steps to run besides the three bad ones.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def demo(cpu_steps: int, as_json: bool) -> None:
+    """Run a CPU-bound workload with a wedged, a crashing and a grandchild-spawning
+    handler on 2 children, then show what happened. Exits 0 when everything ended as
+    expected and no process is left behind."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from cyclone_mp.demo import run_demo
+
+    if _settings().verbose == 0:
+        logging.getLogger("cyclone_mp").setLevel(logging.ERROR)  # the demo's kills are expected
+    progress = None if as_json else Progress(
+        SpinnerColumn(), TextColumn("[bold]demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), console=render.console(stderr=True), transient=True,
+    )
+    task = progress.add_task("starting", total=None) if progress is not None else None
+
+    def tick(done: int, total: int, states: dict[str, int], elapsed: float) -> None:
+        if progress is not None and task is not None:
+            text = " · ".join(f"{state} {n}" for state, n in sorted(states.items()))
+            progress.update(task, completed=done, total=total, description=text)
+
+    if progress is not None:
+        progress.start()
+    try:
+        report = run_demo(_settings().dsn, cpu_steps=cpu_steps, on_tick=tick)
+    finally:
+        if progress is not None:
+            progress.stop()
+    if as_json:
+        render.print_json(report.to_dict())
+    else:
+        render.print_demo(_out(), report)
+    if not report.ok:
+        click.get_current_context().exit(1)
+
+
+# -- entry point ------------------------------------------------------------------------------------------
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    line = " ".join(redact(message).split())
+    click.echo(f"Error: {line}", err=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Console script ``cyclone-mp``: run the CLI and exit with its code (0, 1 or 2)."""
+    try:
+        code = cli.main(args=argv, prog_name="cyclone-mp", standalone_mode=False)
+    except LibraryUsageError as exc:
+        _fail(exc.format_message(), 2)
+    except click.BadParameter as exc:
+        if isinstance(exc, click.MissingParameter) and exc.ctx is not None:
+            _fail(f"{exc.format_message()} (see '{exc.ctx.command_path} --help')", 2)
+        _fail(exc.format_message(), 2)
+    except click.UsageError as exc:
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+        _fail(exc.format_message() + hint, exc.exit_code)
+    except click.ClickException as exc:
+        _fail(exc.format_message(), exc.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        _fail("interrupted", 130)
+    except CycloneError as exc:  # raised outside a command (should not happen)
+        _fail(str(exc).split("\n")[0], 1)
+    except Exception as exc:  # noqa: BLE001 - never a traceback for the user, unless -v
+        if any(a in ("-v", "-vv", "--verbose") for a in (argv if argv is not None else sys.argv[1:])):
+            traceback.print_exc()
+        _fail(f"unexpected {type(exc).__name__}: {exc} (run with -v for the traceback)", 1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

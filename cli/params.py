@@ -1,0 +1,100 @@
+"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals.
+
+Each converts one option value and fails with ``click.BadParameter`` (exit code 2, one
+line naming the option) on malformed input.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import sys
+from typing import Any
+
+import click
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$", re.I)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
+_DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+class JsonValue(click.ParamType):
+    """A JSON value given inline (``'{"a": 1}'``), from a file (``@input.json``) or from
+    standard input (``@-``). Converts to the decoded Python value."""
+
+    name = "JSON"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        text, source = value, "value"
+        if value.startswith("@"):
+            where = value[1:]
+            try:
+                text = sys.stdin.read() if where == "-" else pathlib.Path(where).expanduser().read_text()
+            except OSError as exc:
+                self.fail(f"cannot read {where!r}: {exc.strerror or exc}", param, ctx)
+            source = "standard input" if where == "-" else f"file {where!r}"
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            self.fail(f"the {source} is not valid JSON: {exc}", param, ctx)
+
+
+class Seconds(click.ParamType):
+    """A duration: seconds as a number (``2.5``) or with a unit (``500ms``, ``30s``,
+    ``5m``, ``1h``). Converts to float seconds (>= 0)."""
+
+    name = "SECONDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        match = _DURATION_RE.match(str(value))
+        if not match:
+            self.fail(f"{value!r} is not a duration (seconds, e.g. 2.5, 500ms, 30s, 5m, 1h)", param, ctx)
+        unit = match.group(2).lower() if match.group(2) else None
+        return float(match.group(1)) * _DURATION_UNITS[unit]
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes: ``1048576``, ``512K``, ``500M``, ``2G`` (powers of 1024). Converts to int."""
+
+    name = "BYTES"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        match = _SIZE_RE.match(str(value))
+        if not match:
+            self.fail(f"{value!r} is not a size (bytes, e.g. 1048576, 512K, 500M, 2G)", param, ctx)
+        size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+        if size < 1:
+            self.fail(f"{value!r} must be at least 1 byte", param, ctx)
+        return size
+
+
+class PollInterval(click.ParamType):
+    """Seconds between claims when idle: one value (``0.5``) or a ``MIN,MAX`` range
+    (``0.1,1.0``; the poll backs off from MIN to MAX). Converts to ``(min, max)``."""
+
+    name = "MIN[,MAX]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[float, float]:
+        if isinstance(value, tuple):
+            return value
+        parts = [p for p in re.split(r"[,:]", str(value))]
+        if len(parts) not in (1, 2):
+            self.fail(f"{value!r} is not SECONDS or MIN,MAX", param, ctx)
+        lo, hi = (Seconds().convert(p, param, ctx) for p in (parts[0], parts[-1]))
+        if lo <= 0 or hi < lo:
+            self.fail(f"{value!r}: need 0 < MIN <= MAX", param, ctx)
+        return lo, hi
+
+
+JSON = JsonValue()
+SECONDS = Seconds()
+BYTES = ByteSize()
+POLL = PollInterval()

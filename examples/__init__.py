@@ -1,0 +1,1 @@
+"""Example apps for the README tour (``cyclone-mp worker examples.app:mux``)."""

@@ -1,0 +1,524 @@
+"""Acceptance tests of the ``cyclone-mp`` CLI, ``cyclone_mp.apps`` and the demo.
+
+Pure parsing runs in-process with click's CliRunner; everything else runs the real
+CLI as a subprocess (``python -m cyclone_mp_cli.main``) against a dedicated database:
+one embedded server per session on a temp data dir (the ``pg`` fixture; small and
+self-contained so a shared conftest fixture can replace it), one fresh database per
+test (``dsn``). The demo test uses the embedded default server, as a user would.
+
+Every test must leave no process behind: the autouse fixture of ``tests/conftest.py``
+asserts that no child of the test process is alive afterwards, and the ``worker``
+fixture checks that every child a stopped worker ever had is gone too (they are the
+worker's children, not ours, so only that check sees them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import psutil
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+import cyclone_mp as cy
+from cyclone_mp.apps import load_app
+from cyclone_mp.embedded import EmbeddedServer
+from cyclone_mp.errors import ConfigurationError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+APP = "tests/cli_app.py:mux"  # relative to REPO, the cwd of every CLI subprocess
+UNREACHABLE = "postgresql://nobody:s3cret@127.0.0.1:1/x"
+
+
+def _cli_import_path() -> str | None:
+    """A directory that makes ``cyclone_mp_cli`` importable when the project is not
+    installed (pyproject maps the ``cli/`` folder to that name)."""
+    try:
+        import cyclone_mp_cli  # noqa: F401
+
+        return None
+    except ImportError:
+        shim = pathlib.Path(tempfile.gettempdir()) / f"cyclone-mp-cli-shim-{os.getuid()}"
+        shim.mkdir(exist_ok=True)
+        link = shim / "cyclone_mp_cli"
+        if not link.exists():
+            with contextlib.suppress(FileExistsError):
+                link.symlink_to(REPO / "cli")
+        sys.path.insert(0, str(shim))
+        return str(shim)
+
+
+_SHIM = _cli_import_path()
+from cyclone_mp_cli import main as cli_main  # noqa: E402
+from cyclone_mp_cli import params  # noqa: E402
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "CYCLONE_DSN"}
+    paths = [str(REPO)] + ([_SHIM] if _SHIM else []) + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["COLUMNS"] = "200"
+    return env
+
+
+def run_cli(*args: str, dsn: str | None = None, timeout: float = 60.0, stdin: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cyclone-mp [--dsn DSN] ARGS`` from the repository root; returns the finished process."""
+    cmd = [sys.executable, "-m", "cyclone_mp_cli.main"] + (["--dsn", dsn] if dsn else []) + list(args)
+    return subprocess.run(cmd, cwd=REPO, env=env or _env(), input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """Assert stderr is exactly one ``Error: ...`` line, without a traceback; return it."""
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{proc.stderr}"
+    assert lines[0].startswith("Error: "), lines[0]
+    return lines[0]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``predicate`` every 50 ms until it returns a truthy value; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+    return out
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[EmbeddedServer]:
+    """One embedded PostgreSQL for this module's tests, on a temp data dir (mode 755 so
+    that, as root, the server user can traverse it); destroyed at the end."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="cyclone-mp-cli-test-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    server = EmbeddedServer(base / "pgdata")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.destroy()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def dsn(pg: EmbeddedServer) -> Iterator[str]:
+    """A fresh, empty database on the session server (the CLI migrates it itself)."""
+    name = f"cli_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg.uri(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield pg.uri(name)
+    with psycopg.connect(pg.uri(), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Worker:
+    """A ``cyclone-mp worker`` subprocess; ``stop()`` sends SIGTERM and returns the exit code."""
+
+    def __init__(self, app: str, dsn: str, *options: str) -> None:
+        cmd = [sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", dsn, "worker", app, *options]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.seen: set[int] = set()
+        self.stderr = ""
+
+    def children(self) -> list[int]:
+        """Pids of the worker's live descendants (remembered for the leak check)."""
+        with contextlib.suppress(psutil.Error):
+            pids = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
+            self.seen.update(pids)
+            return pids
+        return []
+
+    def wait_ready(self, workers: int, timeout: float = 20.0) -> None:
+        """Wait until the worker runs ``workers`` children."""
+        wait_for(lambda: self.proc.poll() is not None or len(self.children()) >= workers, timeout, "worker children")
+        assert self.proc.poll() is None, self.proc.communicate()[1]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the worker and wait for it; returns its exit code."""
+        self.children()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, self.stderr = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the worker and whatever of its tree is left (teardown after a failure)."""
+        pids = [self.proc.pid] + self.children()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.communicate(timeout=10)
+
+
+@pytest.fixture
+def worker(dsn: str) -> Iterator[Callable[..., Worker]]:
+    """Start workers with ``worker(app, *options)``; at teardown every worker is stopped and
+    every child it ever had must be gone."""
+    started: list[Worker] = []
+
+    def start(app: str = APP, *options: str, workers: int = 2) -> Worker:
+        w = Worker(app, dsn, "--workers", str(workers), "--lease-ttl", "3", "--kill-grace", "0.5",
+                   "--poll-interval", "0.05,0.5", *options)
+        started.append(w)
+        w.wait_ready(workers)
+        return w
+
+    yield start
+    for w in started:
+        if w.proc.poll() is None:
+            try:
+                w.stop(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        wait_for(lambda: not _alive(sorted(w.seen)), 5.0, "the worker's children to exit")
+
+
+def client_for(dsn: str) -> cy.Client:
+    """A plain API client (no supervisor) for checks."""
+    return cy.Client(dsn)
+
+
+# -- apps.load_app ---------------------------------------------------------------------------------
+
+
+def test_load_app_module_and_file() -> None:
+    mux = load_app("examples.app:mux")
+    assert mux.step_names == ["count", "greet"]
+    assert load_app("examples.app").step_names == ["count", "greet"]  # attr defaults to mux
+    file_mux = load_app(str(REPO / APP))
+    assert {"echo", "slow", "reject", "publish"} <= set(file_mux.step_names)
+    assert file_mux.steps["echo"].ref.module == "cyclone_mp_app_cli_app"
+    assert file_mux.steps["echo"].ref.path == str(REPO / "tests" / "cli_app.py")
+    assert load_app(str(REPO / "tests" / "cli_app.py") + ":echo").step_names == ["echo"]  # a Step is wrapped
+    assert "approval" in load_app(str(REPO / "tests" / "cli_app.py") + ":approval").workflows
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("no_such_module_xyz:mux", "no module named 'no_such_module_xyz'"),
+    ("examples.app:nope", "has no attribute 'nope'"),
+    ("examples.app:greet.fn", "not a cy.Mux"),
+    ("/nonexistent/app.py:mux", "no such file"),
+    (":mux", "malformed"),
+])
+def test_load_app_errors_are_one_line(spec: str, words: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        load_app(spec)
+    message = str(info.value)
+    assert words in message and "\n" not in message
+
+
+def test_load_app_broken_file(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "broken.py"
+    bad.write_text("import cyclone_mp\nraise RuntimeError('boom\\nsecond line')\n")
+    with pytest.raises(ConfigurationError) as info:
+        load_app(f"{bad}:mux")
+    assert "RuntimeError: boom second line" in str(info.value) and str(bad) in str(info.value)
+    (tmp_path / "syntax.py").write_text("def (:\n")
+    with pytest.raises(ConfigurationError, match="SyntaxError"):
+        load_app(f"{tmp_path / 'syntax.py'}:mux")
+
+
+# -- pure parsing (CliRunner) -------------------------------------------------------------------------
+
+
+def test_param_types() -> None:
+    assert params.SECONDS.convert("2.5", None, None) == 2.5
+    assert params.SECONDS.convert("500ms", None, None) == 0.5
+    assert params.SECONDS.convert("5m", None, None) == 300.0
+    assert params.BYTES.convert("512K", None, None) == 512 * 1024
+    assert params.BYTES.convert("2G", None, None) == 2 * 1024**3
+    assert params.POLL.convert("0.1,1.0", None, None) == (0.1, 1.0)
+    assert params.POLL.convert("0.5", None, None) == (0.5, 0.5)
+    assert params.JSON.convert('{"a": [1, null]}', None, None) == {"a": [1, None]}
+
+
+def test_json_input_from_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "in.json"
+    path.write_text('{"from": "file"}')
+    assert params.JSON.convert(f"@{path}", None, None) == {"from": "file"}
+
+
+@pytest.mark.parametrize("args", [
+    ["worker", "x:mux", "--workers", "0"],
+    ["worker", "x:mux", "--poll-interval", "1,0.5"],
+    ["worker", "x:mux", "--max-child-rss", "lots"],
+    ["enqueue", "x:mux", "s", "--input", "{bad"],
+    ["enqueue", "x:mux", "s", "--timeout", "soon"],
+    ["runs", "--state", "bogus"],
+    ["runs", "--limit", "0"],
+    ["signal", "r", "n", "--payload", "[1,"],
+    ["status"],
+    ["nosuchcommand"],
+])
+def test_bad_usage_exits_2(args: list[str]) -> None:
+    result = CliRunner().invoke(cli_main.cli, args)
+    assert result.exit_code == 2, result.output
+
+
+def test_help_lists_every_command() -> None:
+    result = CliRunner().invoke(cli_main.cli, ["--help"])
+    assert result.exit_code == 0
+    for name in ("worker", "migrate", "enqueue", "status", "runs", "cancel", "retry", "pause", "resume",
+                 "signal", "workers", "db", "demo"):
+        assert name in result.output
+
+
+# -- bad input through the real CLI: one line on stderr, right exit code --------------------------------
+
+
+def test_unknown_run_id(dsn: str) -> None:
+    missing = str(uuid.uuid4())
+    for args in (["status", missing], ["status", missing, "--json"], ["cancel", missing], ["retry", missing],
+                 ["pause", missing], ["resume", missing], ["signal", missing, "approve"]):
+        proc = run_cli(*args, dsn=dsn)
+        assert proc.returncode == 1, (args, proc.stderr)
+        assert "no run" in one_error_line(proc)
+    proc = run_cli("status", "not-a-uuid", dsn=dsn)
+    assert proc.returncode == 1 and "not-a-uuid" in one_error_line(proc)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["enqueue", APP, "echo", "--input", "{bad json"], "not valid JSON"),
+    (["enqueue", APP, "echo", "--input", "@/nonexistent.json"], "cannot read"),
+    (["enqueue", APP, "no_such_step", "--input", "{}"], "unknown step 'no_such_step'"),
+    (["enqueue", "no_such_module_xyz:mux", "echo"], "no_such_module_xyz"),
+    (["enqueue", "examples.app:missing", "greet"], "no attribute 'missing'"),
+    (["worker", "no_such_module_xyz:mux"], "no_such_module_xyz"),
+    (["worker", APP, "--workers", "0"], "--workers"),
+    (["signal", str(uuid.uuid4()), "approve", "--payload", "{"], "not valid JSON"),
+    (["enqueue", APP], "Missing argument 'NAME'"),
+])
+def test_bad_usage_one_line(dsn: str, args: list[str], words: str) -> None:
+    proc = run_cli(*args, dsn=dsn)
+    assert proc.returncode == 2, proc.stderr
+    assert words in one_error_line(proc)
+
+
+def test_app_that_raises_on_import(dsn: str, tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "explodes.py"
+    bad.write_text("raise RuntimeError('kaboom')\n")
+    proc = run_cli("enqueue", f"{bad}:mux", "echo", dsn=dsn)
+    assert proc.returncode == 2
+    line = one_error_line(proc)
+    assert "kaboom" in line and "explodes.py" in line
+
+
+@pytest.mark.parametrize("args", [
+    ["status", str(uuid.uuid4())], ["runs"], ["workers", "--json"], ["migrate"], ["cancel", str(uuid.uuid4())],
+    ["enqueue", APP, "echo", "--input", "{}"], ["worker", APP],
+])
+def test_unreachable_database(args: list[str]) -> None:
+    proc = run_cli(*args, dsn=UNREACHABLE, timeout=30)
+    assert proc.returncode == 1, proc.stderr
+    line = one_error_line(proc)
+    assert "cannot connect" in line
+    assert "s3cret" not in proc.stderr + proc.stdout  # the password is never printed
+
+
+def test_unreachable_database_from_env() -> None:
+    env = {**_env(), "CYCLONE_DSN": UNREACHABLE}
+    proc = run_cli("runs", env=env)
+    assert proc.returncode == 1 and "cannot connect" in one_error_line(proc)
+
+
+# -- real work -----------------------------------------------------------------------------------------
+
+
+def test_worker_and_enqueue_wait(dsn: str, worker: Callable[..., Worker]) -> None:
+    w = worker()
+    proc = run_cli("enqueue", APP, "echo", "--input", '{"x": 1}', "--wait", dsn=dsn)
+    assert proc.returncode == 0, proc.stderr
+    run_id = proc.stdout.splitlines()[0].strip()
+    assert f"run {run_id} completed" in proc.stdout
+    assert '"echo": {"x": 1}' in proc.stdout
+
+    proc = run_cli("status", run_id, "--json", dsn=dsn)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["state"] == "completed" and data["steps"]["echo"]["output"]["echo"] == {"x": 1}
+
+    proc = run_cli("status", run_id, dsn=dsn)
+    assert proc.returncode == 0 and "completed" in proc.stdout and "echo" in proc.stdout
+
+    proc = run_cli("runs", "--json", "--state", "completed", dsn=dsn)
+    assert [r["id"] for r in json.loads(proc.stdout)] == [run_id]
+
+    proc = run_cli("workers", "--json", dsn=dsn)
+    rows = json.loads(proc.stdout)
+    assert len(rows) == 1 and len(rows[0]["info"]["children"]) == 2
+    assert {k["pid"] for k in rows[0]["info"]["children"]} <= set(w.children())
+    assert run_cli("workers", dsn=dsn).returncode == 0
+    assert w.stop() == 0
+
+
+def test_enqueue_wait_failed_run_exits_1(dsn: str, worker: Callable[..., Worker]) -> None:
+    worker()
+    proc = run_cli("enqueue", APP, "reject", "--wait", dsn=dsn)
+    assert proc.returncode == 1
+    run_id = proc.stdout.splitlines()[0].strip()
+    assert "discarded" in proc.stdout and "permanent" in proc.stderr
+    data = json.loads(run_cli("status", run_id, "--json", dsn=dsn).stdout)
+    step = data["steps"]["reject"]
+    assert step["error_kind"] == "permanent" and step["errors"][0]["message"] == "rejected by the test app"
+    proc = run_cli("enqueue", APP, "reject", "--wait", "--json", dsn=dsn)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["state"] == "discarded"
+
+
+def test_readme_tour(dsn: str, worker: Callable[..., Worker]) -> None:
+    """``cyclone-mp worker examples.app:mux`` + ``enqueue ... --wait`` from the repo root."""
+    worker("examples.app:mux")
+    proc = run_cli("enqueue", "examples.app:mux", "greet", "--input", '{"name": "Ada"}', "--wait", dsn=dsn)
+    assert proc.returncode == 0, proc.stderr
+    assert "hello, Ada!" in proc.stdout
+    proc = run_cli("enqueue", "examples.app:mux", "count", "--input", '{"to": 4, "every": 0.1}', "--wait",
+                   "--json", dsn=dsn)
+    assert proc.returncode == 0, proc.stderr
+    step = json.loads(proc.stdout)["steps"]["count"]
+    assert step["output"] == {"counted": 4} and step["progress"]["done"] == 4
+
+
+def test_cancel_a_running_step(dsn: str, worker: Callable[..., Worker]) -> None:
+    worker("examples.app:mux")
+    run_id = run_cli("enqueue", "examples.app:mux", "count", "--input", '{"to": 600, "every": 0.1}',
+                     dsn=dsn).stdout.strip()
+    client = client_for(dsn)
+    try:
+        wait_for(lambda: client.status(run_id).step.state == "running", 20, "the step to run")
+        proc = run_cli("cancel", run_id, dsn=dsn)
+        assert proc.returncode == 0 and "cancelled" in proc.stdout
+        assert client.status(run_id).state == "cancelled"
+        again = run_cli("cancel", run_id, dsn=dsn)
+        assert again.returncode == 1 and one_error_line(again)
+    finally:
+        client.close()
+
+
+def test_signal_command_completes_a_workflow(dsn: str, worker: Callable[..., Worker]) -> None:
+    worker()
+    run_id = run_cli("enqueue", APP, "approval", "--input", '{"doc": 7}', dsn=dsn).stdout.strip()
+    client = client_for(dsn)
+    try:
+        wait_for(lambda: client.status(run_id).steps["approve"].state == "waiting_signal", 20, "the signal node")
+        proc = run_cli("signal", run_id, "approve", "--payload", '{"by": "ops"}', dsn=dsn)
+        assert proc.returncode == 0, proc.stderr
+        status = wait_for(lambda: (s := client.status(run_id)).terminal and s, 20, "the run to end")
+        assert status.state == "completed"
+        assert status.steps["publish"].output == {"approved_with": {"by": "ops"}}
+        repeat = run_cli("signal", run_id, "approve", "--payload", "1", dsn=dsn)
+        assert repeat.returncode in (0, 1) and "Traceback" not in repeat.stderr
+    finally:
+        client.close()
+
+
+def test_sigterm_drains_a_step_in_flight(dsn: str, worker: Callable[..., Worker]) -> None:
+    w = worker(workers=1)
+    run_id = run_cli("enqueue", APP, "slow", "--input", '{"seconds": 2.5}', dsn=dsn).stdout.strip()
+    client = client_for(dsn)
+    try:
+        wait_for(lambda: client.status(run_id).step.state == "running", 20, "the step to run")
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert w.stop(signal.SIGTERM, timeout=30) == 0, w.stderr
+        assert time.monotonic() - started >= 1.0  # it waited for the step instead of killing it
+        status = client.status(run_id)
+        assert status.state == "completed", status
+        assert status.step.output == {"slept": 2.5} and status.step.attempt == 1
+        assert "drain" in w.stderr or "stopped" in w.stderr
+        assert "Traceback" not in w.stderr
+    finally:
+        client.close()
+
+
+def test_db_commands(pg: EmbeddedServer) -> None:
+    data_dir = str(pg.data_dir)
+    proc = run_cli("db", "--data-dir", data_dir, "status", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["running"] is True and info["data_dir"] == data_dir
+    proc = run_cli("db", "--data-dir", data_dir, "uri")
+    assert proc.returncode == 0 and proc.stdout.strip() == pg.uri()
+    missing = pathlib.Path(tempfile.mkdtemp(prefix="cyclone-mp-cli-nodb-", dir="/tmp"))
+    try:
+        proc = run_cli("db", "--data-dir", str(missing / "pgdata"), "uri")
+        assert proc.returncode == 1 and "not running" in one_error_line(proc)
+        proc = run_cli("db", "--data-dir", str(missing / "pgdata"), "status", "--json")
+        assert proc.returncode == 0 and json.loads(proc.stdout)["running"] is False
+    finally:
+        shutil.rmtree(missing, ignore_errors=True)
+
+
+def test_migrate_is_idempotent(dsn: str) -> None:
+    first = run_cli("migrate", dsn=dsn)
+    assert first.returncode == 0 and "applied" in first.stdout
+    second = run_cli("migrate", dsn=dsn)
+    assert second.returncode == 0 and "up to date" in second.stdout
+
+
+# -- the demo -------------------------------------------------------------------------------------------
+
+
+def test_demo_on_the_embedded_default() -> None:
+    """``cyclone-mp demo`` as a newcomer runs it: the embedded default server, a table,
+    exit 0, under a minute, nothing left behind."""
+    started = time.monotonic()
+    proc = run_cli("demo", timeout=90)
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-1200:] + proc.stderr[-500:]
+    assert took < 60, f"the demo took {took:.1f}s"
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    assert "cyclone-mp demo" in out and "all checks passed" in out
+    for word in ("demo.wedge", "demo.crash", "demo.grandchild", "child_exited", "timeout", "no handler process left"):
+        assert word in out
+
+
+def test_demo_json_on_a_given_dsn(dsn: str) -> None:
+    proc = run_cli("demo", "--json", "--cpu-steps", "8", dsn=dsn, timeout=90)
+    report = json.loads(proc.stdout)
+    failed = [name for name, ok in report["checks"].items() if not ok]
+    assert proc.returncode == 0 and report["ok"] is True, f"failed checks: {failed}; stderr: {proc.stderr[-500:]}"
+    assert report["embedded"] is False
+    roles = {row["role"]: row for row in report["rows"] if row["role"] != "cpu"}
+    assert roles["wedged"]["error_kind"] == "timeout" and roles["crasher"]["error_kind"] == "child_exited"
+    assert len(report["grandchildren"]) == 2 and report["grandchildren_alive"] == []
+    assert report["leftover_pids"] == [] and report["completed"] == 8
+    # SPEC 4 forensics reach the report: who killed what, and how the crasher died.
+    assert roles["wedged"]["forensics"]["killed_by_supervisor"] is True
+    assert roles["wedged"]["forensics"]["signal_name"] == "SIGKILL"
+    assert roles["crasher"]["forensics"]["signal_name"] == "SIGABRT"
+    assert roles["crasher"]["forensics"]["killed_by_supervisor"] is False
+    assert all(not psutil.pid_exists(pid) for pid in report["grandchildren"])
