@@ -34,6 +34,7 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn):
         ids[client.enqueue(step, inp)] = step.name
 
     handles = [env.start_worker() for _ in range(3)]
+    ours = {hd.supervisor_id for hd in handles}
     kills = {"supervisor": 0, "child": 0}
     chaos_until, give_up = time.monotonic() + 8.0, time.monotonic() + 30.0
     while time.monotonic() < give_up and (time.monotonic() < chaos_until or min(kills.values()) < 3):
@@ -46,6 +47,7 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn):
             kills["supervisor"] += 1
             handles.remove(victim)
             handles.append(env.start_worker())
+            ours.add(handles[-1].supervisor_id)
         else:
             kids = [p for p in psutil.Process(victim.pid).children() if "cyclone_mp._child" in " ".join(p.cmdline())]
             if kids:
@@ -83,7 +85,7 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn):
     # every supervisor still alive takes new work, and nothing of ours is left when they stop
     assert all(hd.alive() for hd in handles)
     env.stop_workers()
-    strays = [p for p in psutil.process_iter(["environ"]) if (p.info.get("environ") or {}).get("CYCLONE_MP_SUPERVISOR")]
+    strays = [p for p in psutil.process_iter(["environ"]) if (p.info.get("environ") or {}).get("CYCLONE_MP_SUPERVISOR") in ours]
     time.sleep(0.5)
     strays = [p for p in strays if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not strays, f"handler processes left: {[p.pid for p in strays]}"
