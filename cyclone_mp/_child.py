@@ -26,6 +26,7 @@ import traceback
 from typing import Any
 
 from . import protocol
+from .protocol import storable, unstorable
 from .context import Cancellation, Context
 from .errors import Cancelled, Permanent
 
@@ -96,7 +97,9 @@ class Runner:
         """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
         is sent by a timer once the interval has passed, so the latest always lands."""
         msg = {"t": "progress", "task": self.task, "done": done, "total": total,
-               "message": None if message is None else str(message)[:500]}
+               "message": None if message is None else storable(str(message)[:500])}
+        if unstorable([done, total]):
+            return  # a progress value PostgreSQL cannot store is dropped, never fatal
         with self.lock:
             wait = self._last_progress + PROGRESS_MIN_INTERVAL - time.monotonic()
             if wait > 0:
@@ -143,7 +146,10 @@ class Runner:
             return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
         except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
             return failure("error", exc)
-        return {"ok": True, "output": to_json_value(output)}
+        try:
+            return {"ok": True, "output": to_json_value(output)}
+        except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
+            return failure("error", TypeError(f"handler output is not a JSON value: {exc}"))
 
     def loop(self) -> None:
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
@@ -176,9 +182,15 @@ class Runner:
         """Turn a non-JSON or oversized output into a stored error, never a crash."""
         try:
             size = len(protocol.encode(result))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             result.pop("output", None)
             result.update(failure("error", TypeError(f"handler output is not a JSON value: {exc}")), ok=False)
+            return result
+        problem = unstorable(result.get("output"))
+        if problem:
+            result.pop("output", None)
+            result.update(failure("error", ValueError(
+                f"handler output cannot be stored in PostgreSQL: it contains {problem}")), ok=False)
             return result
         if size > self.limit:
             result.pop("output", None)
@@ -199,8 +211,8 @@ def failure(kind: str, exc: BaseException) -> dict[str, Any]:
     except BaseException:  # noqa: BLE001
         tb = f"{exc_type.__name__}: {message}"
     return {
-        "ok": False, "kind": kind, "type": f"{exc_type.__module__}.{exc_type.__qualname__}",
-        "message": message[:10_000], "traceback": tb[-50_000:],
+        "ok": False, "kind": kind, "type": storable(f"{exc_type.__module__}.{exc_type.__qualname__}"),
+        "message": storable(message[:10_000]), "traceback": storable(tb[-50_000:]),
     }
 
 

@@ -19,6 +19,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from .config import Config
+from .protocol import unstorable
 from .durations import Duration, seconds
 from .errors import ConfigurationError, CycloneError, DatabaseError, PayloadError, RunNotFound, UnknownStep
 from .status import RunStatus, StepStatus
@@ -161,8 +162,11 @@ class Client:
     def _check_payload(self, value: Any, what: str) -> None:
         try:
             size = len(json.dumps(value, allow_nan=False))
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"{what} is not a JSON value: {exc}") from exc
+        problem = unstorable(value)
+        if problem:
+            raise PayloadError(f"{what} cannot be stored in PostgreSQL: it contains {problem}")
         if size > self.config.max_payload:
             raise PayloadError(f"{what} is {size} bytes, over the max_payload limit of {self.config.max_payload} bytes")
 

@@ -35,6 +35,10 @@ class DatabaseError(CycloneError):
     """The database could not be reached or rejected a query."""
 
 
+class DatabaseUnavailable(DatabaseError):
+    """The database cannot be reached (connection refused, lost or closed)."""
+
+
 class PayloadError(CycloneError, ValueError):
     """An input or output is not a JSON value, or is larger than the configured limit."""
 

@@ -23,6 +23,31 @@ class ProtocolError(Exception):
     """A frame was malformed or larger than the limit."""
 
 
+def storable(text: str) -> str:
+    """``text`` without what PostgreSQL text and jsonb refuse: NUL and lone surrogates (escaped)."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unstorable(value: Any) -> str | None:
+    """Why a JSON value cannot be stored in jsonb (a NUL or a lone surrogate), or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, str):
+            if "\x00" in item:
+                return "a NUL character (\\u0000)"
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "a lone surrogate (text that is not valid Unicode)"
+    return None
+
+
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: 8-byte big-endian length, then UTF-8 JSON (raises TypeError/ValueError)."""
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()

@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import decisions
-from .errors import DatabaseError, InvalidTransition, RunNotFound
+from .errors import DatabaseError, DatabaseUnavailable, InvalidTransition, RunNotFound
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -77,8 +77,12 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
         except psycopg.Error as exc:
-            raise DatabaseError(f"database error: {type(exc).__name__}: {str(exc).strip() or 'connection lost'}") from exc
+            raise DatabaseError(f"database error: {type(exc).__name__}: {str(exc).strip()}") from exc
+        except UnicodeEncodeError as exc:  # a value psycopg cannot send (a lone surrogate)
+            raise DatabaseError(f"value rejected: {exc}") from exc
 
     return wrapper
 
@@ -98,7 +102,7 @@ def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0) -> psyc
         return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(1, int(timeout)))
     except psycopg.Error as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DatabaseError(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
+        raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,10 +32,11 @@ import psutil
 from . import decisions, procs, protocol
 from .backoff import compute_backoff
 from .config import SWEEP_LIMIT, Config
-from .errors import ConfigurationError, DatabaseError
+from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
+from .protocol import storable
 from .steps import Mux
-from .store import NOTIFY_CHANNEL, Store, connect
+from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, Store, connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -182,12 +183,16 @@ class Supervisor:
             self._maintain_pool(self.clock())
             self.running.set()
             while True:
-                now = self.clock()
-                self._handle_requests(now)
-                if self.draining and not self.attempts and not self.completions and not self._pending_live():
-                    break
-                self._tick(now)
-                self._wait(self._next_wake(self.clock()))
+                try:
+                    now = self.clock()
+                    self._handle_requests(now)
+                    if self.draining and not self.attempts and not self.completions and not self._pending_live():
+                        break
+                    self._tick(now)
+                    self._wait(self._next_wake(self.clock()))
+                except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
+                    log.exception("unexpected error in the supervisor loop; carrying on")
+                    time.sleep(0.1)
         finally:
             self._teardown()
             self.stopped.set()
@@ -604,8 +609,11 @@ class Supervisor:
             else:
                 applied = self.store.complete(owner=self.id, items=items, workflows=workflows)
         except DatabaseError as exc:
-            self._db_down(exc)
-            self._defer_completions(batch)
+            if self._db_down(exc):
+                self._defer_completions(batch)
+            else:  # one bad row must not hold back the others: write them one by one
+                for att, output, progress in batch:
+                    self._write("complete", att, {"output": output, "progress": progress})
             return
         self.stats["completed"] += len(applied)
         for att, _, _ in batch:
@@ -642,7 +650,12 @@ class Supervisor:
             self.pending.append(write)
 
     def _apply(self, write: PendingWrite) -> bool:
-        """Try one write; True when it is done (applied or definitively lost)."""
+        """Try one write; True when it is done (applied, definitively lost, or replaced).
+
+        A write the database rejects (bad data, not an outage) is never retried as is:
+        a rejected success becomes a failed attempt, a rejected failure entry is written
+        again with only its plain fields, a rejected release is left to the lease expiry.
+        """
         if not self.db_ok or self.store is None:
             return False
         att = write.attempt
@@ -665,20 +678,36 @@ class Supervisor:
                 "at": dt.datetime.now(dt.timezone.utc).isoformat(), "worker": self.id,
                 "lease_generation": att.generation, **write.payload["entry"],
             }
-            step = self.mux.steps.get(att.step_name)
             result = self.store.fail(
                 owner=self.id, id=att.step_id, generation=att.generation, kind=write.payload["kind"], entry=entry,
                 backoff=self._backoff_for(att.step_name),
-                require_timed_out=write.payload["require_timed_out"], progress=att.progress,
+                require_timed_out=write.payload["require_timed_out"],
+                progress=None if write.payload.get("plain") else att.progress,
             )
         except DatabaseError as exc:
-            self._db_down(exc)
-            return False
+            if self._db_down(exc):
+                return False
+            return self._rejected(write, exc)
         if result == "not_yet":
             write.retry_at = self.clock() + 0.05
             return False
         if result == "applied":
             self.stats["failed"] += 1
+        return True
+
+    def _rejected(self, write: PendingWrite, exc: Exception) -> bool:
+        att = write.attempt
+        if write.kind == "complete":
+            self._write_fail(att, decisions.ERROR, {
+                "type": "cyclone_mp.errors.PayloadError",
+                "message": storable(f"the database rejected the handler's output: {exc}")[:2000],
+            }, require_timed_out=False)
+        elif write.kind == "fail" and not write.payload.get("plain"):
+            plain = {k: v for k, v in write.payload["entry"].items() if k in FORENSIC_KEYS}
+            plain["message"] = storable(f"error entry rejected by the database: {exc}")[:2000]
+            self._write("fail", att, {**write.payload, "entry": plain, "plain": True})
+        else:
+            log.error("giving up on a %s write for step %d: %s", write.kind, att.step_id, exc)
         return True
 
     def _retry_pending(self, now: float) -> None:
@@ -757,13 +786,22 @@ class Supervisor:
             self.store.close()
             self.store = None
 
-    def _db_down(self, exc: Exception) -> None:
+    def _db_down(self, exc: Exception) -> bool:
+        """React to a failed query; True when the database is down (we then reconnect).
+
+        A query the database rejected on a healthy connection (bad data) is not an
+        outage: it is logged and False is returned so the caller handles that one write.
+        """
+        if not isinstance(exc, DatabaseUnavailable) and self.store is not None and not self.store.broken:
+            log.error("query rejected by the database: %s", exc)
+            return False
         if self.db_ok:
             log.warning("database lost (%s); stop claiming, reconnecting", exc)
         self.db_ok = False
         self._close_db()
         self.reconnect_at = self.clock() + self.reconnect_delay
         self.reconnect_delay = min(RECONNECT_BACKOFF[1], self.reconnect_delay * 2)
+        return True
 
     def _drain_notifies(self) -> None:
         conn = self.listen_conn
