@@ -198,7 +198,13 @@ class Supervisor:
             self.stopped.set()
 
     def _pending_live(self) -> bool:
-        return any(p for p in self.pending) and self.db_ok
+        """Writes still worth waiting for before exit: completed work is written first
+        (SPEC 5), unless the database stays away past the lease (then the lease expires
+        and another supervisor reclaims the step) or a hard stop was asked for twice."""
+        if not self.pending or self.hard_stop and not self.db_ok:
+            return False
+        now = self.clock()
+        return self.db_ok or any(now < p.attempt.lease_ok_until for p in self.pending)
 
     def _handle_requests(self, now: float) -> None:
         if self._shutdown_req.is_set() and not self.draining:
@@ -295,7 +301,7 @@ class Supervisor:
             except protocol.ProtocolError as exc:
                 log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
                 if child.attempt is not None:
-                    self._cancel(child.attempt, "lease_lost", self.clock())
+                    child.attempt.killed_by = "protocol_error"  # the attempt fails as an error
                 messages, eof = [], True
                 self._kill_child(child, "protocol_error")
             for message in messages:
@@ -366,8 +372,10 @@ class Supervisor:
             self._write_fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
         elif reason == "shutdown":
             self._write("release", att, {})
-        else:  # cancelled by an operator, or the lease is someone else's: change nothing
+        elif reason in ("cancelled", "lease_lost"):  # an operator's cancel, or someone else's lease
             self.stats["late_completions_dropped"] += 1
+        else:  # killed for breaking the pipe protocol: a failed attempt like any error
+            self._write_fail(att, decisions.ERROR, entry, require_timed_out=False)
 
     def _on_child_exit(self, child: ChildProc) -> None:
         with_suppress_unregister(self.selector, child.sock)

@@ -121,3 +121,13 @@ def progress(ctx: cy.Context, inp: dict) -> dict:
         ctx.set_progress(i + 1, inp.get("n", 5), f"item {i + 1}")
         time.sleep(inp.get("pause", 0.1))
     return {"done": True}
+
+
+@cy.step("protocol_breaker", max_attempts=1)
+def protocol_breaker(ctx: cy.Context, inp: dict) -> dict:
+    """Writes a bogus frame header straight onto the control socket (fd in argv[1])."""
+    import sys
+
+    os.write(int(sys.argv[1]), b"\xff" * 8 + b"garbage")
+    time.sleep(30)
+    return {}

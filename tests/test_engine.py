@@ -256,7 +256,7 @@ def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
     assert entry["kind"] == "timeout"
     # forensics: killed by the supervisor after the timeout trigger, with its usage
     assert entry.get("killed_by_supervisor") is True and entry.get("trigger") == "timeout"
-    assert entry.get("signal_name") == "SIGKILL" and entry.get("cpu_seconds", 0) > 0.5
+    assert entry.get("signal_name") == "SIGKILL" and entry.get("cpu_seconds", 0) > 0.1
 
 
 def test_late_completion_is_discarded_by_the_cas(cyclone_env_factory, tmp_path):
@@ -391,3 +391,13 @@ def test_bad_input_is_rejected_cleanly(cyclone_env):
         client.status("not-a-uuid")
     with pytest.raises(cy.RunNotFound):
         client.status("00000000-0000-0000-0000-000000000000")
+
+
+def test_a_child_that_breaks_the_pipe_protocol_fails_its_attempt(cyclone_env):
+    cyclone_env.mux().register(h.ok)
+    run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.protocol_breaker, {}), timeout=20)
+    step = run.step
+    assert (step.state, step.error_kind, step.attempt) == ("discarded", "error", 1)
+    entry = step.errors[0]
+    assert entry["killed_by_supervisor"] is True and entry["trigger"] == "protocol_error"
+    assert cyclone_env.run_until_complete(cyclone_env.enqueue(h.ok, {})).state == "completed"
