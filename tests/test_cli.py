@@ -522,3 +522,30 @@ def test_demo_json_on_a_given_dsn(dsn: str) -> None:
     assert roles["crasher"]["forensics"]["signal_name"] == "SIGABRT"
     assert roles["crasher"]["forensics"]["killed_by_supervisor"] is False
     assert all(not psutil.pid_exists(pid) for pid in report["grandchildren"])
+
+
+def test_worker_and_enqueue_on_the_embedded_default() -> None:
+    """Issue 3, acceptance 2: ``cyclone-mp worker examples.app:mux`` in one terminal and
+    ``cyclone-mp enqueue ... --wait`` in another, both on the default (embedded) database."""
+    from cyclone_mp.embedded import default_server
+
+    server = default_server()
+    was_running = server.is_running()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "cyclone_mp_cli.main", "worker", "examples.app:mux", "--workers", "1",
+         "--lease-ttl", "3", "--poll-interval", "0.05,0.5"],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: server.is_running() and len(psutil.Process(worker.pid).children()) >= 1, 60,
+                 "the worker on the default server")
+        proc = run_cli("enqueue", "examples.app:mux", "greet", "--input", '{"name": "default"}', "--wait",
+                       "--wait-timeout", "60", timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        assert "hello, default!" in proc.stdout
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=30)
+        if not was_running:
+            server.stop()
+    assert worker.returncode == 0, err
