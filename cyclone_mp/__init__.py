@@ -17,7 +17,7 @@ load eagerly so a child process starts fast; ``Client`` and the rest load on fir
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .context import Cancellation, Context
 from .errors import (
@@ -34,6 +34,10 @@ from .errors import (
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, step
 from .workflow import Workflow
+
+if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run time
+    from .client import Client, enqueue
+    from .config import Config
 
 __version__ = "0.1.0"
 

@@ -6,6 +6,10 @@ import random
 from typing import Callable
 
 BackoffFn = Callable[[int], float]
+#: A backoff that can be stored on the step row: constant seconds, or a schedule of seconds
+#: (the n-th failed attempt waits ``schedule[n - 1]``, the last entry repeating).
+BackoffSpec = float | int | list[float] | tuple[float, ...]
+Backoff = BackoffFn | BackoffSpec
 
 JITTER = 0.10
 
@@ -18,6 +22,32 @@ def default_backoff(attempt: int, *, rand: Callable[[], float] = random.random) 
     """
     base = float(attempt) ** 4
     return base * (1.0 + JITTER * (2.0 * rand() - 1.0))
+
+
+def check_backoff(value: object) -> None:
+    """Raise ValueError unless ``value`` is None, a callable, seconds >= 0, or a non-empty
+    list of seconds >= 0."""
+    if value is None or callable(value):
+        return
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < float("inf") for x in items):
+        raise ValueError(
+            "backoff must be backoff(attempt) -> seconds, seconds >= 0, or a non-empty list of seconds >= 0"
+        )
+
+
+def storable_backoff(value: object) -> BackoffSpec | None:
+    """The JSON form of a backoff that can be stored on the row (None for a callable)."""
+    if value is None or callable(value):
+        return None
+    return [float(x) for x in value] if isinstance(value, (list, tuple)) else float(value)  # type: ignore[arg-type]
+
+
+def from_spec(spec: BackoffSpec, attempt: int) -> float:
+    """Seconds before the attempt after ``attempt`` under a stored spec (no jitter)."""
+    if isinstance(spec, (list, tuple)):
+        return float(spec[min(max(attempt, 1), len(spec)) - 1])
+    return float(spec)
 
 
 def compute_backoff(fn: BackoffFn | None, attempt: int) -> float:

@@ -19,6 +19,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from .config import Config
+from .backoff import storable_backoff
 from .protocol import unstorable
 from .durations import Duration, seconds
 from .errors import ConfigurationError, CycloneError, DatabaseError, PayloadError, RunNotFound, UnknownStep
@@ -33,16 +34,39 @@ log = logging.getLogger("cyclone_mp.client")
 class Client:
     """A connection to the cyclone tables, and (with ``run``/``start``) a supervisor.
 
+    Durations are seconds (``int``/``float``) or ``datetime.timedelta`` (SPEC section 2).
+
     Args:
-        dsn: PostgreSQL connection string; None means the embedded default server
-            (started or reused on first use, SPEC 2).
-        mux: the registered steps and workflows (required to run a supervisor).
-        workers: child slots; lease_ttl, kill_grace, shutdown_grace: seconds;
-        poll_interval: seconds or a ``(min, max)`` pair; max_reclaims: client-wide
-            default bound (None: unbounded); queues: queues to claim from;
-        timeout, max_attempts, backoff, queue, priority: client-wide step defaults;
-        max_steps_per_child, max_child_rss (bytes), max_payload (bytes): child limits.
-        clock, wall_clock: injectable local clocks (seconds) for the supervisor.
+        dsn: PostgreSQL connection string; None means the embedded default server,
+            started or reused on first use (SPEC 2).
+        mux: the registered steps and workflows; required to run a supervisor, and to
+            enqueue by name.
+        workers: child slots of the supervisor (handlers running at once), >= 1.
+        lease_ttl: seconds a lease lasts without renewal (crash-detection latency);
+            renewed every ``lease_ttl / 3`` (seed "Lease TTL"). Default 30.
+        kill_grace: seconds between the cooperative cancel and the SIGKILL of the
+            child's process tree (SPEC 4). Default 5.
+        poll_interval: seconds, or a ``(min, max)`` pair, between claims when idle;
+            the recovery sweep ticks at a random point of it (seed). Default (0.1, 1.0).
+        max_reclaims: default bound on lease-expiry reclaims for runs this client
+            enqueues (stored on each step row); None is unbounded (SPEC 3).
+        shutdown_grace: seconds in-flight handlers may run on after a soft shutdown
+            before they are cancelled and released (SPEC 5). Default 30.
+        queues: queues the supervisor claims from; default ``("default",)``.
+        timeout: default per-attempt timeout, seconds; None means no timeout.
+        max_attempts: default attempts before discard (25, River's default).
+        backoff: default backoff: ``backoff(attempt) -> seconds``, seconds, or a list
+            of seconds per failed attempt; default ``attempt**4`` +-10 %.
+        queue: default queue of enqueued steps (``"default"``).
+        priority: default priority of enqueued steps; lower runs first (0).
+        max_steps_per_child: recycle a child after this many steps (None: never).
+        max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
+        max_payload: largest input or output in bytes (default 64 MiB); larger ones
+            are rejected with a clear error.
+        registry_interval: seconds between refreshes of this supervisor's row in
+            ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
+        clock: local monotonic clock in seconds (injectable; schedules local work only).
+        wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
     Raises:
         ConfigurationError: an invalid option.
@@ -183,6 +207,7 @@ class Client:
         max_reclaims: int | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
@@ -196,13 +221,16 @@ class Client:
         ``idempotency_key`` an existing run with that key is returned instead.
 
         Raises:
-            UnknownStep: a name that is not registered. PayloadError: input not JSON or
-            too large. ConfigurationError: bad options. DatabaseError.
+            UnknownStep: a name that is not registered.
+            PayloadError: the input is not a JSON value PostgreSQL can store, or too large.
+            ConfigurationError: an invalid option.
+            DatabaseError: the database failed or cannot be reached.
         """
         definition = self._resolve(target)
         self._check_payload(input, "input")
-        overrides = StepOptions.build(
+        overrides = self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+            backoff=backoff,
         )
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         if scheduled_at is not None and (scheduled_at.tzinfo is None or scheduled_at.utcoffset() is None):
@@ -233,8 +261,18 @@ class Client:
         return NodeRow(
             node=node, step_name=step.name, kind="task", depends_on=tuple(after), queue=opts.queue or "default",
             priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
-            max_reclaims=opts.max_reclaims, timeout=opts.timeout,
+            max_reclaims=opts.max_reclaims, timeout=opts.timeout, backoff=storable_backoff(opts.backoff),
         )
+
+    @staticmethod
+    def _enqueue_options(**raw: Any) -> StepOptions:
+        """Per-enqueue options; a backoff given here must be storable (seconds or a list)."""
+        if callable(raw.get("backoff")):
+            raise ConfigurationError(
+                "a per-enqueue backoff must be seconds or a list of seconds (it is stored on the row); "
+                "pass a backoff(attempt) callable to cy.step(...) instead"
+            )
+        return StepOptions.build(**raw)
 
     def _workflow_row(self, node: Any, overrides: StepOptions) -> NodeRow:
         if node.kind == "task":
@@ -255,13 +293,17 @@ class Client:
         max_reclaims: int | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
     ) -> list[str]:
         """Enqueue one single-step run per input, in one INSERT; returns run ids in order.
 
         Raises:
-            UnknownStep, PayloadError, ConfigurationError, DatabaseError.
+            UnknownStep: a name that is not registered.
+            PayloadError: an input is not a JSON value PostgreSQL can store, or too large.
+            ConfigurationError: an invalid option, or a workflow.
+            DatabaseError: the database failed or cannot be reached.
         """
         definition = self._resolve(target)
         if not isinstance(definition, Step):
@@ -271,14 +313,15 @@ class Client:
             self._check_payload(item, f"input #{i}")
         if not items:
             return []
-        opts = self._node_options(definition, StepOptions.build(
+        opts = self._node_options(definition, self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+            backoff=backoff,
         ))
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         return self._call(lambda store: store.enqueue_many(
             name=definition.name, inputs=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
-            delay=delay_s, scheduled_at=scheduled_at,
+            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff),
         ))
 
     # -- operator actions ------------------------------------------------------------------------
@@ -291,7 +334,11 @@ class Client:
             raise RunNotFound(f"no run with id {run_id!r} (not a UUID)") from None
 
     def status(self, run_id: str) -> RunStatus:
-        """The run and each of its steps, as the database has them. Raises RunNotFound."""
+        """The run and each of its steps, as the database has them.
+
+        Raises:
+            RunNotFound: no run has that id.
+        """
         rid = self._run_id(run_id)
         run, steps = self._call(lambda store: store.get_run(rid))
         return RunStatus(
@@ -305,7 +352,10 @@ class Client:
 
         An in-flight handler learns of it on its next heartbeat and is killed after
         ``kill_grace``. Returns how many steps were cancelled.
-        Raises RunNotFound, InvalidTransition (already finished).
+
+        Raises:
+            RunNotFound: no run has that id.
+            InvalidTransition: the run is already completed, discarded or cancelled.
         """
         rid = self._run_id(run_id)
         return self._call(lambda store: store.cancel_run(rid))
@@ -313,25 +363,47 @@ class Client:
     def retry(self, run_id: str) -> int:
         """Reopen the run's discarded steps (``max_attempts`` raised, no attempt consumed).
 
-        Returns how many steps were reopened. Raises RunNotFound, InvalidTransition.
+        Returns how many steps were reopened.
+
+        Raises:
+            RunNotFound: no run has that id.
+            InvalidTransition: the run has no discarded (or cancelled single) step.
         """
         rid = self._run_id(run_id)
         return self._call(lambda store: store.retry_run(rid))
 
     def pause(self, run_id: str) -> int:
-        """Pause a run: waiting steps become paused, running ones finish (SPEC 6)."""
+        """Pause a run: waiting steps become paused, running ones finish (SPEC 6).
+
+        Returns how many steps were paused.
+
+        Raises:
+            RunNotFound: no run has that id.
+            InvalidTransition: the run is not running.
+        """
         rid = self._run_id(run_id)
         return self._call(lambda store: store.pause_run(rid))
 
     def resume(self, run_id: str) -> int:
-        """Resume a paused run: each step returns to the state it was paused from."""
+        """Resume a paused run: each step returns to the state it was paused from (SPEC 6).
+
+        Returns how many steps were restored.
+
+        Raises:
+            RunNotFound: no run has that id.
+            InvalidTransition: the run is not paused.
+        """
         rid = self._run_id(run_id)
         return self._call(lambda store: store.resume_run(rid))
 
     def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
         """Send signal ``name``; the first one per name is kept (returns False for a repeat).
 
-        Raises RunNotFound, PayloadError.
+        A signal sent before its node is reached is kept and used when it is (SPEC 6).
+
+        Raises:
+            RunNotFound: no run has that id.
+            PayloadError: the payload is not a JSON value PostgreSQL can store.
         """
         rid = self._run_id(run_id)
         self._check_payload(payload, "payload")

@@ -12,7 +12,7 @@ import datetime as dt
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from .backoff import BackoffFn
+from .backoff import Backoff, check_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError, UnknownStep
 
@@ -35,7 +35,9 @@ class StepOptions:
         max_attempts: attempts before the step is discarded (default 25).
         max_reclaims: lease expiries reclaimed before the step is discarded with
             ``error_kind="reclaim_limit"``; None means unbounded.
-        backoff: ``backoff(attempt) -> seconds``; default ``attempt**4`` +-10 %.
+        backoff: ``backoff(attempt) -> seconds`` (a callable, used by supervisors that
+            register the step), or seconds, or a list of seconds per failed attempt (both
+            stored on the row at enqueue); default ``attempt**4`` +-10 %.
         queue: queue name (default ``"default"``).
         priority: lower runs first (as in River and Oban); default 0.
     """
@@ -43,7 +45,7 @@ class StepOptions:
     timeout: float | None = None
     max_attempts: int | None = None
     max_reclaims: int | None = None
-    backoff: BackoffFn | None = None
+    backoff: Backoff | None = None
     queue: str | None = None
     priority: int | None = None
 
@@ -54,7 +56,7 @@ class StepOptions:
         timeout: Duration | None = None,
         max_attempts: int | None = None,
         max_reclaims: int | None = None,
-        backoff: BackoffFn | None = None,
+        backoff: Backoff | None = None,
         queue: str | None = None,
         priority: int | None = None,
     ) -> "StepOptions":
@@ -67,8 +69,10 @@ class StepOptions:
             raise ConfigurationError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
         if max_reclaims is not None and (not isinstance(max_reclaims, int) or isinstance(max_reclaims, bool) or max_reclaims < 0):
             raise ConfigurationError(f"max_reclaims must be an int >= 0 or None, got {max_reclaims!r}")
-        if backoff is not None and not callable(backoff):
-            raise ConfigurationError("backoff must be a callable backoff(attempt) -> seconds")
+        try:
+            check_backoff(backoff)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
         if queue is not None and (not isinstance(queue, str) or not queue):
             raise ConfigurationError(f"queue must be a non-empty string, got {queue!r}")
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
@@ -144,7 +148,7 @@ def step(
     timeout: Duration | None = None,
     max_attempts: int | None = None,
     max_reclaims: int | None = None,
-    backoff: BackoffFn | None = None,
+    backoff: Backoff | None = None,
     queue: str | None = None,
     priority: int | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
@@ -155,7 +159,8 @@ def step(
         timeout: seconds (float) or timedelta per attempt; None: no timeout.
         max_attempts: attempts before discard (default 25, SPEC 3).
         max_reclaims: lease expiries tolerated before discard (default unbounded).
-        backoff: ``backoff(attempt) -> seconds`` (default ``attempt**4`` +-10 %).
+        backoff: ``backoff(attempt) -> seconds``, seconds, or a list of seconds per
+            failed attempt (default ``attempt**4`` +-10 %).
         queue: queue name (default ``"default"``); priority: lower runs first.
 
     Raises:

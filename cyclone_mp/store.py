@@ -24,6 +24,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import decisions
+from .backoff import from_spec
 from .errors import DatabaseError, DatabaseUnavailable, InvalidTransition, RunNotFound
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
@@ -121,6 +122,7 @@ class NodeRow:
     timeout: float | None
     timer_delay: float | None = None
     due_at: dt.datetime | None = None
+    backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
 
 
 class Store:
@@ -241,6 +243,7 @@ class Store:
                 "timeouts_us": [to_us(n.timeout) for n in nodes],
                 "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
                 "due_ats": [n.due_at for n in nodes],
+                "backoffs": [Jsonb(n.backoff) if n.backoff is not None else None for n in nodes],
             })
             if kind == "workflow":
                 self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
@@ -262,6 +265,7 @@ class Store:
         timeout: float | None,
         delay: float,
         scheduled_at: dt.datetime | None = None,
+        backoff: Any = None,
     ) -> list[str]:
         """Insert many single-step runs in one statement; returns their ids in input order."""
         ids = [str(uuid.uuid4()) for _ in inputs]
@@ -270,6 +274,7 @@ class Store:
                 "ids": ids, "inputs": [Jsonb(i) for i in inputs], "name": name, "queue": queue,
                 "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
                 "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
+                "backoff": Jsonb(backoff) if backoff is not None else None,
             })
             cur.execute(Q["notify"], {"queue": queue})
         return ids
@@ -377,9 +382,10 @@ class Store:
         self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
         backoff: Callable[[int], float], progress: Any = None,
     ) -> decisions.AttemptEnd:
+        delay = from_spec(row["backoff"], row["attempt"]) if row.get("backoff") is not None else backoff(row["attempt"])
         end = decisions.end_attempt(
             attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
-            timed_out=bool(row["timed_out"]), backoff=backoff(row["attempt"]),
+            timed_out=bool(row["timed_out"]), backoff=delay,
         )
         entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
         if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
@@ -445,7 +451,8 @@ class Store:
                 cur.execute(Q["reclaim"], {"id": id})
                 cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
             elif action == "reclaim_limit":
-                message = f"lease expired after {row['reclaims']} reclaims (max_reclaims={row['max_reclaims']})"
+                n = row["reclaims"]
+                message = f"lease expired after {n} reclaim{'' if n == 1 else 's'} (max_reclaims={row['max_reclaims']})"
                 cur.execute(Q["discard_reclaim_limit"], {"id": id, "error": message, "entry": Jsonb({
                     **entry, "attempt": row["attempt"], "kind": decisions.RECLAIM_LIMIT, "message": message,
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
@@ -596,6 +603,79 @@ class Store:
         with self.conn.cursor() as cur:
             cur.execute(Q["list_workers"], {"within_us": to_us(within)})
             return cur.fetchall()
+
+    # -- dashboard reads ------------------------------------------------------------------
+    # Read-only queries of cyclone_mp.dashboard (issue 7), named ``dash_*`` in queries.sql.
+    # They run unprepared (``prepare=False``): PostgreSQL then plans each with its actual
+    # parameter values, so an unused optional filter folds away and the index is used
+    # (a generic prepared plan of "(x IS NULL OR col = x)" would scan the table).
+
+    def _dash_rows(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        with self.conn.cursor() as cur:
+            cur.execute(Q[name], params, prepare=False)
+            return cur.fetchall()
+
+    @translate
+    def dashboard_now(self) -> dt.datetime:
+        """The database clock (``now()``), an aware datetime."""
+        return self._dash_rows("dash_now", {})[0]["now"]
+
+    @translate
+    def dashboard_run_counts(self) -> dict[str, int]:
+        """Runs by state (states with no run are absent)."""
+        return {row["state"]: int(row["n"]) for row in self._dash_rows("dash_run_counts", {})}
+
+    @translate
+    def dashboard_step_counts(self) -> list[dict[str, Any]]:
+        """Rows of ``name`` (step name, or ``(signal)``/``(timer)``), ``queue``, ``state``, ``n``."""
+        return self._dash_rows("dash_step_counts", {})
+
+    @translate
+    def dashboard_throughput(self, minutes: int) -> list[dict[str, Any]]:
+        """One row per minute of the last ``minutes`` (DB clock), oldest first:
+        ``minute``, ``completed``, ``discarded`` (task steps, by ``finished_at``)."""
+        return self._dash_rows("dash_throughput", {"minutes": minutes})
+
+    @translate
+    def dashboard_recent_kills(self, limit: int) -> list[dict[str, Any]]:
+        """Steps whose latest error entry is a timeout, child exit or reclaim limit, newest first
+        (``entry`` is that error entry)."""
+        return self._dash_rows("dash_recent_kills", {"limit": limit})
+
+    @translate
+    def dashboard_runs(
+        self, *, state: str | None = None, name: str | None = None, since: dt.datetime | None = None,
+        until: dt.datetime | None = None, after: tuple[dt.datetime, str] | None = None, limit: int = 50,
+        offset: int = 0,
+    ) -> list[dict[str, Any]]:
+        """One page of runs, newest first (``created_at DESC, id DESC``), each with ``steps``:
+        a ``{state: count}`` of its steps. ``after`` is the ``(created_at, id)`` of the last
+        row of the previous page (keyset); ``since``/``until`` bound ``created_at``."""
+        return self._dash_rows("dash_runs", {
+            "state": state, "name": name, "since": since, "until": until,
+            "after_at": after[0] if after else None, "after_id": after[1] if after else None,
+            "limit": limit, "offset": offset,
+        })
+
+    @translate
+    def dashboard_count_runs(
+        self, *, state: str | None = None, name: str | None = None, since: dt.datetime | None = None,
+        until: dt.datetime | None = None, cap: int = 10_000,
+    ) -> int:
+        """How many runs match the filters, counting at most ``cap``."""
+        rows = self._dash_rows("dash_count_runs", {"state": state, "name": name, "since": since, "until": until,
+                                                   "cap": cap})
+        return int(rows[0]["n"])
+
+    @translate
+    def dashboard_run_names(self, limit: int = 200) -> list[str]:
+        """Distinct run names (step or workflow names), in order, at most ``limit``."""
+        return [row["name"] for row in self._dash_rows("dash_run_names", {"limit": limit})]
+
+    @translate
+    def dashboard_run_signals(self, run_id: str) -> list[dict[str, Any]]:
+        """The signals run ``run_id`` received: ``name``, ``payload``, ``created_at``."""
+        return self._dash_rows("dash_run_signals", {"run_id": run_id})
 
 
 def _completion_params(items: Sequence[tuple[int, int, Any, Any]]) -> dict[str, Any]:

@@ -69,6 +69,7 @@ class Attempt:
     killed_by: str | None = None
     settled: bool = False  # the outcome was handed to the writer
     cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
+    forensics: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the attempt ended
 
 
 @dataclasses.dataclass
@@ -349,6 +350,7 @@ class Supervisor:
             "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
             "elapsed": round(self.clock() - att.started, 3),
         }
+        att.forensics = entry
         reason = att.cancel_reason
         if result.get("ok"):
             if reason in ("cancelled", "lease_lost"):
@@ -563,6 +565,8 @@ class Supervisor:
             reason = "cancelled"
         elif row["state"] == "running" and row["lease_owner"] == self.id and row["lease_generation"] == att.generation:
             reason = "timeout" if row["timed_out"] else "lease_lost"
+        elif row["last_error_kind"] == decisions.TIMEOUT and row["last_error_generation"] == att.generation:
+            reason = "timeout"  # the sweep settled this attempt's timeout first; our kill adds forensics
         else:
             reason = "lease_lost"
         if reason == "lease_lost":
@@ -645,7 +649,9 @@ class Supervisor:
             self._db_down(exc)
             return
         if row and row["state"] == "running" and row["lease_owner"] == self.id and row["lease_generation"] == att.generation and row["timed_out"]:
-            self._write_fail(att, decisions.TIMEOUT, {"message": "returned after the database deadline"}, require_timed_out=True)
+            self._write_fail(att, decisions.TIMEOUT, {
+                **att.forensics, "message": "returned after the database deadline",
+            }, require_timed_out=True)
         else:
             self.stats["late_completions_dropped"] += 1
 
@@ -754,9 +760,12 @@ class Supervisor:
         return counts
 
     def _backoff_for(self, step_name: str | None) -> Callable[[int], float]:
+        """The callable backoff for a row that stores none: the step's, else the client's,
+        else the default (a stored spec on the row wins over all of these)."""
         step = self.mux.steps.get(step_name or "")
-        fn = step.options.backoff if step and step.options.backoff else self.config.defaults.backoff
-        return lambda n: compute_backoff(fn, n)
+        own = step.options.backoff if step else None
+        fn = own if callable(own) else self.config.defaults.backoff
+        return lambda n: compute_backoff(fn if callable(fn) else None, n)
 
     # -- database connection ----------------------------------------------------------------------
 

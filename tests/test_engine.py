@@ -401,3 +401,35 @@ def test_a_child_that_breaks_the_pipe_protocol_fails_its_attempt(cyclone_env):
     entry = step.errors[0]
     assert entry["killed_by_supervisor"] is True and entry["trigger"] == "protocol_error"
     assert cyclone_env.run_until_complete(cyclone_env.enqueue(h.ok, {})).state == "completed"
+
+
+def test_retry_of_a_cancelled_step_consumes_no_attempt(cyclone_env):
+    run_id = cyclone_env.enqueue(h.ok, {}, delay=60)
+    cyclone_env.client().cancel(run_id)
+    assert cyclone_env.client().retry(run_id) == 1
+    step = cyclone_env.status(run_id).step
+    assert (step.state, step.attempt, step.max_attempts) == ("available", 1, 25)
+    run = cyclone_env.run_until_complete(run_id)
+    assert run.step.output["attempt"] == 1
+
+
+def test_per_enqueue_backoff_is_stored_and_applied(cyclone_env):
+    run_id = cyclone_env.enqueue(h.flaky_default_backoff, {}, backoff=[0.0, 30.0])
+    run = cyclone_env.run_until_complete(run_id)
+    assert (run.step.state, run.step.attempt) == ("completed", 2)
+    gap = (run.step.started_at - dt.datetime.fromisoformat(run.step.errors[0]["at"])).total_seconds()
+    assert gap < 0.8, "the stored schedule (0 s after attempt 1) must win over attempt**4"
+    with pytest.raises(cy.ConfigurationError):
+        cyclone_env.client().enqueue(h.ok, {}, backoff=lambda n: 1.0)
+    with pytest.raises(cy.ConfigurationError):
+        cyclone_env.client().enqueue(h.ok, {}, backoff=[-1])
+
+
+def test_a_paused_single_step_run_completes_when_its_step_does(cyclone_env):
+    run_id = cyclone_env.enqueue(h.sleeper, {"seconds": 0.6})
+    cyclone_env.start_worker()
+    cyclone_env.wait_for_state(run_id, None, "running")
+    assert cyclone_env.client().pause(run_id) == 0
+    assert cyclone_env.status(run_id).state == "paused"
+    run = cyclone_env.run_until_complete(run_id)
+    assert (run.state, run.step.state) == ("completed", "completed")

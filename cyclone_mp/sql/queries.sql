@@ -47,7 +47,9 @@ UPDATE cyclone_steps
 -- name: lease_state
 -- After a renewal matched nothing: why (cancelled, reclaimed, timed out, finished).
 SELECT state, lease_owner, lease_generation,
-       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
+       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out,
+       errors -> -1 ->> 'kind' AS last_error_kind,
+       (errors -> -1 ->> 'lease_generation')::bigint AS last_error_generation
   FROM cyclone_steps
  WHERE id = %(id)s;
 
@@ -84,7 +86,7 @@ done_in AS (
     UPDATE cyclone_runs r
        SET state = 'completed', finished_at = now(), updated_at = now()
       FROM done d
-     WHERE r.id = d.run_id AND r.kind = 'step' AND r.state = 'running'
+     WHERE r.id = d.run_id AND r.kind = 'step' AND r.state IN ('running', 'paused')
     RETURNING r.id
 ), completed AS (
     SELECT d.id, d.run_id::text AS run_id, runs.kind FROM done d JOIN runs ON runs.id = d.run_id
@@ -120,7 +122,7 @@ SELECT r.id::text AS id, r.kind, r.state
 
 -- name: lock_attempt
 -- Under the run lock: the step row of one attempt, if still running under that lease.
-SELECT attempt, max_attempts, reclaims, max_reclaims, step_name,
+SELECT attempt, max_attempts, reclaims, max_reclaims, step_name, backoff,
        (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
   FROM cyclone_steps
  WHERE id = %(id)s
@@ -167,7 +169,7 @@ SELECT id, run_id::text AS run_id
 
 -- name: sweep_recheck
 -- Under the run lock and the step lock, re-check a sweep candidate's expiry.
-SELECT id, step_name, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation,
+SELECT id, step_name, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation, backoff,
        lease_expiry < now() AS lease_expired,
        (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
   FROM cyclone_steps
@@ -266,12 +268,14 @@ UPDATE cyclone_runs
 RETURNING (SELECT count(*) FROM steps) AS steps;
 
 -- name: retry_run
--- client.retry: reopen discarded steps; no attempt consumed, max_attempts raised instead.
+-- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
+-- discarded by its attempts gets max_attempts raised to attempt + 1, as River does.
 UPDATE cyclone_steps
    SET state = 'available',
-       attempt = CASE WHEN error_kind = 'reclaim_limit' THEN attempt ELSE attempt + 1 END,
-       max_attempts = CASE WHEN error_kind = 'reclaim_limit' THEN max_attempts
-                           ELSE greatest(max_attempts, attempt + 1) END,
+       attempt = CASE WHEN error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+                      THEN attempt + 1 ELSE attempt END,
+       max_attempts = CASE WHEN error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+                           THEN greatest(max_attempts, attempt + 1) ELSE max_attempts END,
        reclaims = CASE WHEN error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
        scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
        error = NULL, error_kind = NULL
@@ -327,18 +331,19 @@ SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s;
 -- name: insert_steps
 -- The step rows of one run (one per node), from parallel arrays.
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
-                           max_attempts, max_reclaims, timeout, timer_delay, due_at, scheduled_at)
+                           max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
        t.timeout_us * interval '1 microsecond', t.timer_delay_us * interval '1 microsecond', t.due_at,
+       t.backoff,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
-              %(due_ats)s::timestamptz[])
+              %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
-         timeout_us, timer_delay_us, due_at);
+         timeout_us, timer_delay_us, due_at, backoff);
 
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load).
@@ -349,9 +354,9 @@ WITH runs AS (
     RETURNING id
 )
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
-                           max_reclaims, timeout, scheduled_at)
+                           max_reclaims, timeout, backoff, scheduled_at)
 SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
-       %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond',
+       %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
   FROM runs;
 
@@ -423,3 +428,106 @@ UPDATE cyclone_steps s
    AND r.id = s.run_id
    AND r.state = 'paused'
    AND s.state IN ('pending', 'available', 'waiting_signal', 'waiting_timer');
+
+-- Dashboard reads
+-- Read-only queries of the operator dashboard (cyclone_mp.dashboard, issue 7). Optional
+-- filters are written "(%(x)s IS NULL OR ...)"; the store runs these queries unprepared,
+-- so PostgreSQL plans each with its actual values, folds away the unused filters and
+-- uses the indexes of migrations/0002_dashboard.sql.
+
+-- name: dash_now
+-- The database clock: the dashboard shows and compares every time on it.
+SELECT now() AS now;
+
+-- name: dash_run_counts
+-- Runs by state.
+SELECT state, count(*)::bigint AS n
+  FROM cyclone_runs
+ GROUP BY state;
+
+-- name: dash_step_counts
+-- Steps by step name (signal and timer nodes by their kind), queue and state.
+SELECT coalesce(step_name, '(' || kind || ')') AS name, queue, state, count(*)::bigint AS n
+  FROM cyclone_steps
+ GROUP BY 1, 2, 3
+ ORDER BY 1, 2, 3;
+
+-- name: dash_throughput
+-- Task steps finished per minute (finished_at, DB clock) over the last %(minutes)s minutes, oldest first.
+WITH bounds AS (
+    SELECT date_trunc('minute', now()) AS last,
+           date_trunc('minute', now()) - (%(minutes)s::int - 1) * interval '1 minute' AS first
+), finished AS (
+    SELECT date_trunc('minute', s.finished_at) AS minute,
+           count(*) FILTER (WHERE s.state = 'completed') AS completed,
+           count(*) FILTER (WHERE s.state = 'discarded') AS discarded
+      FROM cyclone_steps s, bounds
+     WHERE s.finished_at >= bounds.first
+       AND s.kind = 'task'
+     GROUP BY 1
+)
+SELECT m.minute, coalesce(f.completed, 0)::bigint AS completed, coalesce(f.discarded, 0)::bigint AS discarded
+  FROM bounds
+ CROSS JOIN generate_series(bounds.first, bounds.last, interval '1 minute') AS m(minute)
+  LEFT JOIN finished f ON f.minute = m.minute
+ ORDER BY m.minute;
+
+-- name: dash_recent_kills
+-- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit), newest entry first.
+SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
+       s.reclaims, s.max_reclaims, s.errors -> -1 AS entry
+  FROM cyclone_steps s
+ WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit')
+ ORDER BY (s.errors -> -1 ->> 'at') DESC, s.id DESC
+ LIMIT %(limit)s;
+
+-- name: dash_runs
+-- One page of runs, newest first: optional state, name and created_at filters, a keyset
+-- cursor (created_at, id) of the last row seen, and an offset. The page is chosen first,
+-- so the step counts are computed for its rows only (not for every row an offset skips).
+SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.finished_at,
+       (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
+          FROM (SELECT s.state, count(*) AS n
+                  FROM cyclone_steps s
+                 WHERE s.run_id = p.id
+                 GROUP BY s.state) x) AS steps
+  FROM (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at
+          FROM cyclone_runs r
+         WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
+           AND (%(name)s::text IS NULL OR r.name = %(name)s::text)
+           AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s::timestamptz)
+           AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
+           AND (%(after_at)s::timestamptz IS NULL
+                OR (r.created_at, r.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+         ORDER BY r.created_at DESC, r.id DESC
+         LIMIT %(limit)s OFFSET %(offset)s) p
+ ORDER BY p.created_at DESC, p.id DESC;
+
+-- name: dash_count_runs
+-- How many runs match the filters of dash_runs, counted up to %(cap)s (a page never counts more).
+SELECT count(*)::bigint AS n
+  FROM (SELECT 1
+          FROM cyclone_runs r
+         WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
+           AND (%(name)s::text IS NULL OR r.name = %(name)s::text)
+           AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s::timestamptz)
+           AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
+         LIMIT %(cap)s) x;
+
+-- name: dash_run_names
+-- Distinct run names in order, at most %(limit)s (a loose index scan: one index probe per name).
+WITH RECURSIVE names AS (
+    (SELECT name FROM cyclone_runs ORDER BY name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.name FROM cyclone_runs r WHERE r.name > n.name ORDER BY r.name LIMIT 1)
+      FROM names n
+     WHERE n.name IS NOT NULL
+)
+SELECT name FROM names WHERE name IS NOT NULL LIMIT %(limit)s;
+
+-- name: dash_run_signals
+-- The signals a run received (the first of each name is kept).
+SELECT name, payload, created_at
+  FROM cyclone_signals
+ WHERE run_id = %(run_id)s
+ ORDER BY created_at, name;
