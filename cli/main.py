@@ -125,7 +125,9 @@ def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
 @click.option("--shutdown-grace", type=SECONDS, default=30.0, show_default=True,
               help="Seconds in-flight steps may run on after SIGTERM/SIGINT.")
 @click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
-              help="Default bound on lease expiries before a step is discarded [default: unbounded].")
+              help="Client-wide default max_reclaims for runs this process enqueues; the bound that "
+                   "applies is stored on each step at enqueue (cy.step(max_reclaims=...) or "
+                   "`enqueue --max-reclaims`) [default: unbounded].")
 @click.option("--queue", "queues", multiple=True, metavar="NAME",
               help="Queue to claim from (repeatable) [default: default].")
 @click.option("--poll-interval", type=POLL, default="0.1,1.0", show_default=True,
@@ -187,23 +189,27 @@ def migrate() -> None:
               help="The run's input: JSON, @file.json, or @- for stdin [default: null].")
 @click.option("--timeout", type=SECONDS, default=None, help="Seconds per attempt (overrides the step's).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Attempts before discard.")
+@click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
+              help="Lease expiries (crashes) reclaimed before discard (overrides the step's).")
 @click.option("--queue", default=None, metavar="NAME", help="Queue (overrides the step's).")
+@click.option("--priority", type=int, default=None, help="Priority; lower runs first (overrides the step's).")
 @click.option("--delay", type=SECONDS, default=None, help="Seconds before the first claim.")
 @click.option("--idempotency-key", default=None, metavar="KEY", help="Return the existing run for this key.")
 @click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
 @click.option("--wait-timeout", type=SECONDS, default=None, help="With --wait: give up after these seconds (exit 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the run id, or with --wait the final status).")
-def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None, queue: str | None,
-            delay: float | None, idempotency_key: str | None, wait: bool, wait_timeout: float | None,
-            as_json: bool) -> None:
+def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None,
+            max_reclaims: int | None, queue: str | None, priority: int | None, delay: float | None,
+            idempotency_key: str | None, wait: bool, wait_timeout: float | None, as_json: bool) -> None:
     """Enqueue a run of step or workflow NAME registered in APP; print its run id."""
     mux = _load(app)
     mux.lookup(name)  # an unknown name is bad usage, before touching the database
     client = _client(mux)
     try:
         client.migrate()
-        run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts, queue=queue,
-                                delay=delay, idempotency_key=idempotency_key)
+        run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts,
+                                max_reclaims=max_reclaims, queue=queue, priority=priority, delay=delay,
+                                idempotency_key=idempotency_key)
         if not wait:
             render.print_json({"run_id": run_id}) if as_json else click.echo(run_id)
             return
@@ -457,6 +463,37 @@ def demo(cpu_steps: int, as_json: bool) -> None:
         render.print_demo(_out(), report)
     if not report.ok:
         click.get_current_context().exit(1)
+
+
+# -- dashboard ------------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but loopback needs --token.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8777, show_default=True,
+              help="Port to listen on (0: any free port; the URL is printed).")
+@click.option("--token", envvar="CYCLONE_DASHBOARD_TOKEN", default=None, metavar="TOKEN",
+              help="Require this token on every request [env CYCLONE_DASHBOARD_TOKEN]: "
+                   "'Authorization: Bearer TOKEN', or open the URL once with ?token=TOKEN.")
+def dashboard(host: str, port: int, token: str | None) -> None:
+    """Serve the web dashboard: counts, throughput, supervisors and their children,
+    recent kills, runs, each run's attempts and forensics, and operator actions.
+    Its JSON API is under /api/ (OpenAPI at /api/openapi.json). Runs until Ctrl-C."""
+    try:
+        from cyclone_mp.dashboard import check_bind, serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the dashboard needs its extra: pip install 'cyclone-mp[dashboard]' (missing: {exc.name})") from exc
+    check_bind(host, token or None)  # before touching the database: a refusal needs none
+    client = _client()
+    try:
+        client.migrate()
+        serve(client, host=host, port=port, token=token or None,
+              on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {redact(client.dsn)}; "
+                                              "Ctrl-C stops)", err=True))
+    finally:
+        client.close()
 
 
 # -- entry point ------------------------------------------------------------------------------------------

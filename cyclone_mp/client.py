@@ -134,7 +134,7 @@ class Client:
                 dsn = self.dsn
                 connect(dsn).close()  # fail fast, with a clear message, when unreachable
                 self._pool = ConnectionPool(
-                    dsn, min_size=1, max_size=4, open=True, timeout=30.0,
+                    dsn, min_size=0, max_size=4, open=True, timeout=30.0, max_idle=60.0,
                     kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
                     check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
                 )
@@ -440,6 +440,7 @@ class Client:
         stops hard. Raises ConfigurationError, DatabaseError (schema could not be set up).
         """
         sup = self._make_supervisor()
+        self.close()  # the supervisor has its own connections; idle API connections would only wait
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             def on_signal(signum: int, frame: Any) -> None:

@@ -1,0 +1,49 @@
+"""Step handlers of the benchmarks (module level, so child processes import them by name).
+
+``benchmarks/run.py`` puts this folder on ``sys.path``; the supervisor passes its
+``sys.path`` to its children, which import ``bench_steps`` by module path.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+
+import cyclone_mp as cy
+
+
+def cpu_work(n: int) -> int:
+    """Pure-Python CPU work (the peer harness's body); ``n`` is calibrated to ~20 ms."""
+    x = 0
+    for i in range(n):
+        x = (x * 31 + i) % 1000003
+    return x
+
+
+@cy.step("bench_noop")
+def noop(ctx: cy.Context, inp: object) -> None:
+    """B1, B5, B6, B7 and the step after the wedge in B3: does nothing."""
+    return None
+
+
+@cy.step("bench_cpu")
+def cpu(ctx: cy.Context, inp: dict) -> None:
+    """B2: ``inp["n"]`` iterations of :func:`cpu_work` (about 20 ms)."""
+    cpu_work(int(inp["n"]))
+    return None
+
+
+@cy.step("bench_wedge", max_attempts=1)
+def wedge(ctx: cy.Context, inp: object) -> None:
+    """B3: one C call that never returns to the bytecode loop (holds the GIL, runs no
+    signal handler, ignores cancellation). Only a SIGKILL stops it."""
+    collections.deque(itertools.repeat(None, 10**12), maxlen=0)
+    return None
+
+
+@cy.step("bench_sleep")
+def sleep(ctx: cy.Context, inp: dict) -> dict:
+    """B4: sleeps ``inp["seconds"]`` (3 s), ignoring cancellation."""
+    time.sleep(float(inp["seconds"]))
+    return {"ok": True}

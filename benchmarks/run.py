@@ -1,0 +1,818 @@
+#!/usr/bin/env python3
+"""cyclone_mp benchmarks B1-B7 (issue 8). See benchmarks/README.md.
+
+    python benchmarks/run.py                      # everything, 3 repetitions, own embedded server
+    python benchmarks/run.py --quick --repeat 1   # smoke run (small counts)
+    python benchmarks/run.py --only B1,B3 --dsn postgresql://...
+
+Every measurement runs against a fresh database (created on the server, migrated,
+dropped afterwards). The table shows the median of the repetitions beside issue 8's
+target; the JSON in ``benchmarks/results/<timestamp>.json`` has every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import multiprocessing
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from typing import Any, Callable, Iterator
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # children inherit sys.path: they import bench_steps by name
+
+import psutil
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from rich.console import Console
+from rich.table import Table
+
+import bench_steps
+import cyclone_mp as cy
+from cyclone_mp.store import Store
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
+
+# Peer numbers from ../shared/peer-bench/results-2026-11-30.md (medians), used for the
+# targets unless --peer-results points at a JSON written by the peer harness.
+PEER_REF = {"pgqueuer_s1": 7013.0, "pgqueuer_s1_n20000": 5874.0, "celery_s1": 1186.0}
+
+FULL = {
+    "b1_steps": 2000, "b1_single": 1000, "b1_bulk": 20000, "b1_batch": 1000,
+    "b2_steps": 200, "b5_samples": 50, "b6_queued": 100_000, "b6_finished": 1_000_000,
+    "b7_steps": 20000, "b7_child_starts": 10,
+}
+QUICK = {
+    "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
+    "b2_steps": 40, "b5_samples": 10, "b6_queued": 10_000, "b6_finished": 100_000,
+    "b7_steps": 2000, "b7_child_starts": 3,
+}
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100)."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, every: float = 0.005, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout:.0f} s")
+        time.sleep(every)
+
+
+def epoch(ts: dt.datetime) -> float:
+    return ts.timestamp()
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class Server:
+    """The PostgreSQL the benchmarks use: --dsn, or an embedded server in a temp dir."""
+
+    def __init__(self, dsn: str | None) -> None:
+        self._embedded: Any = None
+        self._tmp: str | None = None
+        if dsn:
+            self.admin_dsn, self.source = dsn, "dsn"
+        else:
+            from cyclone_mp.embedded import EmbeddedServer
+
+            self._tmp = tempfile.mkdtemp(prefix="cyclone-mp-bench-")
+            os.chmod(self._tmp, 0o755)  # as root the server runs as its own user
+            self._embedded = EmbeddedServer(os.path.join(self._tmp, "pgdata"))
+            self.admin_dsn, self.source = self._embedded.start(timeout=120), "embedded"
+        self.template = f"cyclone_bench_tpl_{uuid.uuid4().hex[:8]}"
+        self.create(self.template)
+        store = Store.open(self.dsn_for(self.template))
+        try:
+            store.migrate()
+        finally:
+            store.close()
+        with self.admin() as conn:
+            self.version = conn.execute("SHOW server_version").fetchone()[0]
+            self.settings = dict(conn.execute(
+                "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', "
+                "'shared_buffers', 'max_connections', 'wal_level')").fetchall())
+
+    def admin(self) -> psycopg.Connection:
+        return psycopg.connect(self.admin_dsn, autocommit=True)
+
+    def dsn_for(self, dbname: str) -> str:
+        return make_conninfo(self.admin_dsn, dbname=dbname)
+
+    def create(self, name: str, template: str | None = None, file_copy: bool = False) -> None:
+        q = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template:
+            q += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
+        if file_copy:
+            q += sql.SQL(" STRATEGY FILE_COPY")
+        with self.admin() as conn:
+            conn.execute(q)
+
+    def drop(self, name: str) -> None:
+        with contextlib.suppress(psycopg.Error), self.admin() as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+    @contextlib.contextmanager
+    def fresh(self, template: str | None = None, file_copy: bool = False) -> Iterator[str]:
+        """A fresh migrated database (a clone of the template); dropped afterwards."""
+        name = f"cyclone_bench_{uuid.uuid4().hex[:10]}"
+        self.create(name, template or self.template, file_copy)
+        try:
+            yield self.dsn_for(name)
+        finally:
+            self.drop(name)
+
+    def close(self) -> None:
+        self.drop(self.template)
+        if self._embedded is not None:
+            with contextlib.suppress(Exception):
+                self._embedded.destroy()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def mux_of(*steps: cy.Step) -> cy.Mux:
+    mux = cy.Mux()
+    for s in steps:
+        mux.register(s)
+    return mux
+
+
+def step_times(dsn: str, step_name: str, owner: str) -> dict[str, Any]:
+    """First start, last finish (epoch s), counts and re-claims of the steps of one name
+    that supervisor ``owner`` ran (DB clock)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT min(started_at), max(finished_at), count(*) FILTER (WHERE state = 'completed'), "
+            "count(*), max(lease_generation), sum(reclaims), "
+            "percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM finished_at - started_at)) "
+            "FROM cyclone_steps WHERE step_name = %s AND lease_owner = %s", (step_name, owner)).fetchone()
+    return {"first_start": epoch(row[0]), "last_finish": epoch(row[1]), "completed": row[2], "total": row[3],
+            "max_generation": row[4], "reclaims": int(row[5] or 0), "step_s_p50": row[6]}
+
+
+def wal_lsn(dsn: str) -> int:
+    """The server's current WAL position in bytes."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return int(conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])
+
+
+class SupervisorProcess:
+    """A supervisor in its own process: ``python -m cyclone_mp.testing.worker CONFIG``
+    (the entry point ``Env(worker="process")`` uses; it dies with this process)."""
+
+    def __init__(self, dsn: str, steps: list[cy.Step], options: dict[str, Any], tmp: str) -> None:
+        ready = os.path.join(tmp, f"ready-{uuid.uuid4().hex[:8]}")
+        config = {
+            "dsn": dsn, "workflows": [], "options": options, "ready_file": ready, "parent_pid": os.getpid(),
+            "sys_path": [p for p in sys.path if p],
+            "steps": [{"module": s.ref.module, "qualname": s.ref.qualname, "path": s.ref.path} for s in steps],
+        }
+        self.popen = subprocess.Popen([sys.executable, "-m", "cyclone_mp.testing.worker", json.dumps(config)],
+                                      stdin=subprocess.DEVNULL)
+        self.pid = self.popen.pid
+        try:
+            wait_until(lambda: os.path.exists(ready) or self.popen.poll() is not None, 60, 0.005, "supervisor ready")
+        except TimeoutError:
+            self.stop()
+            raise
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"supervisor process exited with code {self.popen.returncode} before it was ready")
+        with open(ready) as fh:
+            self.id = fh.read().strip()
+        os.unlink(ready)
+
+    def children(self) -> list[psutil.Process]:
+        """Its handler children (``python -m cyclone_mp._child``), not the watchdog."""
+        out = []
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.pid).children():
+                with contextlib.suppress(psutil.Error):
+                    if "cyclone_mp._child" in p.cmdline():
+                        out.append(p)
+        return out
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def dead_or_zombie(pid: int) -> bool:
+    if not psutil.pid_exists(pid):
+        return True
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    return True
+
+
+# -- the benchmarks ----------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, server: Server, counts: dict[str, int], tmp: str) -> None:
+        self.server = server
+        self.n = counts
+        self.tmp = tmp
+        self.calibration: dict[str, Any] | None = None
+
+    # B1 -----------------------------------------------------------------------------------
+
+    def throughput(self, dsn: str, n: int, workers: int = 2) -> dict[str, Any]:
+        """Enqueue ``n`` no-ops with enqueue_many, then start a supervisor and time it."""
+        client = cy.Client(dsn, mux_of(bench_steps.noop), workers=workers)
+        try:
+            client.enqueue_many(bench_steps.noop, [None] * n)
+            wal0 = wal_lsn(dsn)
+            t0 = time.time()
+            client.start()
+            sup = client.supervisor
+            wait_until(lambda: sup.stats["completed"] >= n, 300, 0.002, f"{n} completions")
+            wal = wal_lsn(dsn) - wal0  # the whole server's WAL; nothing else writes to it meanwhile
+            stats = dict(sup.stats)
+            ready_after = [c.ready_after for c in sup.children if c.ready_after is not None]
+            client.shutdown()
+        finally:
+            with contextlib.suppress(Exception):
+                client.stop()
+            client.close()
+        t = step_times(dsn, bench_steps.noop.name, sup.id)
+        if t["completed"] != n:
+            raise AssertionError(f"{t['completed']} of {n} steps completed")
+        return {
+            "steps": n, "workers": workers,
+            "steps_per_s": round(n / (t["last_finish"] - t0), 1),
+            "steps_per_s_from_first_start": round(n / (t["last_finish"] - t["first_start"]), 1),
+            "startup_s": round(t["first_start"] - t0, 3),
+            "process_s": round(t["last_finish"] - t["first_start"], 3),
+            "wal_kb_per_step": round(wal / n / 1024, 2),
+            "max_lease_generation": t["max_generation"], "reclaims": t["reclaims"],
+            "children_spawned": stats["children_spawned"], "child_ready_after_s": ready_after,
+            "child_ready_ms": round(statistics.median(ready_after) * 1000, 1) if ready_after else None,
+        }
+
+    def enqueue_rates(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        mux = mux_of(bench_steps.noop)
+        with self.server.fresh() as dsn, cy.Client(dsn, mux) as client:
+            client.migrate()  # opens the pool
+            n = self.n["b1_single"]
+            t = time.perf_counter()
+            for _ in range(n):
+                client.enqueue(bench_steps.noop, None)
+            out["enqueue_single_per_s"] = round(n / (time.perf_counter() - t), 1)
+        with self.server.fresh() as dsn, cy.Client(dsn, mux) as client:
+            client.migrate()
+            n = self.n["b1_bulk"]
+            items = [None] * n
+            t = time.perf_counter()
+            client.enqueue_many(bench_steps.noop, items)
+            out["enqueue_many_one_call_per_s"] = round(n / (time.perf_counter() - t), 1)
+        with self.server.fresh() as dsn, cy.Client(dsn, mux) as client:
+            client.migrate()
+            n, b = self.n["b1_bulk"], self.n["b1_batch"]
+            batch = [None] * b
+            t = time.perf_counter()
+            for _ in range(n // b):
+                client.enqueue_many(bench_steps.noop, batch)
+            out["enqueue_many_batches_per_s"] = round((n // b) * b / (time.perf_counter() - t), 1)
+            out["batch_size"] = b
+        return out
+
+    def b1(self) -> dict[str, Any]:
+        with self.server.fresh() as dsn:
+            row = self.throughput(dsn, self.n["b1_steps"])
+        row.update(self.enqueue_rates())
+        return row
+
+    # B2 -----------------------------------------------------------------------------------
+
+    def calibrate(self) -> dict[str, Any]:
+        """``cpu_work`` iterations for 20 ms in this process (the peer harness's method),
+        and the multiprocessing.Pool(2) wall time for the same calls (2-core ceiling)."""
+        if self.calibration is None:
+            bench_steps.cpu_work(300_000)
+            t = time.perf_counter()
+            bench_steps.cpu_work(1_000_000)
+            per = (time.perf_counter() - t) / 1_000_000
+            iters = int(0.020 / per)
+            samples = []
+            for _ in range(25):
+                t = time.perf_counter()
+                bench_steps.cpu_work(iters)
+                samples.append(time.perf_counter() - t)
+            cpu_ms = statistics.median(samples) * 1000
+            n = self.n["b2_steps"]
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                pool.map(bench_steps.cpu_work, [iters] * 4)
+                t = time.perf_counter()
+                pool.map(bench_steps.cpu_work, [iters] * n, chunksize=1)
+                pool_s = time.perf_counter() - t
+            self.calibration = {"cpu_iters": iters, "cpu_job_ms": round(cpu_ms, 3), "pool2_s": round(pool_s, 3)}
+        return self.calibration
+
+    def b2(self) -> dict[str, Any]:
+        cal = self.calibrate()
+        n = self.n["b2_steps"]
+        with self.server.fresh() as dsn:
+            client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2)
+            try:
+                client.enqueue_many(bench_steps.cpu, [{"n": cal["cpu_iters"]}] * n)
+                t0 = time.time()
+                client.start()
+                sup = client.supervisor
+                wait_until(lambda: sup.stats["completed"] >= n, 300, 0.005, f"{n} completions")
+                client.shutdown()
+            finally:
+                with contextlib.suppress(Exception):
+                    client.stop()
+                client.close()
+            t = step_times(dsn, bench_steps.cpu.name, sup.id)
+        ideal = n * cal["cpu_job_ms"] / 1000 / 2
+        wall = t["last_finish"] - t["first_start"]
+        return {
+            "steps": n, "cpu_job_ms": cal["cpu_job_ms"], "ideal_s": round(ideal, 3), "wall_s": round(wall, 3),
+            "efficiency": round(ideal / wall, 3),
+            "efficiency_incl_startup": round(ideal / (t["last_finish"] - t0), 3),
+            "efficiency_vs_pool2": round(cal["pool2_s"] / wall, 3),
+            "steps_per_s": round(n / wall, 1), "step_ms_p50_db": round(t["step_s_p50"] * 1000, 2),
+        }
+
+    # B3 -----------------------------------------------------------------------------------
+
+    def b3(self) -> dict[str, Any]:
+        timeout, grace = 1.0, 0.5
+        with self.server.fresh() as dsn:
+            client = cy.Client(dsn, mux_of(bench_steps.wedge, bench_steps.noop), workers=1, kill_grace=grace)
+            try:
+                client.start()
+                wait_until(lambda: all(c.ready for c in client.supervisor.children), 30, 0.005, "child ready")
+                wedge_id = client.enqueue(bench_steps.wedge, None, timeout=timeout, max_attempts=1)
+                wait_until(lambda: client.status(wedge_id).step.state != "available", 30, 0.005, "wedge started")
+                noop_id = client.enqueue(bench_steps.noop, None)
+                wait_until(lambda: client.status(noop_id).state == "completed", 60, 0.01, "no-op after the wedge")
+                w = client.status(wedge_id).step
+                nop = client.status(noop_id).step
+                client.shutdown()
+            finally:
+                with contextlib.suppress(Exception):
+                    client.stop()
+                client.close()
+        entry = (w.errors or [{}])[-1]
+        return {
+            "timeout_s": timeout, "kill_grace_s": grace,
+            "slot_back_after_s": round(epoch(nop.started_at) - epoch(w.started_at), 3),
+            "wedge_state": w.state, "wedge_error_kind": w.error_kind,
+            "wedge_failed_after_s": round(epoch(w.finished_at) - epoch(w.started_at), 3) if w.finished_at else None,
+            "killed_by_supervisor": entry.get("killed_by_supervisor"), "trigger": entry.get("trigger"),
+            "signal": entry.get("signal_name") or entry.get("signal"),
+        }
+
+    # B4 -----------------------------------------------------------------------------------
+
+    def b4(self) -> dict[str, Any]:
+        ttl = 2.0
+        options = {"workers": 1, "lease_ttl": ttl}
+        procs: list[SupervisorProcess] = []
+        with self.server.fresh() as dsn, cy.Client(dsn, mux_of(bench_steps.sleep)) as client:
+            try:
+                a = SupervisorProcess(dsn, [bench_steps.sleep], options, self.tmp)
+                procs.append(a)
+                run_id = client.enqueue(bench_steps.sleep, {"seconds": 3.0})
+                wait_until(lambda: client.status(run_id).step.lease_owner == a.id, 30, 0.005, "claimed by A")
+                b = SupervisorProcess(dsn, [bench_steps.sleep], options, self.tmp)
+                procs.append(b)
+                first = client.status(run_id).step
+                kids = a.children()
+                if len(kids) != 1:
+                    raise AssertionError(f"expected one handler child of supervisor A, found {len(kids)}")
+                child_pid = kids[0].pid
+                kill_at = epoch(first.started_at) + 1.0
+                time.sleep(max(0.0, kill_at - time.time()))
+                t_kill = time.time()
+                os.kill(a.pid, signal.SIGKILL)
+                child_dead_after = None
+                deadline = t_kill + 5.0
+                while time.time() < deadline:
+                    if dead_or_zombie(child_pid):
+                        child_dead_after = time.time() - t_kill
+                        break
+                    time.sleep(0.002)
+                a.popen.wait()
+                wait_until(lambda: client.status(run_id).state == "completed", 60, 0.01, "completed by B")
+                st = client.status(run_id).step
+            finally:
+                for p in procs:
+                    p.stop()
+        return {
+            "lease_ttl_s": ttl, "handler_s": 3.0,
+            "killed_after_start_s": round(t_kill - epoch(first.started_at), 3),
+            "rerun_started_after_s": round(epoch(st.started_at) - t_kill, 3),
+            "completed_after_s": round(epoch(st.finished_at) - t_kill, 3),
+            "completed_by_second": st.lease_owner == b.id, "reclaims": st.reclaims, "attempt": st.attempt,
+            "orphan_child_dead_after_s": round(child_dead_after, 3) if child_dead_after is not None else None,
+        }
+
+    # B5 -----------------------------------------------------------------------------------
+
+    def b5(self) -> dict[str, Any]:
+        n = self.n["b5_samples"]
+        with self.server.fresh() as dsn:
+            client = cy.Client(dsn, mux_of(bench_steps.noop), workers=2)
+            try:
+                client.start()
+                sup = client.supervisor
+                wait_until(lambda: all(c.ready for c in sup.children), 30, 0.005, "children ready")
+                time.sleep(1.5)  # idle: the poll backoff has grown to its maximum
+                t0 = time.monotonic()
+                for i in range(n):
+                    time.sleep(max(0.0, t0 + i * 0.05 - time.monotonic()))
+                    client.enqueue(bench_steps.noop, None)
+                wait_until(lambda: sup.stats["completed"] >= n, 60, 0.005, f"{n} completions")
+                client.shutdown()
+            finally:
+                with contextlib.suppress(Exception):
+                    client.stop()
+                client.close()
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                rows = conn.execute(
+                    "SELECT extract(epoch FROM s.started_at - r.created_at) FROM cyclone_steps s "
+                    "JOIN cyclone_runs r ON r.id = s.run_id ORDER BY r.created_at").fetchall()
+        lat = [float(r[0]) * 1000 for r in rows]
+        return {"samples": len(lat), "p50_ms": round(percentile(lat, 50), 2), "p99_ms": round(percentile(lat, 99), 2),
+                "max_ms": round(max(lat), 2), "min_ms": round(min(lat), 2)}
+
+    # B6 -----------------------------------------------------------------------------------
+
+    def seed_b6_template(self) -> tuple[str, dict[str, Any]]:
+        """A migrated database holding the B6 ballast; cloned for each repetition."""
+        name = f"cyclone_bench_b6_{uuid.uuid4().hex[:8]}"
+        self.server.create(name, self.server.template)
+        dsn = self.server.dsn_for(name)
+        fin, queued = self.n["b6_finished"], self.n["b6_queued"]
+        t = time.perf_counter()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            # One statement per kind: the runs, then their one step each (the FK needs the run).
+            conn.execute("""
+                WITH r AS (
+                    INSERT INTO cyclone_runs (id, name, kind, state, input, created_at, updated_at, finished_at)
+                    SELECT gen_random_uuid(), 'bench_noop', 'step', 'completed', 'null',
+                           now() - interval '1 day', now() - interval '1 day', now() - interval '1 day'
+                      FROM generate_series(1, %(n)s)
+                    RETURNING id, finished_at)
+                INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, state, attempt, scheduled_at,
+                                           started_at, finished_at, lease_generation, output)
+                SELECT id, 'bench_noop', 'bench_noop', 'task', 'default', 'completed', 1, finished_at,
+                       finished_at, finished_at, 1, 'null' FROM r""", {"n": fin})
+            conn.execute("""
+                WITH r AS (
+                    INSERT INTO cyclone_runs (id, name, kind, state, input)
+                    SELECT gen_random_uuid(), 'bench_noop', 'step', 'running', 'null'
+                      FROM generate_series(1, %(n)s)
+                    RETURNING id)
+                INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, state)
+                SELECT id, 'bench_noop', 'bench_noop', 'task', 'other', 'available' FROM r""", {"n": queued})
+            conn.execute("VACUUM ANALYZE cyclone_runs")
+            conn.execute("VACUUM ANALYZE cyclone_steps")
+            size = conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]
+        return name, {"seed_s": round(time.perf_counter() - t, 1), "db_mb": round(size / 2**20)}
+
+    def b6(self, template: str) -> dict[str, Any]:
+        with self.server.fresh(template, file_copy=True) as dsn:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")  # the clone's copy is not charged to the run
+            row = self.throughput(dsn, self.n["b1_steps"])
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                row["other_queue_left"] = conn.execute(
+                    "SELECT count(*) FROM cyclone_steps WHERE queue = 'other' AND state = 'available'").fetchone()[0]
+        return row
+
+    # B7 -----------------------------------------------------------------------------------
+
+    def child_starts(self) -> dict[str, Any]:
+        """Spawn-to-ready of a fresh child (``python -m cyclone_mp._child``, as the supervisor
+        starts it, via :class:`cyclone_mp.pool.ChildProc`) and its RSS once ready."""
+        import selectors
+
+        from cyclone_mp.pool import ChildProc
+        from cyclone_mp.protocol import DEFAULT_MAX_PAYLOAD
+
+        times, rss = [], []
+        for _ in range(self.n["b7_child_starts"]):
+            t = time.monotonic()
+            child = ChildProc(f"bench:{os.getpid()}", DEFAULT_MAX_PAYLOAD)
+            try:
+                sel = selectors.DefaultSelector()
+                sel.register(child.sock, selectors.EVENT_READ)
+                ready = False
+                while not ready and time.monotonic() - t < 30:
+                    sel.select(1.0)
+                    msgs, eof = child.receive()
+                    ready = any(m.get("t") == "ready" for m in msgs)
+                    if eof:
+                        break
+                sel.close()
+                if not ready:
+                    raise RuntimeError("child did not become ready")
+                times.append(time.monotonic() - t)
+                time.sleep(0.05)
+                rss.append(psutil.Process(child.pid).memory_info().rss)
+            finally:
+                child.retire()
+                if child.wait(timeout=5) is None:
+                    child.kill()
+        return {"child_start_ms_p50": round(statistics.median(times) * 1000, 1),
+                "child_start_ms_each": [round(x * 1000, 1) for x in times],
+                "child_rss_mb": round(statistics.median(rss) / 2**20, 1)}
+
+    def b7(self) -> dict[str, Any]:
+        n = self.n["b7_steps"]
+        with self.server.fresh() as dsn, cy.Client(dsn, mux_of(bench_steps.noop)) as client:
+            sup = SupervisorProcess(dsn, [bench_steps.noop], {"workers": 2}, self.tmp)
+            try:
+                proc = psutil.Process(sup.pid)
+                time.sleep(1.0)
+                rss_start = proc.memory_info().rss
+                cpu0 = sum(proc.cpu_times()[:2])
+                samples = [rss_start]
+                client.enqueue_many(bench_steps.noop, [None] * n)
+                conn = psycopg.connect(dsn, autocommit=True)
+                done = 0
+                deadline = time.monotonic() + 600
+                while done < n:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{done} of {n} steps completed after 600 s")
+                    time.sleep(0.25)
+                    samples.append(proc.memory_info().rss)
+                    done = conn.execute("SELECT count(*) FROM cyclone_steps WHERE state = 'completed'").fetchone()[0]
+                last = conn.execute("SELECT max(finished_at), min(started_at) FROM cyclone_steps").fetchone()
+                conn.close()
+                cpu_s = sum(proc.cpu_times()[:2]) - cpu0
+                time.sleep(1.0)
+                rss_end = proc.memory_info().rss
+                kids = [k.memory_info().rss for k in sup.children()]
+            finally:
+                sup.stop()
+        row = {
+            "steps": n, "supervisor_rss_start_mb": round(rss_start / 2**20, 1),
+            "supervisor_rss_max_mb": round(max(samples + [rss_end]) / 2**20, 1),
+            "supervisor_rss_end_mb": round(rss_end / 2**20, 1),
+            "supervisor_rss_growth_mb": round((rss_end - rss_start) / 2**20, 1),
+            "supervisor_cpu_ms_per_step": round(cpu_s * 1000 / n, 3),
+            "sustained_steps_per_s": round(n / (epoch(last[0]) - epoch(last[1])), 1),
+            "children_rss_after_mb": [round(k / 2**20, 1) for k in kids],
+        }
+        row.update(self.child_starts())
+        return row
+
+
+# -- the report -------------------------------------------------------------------------------
+
+# (benchmark, metric key, label, format, target text, check(median, medians) -> bool | None)
+def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
+    pgq, cel = peer["pgqueuer_s1"], peer["celery_s1"]
+    b1_floor = max(pgq, 4 * cel)
+    return [
+        ("B1", "steps_per_s", f"no-op steps/s ({n['b1_steps']}, 2 workers, from supervisor start)", "{:,.0f}",
+         f">= {b1_floor:,.0f} (pgqueuer {pgq:,.0f}; 4x Celery {4 * cel:,.0f})", lambda v, m: v >= b1_floor),
+        ("B1", "steps_per_s_from_first_start", "no-op steps/s, from first handler start (peers' way)", "{:,.0f}",
+         f">= {b1_floor:,.0f}", lambda v, m: v >= b1_floor),
+        ("B1", "wal_kb_per_step", "WAL written per step, B1 (KiB)", "{:.2f}", "", None),
+        ("B1", "enqueue_single_per_s", f"enqueue, 1 call/step ({n['b1_single']:,} calls)", "{:,.0f}",
+         "(peers 780-2,250)", None),
+        ("B1", "enqueue_many_one_call_per_s", f"enqueue_many, {n['b1_bulk']:,} in one call", "{:,.0f}",
+         ">= 30,000", lambda v, m: v >= 30000),
+        ("B1", "enqueue_many_batches_per_s", f"enqueue_many, batches of {n['b1_batch']:,}", "{:,.0f}",
+         ">= 30,000", lambda v, m: v >= 30000),
+        ("B2", "efficiency", f"CPU efficiency vs 2 ideal cores ({n['b2_steps']} x 20 ms)", "{:.3f}",
+         ">= 0.95", lambda v, m: v >= 0.95),
+        ("B2", "efficiency_vs_pool2", "CPU efficiency vs multiprocessing.Pool(2)", "{:.3f}", "(ceiling on this VM)", None),
+        ("B2", "efficiency_incl_startup", "CPU efficiency incl. supervisor start", "{:.3f}", "", None),
+        ("B3", "slot_back_after_s", "wedged C loop: slot back after (s)", "{:.3f}",
+         "<= 1.75 (timeout 1 + grace 0.5 + 0.25)", lambda v, m: v <= 1.75),
+        ("B3", "wedge_failed_after_s", "wedged step marked failed after (s)", "{:.3f}", "", None),
+        ("B4", "rerun_started_after_s", "supervisor SIGKILL: re-run started after (s)", "{:.3f}",
+         "<= 3.5 (ttl 2 + sweep tick 1 + 0.5)", lambda v, m: v <= 3.5),
+        ("B4", "completed_after_s", "supervisor SIGKILL: completed by another after (s, incl. 3 s re-run)",
+         "{:.3f}", "<= 6.5", lambda v, m: v <= 6.5),
+        ("B4", "orphan_child_dead_after_s", "orphaned child dead after (s)", "{:.3f}", "<= 1.0",
+         lambda v, m: v <= 1.0),
+        ("B5", "p50_ms", f"idle pickup latency p50 (ms, {n['b5_samples']} samples)", "{:.2f}", "< 5",
+         lambda v, m: v < 5),
+        ("B5", "p99_ms", "idle pickup latency p99 (ms)", "{:.2f}", "", None),
+        ("B6", "steps_per_s", f"B1 with {n['b6_queued']:,} queued + {n['b6_finished']:,} finished rows",
+         "{:,.0f}", ">= 0.8 x B1", lambda v, m: m.get(("B1", "steps_per_s")) is not None
+         and v >= 0.8 * m[("B1", "steps_per_s")]),
+        ("B6", "ratio_to_b1", "B6 / B1 (median of B1 in this invocation)", "{:.2f}", ">= 0.80", lambda v, m: v >= 0.8),
+        ("B6", "wal_kb_per_step", "WAL written per step, B6 (KiB)", "{:.2f}", "", None),
+        ("B7", "supervisor_rss_start_mb", "supervisor RSS start (MiB)", "{:.1f}", "", None),
+        ("B7", "supervisor_rss_max_mb", f"supervisor RSS max over {n['b7_steps']:,} steps (MiB)", "{:.1f}", "", None),
+        ("B7", "supervisor_rss_end_mb", "supervisor RSS end (MiB)", "{:.1f}", "", None),
+        ("B7", "supervisor_rss_growth_mb", "supervisor RSS growth end - start (MiB)", "{:.1f}", "flat (<= 2)",
+         lambda v, m: v <= 2.0),
+        ("B7", "supervisor_cpu_ms_per_step", "supervisor CPU per step (ms)", "{:.3f}", "", None),
+        ("B7", "sustained_steps_per_s", f"sustained steps/s over {n['b7_steps']:,} (supervisor process)",
+         "{:,.0f}", f"(pgqueuer {peer['pgqueuer_s1_n20000']:,.0f} at 20,000)", None),
+        ("B7", "child_start_ms_p50", "fresh child spawn to ready (ms)", "{:.1f}", "< 50", lambda v, m: v < 50),
+        ("B1", "child_ready_ms", "child spawn to ready inside the B1 supervisor (ms, ready_after)", "{:.1f}", "< 50",
+         lambda v, m: v < 50),
+        ("B7", "child_rss_mb", "fresh child RSS (MiB)", "{:.1f}", "", None),
+    ]
+
+
+def summarize(results: dict[str, Any], peer: dict[str, float], counts: dict[str, int]) -> list[dict[str, Any]]:
+    medians: dict[tuple[str, str], float] = {}
+    for b, res in results.items():
+        if b == "meta":
+            continue
+        for key in {k for s in res["samples"] for k, v in s.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}:
+            m = median([s.get(key) for s in res["samples"]])
+            if m is not None:
+                res["median"][key] = m
+                medians[(b, key)] = m
+    if ("B6", "steps_per_s") in medians and ("B1", "steps_per_s") in medians:
+        for sample in results["B6"]["samples"]:
+            sample["ratio_to_b1"] = round(sample["steps_per_s"] / medians[("B1", "steps_per_s")], 3)
+        ratio = medians[("B6", "steps_per_s")] / medians[("B1", "steps_per_s")]
+        results["B6"]["median"]["ratio_to_b1"] = round(ratio, 3)
+        medians[("B6", "ratio_to_b1")] = ratio
+    rows = []
+    for b, key, label, fmt, target, check in rows_spec(peer, counts):
+        if b not in results:
+            continue
+        v = medians.get((b, key))
+        each = [s.get(key) for s in results[b]["samples"]]
+        ok = None if v is None or check is None else bool(check(v, medians))
+        rows.append({"bench": b, "metric": key, "label": label, "median": v, "each": each, "target": target,
+                     "met": ok, "fmt": fmt})
+    rows.sort(key=lambda r: r["bench"])  # stable: spec order within a benchmark
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]], results: dict[str, Any]) -> None:
+    table = Table(title="cyclone_mp benchmarks (medians; issue 8 targets)", show_lines=False)
+    for col, kw in (("", {}), ("metric", {}), ("median", {"justify": "right"}), ("each run", {}),
+                    ("target", {}), ("", {})):
+        table.add_column(col, **kw)
+    for r in rows:
+        fmt = r["fmt"]
+        med = "-" if r["median"] is None else fmt.format(r["median"])
+        each = " / ".join("-" if x is None else fmt.format(x) for x in r["each"])
+        mark = {True: "[green]met[/]", False: "[red]missed[/]", None: ""}[r["met"]]
+        table.add_row(r["bench"], r["label"], med, each, r["target"], mark)
+    console.print(table)
+    for b, res in results.items():
+        if isinstance(res, dict) and res.get("errors"):
+            for e in res["errors"]:
+                console.print(f"[red]{b} error:[/] {e.splitlines()[-1] if e else e}")
+
+
+def load_peer(path: str | None) -> dict[str, float]:
+    peer = dict(PEER_REF)
+    if not path:
+        return peer
+    with open(path) as fh:
+        data = json.load(fh)
+    for name, key in (("pgqueuer", "pgqueuer_s1"), ("celery", "celery_s1")):
+        vals = [r["jobs_per_s"] for r in data.get("S1", []) if r.get("peer") == name and r.get("jobs_per_s")]
+        if vals:
+            peer[key] = statistics.median(vals)
+            peer["source_" + name] = path  # type: ignore[assignment]
+    return peer
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured, and whether the engine had uncommitted changes."""
+    root = os.path.dirname(HERE)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "cyclone_mp"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return {"commit": head or None, "engine_uncommitted_changes": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions of each benchmark (median reported)")
+    ap.add_argument("--only", default=",".join(ALL), help="comma-separated subset, e.g. B1,B3")
+    ap.add_argument("--dsn", default=None, help="PostgreSQL server to use (default: an embedded one in a temp dir)")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<timestamp>.json)")
+    ap.add_argument("--peer-results", default=None,
+                    help="a JSON written by ../shared/peer-bench (S1 of pgqueuer/celery) to take targets from")
+    ap.add_argument("-v", "--verbose", action="store_true", help="engine log at INFO")
+    args = ap.parse_args(argv)
+    only = [b.strip().upper() for b in args.only.split(",") if b.strip()]
+    bad = [b for b in only if b not in ALL]
+    if bad or args.repeat < 1:
+        ap.error(f"unknown benchmark(s) {bad}" if bad else "--repeat must be >= 1")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL,
+                        format="%(asctime)s %(name)s: %(message)s")
+    counts = QUICK if args.quick else FULL
+    peer = load_peer(args.peer_results)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(HERE, "results", f"{stamp}.json")
+    tmp = tempfile.mkdtemp(prefix="cyclone-mp-bench-run-")
+    results: dict[str, Any] = {"meta": {
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(), "quick": args.quick, "repeat": args.repeat,
+        "counts": counts, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "cyclone_mp": cy.__version__, "loadavg_start": loadavg(), "peer_reference": peer, **git_state(),
+    }}
+    server = None
+    t_all = time.time()
+    try:
+        console.print(f"[bold]starting PostgreSQL[/] ({'--dsn' if args.dsn else 'embedded, temp data dir'}) ...")
+        server = Server(args.dsn)
+        results["meta"].update({"postgres": server.version, "postgres_settings": server.settings,
+                                "server": server.source})
+        bench = Bench(server, counts, tmp)
+        b6_template = None
+        for b in ALL:
+            if b not in only:
+                continue
+            res = results[b] = {"samples": [], "median": {}, "errors": []}
+            if b == "B2":
+                res["calibration"] = bench.calibrate()
+            if b == "B6":
+                console.print(f"[bold]B6[/] seeding {counts['b6_finished']:,} finished + "
+                              f"{counts['b6_queued']:,} queued rows ...")
+                b6_template, res["seed"] = bench.seed_b6_template()
+            for rep in range(args.repeat):
+                la = loadavg()
+                t = time.time()
+                try:
+                    fn = getattr(bench, b.lower())
+                    sample = fn(b6_template) if b == "B6" else fn()
+                except Exception:  # noqa: BLE001 - one failed benchmark must not hide the others
+                    res["errors"].append(traceback.format_exc())
+                    console.print(f"[red]{b} rep {rep + 1} failed:[/]\n{traceback.format_exc()}")
+                    continue
+                sample.update({"rep": rep + 1, "loadavg": la, "seconds": round(time.time() - t, 1)})
+                res["samples"].append(sample)
+                shown = {k: v for k, v in sample.items() if not isinstance(v, list)}
+                console.print(f"[bold]{b}[/] rep {rep + 1}: {shown}")
+            if b6_template:
+                server.drop(b6_template)
+                b6_template = None
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results["meta"]["loadavg_end"] = loadavg()
+    results["meta"]["seconds"] = round(time.time() - t_all, 1)
+    rows = summarize(results, peer, counts)
+    results["summary"] = [{k: v for k, v in r.items() if k != "fmt"} for r in rows]
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as fh:
+        json.dump(results, fh, indent=2, default=str)
+    print_table(rows, results)
+    console.print(f"load average: start {results['meta']['loadavg_start']}, end {results['meta']['loadavg_end']}; "
+                  f"{results['meta']['seconds']} s; JSON: {out}")
+    failed = [b for b in only if results.get(b, {}).get("errors")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""What the dashboard shows: JSON-ready dicts built from the store's reads.
+
+:class:`Dashboard` is the only part of the dashboard that reads the database (through
+the :class:`~cyclone_mp.Client`'s connection pool and the store's "dashboard reads");
+the pages and the JSON API render the same dicts, so they always show the same
+numbers. The helpers below it are pure functions of rows (tested without a database).
+
+Every time comes from the database: rows carry DB-clock timestamps, and ages and
+elapsed times are computed against the database's ``now()`` of the same read.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Callable, Iterable, Sequence
+
+from ..errors import PayloadError
+from ..status import StepStatus
+from ..store import Store
+from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
+
+KILL_KINDS = ("timeout", "child_exited", "reclaim_limit")
+COUNT_CAP = 10_000  #: the runs list counts matching runs up to this many
+WORKERS_WITHIN = 15.0  #: seconds: a supervisor whose registry row is older is not shown
+KILLS_SHOWN = 20
+NAMES_SHOWN = 200
+FORENSICS = ("pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger", "cpu_seconds",
+             "peak_rss_kb", "elapsed", "worker", "cancel_reason")
+
+
+def iso(value: dt.datetime | None) -> str | None:
+    """An aware datetime as ISO 8601 in UTC (``...+00:00``), or None."""
+    return None if value is None else value.astimezone(dt.timezone.utc).isoformat()
+
+
+class Dashboard:
+    """Reads for the pages and the API, over ``client``'s pool (one connection per read).
+
+    Args:
+        client: a :class:`~cyclone_mp.Client` (its mux is not needed).
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def _read(self, fn: Callable[[Store], Any]) -> Any:
+        # The Client owns the pool and translates database errors; every dashboard read
+        # goes through this one call so a page's queries share one pooled connection.
+        return self.client._call(fn)
+
+    # -- overview ----------------------------------------------------------------------------
+
+    def overview(self, minutes: int = 30) -> dict[str, Any]:
+        """Counts by state, name and queue; throughput; live supervisors; recent kills."""
+        now, runs, steps, per_minute, kills, workers = self._read(lambda s: (
+            s.dashboard_now(), s.dashboard_run_counts(), s.dashboard_step_counts(),
+            s.dashboard_throughput(minutes), s.dashboard_recent_kills(KILLS_SHOWN), s.list_workers(WORKERS_WITHIN),
+        ))
+        return {
+            "now": iso(now),
+            "runs": {"by_state": {state: runs.get(state, 0) for state in RUN_STATES}, "total": sum(runs.values())},
+            "steps": step_counts(steps),
+            "throughput": throughput(per_minute, minutes),
+            "workers": [worker_view(row) for row in workers],
+            "kills": [kill_view(row) for row in kills],
+        }
+
+    # -- runs --------------------------------------------------------------------------------
+
+    def runs(self, query: RunQuery) -> dict[str, Any]:
+        """One page of runs with the filters of ``query``, the capped match count and names."""
+        filters = {"state": query.state, "name": query.name, "since": query.since, "until": query.until}
+        now, rows, total, names = self._read(lambda s: (
+            s.dashboard_now(),
+            s.dashboard_runs(**filters, after=query.after, limit=query.limit + 1, offset=query.offset),
+            s.dashboard_count_runs(**filters, cap=COUNT_CAP),
+            s.dashboard_run_names(NAMES_SHOWN),
+        ))
+        more = len(rows) > query.limit
+        rows = rows[: query.limit]
+        last = rows[-1] if rows else None
+        return {
+            "now": iso(now),
+            "filters": {"state": query.state, "name": query.name, "since": iso(query.since),
+                        "until": iso(query.until)},
+            "limit": query.limit,
+            "offset": query.offset,
+            "cursor": query.cursor,
+            "total": total,
+            "total_capped": total >= COUNT_CAP,
+            "next_cursor": encode_cursor(last["created_at"], last["id"]) if more and last else None,
+            "runs": [run_row(row) for row in rows],
+            "names": names,
+        }
+
+    # -- one run -----------------------------------------------------------------------------
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        """Everything about one run. Raises RunNotFound."""
+        now, (run, rows), signals = self._read(lambda s: (
+            s.dashboard_now(), s.get_run(run_id), s.dashboard_run_signals(run_id),
+        ))
+        steps = [StepStatus.from_row(row) for row in rows]
+        received = {row["name"] for row in signals}
+        views = [step_view(step, now) for step in steps]
+        return {
+            "now": iso(now),
+            "id": run["id"], "name": run["name"], "kind": run["kind"], "state": run["state"],
+            "input": run["input"], "idempotency_key": run["idempotency_key"],
+            "created_at": iso(run["created_at"]), "updated_at": iso(run["updated_at"]),
+            "finished_at": iso(run["finished_at"]),
+            "steps": views,
+            "attempts": attempts(steps, now),
+            "graph": graph_layout(views),
+            "signals": [{"name": r["name"], "payload": r["payload"], "created_at": iso(r["created_at"])}
+                        for r in signals],
+            "signal_names": [s.name for s in steps if s.kind == "signal" and s.name not in received],
+            "actions": actions_for(run["state"], run["kind"], [s.state for s in steps]),
+        }
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def act(self, run_id: str, action: str, name: str | None = None, payload: Any = None) -> dict[str, Any]:
+        """Apply an operator action through the Client; returns ``{action, run_id, message, ...}``.
+
+        Raises RunNotFound, InvalidTransition, PayloadError, BadRequest (a signal without a
+        name), DatabaseError.
+        """
+        client = self.client
+        if action == "signal":
+            name = (name or "").strip()
+            if not name:
+                raise BadRequest("a signal needs a name")
+            if len(name) > 200 or "\x00" in name:
+                raise BadRequest("a signal name is at most 200 characters, without NUL")
+            kept = client.signal(run_id, name, payload)
+            message = (f"Signal {name!r} sent to run {run_id}." if kept
+                       else f"Run {run_id} already received signal {name!r}; the first one is kept.")
+            return {"action": action, "run_id": run_id, "name": name, "kept": kept, "message": message}
+        count = getattr(client, action)(run_id)
+        message = {
+            "cancel": f"Cancelled run {run_id}: {count} step(s) cancelled. A running handler is told at its "
+                      "next heartbeat and killed after kill_grace.",
+            "retry": f"Retrying run {run_id}: {count} step(s) reopened.",
+            "pause": f"Paused run {run_id}: {count} step(s) paused; running steps finish.",
+            "resume": f"Resumed run {run_id}: {count} step(s) restored.",
+        }[action]
+        return {"action": action, "run_id": run_id, "count": count, "message": message}
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def step_counts(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """``dash_step_counts`` rows -> totals by state, and one row per (name, queue)."""
+    by_state = {state: 0 for state in STEP_STATES}
+    groups: dict[tuple[str, str], dict[str, int]] = {}
+    for row in rows:
+        n = int(row["n"])
+        by_state[row["state"]] = by_state.get(row["state"], 0) + n
+        group = groups.setdefault((row["name"], row["queue"]), {state: 0 for state in STEP_STATES})
+        group[row["state"]] = group.get(row["state"], 0) + n
+    return {
+        "by_state": by_state,
+        "total": sum(by_state.values()),
+        "by_name": [{"name": name, "queue": queue, "by_state": counts, "total": sum(counts.values())}
+                    for (name, queue), counts in sorted(groups.items())],
+    }
+
+
+def throughput(rows: Sequence[dict[str, Any]], minutes: int) -> dict[str, Any]:
+    """``dash_throughput`` rows -> the chart's data (oldest minute first)."""
+    per_minute = [{"minute": iso(r["minute"]), "completed": int(r["completed"]), "discarded": int(r["discarded"])}
+                  for r in rows]
+    return {
+        "minutes": minutes,
+        "per_minute": per_minute,
+        "completed": sum(p["completed"] for p in per_minute),
+        "discarded": sum(p["discarded"] for p in per_minute),
+        "max": max((p["completed"] + p["discarded"] for p in per_minute), default=0),
+    }
+
+
+def chart(per_minute: Sequence[dict[str, Any]], width: int = 600, height: int = 120) -> dict[str, Any]:
+    """Bar geometry of the throughput chart (the SVG the page starts with; the page's
+    script redraws it the same way on every refresh)."""
+    n = max(1, len(per_minute))
+    top = max((p["completed"] + p["discarded"] for p in per_minute), default=0)
+    scale = (height - 4) / top if top else 0.0
+    slot = width / n
+    bars = []
+    for i, p in enumerate(per_minute):
+        done_h = round(p["completed"] * scale, 2)
+        bad_h = round(p["discarded"] * scale, 2)
+        x = round(i * slot + 1, 2)
+        w = round(max(1.0, slot - 2), 2)
+        bars.append({"x": x, "w": w, "done_y": round(height - done_h, 2), "done_h": done_h,
+                     "bad_y": round(height - done_h - bad_h, 2), "bad_h": bad_h,
+                     "title": f"{p['minute']}: {p['completed']} completed, {p['discarded']} discarded"})
+    return {"width": width, "height": height, "max": top, "bars": bars}
+
+
+def exit_text(entry: dict[str, Any]) -> str:
+    """``SIGKILL``, ``exit 3`` or ``-`` from an error entry."""
+    if entry.get("signal") is not None:
+        return str(entry.get("signal_name") or f"signal {entry['signal']}")
+    if entry.get("exit_code") is not None:
+        return f"exit {entry['exit_code']}"
+    return "-"
+
+
+def forensics(entry: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an error entry that say how the attempt ended (SPEC 4)."""
+    out = {key: entry.get(key) for key in FORENSICS}
+    out["exit"] = exit_text(entry)
+    return out
+
+
+def kill_view(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``dash_recent_kills`` row -> one line of "recent kills"."""
+    entry = row["entry"] or {}
+    return {
+        "run_id": row["run_id"], "node": row["node"], "step_name": row["step_name"], "queue": row["queue"],
+        "state": row["state"], "attempt": entry.get("attempt", row["attempt"]), "kind": entry.get("kind"),
+        "at": entry.get("at"), "message": entry.get("message"), **forensics(entry),
+    }
+
+
+def worker_view(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``list_workers`` row -> a supervisor and its children (elapsed times brought up to
+    the read: the registry row is ``age`` seconds old)."""
+    info = row.get("info") or {}
+    age = float(row.get("age") or 0.0)
+    children = []
+    for kid in info.get("children") or []:
+        busy = kid.get("run_id") is not None
+        children.append({
+            "pid": kid.get("pid"), "busy": busy, "run_id": kid.get("run_id"), "node": kid.get("node"),
+            "step": kid.get("step"), "attempt": kid.get("attempt"),
+            "elapsed": round(float(kid.get("elapsed") or 0.0) + age, 1) if busy else None,
+            "cpu_percent": kid.get("cpu_percent"), "rss": kid.get("rss"), "steps_run": kid.get("steps_run", 0),
+        })
+    return {
+        "id": row["id"], "hostname": row["hostname"], "pid": row["pid"], "started_at": iso(row["started_at"]),
+        "heartbeat_at": iso(row["heartbeat_at"]), "age": round(age, 1), "workers": info.get("workers"),
+        "queues": info.get("queues") or [], "draining": bool(info.get("draining")),
+        "stats": info.get("stats") or {}, "children": children,
+    }
+
+
+def run_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``dash_runs`` row -> one line of the runs list."""
+    steps = {k: int(v) for k, v in (row.get("steps") or {}).items()}
+    return {
+        "id": row["id"], "name": row["name"], "kind": row["kind"], "state": row["state"],
+        "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
+        "finished_at": iso(row["finished_at"]), "steps": steps, "steps_total": sum(steps.values()),
+    }
+
+
+def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
+    """One node of a run, with its elapsed time (DB clock) while it runs."""
+    elapsed = None
+    if step.started_at is not None and step.state == "running":
+        elapsed = round((now - step.started_at).total_seconds(), 3)
+    elif step.started_at is not None and step.finished_at is not None and step.finished_at >= step.started_at:
+        elapsed = round((step.finished_at - step.started_at).total_seconds(), 3)
+    return {
+        "name": step.name, "step_name": step.step_name, "kind": step.kind, "state": step.state,
+        "paused_from": step.paused_from, "queue": step.queue, "priority": step.priority,
+        "depends_on": list(step.depends_on), "attempt": step.attempt, "max_attempts": step.max_attempts,
+        "reclaims": step.reclaims, "max_reclaims": step.max_reclaims, "timeout": step.timeout,
+        "scheduled_at": iso(step.scheduled_at), "started_at": iso(step.started_at),
+        "finished_at": iso(step.finished_at), "heartbeat_at": iso(step.heartbeat_at),
+        "lease_owner": step.lease_owner, "lease_expiry": iso(step.lease_expiry),
+        "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,
+        "error_kind": step.error_kind, "progress": step.progress, "output": step.output,
+        "failures": len(step.errors), "elapsed": elapsed,
+    }
+
+
+def attempts(steps: Sequence[StepStatus], now: dt.datetime) -> list[dict[str, Any]]:
+    """Every attempt of every task node: one per error entry (with its forensics and
+    traceback), plus the current one when it runs, completed, was cancelled or waits."""
+    out: list[dict[str, Any]] = []
+    for step in steps:
+        if step.kind != "task":
+            continue
+        failed = set()
+        for entry in step.errors:
+            failed.add(entry.get("attempt"))
+            out.append({
+                "node": step.name, "attempt": entry.get("attempt"), "outcome": entry.get("kind") or "error",
+                "at": entry.get("at"), "type": entry.get("type"), "message": entry.get("message"),
+                "traceback": entry.get("traceback"), "started_at": None, "finished_at": None,
+                **forensics(entry),
+            })
+        current = None
+        if step.state == "running":
+            current = "running"
+        elif step.state == "completed":
+            current = "completed"
+        elif step.state == "cancelled" and step.started_at is not None and step.attempt not in failed:
+            current = "cancelled"
+        elif step.state == "available" and step.errors and step.attempt not in failed:
+            current = "scheduled"
+        if current is not None:
+            elapsed = None
+            if step.started_at is not None and current in ("running", "completed", "cancelled"):
+                end = now if current == "running" else (step.finished_at or now)
+                elapsed = round((end - step.started_at).total_seconds(), 3)
+            out.append({
+                "node": step.name, "attempt": step.attempt, "outcome": current,
+                "at": iso(step.scheduled_at) if current == "scheduled" else None,
+                "type": None, "message": None, "traceback": None,
+                "started_at": iso(step.started_at) if current != "scheduled" else None,
+                "finished_at": iso(step.finished_at) if current in ("completed", "cancelled") else None,
+                **{key: None for key in FORENSICS}, "exit": "-", "elapsed": elapsed,
+                "progress": step.progress,
+            })
+    return out
+
+
+def actions_for(run_state: str, run_kind: str, step_states: Sequence[str]) -> dict[str, bool]:
+    """Which operator actions make sense for a run now (the server checks again on POST)."""
+    live = run_state in ("running", "paused")
+    return {
+        "cancel": live,
+        "retry": (run_state in ("discarded", "running") and "discarded" in step_states)
+                 or (run_state == "cancelled" and run_kind == "step"),
+        "pause": run_state == "running",
+        "resume": run_state == "paused",
+        "signal": live,
+    }
+
+
+NODE_W, NODE_H, GAP_X, GAP_Y, PAD = 168, 44, 48, 14, 6
+
+
+def graph_layout(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Place a run's nodes in columns by dependency depth (roots left); edges as curves.
+
+    ``steps`` are :func:`step_view` dicts (``name``, ``kind``, ``state``, ``depends_on``).
+    """
+    names = [s["name"] for s in steps]
+    known = set(names)
+    deps = {s["name"]: [d for d in s["depends_on"] if d in known] for s in steps}
+    depth: dict[str, int] = {}
+
+    def level(name: str, path: frozenset[str]) -> int:
+        if name in depth:
+            return depth[name]
+        parents = [d for d in deps[name] if d not in path]  # a cycle cannot be stored; never loop
+        depth[name] = 1 + max((level(d, path | {name}) for d in parents), default=-1)
+        return depth[name]
+
+    for name in names:
+        level(name, frozenset())
+    columns: dict[int, list[str]] = {}
+    for name in names:
+        columns.setdefault(depth[name], []).append(name)
+    pos: dict[str, tuple[float, float]] = {}
+    for col, members in columns.items():
+        for row, name in enumerate(members):
+            pos[name] = (PAD + col * (NODE_W + GAP_X), PAD + row * (NODE_H + GAP_Y))
+    nodes = [{
+        "name": s["name"], "kind": s["kind"], "state": s["state"], "x": pos[s["name"]][0], "y": pos[s["name"]][1],
+        "w": NODE_W, "h": NODE_H, "label": s["name"] if len(s["name"]) <= 20 else s["name"][:19] + "…",
+    } for s in steps]
+    edges = []
+    for s in steps:
+        x2, y2 = pos[s["name"]]
+        for d in deps[s["name"]]:
+            x1, y1 = pos[d]
+            sx, sy, ex, ey = x1 + NODE_W, y1 + NODE_H / 2, x2, y2 + NODE_H / 2
+            mid = (sx + ex) / 2
+            edges.append({"from": d, "to": s["name"], "path": f"M{sx:g},{sy:g} C{mid:g},{sy:g} {mid:g},{ey:g} {ex:g},{ey:g}"})
+    cols = max(columns, default=0) + 1
+    rows = max((len(m) for m in columns.values()), default=1)
+    return {"width": PAD * 2 + cols * NODE_W + (cols - 1) * GAP_X,
+            "height": PAD * 2 + rows * NODE_H + (rows - 1) * GAP_Y, "nodes": nodes, "edges": edges}
+
+
+def parse_payload(text: str | None) -> Any:
+    """The JSON payload of a signal form (empty means null). Raises PayloadError."""
+    import json
+
+    if text is None or not text.strip():
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise PayloadError(f"the payload is not valid JSON: {exc}") from None

@@ -1,0 +1,36 @@
+"""Smoke test of benchmarks/run.py: a quick run of B1, B3 and B5 exits 0 and writes JSON.
+
+It measures nothing against a target (timed targets live in the benchmark, never in a
+test); it only checks that the benchmark harness still runs against the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_benchmark_run(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--only", "B1,B3,B5",
+           "--repeat", "1", "--out", str(out)]
+    env = dict(os.environ)
+    dsn = os.environ.get("CYCLONE_TEST_DSN")
+    if dsn:
+        cmd += ["--dsn", dsn]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    for key in ("B1", "B3", "B5"):
+        assert key in data, f"{key} missing from {sorted(data)}"
+        assert data[key]["samples"], f"{key} has no sample: {data[key].get('errors')}"
+        assert not data[key]["errors"]
+    assert data["B1"]["median"]["steps_per_s"] > 0
+    assert data["B1"]["median"]["enqueue_many_one_call_per_s"] > 0
+    assert data["B3"]["samples"][0]["killed_by_supervisor"] is True
+    assert data["B5"]["median"]["p50_ms"] > 0
+    assert "meta" in data and "summary" in data
