@@ -164,13 +164,15 @@ class Runner:
                 self.task = message["task"]
                 self.cancellation = Cancellation()
                 self._pending_progress = None
+            protocol.reset_peak_rss()
             before = resource.getrusage(resource.RUSAGE_SELF)
             result = self.run_task(message)
             after = resource.getrusage(resource.RUSAGE_SELF)
             result.update({
                 "t": "result", "task": message["task"],
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
-                "maxrss_kb": after.ru_maxrss, "cancel_reason": self.cancellation.reason,
+                "maxrss_kb": protocol.peak_rss_kb() or after.ru_maxrss, "cancel_reason": self.cancellation.reason,
+                "children": protocol.has_children(),  # the parent scans for leftovers only then
             })
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None

@@ -68,6 +68,7 @@ class ChildProc:
             self.proc = psutil.Process(self.pid)
         self.descendants_seen: set[int] = set()
         self.killed = False  # the supervisor SIGKILLed it
+        self.peak_rss_kb: int | None = None
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -116,6 +117,7 @@ class ChildProc:
     def kill(self) -> list[int]:
         """SIGKILL the child's process group and every descendant, then reap; returns pids hit."""
         self.killed = True
+        self.peak_rss_kb = protocol.peak_rss_kb(self.pid)  # wait4's maxrss includes the pre-exec parent
         extra = []
         for pid in self.descendants_seen:
             with contextlib.suppress(psutil.Error):
@@ -184,7 +186,7 @@ class ChildProc:
             return {}
         return {
             "cpu_seconds": round(max(0.0, self.rusage.ru_utime + self.rusage.ru_stime - since), 3),
-            "peak_rss_kb": int(self.rusage.ru_maxrss),
+            "peak_rss_kb": self.peak_rss_kb if self.peak_rss_kb is not None else int(self.rusage.ru_maxrss),
         }
 
     def cpu_seconds(self) -> float:

@@ -15,10 +15,13 @@ import ctypes
 import errno
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import psutil
+
+from .protocol import has_children
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
@@ -42,32 +45,11 @@ def set_subreaper(on: bool) -> bool | None:
 
 def descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of ``pid`` (empty when it is gone)."""
-    if has_no_children(pid):
+    if not has_children(pid):
         return []
     with contextlib.suppress(psutil.Error):
         return psutil.Process(pid).children(recursive=True)
     return []
-
-
-def has_no_children(pid: int) -> bool:
-    """Fast check (Linux ``/proc/PID/task/*/children``) that ``pid`` has no child now.
-
-    False when unsure (no such files): the caller then asks psutil, which scans /proc.
-    """
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                if fh.read().strip():
-                    return False
-        except FileNotFoundError:
-            continue  # the thread ended meanwhile
-        except OSError:
-            return False
-    return True
 
 
 def kill_tree(pid: int, pgid: int | None, extra: list[psutil.Process] | None = None) -> list[int]:
@@ -177,10 +159,8 @@ def kill_marked(supervisor_id: str, exclude: set[int] | None = None) -> int:
     return hit
 
 
-def spawn_watchdog(supervisor_id: str) -> tuple["subprocess.Popen[bytes]", int]:
+def spawn_watchdog(supervisor_id: str) -> tuple[subprocess.Popen[bytes], int]:
     """Start the watchdog process; returns it and the pipe end to keep open (close = fire)."""
-    import subprocess
-
     r, w = os.pipe()
     try:
         popen = subprocess.Popen(

@@ -48,6 +48,49 @@ def unstorable(value: Any) -> str | None:
     return None
 
 
+def peak_rss_kb(pid: int | str = "self") -> int | None:
+    """Peak resident set size (``VmHWM``, KiB) of a process since exec or since the last
+    :func:`reset_peak_rss`; None where /proc does not tell (non-Linux, process gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reset_peak_rss() -> None:
+    """Restart this process's ``VmHWM`` from its current RSS (Linux ``clear_refs`` 5), so a
+    reused child reports the peak of one attempt, not of its whole life."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def has_children(pid: int | str = "self") -> bool:
+    """True when the process has a child now (``/proc/PID/task/*/children``; True if unsure)."""
+    import os
+
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                if fh.read().strip():
+                    return True
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True
+    return False
+
+
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: 8-byte big-endian length, then UTF-8 JSON (raises TypeError/ValueError)."""
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()

@@ -216,6 +216,8 @@ class Store:
         """
         target = conn if conn is not None else self.conn
         run_id = str(uuid.uuid4())
+        if kind == "step" and len(nodes) == 1:
+            return self._enqueue_step(target, run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key)
         ctx = contextlib.nullcontext() if conn is not None else self.conn.transaction()
         with ctx, target.cursor(row_factory=dict_row) as cur:
             cur.execute(Q["insert_run"], {
@@ -251,6 +253,27 @@ class Store:
                 for queue in sorted({n.queue for n in nodes if n.state == "available"}):
                     cur.execute(Q["notify"], {"queue": queue})
         return run_id, True
+
+    def _enqueue_step(
+        self, target: psycopg.Connection, run_id: str, name: str, input: Any, node: NodeRow, delay: float,
+        scheduled_at: dt.datetime | None, idempotency_key: str | None,
+    ) -> tuple[str, bool]:
+        with target.cursor(row_factory=dict_row) as cur:
+            cur.execute(Q["enqueue_step"], {
+                "id": run_id, "name": name, "input": Jsonb(input), "idempotency_key": idempotency_key,
+                "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
+                "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
+                "backoff": Jsonb(node.backoff) if node.backoff is not None else None,
+                "scheduled_at": scheduled_at, "delay_us": to_us(delay),
+            })
+            row = cur.fetchone()
+            if row is not None and row["id"] is not None:
+                return row["id"], True
+            cur.execute(Q["run_by_key"], {"key": idempotency_key})
+            existing = cur.fetchone()
+            if existing is None:  # the conflicting run was deleted between the two statements
+                raise DatabaseError("idempotency key conflict; try again")
+            return existing["id"], False
 
     @translate
     def enqueue_many(
@@ -450,6 +473,7 @@ class Store:
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
                 cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
+                cur.execute(Q["notify"], {"queue": row["queue"]})  # claimable at once, anywhere
             elif action == "reclaim_limit":
                 n = row["reclaims"]
                 message = f"lease expired after {n} reclaim{'' if n == 1 else 's'} (max_reclaims={row['max_reclaims']})"

@@ -16,7 +16,6 @@ the SQL of it lives in ``sql/queries.sql``; what a failure does to the row is
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import logging
 import os
 import random
@@ -70,6 +69,7 @@ class Attempt:
     settled: bool = False  # the outcome was handed to the writer
     cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the attempt ended
+    peak_rss_kb: int | None = None  # sampled with each heartbeat (a crashed child cannot be read)
 
 
 @dataclasses.dataclass
@@ -343,8 +343,8 @@ class Supervisor:
         att.settled = True
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
-        hit = child.kill_descendants()
-        self._count_grandchildren(child, hit)
+        if result.get("children", True):  # the child said it left processes behind
+            self._count_grandchildren(child, child.kill_descendants())
         self._maybe_recycle(child)
         entry = {
             "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
@@ -400,6 +400,8 @@ class Supervisor:
             self.attempts.pop(att.step_id, None)
             entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(since=att.cpu_start),
                      "elapsed": round(self.clock() - att.started, 3)}
+            if child.peak_rss_kb is None and att.peak_rss_kb is not None:
+                entry["peak_rss_kb"] = att.peak_rss_kb  # wait4's maxrss would include the pre-exec parent
             if att.killed_by:
                 entry["killed_by_supervisor"] = True
                 entry["trigger"] = att.killed_by
@@ -537,6 +539,7 @@ class Supervisor:
             if now < att.next_beat or att.settled:
                 continue
             att.next_beat = now + interval * random.uniform(0.9, 1.1)
+            att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
             if att.cancel_reason in ("cancelled", "lease_lost"):
                 continue
             if not self.db_ok or self.store is None:
@@ -688,10 +691,7 @@ class Supervisor:
                 if self.store.release(owner=self.id, id=att.step_id, generation=att.generation):
                     self.stats["released"] += 1
                 return True
-            entry = {
-                "at": dt.datetime.now(dt.timezone.utc).isoformat(), "worker": self.id,
-                "lease_generation": att.generation, **write.payload["entry"],
-            }
+            entry = {"worker": self.id, "lease_generation": att.generation, **write.payload["entry"]}
             result = self.store.fail(
                 owner=self.id, id=att.step_id, generation=att.generation, kind=write.payload["kind"], entry=entry,
                 backoff=self._backoff_for(att.step_name),
@@ -747,13 +747,13 @@ class Supervisor:
             return counts
         try:
             for row in self.store.sweep_candidates(SWEEP_LIMIT):
-                action = self.store.expire(row["id"], self._backoff_for, {
-                    "at": dt.datetime.now(dt.timezone.utc).isoformat(), "swept_by": self.id,
-                })
+                action = self.store.expire(row["id"], self._backoff_for, {"swept_by": self.id})
                 counts[action] += 1
             counts["timers"] = self.store.fire_due_timers(SWEEP_LIMIT)
         except DatabaseError as exc:
             self._db_down(exc)
+        if counts["reclaim"] or counts["timeout"] or counts["timers"]:
+            self.next_poll = self.clock()  # something may be claimable now: do not wait a poll
         self.stats["reclaimed"] += counts["reclaim"]
         self.stats["swept_timeouts"] += counts["timeout"]
         self.stats["reclaim_limits"] += counts["reclaim_limit"]

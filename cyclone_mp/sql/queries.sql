@@ -4,15 +4,22 @@
 -- name: claim_ctes
 -- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first heartbeat (SPEC 4).
 picked AS (
-    SELECT id
-      FROM cyclone_steps
-     WHERE state = 'available'
-       AND queue = ANY(%(queues)s)
-       AND step_name = ANY(%(names)s)
-       AND scheduled_at <= now()
-     ORDER BY priority, scheduled_at, id
+    -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
+    SELECT c.id
+      FROM unnest(%(queues)s::text[]) AS q(name)
+     CROSS JOIN LATERAL (
+            SELECT id, priority, scheduled_at
+              FROM cyclone_steps
+             WHERE state = 'available'
+               AND queue = q.name
+               AND step_name = ANY(%(names)s)
+               AND scheduled_at <= now()
+             ORDER BY priority, scheduled_at, id
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED
+           ) c
+     ORDER BY c.priority, c.scheduled_at, c.id
      LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -144,7 +151,7 @@ UPDATE cyclone_steps
        lease_expiry = NULL,
        error = %(error)s,
        error_kind = %(error_kind)s,
-       errors = errors || jsonb_build_array(%(entry)s::jsonb),
+       errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', now())),
        progress = coalesce(%(progress)s::jsonb, progress)
  WHERE id = %(id)s;
 
@@ -169,7 +176,7 @@ SELECT id, run_id::text AS run_id
 
 -- name: sweep_recheck
 -- Under the run lock and the step lock, re-check a sweep candidate's expiry.
-SELECT id, step_name, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation, backoff,
+SELECT id, step_name, queue, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation, backoff,
        lease_expiry < now() AS lease_expired,
        (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
   FROM cyclone_steps
@@ -187,7 +194,7 @@ UPDATE cyclone_steps
 UPDATE cyclone_steps
    SET state = 'discarded', lease_expiry = NULL, finished_at = now(),
        error = %(error)s, error_kind = 'reclaim_limit',
-       errors = errors || jsonb_build_array(%(entry)s::jsonb)
+       errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', now()))
  WHERE id = %(id)s;
 
 -- name: due_timer_runs
@@ -323,6 +330,26 @@ INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
 VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id::text AS id;
+
+-- name: enqueue_step
+-- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
+-- With an idempotency key already used, nothing is written and id is NULL.
+WITH run AS (
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
+    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING id
+), step AS (
+    INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
+                               max_reclaims, timeout, backoff, scheduled_at)
+    SELECT run.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
+           %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
+           coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+      FROM run
+    RETURNING run_id
+)
+SELECT (SELECT id::text FROM run) AS id,
+       (SELECT count(pg_notify('cyclone_mp', %(queue)s)) FROM step) AS notified
 
 -- name: run_by_key
 -- The run that holds an idempotency key.
