@@ -11,55 +11,61 @@ Public surface (SPEC section 2)::
     client = cy.Client(dsn, mux, workers=4)
     run_id = client.enqueue(resize, {"path": "a.png"})
 
-Importing this package has no side effects. The light parts (steps, context, errors)
-load eagerly so a child process starts fast; ``Client`` and the rest load on first use.
+Importing this package has no side effects, and every public name loads on first use,
+so a child process starts fast.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .context import Cancellation, Context
-from .errors import (
-    Cancelled,
-    ConfigurationError,
-    CycloneError,
-    DatabaseError,
-    InvalidTransition,
-    PayloadError,
-    Permanent,
-    RunNotFound,
-    UnknownStep,
-)
-from .status import RunStatus, StepStatus
-from .steps import Mux, Step, step
-from .workflow import Workflow
-
 if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run time
     from .client import Client, enqueue
     from .config import Config
+    from .context import Cancellation, Context
+    from .errors import (
+        Cancelled,
+        ConfigurationError,
+        CycloneError,
+        DatabaseError,
+        InvalidTransition,
+        PayloadError,
+        Permanent,
+        RunNotFound,
+        UnknownStep,
+    )
+    from .status import RunStatus, StepStatus
+    from .steps import Mux, Step, step
+    from .workflow import Workflow
 
 __version__ = "0.1.0"
 
+# Every public name loads on first use, so a child process (which imports this package
+# before its runner) starts without paying for what it does not need.
 _LAZY = {
-    "Client": ("cyclone_mp.client", "Client"),
-    "enqueue": ("cyclone_mp.client", "enqueue"),
-    "Config": ("cyclone_mp.config", "Config"),
+    "Client": "client", "enqueue": "client", "Config": "config",
+    "Cancellation": "context", "Context": "context",
+    "Cancelled": "errors", "ConfigurationError": "errors", "CycloneError": "errors",
+    "DatabaseError": "errors", "InvalidTransition": "errors", "PayloadError": "errors",
+    "Permanent": "errors", "RunNotFound": "errors", "UnknownStep": "errors",
+    "RunStatus": "status", "StepStatus": "status",
+    "Mux": "steps", "Step": "steps", "step": "steps",
+    "Workflow": "workflow",
 }
 
-__all__ = [
-    "Cancellation", "Cancelled", "Client", "Config", "ConfigurationError", "Context", "CycloneError",
-    "DatabaseError", "InvalidTransition", "Mux", "PayloadError", "Permanent", "RunNotFound", "RunStatus",
-    "Step", "StepStatus", "UnknownStep", "Workflow", "enqueue", "step",
-]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cyclone_mp' has no attribute {name!r}")
+    import importlib
 
-        module, attr = _LAZY[name]
-        value = getattr(importlib.import_module(module), attr)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'cyclone_mp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

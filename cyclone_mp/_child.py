@@ -14,7 +14,6 @@ import dataclasses
 import datetime as dt
 import importlib
 import importlib.util
-import inspect
 import os
 import resource
 import signal
@@ -221,6 +220,8 @@ def failure(kind: str, exc: BaseException) -> dict[str, Any]:
 def call_handler(fn: Any, ctx: Context, inp: Any) -> Any:
     """Call ``fn(ctx, input)``, converting the input to a dataclass or pydantic model
     when the handler's annotation asks for one."""
+    import inspect
+
     try:
         params = list(inspect.signature(fn).parameters.values())
         hints = getattr(fn, "__annotations__", {})
