@@ -290,6 +290,9 @@ def _drive(client: Any, cpu_steps: int, time_limit: float, on_tick: TickFn | Non
         run_seconds = time.monotonic() - run_start
     except BaseException:
         client.stop()
+        for rid in run_ids:  # interrupted: its private queue has no worker left, so end its runs
+            with contextlib.suppress(Exception):
+                client.cancel(rid)
         raise
     if timed_out:
         client.stop()

@@ -65,10 +65,15 @@ def _migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-def redact(dsn: str) -> str:
-    """Return ``dsn`` with any password replaced by ``***`` (never print a secret)."""
-    dsn = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", dsn)
-    return re.sub(r"(password\s*=\s*)(\S+)", r"\1***", dsn, flags=re.I)
+def redact(text: str) -> str:
+    """Return ``text`` (a DSN, or a message quoting one) with every password shown as ``***``.
+
+    Handles URIs (``user:secret@host``, ``?password=secret``) and key=value strings,
+    quoted values with spaces included; never print a secret.
+    """
+    text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
+    text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
+    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s']+)", r"\1***", text, flags=re.I)
 
 
 def translate(fn: Callable[..., Any]) -> Callable[..., Any]:

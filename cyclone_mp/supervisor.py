@@ -93,7 +93,8 @@ class Supervisor:
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
 
     Raises:
-        ConfigurationError: a registered handler cannot be imported by a child.
+        ConfigurationError: a registered handler cannot be imported by a child, or this
+            process is itself a handler's child (a module-level ``client.start()``).
     """
 
     def __init__(
@@ -105,6 +106,14 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        if os.environ.get(procs.MARKER_ENV):
+            # We are a handler's child (or its descendant): a supervisor here would spawn
+            # children that import the same module and start supervisors again, without end.
+            raise ConfigurationError(
+                "a supervisor cannot start inside a handler's child process: this usually means a "
+                "script starts its Client at module level; put that code under "
+                "`if __name__ == \"__main__\":` (children import the module to find its steps)"
+            )
         for step in mux.steps.values():
             if not step.ref.importable():
                 raise ConfigurationError(

@@ -432,3 +432,33 @@ def test_a_paused_single_step_run_completes_when_its_step_does(cyclone_env):
     assert cyclone_env.status(run_id).state == "paused"
     run = cyclone_env.run_until_complete(run_id)
     assert (run.state, run.step.state) == ("completed", "completed")
+
+
+def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
+    """A script that starts its Client at module level (no ``__main__`` guard): children
+    import the script to find its steps; they must refuse to start supervisors of their
+    own (that would recurse without end) and the step fails with a clear error."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import time, sys\n"
+        "import cyclone_mp as cy\n"
+        "@cy.step('hello', max_attempts=1)\n"
+        "def hello(ctx, inp):\n"
+        "    return 1\n"
+        "mux = cy.Mux().register(hello)\n"
+        f"client = cy.Client({cyclone_dsn!r}, mux, workers=2, poll_interval=(0.02, 0.1))\n"
+        "client.start()\n"
+        "run_id = client.enqueue(hello, {})\n"
+        "while not client.status(run_id).terminal:\n"
+        "    time.sleep(0.05)\n"
+        "st = client.status(run_id).step\n"
+        "print(st.state, st.error_kind, st.error)\n"
+        "client.shutdown()\n"
+    )
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("discarded error"), proc.stdout
+    assert "cannot start inside a handler's child" in proc.stdout

@@ -1,0 +1,74 @@
+"""Pure logic, no I/O: decisions, backoff, frames, redaction (STYLE pattern 11)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cyclone_mp import backoff, decisions, protocol
+from cyclone_mp.store import redact
+
+
+def test_failed_attempt_retries_until_exhausted():
+    end = decisions.end_attempt(attempt=1, max_attempts=3, kind="error", timed_out=False, backoff=2.0)
+    assert (end.state, end.attempt, end.error_kind, end.delay) == ("available", 2, "error", 2.0)
+    end = decisions.end_attempt(attempt=3, max_attempts=3, kind="error", timed_out=False, backoff=2.0)
+    assert (end.state, end.attempt, end.delay) == ("discarded", 3, 0.0)
+
+
+def test_permanent_discards_and_db_timeout_wins():
+    assert decisions.end_attempt(attempt=1, max_attempts=9, kind="permanent", timed_out=False, backoff=1).state == "discarded"
+    end = decisions.end_attempt(attempt=1, max_attempts=9, kind="child_exited", timed_out=True, backoff=1)
+    assert (end.state, end.error_kind) == ("available", "timeout")
+    with pytest.raises(ValueError):
+        decisions.end_attempt(attempt=1, max_attempts=9, kind="nope", timed_out=False, backoff=1)
+
+
+@pytest.mark.parametrize("timed_out,expired,reclaims,max_reclaims,action", [
+    (True, True, 0, None, "timeout"),
+    (False, False, 0, None, "none"),
+    (False, True, 5, None, "reclaim"),
+    (False, True, 1, 2, "reclaim"),
+    (False, True, 2, 2, "reclaim_limit"),
+    (False, True, 0, 0, "reclaim_limit"),
+])
+def test_expiry_decisions(timed_out, expired, reclaims, max_reclaims, action):
+    got = decisions.expiry(timed_out=timed_out, lease_expired=expired, reclaims=reclaims, max_reclaims=max_reclaims)
+    assert got.action == action
+
+
+def test_default_backoff_is_attempt_to_the_fourth_with_jitter():
+    assert backoff.default_backoff(3, rand=lambda: 0.5) == 81.0
+    assert backoff.default_backoff(3, rand=lambda: 0.0) == pytest.approx(72.9)
+    assert backoff.default_backoff(3, rand=lambda: 1.0) == pytest.approx(89.1)
+    assert backoff.compute_backoff(lambda n: "bad", 2) == pytest.approx(16, rel=0.11)  # broken user backoff
+    assert backoff.from_spec([1, 5], 1) == 1 and backoff.from_spec([1, 5], 7) == 5 and backoff.from_spec(3, 9) == 3
+    with pytest.raises(ValueError):
+        backoff.check_backoff([])
+
+
+def test_frames_roundtrip_and_limits():
+    reader = protocol.FrameReader(limit=1024)
+    data = protocol.encode({"t": "x", "n": 1}) + protocol.encode({"t": "y"})
+    assert reader.feed(data[:5]) == []
+    assert reader.feed(data[5:]) == [{"t": "x", "n": 1}, {"t": "y"}]
+    with pytest.raises(protocol.ProtocolError):
+        protocol.FrameReader(limit=4).feed(protocol.encode({"big": "x" * 10}))
+
+
+def test_unstorable_values_are_named():
+    assert protocol.unstorable({"a": ["ok", {"b": "x\x00y"}]}) == "a NUL character (\\u0000)"
+    assert protocol.unstorable({"\ud800": 1}).startswith("a lone surrogate")
+    assert protocol.unstorable({"fine": [1, 2.5, None, True]}) is None
+    assert protocol.storable("a\x00b\udcff") == "a\\x00b\\udcff"
+
+
+@pytest.mark.parametrize("text", [
+    "host=127.0.0.1 port=1 user=u password='se cret' dbname=x",
+    "postgresql://u@127.0.0.1:1/x?password=secret: connection failed",
+    "postgresql://u:secret@h/x",
+    "postgres://u:p%20secret@h:5/d?sslmode=require&password=secret",
+    "user=u PASSWORD = secret host=h",
+])
+def test_redact_hides_every_password(text):
+    out = redact(text)
+    assert "secret" not in out and "cret" not in out and "***" in out
