@@ -360,6 +360,19 @@ def resume(run_id: str) -> None:
     click.echo(f"resumed run {run_id} ({_act('resume', run_id)} step(s))")
 
 
+@cli.command()
+@click.option("--older-than", type=SECONDS, required=True, metavar="DURATION",
+              help="Delete runs that finished more than this long ago (seconds, or e.g. 7d, 12h, 30m).")
+def prune(older_than: float) -> None:
+    """Delete finished runs (completed, discarded, cancelled) and their steps."""
+    client = _client()
+    try:
+        client.migrate()
+        click.echo(f"pruned {client.prune(older_than)} finished run(s)")
+    finally:
+        client.close()
+
+
 @cli.command("signal")
 @click.argument("run_id")
 @click.argument("name")

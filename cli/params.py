@@ -14,9 +14,9 @@ from typing import Any
 
 import click
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$", re.I)
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.I)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
-_DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
@@ -45,7 +45,7 @@ class JsonValue(click.ParamType):
 
 class Seconds(click.ParamType):
     """A duration: seconds as a number (``2.5``) or with a unit (``500ms``, ``30s``,
-    ``5m``, ``1h``). Converts to float seconds (>= 0)."""
+    ``5m``, ``1h``, ``7d``). Converts to float seconds (>= 0)."""
 
     name = "SECONDS"
 
@@ -54,7 +54,7 @@ class Seconds(click.ParamType):
             return float(value)
         match = _DURATION_RE.match(str(value))
         if not match:
-            self.fail(f"{value!r} is not a duration (seconds, e.g. 2.5, 500ms, 30s, 5m, 1h)", param, ctx)
+            self.fail(f"{value!r} is not a duration (seconds, e.g. 2.5, 500ms, 30s, 5m, 1h, 7d)", param, ctx)
         unit = match.group(2).lower() if match.group(2) else None
         return float(match.group(1)) * _DURATION_UNITS[unit]
 

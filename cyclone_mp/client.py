@@ -413,6 +413,20 @@ class Client:
         """Recent runs (dicts: id, name, kind, state, created_at, finished_at, steps)."""
         return self._call(lambda store: store.list_runs(state=state, limit=limit))
 
+    def prune(self, older_than: Duration) -> int:
+        """Delete runs that finished (completed, discarded or cancelled) more than
+        ``older_than`` seconds ago, with their steps; returns how many runs were deleted.
+
+        Running and paused runs are never touched. Deletes in batches, so it is safe to
+        run while supervisors work (issue 8: pruning of finished runs).
+
+        Raises:
+            ConfigurationError: ``older_than`` is negative.
+            DatabaseError: the database failed or cannot be reached.
+        """
+        age = seconds(older_than, "older_than", allow_none=False, allow_zero=True)
+        return self._call(lambda store: store.prune(older_than=age or 0.0))
+
     def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """Live supervisors (refreshed within ``within`` seconds) and their children."""
         return self._call(lambda store: store.list_workers(within))

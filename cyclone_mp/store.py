@@ -615,6 +615,18 @@ class Store:
             return cur.fetchall()
 
     @translate
+    def prune(self, *, older_than: float, batch: int = 1000) -> int:
+        """Delete finished runs (completed, discarded, cancelled) that finished more than
+        ``older_than`` seconds ago, ``batch`` per statement; returns how many were deleted."""
+        total = 0
+        while True:
+            with self.conn.cursor() as cur:
+                cur.execute(Q["prune_runs"], {"older_us": to_us(older_than), "limit": batch})
+                total += cur.rowcount
+                if cur.rowcount < batch:
+                    return total
+
+    @translate
     def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any]) -> None:
         """Announce or refresh this supervisor's registry row (informational)."""
         with self.conn.cursor() as cur:

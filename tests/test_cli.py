@@ -549,3 +549,24 @@ def test_worker_and_enqueue_on_the_embedded_default() -> None:
         if not was_running:
             server.stop()
     assert worker.returncode == 0, err
+
+
+def test_prune_deletes_only_old_finished_runs(dsn: str) -> None:
+    client = client_for(dsn)
+    try:
+        client.migrate()
+        done = run_cli("enqueue", APP, "echo", "--input", "{}", dsn=dsn)
+        assert done.returncode == 0, done.stderr
+        finished_id = done.stdout.strip()
+        waiting = run_cli("enqueue", APP, "echo", "--input", "{}", "--delay", "1h", dsn=dsn)
+        waiting_id = waiting.stdout.strip()
+        client.cancel(finished_id)  # cancelled: finished, so prunable
+        kept = run_cli("prune", "--older-than", "1d", dsn=dsn)
+        assert kept.returncode == 0 and "pruned 0" in kept.stdout, kept.stderr
+        gone = run_cli("prune", "--older-than", "0", dsn=dsn)
+        assert gone.returncode == 0 and "pruned 1" in gone.stdout, gone.stderr
+        with pytest.raises(cy.RunNotFound):
+            client.status(finished_id)
+        assert client.status(waiting_id).state == "running"
+    finally:
+        client.close()

@@ -558,3 +558,16 @@ SELECT name, payload, created_at
   FROM cyclone_signals
  WHERE run_id = %(run_id)s
  ORDER BY created_at, name;
+
+-- name: prune_runs
+-- Delete up to %(limit)s finished runs (their steps and signals go by cascade), oldest first.
+WITH doomed AS (
+    SELECT id
+      FROM cyclone_runs
+     WHERE state IN ('completed', 'discarded', 'cancelled')
+       AND finished_at < now() - (%(older_us)s::bigint * interval '1 microsecond')
+     ORDER BY finished_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
