@@ -155,7 +155,8 @@ class Supervisor:
         self.next_registry = start
         self.stats = {"claimed": 0, "completed": 0, "failed": 0, "killed": 0, "grandchildren_killed": 0,
                       "released": 0, "lease_lost": 0, "reclaimed": 0, "swept_timeouts": 0,
-                      "reclaim_limits": 0, "children_spawned": 0, "late_completions_dropped": 0}
+                      "reclaim_limits": 0, "children_spawned": 0, "late_completions_dropped": 0,
+                      "cancelled_attempts": 0}
         self.descended: set[int] = set()
         self.respawn_at = start
         self.respawn_delay = RESPAWN_BACKOFF[0]
@@ -384,7 +385,7 @@ class Supervisor:
         elif reason == "shutdown":
             self._write("release", att, {})
         elif reason in ("cancelled", "lease_lost"):  # an operator's cancel, or someone else's lease
-            self.stats["late_completions_dropped"] += 1
+            self.stats["cancelled_attempts"] += 1  # the row already says what happened: write nothing
         else:  # killed for breaking the pipe protocol: a failed attempt like any error
             self._write_fail(att, decisions.ERROR, entry, require_timed_out=False)
 

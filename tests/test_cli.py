@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import psutil
 import psycopg
@@ -90,17 +90,7 @@ def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` every 50 ms until it returns a truthy value; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
+from waiting import wait_for
 
 def _alive(pids: list[int]) -> list[int]:
     out = []

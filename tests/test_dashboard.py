@@ -26,10 +26,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 from starlette.testclient import TestClient
@@ -55,16 +54,7 @@ STEP_STATES = ("pending", "available", "running", "waiting_signal", "waiting_tim
 BASE = "http://127.0.0.1"
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
+from waiting import wait_for
 
 def sql(dsn: str, query: str, *args: Any) -> list[dict[str, Any]]:
     with connect(dsn) as conn:

@@ -48,17 +48,7 @@ UTC = dt.timezone.utc
 # -- helpers ------------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; return it. Raises TimeoutError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached after {timeout}s")
-        time.sleep(interval)
-
+from waiting import wait_for as wait_until
 
 def present(pid: int) -> bool:
     """True while ``pid`` is in the process table (alive or an unreaped zombie)."""

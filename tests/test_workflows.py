@@ -51,17 +51,7 @@ def ends(folder: Path, node: str) -> int:
     return len(lines(folder, node, "end"))
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value (returned); fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
+from waiting import wait_for as wait_until
 
 def wait_run_state(env, run_id: str, state: str, timeout: float = 15.0) -> cy.RunStatus:
     def check():
