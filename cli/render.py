@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cyclone_mp import RunStatus, StepStatus
+from cyclone_mp.status import exit_text
 
 STATE_STYLES = {
     "completed": "green", "discarded": "red", "cancelled": "yellow", "running": "cyan",
@@ -118,15 +119,6 @@ def _num(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return "-" if value is None else str(value)
-
-
-def exit_text(entry: dict[str, Any]) -> str:
-    """``exit 3``, ``SIGKILL`` or ``-`` from an error-history entry."""
-    if entry.get("signal") is not None:
-        return str(entry.get("signal_name") or f"signal {entry['signal']}")
-    if entry.get("exit_code") is not None:
-        return f"exit {entry['exit_code']}"
-    return "-"
 
 
 # -- status -----------------------------------------------------------------------------------------

@@ -117,6 +117,16 @@ class RunStatus:
         return _jsonable(data)
 
 
+def exit_text(entry: dict[str, Any]) -> str:
+    """``SIGKILL``, ``exit 3`` or ``-``: how the child of a failed attempt ended, from
+    one entry of ``StepStatus.errors`` (SPEC 4 forensics)."""
+    if entry.get("signal") is not None:
+        return str(entry.get("signal_name") or f"signal {entry['signal']}")
+    if entry.get("exit_code") is not None:
+        return f"exit {entry['exit_code']}"
+    return "-"
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _jsonable(v) for k, v in value.items()}

@@ -15,7 +15,7 @@ import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import PayloadError
-from ..status import StepStatus
+from ..status import StepStatus, exit_text
 from ..store import Store
 from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
 
@@ -198,15 +198,6 @@ def chart(per_minute: Sequence[dict[str, Any]], width: int = 600, height: int = 
                      "bad_y": round(height - done_h - bad_h, 2), "bad_h": bad_h,
                      "title": f"{p['minute']}: {p['completed']} completed, {p['discarded']} discarded"})
     return {"width": width, "height": height, "max": top, "bars": bars}
-
-
-def exit_text(entry: dict[str, Any]) -> str:
-    """``SIGKILL``, ``exit 3`` or ``-`` from an error entry."""
-    if entry.get("signal") is not None:
-        return str(entry.get("signal_name") or f"signal {entry['signal']}")
-    if entry.get("exit_code") is not None:
-        return f"exit {entry['exit_code']}"
-    return "-"
 
 
 def forensics(entry: dict[str, Any]) -> dict[str, Any]:
