@@ -202,6 +202,8 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
             max_reclaims: int | None, queue: str | None, priority: int | None, delay: float | None,
             idempotency_key: str | None, wait: bool, wait_timeout: float | None, as_json: bool) -> None:
     """Enqueue a run of step or workflow NAME registered in APP; print its run id."""
+    if wait_timeout is not None and not wait:
+        raise click.UsageError("--wait-timeout needs --wait")
     mux = _load(app)
     mux.lookup(name)  # an unknown name is bad usage, before touching the database
     client = _client(mux)

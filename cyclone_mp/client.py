@@ -326,12 +326,23 @@ class Client:
 
     # -- operator actions ------------------------------------------------------------------------
 
-    @staticmethod
-    def _run_id(run_id: str) -> str:
+    def _run_id(self, run_id: str) -> str:
+        """A full run id, or the one run whose id starts with ``run_id`` (at least 8 hex
+        digits, as the CLI's tables show). Raises RunNotFound (none, or ambiguous)."""
+        text = str(run_id).strip()
         try:
-            return str(uuid.UUID(str(run_id)))
+            return str(uuid.UUID(text))
         except ValueError:
-            raise RunNotFound(f"no run with id {run_id!r} (not a UUID)") from None
+            pass
+        digits = text.replace("-", "").lower()
+        if len(digits) < 8 or len(digits) > 32 or any(c not in "0123456789abcdef" for c in digits):
+            raise RunNotFound(f"no run with id {run_id!r} (not a UUID or a prefix of 8+ hex digits)")
+        found = self._call(lambda store: store.runs_by_prefix(digits))
+        if not found:
+            raise RunNotFound(f"no run with id starting {run_id!r}")
+        if len(found) > 1:
+            raise RunNotFound(f"{run_id!r} matches several runs; give more of the id")
+        return found[0]
 
     def status(self, run_id: str) -> RunStatus:
         """The run and each of its steps, as the database has them.

@@ -608,6 +608,16 @@ class Store:
             return run, cur.fetchall()
 
     @translate
+    def runs_by_prefix(self, prefix: str) -> list[str]:
+        """Ids of at most two runs whose id starts with the hex ``prefix`` (index range scan)."""
+        digits = prefix.replace("-", "").lower()
+        low = uuid.UUID(digits.ljust(32, "0"))
+        high = uuid.UUID(digits.ljust(32, "f"))
+        with self.conn.cursor() as cur:
+            cur.execute(Q["runs_by_prefix"], {"low": str(low), "high": str(high)})
+            return [row["id"] for row in cur.fetchall()]
+
+    @translate
     def list_runs(self, *, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """Recent runs, newest first."""
         with self.conn.cursor() as cur:

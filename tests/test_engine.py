@@ -462,3 +462,13 @@ def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("discarded error"), proc.stdout
     assert "cannot start inside a handler's child" in proc.stdout
+
+
+def test_a_run_can_be_named_by_a_prefix_of_its_id(cyclone_env):
+    client = cyclone_env.client()
+    run_id = cyclone_env.enqueue(h.ok, {}, delay=60)
+    assert client.status(run_id[:8]).id == run_id
+    assert client.cancel(run_id[:13]) == 1  # with the dash, as printed
+    for bad in ("zzzzzzzz", run_id[:7], "ffffffffffff"):
+        with pytest.raises(cy.RunNotFound):
+            client.status(bad)

@@ -571,3 +571,11 @@ WITH doomed AS (
        FOR UPDATE SKIP LOCKED
 )
 DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
+
+-- name: runs_by_prefix
+-- Up to two runs whose id starts with a prefix (so a short id from a table is usable).
+SELECT id::text AS id
+  FROM cyclone_runs
+ WHERE id >= %(low)s::uuid AND id <= %(high)s::uuid
+ ORDER BY id
+ LIMIT 2;
