@@ -66,7 +66,9 @@ class ChildProc:
         self.proc: psutil.Process | None = None
         with contextlib.suppress(psutil.Error):
             self.proc = psutil.Process(self.pid)
-        self.descendants_seen: set[int] = set()
+        # pid -> the psutil handle taken when it was seen: psutil refuses to signal a
+        # handle whose pid was since reused, so a stranger is never hit.
+        self.descendants_seen: dict[int, psutil.Process] = {}
         self.killed = False  # the supervisor SIGKILLed it
         self.peak_rss_kb: int | None = None
 
@@ -112,17 +114,13 @@ class ChildProc:
 
     def note_descendants(self) -> None:
         """Remember the child's current descendants (so their zombies can be reaped later)."""
-        self.descendants_seen.update(p.pid for p in procs.descendants(self.pid))
+        self.descendants_seen.update({p.pid: p for p in procs.descendants(self.pid)})
 
     def kill(self) -> list[int]:
         """SIGKILL the child's process group and every descendant, then reap; returns pids hit."""
         self.killed = True
         self.peak_rss_kb = protocol.peak_rss_kb(self.pid)  # wait4's maxrss includes the pre-exec parent
-        extra = []
-        for pid in self.descendants_seen:
-            with contextlib.suppress(psutil.Error):
-                extra.append(psutil.Process(pid))
-        hit = procs.kill_tree(self.pid, self.pid, extra)
+        hit = procs.kill_tree(self.pid, self.pid, list(self.descendants_seen.values()))
         self.wait(timeout=5.0)
         procs.reap([p for p in hit if p != self.pid], timeout=2.0)
         return hit

@@ -391,18 +391,22 @@ class Supervisor:
 
     def _on_child_exit(self, child: ChildProc) -> None:
         with_suppress_unregister(self.selector, child.sock)
+        att = child.attempt
+        hit: list[int] = []
+        if child.returncode is None and (att is None or not att.killed_by):
+            # It ended on its own (or closed its socket): its group and descendants go with
+            # it. Done before reaping it, while its pid cannot be reused by a stranger.
+            child.note_descendants()
+            hit = procs.kill_tree(child.pid, child.pid, list(child.descendants_seen.values()))
         code = child.wait(timeout=5.0)
-        if code is None:  # EOF but still alive: it closed its socket; kill it
+        if code is None:  # still alive after SIGKILL (uninterruptible sleep): kill and wait again
             self._kill_child(child, "protocol_error")
             code = child.returncode
         if child in self.children:
             self.children.remove(child)
-        att = child.attempt
         child.attempt = None
-        if att is None or not att.killed_by:
-            # It died on its own: its group and descendants go with it (they are ours).
-            hit = procs.kill_tree(child.pid, child.pid)
-            procs.reap(hit, timeout=1.0)
+        if hit:
+            procs.reap([p for p in hit if p != child.pid], timeout=1.0)
             self._count_grandchildren(child, hit)
         self._reap_strays(child)
         if att is not None and not att.settled:
