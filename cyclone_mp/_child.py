@@ -71,26 +71,9 @@ class Runner:
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
 
     def resolve(self, ref: dict[str, Any]) -> Any:
-        """Import the handler's module (by name, or from a file for scripts) and find it."""
-        key = (ref["module"], ref.get("path"))
-        module = self.modules.get(key)
-        if module is None:
-            name, path = ref["module"], ref.get("path")
-            if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
-                load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
-                spec = importlib.util.spec_from_file_location(load_name, path)
-                if spec is None or spec.loader is None:
-                    raise ImportError(f"cannot load {path}")
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[load_name] = module
-                spec.loader.exec_module(module)
-            else:
-                module = importlib.import_module(name)
-            self.modules[key] = module
-        target: Any = module
-        for part in ref["qualname"].split("."):
-            target = getattr(target, part)
-        return getattr(target, "fn", target)  # a Step object wraps the function
+        """The handler function a task names (a Step object wraps it)."""
+        target = import_ref(ref, self.modules)
+        return getattr(target, "fn", target)
 
     def progress(self, done: Any, total: Any, message: Any) -> None:
         """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
@@ -198,6 +181,31 @@ class Runner:
             result.update(failure("error", ValueError(
                 f"handler output is {size} bytes, over the max_payload limit of {self.limit} bytes")), ok=False)
         return result
+
+
+def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
+    """Import ``ref["module"]`` (or, for a script, load ``ref["path"]``) and return the
+    attribute ``ref["qualname"]``. A script's ``__main__`` is loaded as ``__mp_main__``, so
+    its ``if __name__ == "__main__":`` block does not run (as multiprocessing does)."""
+    name, path = ref["module"], ref.get("path")
+    module = cache.get((name, path)) if cache is not None else None
+    if module is None:
+        if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
+            load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
+            spec = importlib.util.spec_from_file_location(load_name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[load_name] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(name)
+        if cache is not None:
+            cache[(name, path)] = module
+    target: Any = module
+    for part in ref["qualname"].split("."):
+        target = getattr(target, part)
+    return target
 
 
 def failure(kind: str, exc: BaseException) -> dict[str, Any]:

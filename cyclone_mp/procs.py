@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import os
 import signal
 import subprocess
@@ -181,8 +180,3 @@ def exit_description(status: int | None) -> dict[str, object]:
             return {"signal": -status, "signal_name": signal.Signals(-status).name}
         return {"signal": -status}
     return {"exit_code": status}
-
-
-def errno_name(exc: OSError) -> str:
-    """Readable errno name for logs."""
-    return errno.errorcode.get(exc.errno or 0, str(exc.errno))

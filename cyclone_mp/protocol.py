@@ -16,7 +16,6 @@ from typing import Any
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
 
-CANCEL_REASONS = ("timeout", "cancelled", "lease_lost", "shutdown")
 
 
 class ProtocolError(Exception):

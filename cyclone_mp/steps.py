@@ -8,7 +8,6 @@ module path of its handler so a child process can import it by name.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -247,8 +246,3 @@ class Mux:
     def workflows(self) -> dict[str, "Workflow"]:
         """A copy of the name -> Workflow mapping."""
         return dict(self._workflows)
-
-
-def as_timedelta(value: float | None) -> dt.timedelta | None:
-    """Seconds to timedelta (None stays None); how a timeout reaches SQL as an INTERVAL."""
-    return None if value is None else dt.timedelta(seconds=value)

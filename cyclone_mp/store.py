@@ -14,7 +14,6 @@ import dataclasses
 import datetime as dt
 import functools
 import importlib.resources
-import json
 import re
 import uuid
 from typing import Any, Callable, Iterator, Sequence
@@ -189,14 +188,6 @@ class Store:
                 cur.execute("INSERT INTO cyclone_migrations (version, name) VALUES (%s, %s)", (version, name))
                 applied.append(name)
         return applied
-
-    @translate
-    def schema_ready(self) -> bool:
-        """True when the cyclone tables exist."""
-        with self.conn.cursor() as cur:
-            cur.execute("SELECT to_regclass('cyclone_steps') IS NOT NULL AS ok")
-            row = cur.fetchone()
-        return bool(row and row["ok"])
 
     # -- enqueue ----------------------------------------------------------------------
 
@@ -736,8 +727,3 @@ def _completion_params(items: Sequence[tuple[int, int, Any, Any]]) -> dict[str, 
         "outputs": [Jsonb(i[2]) for i in items],
         "progress": [Jsonb(i[3]) if i[3] is not None else None for i in items],
     }
-
-
-def dumps(value: Any) -> str:
-    """Compact JSON text (raises TypeError/ValueError for non-JSON values)."""
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)

@@ -215,17 +215,22 @@ def sc06_busy(ctx: cy.Context, inp: dict) -> dict:
 # -- SC-07 / SC-08 shutdown --------------------------------------------------------------------------
 
 
-@cy.step("sc07_five_seconds", max_attempts=3)
-def sc07_five_seconds(ctx: cy.Context, inp: dict) -> dict:
-    """Takes ``seconds`` (5 s) in 0.1 s slices; records a cancel if one ever arrives."""
-    _append(inp["log"], {"event": "start", "attempt": ctx.attempt})
-    end = time.monotonic() + inp.get("seconds", 5.0)
+def _sleep_noting_cancel(ctx: cy.Context, log: str, seconds: float) -> None:
+    """Sleep ``seconds`` in 0.1 s slices, ignoring a cancel but recording the first one seen."""
+    end = time.monotonic() + seconds
     seen = False
     while time.monotonic() < end:
         if ctx.cancelled and not seen:
             seen = True
-            _append(inp["log"], {"event": "cancel_seen", "reason": ctx.cancel_reason})
+            _append(log, {"event": "cancel_seen", "reason": ctx.cancel_reason})
         time.sleep(0.1)
+
+
+@cy.step("sc07_five_seconds", max_attempts=3)
+def sc07_five_seconds(ctx: cy.Context, inp: dict) -> dict:
+    """Takes ``seconds`` (5 s) in 0.1 s slices; records a cancel if one ever arrives."""
+    _append(inp["log"], {"event": "start", "attempt": ctx.attempt})
+    _sleep_noting_cancel(ctx, inp["log"], inp.get("seconds", 5.0))
     _append(inp["log"], {"event": "done", "attempt": ctx.attempt})
     return {"done": True}
 
@@ -235,13 +240,7 @@ def sc08_long_then_short(ctx: cy.Context, inp: dict) -> dict:
     """The first execution sleeps ``first`` (20 s) ignoring the cancel; later ones ``later`` s."""
     first = not any(r["event"] == "start" for r in read_records(inp["log"]))
     _append(inp["log"], {"event": "start", "attempt": ctx.attempt, "first": first})
-    end = time.monotonic() + (inp.get("first", 20.0) if first else inp.get("later", 0.3))
-    seen = False
-    while time.monotonic() < end:
-        if ctx.cancelled and not seen:
-            seen = True
-            _append(inp["log"], {"event": "cancel_seen", "reason": ctx.cancel_reason})
-        time.sleep(0.1)
+    _sleep_noting_cancel(ctx, inp["log"], inp.get("first", 20.0) if first else inp.get("later", 0.3))
     _append(inp["log"], {"event": "done", "attempt": ctx.attempt})
     return {"first": first}
 

@@ -19,7 +19,6 @@ from ..status import StepStatus, exit_text
 from ..store import Store
 from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
 
-KILL_KINDS = ("timeout", "child_exited", "reclaim_limit")
 COUNT_CAP = 10_000  #: the runs list counts matching runs up to this many
 WORKERS_WITHIN = 15.0  #: seconds: a supervisor whose registry row is older is not shown
 KILLS_SHOWN = 20

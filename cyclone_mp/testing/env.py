@@ -144,7 +144,7 @@ class Env:
                     f"step {step.name!r}: handler {step.ref.qualname} must be defined at module level of an "
                     f"importable module to run in a worker process (it is in {step.ref.module})"
                 )
-            steps.append({"module": step.ref.module, "qualname": _step_attr(step), "path": step.ref.path})
+            steps.append({"module": step.ref.module, "qualname": step.ref.qualname, "path": step.ref.path})
         for wf in self._mux.workflows.values():
             workflows.append({"module": wf.module, "name": wf.name})
         ready = os.path.join(self._tmp, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
@@ -331,11 +331,6 @@ class Env:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _step_attr(step: Step) -> str:
-    """The module attribute holding the Step object (its handler's qualname)."""
-    return step.ref.qualname
 
 
 def _is_our_descendant(pid: int) -> bool:

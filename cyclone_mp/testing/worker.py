@@ -9,7 +9,6 @@ references (children and this process import handlers by module path), runs a
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -18,26 +17,9 @@ import threading
 import time
 from typing import Any
 
-from .._child import die_with_parent
+from .._child import die_with_parent, import_ref
 from ..steps import Mux, Step
 from ..workflow import Workflow
-
-
-def resolve(ref: dict[str, Any]) -> Any:
-    """Import ``ref["module"]`` (or load ``ref["path"]``) and return ``ref["qualname"]``."""
-    name, path = ref["module"], ref.get("path")
-    if path and name in ("__main__", "__mp_main__"):
-        spec = importlib.util.spec_from_file_location("__mp_main__", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["__mp_main__"] = module
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(name)
-    target: Any = module
-    for part in ref["qualname"].split("."):
-        target = getattr(target, part)
-    return target
 
 
 def find_workflow(module_name: str, wf_name: str) -> Workflow:
@@ -53,7 +35,7 @@ def build_mux(config: dict[str, Any]) -> Mux:
     """Rebuild the test's mux in this process."""
     mux = Mux()
     for ref in config["steps"]:
-        target = resolve(ref)
+        target = import_ref(ref)
         if not isinstance(target, Step):
             raise TypeError(f"{ref['module']}.{ref['qualname']} is not a cy.step")
         mux.register(target)
