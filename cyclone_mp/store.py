@@ -140,9 +140,23 @@ class Store:
         self.conn = conn
 
     @classmethod
-    def open(cls, dsn: str) -> "Store":
-        """Connect to ``dsn``; raises DatabaseError."""
-        return cls(connect(dsn))
+    def open(cls, dsn: str, *, generic_plans: bool = False) -> "Store":
+        """Connect to ``dsn``; raises DatabaseError.
+
+        ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
+        (``plan_cache_mode = force_generic_plan``) instead of re-planning the many-CTE
+        hot-path statements with each call's values: planning them cost more than running
+        them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
+        the supervisor's connection, whose statements all read by index whatever the values.
+        """
+        conn = connect(dsn)
+        if generic_plans:
+            try:
+                conn.execute("SET plan_cache_mode = force_generic_plan")
+            except psycopg.Error as exc:
+                conn.close()
+                raise DatabaseUnavailable(f"cannot configure the connection: {redact(str(exc))}") from exc
+        return cls(conn)
 
     def close(self) -> None:
         """Close the connection (idempotent)."""

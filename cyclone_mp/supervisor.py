@@ -785,7 +785,7 @@ class Supervisor:
 
     def _connect(self) -> None:
         self._close_db()
-        self.store = Store.open(self.dsn)
+        self.store = Store.open(self.dsn, generic_plans=True)
         try:
             conn = connect(self.dsn)
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
