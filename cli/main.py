@@ -136,9 +136,12 @@ def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
               help="Recycle a child after this many steps [default: never].")
 @click.option("--max-child-rss", type=BYTES, default=None,
               help="Recycle a child whose RSS exceeds this size, e.g. 500M [default: never].")
+@click.option("--prefetch", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Steps to claim beyond the idle children and hold until one frees up (for "
+                   "floods of short steps); 0 claims only for idle children.")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
-           max_steps_per_child: int | None, max_child_rss: int | None) -> None:
+           max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
@@ -149,7 +152,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                      shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
-                     max_child_rss=max_child_rss)
+                     max_child_rss=max_child_rss, prefetch=prefetch)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(

@@ -135,7 +135,8 @@ class Runner:
 
     def loop(self) -> None:
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
-        self.send({"t": "ready", "pid": os.getpid()})
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
         while True:
             message = protocol.read_message(self.ctrl, self.limit)
             if message is None or message.get("t") == "exit":
@@ -153,6 +154,7 @@ class Runner:
             result.update({
                 "t": "result", "task": message["task"],
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
+                "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
                 "maxrss_kb": protocol.peak_rss_kb() or after.ru_maxrss, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_children(),  # the parent scans for leftovers only then
             })

@@ -63,6 +63,12 @@ class Client:
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
             are rejected with a clear error.
+        prefetch: steps the supervisor may claim beyond its idle children and hold
+            until a child frees up, so a child never waits for the database between
+            short steps (Celery's prefetch). Default 0: claim only for idle children
+            (SPEC 4). A prefetched step shows ``running`` from its claim, its timeout
+            counts from the claim, and it is released (available at once, no attempt
+            used) if no child takes it within min(0.5 s, lease_ttl/4, timeout/10).
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
@@ -92,6 +98,7 @@ class Client:
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int | None = None,
+        prefetch: int = 0,
         registry_interval: Duration = 2.0,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
@@ -106,7 +113,7 @@ class Client:
             shutdown_grace=shutdown_grace, queues=queues, max_steps_per_child=max_steps_per_child,
             max_child_rss=max_child_rss, timeout=timeout, max_attempts=max_attempts,
             max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
-            registry_interval=registry_interval, **extra,
+            prefetch=prefetch, registry_interval=registry_interval, **extra,
         )
         self.mux = mux if mux is not None else Mux()
         self._dsn = dsn

@@ -20,6 +20,7 @@ KILL_GRACE_DEFAULT = 5.0
 SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
+PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Config:
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest message (input or output, bytes) crossing the pipe.
+        prefetch: steps the supervisor may claim beyond its idle children, held until a
+            child frees up (0: claim only for idle children, SPEC 4). See
+            :meth:`cyclone_mp.supervisor.Supervisor.prefetch_room` for the bounds.
         registry_interval: seconds between refreshes of the informational
             ``cyclone_workers`` row (what ``cyclone-mp workers`` shows).
     """
@@ -53,6 +57,7 @@ class Config:
     max_steps_per_child: int | None = None
     max_child_rss: int | None = None
     max_payload: int = DEFAULT_MAX_PAYLOAD
+    prefetch: int = 0
     registry_interval: float = 2.0
 
     @classmethod
@@ -68,6 +73,7 @@ class Config:
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
+        prefetch: int = 0,
         registry_interval: Duration = 2.0,
         **step_defaults: object,
     ) -> "Config":
@@ -96,6 +102,8 @@ class Config:
         for name, value in (("max_steps_per_child", max_steps_per_child), ("max_child_rss", max_child_rss)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ConfigurationError(f"prefetch must be an int >= 0, got {prefetch!r}")
         if not isinstance(max_payload, int) or max_payload < 1024:
             raise ConfigurationError(f"max_payload must be an int >= 1024 bytes, got {max_payload!r}")
         unknown = set(step_defaults) - {f.name for f in dataclasses.fields(StepOptions)}
@@ -115,6 +123,7 @@ class Config:
             max_steps_per_child=max_steps_per_child,
             max_child_rss=max_child_rss,
             max_payload=max_payload,
+            prefetch=prefetch,
             registry_interval=seconds(registry_interval, "registry_interval", allow_none=False),  # type: ignore[arg-type]
         )
 

@@ -59,6 +59,7 @@ class ChildProc:
         self.ready = False
         self.attempt: Any = None
         self.steps_run = 0
+        self.cpu_total = 0.0  # the child's CPU seconds as of its last report (ready or result)
         self.spawned = time.monotonic()
         self.ready_after: float | None = None
         self.returncode: int | None = None
@@ -186,15 +187,6 @@ class ChildProc:
             "cpu_seconds": round(max(0.0, self.rusage.ru_utime + self.rusage.ru_stime - since), 3),
             "peak_rss_kb": self.peak_rss_kb if self.peak_rss_kb is not None else int(self.rusage.ru_maxrss),
         }
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds (user + system) the live child has used so far; 0.0 if unknown."""
-        if self.proc is None:
-            return 0.0
-        with contextlib.suppress(psutil.Error):
-            times = self.proc.cpu_times()
-            return float(times.user + times.system)
-        return 0.0
 
     def rss(self) -> int | None:
         """Current RSS in bytes, or None."""

@@ -15,7 +15,9 @@ the SQL of it lives in ``sql/queries.sql``; what a failure does to the row is
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -29,8 +31,9 @@ from typing import Any, Callable
 import psutil
 
 from . import decisions, procs, protocol
+from .batch import BatchWriter
 from .backoff import compute_backoff
-from .config import SWEEP_LIMIT, Config
+from .config import PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
@@ -70,6 +73,15 @@ class Attempt:
     cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the attempt ended
     peak_rss_kb: int | None = None  # sampled with each heartbeat (a crashed child cannot be read)
+
+
+@dataclasses.dataclass
+class Prefetched:
+    """A claimed step no child has taken yet (``Config.prefetch``)."""
+
+    row: dict[str, Any]
+    claimed: float  # local monotonic time of the claim: its lease and timeout count from it
+    release_at: float  # released (available at once, no attempt used) if still here then
 
 
 @dataclasses.dataclass
@@ -138,6 +150,7 @@ class Supervisor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
+        self.batch = BatchWriter(dsn, self._wake)  # this tick's completions + next claim, off the loop
         self.draining = False
         self.drain_deadline: float | None = None
         self.hard_stop = False
@@ -156,8 +169,11 @@ class Supervisor:
         self.stats = {"claimed": 0, "completed": 0, "failed": 0, "killed": 0, "grandchildren_killed": 0,
                       "released": 0, "lease_lost": 0, "reclaimed": 0, "swept_timeouts": 0,
                       "reclaim_limits": 0, "children_spawned": 0, "late_completions_dropped": 0,
-                      "cancelled_attempts": 0}
+                      "cancelled_attempts": 0, "prefetch_released": 0}
         self.descended: set[int] = set()
+        self.prefetched: collections.deque[Prefetched] = collections.deque()
+        self.step_seconds: float | None = None  # moving average of attempt durations
+        self._tokens = itertools.count(1)
         self.respawn_at = start
         self.respawn_delay = RESPAWN_BACKOFF[0]
 
@@ -197,7 +213,8 @@ class Supervisor:
                 try:
                     now = self.clock()
                     self._handle_requests(now)
-                    if self.draining and not self.attempts and not self.completions and not self._pending_live():
+                    if (self.draining and not self.attempts and not self.completions and not self.prefetched
+                            and not self.batch.busy and not self._pending_live()):
                         break
                     self._tick(now)
                     self._wait(self._next_wake(self.clock()))
@@ -240,12 +257,14 @@ class Supervisor:
                 log.info("reconnect failed (next try in %.1fs): %s", self.reconnect_delay, exc)
                 self._db_down(exc)
         self._renew_due(now)
+        self._expire_prefetched(self.clock())
         self._enforce_deadlines(self.clock())
+        self._collect_batch()
         self._flush_completions()
         self._retry_pending(self.clock())
         now = self.clock()
-        if self.db_ok and not self.draining and now >= self.next_poll:
-            self._claim(now)
+        if self.db_ok and not self.draining and now >= self.next_poll and not self.batch.busy:
+            self._claim(now)  # (a batch in flight claims too; its rows decide the next poll)
         if self.db_ok and now >= self.next_sweep:
             self.sweep_once()
             lo, hi = self.config.poll_interval
@@ -264,14 +283,16 @@ class Supervisor:
             times.append(att.lease_ok_until)
         if self.pending:
             times.append(min(p.retry_at for p in self.pending))
-        if self.db_ok and not self.draining and self._idle_children():
+        if self.db_ok and not self.draining and not self.batch.busy and (self._idle_children() or self.prefetch_room()):
             times.append(self.next_poll)
+        if self.prefetched:
+            times.append(min(p.release_at for p in self.prefetched))
         times.append(self.next_sweep)
         if not self.db_ok:
             times.append(self.reconnect_at)
         if self.draining and self.drain_deadline is not None:
             times.append(self.drain_deadline)
-        if self.completions:
+        if self.completions and not self.batch.busy or self.batch.done:
             times.append(now)
         return max(0.0, min(times) - now)
 
@@ -335,6 +356,8 @@ class Supervisor:
         if kind == "ready":
             child.ready = True
             child.ready_after = self.clock() - child.spawned
+            child.cpu_total = float(message.get("cpu_total") or 0.0)
+            self._take_prefetched()
             return
         att = child.attempt
         if att is None or message.get("task") != att.token:
@@ -349,8 +372,17 @@ class Supervisor:
         child = att.child
         child.attempt = None
         child.steps_run += 1
+        child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
         self.attempts.pop(att.step_id, None)
         att.settled = True
+        self._note_duration(self.clock() - att.started)
+        try:
+            self._settle_result(att, result)
+        finally:
+            self._take_prefetched()  # the freed child starts its next step now, not after a round trip
+
+    def _settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        child = att.child
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
         if result.get("children", True):  # the child said it left processes behind
@@ -412,6 +444,7 @@ class Supervisor:
         if att is not None and not att.settled:
             att.settled = True
             self.attempts.pop(att.step_id, None)
+            self._note_duration(self.clock() - att.started)
             entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(since=att.cpu_start),
                      "elapsed": round(self.clock() - att.started, 3)}
             if child.peak_rss_kb is None and att.peak_rss_kb is not None:
@@ -485,29 +518,57 @@ class Supervisor:
 
     # -- claiming ---------------------------------------------------------------------------
 
+    def prefetch_room(self) -> int:
+        """How many steps to claim beyond the idle children now (``Config.prefetch``).
+
+        Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
+        expected wait of a prefetched step, ``len(prefetched) / workers`` attempts, is
+        kept under ``PREFETCH_MAX_WAIT`` (0.5 s) and ``lease_ttl / 4``: long steps get no
+        prefetch, so nothing claimed sits waiting behind them. The buffer is refilled
+        once it is half empty, so refills ride on few statements.
+        """
+        want = self.config.prefetch
+        if not want or self.draining or self.step_seconds is None:
+            return 0
+        bound = min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
+        cap = min(want, int(self.config.workers * bound / max(self.step_seconds, 1e-4)))
+        if len(self.prefetched) > cap // 2:
+            return 0
+        return cap - len(self.prefetched)
+
+    def _note_duration(self, seconds: float) -> None:
+        prev = self.step_seconds
+        self.step_seconds = seconds if prev is None else 0.9 * prev + 0.1 * seconds
+
     def _claim(self, now: float) -> None:
         idle = self._idle_children()
-        if not idle or self.store is None:
+        room = self.prefetch_room()
+        if not (idle or room) or self.store is None:
             self.next_poll = now + self.poll_delay
             return
         try:
             rows = self.store.claim(
                 owner=self.id, queues=self.config.queues, names=self.mux.step_names,
-                limit=len(idle), ttl=self.config.lease_ttl,
+                limit=len(idle) + room, ttl=self.config.lease_ttl,
             )
         except DatabaseError as exc:
             self._db_down(exc)
             return
-        self._dispatch(rows, idle)
+        self._dispatch(rows, len(idle) + room)
 
-    def _dispatch(self, rows: list[dict[str, Any]], idle: list[ChildProc]) -> None:
-        """Hand claimed rows to idle children and schedule the next poll."""
+    def _dispatch(self, rows: list[dict[str, Any]], limit: int) -> None:
+        """Hand claimed rows to idle children (the rest wait in ``prefetched``) and
+        schedule the next poll."""
         now = self.clock()
-        for row, child in zip(rows, idle):
-            self._start(row, child, now)
+        wait = min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
+        for row in rows:
+            timeout = row["timeout"]
+            bound = wait if timeout is None else min(wait, timeout / 10)
+            self.prefetched.append(Prefetched(row, now, now + bound))
+        self._take_prefetched()
         self.stats["claimed"] += len(rows)
         lo, hi = self.config.poll_interval
-        if rows and len(rows) == len(idle):
+        if rows and len(rows) == limit:
             self.poll_delay = lo
             self.next_poll = now  # maybe more to take once a slot frees
         elif rows:
@@ -517,20 +578,55 @@ class Supervisor:
             self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
             self.next_poll = now + self.poll_delay
 
-    def _start(self, row: dict[str, Any], child: ChildProc, now: float) -> None:
+    def _take_prefetched(self) -> None:
+        """Start claimed steps on idle children, oldest claim first."""
+        if not self.prefetched or self.draining:
+            return
+        for child in self._idle_children():
+            if not self.prefetched:
+                return
+            item = self.prefetched.popleft()
+            self._start(item.row, child, item.claimed)
+
+    def _expire_prefetched(self, now: float) -> None:
+        """Release prefetched steps nobody took in time, and all of them when draining
+        (available at once, no attempt or reclaim counted, as a shutdown release)."""
+        if not self.prefetched:
+            return
+        if self.draining:
+            due, self.prefetched = list(self.prefetched), collections.deque()
+        else:
+            due = [p for p in self.prefetched if now >= p.release_at]
+            if not due:
+                return
+            self.prefetched = collections.deque(p for p in self.prefetched if now < p.release_at)
+        for item in due:
+            row = item.row
+            if not self.db_ok or self.store is None:
+                continue  # its lease expires and the sweep makes it available again
+            try:
+                if self.store.release(owner=self.id, id=row["id"], generation=row["lease_generation"]):
+                    self.stats["prefetch_released"] += 1
+            except DatabaseError as exc:
+                self._db_down(exc)
+
+    def _start(self, row: dict[str, Any], child: ChildProc, claimed: float) -> None:
+        """Start one claimed step on ``child``. Its lease and its timeout count from the
+        claim (``claimed``, local monotonic), as they do in the database (SPEC 4)."""
+        now = self.clock()
         step = self.mux.steps.get(row["step_name"])
         interval = self.config.heartbeat_interval
         timeout = row["timeout"]
-        token = uuid.uuid4().hex[:12]
+        token = f"{child.pid}.{next(self._tokens)}"
         att = Attempt(
             step_id=row["id"], run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
             attempt=row["attempt"], generation=row["lease_generation"], timeout=timeout, token=token,
             workflow=row["run_kind"] == "workflow",
-            child=child, started=now, deadline=(now + timeout) if timeout is not None else None,
-            next_beat=now + random.uniform(0, interval),  # the claim was the first heartbeat
-            lease_ok_until=now + self.config.lease_ttl,
+            child=child, started=now, deadline=(claimed + timeout) if timeout is not None else None,
+            next_beat=claimed + random.uniform(0, interval),  # the claim was the first heartbeat
+            lease_ok_until=claimed + self.config.lease_ttl,
         )
-        att.cpu_start = child.cpu_seconds()
+        att.cpu_start = child.cpu_total
         self.attempts[att.step_id] = att
         child.attempt = att
         assert step is not None
@@ -538,7 +634,7 @@ class Supervisor:
         child.queue({
             "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
             "attempt": att.attempt, "timeout": timeout,
-            "deadline": (self.wall_clock() + timeout) if timeout is not None else None,
+            "deadline": (self.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
             "input": row["input"], "upstream": row["upstream"] or {},
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
         })
@@ -618,25 +714,41 @@ class Supervisor:
     # -- writing outcomes ---------------------------------------------------------------------
 
     def _flush_completions(self) -> None:
-        """Write this tick's successes in one statement (with the next claim when it can)."""
-        if not self.completions:
+        """Send this tick's successes as one statement, with the next claim when there is
+        room, to the batch writer (one statement in flight; later successes wait for it)."""
+        if not self.completions or self.batch.busy:
             return
         batch, self.completions = self.completions, []
-        items = [(a.step_id, a.generation, out, prog) for a, out, prog in batch]
         if not self.db_ok or self.store is None:
             self._defer_completions(batch)
             return
-        idle = self._idle_children() if not self.draining else []
+        items = [(a.step_id, a.generation, out, prog) for a, out, prog in batch]
+        limit = len(self._idle_children()) + self.prefetch_room() if not self.draining else 0
         workflows = any(a.workflow for a, _, _ in batch)
+        owner, queues, names, ttl = self.id, self.config.queues, self.mux.step_names, self.config.lease_ttl
+        if limit and not workflows:
+            def statement(store: Store) -> tuple[set[int], list[dict[str, Any]]]:
+                return store.complete_and_claim(owner=owner, items=items, queues=queues, names=names,
+                                                limit=limit, ttl=ttl)
+        else:
+            limit = 0
+
+            def statement(store: Store) -> tuple[set[int], list[dict[str, Any]]]:
+                return store.complete(owner=owner, items=items, workflows=workflows), []
         try:
-            if idle and not workflows:
-                applied, rows = self.store.complete_and_claim(
-                    owner=self.id, items=items, queues=self.config.queues, names=self.mux.step_names,
-                    limit=len(idle), ttl=self.config.lease_ttl,
-                )
-                self._dispatch(rows, idle)
-            else:
-                applied = self.store.complete(owner=self.id, items=items, workflows=workflows)
+            self.batch.submit((batch, limit), statement)
+        except DatabaseError as exc:
+            self._db_down(exc)
+            self._defer_completions(batch)
+
+    def _collect_batch(self) -> None:
+        """Apply the outcome of the batch statement once it is back."""
+        done = self.batch.take()
+        if done is None:
+            return
+        (batch, limit), future = done
+        try:
+            applied, rows = future.result()
         except DatabaseError as exc:
             if self._db_down(exc):
                 self._defer_completions(batch)
@@ -644,6 +756,8 @@ class Supervisor:
                 for att, output, progress in batch:
                     self._write("complete", att, {"output": output, "progress": progress})
             return
+        if limit:
+            self._dispatch(rows, limit)
         self.stats["completed"] += len(applied)
         for att, _, _ in batch:
             if att.step_id not in applied:
@@ -785,6 +899,7 @@ class Supervisor:
 
     def _connect(self) -> None:
         self._close_db()
+        self.batch.ensure_idle()
         self.store = Store.open(self.dsn, generic_plans=True)
         try:
             conn = connect(self.dsn)
@@ -816,6 +931,7 @@ class Supervisor:
         if self.store is not None:
             self.store.close()
             self.store = None
+        self.batch.close_connection()
 
     def _db_down(self, exc: Exception) -> bool:
         """React to a failed query; True when the database is down (we then reconnect).
@@ -872,6 +988,7 @@ class Supervisor:
             self.store.register_worker(id=self.id, hostname=socket.gethostname(), pid=os.getpid(), info={
                 "workers": self.config.workers, "queues": list(self.config.queues),
                 "draining": self.draining, "children": kids, "stats": self.stats,
+                "prefetched": len(self.prefetched),
             })
         except DatabaseError as exc:
             self._db_down(exc)
@@ -897,6 +1014,9 @@ class Supervisor:
         except Exception:  # noqa: BLE001
             self._watchdog.kill()
             self._watchdog.wait()
+        self.batch.wait(timeout=self.config.lease_ttl)
+        self._collect_batch()
+        self.batch.shutdown()
         if self.db_ok and self.store is not None:
             for write in list(self.pending):
                 self._apply(write)

@@ -29,8 +29,8 @@ picked AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL
-      FROM picked, cyclone_runs r
-     WHERE s.id = picked.id
+      FROM cyclone_runs r
+     WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
        AND r.id = s.run_id
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts,
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input, r.kind AS run_kind,
@@ -82,7 +82,8 @@ done_in AS (
            error = NULL,
            error_kind = NULL
       FROM done_in i
-     WHERE s.id = i.id
+     WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
+       AND s.id = i.id
        AND s.run_id IN (SELECT id FROM runs)
        AND s.state = 'running'
        AND s.lease_owner = %(owner)s
