@@ -55,6 +55,8 @@ class Runner:
         self.modules: dict[tuple[str, str | None], Any] = {}
         self._last_progress = 0.0
         self._pending_progress: dict[str, Any] | None = None
+        self._reset_peak = True  # restart VmHWM before the next task (see loop)
+        self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -121,7 +123,9 @@ class Runner:
         )
         try:
             fn = self.resolve(task["ref"])
-            output = call_handler(fn, ctx, task.get("input"))
+            if fn not in self._handlers:
+                self._handlers[fn] = input_annotation(fn)
+            output = fn(ctx, convert_input(self._handlers[fn], task.get("input")))
         except Cancelled as exc:
             return failure("cancelled", exc)
         except Permanent as exc:
@@ -147,42 +151,51 @@ class Runner:
                 self.task = message["task"]
                 self.cancellation = Cancellation()
                 self._pending_progress = None
-            protocol.reset_peak_rss()
+            if self._reset_peak:
+                protocol.reset_peak_rss()
             before = resource.getrusage(resource.RUSAGE_SELF)
             result = self.run_task(message)
             after = resource.getrusage(resource.RUSAGE_SELF)
+            peak, rss = protocol.memory_kb()
+            # Restart the peak only when it stands above the current RSS: a task then
+            # reports its own peak, at most 1 MiB above the RSS it started from.
+            self._reset_peak = peak is None or rss is None or peak > rss + 1024
             result.update({
                 "t": "result", "task": message["task"],
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
                 "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
-                "maxrss_kb": protocol.peak_rss_kb() or after.ru_maxrss, "cancel_reason": self.cancellation.reason,
-                "children": protocol.has_children(),  # the parent scans for leftovers only then
+                "maxrss_kb": peak or after.ru_maxrss, "cancel_reason": self.cancellation.reason,
+                "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None
-            self.send(self.checked(result))
+            frame = self.checked(result)
+            with self.lock:
+                self.ctrl.sendall(frame)
             with self.lock:
                 self.task = None
 
-    def checked(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Turn a non-JSON or oversized output into a stored error, never a crash."""
+    def checked(self, result: dict[str, Any]) -> bytes:
+        """The result's frame; a non-JSON or oversized output becomes a stored error,
+        never a crash."""
         try:
-            size = len(protocol.encode(result))
+            frame = protocol.encode(result)
         except (TypeError, ValueError, RecursionError) as exc:
             result.pop("output", None)
             result.update(failure("error", TypeError(f"handler output is not a JSON value: {exc}")), ok=False)
-            return result
+            return protocol.encode(result)
         problem = unstorable(result.get("output"))
         if problem:
             result.pop("output", None)
             result.update(failure("error", ValueError(
                 f"handler output cannot be stored in PostgreSQL: it contains {problem}")), ok=False)
-            return result
-        if size > self.limit:
+            return protocol.encode(result)
+        if len(frame) > self.limit:
             result.pop("output", None)
             result.update(failure("error", ValueError(
-                f"handler output is {size} bytes, over the max_payload limit of {self.limit} bytes")), ok=False)
-        return result
+                f"handler output is {len(frame)} bytes, over the max_payload limit of {self.limit} bytes")), ok=False)
+            return protocol.encode(result)
+        return frame
 
 
 def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
@@ -227,22 +240,20 @@ def failure(kind: str, exc: BaseException) -> dict[str, Any]:
     }
 
 
-def call_handler(fn: Any, ctx: Context, inp: Any) -> Any:
-    """Call ``fn(ctx, input)``, converting the input to a dataclass or pydantic model
-    when the handler's annotation asks for one."""
+def input_annotation(fn: Any) -> Any:
+    """The annotation of the handler's second parameter (its input), or None."""
     import inspect
 
     try:
         params = list(inspect.signature(fn).parameters.values())
-        hints = getattr(fn, "__annotations__", {})
-        if len(params) >= 2:
-            ann = hints.get(params[1].name)
-            if isinstance(ann, str):
-                ann = inspect.get_annotations(fn, eval_str=True).get(params[1].name)
-            inp = convert_input(ann, inp)
+        if len(params) < 2:
+            return None
+        ann = getattr(fn, "__annotations__", {}).get(params[1].name)
+        if isinstance(ann, str):
+            ann = inspect.get_annotations(fn, eval_str=True).get(params[1].name)
+        return ann
     except (ValueError, TypeError, NameError):
-        pass
-    return fn(ctx, inp)
+        return None
 
 
 def convert_input(ann: Any, inp: Any) -> Any:

@@ -56,6 +56,7 @@ class ChildProc:
         self.cancel_w = cancel_w
         self.reader = protocol.FrameReader(limit)
         self.outbox = bytearray()
+        self.events = 0  # the selector events registered for the socket (the supervisor's)
         self.ready = False
         self.attempt: Any = None
         self.steps_run = 0

@@ -47,17 +47,27 @@ def unstorable(value: Any) -> str | None:
     return None
 
 
-def peak_rss_kb(pid: int | str = "self") -> int | None:
-    """Peak resident set size (``VmHWM``, KiB) of a process since exec or since the last
-    :func:`reset_peak_rss`; None where /proc does not tell (non-Linux, process gone)."""
+def memory_kb(pid: int | str = "self") -> tuple[int | None, int | None]:
+    """``(VmHWM, VmRSS)`` in KiB of a process from one read of its status: the peak
+    resident set size since exec or since the last :func:`reset_peak_rss`, and the
+    current one; None where /proc does not tell (non-Linux, process gone)."""
+    hwm = rss = None
     try:
         with open(f"/proc/{pid}/status", "rb") as fh:
             for line in fh:
                 if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1])
+                    hwm = int(line.split()[1])
+                elif line.startswith(b"VmRSS:"):
+                    rss = int(line.split()[1])
+                    break  # VmRSS follows VmHWM
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    return hwm, rss
+
+
+def peak_rss_kb(pid: int | str = "self") -> int | None:
+    """Peak resident set size (``VmHWM``, KiB); see :func:`memory_kb`."""
+    return memory_kb(pid)[0]
 
 
 def reset_peak_rss() -> None:
@@ -68,6 +78,18 @@ def reset_peak_rss() -> None:
             fh.write("5")
     except OSError:
         pass
+
+
+def has_own_children() -> bool:
+    """True when this process has a child, running or a zombie (one ``waitid`` that
+    reaps nothing); cheaper than :func:`has_children` for the calling process."""
+    import os
+
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def has_children(pid: int | str = "self") -> bool:

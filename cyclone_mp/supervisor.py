@@ -44,6 +44,7 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
 RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
+IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
 
 
 @dataclasses.dataclass
@@ -150,7 +151,9 @@ class Supervisor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        self.batch = BatchWriter(dsn, self._wake)  # this tick's completions + next claim, off the loop
+        self.batch = BatchWriter(dsn, self._wake)
+        self._io_ready: set[ChildProc] = set()  # children whose sockets the last wait reported
+        self._next_io_sweep = clock()  # this tick's completions + next claim, off the loop
         self.draining = False
         self.drain_deadline: float | None = None
         self.hard_stop = False
@@ -169,7 +172,7 @@ class Supervisor:
         self.stats = {"claimed": 0, "completed": 0, "failed": 0, "killed": 0, "grandchildren_killed": 0,
                       "released": 0, "lease_lost": 0, "reclaimed": 0, "swept_timeouts": 0,
                       "reclaim_limits": 0, "children_spawned": 0, "late_completions_dropped": 0,
-                      "cancelled_attempts": 0, "prefetch_released": 0}
+                      "cancelled_attempts": 0, "prefetch_released": 0, "batches": 0}
         self.descended: set[int] = set()
         self.prefetched: collections.deque[Prefetched] = collections.deque()
         self.step_seconds: float | None = None  # moving average of attempt durations
@@ -307,7 +310,8 @@ class Supervisor:
                     pass
             elif kind == "listen":
                 self._drain_notifies()
-            # child sockets are read in _check_children_io on the next tick
+            else:  # a child's socket: read (or written) in _check_children_io on this tick
+                self._io_ready.add(obj)
 
     # -- children ---------------------------------------------------------------------------
 
@@ -320,13 +324,25 @@ class Supervisor:
         self.children.append(child)
         self.stats["children_spawned"] += 1
         self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
+        child.events = selectors.EVENT_READ
         return child
 
     def _idle_children(self) -> list[ChildProc]:
         return [c for c in self.children if c.ready and c.attempt is None and c.returncode is None]
 
     def _check_children_io(self) -> None:
-        for child in list(self.children):
+        """Read the children whose sockets the last wait reported (and, every
+        ``IO_SWEEP_INTERVAL`` seconds, all of them), and write what is queued."""
+        now = self.clock()
+        if now >= self._next_io_sweep:
+            self._next_io_sweep = now + IO_SWEEP_INTERVAL
+            ready = list(self.children)
+        else:
+            ready = [c for c in self.children if c in self._io_ready or c.outbox]
+        self._io_ready.clear()
+        for child in ready:
+            if child not in self.children:
+                continue
             child.flush()
             try:
                 messages, eof = child.receive()
@@ -346,6 +362,9 @@ class Supervisor:
         if child.returncode is not None:
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if child.outbox else 0)
+        if events == child.events:
+            return
+        child.events = events
         try:
             self.selector.modify(child.sock, events, ("child", child))
         except (KeyError, ValueError, OSError):
@@ -735,6 +754,7 @@ class Supervisor:
 
             def statement(store: Store) -> tuple[set[int], list[dict[str, Any]]]:
                 return store.complete(owner=owner, items=items, workflows=workflows), []
+        self.stats["batches"] += 1
         try:
             self.batch.submit((batch, limit), statement)
         except DatabaseError as exc:
