@@ -374,7 +374,7 @@ class Store:
                 "limit": limit, "ttl_us": to_us(ttl),
             })
             rows = cur.fetchall()
-        return {r["row"]["id"] for r in rows if r["what"] == "completed"}, [r["row"] for r in rows if r["what"] == "claimed"]
+        return {r["id"] for r in rows if r["what"] == "completed"}, [r for r in rows if r["what"] == "claimed"]
 
     @translate
     def fail(

@@ -176,6 +176,7 @@ class Supervisor:
         self.descended: set[int] = set()
         self.prefetched: collections.deque[Prefetched] = collections.deque()
         self.step_seconds: float | None = None  # moving average of attempt durations
+        self._prefetch_hold = False  # a prefetched step waited too long: none until the next result
         self._tokens = itertools.count(1)
         self.respawn_at = start
         self.respawn_delay = RESPAWN_BACKOFF[0]
@@ -395,6 +396,7 @@ class Supervisor:
         self.attempts.pop(att.step_id, None)
         att.settled = True
         self._note_duration(self.clock() - att.started)
+        self._prefetch_hold = False
         try:
             self._settle_result(att, result)
         finally:
@@ -543,11 +545,13 @@ class Supervisor:
         Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
         expected wait of a prefetched step, ``len(prefetched) / workers`` attempts, is
         kept under ``PREFETCH_MAX_WAIT`` (0.5 s) and ``lease_ttl / 4``: long steps get no
-        prefetch, so nothing claimed sits waiting behind them. The buffer is refilled
-        once it is half empty, so refills ride on few statements.
+        prefetch, so nothing claimed sits waiting behind them. A prefetched step released
+        for waiting too long stops prefetching until the next attempt ends (no claim and
+        release churn behind a long step). The buffer is refilled once it is half empty,
+        so refills ride on few statements.
         """
         want = self.config.prefetch
-        if not want or self.draining or self.step_seconds is None:
+        if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
             return 0
         bound = min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
         cap = min(want, int(self.config.workers * bound / max(self.step_seconds, 1e-4)))
@@ -618,6 +622,7 @@ class Supervisor:
             due = [p for p in self.prefetched if now >= p.release_at]
             if not due:
                 return
+            self._prefetch_hold = True
             self.prefetched = collections.deque(p for p in self.prefetched if now < p.release_at)
         for item in due:
             row = item.row

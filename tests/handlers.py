@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import re
 import subprocess
@@ -19,6 +20,18 @@ def _no_backoff(attempt: int) -> float:
 @cy.step("ok")
 def ok(ctx: cy.Context, inp: dict) -> dict:
     return {"echo": inp, "attempt": ctx.attempt, "run_id": ctx.run_id}
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+@cy.step("typed_input", max_attempts=1)
+def typed_input(ctx: cy.Context, inp: Point) -> dict:
+    """The input annotation is a dataclass (a string annotation here): it is converted."""
+    return {"type": type(inp).__name__, "sum": inp.x + inp.y}
 
 
 @cy.step("raises", max_attempts=3, backoff=_no_backoff)

@@ -472,3 +472,12 @@ def test_a_run_can_be_named_by_a_prefix_of_its_id(cyclone_env):
     for bad in ("zzzzzzzz", run_id[:7], "ffffffffffff"):
         with pytest.raises(cy.RunNotFound):
             client.status(bad)
+
+
+def test_input_converts_to_the_annotated_dataclass_or_fails_clearly(cyclone_env):
+    good = cyclone_env.enqueue(h.typed_input, {"x": 1, "y": 2})
+    bad = cyclone_env.enqueue(h.typed_input, {"x": 1})
+    assert cyclone_env.run_until_complete(good).step.output == {"type": "Point", "sum": 3}
+    step = cyclone_env.run_until_complete(bad).step
+    assert (step.state, step.error_kind, step.attempt) == ("discarded", "error", 1)
+    assert step.errors[0]["type"] == "builtins.TypeError" and "'y'" in step.errors[0]["message"]

@@ -113,9 +113,14 @@ SELECT * FROM completed
 -- name: complete_and_claim
 -- The hot path: this tick's completions and the next claims in one statement, one commit.
 WITH {complete_ctes}, {claim_ctes}
-SELECT 'completed' AS what, to_jsonb(c) AS row FROM completed c
+SELECT 'completed' AS what, c.id, c.run_id, NULL::text AS node, NULL::text AS step_name, NULL::integer AS attempt,
+       NULL::integer AS max_attempts, NULL::float8 AS timeout, NULL::bigint AS lease_generation,
+       NULL::jsonb AS input, c.kind AS run_kind, NULL::jsonb AS upstream
+  FROM completed c
 UNION ALL
-SELECT 'claimed', to_jsonb(c) FROM claimed c
+SELECT 'claimed', c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.timeout, c.lease_generation,
+       c.input, c.run_kind, c.upstream
+  FROM claimed c
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).

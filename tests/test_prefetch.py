@@ -1,0 +1,96 @@
+"""Prefetch and the batched hot path (issue 8): what they change and what they must not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cyclone_mp as cy
+from cyclone_mp.store import connect
+
+import handlers as h
+from waiting import wait_for
+
+
+def rows_of(dsn: str, step_name: str) -> list[dict[str, Any]]:
+    with connect(dsn) as conn:
+        return conn.execute(
+            "SELECT state, attempt, reclaims, lease_generation, lease_owner, errors FROM cyclone_steps "
+            "WHERE step_name = %s ORDER BY id", (step_name,),
+        ).fetchall()
+
+
+def running_count(dsn: str, owner: str) -> int:
+    with connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) AS n FROM cyclone_steps WHERE state = 'running' AND lease_owner = %s",
+                           (owner,)).fetchone()
+    return int(row["n"])
+
+
+def test_without_prefetch_a_supervisor_holds_no_more_steps_than_children(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=5)
+    env.mux().register(h.sleeper)
+    env.client().enqueue_many(h.sleeper, [{"seconds": 0.02}] * 60)
+    sup = env.start_worker().client.supervisor
+    most = 0
+    while sup.stats["completed"] < 60:
+        most = max(most, running_count(env.dsn, sup.id))
+    assert 1 <= most <= 2
+    assert all(r["state"] == "completed" and r["lease_generation"] == 1 for r in rows_of(env.dsn, "sleeper"))
+
+
+def test_prefetch_holds_more_steps_and_runs_each_once(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=2, prefetch=16, lease_ttl=5)
+    env.mux().register(h.sleeper)
+    env.client().enqueue_many(h.sleeper, [{"seconds": 0.02}] * 200)
+    sup = env.start_worker().client.supervisor
+    most = 0
+    while sup.stats["completed"] < 200:
+        most = max(most, running_count(env.dsn, sup.id))
+    assert most > 2  # claimed beyond the two children
+    rows = rows_of(env.dsn, "sleeper")
+    assert all((r["state"], r["attempt"], r["reclaims"], r["errors"]) == ("completed", 1, 0, []) for r in rows)
+    # Every claim beyond the first is a prefetched step released for waiting too long.
+    assert sum(r["lease_generation"] - 1 for r in rows) == sup.stats["prefetch_released"]
+    assert sup.stats["batches"] < 200  # completions shared statements
+
+
+def test_a_step_prefetched_behind_a_long_one_is_released_unharmed(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=1, prefetch=4, lease_ttl=5)
+    env.mux().register(h.sleeper)
+    client = env.client()
+    client.enqueue_many(h.sleeper, [{"seconds": 0.01}] * 6)  # short: prefetch turns on
+    long_id = client.enqueue(h.sleeper, {"seconds": 2.5})
+    tail = client.enqueue_many(h.sleeper, [{"seconds": 0.01}] * 3)
+    sup = env.start_worker().client.supervisor
+    for run_id in [long_id, *tail]:
+        assert env.run_until_complete(run_id, timeout=30).state == "completed"
+    assert sup.stats["prefetch_released"] >= 1
+    steps = [env.status(r).step for r in tail]
+    assert all((s.state, s.attempt, s.reclaims, s.errors) == ("completed", 1, 0, []) for s in steps)
+    # released (available at once, nothing counted) and claimed again after the long step
+    assert sup.stats["claimed"] == 10 + sup.stats["prefetch_released"]
+
+
+def test_shutdown_releases_prefetched_steps(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=1, prefetch=8, lease_ttl=5, shutdown_grace=5)
+    env.mux().register(h.sleeper)
+    env.client().enqueue_many(h.sleeper, [{"seconds": 0.05}] * 60)
+    handle = env.start_worker()
+    sup = handle.client.supervisor
+    wait_for(lambda: sup.stats["completed"] >= 3 and len(sup.prefetched) >= 2, 30, "prefetched steps")
+    handle.client.shutdown()
+    rows = rows_of(env.dsn, "sleeper")
+    assert not [r for r in rows if r["state"] == "running"]
+    available = [r for r in rows if r["state"] == "available"]
+    assert available and all((r["attempt"], r["reclaims"], r["lease_owner"]) == (1, 0, None) for r in available)
+    assert all(r["attempt"] == 1 for r in rows if r["state"] == "completed")
+
+
+def test_prefetch_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, True):
+        try:
+            cy.Client("postgresql://localhost/x", prefetch=bad)
+        except cy.ConfigurationError as exc:
+            assert "prefetch" in str(exc)
+        else:
+            raise AssertionError(f"prefetch={bad!r} accepted")
