@@ -48,6 +48,9 @@ from cyclone_mp.store import Store
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
+# The prefetch setting measured beside the default (Client(prefetch=...), SPEC 4 keeps 0).
+PREFETCH = 64
+PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
 
 # Peer numbers from ../shared/peer-bench/results-2026-11-30.md (medians), used for the
 # targets unless --peer-results points at a JSON written by the peer harness.
@@ -257,9 +260,9 @@ class Bench:
 
     # B1 -----------------------------------------------------------------------------------
 
-    def throughput(self, dsn: str, n: int, workers: int = 2) -> dict[str, Any]:
+    def throughput(self, dsn: str, n: int, workers: int = 2, prefetch: int = 0) -> dict[str, Any]:
         """Enqueue ``n`` no-ops with enqueue_many, then start a supervisor and time it."""
-        client = cy.Client(dsn, mux_of(bench_steps.noop), workers=workers)
+        client = cy.Client(dsn, mux_of(bench_steps.noop), workers=workers, prefetch=prefetch)
         try:
             client.enqueue_many(bench_steps.noop, [None] * n)
             wal0 = wal_lsn(dsn)
@@ -284,7 +287,7 @@ class Bench:
             "steps_per_s_from_first_start": round(n / (t["last_finish"] - t["first_start"]), 1),
             "startup_s": round(t["first_start"] - t0, 3),
             "process_s": round(t["last_finish"] - t["first_start"], 3),
-            "wal_kb_per_step": round(wal / n / 1024, 2),
+            "wal_kb_per_step": round(wal / n / 1024, 2), "statements": stats["batches"],
             "max_lease_generation": t["max_generation"], "reclaims": t["reclaims"],
             "children_spawned": stats["children_spawned"], "child_ready_after_s": ready_after,
             "child_ready_ms": round(statistics.median(ready_after) * 1000, 1) if ready_after else None,
@@ -321,6 +324,9 @@ class Bench:
     def b1(self) -> dict[str, Any]:
         with self.server.fresh() as dsn:
             row = self.throughput(dsn, self.n["b1_steps"])
+        with self.server.fresh() as dsn:
+            fast = self.throughput(dsn, self.n["b1_steps"], prefetch=PREFETCH)
+        row.update({f"{k}_prefetch": v for k, v in fast.items() if k in PREFETCH_KEYS})
         row.update(self.enqueue_rates())
         return row
 
@@ -351,10 +357,16 @@ class Bench:
         return self.calibration
 
     def b2(self) -> dict[str, Any]:
+        row = self.cpu_bound(prefetch=0)
+        fast = self.cpu_bound(prefetch=PREFETCH)
+        row.update({f"{k}_prefetch": v for k, v in fast.items() if k in ("efficiency", "steps_per_s")})
+        return row
+
+    def cpu_bound(self, prefetch: int) -> dict[str, Any]:
         cal = self.calibrate()
         n = self.n["b2_steps"]
         with self.server.fresh() as dsn:
-            client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2)
+            client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2, prefetch=prefetch)
             try:
                 client.enqueue_many(bench_steps.cpu, [{"n": cal["cpu_iters"]}] * n)
                 t0 = time.time()
@@ -521,6 +533,8 @@ class Bench:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("CHECKPOINT")  # the clone's copy is not charged to the run
             row = self.throughput(dsn, self.n["b1_steps"])
+            fast = self.throughput(dsn, self.n["b1_steps"], prefetch=PREFETCH)  # the next 2,000 of the queue
+            row.update({f"{k}_prefetch": v for k, v in fast.items() if k in PREFETCH_KEYS})
             with psycopg.connect(dsn, autocommit=True) as conn:
                 row["other_queue_left"] = conn.execute(
                     "SELECT count(*) FROM cyclone_steps WHERE queue = 'other' AND state = 'available'").fetchone()[0]
@@ -567,7 +581,7 @@ class Bench:
     def b7(self) -> dict[str, Any]:
         n = self.n["b7_steps"]
         with self.server.fresh() as dsn, cy.Client(dsn, mux_of(bench_steps.noop)) as client:
-            sup = SupervisorProcess(dsn, [bench_steps.noop], {"workers": 2}, self.tmp)
+            sup = SupervisorProcess(dsn, [bench_steps.noop], {"workers": 2, "prefetch": PREFETCH}, self.tmp)
             try:
                 proc = psutil.Process(sup.pid)
                 time.sleep(1.0)
@@ -616,6 +630,12 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          f">= {b1_floor:,.0f} (pgqueuer {pgq:,.0f}; 4x Celery {4 * cel:,.0f})", lambda v, m: v >= b1_floor),
         ("B1", "steps_per_s_from_first_start", "no-op steps/s, from first handler start (peers' way)", "{:,.0f}",
          f">= {b1_floor:,.0f}", lambda v, m: v >= b1_floor),
+        ("B1", "steps_per_s_prefetch", f"no-op steps/s, prefetch={PREFETCH}", "{:,.0f}",
+         f">= {b1_floor:,.0f}", lambda v, m: v >= b1_floor),
+        ("B1", "steps_per_s_from_first_start_prefetch", f"no-op steps/s, prefetch={PREFETCH}, from first start",
+         "{:,.0f}", f">= {b1_floor:,.0f}", lambda v, m: v >= b1_floor),
+        ("B1", "statements_prefetch", f"hot-path statements for {n['b1_steps']:,} steps, prefetch={PREFETCH}",
+         "{:,.0f}", "", None),
         ("B1", "wal_kb_per_step", "WAL written per step, B1 (KiB)", "{:.2f}", "", None),
         ("B1", "enqueue_single_per_s", f"enqueue, 1 call/step ({n['b1_single']:,} calls)", "{:,.0f}",
          "(peers 780-2,250)", None),
@@ -624,6 +644,8 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B1", "enqueue_many_batches_per_s", f"enqueue_many, batches of {n['b1_batch']:,}", "{:,.0f}",
          ">= 30,000", lambda v, m: v >= 30000),
         ("B2", "efficiency", f"CPU efficiency vs 2 ideal cores ({n['b2_steps']} x 20 ms)", "{:.3f}",
+         ">= 0.95", lambda v, m: v >= 0.95),
+        ("B2", "efficiency_prefetch", f"CPU efficiency vs 2 ideal cores, prefetch={PREFETCH}", "{:.3f}",
          ">= 0.95", lambda v, m: v >= 0.95),
         ("B2", "efficiency_vs_pool2", "CPU efficiency vs multiprocessing.Pool(2)", "{:.3f}", "(ceiling on this VM)", None),
         ("B2", "efficiency_incl_startup", "CPU efficiency incl. supervisor start", "{:.3f}", "", None),
@@ -643,6 +665,9 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          "{:,.0f}", ">= 0.8 x B1", lambda v, m: m.get(("B1", "steps_per_s")) is not None
          and v >= 0.8 * m[("B1", "steps_per_s")]),
         ("B6", "ratio_to_b1", "B6 / B1 (median of B1 in this invocation)", "{:.2f}", ">= 0.80", lambda v, m: v >= 0.8),
+        ("B6", "steps_per_s_prefetch", f"B6 with prefetch={PREFETCH}", "{:,.0f}", ">= 0.8 x B1 prefetch",
+         lambda v, m: m.get(("B1", "steps_per_s_prefetch")) is not None
+         and v >= 0.8 * m[("B1", "steps_per_s_prefetch")]),
         ("B6", "wal_kb_per_step", "WAL written per step, B6 (KiB)", "{:.2f}", "", None),
         ("B7", "supervisor_rss_start_mb", "supervisor RSS start (MiB)", "{:.1f}", "", None),
         ("B7", "supervisor_rss_max_mb", f"supervisor RSS max over {n['b7_steps']:,} steps (MiB)", "{:.1f}", "", None),
@@ -650,7 +675,7 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B7", "supervisor_rss_growth_mb", "supervisor RSS growth end - start (MiB)", "{:.1f}", "flat (<= 2)",
          lambda v, m: v <= 2.0),
         ("B7", "supervisor_cpu_ms_per_step", "supervisor CPU per step (ms)", "{:.3f}", "", None),
-        ("B7", "sustained_steps_per_s", f"sustained steps/s over {n['b7_steps']:,} (supervisor process)",
+        ("B7", "sustained_steps_per_s", f"sustained steps/s over {n['b7_steps']:,} (supervisor process, prefetch={PREFETCH})",
          "{:,.0f}", f"(pgqueuer {peer['pgqueuer_s1_n20000']:,.0f} at 20,000)", None),
         ("B7", "child_start_ms_p50", "fresh child spawn to ready (ms)", "{:.1f}", "< 50", lambda v, m: v < 50),
         ("B1", "child_ready_ms", "child spawn to ready inside the B1 supervisor (ms, ready_after)", "{:.1f}", "< 50",

@@ -31,6 +31,7 @@ from .errors import Cancelled, Permanent
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
+PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -55,7 +56,7 @@ class Runner:
         self.modules: dict[tuple[str, str | None], Any] = {}
         self._last_progress = 0.0
         self._pending_progress: dict[str, Any] | None = None
-        self._reset_peak = True  # restart VmHWM before the next task (see loop)
+        self.peak = protocol.PeakRss()
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
 
     def send(self, message: dict[str, Any]) -> None:
@@ -151,20 +152,18 @@ class Runner:
                 self.task = message["task"]
                 self.cancellation = Cancellation()
                 self._pending_progress = None
-            if self._reset_peak:
-                protocol.reset_peak_rss()
+            self.peak.reset()
+            started = time.monotonic()
             before = resource.getrusage(resource.RUSAGE_SELF)
             result = self.run_task(message)
             after = resource.getrusage(resource.RUSAGE_SELF)
-            peak, rss = protocol.memory_kb()
-            # Restart the peak only when it stands above the current RSS: a task then
-            # reports its own peak, at most 1 MiB above the RSS it started from.
-            self._reset_peak = peak is None or rss is None or peak > rss + 1024
+            # The peak is forensics of failed and long attempts; a quick success skips the read.
+            slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
             result.update({
                 "t": "result", "task": message["task"],
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
                 "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
-                "maxrss_kb": peak or after.ru_maxrss, "cancel_reason": self.cancellation.reason,
+                "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
             with self.lock:

@@ -10,6 +10,7 @@ scenario SC-10). The cancellation pipe carries one text line per cancel:
 from __future__ import annotations
 
 import json
+import os
 import struct
 from typing import Any
 
@@ -47,37 +48,38 @@ def unstorable(value: Any) -> str | None:
     return None
 
 
-def memory_kb(pid: int | str = "self") -> tuple[int | None, int | None]:
-    """``(VmHWM, VmRSS)`` in KiB of a process from one read of its status: the peak
-    resident set size since exec or since the last :func:`reset_peak_rss`, and the
-    current one; None where /proc does not tell (non-Linux, process gone)."""
-    hwm = rss = None
+def peak_rss_kb(pid: int | str = "self") -> int | None:
+    """Peak resident set size (``VmHWM``, KiB) of a process since exec or since the last
+    :meth:`PeakRss.reset`; None where /proc does not tell (non-Linux, process gone)."""
     try:
         with open(f"/proc/{pid}/status", "rb") as fh:
             for line in fh:
                 if line.startswith(b"VmHWM:"):
-                    hwm = int(line.split()[1])
-                elif line.startswith(b"VmRSS:"):
-                    rss = int(line.split()[1])
-                    break  # VmRSS follows VmHWM
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
-        pass
-    return hwm, rss
+        return None
+    return None
 
 
-def peak_rss_kb(pid: int | str = "self") -> int | None:
-    """Peak resident set size (``VmHWM``, KiB); see :func:`memory_kb`."""
-    return memory_kb(pid)[0]
+class PeakRss:
+    """Per-task peak RSS of this process: :meth:`reset` restarts ``VmHWM`` from the
+    current RSS (Linux ``clear_refs`` 5, on a descriptor kept open: under a microsecond),
+    :func:`peak_rss_kb` reads it (about 16 us, so a child reads it only when it matters)."""
 
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/self/clear_refs", os.O_WRONLY)
+        except OSError:
+            self._fd = None
 
-def reset_peak_rss() -> None:
-    """Restart this process's ``VmHWM`` from its current RSS (Linux ``clear_refs`` 5), so a
-    reused child reports the peak of one attempt, not of its whole life."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+    def reset(self) -> None:
+        """Restart the peak from the current RSS (a no-op where /proc does not allow it)."""
+        if self._fd is not None:
+            try:
+                os.write(self._fd, b"5")
+            except OSError:
+                self._fd = None
+
 
 
 def has_own_children() -> bool:

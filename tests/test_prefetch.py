@@ -51,7 +51,6 @@ def test_prefetch_holds_more_steps_and_runs_each_once(cyclone_env_factory):
     assert all((r["state"], r["attempt"], r["reclaims"], r["errors"]) == ("completed", 1, 0, []) for r in rows)
     # Every claim beyond the first is a prefetched step released for waiting too long.
     assert sum(r["lease_generation"] - 1 for r in rows) == sup.stats["prefetch_released"]
-    assert sup.stats["batches"] < 200  # completions shared statements
 
 
 def test_a_step_prefetched_behind_a_long_one_is_released_unharmed(cyclone_env_factory):
