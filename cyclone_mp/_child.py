@@ -142,9 +142,16 @@ class Runner:
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
+        reader = protocol.FrameReader(self.limit)
+        inbox: list[dict[str, Any]] = []
         while True:
-            message = protocol.read_message(self.ctrl, self.limit)
-            if message is None or message.get("t") == "exit":
+            while not inbox:
+                data = self.ctrl.recv(1 << 20)
+                if not data:
+                    return
+                inbox.extend(reader.feed(data))
+            message = inbox.pop(0)
+            if message.get("t") == "exit":
                 return
             if message.get("t") != "task":
                 continue

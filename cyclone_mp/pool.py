@@ -105,6 +105,8 @@ class ChildProc:
             if not data:
                 return messages, True
             messages.extend(self.reader.feed(data))
+            if len(data) < 1 << 20:
+                return messages, False  # drained for now (saves a recv that would block)
 
     def cancel(self, token: str, reason: str) -> None:
         """Send a cancel line over the cancellation pipe (never blocks the parent)."""

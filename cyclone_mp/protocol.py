@@ -145,26 +145,3 @@ class FrameReader:
                 raise ProtocolError(f"malformed message: {exc}") from exc
         return out
 
-
-def read_message(sock: Any, limit: int) -> dict[str, Any] | None:
-    """Blocking read of one frame from a socket (the child's side); None at EOF."""
-    header = _read_exact(sock, HEADER.size)
-    if header is None:
-        return None
-    (size,) = HEADER.unpack(header)
-    if size > limit:
-        raise ProtocolError(f"message of {size} bytes exceeds the {limit}-byte limit")
-    body = _read_exact(sock, size)
-    if body is None:
-        return None
-    return json.loads(body)
-
-
-def _read_exact(sock: Any, size: int) -> bytes | None:
-    chunks = bytearray()
-    while len(chunks) < size:
-        chunk = sock.recv(min(size - len(chunks), 1 << 20))
-        if not chunk:
-            return None
-        chunks += chunk
-    return bytes(chunks)
