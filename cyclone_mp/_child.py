@@ -10,10 +10,8 @@ thread, and sends back progress and one result per task, as JSON.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import datetime as dt
 import importlib
-import importlib.util
 import os
 import resource
 import signal
@@ -21,8 +19,9 @@ import socket
 import sys
 import threading
 import time
-import traceback
-from typing import Any
+TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
+if TYPE_CHECKING:
+    from typing import Any
 
 from . import protocol
 from .protocol import storable, unstorable
@@ -213,10 +212,12 @@ def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | N
     if module is None:
         if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
             load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
-            spec = importlib.util.spec_from_file_location(load_name, path)
+            import importlib.util as import_util  # deferred: children start faster without it
+
+            spec = import_util.spec_from_file_location(load_name, path)
             if spec is None or spec.loader is None:
                 raise ImportError(f"cannot load {path}")
-            module = importlib.util.module_from_spec(spec)
+            module = import_util.module_from_spec(spec)
             sys.modules[load_name] = module
             spec.loader.exec_module(module)
         else:
@@ -237,6 +238,8 @@ def failure(kind: str, exc: BaseException) -> dict[str, Any]:
     except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the failure
         message = f"<{exc_type.__name__}: str() failed>"
     try:
+        import traceback
+
         tb = "".join(traceback.format_exception(exc))
     except BaseException:  # noqa: BLE001
         tb = f"{exc_type.__name__}: {message}"
@@ -262,10 +265,15 @@ def input_annotation(fn: Any) -> Any:
         return None
 
 
+def is_dataclass_type(obj: Any) -> bool:
+    """``dataclasses.is_dataclass`` for a class, without importing dataclasses."""
+    return isinstance(obj, type) and hasattr(obj, "__dataclass_fields__")
+
+
 def convert_input(ann: Any, inp: Any) -> Any:
     """dict -> dataclass or pydantic model per the annotation; anything else unchanged."""
     if isinstance(ann, type) and isinstance(inp, dict):
-        if dataclasses.is_dataclass(ann):
+        if is_dataclass_type(ann):
             return ann(**inp)
         if hasattr(ann, "model_validate"):
             return ann.model_validate(inp)
@@ -274,7 +282,9 @@ def convert_input(ann: Any, inp: Any) -> Any:
 
 def to_json_value(output: Any) -> Any:
     """dataclass and pydantic outputs become plain JSON values."""
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+    if hasattr(type(output), "__dataclass_fields__") and not isinstance(output, type):
+        import dataclasses
+
         return dataclasses.asdict(output)
     if hasattr(output, "model_dump") and callable(output.model_dump):
         return output.model_dump(mode="json")

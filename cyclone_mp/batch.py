@@ -6,7 +6,9 @@ round trip (about a millisecond) left every child idle until it returned. Here i
 on one helper thread, over a second connection, while the loop goes on reading results
 and starting prefetched steps; the helper wakes the loop when the statement is done.
 
-One statement is in flight at a time, so completions keep their order and a claim is
+Without prefetch there is nothing to start before the claim returns, so the supervisor
+runs the statement inline (same connection, no thread handoff). One statement is in
+flight at a time, so completions keep their order and a claim is
 never doubled. The loop alone decides what a result means (CAS misses, outages); this
 module only carries statements and results.
 """
@@ -48,8 +50,10 @@ class BatchWriter:
         """The statement in flight has finished and its result can be taken."""
         return self._future is not None and self._future.done()
 
-    def submit(self, context: Any, fn: Callable[[Store], Any]) -> None:
-        """Run ``fn(store)`` on the helper thread; ``context`` comes back with the result.
+    def submit(self, context: Any, fn: Callable[[Store], Any], *, inline: bool = False) -> None:
+        """Run ``fn(store)`` on the helper thread (``inline``: on the calling thread, when
+        there is nothing to do meanwhile and a thread handoff would only add latency);
+        ``context`` comes back with the result from :meth:`take`.
 
         Raises:
             DatabaseUnavailable: the writer's connection cannot be opened.
@@ -61,6 +65,14 @@ class BatchWriter:
             self._close_store()
             self.store = Store.open(self.dsn, generic_plans=True)
         self._context = context
+        if inline:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            try:
+                future.set_result(fn(self.store))
+            except BaseException as exc:  # noqa: BLE001 - handed to take() as the helper would
+                future.set_exception(exc)
+            self._future = future
+            return
         self._future = self._executor.submit(fn, self.store)
         self._future.add_done_callback(lambda _f: self._wake())
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from typing import Any, Callable
+TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
+if TYPE_CHECKING:
+    from typing import Any, Callable
 
 from .errors import Cancelled
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any
+TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
+if TYPE_CHECKING:
+    from typing import Any
 
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error

@@ -761,10 +761,13 @@ class Supervisor:
                 return store.complete(owner=owner, items=items, workflows=workflows), []
         self.stats["batches"] += 1
         try:
-            self.batch.submit((batch, limit), statement)
+            # Without prefetch nothing can start before the claim returns: run it here.
+            self.batch.submit((batch, limit), statement, inline=not self.config.prefetch)
         except DatabaseError as exc:
             self._db_down(exc)
             self._defer_completions(batch)
+            return
+        self._collect_batch()
 
     def _collect_batch(self) -> None:
         """Apply the outcome of the batch statement once it is back."""
