@@ -359,7 +359,7 @@ class Bench:
     def b2(self) -> dict[str, Any]:
         row = self.cpu_bound(prefetch=0)
         fast = self.cpu_bound(prefetch=PREFETCH)
-        row.update({f"{k}_prefetch": v for k, v in fast.items() if k in ("efficiency", "steps_per_s")})
+        row.update({f"{k}_prefetch": v for k, v in fast.items() if k in ("efficiency", "steps_per_s", "cores_busy")})
         return row
 
     def cpu_bound(self, prefetch: int) -> dict[str, Any]:
@@ -373,6 +373,7 @@ class Bench:
                 client.start()
                 sup = client.supervisor
                 wait_until(lambda: sup.stats["completed"] >= n, 300, 0.005, f"{n} completions")
+                child_cpu = sum(c.cpu_total for c in sup.children)  # as of each child's last result
                 client.shutdown()
             finally:
                 with contextlib.suppress(Exception):
@@ -386,6 +387,9 @@ class Bench:
             "efficiency": round(ideal / wall, 3),
             "efficiency_incl_startup": round(ideal / (t["last_finish"] - t0), 3),
             "efficiency_vs_pool2": round(cal["pool2_s"] / wall, 3),
+            # CPU seconds the children used (handlers plus their start) over 2 cores x wall:
+            # independent of how fast the VM's CPU happened to be during calibration.
+            "cores_busy": round(child_cpu / (2 * wall), 3),
             "steps_per_s": round(n / wall, 1), "step_ms_p50_db": round(t["step_s_p50"] * 1000, 2),
         }
 
@@ -647,6 +651,8 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          ">= 0.95", lambda v, m: v >= 0.95),
         ("B2", "efficiency_prefetch", f"CPU efficiency vs 2 ideal cores, prefetch={PREFETCH}", "{:.3f}",
          ">= 0.95", lambda v, m: v >= 0.95),
+        ("B2", "cores_busy", "children's CPU / (2 cores x wall), defaults", "{:.3f}", "(CPU-speed independent)", None),
+        ("B2", "cores_busy_prefetch", f"children's CPU / (2 cores x wall), prefetch={PREFETCH}", "{:.3f}", "", None),
         ("B2", "efficiency_vs_pool2", "CPU efficiency vs multiprocessing.Pool(2)", "{:.3f}", "(ceiling on this VM)", None),
         ("B2", "efficiency_incl_startup", "CPU efficiency incl. supervisor start", "{:.3f}", "", None),
         ("B3", "slot_back_after_s", "wedged C loop: slot back after (s)", "{:.3f}",
