@@ -375,6 +375,20 @@ def test_worker_and_enqueue_wait(dsn: str, worker: Callable[..., Worker]) -> Non
     assert w.stop() == 0
 
 
+def test_worker_with_prefetch_runs_every_step_once(dsn: str, worker: Callable[..., Worker]) -> None:
+    w = worker(APP, "--prefetch", "8")  # (it migrates the fresh database)
+    client = cy.Client(dsn, load_app(str(REPO / APP)))
+    try:
+        ids = client.enqueue_many("echo", [{"i": i} for i in range(40)])
+        wait_for(lambda: all(client.status(r).state == "completed" for r in ids), 60, "40 echo runs")
+        steps = [client.status(r).steps["echo"] for r in ids]
+    finally:
+        client.close()
+    assert [s.output["echo"] for s in steps] == [{"i": i} for i in range(40)]
+    assert all((s.attempt, s.reclaims, s.errors) == (1, 0, []) for s in steps)
+    assert w.stop() == 0
+
+
 def test_enqueue_wait_failed_run_exits_1(dsn: str, worker: Callable[..., Worker]) -> None:
     worker()
     proc = run_cli("enqueue", APP, "reject", "--wait", dsn=dsn)
