@@ -26,26 +26,28 @@ def running_count(dsn: str, owner: str) -> int:
     return int(row["n"])
 
 
-def test_without_prefetch_a_supervisor_holds_no_more_steps_than_children(cyclone_env_factory):
-    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=5)
+def run_sleepers(env, n: int) -> tuple[Any, int]:
+    """Run ``n`` 20 ms sleepers on a thread-mode supervisor; returns it and the most
+    steps it held (``running`` under its lease) at once."""
     env.mux().register(h.sleeper)
-    env.client().enqueue_many(h.sleeper, [{"seconds": 0.02}] * 60)
+    env.client().enqueue_many(h.sleeper, [{"seconds": 0.02}] * n)
     sup = env.start_worker().client.supervisor
     most = 0
-    while sup.stats["completed"] < 60:
+    while sup.stats["completed"] < n:
         most = max(most, running_count(env.dsn, sup.id))
+    return sup, most
+
+
+def test_without_prefetch_a_supervisor_holds_no_more_steps_than_children(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=5)
+    _, most = run_sleepers(env, 60)
     assert 1 <= most <= 2
     assert all(r["state"] == "completed" and r["lease_generation"] == 1 for r in rows_of(env.dsn, "sleeper"))
 
 
 def test_prefetch_holds_more_steps_and_runs_each_once(cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=2, prefetch=16, lease_ttl=5)
-    env.mux().register(h.sleeper)
-    env.client().enqueue_many(h.sleeper, [{"seconds": 0.02}] * 200)
-    sup = env.start_worker().client.supervisor
-    most = 0
-    while sup.stats["completed"] < 200:
-        most = max(most, running_count(env.dsn, sup.id))
+    sup, most = run_sleepers(env, 200)
     assert most > 2  # claimed beyond the two children
     rows = rows_of(env.dsn, "sleeper")
     assert all((r["state"], r["attempt"], r["reclaims"], r["errors"]) == ("completed", 1, 0, []) for r in rows)
