@@ -9,6 +9,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 import chaos_handlers as ch
 from cyclone_mp.store import connect
@@ -16,11 +17,12 @@ from cyclone_mp.store import connect
 N_STEPS = 300
 
 
-def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn):
+@pytest.mark.parametrize("prefetch", [0, 8])
+def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn, prefetch):
     with connect(cyclone_dsn) as conn:
         conn.execute("CREATE TABLE chaos_effects (run_id uuid PRIMARY KEY, attempt int, pid int)")
         conn.execute("CREATE TABLE chaos_log (run_id uuid, attempt int)")
-    env = cyclone_env_factory(workers=2, lease_ttl=1.0, kill_grace=0.3, poll_interval=(0.02, 0.1))
+    env = cyclone_env_factory(workers=2, lease_ttl=1.0, kill_grace=0.3, poll_interval=(0.02, 0.1), prefetch=prefetch)
     rng = random.Random(20261130)
     kinds = [ch.chaos_fast] * 120 + [ch.chaos_slow] * 50 + [ch.chaos_cpu] * 100 + [ch.chaos_wedged] * 10 + [ch.chaos_crash] * 20
     rng.shuffle(kinds)

@@ -22,11 +22,13 @@ def count_lines(path, prefix):
     return counts
 
 
-def test_postgres_restart_mid_run_loses_nothing(cyclone_server, cyclone_env_factory, tmp_path):
-    """Immediate stop of PostgreSQL, start again 2 s later: every step ends terminal once."""
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_postgres_restart_mid_run_loses_nothing(cyclone_server, cyclone_env_factory, tmp_path, prefetch):
+    """Immediate stop of PostgreSQL, start again 2 s later: every step ends terminal once
+    (with prefetch too: held steps and a batch statement in flight meet the outage)."""
     if not cyclone_server.restartable:
         pytest.skip("needs the embedded test server (restartable)")
-    env = cyclone_env_factory(workers=2, lease_ttl=4.0, kill_grace=0.5)
+    env = cyclone_env_factory(workers=2, lease_ttl=4.0, kill_grace=0.5, prefetch=prefetch)
     log = tmp_path / "log"
     ids = [env.enqueue(h.sleeper, {"seconds": 0.4, "log": str(log)}) for _ in range(12)]
     env.mux().register(h.ok)
