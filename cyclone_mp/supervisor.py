@@ -784,6 +784,10 @@ class Supervisor:
                 for att, output, progress in batch:
                     self._write("complete", att, {"output": output, "progress": progress})
             return
+        except Exception:  # noqa: BLE001 - never drop a success: keep it to write again
+            log.exception("the batch statement failed unexpectedly; its completions will be written again")
+            self._defer_completions(batch)
+            return
         if limit:
             self._dispatch(rows, limit)
         self.stats["completed"] += len(applied)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import cyclone_mp as cy
-from cyclone_mp.store import connect
+from cyclone_mp.store import Store, connect
 
 import handlers as h
 from waiting import wait_for
@@ -95,3 +97,23 @@ def test_prefetch_must_be_a_non_negative_int():
             assert "prefetch" in str(exc)
         else:
             raise AssertionError(f"prefetch={bad!r} accepted")
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_an_unexpected_error_in_the_batch_statement_loses_no_completion(cyclone_env_factory, monkeypatch, prefetch):
+    real = Store.complete_and_claim
+    calls = {"n": 0}
+
+    def fails_once(self: Store, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(Store, "complete_and_claim", fails_once)
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5, prefetch=prefetch)
+    ids = [env.enqueue(h.ok, {"i": i}) for i in range(6)]
+    statuses = [env.run_until_complete(run_id, timeout=30) for run_id in ids]
+    assert all((s.state, s.step.attempt, s.step.reclaims) == ("completed", 1, 0) for s in statuses)
+    assert [s.step.output["echo"] for s in statuses] == [{"i": i} for i in range(6)]
+    assert calls["n"] >= 2
