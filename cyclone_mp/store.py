@@ -411,6 +411,31 @@ class Store:
             self._end_attempt(cur, id, row, kind, entry, backoff, progress)
         return "applied"
 
+    @translate
+    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"]) -> set[int]:
+        """Failed attempts of single-step runs in one statement and one commit (issue 8).
+
+        Each item's row must still be running under ``owner`` and its generation (the
+        CAS), and an item with ``require_timed_out`` must be past its DB deadline; the
+        outcome per row is :func:`cyclone_mp.decisions.end_attempt`'s, in SQL. Returns the
+        ids applied. The others (workflow or paused runs, lost leases, timeouts not yet
+        due on the DB clock) change nothing here: write them with :meth:`fail`.
+        """
+        if not items:
+            return set()
+        with self.conn.cursor() as cur:
+            cur.execute(Q["fail_many"], {
+                "owner": owner,
+                "ids": [i.id for i in items],
+                "generations": [i.generation for i in items],
+                "kinds": [i.kind for i in items],
+                "entries": [Jsonb(i.entry) for i in items],
+                "delays_us": [to_us(i.delay) for i in items],
+                "require_timed_out": [i.require_timed_out for i in items],
+                "progress": [Jsonb(i.progress) if i.progress is not None else None for i in items],
+            })
+            return {r["id"] for r in cur.fetchall()}
+
     def _end_attempt(
         self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
         backoff: Callable[[int], float], progress: Any = None,
@@ -732,6 +757,21 @@ class Store:
     def dashboard_run_signals(self, run_id: str) -> list[dict[str, Any]]:
         """The signals run ``run_id`` received: ``name``, ``payload``, ``created_at``."""
         return self._dash_rows("dash_run_signals", {"run_id": run_id})
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedAttempt:
+    """One failed attempt for :meth:`Store.fail_many`: ``kind`` is a
+    :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, ``entry`` the error entry (JSON),
+    ``delay`` the backoff in seconds if the step is retried."""
+
+    id: int
+    generation: int
+    kind: str
+    entry: dict[str, Any]
+    delay: float
+    require_timed_out: bool
+    progress: Any = None
 
 
 def _completion_params(items: Sequence[tuple[int, int, Any, Any]]) -> dict[str, Any]:

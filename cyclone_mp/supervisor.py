@@ -32,13 +32,13 @@ import psutil
 
 from . import decisions, procs, protocol
 from .batch import BatchWriter
-from .backoff import compute_backoff
+from .backoff import compute_backoff, from_spec
 from .config import PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
 from .steps import Mux
-from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, Store, connect
+from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, FailedAttempt, Store, connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -74,6 +74,7 @@ class Attempt:
     cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the attempt ended
     peak_rss_kb: int | None = None  # sampled with each heartbeat (a crashed child cannot be read)
+    backoff_spec: Any = None  # the row's stored backoff (seconds or a list), if any
 
 
 @dataclasses.dataclass
@@ -143,6 +144,7 @@ class Supervisor:
         self.attempts: dict[int, Attempt] = {}
         self.pending: list[PendingWrite] = []
         self.completions: list[tuple[Attempt, Any, Any]] = []
+        self.failures: list[tuple[Attempt, str, dict[str, Any], bool]] = []  # this tick's, single-step runs
         self.store: Store | None = None
         self.listen_conn: Any = None
         self._listen_fd: int | None = None
@@ -217,8 +219,8 @@ class Supervisor:
                 try:
                     now = self.clock()
                     self._handle_requests(now)
-                    if (self.draining and not self.attempts and not self.completions and not self.prefetched
-                            and not self.batch.busy and not self._pending_live()):
+                    if (self.draining and not self.attempts and not self.completions and not self.failures
+                            and not self.prefetched and not self.batch.busy and not self._pending_live()):
                         break
                     self._tick(now)
                     self._wait(self._next_wake(self.clock()))
@@ -265,6 +267,7 @@ class Supervisor:
         self._enforce_deadlines(self.clock())
         self._collect_batch()
         self._flush_completions()
+        self._flush_failures()
         self._retry_pending(self.clock())
         now = self.clock()
         if self.db_ok and not self.draining and now >= self.next_poll and not self.batch.busy:
@@ -296,7 +299,7 @@ class Supervisor:
             times.append(self.reconnect_at)
         if self.draining and self.drain_deadline is not None:
             times.append(self.drain_deadline)
-        if self.completions and not self.batch.busy or self.batch.done:
+        if self.completions and not self.batch.busy or self.batch.done or self.failures:
             times.append(now)
         return max(0.0, min(times) - now)
 
@@ -648,7 +651,7 @@ class Supervisor:
             workflow=row["run_kind"] == "workflow",
             child=child, started=now, deadline=(claimed + timeout) if timeout is not None else None,
             next_beat=claimed + random.uniform(0, interval),  # the claim was the first heartbeat
-            lease_ok_until=claimed + self.config.lease_ttl,
+            lease_ok_until=claimed + self.config.lease_ttl, backoff_spec=row.get("backoff"),
         )
         att.cpu_start = child.cpu_total
         self.attempts[att.step_id] = att
@@ -819,7 +822,42 @@ class Supervisor:
             self.stats["late_completions_dropped"] += 1
 
     def _write_fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool) -> None:
-        self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": require_timed_out})
+        if att.workflow:  # advancing a workflow runs more statements: one by one
+            self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": require_timed_out})
+        else:
+            self.failures.append((att, kind, entry, require_timed_out))
+
+    def _flush_failures(self) -> None:
+        """Write this tick's failed attempts of single-step runs in one statement; those it
+        could not apply (a lost lease, a timeout not yet due on the DB clock, a paused
+        run, an outage, a rejected entry) go the one-by-one way, which knows each case."""
+        if not self.failures:
+            return
+        batch, self.failures = self.failures, []
+        applied: set[int] = set()
+        if self.db_ok and self.store is not None:
+            items = [
+                FailedAttempt(id=att.step_id, generation=att.generation, kind=kind,
+                              entry={"worker": self.id, "lease_generation": att.generation, **entry},
+                              delay=self._delay_for(att), require_timed_out=rto, progress=att.progress)
+                for att, kind, entry, rto in batch
+            ]
+            try:
+                applied = self.store.fail_many(owner=self.id, items=items)
+            except DatabaseError as exc:
+                self._db_down(exc)
+            self.stats["failed"] += len(applied)
+            if applied:
+                self.next_poll = self.clock()  # a retry without backoff is claimable at once
+        for att, kind, entry, rto in batch:
+            if att.step_id not in applied:
+                self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
+
+    def _delay_for(self, att: Attempt) -> float:
+        """Backoff before the next attempt: the row's stored spec wins, then the callable."""
+        if att.backoff_spec is not None:
+            return from_spec(att.backoff_spec, att.attempt)
+        return self._backoff_for(att.step_name)(att.attempt)
 
     def _write(self, kind: str, att: Attempt, payload: dict[str, Any]) -> None:
         write = PendingWrite(kind, att, payload, self.clock())
@@ -1049,6 +1087,7 @@ class Supervisor:
         self.batch.wait(timeout=self.config.lease_ttl)
         self._collect_batch()
         self.batch.shutdown()
+        self._flush_failures()
         if self.db_ok and self.store is not None:
             for write in list(self.pending):
                 self._apply(write)

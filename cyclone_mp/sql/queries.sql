@@ -32,7 +32,7 @@ picked AS (
       FROM cyclone_runs r
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
        AND r.id = s.run_id
-    RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts,
+    RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input, r.kind AS run_kind,
               (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
                  FROM cyclone_steps d
@@ -114,12 +114,12 @@ SELECT * FROM completed
 -- The hot path: this tick's completions and the next claims in one statement, one commit.
 WITH {complete_ctes}, {claim_ctes}
 SELECT 'completed' AS what, c.id, c.run_id, NULL::text AS node, NULL::text AS step_name, NULL::integer AS attempt,
-       NULL::integer AS max_attempts, NULL::float8 AS timeout, NULL::bigint AS lease_generation,
+       NULL::integer AS max_attempts, NULL::jsonb AS backoff, NULL::float8 AS timeout, NULL::bigint AS lease_generation,
        NULL::jsonb AS input, c.kind AS run_kind, NULL::jsonb AS upstream
   FROM completed c
 UNION ALL
-SELECT 'claimed', c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.timeout, c.lease_generation,
-       c.input, c.run_kind, c.upstream
+SELECT 'claimed', c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, c.input, c.run_kind, c.upstream
   FROM claimed c
 
 -- name: lock_run
@@ -160,6 +160,68 @@ UPDATE cyclone_steps
        errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', now())),
        progress = coalesce(%(progress)s::jsonb, progress)
  WHERE id = %(id)s;
+
+-- name: fail_many
+-- Failed attempts of single-step runs in one statement (issue 8). Each row must still be
+-- running under the same lease_owner and lease_generation, and a timeout the worker clock
+-- reported must be past its DB deadline; runs are locked first, by id. What the row
+-- becomes is decisions.end_attempt: a DB timeout wins over the reported kind, then
+-- discard when permanent or exhausted, else available after the delay. Rows of
+-- workflows or of paused runs, and rows whose CAS fails, are left to the one-by-one path.
+WITH fail_in AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(kinds)s::text[], %(entries)s::jsonb[],
+                         %(delays_us)s::bigint[], %(require_timed_out)s::boolean[], %(progress)s::jsonb[])
+        AS t(id, generation, kind, entry, delay_us, require_timed_out, progress)
+), runs AS (
+    SELECT r.id
+      FROM cyclone_runs r
+     WHERE r.id IN (SELECT s.run_id FROM cyclone_steps s WHERE s.id = ANY(%(ids)s::bigint[]))
+       AND r.kind = 'step'
+       AND r.state = 'running'
+     ORDER BY r.id
+       FOR UPDATE
+), judged AS (
+    -- t: the DB deadline has passed; d: the attempt ends the step (discard)
+    SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
+           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d
+      FROM cyclone_steps s
+      JOIN fail_in i ON i.id = s.id
+     CROSS JOIN LATERAL (SELECT coalesce(s.started_at + s.timeout <= now(), false) AS t) t
+     WHERE s.id = ANY(%(ids)s::bigint[])
+), ended AS (
+    UPDATE cyclone_steps s
+       SET state = CASE WHEN j.d THEN 'discarded' ELSE 'available' END,
+           attempt = CASE WHEN j.d THEN s.attempt ELSE s.attempt + 1 END,
+           scheduled_at = CASE WHEN j.d THEN s.scheduled_at
+                               ELSE now() + (j.delay_us * interval '1 microsecond') END,
+           finished_at = CASE WHEN j.d THEN now() ELSE NULL END,
+           lease_owner = CASE WHEN j.d THEN s.lease_owner ELSE NULL END,
+           lease_expiry = NULL,
+           error = coalesce(nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
+           error_kind = CASE WHEN j.t THEN 'timeout' ELSE j.kind END,
+           errors = s.errors || jsonb_build_array(
+               j.entry
+               || jsonb_build_object('attempt', s.attempt, 'kind', CASE WHEN j.t THEN 'timeout' ELSE j.kind END)
+               || CASE WHEN j.t AND j.kind <> 'timeout' THEN jsonb_build_object('reported_kind', j.kind)
+                       ELSE '{}'::jsonb END
+               || jsonb_build_object('at', now())),
+           progress = coalesce(j.progress, s.progress)
+      FROM judged j
+     WHERE s.id = j.id
+       AND s.run_id IN (SELECT id FROM runs)
+       AND s.state = 'running'
+       AND s.lease_owner = %(owner)s
+       AND s.lease_generation = j.generation
+       AND (NOT j.require_timed_out OR j.t)
+    RETURNING s.id, s.run_id, s.state
+), finished_runs AS (
+    UPDATE cyclone_runs r
+       SET state = 'discarded', finished_at = now(), updated_at = now()
+      FROM ended e
+     WHERE r.id = e.run_id AND e.state = 'discarded'
+    RETURNING r.id
+)
+SELECT e.id, e.state FROM ended e;
 
 -- name: release
 -- Graceful shutdown gives a step back: available at once, no attempt, no reclaim (SPEC 5).

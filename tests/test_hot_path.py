@@ -1,0 +1,109 @@
+"""The batched failure statement (issue 8) decides exactly as the one-by-one path does.
+
+Each case claims two identical steps, fails one with ``Store.fail_many`` and the other
+with ``Store.fail`` (the path it replaces for single-step runs), and compares the rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import cyclone_mp as cy
+from cyclone_mp import decisions
+from cyclone_mp.store import FailedAttempt, Store, connect
+
+import handlers as h
+
+OWNER = "test-owner"
+COLUMNS = "state, attempt, max_attempts, error, error_kind, errors, lease_owner, finished_at IS NOT NULL AS finished"
+
+
+def claim_two(env: Any, store: Store, step: cy.Step, **options: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    ids = [env.client().enqueue(step, {}, **options) for _ in range(2)]
+    rows = store.claim(owner=OWNER, queues=["default"], names=[step.name], limit=2, ttl=30)
+    assert len(rows) == 2
+    return ids, rows
+
+
+def row_of(dsn: str, step_id: int) -> dict[str, Any]:
+    with connect(dsn) as conn:
+        row = conn.execute(f"SELECT {COLUMNS}, run_id::text AS run_id FROM cyclone_steps WHERE id = %s",
+                           (step_id,)).fetchone()
+        row["run_state"] = conn.execute("SELECT state FROM cyclone_runs WHERE id = %s",
+                                        (row.pop("run_id"),)).fetchone()["state"]
+    for e in row["errors"]:
+        e.pop("at")  # a timestamp: present in both, equal in neither
+    return row
+
+
+def age(dsn: str, step_id: int, seconds: float) -> None:
+    with connect(dsn) as conn:
+        conn.execute("UPDATE cyclone_steps SET started_at = started_at - make_interval(secs => %s) WHERE id = %s",
+                     (seconds, step_id))
+
+
+@pytest.mark.parametrize("kind, options, aged, require_timed_out", [
+    (decisions.ERROR, {}, False, False),                        # retried
+    (decisions.ERROR, {"max_attempts": 1}, False, False),       # exhausted: discarded
+    (decisions.PERMANENT, {}, False, False),                    # discarded at once
+    (decisions.CHILD_EXITED, {"backoff": 7}, False, False),     # stored backoff spec
+    (decisions.ERROR, {"timeout": 1}, True, False),             # the DB deadline passed: a timeout
+    (decisions.TIMEOUT, {"timeout": 1, "max_attempts": 1}, True, True),
+])
+def test_fail_many_matches_fail(cyclone_env, kind, options, aged, require_timed_out):
+    store = Store.open(cyclone_env.dsn)
+    try:
+        cyclone_env.mux().register(h.raises)
+        _, (a, b) = claim_two(cyclone_env, store, h.raises, **options)
+        if aged:
+            age(cyclone_env.dsn, a["id"], 5)
+            age(cyclone_env.dsn, b["id"], 5)
+        entry = {"type": "builtins.ValueError", "message": "bad", "pid": 1}
+        delay = 7.0 if "backoff" in options else 0.0
+        applied = store.fail_many(owner=OWNER, items=[FailedAttempt(
+            id=a["id"], generation=a["lease_generation"], kind=kind, entry=entry, delay=delay,
+            require_timed_out=require_timed_out)])
+        assert applied == {a["id"]}
+        assert store.fail(owner=OWNER, id=b["id"], generation=b["lease_generation"], kind=kind, entry=entry,
+                          backoff=lambda n: delay, require_timed_out=require_timed_out) == "applied"
+        batched, single = row_of(cyclone_env.dsn, a["id"]), row_of(cyclone_env.dsn, b["id"])
+        assert batched == single
+        assert batched["errors"][0]["kind"] == batched["error_kind"]
+    finally:
+        store.close()
+
+
+def test_fail_many_leaves_what_it_must_not_decide(cyclone_env):
+    store = Store.open(cyclone_env.dsn)
+    try:
+        cyclone_env.mux().register(h.raises)
+        (run_a, run_b), (a, b) = claim_two(cyclone_env, store, h.raises, timeout=60)
+        stale = FailedAttempt(id=a["id"], generation=a["lease_generation"] + 1, kind=decisions.ERROR,
+                              entry={}, delay=0.0, require_timed_out=False)  # another lease's
+        early = FailedAttempt(id=b["id"], generation=b["lease_generation"], kind=decisions.TIMEOUT,
+                              entry={}, delay=0.0, require_timed_out=True)  # DB deadline 60 s away
+        assert store.fail_many(owner=OWNER, items=[stale, early]) == set()
+        cyclone_env.client().pause(run_a)  # a paused run is the one-by-one path's to hold
+        again = FailedAttempt(id=a["id"], generation=a["lease_generation"], kind=decisions.ERROR,
+                              entry={}, delay=0.0, require_timed_out=False)
+        assert store.fail_many(owner=OWNER, items=[again]) == set()
+        for step_id in (a["id"], b["id"]):
+            row = row_of(cyclone_env.dsn, step_id)
+            assert (row["attempt"], row["errors"], row["lease_owner"]) == (1, [], OWNER)
+    finally:
+        store.close()
+
+
+def test_a_flood_of_failures_ends_every_step_as_the_table_says(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=5)
+    env.mux().register(h.raises)
+    ids = env.client().enqueue_many(h.raises, [{}] * 40)
+    handle = env.start_worker()
+    statuses = [env.run_until_complete(run_id, timeout=60) for run_id in ids]
+    for s in statuses:
+        assert (s.state, s.step.state, s.step.attempt, s.step.error_kind) == ("discarded", "discarded", 3, "error")
+        assert [(e["attempt"], e["kind"], e["worker"]) for e in s.step.errors] == [
+            (n, "error", handle.supervisor_id) for n in (1, 2, 3)]
+    assert handle.client.supervisor.stats["failed"] == 120
