@@ -168,7 +168,8 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     if sup is not None:
         stats = sup.stats
         click.echo(f"cyclone-mp worker: stopped; {stats['completed']} completed, {stats['failed']} failed, "
-                   f"{stats['released']} released, {stats['killed']} children killed", err=True)
+                   f"{stats['released'] + stats['prefetch_released']} released, "
+                   f"{stats['killed']} children killed", err=True)
 
 
 @cli.command()

@@ -605,8 +605,9 @@ class Supervisor:
             self.next_poll = now + self.poll_delay
 
     def _take_prefetched(self) -> None:
-        """Start claimed steps on idle children, oldest claim first."""
-        if not self.prefetched or self.draining:
+        """Start claimed steps on idle children, oldest claim first (none during an
+        outage: held steps are released once the database is back)."""
+        if not self.prefetched or self.draining or not self.db_ok:
             return
         for child in self._idle_children():
             if not self.prefetched:
@@ -619,6 +620,14 @@ class Supervisor:
         (available at once, no attempt or reclaim counted, as a shutdown release)."""
         if not self.prefetched:
             return
+        if not self.db_ok or self.store is None:
+            # Keep them to release once the database is back, while the lease is still
+            # ours; give up on those whose lease ran out (the sweep reclaims them) or on
+            # all of them when a hard stop finds no database.
+            ttl = self.config.lease_ttl
+            self.prefetched = collections.deque(
+                p for p in self.prefetched if now < p.claimed + ttl and not self.hard_stop)
+            return
         if self.draining:
             due, self.prefetched = list(self.prefetched), collections.deque()
         else:
@@ -629,8 +638,6 @@ class Supervisor:
             self.prefetched = collections.deque(p for p in self.prefetched if now < p.release_at)
         for item in due:
             row = item.row
-            if not self.db_ok or self.store is None:
-                continue  # its lease expires and the sweep makes it available again
             try:
                 if self.store.release(owner=self.id, id=row["id"], generation=row["lease_generation"]):
                     self.stats["prefetch_released"] += 1
@@ -1032,7 +1039,7 @@ class Supervisor:
             if got:
                 self.next_poll = self.clock()
         except Exception as exc:  # noqa: BLE001 - a lost LISTEN connection is re-established
-            self._db_down(exc)
+            self._db_down(DatabaseUnavailable(f"the LISTEN connection was lost: {exc}"))
 
     # -- registry (informational) -------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ children, then restarts. Nothing is lost, nothing completes twice, no process is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -51,7 +52,11 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn, 
             handles.append(env.start_worker())
             ours.add(handles[-1].supervisor_id)
         else:
-            kids = [p for p in psutil.Process(victim.pid).children() if "cyclone_mp._child" in " ".join(p.cmdline())]
+            kids = []
+            for p in psutil.Process(victim.pid).children():
+                with contextlib.suppress(psutil.Error):  # a child just killed is a zombie until reaped
+                    if "cyclone_mp._child" in " ".join(p.cmdline()):
+                        kids.append(p)
             if kids:
                 os.kill(rng.choice(kids).pid, signal.SIGKILL)
                 kills["child"] += 1

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import collections
+import logging
 import signal
 import threading
 import time
 
+import psycopg
 import pytest
+from psycopg import sql
 
 import handlers as h
+from cyclone_mp.store import connect
+from waiting import wait_for
 
 
 def count_lines(path, prefix):
@@ -94,3 +99,47 @@ def test_shutdown_writes_completed_work_before_exit(cyclone_env_factory):
     stopper.join(timeout=15)
     assert not stopper.is_alive()
     assert [env.status(r).step.state for r in ids] == ["completed", "completed"]
+
+
+def test_held_steps_outlive_a_short_outage(cyclone_server, cyclone_env_factory):
+    """Prefetched steps held when the database goes away are released once it is back
+    (their lease still valid), never dropped to the sweep: with max_reclaims=0 that
+    discarded steps that never ran (found by a chaos run). The outage: the database
+    refuses new connections and its backends are terminated, for 1.5 s."""
+    env = cyclone_env_factory(worker="thread", workers=2, prefetch=16, lease_ttl=10)
+    env.mux().register(h.sleeper)
+    client = env.client()
+    short = client.enqueue_many(h.sleeper, [{"seconds": 0.01}] * 10, max_reclaims=0)
+    long = client.enqueue_many(h.sleeper, [{"seconds": 2.5}] * 2, max_reclaims=0)
+    tail = client.enqueue_many(h.sleeper, [{"seconds": 0.01}] * 30, max_reclaims=0)
+    sup = env.start_worker().client.supervisor
+
+    def both_children_on_long_steps_with_steps_held() -> bool:
+        runs = {c.attempt.run_id for c in sup.children if c.attempt is not None}
+        return runs == set(long) and len(sup.prefetched) >= 2
+
+    wait_for(both_children_on_long_steps_with_steps_held, 30, "held steps behind two long ones", interval=0.002)
+    dbname = psycopg.conninfo.conninfo_to_dict(env.dsn)["dbname"]
+    with psycopg.connect(cyclone_server.admin_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(sql.Identifier(dbname)))
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (dbname,))
+        assert sup.prefetched, "the steps were released before the outage began"
+        time.sleep(1.5)
+        admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(sql.Identifier(dbname)))
+    statuses = [env.run_until_complete(run_id, timeout=60) for run_id in short + long + tail]
+    assert [s.state for s in statuses] == ["completed"] * len(statuses)
+    assert all((s.step.attempt, s.step.reclaims) == (1, 0) for s in statuses)
+
+
+def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_factory, caplog):
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5)
+    env.mux().register(h.ok)
+    sup = env.start_worker().client.supervisor
+    pid = sup.listen_conn.info.backend_pid
+    with caplog.at_level(logging.INFO, logger="cyclone_mp.supervisor"):
+        with connect(env.dsn) as conn:
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_for(lambda: sup.listen_conn is not None and sup.listen_conn.info.backend_pid != pid, 15,
+                 "a new LISTEN connection")
+    assert not [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert env.run_until_complete(env.enqueue(h.ok, {"after": "listen lost"}), timeout=30).state == "completed"
