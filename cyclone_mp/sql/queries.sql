@@ -173,11 +173,10 @@ WITH fail_in AS (
                          %(delays_us)s::bigint[], %(require_timed_out)s::boolean[], %(progress)s::jsonb[])
         AS t(id, generation, kind, entry, delay_us, require_timed_out, progress)
 ), runs AS (
-    SELECT r.id
+    -- by primary key only: a state predicate here made plans scan every running run
+    SELECT r.id, r.kind, r.state
       FROM cyclone_runs r
-     WHERE r.id IN (SELECT s.run_id FROM cyclone_steps s WHERE s.id = ANY(%(ids)s::bigint[]))
-       AND r.kind = 'step'
-       AND r.state = 'running'
+     WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s WHERE s.id = ANY(%(ids)s::bigint[])))
      ORDER BY r.id
        FOR UPDATE
 ), judged AS (
@@ -208,7 +207,7 @@ WITH fail_in AS (
            progress = coalesce(j.progress, s.progress)
       FROM judged j
      WHERE s.id = j.id
-       AND s.run_id IN (SELECT id FROM runs)
+       AND s.run_id IN (SELECT id FROM runs WHERE kind = 'step' AND state = 'running')
        AND s.state = 'running'
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
