@@ -240,6 +240,29 @@ class SupervisorProcess:
                 self.popen.wait()
 
 
+def run_until_completed(client: cy.Client, n: int, interval: float) -> tuple[Any, list[Any], float]:
+    """Start ``client``'s supervisor (in this process), wait for ``n`` completions, shut
+    it down and close the client; returns the supervisor, its children as they were
+    before the shutdown, and the epoch time of the start."""
+    try:
+        t0 = time.time()
+        client.start()
+        sup = client.supervisor
+        wait_until(lambda: sup.stats["completed"] >= n, 300, interval, f"{n} completions")
+        children = list(sup.children)
+        client.shutdown()
+    finally:
+        with contextlib.suppress(Exception):
+            client.stop()
+        client.close()
+    return sup, children, t0
+
+
+def suffixed(row: dict[str, Any], keys: tuple[str, ...], suffix: str) -> dict[str, Any]:
+    """The ``keys`` of ``row``, renamed with ``suffix`` (a variant's columns beside the default's)."""
+    return {f"{k}{suffix}": v for k, v in row.items() if k in keys}
+
+
 def dead_or_zombie(pid: int) -> bool:
     if not psutil.pid_exists(pid):
         return True
@@ -263,21 +286,12 @@ class Bench:
     def throughput(self, dsn: str, n: int, workers: int = 2, prefetch: int = 0) -> dict[str, Any]:
         """Enqueue ``n`` no-ops with enqueue_many, then start a supervisor and time it."""
         client = cy.Client(dsn, mux_of(bench_steps.noop), workers=workers, prefetch=prefetch)
-        try:
-            client.enqueue_many(bench_steps.noop, [None] * n)
-            wal0 = wal_lsn(dsn)
-            t0 = time.time()
-            client.start()
-            sup = client.supervisor
-            wait_until(lambda: sup.stats["completed"] >= n, 300, 0.002, f"{n} completions")
-            wal = wal_lsn(dsn) - wal0  # the whole server's WAL; nothing else writes to it meanwhile
-            stats = dict(sup.stats)
-            ready_after = [c.ready_after for c in sup.children if c.ready_after is not None]
-            client.shutdown()
-        finally:
-            with contextlib.suppress(Exception):
-                client.stop()
-            client.close()
+        client.enqueue_many(bench_steps.noop, [None] * n)
+        wal0 = wal_lsn(dsn)
+        sup, children, t0 = run_until_completed(client, n, 0.002)
+        wal = wal_lsn(dsn) - wal0  # the whole server's WAL; nothing else writes to it meanwhile
+        stats = sup.stats
+        ready_after = [c.ready_after for c in children if c.ready_after is not None]
         t = step_times(dsn, bench_steps.noop.name, sup.id)
         if t["completed"] != n:
             raise AssertionError(f"{t['completed']} of {n} steps completed")
@@ -326,7 +340,7 @@ class Bench:
             row = self.throughput(dsn, self.n["b1_steps"])
         with self.server.fresh() as dsn:
             fast = self.throughput(dsn, self.n["b1_steps"], prefetch=PREFETCH)
-        row.update({f"{k}_prefetch": v for k, v in fast.items() if k in PREFETCH_KEYS})
+        row.update(suffixed(fast, PREFETCH_KEYS, "_prefetch"))
         row.update(self.enqueue_rates())
         return row
 
@@ -359,7 +373,7 @@ class Bench:
     def b2(self) -> dict[str, Any]:
         row = self.cpu_bound(prefetch=0)
         fast = self.cpu_bound(prefetch=PREFETCH)
-        row.update({f"{k}_prefetch": v for k, v in fast.items() if k in ("efficiency", "steps_per_s", "cores_busy")})
+        row.update(suffixed(fast, ("efficiency", "steps_per_s", "cores_busy"), "_prefetch"))
         return row
 
     def cpu_bound(self, prefetch: int) -> dict[str, Any]:
@@ -367,18 +381,9 @@ class Bench:
         n = self.n["b2_steps"]
         with self.server.fresh() as dsn:
             client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2, prefetch=prefetch)
-            try:
-                client.enqueue_many(bench_steps.cpu, [{"n": cal["cpu_iters"]}] * n)
-                t0 = time.time()
-                client.start()
-                sup = client.supervisor
-                wait_until(lambda: sup.stats["completed"] >= n, 300, 0.005, f"{n} completions")
-                child_cpu = sum(c.cpu_total for c in sup.children)  # as of each child's last result
-                client.shutdown()
-            finally:
-                with contextlib.suppress(Exception):
-                    client.stop()
-                client.close()
+            client.enqueue_many(bench_steps.cpu, [{"n": cal["cpu_iters"]}] * n)
+            sup, children, t0 = run_until_completed(client, n, 0.005)
+            child_cpu = sum(c.cpu_total for c in children)  # as of each child's last result
             t = step_times(dsn, bench_steps.cpu.name, sup.id)
         ideal = n * cal["cpu_job_ms"] / 1000 / 2
         wall = t["last_finish"] - t["first_start"]
@@ -538,7 +543,7 @@ class Bench:
                 conn.execute("CHECKPOINT")  # the clone's copy is not charged to the run
             row = self.throughput(dsn, self.n["b1_steps"])
             fast = self.throughput(dsn, self.n["b1_steps"], prefetch=PREFETCH)  # the next 2,000 of the queue
-            row.update({f"{k}_prefetch": v for k, v in fast.items() if k in PREFETCH_KEYS})
+            row.update(suffixed(fast, PREFETCH_KEYS, "_prefetch"))
             with psycopg.connect(dsn, autocommit=True) as conn:
                 row["other_queue_left"] = conn.execute(
                     "SELECT count(*) FROM cyclone_steps WHERE queue = 'other' AND state = 'available'").fetchone()[0]

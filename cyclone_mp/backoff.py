@@ -50,6 +50,12 @@ def from_spec(spec: BackoffSpec, attempt: int) -> float:
     return float(spec)
 
 
+def delay_after(attempt: int, spec: BackoffSpec | None, fallback: BackoffFn) -> float:
+    """Seconds before the attempt after ``attempt``: the step row's stored spec wins,
+    else ``fallback(attempt)`` (the step's or client's callable, or the default)."""
+    return from_spec(spec, attempt) if spec is not None else fallback(attempt)
+
+
 def compute_backoff(fn: BackoffFn | None, attempt: int) -> float:
     """Apply a step's own ``backoff(attempt) -> seconds`` or the default; never negative.
 

@@ -23,7 +23,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import decisions
-from .backoff import from_spec
+from .backoff import delay_after
 from .errors import DatabaseError, DatabaseUnavailable, InvalidTransition, RunNotFound
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
@@ -440,7 +440,7 @@ class Store:
         self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
         backoff: Callable[[int], float], progress: Any = None,
     ) -> decisions.AttemptEnd:
-        delay = from_spec(row["backoff"], row["attempt"]) if row.get("backoff") is not None else backoff(row["attempt"])
+        delay = delay_after(row["attempt"], row.get("backoff"), backoff)
         end = decisions.end_attempt(
             attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
             timed_out=bool(row["timed_out"]), backoff=delay,

@@ -32,7 +32,7 @@ import psutil
 
 from . import decisions, procs, protocol
 from .batch import BatchWriter
-from .backoff import compute_backoff, from_spec
+from .backoff import compute_backoff, delay_after
 from .config import PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
@@ -153,9 +153,9 @@ class Supervisor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        self.batch = BatchWriter(dsn, self._wake)
+        self.batch = BatchWriter(dsn, self._wake)  # this tick's completions + next claim, off the loop
         self._io_ready: set[ChildProc] = set()  # children whose sockets the last wait reported
-        self._next_io_sweep = clock()  # this tick's completions + next claim, off the loop
+        self._next_io_sweep = clock()
         self.draining = False
         self.drain_deadline: float | None = None
         self.hard_stop = False
@@ -299,7 +299,7 @@ class Supervisor:
             times.append(self.reconnect_at)
         if self.draining and self.drain_deadline is not None:
             times.append(self.drain_deadline)
-        if self.completions and not self.batch.busy or self.batch.done or self.failures:
+        if (self.completions and not self.batch.busy) or self.batch.done or self.failures:
             times.append(now)
         return max(0.0, min(times) - now)
 
@@ -556,11 +556,14 @@ class Supervisor:
         want = self.config.prefetch
         if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
             return 0
-        bound = min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
-        cap = min(want, int(self.config.workers * bound / max(self.step_seconds, 1e-4)))
+        cap = min(want, int(self.config.workers * self._prefetch_wait() / max(self.step_seconds, 1e-4)))
         if len(self.prefetched) > cap // 2:
             return 0
         return cap - len(self.prefetched)
+
+    def _prefetch_wait(self) -> float:
+        """Seconds a prefetched step may wait for a child: min(0.5 s, lease_ttl / 4)."""
+        return min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
 
     def _note_duration(self, seconds: float) -> None:
         prev = self.step_seconds
@@ -586,7 +589,7 @@ class Supervisor:
         """Hand claimed rows to idle children (the rest wait in ``prefetched``) and
         schedule the next poll."""
         now = self.clock()
-        wait = min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
+        wait = self._prefetch_wait()
         for row in rows:
             timeout = row["timeout"]
             bound = wait if timeout is None else min(wait, timeout / 10)
@@ -845,8 +848,8 @@ class Supervisor:
         if self.db_ok and self.store is not None:
             items = [
                 FailedAttempt(id=att.step_id, generation=att.generation, kind=kind,
-                              entry={"worker": self.id, "lease_generation": att.generation, **entry},
-                              delay=self._delay_for(att), require_timed_out=rto, progress=att.progress)
+                              entry=self._entry(att, entry), require_timed_out=rto, progress=att.progress,
+                              delay=delay_after(att.attempt, att.backoff_spec, self._backoff_for(att.step_name)))
                 for att, kind, entry, rto in batch
             ]
             try:
@@ -860,11 +863,9 @@ class Supervisor:
             if att.step_id not in applied:
                 self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
 
-    def _delay_for(self, att: Attempt) -> float:
-        """Backoff before the next attempt: the row's stored spec wins, then the callable."""
-        if att.backoff_spec is not None:
-            return from_spec(att.backoff_spec, att.attempt)
-        return self._backoff_for(att.step_name)(att.attempt)
+    def _entry(self, att: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
+        """An attempt's error entry as stored: who wrote it, under which lease."""
+        return {"worker": self.id, "lease_generation": att.generation, **entry}
 
     def _write(self, kind: str, att: Attempt, payload: dict[str, Any]) -> None:
         write = PendingWrite(kind, att, payload, self.clock())
@@ -896,7 +897,7 @@ class Supervisor:
                 if self.store.release(owner=self.id, id=att.step_id, generation=att.generation):
                     self.stats["released"] += 1
                 return True
-            entry = {"worker": self.id, "lease_generation": att.generation, **write.payload["entry"]}
+            entry = self._entry(att, write.payload["entry"])
             result = self.store.fail(
                 owner=self.id, id=att.step_id, generation=att.generation, kind=write.payload["kind"], entry=entry,
                 backoff=self._backoff_for(att.step_name),
