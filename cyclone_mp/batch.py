@@ -1,7 +1,7 @@
 """The supervisor's batch writer: the hot statement runs off the loop thread (issue 8).
 
-Each tick's completions and the next claim go to PostgreSQL as one statement
-(:meth:`cyclone_mp.store.Store.complete_and_claim`). Run on the loop thread, that
+Each tick's completions, failed attempts and the next claim go to PostgreSQL as one
+statement (:meth:`cyclone_mp.store.Store.settle`). Run on the loop thread, that
 round trip (about a millisecond) left every child idle until it returned. Here it runs
 on one helper thread, over a second connection, while the loop goes on reading results
 and starting prefetched steps; the helper wakes the loop when the statement is done.

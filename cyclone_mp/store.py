@@ -342,39 +342,73 @@ class Store:
             return self._one(cur, "lease_state", {"id": id})
 
     @translate
-    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], workflows: bool = True) -> set[int]:
-        """Apply success CASes for ``(id, generation, output, progress)`` items in one statement.
+    def settle(
+        self,
+        *,
+        owner: str,
+        completions: Sequence[tuple[int, int, Any, Any]] = (),
+        failures: Sequence["FailedAttempt"] = (),
+        queues: Sequence[str] = (),
+        names: Sequence[str] = (),
+        limit: int = 0,
+        ttl: float = 0.0,
+        workflows: bool = False,
+    ) -> "Settled":
+        """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
 
-        Returns the ids whose CAS held (the others were late: cancelled, reclaimed or
-        timed out, and change nothing). Workflow runs are advanced in the same
-        transaction; with ``workflows=False`` (every item belongs to a single-step run)
-        the one statement runs on its own, one round trip and one commit.
+        ``completions`` are ``(id, generation, output, progress)`` items; ``failures`` are
+        failed attempts of single-step runs. Each row gets its own CAS: still running
+        under ``owner`` and its generation, a completion before its DB deadline, a
+        failure with ``require_timed_out`` past it. A failed attempt's outcome is
+        :func:`cyclone_mp.decisions.end_attempt`'s, in SQL. Rows whose CAS fails change
+        nothing (late completions; for failures also workflow or paused runs and
+        timeouts not yet due on the DB clock: write those with :meth:`fail`). Then up
+        to ``limit`` steps of ``queues``/``names`` are claimed with a ``ttl``-second
+        lease. With ``workflows`` (some completion belongs to a workflow run) the
+        workflows are advanced in the same transaction; otherwise it is one round trip
+        and one commit.
+
+        Raises:
+            DatabaseUnavailable, QueryRejected: see :func:`translate`.
         """
-        if not items:
-            return set()
         with (self._tx() if workflows else self.conn.cursor()) as cur:
-            cur.execute(Q["complete"], {"owner": owner, **_completion_params(items)})
-            rows = cur.fetchall()
-            for run_id in sorted({r["run_id"] for r in rows if r["kind"] == "workflow"}):
-                self._advance(cur, run_id)
-        return {r["id"] for r in rows}
-
-    @translate
-    def complete_and_claim(
-        self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], queues: Sequence[str],
-        names: Sequence[str], limit: int, ttl: float,
-    ) -> tuple[set[int], list[dict[str, Any]]]:
-        """Completions of single-step runs plus the next claim, in one statement and one commit.
-
-        Returns ``(ids whose completion CAS held, claimed rows)``.
-        """
-        with self.conn.cursor() as cur:
-            cur.execute(Q["complete_and_claim"], {
-                "owner": owner, **_completion_params(items), "queues": list(queues), "names": list(names),
-                "limit": limit, "ttl_us": to_us(ttl),
+            cur.execute(Q["settle"], {
+                "owner": owner,
+                "ids": [i[0] for i in completions],
+                "generations": [i[1] for i in completions],
+                "outputs": [Jsonb(i[2]) for i in completions],
+                "progress": [Jsonb(i[3]) if i[3] is not None else None for i in completions],
+                "fail_ids": [f.id for f in failures],
+                "fail_generations": [f.generation for f in failures],
+                "kinds": [f.kind for f in failures],
+                "entries": [Jsonb(f.entry) for f in failures],
+                "delays_us": [to_us(f.delay) for f in failures],
+                "require_timed_out": [f.require_timed_out for f in failures],
+                "fail_progress": [Jsonb(f.progress) if f.progress is not None else None for f in failures],
+                "queues": list(queues), "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
             })
             rows = cur.fetchall()
-        return {r["id"] for r in rows if r["what"] == "completed"}, [r for r in rows if r["what"] == "claimed"]
+            for run_id in sorted({r["run_id"] for r in rows if r["what"] == "completed" and r["run_kind"] == "workflow"}):
+                self._advance(cur, run_id)
+        return Settled(
+            completed={r["id"] for r in rows if r["what"] == "completed"},
+            failed={r["id"] for r in rows if r["what"] == "failed"},
+            claimed=[r for r in rows if r["what"] == "claimed"],
+        )
+
+    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], workflows: bool = True) -> set[int]:
+        """Success CASes for ``(id, generation, output, progress)`` items (:meth:`settle`
+        without failures or claim); returns the ids whose CAS held."""
+        if not items:
+            return set()
+        return self.settle(owner=owner, completions=items, workflows=workflows).completed
+
+    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"]) -> set[int]:
+        """Failed attempts of single-step runs (:meth:`settle` without completions or
+        claim); returns the ids applied."""
+        if not items:
+            return set()
+        return self.settle(owner=owner, failures=items).failed
 
     @translate
     def fail(
@@ -410,31 +444,6 @@ class Store:
                 return "not_yet"
             self._end_attempt(cur, id, row, kind, entry, backoff, progress)
         return "applied"
-
-    @translate
-    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"]) -> set[int]:
-        """Failed attempts of single-step runs in one statement and one commit (issue 8).
-
-        Each item's row must still be running under ``owner`` and its generation (the
-        CAS), and an item with ``require_timed_out`` must be past its DB deadline; the
-        outcome per row is :func:`cyclone_mp.decisions.end_attempt`'s, in SQL. Returns the
-        ids applied. The others (workflow or paused runs, lost leases, timeouts not yet
-        due on the DB clock) change nothing here: write them with :meth:`fail`.
-        """
-        if not items:
-            return set()
-        with self.conn.cursor() as cur:
-            cur.execute(Q["fail_many"], {
-                "owner": owner,
-                "ids": [i.id for i in items],
-                "generations": [i.generation for i in items],
-                "kinds": [i.kind for i in items],
-                "entries": [Jsonb(i.entry) for i in items],
-                "delays_us": [to_us(i.delay) for i in items],
-                "require_timed_out": [i.require_timed_out for i in items],
-                "progress": [Jsonb(i.progress) if i.progress is not None else None for i in items],
-            })
-            return {r["id"] for r in cur.fetchall()}
 
     def _end_attempt(
         self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
@@ -761,7 +770,7 @@ class Store:
 
 @dataclasses.dataclass(frozen=True)
 class FailedAttempt:
-    """One failed attempt for :meth:`Store.fail_many`: ``kind`` is a
+    """One failed attempt for :meth:`Store.settle`: ``kind`` is a
     :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, ``entry`` the error entry (JSON),
     ``delay`` the backoff in seconds if the step is retried."""
 
@@ -774,10 +783,11 @@ class FailedAttempt:
     progress: Any = None
 
 
-def _completion_params(items: Sequence[tuple[int, int, Any, Any]]) -> dict[str, Any]:
-    return {
-        "ids": [i[0] for i in items],
-        "generations": [i[1] for i in items],
-        "outputs": [Jsonb(i[2]) for i in items],
-        "progress": [Jsonb(i[3]) if i[3] is not None else None for i in items],
-    }
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """What :meth:`Store.settle` did: the step ids whose completion and whose failure
+    CAS held, and the claimed rows."""
+
+    completed: set[int]
+    failed: set[int]
+    claimed: list[dict[str, Any]]

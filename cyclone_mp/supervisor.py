@@ -38,7 +38,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
 from .steps import Mux
-from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, FailedAttempt, Store, connect
+from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, FailedAttempt, Settled, Store, connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -153,7 +153,7 @@ class Supervisor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        self.batch = BatchWriter(dsn, self._wake)  # this tick's completions + next claim, off the loop
+        self.batch = BatchWriter(dsn, self._wake)  # a tick's outcomes + next claim, off the loop
         self._io_ready: set[ChildProc] = set()  # children whose sockets the last wait reported
         self._next_io_sweep = clock()
         self.draining = False
@@ -266,8 +266,7 @@ class Supervisor:
         self._expire_prefetched(self.clock())
         self._enforce_deadlines(self.clock())
         self._collect_batch()
-        self._flush_completions()
-        self._flush_failures()
+        self._flush_outcomes()
         self._retry_pending(self.clock())
         now = self.clock()
         if self.db_ok and not self.draining and now >= self.next_poll and not self.batch.busy:
@@ -299,7 +298,7 @@ class Supervisor:
             times.append(self.reconnect_at)
         if self.draining and self.drain_deadline is not None:
             times.append(self.drain_deadline)
-        if (self.completions and not self.batch.busy) or self.batch.done or self.failures:
+        if ((self.completions or self.failures) and not self.batch.busy) or self.batch.done:
             times.append(now)
         return max(0.0, min(times) - now)
 
@@ -750,67 +749,84 @@ class Supervisor:
 
     # -- writing outcomes ---------------------------------------------------------------------
 
-    def _flush_completions(self) -> None:
-        """Send this tick's successes as one statement, with the next claim when there is
-        room, to the batch writer (one statement in flight; later successes wait for it)."""
-        if not self.completions or self.batch.busy:
+    def _flush_outcomes(self) -> None:
+        """Send this tick's successes and failed attempts of single-step runs as one
+        statement, with the next claim when there is room, to the batch writer (one
+        statement in flight; later outcomes wait for it). Issue 8."""
+        if not (self.completions or self.failures) or self.batch.busy:
             return
-        batch, self.completions = self.completions, []
+        done, self.completions = self.completions, []
+        failed, self.failures = self.failures, []
         if not self.db_ok or self.store is None:
-            self._defer_completions(batch)
+            self._defer(done, failed)
             return
-        items = [(a.step_id, a.generation, out, prog) for a, out, prog in batch]
+        completions = [(a.step_id, a.generation, out, prog) for a, out, prog in done]
+        failures = [
+            FailedAttempt(id=att.step_id, generation=att.generation, kind=kind, entry=self._entry(att, entry),
+                          require_timed_out=rto, progress=att.progress,
+                          delay=delay_after(att.attempt, att.backoff_spec, self._backoff_for(att.step_name)))
+            for att, kind, entry, rto in failed
+        ]
         limit = len(self._idle_children()) + self.prefetch_room() if not self.draining else 0
-        workflows = any(a.workflow for a, _, _ in batch)
+        workflows = any(a.workflow for a, _, _ in done)
         owner, queues, names, ttl = self.id, self.config.queues, self.mux.step_names, self.config.lease_ttl
-        if limit and not workflows:
-            def statement(store: Store) -> tuple[set[int], list[dict[str, Any]]]:
-                return store.complete_and_claim(owner=owner, items=items, queues=queues, names=names,
-                                                limit=limit, ttl=ttl)
-        else:
-            limit = 0
 
-            def statement(store: Store) -> tuple[set[int], list[dict[str, Any]]]:
-                return store.complete(owner=owner, items=items, workflows=workflows), []
+        def statement(store: Store) -> Settled:
+            return store.settle(owner=owner, completions=completions, failures=failures, queues=queues,
+                                names=names, limit=limit, ttl=ttl, workflows=workflows)
         self.stats["batches"] += 1
         try:
             # Without prefetch nothing can start before the claim returns: run it here.
-            self.batch.submit((batch, limit), statement, inline=not self.config.prefetch)
+            self.batch.submit((done, failed, limit), statement, inline=not self.config.prefetch)
         except DatabaseError as exc:
             self._db_down(exc)
-            self._defer_completions(batch)
+            self._defer(done, failed)
             return
         self._collect_batch()
 
     def _collect_batch(self) -> None:
         """Apply the outcome of the batch statement once it is back."""
-        done = self.batch.take()
-        if done is None:
+        taken = self.batch.take()
+        if taken is None:
             return
-        (batch, limit), future = done
+        (done, failed, limit), future = taken
         try:
-            applied, rows = future.result()
+            settled: Settled = future.result()
         except DatabaseError as exc:
             if self._db_down(exc):
-                self._defer_completions(batch)
+                self._defer(done, failed)
             else:  # one bad row must not hold back the others: write them one by one
-                for att, output, progress in batch:
+                for att, output, progress in done:
                     self._write("complete", att, {"output": output, "progress": progress})
+                for att, kind, entry, rto in failed:
+                    self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
             return
-        except Exception:  # noqa: BLE001 - never drop a success: keep it to write again
-            log.exception("the batch statement failed unexpectedly; its completions will be written again")
-            self._defer_completions(batch)
+        except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
+            log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
+            self._defer(done, failed)
             return
         if limit:
-            self._dispatch(rows, limit)
-        self.stats["completed"] += len(applied)
-        for att, _, _ in batch:
-            if att.step_id not in applied:
+            self._dispatch(settled.claimed, limit)
+        self.stats["completed"] += len(settled.completed)
+        self.stats["failed"] += len(settled.failed)
+        if settled.failed:
+            self.next_poll = self.clock()  # a retry without backoff is claimable at once
+        for att, _, _ in done:
+            if att.step_id not in settled.completed:
                 self._late_success(att)
+        # The rest (a lost lease, a timeout not yet due on the DB clock, a paused run)
+        # go the one-by-one way, which knows each case.
+        for att, kind, entry, rto in failed:
+            if att.step_id not in settled.failed:
+                self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
 
-    def _defer_completions(self, batch: list[tuple[Attempt, Any, Any]]) -> None:
-        for att, output, progress in batch:
-            self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, self.clock()))
+    def _defer(self, done: list[tuple[Attempt, Any, Any]], failed: list[tuple[Attempt, str, dict[str, Any], bool]]) -> None:
+        """Keep a tick's outcomes to write again (one by one) once the database answers."""
+        now = self.clock()
+        for att, output, progress in done:
+            self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, now))
+        for att, kind, entry, rto in failed:
+            self.pending.append(PendingWrite("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto}, now))
 
     def _late_success(self, att: Attempt) -> None:
         """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
@@ -836,32 +852,6 @@ class Supervisor:
             self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": require_timed_out})
         else:
             self.failures.append((att, kind, entry, require_timed_out))
-
-    def _flush_failures(self) -> None:
-        """Write this tick's failed attempts of single-step runs in one statement; those it
-        could not apply (a lost lease, a timeout not yet due on the DB clock, a paused
-        run, an outage, a rejected entry) go the one-by-one way, which knows each case."""
-        if not self.failures:
-            return
-        batch, self.failures = self.failures, []
-        applied: set[int] = set()
-        if self.db_ok and self.store is not None:
-            items = [
-                FailedAttempt(id=att.step_id, generation=att.generation, kind=kind,
-                              entry=self._entry(att, entry), require_timed_out=rto, progress=att.progress,
-                              delay=delay_after(att.attempt, att.backoff_spec, self._backoff_for(att.step_name)))
-                for att, kind, entry, rto in batch
-            ]
-            try:
-                applied = self.store.fail_many(owner=self.id, items=items)
-            except DatabaseError as exc:
-                self._db_down(exc)
-            self.stats["failed"] += len(applied)
-            if applied:
-                self.next_poll = self.clock()  # a retry without backoff is claimable at once
-        for att, kind, entry, rto in batch:
-            if att.step_id not in applied:
-                self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
 
     def _entry(self, att: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
         """An attempt's error entry as stored: who wrote it, under which lease."""
@@ -1095,7 +1085,8 @@ class Supervisor:
         self.batch.wait(timeout=self.config.lease_ttl)
         self._collect_batch()
         self.batch.shutdown()
-        self._flush_failures()
+        self._defer(self.completions, self.failures)
+        self.completions, self.failures = [], []
         if self.db_ok and self.store is not None:
             for write in list(self.pending):
                 self._apply(write)

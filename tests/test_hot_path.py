@@ -1,13 +1,16 @@
-"""The batched failure statement (issue 8) decides exactly as the one-by-one path does.
+"""The hot statement (issue 8): one statement settles a tick, and its failures decide
+exactly as the one-by-one path does.
 
-Each case claims two identical steps, fails one with ``Store.fail_many`` and the other
-with ``Store.fail`` (the path it replaces for single-step runs), and compares the rows.
+Each comparison claims two identical steps, fails one with ``Store.fail_many`` (the
+batched statement without completions) and the other with ``Store.fail`` (the path it
+replaces for single-step runs), and compares the rows.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 import pytest
 
 import cyclone_mp as cy
@@ -107,3 +110,43 @@ def test_a_flood_of_failures_ends_every_step_as_the_table_says(cyclone_env_facto
         assert [(e["attempt"], e["kind"], e["worker"]) for e in s.step.errors] == [
             (n, "error", handle.supervisor_id) for n in (1, 2, 3)]
     assert handle.client.supervisor.stats["failed"] == 120
+
+
+def test_one_statement_settles_completions_failures_and_the_next_claim(cyclone_env):
+    store = Store.open(cyclone_env.dsn)
+    statements: list[str] = []
+
+    class Counting(psycopg.Cursor):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            statements.append(str(query))
+            return super().execute(query, params, **kwargs)
+
+    try:
+        cyclone_env.mux().register(h.ok)
+        run_ids = [cyclone_env.client().enqueue(h.ok, {"i": i}) for i in range(4)]
+        a, b, c = store.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30)
+        store.conn.cursor_factory = Counting
+        settled = store.settle(
+            owner=OWNER,
+            completions=[(a["id"], a["lease_generation"], {"done": 1}, None),
+                         (b["id"], b["lease_generation"] + 1, {"late": 1}, None)],  # another lease's
+            failures=[FailedAttempt(id=c["id"], generation=c["lease_generation"], kind=decisions.ERROR,
+                                    entry={"message": "bad"}, delay=0.0, require_timed_out=False)],
+            queues=["default"], names=["ok"], limit=2, ttl=30,
+        )
+        assert len(statements) == 1
+        assert (settled.completed, settled.failed) == ({a["id"]}, {c["id"]})
+        assert [r["run_id"] for r in settled.claimed] == [run_ids[3]]  # c waits for its next claim
+        with connect(cyclone_env.dsn) as conn:
+            rows = {r["id"]: r for r in conn.execute(
+                "SELECT s.id, s.state, s.attempt, s.output, s.lease_owner, r.state AS run_state "
+                "FROM cyclone_steps s JOIN cyclone_runs r ON r.id = s.run_id").fetchall()}
+        assert (rows[a["id"]]["state"], rows[a["id"]]["output"], rows[a["id"]]["run_state"]) == (
+            "completed", {"done": 1}, "completed")
+        assert (rows[b["id"]]["state"], rows[b["id"]]["output"]) == ("running", None)
+        assert (rows[c["id"]]["state"], rows[c["id"]]["attempt"], rows[c["id"]]["run_state"]) == (
+            "available", 2, "running")
+        assert (rows[settled.claimed[0]["id"]]["state"], rows[settled.claimed[0]["id"]]["lease_owner"]) == (
+            "running", OWNER)
+    finally:
+        store.close()

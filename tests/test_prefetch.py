@@ -100,20 +100,25 @@ def test_prefetch_must_be_a_non_negative_int():
 
 
 @pytest.mark.parametrize("prefetch", [0, 4])
-def test_an_unexpected_error_in_the_batch_statement_loses_no_completion(cyclone_env_factory, monkeypatch, prefetch):
-    real = Store.complete_and_claim
-    calls = {"n": 0}
+def test_an_unexpected_error_in_the_batch_statement_loses_no_outcome(cyclone_env_factory, monkeypatch, prefetch):
+    real = Store.settle
+    calls = {"n": 0, "failures": 0}
 
     def fails_once(self: Store, **kwargs: Any) -> Any:
         calls["n"] += 1
-        if calls["n"] == 1:
+        if kwargs.get("failures") and not calls["failures"]:
+            calls["failures"] += 1  # the first statement that carries failed attempts
             raise RuntimeError("injected")
         return real(self, **kwargs)
 
-    monkeypatch.setattr(Store, "complete_and_claim", fails_once)
+    monkeypatch.setattr(Store, "settle", fails_once)
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5, prefetch=prefetch)
     ids = [env.enqueue(h.ok, {"i": i}) for i in range(6)]
+    failing = [env.enqueue(h.raises, {}) for _ in range(3)]
     statuses = [env.run_until_complete(run_id, timeout=30) for run_id in ids]
     assert all((s.state, s.step.attempt, s.step.reclaims) == ("completed", 1, 0) for s in statuses)
     assert [s.step.output["echo"] for s in statuses] == [{"i": i} for i in range(6)]
-    assert calls["n"] >= 2
+    for s in (env.run_until_complete(run_id, timeout=30) for run_id in failing):
+        assert (s.state, s.step.attempt) == ("discarded", 3)
+        assert [e["attempt"] for e in s.step.errors] == [1, 2, 3]  # none lost, none written twice
+    assert calls["failures"] == 1 and calls["n"] >= 2

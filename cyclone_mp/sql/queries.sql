@@ -60,16 +60,25 @@ SELECT state, lease_owner, lease_generation,
   FROM cyclone_steps
  WHERE id = %(id)s;
 
--- name: complete_ctes
--- (Fragment) completion CAS for many steps at once; each row must still be running under
--- the same lease_owner and lease_generation, before its DB deadline. Locks runs first, by id.
+-- name: settle_ctes
+-- (Fragment) one tick's outcomes (issue 8): completions and failed attempts. Every row is
+-- checked on its own (the CAS): still running under the same lease_owner and
+-- lease_generation; a completion before its DB deadline; a timeout the worker clock
+-- reported past its DB deadline. Runs are locked first, all at once, by id.
 done_in AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(progress)s::jsonb[])
         AS t(id, generation, output, progress)
+), fail_in AS (
+    SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
+                         %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
+                         %(fail_progress)s::jsonb[])
+        AS t(id, generation, kind, entry, delay_us, require_timed_out, progress)
 ), runs AS (
-    SELECT r.id, r.kind
+    -- by primary key only: a state predicate here made generic plans scan every running run
+    SELECT r.id, r.kind, r.state
       FROM cyclone_runs r
-     WHERE r.id IN (SELECT s.run_id FROM cyclone_steps s JOIN done_in USING (id))
+     WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
+                             WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
@@ -85,19 +94,62 @@ done_in AS (
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
        AND s.id = i.id
        AND s.run_id IN (SELECT id FROM runs)
-       AND s.state = 'running'
+       AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = i.generation
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id
-), finished_runs AS (
+), completed_runs AS (
     UPDATE cyclone_runs r
        SET state = 'completed', finished_at = now(), updated_at = now()
       FROM done d
      WHERE r.id = d.run_id AND r.kind = 'step' AND r.state IN ('running', 'paused')
     RETURNING r.id
-), completed AS (
-    SELECT d.id, d.run_id::text AS run_id, runs.kind FROM done d JOIN runs ON runs.id = d.run_id
+), judged AS (
+    -- What a failed attempt makes of its row is decisions.end_attempt. t: the DB
+    -- deadline has passed (a DB timeout wins over the reported kind); d: the attempt
+    -- ends the step (permanent or exhausted: discard), else available after the delay.
+    -- Only rows of running single-step runs: workflows and paused runs are left to the
+    -- one-by-one path (the run rows are locked, so their state holds).
+    SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
+           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d
+      FROM cyclone_steps s
+      JOIN fail_in i ON i.id = s.id
+      JOIN runs ON runs.id = s.run_id AND runs.kind = 'step' AND runs.state = 'running'
+     CROSS JOIN LATERAL (SELECT coalesce(s.started_at + s.timeout <= now(), false) AS t) t
+     WHERE s.id = ANY(%(fail_ids)s::bigint[])
+), ended AS (
+    UPDATE cyclone_steps s
+       SET state = CASE WHEN j.d THEN 'discarded' ELSE 'available' END,
+           attempt = CASE WHEN j.d THEN s.attempt ELSE s.attempt + 1 END,
+           scheduled_at = CASE WHEN j.d THEN s.scheduled_at
+                               ELSE now() + (j.delay_us * interval '1 microsecond') END,
+           finished_at = CASE WHEN j.d THEN now() ELSE NULL END,
+           lease_owner = CASE WHEN j.d THEN s.lease_owner ELSE NULL END,
+           lease_expiry = NULL,
+           error = coalesce(nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
+           error_kind = CASE WHEN j.t THEN 'timeout' ELSE j.kind END,
+           errors = s.errors || jsonb_build_array(
+               j.entry
+               || jsonb_build_object('attempt', s.attempt, 'kind', CASE WHEN j.t THEN 'timeout' ELSE j.kind END)
+               || CASE WHEN j.t AND j.kind <> 'timeout' THEN jsonb_build_object('reported_kind', j.kind)
+                       ELSE '{}'::jsonb END
+               || jsonb_build_object('at', now())),
+           progress = coalesce(j.progress, s.progress)
+      FROM judged j
+     WHERE s.id = ANY(%(fail_ids)s::bigint[])  -- by primary key (generic plans)
+       AND s.id = j.id
+       AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
+       AND s.lease_owner = %(owner)s
+       AND s.lease_generation = j.generation
+       AND (NOT j.require_timed_out OR j.t)
+    RETURNING s.id, s.run_id, s.state
+), discarded_runs AS (
+    UPDATE cyclone_runs r
+       SET state = 'discarded', finished_at = now(), updated_at = now()
+      FROM ended e
+     WHERE r.id = e.run_id AND e.state = 'discarded'
+    RETURNING r.id
 )
 
 -- name: claim
@@ -105,18 +157,18 @@ done_in AS (
 WITH {claim_ctes}
 SELECT * FROM claimed
 
--- name: complete
--- Apply many completion CASes in one statement.
-WITH {complete_ctes}
-SELECT * FROM completed
-
--- name: complete_and_claim
--- The hot path: this tick's completions and the next claims in one statement, one commit.
-WITH {complete_ctes}, {claim_ctes}
-SELECT 'completed' AS what, c.id, c.run_id, NULL::text AS node, NULL::text AS step_name, NULL::integer AS attempt,
-       NULL::integer AS max_attempts, NULL::jsonb AS backoff, NULL::float8 AS timeout, NULL::bigint AS lease_generation,
-       NULL::jsonb AS input, c.kind AS run_kind, NULL::jsonb AS upstream
-  FROM completed c
+-- name: settle
+-- The hot path: a tick's completions, its failed attempts and the next claim (up to
+-- %(limit)s, which may be 0) in one statement and one commit.
+WITH {settle_ctes}, {claim_ctes}
+SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
+       NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff, NULL::float8 AS timeout,
+       NULL::bigint AS lease_generation, NULL::jsonb AS input, runs.kind AS run_kind, NULL::jsonb AS upstream
+  FROM done d
+  JOIN runs ON runs.id = d.run_id
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 'step', NULL
+  FROM ended e
 UNION ALL
 SELECT 'claimed', c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, c.input, c.run_kind, c.upstream
@@ -160,67 +212,6 @@ UPDATE cyclone_steps
        errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', now())),
        progress = coalesce(%(progress)s::jsonb, progress)
  WHERE id = %(id)s;
-
--- name: fail_many
--- Failed attempts of single-step runs in one statement (issue 8). Each row must still be
--- running under the same lease_owner and lease_generation, and a timeout the worker clock
--- reported must be past its DB deadline; runs are locked first, by id. What the row
--- becomes is decisions.end_attempt: a DB timeout wins over the reported kind, then
--- discard when permanent or exhausted, else available after the delay. Rows of
--- workflows or of paused runs, and rows whose CAS fails, are left to the one-by-one path.
-WITH fail_in AS (
-    SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(kinds)s::text[], %(entries)s::jsonb[],
-                         %(delays_us)s::bigint[], %(require_timed_out)s::boolean[], %(progress)s::jsonb[])
-        AS t(id, generation, kind, entry, delay_us, require_timed_out, progress)
-), runs AS (
-    -- by primary key only: a state predicate here made plans scan every running run
-    SELECT r.id, r.kind, r.state
-      FROM cyclone_runs r
-     WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s WHERE s.id = ANY(%(ids)s::bigint[])))
-     ORDER BY r.id
-       FOR UPDATE
-), judged AS (
-    -- t: the DB deadline has passed; d: the attempt ends the step (discard)
-    SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
-           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d
-      FROM cyclone_steps s
-      JOIN fail_in i ON i.id = s.id
-     CROSS JOIN LATERAL (SELECT coalesce(s.started_at + s.timeout <= now(), false) AS t) t
-     WHERE s.id = ANY(%(ids)s::bigint[])
-), ended AS (
-    UPDATE cyclone_steps s
-       SET state = CASE WHEN j.d THEN 'discarded' ELSE 'available' END,
-           attempt = CASE WHEN j.d THEN s.attempt ELSE s.attempt + 1 END,
-           scheduled_at = CASE WHEN j.d THEN s.scheduled_at
-                               ELSE now() + (j.delay_us * interval '1 microsecond') END,
-           finished_at = CASE WHEN j.d THEN now() ELSE NULL END,
-           lease_owner = CASE WHEN j.d THEN s.lease_owner ELSE NULL END,
-           lease_expiry = NULL,
-           error = coalesce(nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
-           error_kind = CASE WHEN j.t THEN 'timeout' ELSE j.kind END,
-           errors = s.errors || jsonb_build_array(
-               j.entry
-               || jsonb_build_object('attempt', s.attempt, 'kind', CASE WHEN j.t THEN 'timeout' ELSE j.kind END)
-               || CASE WHEN j.t AND j.kind <> 'timeout' THEN jsonb_build_object('reported_kind', j.kind)
-                       ELSE '{}'::jsonb END
-               || jsonb_build_object('at', now())),
-           progress = coalesce(j.progress, s.progress)
-      FROM judged j
-     WHERE s.id = j.id
-       AND s.run_id IN (SELECT id FROM runs WHERE kind = 'step' AND state = 'running')
-       AND s.state = 'running'
-       AND s.lease_owner = %(owner)s
-       AND s.lease_generation = j.generation
-       AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state
-), finished_runs AS (
-    UPDATE cyclone_runs r
-       SET state = 'discarded', finished_at = now(), updated_at = now()
-      FROM ended e
-     WHERE r.id = e.run_id AND e.state = 'discarded'
-    RETURNING r.id
-)
-SELECT e.id, e.state FROM ended e;
 
 -- name: release
 -- Graceful shutdown gives a step back: available at once, no attempt, no reclaim (SPEC 5).
