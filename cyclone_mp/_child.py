@@ -291,10 +291,26 @@ def to_json_value(output: Any) -> Any:
     return output
 
 
+def batch_scheduling() -> None:
+    """Run this child (and what it starts) under ``SCHED_BATCH`` (Linux; elsewhere a no-op).
+
+    A step is background work: under SCHED_BATCH a child woken by its next task no longer
+    preempts the supervisor or PostgreSQL on its core, and keeps its fair share of the
+    CPU (same nice value). Without it every dispatch handed the core to the child
+    mid-loop: a send to a waiting child took 86 us instead of 18 us, and short steps ran
+    about 12 % slower (issue 8). The supervisor's timers gain from it too.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
 def main(argv: list[str]) -> None:
     ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    batch_scheduling()
     sys.path[:0] = [p for p in os.environ.get("CYCLONE_MP_SYS_PATH", "").split(os.pathsep) if p and p not in sys.path]
     ctrl = socket.socket(fileno=ctrl_fd)
     try:

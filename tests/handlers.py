@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -144,3 +145,11 @@ def protocol_breaker(ctx: cy.Context, inp: dict) -> dict:
     os.write(int(sys.argv[1]), b"\xff" * 8 + b"garbage")
     time.sleep(30)
     return {}
+
+
+@cy.step("sched_policy", max_attempts=1)
+def sched_policy(ctx: cy.Context, inp: dict) -> dict:
+    """The child's scheduling policy, and a grandchild's (it inherits it)."""
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                         capture_output=True, text=True, check=True).stdout
+    return {"child": os.sched_getscheduler(0), "grandchild": int(out)}

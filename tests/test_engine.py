@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import time
 from pathlib import Path
 
@@ -481,3 +482,10 @@ def test_input_converts_to_the_annotated_dataclass_or_fails_clearly(cyclone_env)
     step = cyclone_env.run_until_complete(bad).step
     assert (step.state, step.error_kind, step.attempt) == ("discarded", "error", 1)
     assert step.errors[0]["type"] == "builtins.TypeError" and "'y'" in step.errors[0]["message"]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_children_run_as_batch_work_and_the_supervisor_does_not(cyclone_env):
+    out = cyclone_env.run_until_complete(cyclone_env.enqueue(h.sched_policy, {})).step.output
+    assert out == {"child": os.SCHED_BATCH, "grandchild": os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the supervisor's process keeps its policy
