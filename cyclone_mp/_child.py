@@ -4,13 +4,15 @@ Started by the supervisor as ``python -m cyclone_mp._child CTRL_FD CANCEL_FD PAR
 in its own process group. It owns only the handler call and the pipe (STYLE pattern 9):
 it never touches the database. It dies with its parent (``PR_SET_PDEATHSIG``), reads
 tasks from the control socket, reads cancels from the cancellation pipe on a watcher
-thread, and sends back progress and one result per task, as JSON.
+thread, and sends back progress and one result per task, as JSON. Tasks run in the
+order they arrive; one may be queued behind the running one (pipelining): a cancel for
+it drops it unstarted, and after an attempt that left processes behind the next one
+waits for the supervisor's "go" (it sweeps them first).
 """
 
 from __future__ import annotations
 
 import ctypes
-import datetime as dt
 import importlib
 import os
 import resource
@@ -57,6 +59,8 @@ class Runner:
         self._pending_progress: dict[str, Any] | None = None
         self.peak = protocol.PeakRss()
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
+        self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
+        self.held = False  # the last attempt left processes: start nothing until "go"
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -70,6 +74,8 @@ class Runner:
             with self.lock:
                 if token == self.task:
                     self.cancellation.set(reason or "cancelled")
+                else:  # a task queued behind the current one (or one already finished)
+                    self.dropped[token] = reason or "cancelled"
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
 
     def resolve(self, ref: dict[str, Any]) -> Any:
@@ -115,6 +121,8 @@ class Runner:
     def run_task(self, task: dict[str, Any]) -> dict[str, Any]:
         deadline = None  # the supervisor's worker clock decides it (and may be skewed in tests)
         if task.get("deadline") is not None:
+            import datetime as dt  # here, not at import: a child starts faster without it
+
             deadline = dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
@@ -143,6 +151,7 @@ class Runner:
         self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
         reader = protocol.FrameReader(self.limit)
         inbox: list[dict[str, Any]] = []
+        held: list[dict[str, Any]] = []  # tasks received while self.held
         while True:
             while not inbox:
                 data = self.ctrl.recv(1 << 20)
@@ -150,14 +159,31 @@ class Runner:
                     return
                 inbox.extend(reader.feed(data))
             message = inbox.pop(0)
-            if message.get("t") == "exit":
+            kind = message.get("t")
+            if kind == "exit":
                 return
-            if message.get("t") != "task":
+            if kind == "go":  # the supervisor has swept the last attempt's leftover processes
+                self.held = False
+                inbox[:0], held = held, []
+                continue
+            if kind != "task":
+                continue
+            if self.held:  # a queued task waits until the leftovers of the last one are gone
+                held.append(message)
                 continue
             with self.lock:
-                self.task = message["task"]
-                self.cancellation = Cancellation()
-                self._pending_progress = None
+                dropped = self.dropped.pop(message["task"], None)
+                if dropped is None:
+                    self.task = message["task"]
+                    self.cancellation = Cancellation()
+                    self._pending_progress = None
+            if dropped is not None:  # cancelled while queued: it never starts
+                self.ctrl.sendall(protocol.encode({
+                    "t": "result", "task": message["task"], "ok": False, "kind": "cancelled",
+                    "type": "cyclone_mp.errors.Cancelled", "message": f"cancelled before it started ({dropped})",
+                    "cancel_reason": dropped, "cpu": 0.0, "children": False,
+                }))
+                continue
             self.peak.reset()
             started = time.monotonic()
             before = resource.getrusage(resource.RUSAGE_SELF)
@@ -175,6 +201,7 @@ class Runner:
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None
             frame = self.checked(result)
+            self.held = bool(result["children"])  # the supervisor answers "go" once it swept them
             with self.lock:
                 self.ctrl.sendall(frame)
             with self.lock:

@@ -21,6 +21,7 @@ SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
+PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets its next step queued
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,11 +8,11 @@ SIGKILLs the child whatever the handler does.
 
 from __future__ import annotations
 
-import datetime as dt
 import threading
 import time
 TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
 if TYPE_CHECKING:
+    import datetime as dt
     from typing import Any, Callable
 
 from .errors import Cancelled
@@ -94,6 +94,8 @@ class Context:
         """Seconds until the worker-clock deadline (may be negative), or None."""
         if self.deadline is None:
             return None
+        import datetime as dt  # here, not at import: a child starts faster without it
+
         return (self.deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
 
     def set_progress(self, done: float, total: float | None = None, message: str | None = None) -> None:

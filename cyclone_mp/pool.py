@@ -8,6 +8,7 @@ and is reused for many steps until it is killed or recycled.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import socket
@@ -58,7 +59,8 @@ class ChildProc:
         self.outbox = bytearray()
         self.events = 0  # the selector events registered for the socket (the supervisor's)
         self.ready = False
-        self.attempt: Any = None
+        self.attempt: Any = None  # the attempt it runs (or starts next)
+        self.queued: collections.deque[Any] = collections.deque()  # sent after it, not started yet
         self.steps_run = 0
         self.cpu_total = 0.0  # the child's CPU seconds as of its last report (ready or result)
         self.spawned = time.monotonic()

@@ -69,8 +69,11 @@ def kill_tree(pid: int, pgid: int | None, extra: list[psutil.Process] | None = N
         if pgid is not None and pgid > 1:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
             os.kill(pid, signal.SIGKILL)
+            hit.append(pid)  # the root counts as hit too (a leftover of a finished task is one)
+        except (ProcessLookupError, PermissionError):
+            pass
         for proc in list(seen.values()):
             with contextlib.suppress(psutil.Error):
                 proc.kill()

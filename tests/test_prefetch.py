@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import select
+import time
 from typing import Any
 
+import psutil
 import pytest
 
 import cyclone_mp as cy
+from cyclone_mp.pool import ChildProc
 from cyclone_mp.store import Store, connect
 
 import handlers as h
@@ -122,3 +127,95 @@ def test_an_unexpected_error_in_the_batch_statement_loses_no_outcome(cyclone_env
         assert (s.state, s.step.attempt) == ("discarded", 3)
         assert [e["attempt"] for e in s.step.errors] == [1, 2, 3]  # none lost, none written twice
     assert calls["failures"] == 1 and calls["n"] >= 2
+
+
+# -- pipelining: a busy child gets its next step queued while attempts are short ---------
+
+
+def test_short_steps_are_pipelined_and_each_runs_once(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
+    env.mux().register(h.ok)
+    ids = env.client().enqueue_many(h.ok, [{"i": i} for i in range(300)])
+    handle = env.start_worker()
+    statuses = [env.run_until_complete(run_id, timeout=60) for run_id in ids]
+    assert [s.step.output["echo"] for s in statuses] == [{"i": i} for i in range(300)]
+    rows = rows_of(env.dsn, "ok")
+    assert {(r["state"], r["attempt"], r["reclaims"], r["lease_generation"]) for r in rows} == {("completed", 1, 0, 1)}
+    stats = handle.client.supervisor.stats
+    assert stats["pipelined"] > 0 and stats["completed"] == 300
+
+
+def test_a_step_queued_behind_a_killed_one_is_released_not_attempted(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=32, kill_grace=0.2)
+    env.mux().register(h.ok)
+    env.mux().register(h.deque_wedge)
+    client = env.client()
+    before = client.enqueue_many(h.ok, [{"i": i} for i in range(40)])
+    wedged = env.enqueue(h.deque_wedge, {})
+    after = client.enqueue_many(h.ok, [{"i": i} for i in range(40, 45)])
+    handle = env.start_worker()
+    step = env.run_until_complete(wedged, timeout=30).step
+    assert (step.state, step.error_kind, step.attempt) == ("discarded", "timeout", 1)
+    statuses = [env.run_until_complete(run_id, timeout=30) for run_id in before + after]
+    assert {(s.state, s.step.attempt, s.step.reclaims, len(s.step.errors)) for s in statuses} == {("completed", 1, 0, 0)}
+    stats = handle.client.supervisor.stats
+    assert stats["killed"] == 1
+    assert stats["released"] >= 1  # the step queued behind the wedge: back to available, unstarted
+
+
+def _child_messages(child: Any, want: int, timeout: float) -> list[dict[str, Any]]:
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        select.select([child.sock], [], [], 0.05)
+        messages, eof = child.receive()
+        got += [m for m in messages if m.get("t") in ("ready", "result")]
+        assert not eof
+    return got
+
+
+def _task(token: str, step: str, inp: dict[str, Any]) -> dict[str, Any]:
+    return {"t": "task", "task": token, "run_id": "r", "step": step, "node": step, "attempt": 1, "timeout": None,
+            "deadline": None, "input": inp, "upstream": {},
+            "ref": {"module": "handlers", "qualname": step, "path": None}}
+
+
+def test_a_child_drops_a_queued_task_cancelled_before_it_starts():
+    child = ChildProc("test-pipelining", 1 << 20)
+    try:
+        assert [m["t"] for m in _child_messages(child, 1, 30)] == ["ready"]
+        child.queue(_task("a", "sleeper", {"seconds": 0.5}))
+        child.queue(_task("b", "ok", {}))
+        child.flush()
+        child.cancel("b", "timeout")
+        a, b = _child_messages(child, 2, 10)
+        assert (a["task"], a["ok"]) == ("a", True)
+        assert (b["task"], b["ok"], b["kind"], b["cancel_reason"]) == ("b", False, "cancelled", "timeout")
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+def test_a_queued_task_waits_for_the_sweep_of_the_last_ones_leftovers(tmp_path):
+    child = ChildProc("test-pipelining", 1 << 20)
+    try:
+        _child_messages(child, 1, 30)
+        child.queue(_task("a", "spawner", {"pids": str(tmp_path / "pids"), "block": False}))
+        child.queue(_task("b", "ok", {}))
+        child.flush()
+        (a,) = _child_messages(child, 1, 10)
+        assert (a["task"], a["ok"], a["children"]) == ("a", True, True)
+        assert _child_messages(child, 1, 0.5) == []  # b does not start beside a's processes
+        leftovers = child.kill_descendants()
+        assert set(a["output"]["pids"]) <= set(leftovers)
+        child.queue({"t": "go"})
+        child.flush()
+        (b,) = _child_messages(child, 1, 10)
+        assert (b["task"], b["ok"]) == ("b", True)
+    finally:
+        procs_left = [p for p in psutil.Process(child.pid).children(recursive=True)] if psutil.pid_exists(child.pid) else []
+        child.kill()
+        child.wait(5)
+        for p in procs_left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
