@@ -69,6 +69,8 @@ class Client:
             (SPEC 4). A prefetched step shows ``running`` from its claim, its timeout
             counts from the claim, and it is released (available at once, no attempt
             used) if no child takes it within min(0.5 s, lease_ttl/4, timeout/10).
+            While attempts are short (under 10 ms on average) one held step is also
+            queued in each busy child (pipelining); see docs/steps-and-client.md#prefetch.
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
         clock: local monotonic clock in seconds (injectable; schedules local work only).

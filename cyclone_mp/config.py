@@ -43,7 +43,9 @@ class Config:
         max_payload: largest message (input or output, bytes) crossing the pipe.
         prefetch: steps the supervisor may claim beyond its idle children, held until a
             child frees up (0: claim only for idle children, SPEC 4). See
-            :meth:`cyclone_mp.supervisor.Supervisor.prefetch_room` for the bounds.
+            :meth:`cyclone_mp.supervisor.Supervisor.prefetch_room` for the bounds; while
+            attempts are shorter than ``PIPELINE_MAX_STEP`` a busy child also gets its
+            next held step queued.
         registry_interval: seconds between refreshes of the informational
             ``cyclone_workers`` row (what ``cyclone-mp workers`` shows).
     """
