@@ -71,11 +71,21 @@ class Runner:
         """Watcher thread: trip the current task's handle when its cancel arrives."""
         for line in self.cancel_file:
             token, _, reason = line.strip().partition(" ")
+            reason = reason or "cancelled"
             with self.lock:
-                if token == self.task:
-                    self.cancellation.set(reason or "cancelled")
-                else:  # a task queued behind the current one (or one already finished)
-                    self.dropped[token] = reason or "cancelled"
+                if token != self.task:
+                    # A task queued behind the current one (or not read yet, or already
+                    # finished): it will not start. Said now, not when the current one
+                    # ends, so the supervisor can release it in time.
+                    if token not in self.dropped:
+                        self.dropped[token] = reason
+                        self.ctrl.sendall(protocol.encode({
+                            "t": "result", "task": token, "ok": False, "kind": "cancelled", "dropped": True,
+                            "type": "cyclone_mp.errors.Cancelled", "cancel_reason": reason,
+                            "message": f"cancelled before it started ({reason})", "cpu": 0.0, "children": False,
+                        }))
+                elif reason != "released":  # "released" takes back a queued task only: a started one runs
+                    self.cancellation.set(reason)
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
 
     def resolve(self, ref: dict[str, Any]) -> Any:
@@ -172,18 +182,11 @@ class Runner:
                 held.append(message)
                 continue
             with self.lock:
-                dropped = self.dropped.pop(message["task"], None)
-                if dropped is None:
-                    self.task = message["task"]
-                    self.cancellation = Cancellation()
-                    self._pending_progress = None
-            if dropped is not None:  # cancelled while queued: it never starts
-                self.ctrl.sendall(protocol.encode({
-                    "t": "result", "task": message["task"], "ok": False, "kind": "cancelled",
-                    "type": "cyclone_mp.errors.Cancelled", "message": f"cancelled before it started ({dropped})",
-                    "cancel_reason": dropped, "cpu": 0.0, "children": False,
-                }))
-                continue
+                if self.dropped.pop(message["task"], None) is not None:
+                    continue  # cancelled while queued (the watcher said so): it never starts
+                self.task = message["task"]
+                self.cancellation = Cancellation()
+                self._pending_progress = None
             self.peak.reset()
             started = time.monotonic()
             before = resource.getrusage(resource.RUSAGE_SELF)

@@ -40,6 +40,7 @@ from .protocol import storable
 from .steps import Mux
 from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, FailedAttempt, Settled, Store, connect
 
+RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
 log = logging.getLogger("cyclone_mp.supervisor")
 
 RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
@@ -75,6 +76,7 @@ class Attempt:
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the attempt ended
     peak_rss_kb: int | None = None  # sampled with each heartbeat (a crashed child cannot be read)
     backoff_spec: Any = None  # the row's stored backoff (seconds or a list), if any
+    release_at: float | None = None  # queued in a child (pipelining): taken back if not started by then
 
 
 @dataclasses.dataclass
@@ -264,6 +266,7 @@ class Supervisor:
                 self._db_down(exc)
         self._renew_due(now)
         self._expire_prefetched(self.clock())
+        self._release_queued(self.clock())
         self._enforce_deadlines(self.clock())
         self._collect_batch()
         self._flush_outcomes()
@@ -293,6 +296,8 @@ class Supervisor:
             times.append(self.next_poll)
         if self.prefetched:
             times.append(min(p.release_at for p in self.prefetched))
+        for child in self.children:
+            times.extend(a.release_at for a in child.queued if a.release_at is not None and a.cancel_reason is None)
         times.append(self.next_sweep)
         if not self.db_ok:
             times.append(self.reconnect_at)
@@ -383,6 +388,13 @@ class Supervisor:
             return
         att = child.attempt
         if att is None or message.get("task") != att.token:
+            if kind == "result" and message.get("dropped"):  # a step queued behind ``att``, taken back
+                for queued in child.queued:
+                    if queued.token == message.get("task"):
+                        child.queued.remove(queued)
+                        queued.cancel_reason = queued.cancel_reason or message.get("cancel_reason")
+                        self._settle_unstarted(queued)
+                        break
             return
         if kind == "progress":
             att.progress = {k: message.get(k) for k in ("done", "total", "message")}
@@ -393,16 +405,20 @@ class Supervisor:
     def _on_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
         child.attempt = None
-        child.steps_run += 1
+        dropped = bool(result.get("dropped"))  # a queued step the child never started
+        child.steps_run += not dropped
         child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
         self.attempts.pop(att.step_id, None)
         att.settled = True
-        self._note_duration(self.clock() - att.started)
+        if not dropped:
+            self._note_duration(self.clock() - att.started)
         self._prefetch_hold = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
-            nxt.started = self.clock()
-            if nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
+            nxt.started, nxt.release_at = self.clock(), None
+            if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
+                nxt.cancel_reason = None
+            elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
                 nxt.kill_at = nxt.started + self.config.kill_grace
         try:
             self._settle_result(att, result)
@@ -411,6 +427,10 @@ class Supervisor:
 
     def _settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
+        if result.get("dropped"):
+            att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
+            self._settle_unstarted(att)
+            return
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
         if result.get("children", True):  # the child said it left processes behind
@@ -453,14 +473,14 @@ class Supervisor:
             self._write_fail(att, decisions.ERROR, entry, require_timed_out=False)
 
     def _settle_unstarted(self, att: Attempt) -> None:
-        """A step queued in a child that died before starting it: nothing ran. It is
-        released (available at once, no attempt or reclaim counted) unless a cancel
-        already decided it (a timeout is written as one; an operator's cancel or a lost
-        lease needs nothing)."""
+        """A step queued in a child that never started it (the child died, or dropped it
+        after a cancel): nothing ran. It is released (available at once, no attempt or
+        reclaim counted) unless a cancel already decided it (a timeout is written as
+        one; an operator's cancel or a lost lease needs nothing)."""
         att.settled = True
         self.attempts.pop(att.step_id, None)
-        if att.cancel_reason in (None, "shutdown"):
-            self._write("release", att, {})
+        if att.cancel_reason in (None, "shutdown", RELEASED):
+            self._write("release", att, {"prefetch": att.cancel_reason == RELEASED})
         else:
             self._settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
                                          "cancel_reason": att.cancel_reason})
@@ -590,6 +610,22 @@ class Supervisor:
         """Seconds a prefetched step may wait for a child: min(0.5 s, lease_ttl / 4)."""
         return min(PREFETCH_MAX_WAIT, self.config.lease_ttl / 4)
 
+    def _hold_bound(self, timeout: float | None) -> float:
+        """Seconds a claimed step may wait for its start (held, or queued in a child)
+        before it is released: min(0.5 s, lease_ttl / 4, timeout / 10)."""
+        wait = self._prefetch_wait()
+        return wait if timeout is None else min(wait, timeout / 10)
+
+    def _release_queued(self, now: float) -> None:
+        """Take back steps queued in children that waited too long behind a longer
+        attempt (or all of them when draining): the child drops each one unstarted and
+        it is released, as a held step would be. One the child already started runs."""
+        for child in self.children:
+            for att in child.queued:
+                if att.cancel_reason is None and (self.draining or (att.release_at is not None and now >= att.release_at)):
+                    self._prefetch_hold = True
+                    self._cancel(att, RELEASED, now)
+
     def _note_duration(self, seconds: float) -> None:
         prev = self.step_seconds
         self.step_seconds = seconds if prev is None else 0.9 * prev + 0.1 * seconds
@@ -614,11 +650,8 @@ class Supervisor:
         """Hand claimed rows to idle children (the rest wait in ``prefetched``) and
         schedule the next poll."""
         now = self.clock()
-        wait = self._prefetch_wait()
         for row in rows:
-            timeout = row["timeout"]
-            bound = wait if timeout is None else min(wait, timeout / 10)
-            self.prefetched.append(Prefetched(row, now, now + bound))
+            self.prefetched.append(Prefetched(row, now, now + self._hold_bound(row["timeout"])))
         self._take_prefetched()
         self.stats["claimed"] += len(rows)
         lo, hi = self.config.poll_interval
@@ -707,6 +740,7 @@ class Supervisor:
         if child.attempt is None:
             child.attempt = att
         else:  # pipelined: it starts when the child's current attempt ends
+            att.release_at = now + self._hold_bound(timeout)
             child.queued.append(att)
         assert step is not None
         ref = step.ref
@@ -929,7 +963,7 @@ class Supervisor:
                 return True
             if write.kind == "release":
                 if self.store.release(owner=self.id, id=att.step_id, generation=att.generation):
-                    self.stats["released"] += 1
+                    self.stats["prefetch_released" if write.payload.get("prefetch") else "released"] += 1
                 return True
             entry = self._entry(att, write.payload["entry"])
             result = self.store.fail(
