@@ -192,9 +192,15 @@ class Client:
             return self.mux.lookup(target)
         raise UnknownStep(f"enqueue takes a cy.step, a cy.Workflow or a registered name, not {type(target).__name__}")
 
-    def _check_payload(self, value: Any, what: str) -> None:
+    def _check_payload(self, value: Any, what: str) -> str:
+        """``value`` as JSON text, checked: JSON, storable by PostgreSQL, within max_payload.
+
+        Raises:
+            PayloadError: it is not.
+        """
         try:
-            size = len(json.dumps(value, allow_nan=False))
+            text = json.dumps(value, allow_nan=False)
+            size = len(text)
         except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"{what} is not a JSON value: {exc}") from exc
         problem = unstorable(value)
@@ -202,6 +208,7 @@ class Client:
             raise PayloadError(f"{what} cannot be stored in PostgreSQL: it contains {problem}")
         if size > self.config.max_payload:
             raise PayloadError(f"{what} is {size} bytes, over the max_payload limit of {self.config.max_payload} bytes")
+        return text
 
     def _node_options(self, step: Step, overrides: StepOptions) -> StepOptions:
         return overrides.over(step.options).over(self.config.defaults)
@@ -317,9 +324,7 @@ class Client:
         definition = self._resolve(target)
         if not isinstance(definition, Step):
             raise ConfigurationError("enqueue_many takes a step, not a workflow")
-        items = list(inputs)
-        for i, item in enumerate(items):
-            self._check_payload(item, f"input #{i}")
+        items = [self._check_payload(item, f"input #{i}") for i, item in enumerate(inputs)]  # JSON texts
         if not items:
             return []
         opts = self._node_options(definition, self._enqueue_options(
@@ -328,7 +333,7 @@ class Client:
         ))
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         return self._call(lambda store: store.enqueue_many(
-            name=definition.name, inputs=items, queue=opts.queue or "default", priority=opts.priority or 0,
+            name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
             delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff),
         ))

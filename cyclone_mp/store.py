@@ -290,7 +290,7 @@ class Store:
         self,
         *,
         name: str,
-        inputs: Sequence[Any],
+        inputs_json: Sequence[str],
         queue: str,
         priority: int,
         max_attempts: int,
@@ -300,11 +300,15 @@ class Store:
         scheduled_at: dt.datetime | None = None,
         backoff: Any = None,
     ) -> list[str]:
-        """Insert many single-step runs in one statement; returns their ids in input order."""
-        ids = [str(uuid.uuid4()) for _ in inputs]
+        """Insert many single-step runs in one statement; returns their ids in input order.
+
+        ``inputs_json`` are the inputs as JSON texts (already checked by the client, so
+        each is encoded once).
+        """
+        ids = [str(uuid.uuid4()) for _ in inputs_json]
         with self._tx() as cur:
             cur.execute(Q["enqueue_many"], {
-                "ids": ids, "inputs": [Jsonb(i) for i in inputs], "name": name, "queue": queue,
+                "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
                 "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
                 "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
                 "backoff": Jsonb(backoff) if backoff is not None else None,

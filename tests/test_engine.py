@@ -381,6 +381,20 @@ def test_enqueue_many_and_idempotency(cyclone_env):
         assert cyclone_env.run_until_complete(run_id).step.output["echo"]["i"] == ids.index(run_id)
 
 
+def test_enqueue_many_stores_each_input_exactly_and_all_or_nothing(cyclone_env):
+    client = cyclone_env.client()
+    cyclone_env.mux().register(h.ok)
+    inputs = [None, 0, -2**62, 1.5e-7, "zürich ☃ \"quoted\" \\", [1, [2, {"a": None}]], {"nested": {"ü": [True, False]}}]
+    ids = client.enqueue_many(h.ok, inputs)
+    with connect(cyclone_env.dsn) as conn:
+        stored = {r["id"]: r["input"] for r in conn.execute("SELECT id::text AS id, input FROM cyclone_runs").fetchall()}
+    assert [stored[i] for i in ids] == inputs
+    with pytest.raises(cy.PayloadError, match="input #1"):
+        client.enqueue_many(h.ok, [{"ok": 1}, {"bad": float("nan")}])
+    with connect(cyclone_env.dsn) as conn:
+        assert conn.execute("SELECT count(*) AS n FROM cyclone_runs").fetchone()["n"] == len(inputs)  # nothing of the bad call
+
+
 def test_bad_input_is_rejected_cleanly(cyclone_env):
     client = cyclone_env.client()
     with pytest.raises(cy.PayloadError):
