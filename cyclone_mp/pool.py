@@ -61,6 +61,7 @@ class ChildProc:
         self.ready = False
         self.attempt: Any = None  # the attempt it runs (or starts next)
         self.queued: collections.deque[Any] = collections.deque()  # sent after it, not started yet
+        self.recycle_due = False  # over max_steps_per_child or max_child_rss: retired once idle
         self.steps_run = 0
         self.cpu_total = 0.0  # the child's CPU seconds as of its last report (ready or result)
         self.spawned = time.monotonic()

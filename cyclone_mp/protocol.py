@@ -85,12 +85,14 @@ class PeakRss:
 
 
 def has_own_children() -> bool:
-    """True when this process has a child, running or a zombie (one ``waitid`` that
-    reaps nothing); cheaper than :func:`has_children` for the calling process."""
+    """True when this process still has a live child. Exited ones (zombies a handler
+    never waited for) are reaped first, so they do not count as leftovers forever.
+    Usually one ``waitpid``; cheaper than :func:`has_children` for the calling process."""
     import os
 
     try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass  # reaped a zombie: look again
     except ChildProcessError:
         return False
     return True
@@ -98,22 +100,29 @@ def has_own_children() -> bool:
 
 def has_children(pid: int | str = "self") -> bool:
     """True when the process has a child now (``/proc/PID/task/*/children``; True if unsure)."""
+    pids = child_pids(pid)
+    return pids is None or bool(pids)
+
+
+def child_pids(pid: int | str = "self") -> set[int] | None:
+    """The pids of the process's children now, from ``/proc/PID/task/*/children``
+    (every thread's); None when they cannot be read."""
     import os
 
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return True
+        return None
+    found: set[int] = set()
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                if fh.read().strip():
-                    return True
+                found.update(int(p) for p in fh.read().split())
         except FileNotFoundError:
             continue
         except OSError:
-            return True
-    return False
+            return None
+    return found
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -33,7 +33,7 @@ import psutil
 from . import decisions, procs, protocol
 from .batch import BatchWriter
 from .backoff import compute_backoff, delay_after
-from .config import PIPELINE_MAX_STEP, PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
+from .config import PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
@@ -45,6 +45,7 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
 RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
+STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
 
 
@@ -181,6 +182,9 @@ class Supervisor:
         self.prefetched: collections.deque[Prefetched] = collections.deque()
         self.step_seconds: float | None = None  # moving average of attempt durations
         self._prefetch_hold = False  # a prefetched step waited too long: none until the next result
+        self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
+        self._next_stray_check = start
+        self._foreign: set[int] = set()  # children of this process that are no handler's
         self._tokens = itertools.count(1)
         self.respawn_at = start
         self.respawn_delay = RESPAWN_BACKOFF[0]
@@ -264,6 +268,9 @@ class Supervisor:
             except DatabaseError as exc:
                 log.info("reconnect failed (next try in %.1fs): %s", self.reconnect_delay, exc)
                 self._db_down(exc)
+        if now >= self._next_stray_check:
+            self._next_stray_check = now + STRAY_CHECK_INTERVAL
+            self._reap_orphans()
         self._renew_due(now)
         self._expire_prefetched(self.clock())
         self._release_queued(self.clock())
@@ -557,6 +564,21 @@ class Supervisor:
         if n:
             self.stats["grandchildren_killed"] += n
 
+    def _reap_orphans(self) -> None:
+        """Kill handler processes that were reparented to us (we are a subreaper) while
+        their child lives on: a daemonised leftover (``sh -c 'cmd &'``) whose parent
+        exited during the handler. The child's own leftover check cannot see those."""
+        pids = protocol.child_pids()
+        known = {c.pid for c in self.children} | {self._watchdog.pid}
+        if pids is not None and not pids - known - self._foreign:
+            return
+        n = procs.reap_strays(self.id, known, self.descended)
+        if n:
+            self.stats["grandchildren_killed"] += n
+            log.info("killed %d handler process(es) reparented to the supervisor", n)
+        left = protocol.child_pids()
+        self._foreign = (left or set()) - known  # not ours (the embedding program's): not looked at again
+
     def _count_grandchildren(self, child: ChildProc, hit: list[int]) -> None:
         others = [p for p in hit if p != child.pid]
         self.stats["grandchildren_killed"] += len(others)
@@ -571,12 +593,12 @@ class Supervisor:
 
     def _maybe_recycle(self, child: ChildProc) -> None:
         cfg = self.config
-        if child.attempt is not None:  # it started a queued step: checked again after that one
-            return
-        too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
-        rss = child.rss() if cfg.max_child_rss is not None else None
-        too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
-        if not (too_many or too_big):
+        if not child.recycle_due:
+            too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
+            rss = child.rss() if cfg.max_child_rss is not None else None
+            too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
+            child.recycle_due = too_many or too_big  # then nothing more is queued in it
+        if not child.recycle_due or child.attempt is not None:  # it finishes its queued step first
             return
         with_suppress_unregister(self.selector, child.sock)
         child.retire()
@@ -592,8 +614,10 @@ class Supervisor:
 
         Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
         expected wait of a prefetched step, ``len(prefetched) / workers`` attempts, is
-        kept under ``PREFETCH_MAX_WAIT`` (0.5 s) and ``lease_ttl / 4``: long steps get no
-        prefetch, so nothing claimed sits waiting behind them. A prefetched step released
+        kept under half the time a held step may wait (:meth:`_hold_bound`: 0.5 s,
+        ``lease_ttl / 4``, and ``timeout / 10`` of the last claim's rows): long steps,
+        or steps with short timeouts, get little or no prefetch, so nothing claimed sits
+        waiting behind them until it is released. A prefetched step released
         for waiting too long stops prefetching until the next attempt ends (no claim and
         release churn behind a long step). The buffer is refilled once it is half empty,
         so refills ride on few statements.
@@ -601,7 +625,8 @@ class Supervisor:
         want = self.config.prefetch
         if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
             return 0
-        cap = min(want, int(self.config.workers * self._prefetch_wait() / max(self.step_seconds, 1e-4)))
+        wait = min(self._prefetch_wait(), self._claim_hold) / 2
+        cap = min(want, int(self.config.workers * wait / max(self.step_seconds, 1e-4)))
         if len(self.prefetched) > cap // 2:
             return 0
         return cap - len(self.prefetched)
@@ -652,6 +677,8 @@ class Supervisor:
         now = self.clock()
         for row in rows:
             self.prefetched.append(Prefetched(row, now, now + self._hold_bound(row["timeout"])))
+        if rows:
+            self._claim_hold = min(self._hold_bound(row["timeout"]) for row in rows)
         self._take_prefetched()
         self.stats["claimed"] += len(rows)
         lo, hi = self.config.poll_interval
@@ -684,8 +711,12 @@ class Supervisor:
         for child in self.children:
             if not self.prefetched:
                 return
-            if (child.attempt is not None and not child.queued and child.returncode is None
-                    and child.attempt.cancel_reason is None and (cap is None or child.steps_run + 2 <= cap)):
+            timeout = self.prefetched[0].row["timeout"]
+            if timeout is not None and timeout < PIPELINE_MIN_TIMEOUT:
+                return  # it could time out unstarted behind a handler that holds the GIL
+            if (child.attempt is not None and len(child.queued) < PIPELINE_DEPTH and child.returncode is None
+                    and child.attempt.cancel_reason is None and not child.recycle_due
+                    and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
                 item = self.prefetched.popleft()
                 self._start(item.row, child, item.claimed)
                 self.stats["pipelined"] += 1

@@ -153,3 +153,21 @@ def sched_policy(ctx: cy.Context, inp: dict) -> dict:
     out = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
                          capture_output=True, text=True, check=True).stdout
     return {"child": os.sched_getscheduler(0), "grandchild": int(out)}
+
+
+@cy.step("daemonizes", max_attempts=1)
+def daemonizes(ctx: cy.Context, inp: dict) -> dict:
+    """Leaves a process whose parent exits at once (reparented to the subreaper)."""
+    out = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True)
+    return {"pid": int(out.stdout.strip())}
+
+
+_kept: list[subprocess.Popen] = []  # never waited for
+
+
+@cy.step("leaves_zombie", max_attempts=1)
+def leaves_zombie(ctx: cy.Context, inp: dict) -> dict:
+    """Leaves a process it never waits for: once the supervisor kills it, a zombie of the child."""
+    proc = subprocess.Popen(["sleep", "300"])
+    _kept.append(proc)
+    return {"pid": proc.pid}

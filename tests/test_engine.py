@@ -503,3 +503,37 @@ def test_children_run_as_batch_work_and_the_supervisor_does_not(cyclone_env):
     out = cyclone_env.run_until_complete(cyclone_env.enqueue(h.sched_policy, {})).step.output
     assert out == {"child": os.SCHED_BATCH, "grandchild": os.SCHED_BATCH}
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the supervisor's process keeps its policy
+
+
+def test_a_daemonised_leftover_is_killed_while_the_supervisor_runs(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(h.daemonizes)
+    handle = env.start_worker()
+    pid = env.run_until_complete(env.enqueue(h.daemonizes, {})).step.output["pid"]
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 5
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(), "the reparented leftover outlived its step by 5 s"
+    assert handle.client.supervisor.stats["grandchildren_killed"] >= 1
+
+
+def test_a_zombie_a_handler_never_waited_for_is_not_a_leftover_forever(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(h.leaves_zombie)
+    env.mux().register(h.ok)
+    handle = env.start_worker()
+    env.run_until_complete(env.enqueue(h.leaves_zombie, {}))
+    for i in range(5):
+        env.run_until_complete(env.enqueue(h.ok, {"i": i}))
+    sup = handle.client.supervisor
+    assert sup.stats["children_spawned"] == 1  # all on the same child
+    # Killed once after its step; then the child reaps the zombie itself, so later
+    # steps do not report it (and wait for a sweep) again and again.
+    assert sup.stats["grandchildren_killed"] == 1
