@@ -598,7 +598,11 @@ class Supervisor:
             rss = child.rss() if cfg.max_child_rss is not None else None
             too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
             child.recycle_due = too_many or too_big  # then nothing more is queued in it
-        if not child.recycle_due or child.attempt is not None:  # it finishes its queued step first
+        if not child.recycle_due:
+            return
+        if child.attempt is not None:  # it finishes the step it runs; the ones queued are taken back
+            for att in child.queued:
+                self._cancel(att, RELEASED, self.clock())
             return
         with_suppress_unregister(self.selector, child.sock)
         child.retire()
