@@ -706,9 +706,10 @@ class Supervisor:
                 return
             item = self.prefetched.popleft()
             self._start(item.row, child, item.claimed)
-        # Pipelining: while attempts are short, a busy child also gets the next held step,
-        # so it starts it the moment the current one ends instead of waiting for this loop
-        # (on 2 cores that wait and its context switches were a third of B1's CPU).
+        # Pipelining: while attempts are short, a busy child also gets the next held steps
+        # (up to PIPELINE_DEPTH), so it starts each the moment the one before ends instead
+        # of waiting for this loop (on 2 cores that wait and its context switches were a
+        # third of B1's CPU).
         if self.step_seconds is None or self.step_seconds >= PIPELINE_MAX_STEP:
             return
         cap = self.config.max_steps_per_child
@@ -912,7 +913,7 @@ class Supervisor:
                 for att, output, progress in done:
                     self._write("complete", att, {"output": output, "progress": progress})
                 for att, kind, entry, rto in failed:
-                    self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
+                    self._write("fail", att, fail_payload(kind, entry, rto))
             return
         except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
             log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
@@ -931,7 +932,7 @@ class Supervisor:
         # go the one-by-one way, which knows each case.
         for att, kind, entry, rto in failed:
             if att.step_id not in settled.failed:
-                self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto})
+                self._write("fail", att, fail_payload(kind, entry, rto))
 
     def _defer(self, done: list[tuple[Attempt, Any, Any]], failed: list[tuple[Attempt, str, dict[str, Any], bool]]) -> None:
         """Keep a tick's outcomes to write again (one by one) once the database answers."""
@@ -939,7 +940,7 @@ class Supervisor:
         for att, output, progress in done:
             self.pending.append(PendingWrite("complete", att, {"output": output, "progress": progress}, now))
         for att, kind, entry, rto in failed:
-            self.pending.append(PendingWrite("fail", att, {"kind": kind, "entry": entry, "require_timed_out": rto}, now))
+            self.pending.append(PendingWrite("fail", att, fail_payload(kind, entry, rto), now))
 
     def _late_success(self, att: Attempt) -> None:
         """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
@@ -962,7 +963,7 @@ class Supervisor:
 
     def _write_fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool) -> None:
         if att.workflow:  # advancing a workflow runs more statements: one by one
-            self._write("fail", att, {"kind": kind, "entry": entry, "require_timed_out": require_timed_out})
+            self._write("fail", att, fail_payload(kind, entry, require_timed_out))
         else:
             self.failures.append((att, kind, entry, require_timed_out))
 
@@ -1217,6 +1218,11 @@ class Supervisor:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def fail_payload(kind: str, entry: dict[str, Any], require_timed_out: bool) -> dict[str, Any]:
+    """The payload of a pending "fail" write (see :meth:`Supervisor._apply`)."""
+    return {"kind": kind, "entry": entry, "require_timed_out": require_timed_out}
 
 
 def with_suppress_unregister(selector: selectors.BaseSelector, sock: socket.socket) -> None:
