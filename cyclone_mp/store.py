@@ -92,6 +92,11 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def nullable_jsonb(value: Any) -> Jsonb | None:
+    """``value`` as a jsonb parameter, or SQL NULL (not JSON ``null``) for None."""
+    return None if value is None else Jsonb(value)
+
+
 def to_us(seconds: float | None) -> int | None:
     """Seconds to whole microseconds (how durations reach SQL)."""
     return None if seconds is None else int(round(seconds * 1_000_000))
@@ -255,7 +260,7 @@ class Store:
                 "timeouts_us": [to_us(n.timeout) for n in nodes],
                 "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
                 "due_ats": [n.due_at for n in nodes],
-                "backoffs": [Jsonb(n.backoff) if n.backoff is not None else None for n in nodes],
+                "backoffs": [nullable_jsonb(n.backoff) for n in nodes],
             })
             if kind == "workflow":
                 self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
@@ -273,7 +278,7 @@ class Store:
                 "id": run_id, "name": name, "input": Jsonb(input), "idempotency_key": idempotency_key,
                 "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
                 "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
-                "backoff": Jsonb(node.backoff) if node.backoff is not None else None,
+                "backoff": nullable_jsonb(node.backoff),
                 "scheduled_at": scheduled_at, "delay_us": to_us(delay),
             })
             row = cur.fetchone()
@@ -311,7 +316,7 @@ class Store:
                 "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
                 "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
                 "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
-                "backoff": Jsonb(backoff) if backoff is not None else None,
+                "backoff": nullable_jsonb(backoff),
             })
             cur.execute(Q["notify"], {"queue": queue})
         return ids
@@ -335,7 +340,7 @@ class Store:
         with self.conn.cursor() as cur:
             cur.execute(Q["heartbeat"], {
                 "id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
-                "progress": Jsonb(progress) if progress is not None else None,
+                "progress": nullable_jsonb(progress),
             })
             return cur.rowcount == 1
 
@@ -381,14 +386,14 @@ class Store:
                 "ids": [i[0] for i in completions],
                 "generations": [i[1] for i in completions],
                 "outputs": [Jsonb(i[2]) for i in completions],
-                "progress": [Jsonb(i[3]) if i[3] is not None else None for i in completions],
+                "progress": [nullable_jsonb(i[3]) for i in completions],
                 "fail_ids": [f.id for f in failures],
                 "fail_generations": [f.generation for f in failures],
                 "kinds": [f.kind for f in failures],
                 "entries": [Jsonb(f.entry) for f in failures],
                 "delays_us": [to_us(f.delay) for f in failures],
                 "require_timed_out": [f.require_timed_out for f in failures],
-                "fail_progress": [Jsonb(f.progress) if f.progress is not None else None for f in failures],
+                "fail_progress": [nullable_jsonb(f.progress) for f in failures],
                 "queues": list(queues), "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
             })
             rows = cur.fetchall()
@@ -464,7 +469,7 @@ class Store:
         cur.execute(Q["end_attempt"], {
             "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
             "error": entry.get("message") or end.error_kind, "error_kind": end.error_kind,
-            "entry": Jsonb(entry), "progress": Jsonb(progress) if progress is not None else None,
+            "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
         })
         self._advance(cur, self._run_of(cur, id))
         return end

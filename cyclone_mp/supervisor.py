@@ -399,8 +399,7 @@ class Supervisor:
                 for queued in child.queued:
                     if queued.token == message.get("task"):
                         child.queued.remove(queued)
-                        queued.cancel_reason = queued.cancel_reason or message.get("cancel_reason")
-                        self._settle_unstarted(queued)
+                        self._settle_dropped(queued, message)
                         break
             return
         if kind == "progress":
@@ -435,8 +434,7 @@ class Supervisor:
     def _settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
         if result.get("dropped"):
-            att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
-            self._settle_unstarted(att)
+            self._settle_dropped(att, result)
             return
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
@@ -478,6 +476,11 @@ class Supervisor:
             self.stats["cancelled_attempts"] += 1  # the row already says what happened: write nothing
         else:  # killed for breaking the pipe protocol: a failed attempt like any error
             self._write_fail(att, decisions.ERROR, entry, require_timed_out=False)
+
+    def _settle_dropped(self, att: Attempt, result: dict[str, Any]) -> None:
+        """The child gave back a queued step unstarted: our cancel reason, else its own."""
+        att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
+        self._settle_unstarted(att)
 
     def _settle_unstarted(self, att: Attempt) -> None:
         """A step queued in a child that never started it (the child died, or dropped it
