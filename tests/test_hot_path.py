@@ -8,6 +8,7 @@ replaces for single-step runs), and compares the rows.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
@@ -150,3 +151,36 @@ def test_one_statement_settles_completions_failures_and_the_next_claim(cyclone_e
             "running", OWNER)
     finally:
         store.close()
+
+
+def test_a_runs_completion_is_a_hot_update(cyclone_env):
+    """Migration 0004: no index of cyclone_runs covers what a completion writes, so the
+    run's update writes no index entry (PostgreSQL counts it in n_tup_hot_upd)."""
+    cyclone_env.mux().register(h.ok)
+    cyclone_env.client().enqueue_many(h.ok, [{"i": i} for i in range(20)])
+    with connect(cyclone_env.dsn) as conn:
+        indexed = conn.execute(
+            "SELECT DISTINCT a.attname FROM pg_index i "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid "
+            " AND (a.attnum = ANY(i.indkey) OR pg_get_expr(i.indpred, i.indrelid) LIKE '%' || a.attname || '%' "
+            "      OR pg_get_expr(i.indexprs, i.indrelid) LIKE '%' || a.attname || '%') "
+            "WHERE i.indrelid = 'cyclone_runs'::regclass").fetchall()
+    assert {r["attname"] for r in indexed} & {"state", "finished_at", "updated_at"} == set()
+    store = Store.open(cyclone_env.dsn)
+    try:
+        rows = store.claim(owner=OWNER, queues=["default"], names=["ok"], limit=20, ttl=30)
+        done = store.complete(owner=OWNER, items=[(r["id"], r["lease_generation"], None, None) for r in rows])
+        assert len(done) == 20
+    finally:
+        store.close()  # a backend flushes its statistics when it exits
+    with connect(cyclone_env.dsn) as conn:
+        deadline = time.monotonic() + 10
+        while True:
+            stats = conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                                 "WHERE relname = 'cyclone_runs'").fetchone()
+            if stats["n_tup_upd"] >= 20 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+    assert stats["n_tup_upd"] == 20
+    assert stats["n_tup_hot_upd"] >= 15  # all, unless a page had no room left
