@@ -706,28 +706,46 @@ class Supervisor:
             return
         for child in self._idle_children():
             if not self.prefetched:
-                return
+                break
             item = self.prefetched.popleft()
             self._start(item.row, child, item.claimed)
-        # Pipelining: while attempts are short, a busy child also gets the next held steps
-        # (up to PIPELINE_DEPTH), so it starts each the moment the one before ends instead
-        # of waiting for this loop (on 2 cores that wait and its context switches were a
-        # third of B1's CPU).
+        self._send_queued()  # an idle child starts now, before the others' queues are filled
+        try:
+            self._pipeline()
+        finally:
+            self._send_queued()  # each child's new tasks in one write
+
+    def _send_queued(self) -> None:
+        for child in self.children:
+            if child.outbox:
+                child.flush()
+                self._update_write_interest(child)
+
+    def _pipeline(self) -> None:
+        """Pipelining: while attempts are short, a busy child also gets the next held steps
+        (up to PIPELINE_DEPTH), so it starts each the moment the one before ends instead
+        of waiting for this loop (on 2 cores that wait and its context switches were a
+        third of B1's CPU)."""
         if self.step_seconds is None or self.step_seconds >= PIPELINE_MAX_STEP:
             return
+        # One step per busy child per round, so the children's queues stay even.
         cap = self.config.max_steps_per_child
-        for child in self.children:
-            if not self.prefetched:
-                return
-            timeout = self.prefetched[0].row["timeout"]
-            if timeout is not None and timeout < PIPELINE_MIN_TIMEOUT:
-                return  # it could time out unstarted behind a handler that holds the GIL
-            if (child.attempt is not None and len(child.queued) < PIPELINE_DEPTH and child.returncode is None
-                    and child.attempt.cancel_reason is None and not child.recycle_due
-                    and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
-                item = self.prefetched.popleft()
-                self._start(item.row, child, item.claimed)
-                self.stats["pipelined"] += 1
+        took = True
+        while took:
+            took = False
+            for child in self.children:
+                if not self.prefetched:
+                    return
+                timeout = self.prefetched[0].row["timeout"]
+                if timeout is not None and timeout < PIPELINE_MIN_TIMEOUT:
+                    return  # it could time out unstarted behind a handler that holds the GIL
+                if (child.attempt is not None and len(child.queued) < PIPELINE_DEPTH and child.returncode is None
+                        and child.attempt.cancel_reason is None and not child.recycle_due
+                        and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
+                    item = self.prefetched.popleft()
+                    self._start(item.row, child, item.claimed)
+                    self.stats["pipelined"] += 1
+                    took = True
 
     def _expire_prefetched(self, now: float) -> None:
         """Release prefetched steps nobody took in time, and all of them when draining
@@ -789,9 +807,7 @@ class Supervisor:
             "deadline": (self.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
             "input": row["input"], "upstream": row["upstream"] or {},
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
-        })
-        child.flush()
-        self._update_write_interest(child)
+        })  # written by the caller (_take_prefetched), with the other tasks of this round
 
     # -- heartbeats, deadlines, kills --------------------------------------------------------
 
