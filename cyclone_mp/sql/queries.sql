@@ -29,11 +29,13 @@ picked AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL
-      FROM cyclone_runs r
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
-       AND r.id = s.run_id
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
-              extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation, r.input, r.kind AS run_kind,
+              extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
+              -- the run's columns by primary key: a join here became a hash join over a
+              -- scan of every run in generic plans built on small tables
+              (SELECT r.input FROM cyclone_runs r WHERE r.id = s.run_id) AS input,
+              (SELECT r.kind FROM cyclone_runs r WHERE r.id = s.run_id) AS run_kind,
               (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
                  FROM cyclone_steps d
                 WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) AS upstream
@@ -61,18 +63,13 @@ SELECT state, lease_owner, lease_generation,
  WHERE id = %(id)s;
 
 -- name: settle_ctes
--- (Fragment) one tick's outcomes (issue 8): completions and failed attempts. Every row is
--- checked on its own (the CAS): still running under the same lease_owner and
--- lease_generation; a completion before its DB deadline; a timeout the worker clock
--- reported past its DB deadline. Runs are locked first, all at once, by id.
+-- (Fragment) one tick's completions (issue 8). Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 done_in AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(progress)s::jsonb[])
         AS t(id, generation, output, progress)
-), fail_in AS (
-    SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
-                         %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
-                         %(fail_progress)s::jsonb[])
-        AS t(id, generation, kind, entry, delay_us, require_timed_out, progress)
 ), runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state
@@ -105,6 +102,17 @@ done_in AS (
       FROM done d
      WHERE r.id = d.run_id AND r.kind = 'step' AND r.state IN ('running', 'paused')
     RETURNING r.id
+)
+
+-- name: fail_ctes
+-- (Fragment) one tick's failed attempts of single-step runs (issue 8), after settle_ctes:
+-- each row's CAS as a completion's, and a timeout the worker clock reported must be past
+-- its DB deadline.
+fail_in AS (
+    SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
+                         %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
+                         %(fail_progress)s::jsonb[])
+        AS t(id, generation, kind, entry, delay_us, require_timed_out, progress)
 ), judged AS (
     -- What a failed attempt makes of its row is decisions.end_attempt. t: the DB
     -- deadline has passed (a DB timeout wins over the reported kind); d: the attempt
@@ -157,22 +165,39 @@ done_in AS (
 WITH {claim_ctes}
 SELECT * FROM claimed
 
+-- name: settled_ctes
+-- (Fragment) the rows a settle statement returns: completed, then claimed.
+settled_completed AS (
+    SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
+           NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
+           NULL::float8 AS timeout, NULL::bigint AS lease_generation, NULL::jsonb AS input,
+           runs.kind AS run_kind, NULL::jsonb AS upstream
+      FROM done d
+      JOIN runs ON runs.id = d.run_id
+), settled_claimed AS (
+    SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
+           c.timeout, c.lease_generation, c.input, c.run_kind, c.upstream
+      FROM claimed c
+)
+
 -- name: settle
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
 -- %(limit)s, which may be 0) in one statement and one commit.
-WITH {settle_ctes}, {claim_ctes}
-SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
-       NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff, NULL::float8 AS timeout,
-       NULL::bigint AS lease_generation, NULL::jsonb AS input, runs.kind AS run_kind, NULL::jsonb AS upstream
-  FROM done d
-  JOIN runs ON runs.id = d.run_id
+WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 'step', NULL
   FROM ended e
 UNION ALL
-SELECT 'claimed', c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, c.input, c.run_kind, c.upstream
-  FROM claimed c
+SELECT * FROM settled_claimed
+
+-- name: settle_completions
+-- The hot path of a tick without failures (most ticks): its completions and the next
+-- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
+WITH {settle_ctes}, {claim_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
