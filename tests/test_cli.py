@@ -44,20 +44,15 @@ UNREACHABLE = "postgresql://nobody:s3cret@127.0.0.1:1/x"
 
 def _cli_import_path() -> str | None:
     """A directory that makes ``cyclone_mp_cli`` importable when the project is not
-    installed (pyproject maps the ``cli/`` folder to that name)."""
+    installed (``src/``, where it lives)."""
     try:
         import cyclone_mp_cli  # noqa: F401
 
         return None
     except ImportError:
-        shim = pathlib.Path(tempfile.gettempdir()) / f"cyclone-mp-cli-shim-{os.getuid()}"
-        shim.mkdir(exist_ok=True)
-        link = shim / "cyclone_mp_cli"
-        if not link.exists():
-            with contextlib.suppress(FileExistsError):
-                link.symlink_to(REPO / "cli")
-        sys.path.insert(0, str(shim))
-        return str(shim)
+        src = str(REPO / "src")
+        sys.path.insert(0, src)
+        return src
 
 
 _SHIM = _cli_import_path()
