@@ -384,13 +384,19 @@ def test_enqueue_many_and_idempotency(cyclone_env):
 def test_enqueue_many_stores_each_input_exactly_and_all_or_nothing(cyclone_env):
     client = cyclone_env.client()
     cyclone_env.mux().register(h.ok)
-    inputs = [None, 0, -2**62, 1.5e-7, "zürich ☃ \"quoted\" \\", [1, [2, {"a": None}]], {"nested": {"ü": [True, False]}}]
+    inputs = [None, 0, -2**62, 1.5e-7, "zürich ☃ \"quoted\" \\", [1, [2, {"a": None}]], {"nested": {"ü": [True, False]}},
+              "a literal \\u0000 and \\ud800 (backslash-u text, not escapes)", {"emoji 😀": "pair 😀"}]
     ids = client.enqueue_many(h.ok, inputs)
     with connect(cyclone_env.dsn) as conn:
         stored = {r["id"]: r["input"] for r in conn.execute("SELECT id::text AS id, input FROM cyclone_runs").fetchall()}
     assert [stored[i] for i in ids] == inputs
     with pytest.raises(cy.PayloadError, match="input #1"):
         client.enqueue_many(h.ok, [{"ok": 1}, {"bad": float("nan")}])
+    for bad in ({"deep": ["x\x00y"]}, {"key \x00": 1}, ["ok", "lone \ud800"], {"\udfff": None}):
+        with pytest.raises(cy.PayloadError, match="input #1 cannot be stored"):
+            client.enqueue_many(h.ok, [{"ok": 1}, bad])
+        with pytest.raises(cy.PayloadError, match="cannot be stored"):
+            client.enqueue(h.ok, bad)
     with connect(cyclone_env.dsn) as conn:
         assert conn.execute("SELECT count(*) AS n FROM cyclone_runs").fetchone()["n"] == len(inputs)  # nothing of the bad call
 

@@ -203,7 +203,9 @@ class Client:
             size = len(text)
         except (TypeError, ValueError, RecursionError) as exc:
             raise PayloadError(f"{what} is not a JSON value: {exc}") from exc
-        problem = unstorable(value)
+        # json.dumps escapes every non-ASCII character, so a NUL or a lone surrogate
+        # shows as "\u" in the text: without one, there is nothing to look for.
+        problem = unstorable(value) if "\\u" in text else None
         if problem:
             raise PayloadError(f"{what} cannot be stored in PostgreSQL: it contains {problem}")
         if size > self.config.max_payload:

@@ -310,7 +310,7 @@ class Store:
         ``inputs_json`` are the inputs as JSON texts (already checked by the client, so
         each is encoded once).
         """
-        ids = [str(uuid.uuid4()) for _ in inputs_json]
+        ids = [uuid.uuid4() for _ in inputs_json]
         with self._tx() as cur:
             cur.execute(Q["enqueue_many"], {
                 "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
@@ -319,7 +319,7 @@ class Store:
                 "backoff": nullable_jsonb(backoff),
             })
             cur.execute(Q["notify"], {"queue": queue})
-        return ids
+        return [str(i) for i in ids]
 
     # -- the supervisor's hot path ------------------------------------------------------
 

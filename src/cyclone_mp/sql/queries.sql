@@ -460,7 +460,7 @@ SELECT %(run_id)s, t.node, t.step_name, t.kind,
 WITH runs AS (
     INSERT INTO cyclone_runs (id, name, kind, input)
     SELECT t.id, %(name)s, 'step', t.input
-      FROM unnest(%(ids)s::uuid[], %(inputs)s::text[]::jsonb[]) AS t(id, input)
+      FROM unnest(%(ids)b::uuid[], %(inputs)b::text[]::jsonb[]) AS t(id, input)  -- binary: nothing to escape
     RETURNING id
 )
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
