@@ -728,12 +728,14 @@ class Supervisor:
         third of B1's CPU)."""
         if self.step_seconds is None or self.step_seconds >= PIPELINE_MAX_STEP:
             return
-        # One step per busy child per round, so the children's queues stay even.
+        # A child's queue is topped up once it is half empty (its new tasks then go in one
+        # write, read by one recv), one step per child in turn, so the queues stay even.
         cap = self.config.max_steps_per_child
+        low = [c for c in self.children if c.attempt is not None and len(c.queued) <= PIPELINE_DEPTH // 2]
         took = True
         while took:
             took = False
-            for child in self.children:
+            for child in low:
                 if not self.prefetched:
                     return
                 timeout = self.prefetched[0].row["timeout"]
