@@ -567,5 +567,8 @@ def test_prune_deletes_only_old_finished_runs(dsn: str) -> None:
         with pytest.raises(cy.RunNotFound):
             client.status(finished_id)
         assert client.status(waiting_id).state == "running"
+        with psycopg.connect(dsn) as conn:  # its steps went with it (no foreign key cascades them)
+            steps = conn.execute("SELECT run_id::text FROM cyclone_steps").fetchall()
+        assert steps == [(waiting_id,)]
     finally:
         client.close()

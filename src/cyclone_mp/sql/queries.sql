@@ -643,7 +643,8 @@ SELECT name, payload, created_at
  ORDER BY created_at, name;
 
 -- name: prune_runs
--- Delete up to %(limit)s finished runs (their steps and signals go by cascade), oldest first.
+-- Delete up to %(limit)s finished runs, oldest first, with their steps (here: steps have no
+-- foreign key, migration 0005) and their signals (by cascade).
 WITH doomed AS (
     SELECT id
       FROM cyclone_runs
@@ -652,6 +653,8 @@ WITH doomed AS (
      ORDER BY finished_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
+), doomed_steps AS (
+    DELETE FROM cyclone_steps s USING doomed WHERE s.run_id = doomed.id
 )
 DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
 
