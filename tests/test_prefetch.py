@@ -62,6 +62,19 @@ def test_prefetch_holds_more_steps_and_runs_each_once(cyclone_env_factory):
     assert sum(r["lease_generation"] - 1 for r in rows) == sup.stats["prefetch_released"]
 
 
+def test_prefetch_lets_outcomes_share_statements_and_a_lone_one_waits_briefly(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=2, prefetch=16, lease_ttl=5)
+    sup, _ = run_sleepers(env, 120)
+    assert sup.stats["batches"] <= 0.8 * 120  # 20 ms steps on two children: outcomes paired up
+    assert sup.stats["completed"] == 120
+    # One step alone (nothing held): its outcome goes at once with the next claim.
+    run_id = env.client().enqueue(h.sleeper, {"seconds": 0.0})
+    started = time.monotonic()
+    status = env.run_until_complete(run_id, timeout=10)
+    assert status.state == "completed"
+    assert time.monotonic() - started < 2.0
+
+
 def test_a_step_prefetched_behind_a_long_one_is_released_unharmed(cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=1, prefetch=4, lease_ttl=5)
     env.mux().register(h.sleeper)
