@@ -35,12 +35,25 @@ MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for mi
 NOTIFY_CHANNEL = "cyclone_mp"
 
 
+def _code(line: str) -> str:
+    """A line of SQL without its trailing ``--`` comment (none of ours is inside a string
+    literal): shorter texts keep the hot statements under psycopg's 4,096-character
+    limit for caching a query's parsed form (above it, each call re-parsed ~6,700
+    characters: about 75 us)."""
+    at = line.find("--")
+    while at >= 0:
+        if line.count("'", 0, at) % 2 == 0:
+            return line[:at].rstrip()
+        at = line.find("--", at + 2)
+    return line
+
+
 def _load_queries() -> dict[str, str]:
     text = importlib.resources.files("cyclone_mp.sql").joinpath("queries.sql").read_text()
     queries: dict[str, str] = {}
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         name, _, body = block.partition("\n")
-        body = "\n".join(line for line in body.strip().splitlines() if not line.startswith("-- "))
+        body = "\n".join(code for code in map(_code, body.strip().splitlines()) if code.strip())
         queries[name.strip()] = body.strip().rstrip(";")
     # Fragments (names ending in _ctes) are spliced into the queries that cite them.
     fragments = {name: sql for name, sql in queries.items() if name.endswith("_ctes")}

@@ -36,9 +36,10 @@ picked AS (
               -- scan of every run in generic plans built on small tables
               (SELECT r.input FROM cyclone_runs r WHERE r.id = s.run_id) AS input,
               (SELECT r.kind FROM cyclone_runs r WHERE r.id = s.run_id) AS run_kind,
-              (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
-                 FROM cyclone_steps d
-                WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) AS upstream
+              CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
+                  (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
+                     FROM cyclone_steps d
+                    WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 )
 
 -- name: heartbeat
