@@ -68,7 +68,7 @@ SELECT state, lease_owner, lease_generation,
 -- CAS): still running under the same lease_owner and lease_generation, and before its
 -- DB deadline. The runs of every row of the tick (completions and failures) are locked
 -- first, all at once, by id.
-done_in AS (
+done_in AS MATERIALIZED (  -- unnested once, not again for each row it is joined with
     SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(progress)s::jsonb[])
         AS t(id, generation, output, progress)
 ), runs AS (
@@ -109,7 +109,7 @@ done_in AS (
 -- (Fragment) one tick's failed attempts of single-step runs (issue 8), after settle_ctes:
 -- each row's CAS as a completion's, and a timeout the worker clock reported must be past
 -- its DB deadline.
-fail_in AS (
+fail_in AS MATERIALIZED (
     SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
                          %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
                          %(fail_progress)s::jsonb[])
