@@ -33,7 +33,7 @@ import psutil
 from . import decisions, procs, protocol
 from .batch import BatchWriter
 from .backoff import compute_backoff, delay_after
-from .config import COALESCE_MAX, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
+from .config import COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
@@ -1003,16 +1003,18 @@ class Supervisor:
     def _flush_at(self) -> float | None:
         """When this tick's outcomes go to the database (None: there are none, or a
         statement is in flight). At once, except with prefetch while held steps keep
-        every child busy: then they wait up to COALESCE_MAX for one outcome per child,
-        so steps of about 20 ms share statements instead of paying one each (the
-        completion is visible that much later; the claim rides along when held steps run
-        low). pgqueuer buffers its completions the same way."""
+        every child busy: then they wait up to COALESCE_MAX (50 ms) for
+        COALESCE_PER_WORKER (2) outcomes per child, so steps of about 20 ms share
+        statements instead of paying one each (the completion is visible that much
+        later; the claim rides along when held steps run low). pgqueuer buffers its
+        completions the same way (10 of them or 0.1 s by default)."""
         if not (self.completions or self.failures) or self.batch.busy:
             return None
         since = self._outcomes_since if self._outcomes_since is not None else self.clock()
         workers = self.config.workers
         if (not self.config.prefetch or self.draining or not self.db_ok
-                or len(self.completions) + len(self.failures) >= workers or len(self.prefetched) < workers):
+                or len(self.completions) + len(self.failures) >= COALESCE_PER_WORKER * workers
+                or len(self.prefetched) < workers):
             return since
         return since + COALESCE_MAX
 
