@@ -381,6 +381,20 @@ def test_enqueue_many_and_idempotency(cyclone_env):
         assert cyclone_env.run_until_complete(run_id).step.output["echo"]["i"] == ids.index(run_id)
 
 
+def test_deleting_runs_by_hand_leaves_no_step_behind(cyclone_env):
+    """Steps have no foreign key to their run (migration 0005); triggers (0006) delete
+    them with their run however it is deleted, so no orphan is ever claimed."""
+    client = cyclone_env.client()
+    cyclone_env.mux().register(h.ok)
+    gone, kept = client.enqueue_many(h.ok, [{"i": 1}, {"i": 2}])
+    with connect(cyclone_env.dsn) as conn:
+        conn.execute("DELETE FROM cyclone_runs WHERE id = %s", (gone,))
+        left = conn.execute("SELECT run_id::text AS run_id FROM cyclone_steps").fetchall()
+        assert [r["run_id"] for r in left] == [kept]
+        conn.execute("TRUNCATE cyclone_runs CASCADE")
+        assert conn.execute("SELECT count(*) AS n FROM cyclone_steps").fetchone()["n"] == 0
+
+
 def test_enqueue_many_stores_each_input_exactly_and_all_or_nothing(cyclone_env):
     client = cyclone_env.client()
     cyclone_env.mux().register(h.ok)

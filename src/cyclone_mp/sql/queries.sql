@@ -644,8 +644,8 @@ SELECT name, payload, created_at
  ORDER BY created_at, name;
 
 -- name: prune_runs
--- Delete up to %(limit)s finished runs, oldest first, with their steps (here: steps have no
--- foreign key, migration 0005) and their signals (by cascade).
+-- Delete up to %(limit)s finished runs, oldest first; their steps go with them (a trigger,
+-- migration 0006) and their signals (by cascade).
 WITH doomed AS (
     SELECT id
       FROM cyclone_runs
@@ -654,8 +654,6 @@ WITH doomed AS (
      ORDER BY finished_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
-), doomed_steps AS (
-    DELETE FROM cyclone_steps s USING doomed WHERE s.run_id = doomed.id
 )
 DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
 
