@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import time
 from typing import Any
@@ -250,3 +251,34 @@ def test_a_queued_task_waits_for_the_sweep_of_the_last_ones_leftovers(tmp_path):
         for p in procs_left:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+def test_a_held_back_outcome_is_written_before_its_attempts_deadline():
+    """Coalescing (prefetch): an outcome waits up to COALESCE_MAX for others, but never
+    into the last COALESCE_MAX before its attempt's deadline (written after it, a
+    success would count as a timeout)."""
+    from types import SimpleNamespace
+
+    from cyclone_mp.config import COALESCE_MAX, Config
+    from cyclone_mp.supervisor import Supervisor
+
+    now = [100.0]
+    mux = cy.Mux()
+    mux.register(h.ok)
+    sup = Supervisor("postgresql:///unused", mux, Config.build(workers=2, prefetch=16), clock=lambda: now[0])
+    try:
+        sup.db_ok = True
+        sup.prefetched.extend([object()] * 8)  # held steps keep both children busy
+        sup.completions.append((SimpleNamespace(deadline=None), None, None))
+        sup._outcome_added(SimpleNamespace(deadline=None))
+        assert sup._flush_at() == pytest.approx(100.0 + COALESCE_MAX)  # waits for company
+        now[0] = 100.01
+        sup.completions.append((SimpleNamespace(deadline=100.07), None, None))
+        sup._outcome_added(SimpleNamespace(deadline=100.07))
+        assert sup._flush_at() == pytest.approx(100.07 - COALESCE_MAX)  # but not into its deadline's margin
+        sup.prefetched.clear()  # nothing held: the claim must go now
+        assert sup._flush_at() == pytest.approx(100.0)
+    finally:
+        sup.selector.close()
+        os.close(sup._wake_r)
+        os.close(sup._wake_w)

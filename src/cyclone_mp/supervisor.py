@@ -149,6 +149,7 @@ class Supervisor:
         self.completions: list[tuple[Attempt, Any, Any]] = []
         self.failures: list[tuple[Attempt, str, dict[str, Any], bool]] = []  # this tick's, single-step runs
         self._outcomes_since: float | None = None  # when the oldest of them came in
+        self._outcomes_due: float | None = None  # the earliest deadline among their attempts
         self.store: Store | None = None
         self.listen_conn: Any = None
         self._listen_fd: int | None = None
@@ -459,7 +460,7 @@ class Supervisor:
                 self.stats["late_completions_dropped"] += 1
                 return
             self.completions.append((att, result.get("output"), att.progress))
-            self._outcome_added()
+            self._outcome_added(att)
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
         if reason is not None:
@@ -898,7 +899,7 @@ class Supervisor:
             return
         done, self.completions = self.completions, []
         failed, self.failures = self.failures, []
-        self._outcomes_since = None
+        self._outcomes_since = self._outcomes_due = None
         if not self.db_ok or self.store is None:
             self._defer(done, failed)
             return
@@ -994,11 +995,13 @@ class Supervisor:
             self._write("fail", att, fail_payload(kind, entry, require_timed_out))
         else:
             self.failures.append((att, kind, entry, require_timed_out))
-            self._outcome_added()
+            self._outcome_added(att)
 
-    def _outcome_added(self) -> None:
+    def _outcome_added(self, att: Attempt) -> None:
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()
+        if att.deadline is not None and (self._outcomes_due is None or att.deadline < self._outcomes_due):
+            self._outcomes_due = att.deadline
 
     def _flush_at(self) -> float | None:
         """When this tick's outcomes go to the database (None: there are none, or a
@@ -1007,7 +1010,9 @@ class Supervisor:
         COALESCE_PER_WORKER (2) outcomes per child, so steps of about 20 ms share
         statements instead of paying one each (the completion is visible that much
         later; the claim rides along when held steps run low). pgqueuer buffers its
-        completions the same way (10 of them or 0.1 s by default)."""
+        completions the same way (10 of them or 0.1 s by default). An outcome never waits
+        past COALESCE_MAX before its attempt's deadline: written after it, a success
+        would count as a timeout."""
         if not (self.completions or self.failures) or self.batch.busy:
             return None
         since = self._outcomes_since if self._outcomes_since is not None else self.clock()
@@ -1016,7 +1021,10 @@ class Supervisor:
                 or len(self.completions) + len(self.failures) >= COALESCE_PER_WORKER * workers
                 or len(self.prefetched) < workers):
             return since
-        return since + COALESCE_MAX
+        at = since + COALESCE_MAX
+        if self._outcomes_due is not None:
+            at = min(at, self._outcomes_due - COALESCE_MAX)
+        return at
 
     def _entry(self, att: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
         """An attempt's error entry as stored: who wrote it, under which lease."""
