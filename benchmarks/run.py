@@ -246,7 +246,7 @@ class SupervisorProcess:
 POLL = 0.05
 
 
-def run_until_completed(client: cy.Client, n: int, interval: float) -> tuple[Any, list[Any], float]:
+def run_until_completed(client: cy.Client, n: int, interval: float = POLL) -> tuple[Any, list[Any], float]:
     """Start ``client``'s supervisor (in this process), wait for ``n`` completions, shut
     it down and close the client; returns the supervisor, its children as they were
     before the shutdown, and the epoch time of the start."""
@@ -294,7 +294,7 @@ class Bench:
         client = cy.Client(dsn, mux_of(bench_steps.noop), workers=workers, prefetch=prefetch)
         client.enqueue_many(bench_steps.noop, [None] * n)
         wal0 = wal_lsn(dsn)
-        sup, children, t0 = run_until_completed(client, n, POLL)
+        sup, children, t0 = run_until_completed(client, n)
         wal = wal_lsn(dsn) - wal0  # the whole server's WAL; nothing else writes to it meanwhile
         stats = sup.stats
         ready_after = [c.ready_after for c in children if c.ready_after is not None]
@@ -388,7 +388,7 @@ class Bench:
         with self.server.fresh() as dsn:
             client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2, prefetch=prefetch)
             client.enqueue_many(bench_steps.cpu, [{"n": cal["cpu_iters"]}] * n)
-            sup, children, t0 = run_until_completed(client, n, POLL)
+            sup, children, t0 = run_until_completed(client, n)
             child_cpu = sum(c.cpu_total for c in children)  # as of each child's last result
             t = step_times(dsn, bench_steps.cpu.name, sup.id)
         ideal = n * cal["cpu_job_ms"] / 1000 / 2

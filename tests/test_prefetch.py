@@ -270,11 +270,11 @@ def test_a_held_back_outcome_is_written_before_its_attempts_deadline():
         sup.db_ok = True
         sup.prefetched.extend([object()] * 8)  # held steps keep both children busy
         sup.completions.append((SimpleNamespace(deadline=None), None, None))
-        sup._outcome_added(SimpleNamespace(deadline=None))
+        sup._outcome_added()
         assert sup._flush_at() == pytest.approx(100.0 + COALESCE_MAX)  # waits for company
         now[0] = 100.01
         sup.completions.append((SimpleNamespace(deadline=100.07), None, None))
-        sup._outcome_added(SimpleNamespace(deadline=100.07))
+        sup._outcome_added()
         assert sup._flush_at() == pytest.approx(100.07 - COALESCE_MAX)  # but not into its deadline's margin
         sup.prefetched.clear()  # nothing held: the claim must go now
         assert sup._flush_at() == pytest.approx(100.0)

@@ -149,7 +149,6 @@ class Supervisor:
         self.completions: list[tuple[Attempt, Any, Any]] = []
         self.failures: list[tuple[Attempt, str, dict[str, Any], bool]] = []  # this tick's, single-step runs
         self._outcomes_since: float | None = None  # when the oldest of them came in
-        self._outcomes_due: float | None = None  # the earliest deadline among their attempts
         self.store: Store | None = None
         self.listen_conn: Any = None
         self._listen_fd: int | None = None
@@ -460,7 +459,7 @@ class Supervisor:
                 self.stats["late_completions_dropped"] += 1
                 return
             self.completions.append((att, result.get("output"), att.progress))
-            self._outcome_added(att)
+            self._outcome_added()
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
         if reason is not None:
@@ -899,7 +898,7 @@ class Supervisor:
             return
         done, self.completions = self.completions, []
         failed, self.failures = self.failures, []
-        self._outcomes_since = self._outcomes_due = None
+        self._outcomes_since = None
         if not self.db_ok or self.store is None:
             self._defer(done, failed)
             return
@@ -995,13 +994,11 @@ class Supervisor:
             self._write("fail", att, fail_payload(kind, entry, require_timed_out))
         else:
             self.failures.append((att, kind, entry, require_timed_out))
-            self._outcome_added(att)
+            self._outcome_added()
 
-    def _outcome_added(self, att: Attempt) -> None:
+    def _outcome_added(self) -> None:
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()
-        if att.deadline is not None and (self._outcomes_due is None or att.deadline < self._outcomes_due):
-            self._outcomes_due = att.deadline
 
     def _flush_at(self) -> float | None:
         """When this tick's outcomes go to the database (None: there are none, or a
@@ -1021,10 +1018,8 @@ class Supervisor:
                 or len(self.completions) + len(self.failures) >= COALESCE_PER_WORKER * workers
                 or len(self.prefetched) < workers):
             return since
-        at = since + COALESCE_MAX
-        if self._outcomes_due is not None:
-            at = min(at, self._outcomes_due - COALESCE_MAX)
-        return at
+        due = [a.deadline for a, *_ in self.completions + self.failures if a.deadline is not None]
+        return min([since + COALESCE_MAX] + [d - COALESCE_MAX for d in due])
 
     def _entry(self, att: Attempt, entry: dict[str, Any]) -> dict[str, Any]:
         """An attempt's error entry as stored: who wrote it, under which lease."""
