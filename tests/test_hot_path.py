@@ -3,7 +3,7 @@ exactly as the one-by-one path does.
 
 Each comparison claims two identical steps, fails one with ``Store.fail_many`` (the
 batched statement without completions) and the other with ``Store.fail`` (the path it
-replaces for single-step runs), and compares the rows.
+replaces), and compares the rows: single-step runs, paused runs and workflow runs.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from cyclone_mp import decisions
 from cyclone_mp.store import FailedAttempt, Store, connect
 
 import handlers as h
+import workflow_handlers as wh
 
 OWNER = "test-owner"
-COLUMNS = "state, attempt, max_attempts, error, error_kind, errors, lease_owner, finished_at IS NOT NULL AS finished"
+COLUMNS = ("state, paused_from, attempt, max_attempts, error, error_kind, errors, lease_owner, "
+           "finished_at IS NOT NULL AS finished")
 
 
 def claim_two(env: Any, store: Store, step: cy.Step, **options: Any) -> tuple[list[str], list[dict[str, Any]]]:
@@ -89,13 +91,62 @@ def test_fail_many_leaves_what_it_must_not_decide(cyclone_env):
         early = FailedAttempt(id=b["id"], generation=b["lease_generation"], kind=decisions.TIMEOUT,
                               entry={}, delay=0.0, require_timed_out=True)  # DB deadline 60 s away
         assert store.fail_many(owner=OWNER, items=[stale, early]) == set()
-        cyclone_env.client().pause(run_a)  # a paused run is the one-by-one path's to hold
-        again = FailedAttempt(id=a["id"], generation=a["lease_generation"], kind=decisions.ERROR,
-                              entry={}, delay=0.0, require_timed_out=False)
-        assert store.fail_many(owner=OWNER, items=[again]) == set()
         for step_id in (a["id"], b["id"]):
             row = row_of(cyclone_env.dsn, step_id)
             assert (row["attempt"], row["errors"], row["lease_owner"]) == (1, [], OWNER)
+        # a workflow's failure needs its run advanced in the same transaction: only when asked
+        cyclone_env.mux().register(wh.diamond)
+        cyclone_env.enqueue(wh.diamond, {})
+        (w,) = store.claim(owner=OWNER, queues=["default"], names=["a"], limit=1, ttl=30)
+        failure = FailedAttempt(id=w["id"], generation=w["lease_generation"], kind=decisions.ERROR,
+                                entry={}, delay=0.0, require_timed_out=False)
+        assert store.fail_many(owner=OWNER, items=[failure]) == set()
+        assert row_of(cyclone_env.dsn, w["id"])["state"] == "running"
+        assert store.fail_many(owner=OWNER, items=[failure], workflows=True) == {w["id"]}
+    finally:
+        store.close()
+
+
+def run_rows(dsn: str, run_id: str) -> dict[str, Any]:
+    """Every step of a run by node, with the run's state (``row_of``'s columns)."""
+    with connect(dsn) as conn:
+        ids = conn.execute("SELECT node, id FROM cyclone_steps WHERE run_id = %s", (run_id,)).fetchall()
+    return {r["node"]: row_of(dsn, r["id"]) for r in ids}
+
+
+@pytest.mark.parametrize("kind", [decisions.ERROR, decisions.PERMANENT])
+@pytest.mark.parametrize("setup", ["paused", "workflow", "paused workflow"])
+def test_fail_many_matches_fail_in_paused_and_workflow_runs(cyclone_env, setup, kind):
+    """A retry in a paused run is held paused; a workflow's run is advanced (a discarded
+    node discards the run), exactly as the one-by-one path does."""
+    store = Store.open(cyclone_env.dsn)
+    try:
+        if "workflow" in setup:
+            cyclone_env.mux().register(wh.diamond)
+            run_ids = [cyclone_env.enqueue(wh.diamond, {}) for _ in range(2)]
+            a, b = store.claim(owner=OWNER, queues=["default"], names=["a"], limit=2, ttl=30)
+        else:
+            cyclone_env.mux().register(h.raises)
+            run_ids, (a, b) = claim_two(cyclone_env, store, h.raises)
+        if "paused" in setup:
+            for run_id in run_ids:
+                cyclone_env.client().pause(run_id)
+        entry = {"type": "builtins.ValueError", "message": "bad", "pid": 1}
+        by_id = {r["id"]: r for r in (a, b)}
+        first, second = (by_id[s] for s in sorted(by_id))  # run order is claim order: match rows to runs
+        applied = store.fail_many(owner=OWNER, items=[FailedAttempt(
+            id=first["id"], generation=first["lease_generation"], kind=kind, entry=entry, delay=0.0,
+            require_timed_out=False)], workflows="workflow" in setup)
+        assert applied == {first["id"]}
+        assert store.fail(owner=OWNER, id=second["id"], generation=second["lease_generation"], kind=kind,
+                          entry=entry, backoff=lambda n: 0.0) == "applied"
+        batched, single = (run_rows(cyclone_env.dsn, r["run_id"]) for r in (first, second))
+        assert batched == single
+        node = first["node"]
+        expected = "discarded" if kind == decisions.PERMANENT else "paused" if "paused" in setup else "available"
+        assert batched[node]["state"] == expected
+        if "workflow" in setup and kind == decisions.PERMANENT and "paused" not in setup:
+            assert batched[node]["run_state"] == "discarded"
     finally:
         store.close()
 

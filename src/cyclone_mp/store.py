@@ -379,17 +379,18 @@ class Store:
         """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
 
         ``completions`` are ``(id, generation, output, progress)`` items; ``failures`` are
-        failed attempts of single-step runs. Each row gets its own CAS: still running
-        under ``owner`` and its generation, a completion before its DB deadline, a
-        failure with ``require_timed_out`` past it. A failed attempt's outcome is
-        :func:`cyclone_mp.decisions.end_attempt`'s, in SQL. Rows whose CAS fails change
-        nothing (late completions; for failures also workflow or paused runs and
-        timeouts not yet due on the DB clock: write those with :meth:`fail`). Then up
-        to ``limit`` steps of ``queues``/``names`` are claimed with a ``ttl``-second
-        lease. With ``workflows`` (some completion belongs to a workflow run) the
-        workflows are advanced in the same transaction; otherwise it is one round trip
-        and one commit. A tick without failures runs ``settle_completions``, the same
-        statement without the failure CTEs (a smaller plan to start and run).
+        failed attempts. Each row gets its own CAS: still running under ``owner`` and
+        its generation, a completion before its DB deadline, a failure with
+        ``require_timed_out`` past it. A failed attempt's outcome is
+        :func:`cyclone_mp.decisions.end_attempt`'s, in SQL; in a paused run a retried
+        step is held paused. Rows whose CAS fails change nothing (late completions; for
+        failures also timeouts not yet due on the DB clock, and without ``workflows``
+        failures of workflow runs: write those with :meth:`fail`). Then up to ``limit``
+        steps of ``queues``/``names`` are claimed with a ``ttl``-second lease. With
+        ``workflows`` (some outcome belongs to a workflow run) the workflow runs of the
+        settled rows are advanced in the same transaction; otherwise it is one round
+        trip and one commit. A tick without failures runs ``settle_completions``, the
+        same statement without the failure CTEs (a smaller plan to start and run).
 
         Raises:
             DatabaseUnavailable, QueryRejected: see :func:`translate`.
@@ -409,9 +410,10 @@ class Store:
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
                 "queues": list(queues), "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
+                "in_tx": workflows,
             })
             rows = cur.fetchall()
-            for run_id in sorted({r["run_id"] for r in rows if r["what"] == "completed" and r["run_kind"] == "workflow"}):
+            for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
         return Settled(
             completed={r["id"] for r in rows if r["what"] == "completed"},
@@ -426,12 +428,12 @@ class Store:
             return set()
         return self.settle(owner=owner, completions=items, workflows=workflows).completed
 
-    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"]) -> set[int]:
-        """Failed attempts of single-step runs (:meth:`settle` without completions or
-        claim); returns the ids applied."""
+    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"], workflows: bool = False) -> set[int]:
+        """Failed attempts (:meth:`settle` without completions or claim); returns the ids
+        applied. Failures of workflow runs are applied only with ``workflows``."""
         if not items:
             return set()
-        return self.settle(owner=owner, failures=items).failed
+        return self.settle(owner=owner, failures=items, workflows=workflows).failed
 
     @translate
     def fail(

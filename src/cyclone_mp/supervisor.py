@@ -147,7 +147,7 @@ class Supervisor:
         self.attempts: dict[int, Attempt] = {}
         self.pending: list[PendingWrite] = []
         self.completions: list[tuple[Attempt, Any, Any]] = []
-        self.failures: list[tuple[Attempt, str, dict[str, Any], bool]] = []  # this tick's, single-step runs
+        self.failures: list[tuple[Attempt, str, dict[str, Any], bool]] = []  # this tick's
         self._outcomes_since: float | None = None  # when the oldest of them came in
         self.store: Store | None = None
         self.listen_conn: Any = None
@@ -890,8 +890,7 @@ class Supervisor:
     # -- writing outcomes ---------------------------------------------------------------------
 
     def _flush_outcomes(self) -> None:
-        """Send this tick's successes and failed attempts of single-step runs as one
-        statement, with the next claim when there is room, to the batch writer (one
+        """Send this tick's successes and failed attempts as one statement, with the next claim when there is room, to the batch writer (one
         statement in flight; later outcomes wait for it). Issue 8."""
         flush_at = self._flush_at()
         if flush_at is None or flush_at > self.clock():
@@ -910,7 +909,7 @@ class Supervisor:
             for att, kind, entry, rto in failed
         ]
         limit = len(self._idle_children()) + self.prefetch_room() if not self.draining else 0
-        workflows = any(a.workflow for a, _, _ in done)
+        workflows = any(a.workflow for a, _, _ in done) or any(a.workflow for a, _, _, _ in failed)
         owner, queues, names, ttl = self.id, self.config.queues, self.mux.step_names, self.config.lease_ttl
 
         def statement(store: Store) -> Settled:
@@ -956,8 +955,8 @@ class Supervisor:
         for att, _, _ in done:
             if att.step_id not in settled.completed:
                 self._late_success(att)
-        # The rest (a lost lease, a timeout not yet due on the DB clock, a paused run)
-        # go the one-by-one way, which knows each case.
+        # The rest (a lost lease, a timeout not yet due on the DB clock, a run neither
+        # running nor paused) go the one-by-one way, which knows each case.
         for att, kind, entry, rto in failed:
             if att.step_id not in settled.failed:
                 self._write("fail", att, fail_payload(kind, entry, rto))
@@ -990,11 +989,8 @@ class Supervisor:
             self.stats["late_completions_dropped"] += 1
 
     def _write_fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool) -> None:
-        if att.workflow:  # advancing a workflow runs more statements: one by one
-            self._write("fail", att, fail_payload(kind, entry, require_timed_out))
-        else:
-            self.failures.append((att, kind, entry, require_timed_out))
-            self._outcome_added()
+        self.failures.append((att, kind, entry, require_timed_out))
+        self._outcome_added()
 
     def _outcome_added(self) -> None:
         if self._outcomes_since is None:

@@ -106,9 +106,10 @@ done_in AS MATERIALIZED (  -- unnested once, not again for each row it is joined
 )
 
 -- name: fail_ctes
--- (Fragment) one tick's failed attempts of single-step runs (issue 8), after settle_ctes:
--- each row's CAS as a completion's, and a timeout the worker clock reported must be past
--- its DB deadline.
+-- (Fragment) one tick's failed attempts (issue 8), after settle_ctes: each row's CAS as a
+-- completion's, and a timeout the worker clock reported must be past its DB deadline.
+-- Rows of workflow runs only when %(in_tx)s: the caller then advances those runs in the
+-- same transaction.
 fail_in AS MATERIALIZED (
     SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
                          %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
@@ -118,18 +119,21 @@ fail_in AS MATERIALIZED (
     -- What a failed attempt makes of its row is decisions.end_attempt. t: the DB
     -- deadline has passed (a DB timeout wins over the reported kind); d: the attempt
     -- ends the step (permanent or exhausted: discard), else available after the delay.
-    -- Only rows of running single-step runs: workflows and paused runs are left to the
-    -- one-by-one path (the run rows are locked, so their state holds).
+    -- Only rows of running or paused runs (the run rows are locked, so their state
+    -- holds); in a paused run a retried step is held paused, as hold_paused does.
     SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
-           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d
+           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
+           runs.kind AS run_kind, runs.state AS run_state
       FROM cyclone_steps s
       JOIN fail_in i ON i.id = s.id
-      JOIN runs ON runs.id = s.run_id AND runs.kind = 'step' AND runs.state = 'running'
+      JOIN runs ON runs.id = s.run_id AND runs.state IN ('running', 'paused')
+                   AND (runs.kind = 'step' OR %(in_tx)s)
      CROSS JOIN LATERAL (SELECT coalesce(s.started_at + s.timeout <= now(), false) AS t) t
      WHERE s.id = ANY(%(fail_ids)s::bigint[])
 ), ended AS (
     UPDATE cyclone_steps s
-       SET state = CASE WHEN j.d THEN 'discarded' ELSE 'available' END,
+       SET state = CASE WHEN j.d THEN 'discarded' WHEN j.run_state = 'paused' THEN 'paused' ELSE 'available' END,
+           paused_from = CASE WHEN NOT j.d AND j.run_state = 'paused' THEN 'available' ELSE s.paused_from END,
            attempt = CASE WHEN j.d THEN s.attempt ELSE s.attempt + 1 END,
            scheduled_at = CASE WHEN j.d THEN s.scheduled_at
                                ELSE now() + (j.delay_us * interval '1 microsecond') END,
@@ -152,12 +156,13 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state
+    RETURNING s.id, s.run_id, s.state, j.run_kind, j.run_state
 ), discarded_runs AS (
+    -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
        SET state = 'discarded', finished_at = now(), updated_at = now()
       FROM ended e
-     WHERE r.id = e.run_id AND e.state = 'discarded'
+     WHERE r.id = e.run_id AND e.state = 'discarded' AND e.run_kind = 'step' AND e.run_state = 'running'
     RETURNING r.id
 )
 
@@ -187,7 +192,7 @@ settled_completed AS (
 WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 'step', NULL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.run_kind, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
