@@ -8,10 +8,12 @@ replaces), and compares the rows: single-step runs, paused runs and workflow run
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 
 import cyclone_mp as cy
@@ -235,3 +237,42 @@ def test_a_runs_completion_is_a_hot_update(cyclone_env):
             conn.execute("SELECT pg_stat_clear_snapshot()")
     assert stats["n_tup_upd"] == 20
     assert stats["n_tup_hot_upd"] >= 15  # all, unless a page had no room left
+
+
+def test_an_error_entrys_time_is_utc_text_whatever_the_session_time_zone(cyclone_env):
+    """The dashboard orders recent kills by the text of the latest entry's "at"
+    (cyclone_steps_kills_idx): every path that writes an entry writes UTC, also when
+    the database's TimeZone is not UTC (it used to follow the session's)."""
+    with connect(cyclone_env.dsn) as conn:
+        dbname = conn.info.dbname
+        conn.execute(psycopg.sql.SQL("ALTER DATABASE {} SET timezone = 'Asia/Kolkata'").format(
+            psycopg.sql.Identifier(dbname)))
+        conn.commit()
+    store = Store.open(cyclone_env.dsn)  # a new session: the +05:30 time zone
+    try:
+        assert store.conn.execute("SHOW timezone").fetchone()["TimeZone"] == "Asia/Kolkata"
+        cyclone_env.mux().register(h.raises)
+        _, (a, b) = claim_two(cyclone_env, store, h.raises, max_reclaims=0)
+        assert store.fail_many(owner=OWNER, items=[FailedAttempt(
+            id=a["id"], generation=a["lease_generation"], kind=decisions.ERROR, entry={}, delay=0.0,
+            require_timed_out=False)]) == {a["id"]}
+        with connect(cyclone_env.dsn) as conn:
+            conn.execute("UPDATE cyclone_steps SET lease_expiry = now() - interval '1 second' WHERE id = %s",
+                         (b["id"],))
+        assert store.expire(b["id"], lambda name: (lambda n: 0.0), {}) == "reclaim_limit"
+        (again,) = store.claim(owner=OWNER, queues=["default"], names=[h.raises.name], limit=1, ttl=30)
+        assert again["id"] == a["id"]  # its retry
+        assert store.fail(owner=OWNER, id=a["id"], generation=again["lease_generation"], kind=decisions.ERROR,
+                          entry={}, backoff=lambda n: 0.0) == "applied"
+        now = time.time()
+        with connect(cyclone_env.dsn) as conn:
+            entries = [r["e"] for r in conn.execute(
+                "SELECT e FROM cyclone_steps, jsonb_array_elements(errors) e WHERE id = ANY(%s) ORDER BY id",
+                ([a["id"], b["id"]],)).fetchall()]
+        assert [e["kind"] for e in entries] == ["error", "error", "reclaim_limit"]
+        for e in entries:
+            assert e["at"].endswith("+00:00"), e["at"]
+            at = dt.datetime.fromisoformat(e["at"]).timestamp()
+            assert now - 60 < at <= now + 1
+    finally:
+        store.close()

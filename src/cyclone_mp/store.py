@@ -55,13 +55,16 @@ def _load_queries() -> dict[str, str]:
         name, _, body = block.partition("\n")
         body = "\n".join(code for code in map(_code, body.strip().splitlines()) if code.strip())
         queries[name.strip()] = body.strip().rstrip(";")
-    # Fragments (names ending in _ctes) are spliced into the queries that cite them.
-    fragments = {name: sql for name, sql in queries.items() if name.endswith("_ctes")}
-    for name, body in queries.items():
+    # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
+    # them, fragments cited by fragments first.
+    fragments = {name: sql for name, sql in queries.items() if name.endswith(("_ctes", "_expr"))}
+
+    def splice(body: str) -> str:
         for frag, frag_sql in fragments.items():
             body = body.replace("{" + frag + "}", frag_sql)
-        queries[name] = body
-    return queries
+        return body
+    fragments = {name: splice(sql) for name, sql in fragments.items()}
+    return {name: splice(body) for name, body in queries.items()}
 
 
 Q = _load_queries()

@@ -1,6 +1,11 @@
 -- Every query cyclone_mp runs, one per "-- name:" header, with a one-line purpose.
 -- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
 
+-- name: utc_now_expr
+-- (Fragment) now() as ISO 8601 text in UTC, whatever the session's TimeZone: the "at"
+-- of an error entry, whose text order must be time order (cyclone_steps_kills_idx).
+to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
+
 -- name: claim_ctes
 -- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first heartbeat (SPEC 4).
 picked AS (
@@ -147,7 +152,7 @@ fail_in AS MATERIALIZED (
                || jsonb_build_object('attempt', s.attempt, 'kind', CASE WHEN j.t THEN 'timeout' ELSE j.kind END)
                || CASE WHEN j.t AND j.kind <> 'timeout' THEN jsonb_build_object('reported_kind', j.kind)
                        ELSE '{}'::jsonb END
-               || jsonb_build_object('at', now())),
+               || jsonb_build_object('at', {utc_now_expr})),
            progress = coalesce(j.progress, s.progress)
       FROM judged j
      WHERE s.id = ANY(%(fail_ids)s::bigint[])  -- by primary key (generic plans)
@@ -240,7 +245,7 @@ UPDATE cyclone_steps
        lease_expiry = NULL,
        error = %(error)s,
        error_kind = %(error_kind)s,
-       errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', now())),
+       errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', {utc_now_expr})),
        progress = coalesce(%(progress)s::jsonb, progress)
  WHERE id = %(id)s;
 
@@ -283,7 +288,7 @@ UPDATE cyclone_steps
 UPDATE cyclone_steps
    SET state = 'discarded', lease_expiry = NULL, finished_at = now(),
        error = %(error)s, error_kind = 'reclaim_limit',
-       errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', now()))
+       errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', {utc_now_expr}))
  WHERE id = %(id)s;
 
 -- name: due_timer_runs
