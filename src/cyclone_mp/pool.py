@@ -64,6 +64,7 @@ class ChildProc:
         self.recycle_due = False  # over max_steps_per_child or max_child_rss: retired once idle
         self.steps_run = 0
         self.cpu_total = 0.0  # the child's CPU seconds as of its last report (ready or result)
+        self.cpu_at_ready = 0.0  # the CPU seconds it took to start (imports), before any step
         self.spawned = time.monotonic()
         self.ready_after: float | None = None
         self.returncode: int | None = None

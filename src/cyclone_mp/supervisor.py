@@ -394,7 +394,7 @@ class Supervisor:
         if kind == "ready":
             child.ready = True
             child.ready_after = self.clock() - child.spawned
-            child.cpu_total = float(message.get("cpu_total") or 0.0)
+            child.cpu_total = child.cpu_at_ready = float(message.get("cpu_total") or 0.0)
             self._take_prefetched()
             return
         att = child.attempt
