@@ -447,6 +447,27 @@ def test_retry_of_a_cancelled_step_consumes_no_attempt(cyclone_env):
     assert run.step.output["attempt"] == 1
 
 
+def test_retry_of_a_step_cancelled_after_a_failure_keeps_its_attempt(cyclone_env):
+    """Cancelled while it waits for attempt 2, the step is retried at attempt 2: the
+    failure of attempt 1 was counted when it ended (retry used to count it again and
+    skip attempt 2)."""
+    run_id = cyclone_env.enqueue(h.raises, {}, backoff=[3600])
+    cyclone_env.start_worker()
+    deadline = time.monotonic() + 15
+    while (step := cyclone_env.status(run_id).step).attempt < 2:
+        assert time.monotonic() < deadline, f"attempt 1 never failed: {step}"
+        time.sleep(0.02)
+    assert (step.state, [e["attempt"] for e in step.errors]) == ("available", [1])
+    cyclone_env.client().cancel(run_id)
+    assert cyclone_env.client().retry(run_id) == 1
+    step = cyclone_env.status(run_id).step
+    assert (step.attempt, step.max_attempts) == (2, 3)
+    while len((step := cyclone_env.status(run_id).step).errors) < 2:
+        assert time.monotonic() < deadline, f"attempt 2 never failed: {step}"
+        time.sleep(0.02)
+    assert ([e["attempt"] for e in step.errors], step.attempt, step.state) == ([1, 2], 3, "available")
+
+
 def test_per_enqueue_backoff_is_stored_and_applied(cyclone_env):
     run_id = cyclone_env.enqueue(h.flaky_default_backoff, {}, backoff=[0.0, 30.0])
     run = cyclone_env.run_until_complete(run_id)

@@ -370,14 +370,16 @@ RETURNING (SELECT count(*) FROM steps) AS steps;
 
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
--- discarded by its attempts gets max_attempts raised to attempt + 1, as River does.
+-- discarded by its attempts gets max_attempts raised to attempt + 1, as River does. A
+-- cancelled step keeps its attempt: its error_kind may be an earlier attempt's, already
+-- counted when that attempt ended.
 UPDATE cyclone_steps
    SET state = 'available',
-       attempt = CASE WHEN error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+       attempt = CASE WHEN state = 'discarded' AND error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
                       THEN attempt + 1 ELSE attempt END,
-       max_attempts = CASE WHEN error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
                            THEN greatest(max_attempts, attempt + 1) ELSE max_attempts END,
-       reclaims = CASE WHEN error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
+       reclaims = CASE WHEN state = 'discarded' AND error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
        scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
        error = NULL, error_kind = NULL
  WHERE run_id = %(run_id)s AND state = %(from_state)s AND kind = 'task';
