@@ -706,8 +706,8 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B7", "sustained_steps_per_s", f"sustained steps/s over {n['b7_steps']:,} (supervisor process, prefetch={PREFETCH})",
          "{:,.0f}", f"(pgqueuer {peer['pgqueuer_s1_n20000']:,.0f} at 20,000)", None),
         ("B7", "child_start_ms_p50", "fresh child spawn to ready (ms)", "{:.1f}", "< 50", lambda v, m: v < 50),
-        ("B1", "child_ready_ms", "child spawn to ready inside the B1 supervisor (ms, ready_after)", "{:.1f}", "< 50",
-         lambda v, m: v < 50),
+        ("B1", "child_ready_ms", "child spawn to ready in the B1 supervisor, its handlers' module imported (ms)",
+         "{:.1f}", "< 100 (replaced well under 100 ms)", lambda v, m: v < 100),
         ("B7", "child_rss_mb", "fresh child RSS (MiB)", "{:.1f}", "", None),
     ]
 

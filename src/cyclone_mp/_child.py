@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import json
 import os
 import resource
 import signal
@@ -155,8 +156,20 @@ class Runner:
         except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
             return failure("error", TypeError(f"handler output is not a JSON value: {exc}"))
 
+    def preload(self, modules: list[list[Any]]) -> None:
+        """Import the handlers' modules before saying ready (issue 8: children start from
+        a process that has imported the app), so the first attempt in a fresh child does
+        not spend its timeout importing. A module that fails is left for its steps to
+        report, as their attempts' error."""
+        for name, path in modules:
+            try:
+                load_module(name, path, self.modules)
+            except BaseException:  # noqa: BLE001 - its step's attempt reports it
+                pass
+
     def loop(self) -> None:
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
+        self.preload(json.loads(os.environ.pop(protocol.PRELOAD_ENV, None) or "[]"))
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
         reader = protocol.FrameReader(self.limit)
@@ -235,29 +248,40 @@ class Runner:
 
 def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
     """Import ``ref["module"]`` (or, for a script, load ``ref["path"]``) and return the
-    attribute ``ref["qualname"]``. A script's ``__main__`` is loaded as ``__mp_main__``, so
-    its ``if __name__ == "__main__":`` block does not run (as multiprocessing does)."""
-    name, path = ref["module"], ref.get("path")
-    module = cache.get((name, path)) if cache is not None else None
-    if module is None:
-        if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
-            load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
-            import importlib.util as import_util  # deferred: children start faster without it
-
-            spec = import_util.spec_from_file_location(load_name, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load {path}")
-            module = import_util.module_from_spec(spec)
-            sys.modules[load_name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(name)
-        if cache is not None:
-            cache[(name, path)] = module
-    target: Any = module
+    attribute ``ref["qualname"]``."""
+    target: Any = load_module(ref["module"], ref.get("path"), cache)
     for part in ref["qualname"].split("."):
         target = getattr(target, part)
     return target
+
+
+def load_module(name: str, path: str | None, cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
+    """Import module ``name`` (or, for a script, load ``path``). A script's ``__main__``
+    is loaded as ``__mp_main__``, so its ``if __name__ == "__main__":`` block does not
+    run (as multiprocessing does). A script that fails to load is not left half-run in
+    ``sys.modules`` (as ``import`` does), so the next try raises the same error."""
+    module = cache.get((name, path)) if cache is not None else None
+    if module is not None:
+        return module
+    if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
+        load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
+        import importlib.util as import_util  # deferred: children start faster without it
+
+        spec = import_util.spec_from_file_location(load_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = import_util.module_from_spec(spec)
+        sys.modules[load_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(load_name, None)
+            raise
+    else:
+        module = importlib.import_module(name)
+    if cache is not None:
+        cache[(name, path)] = module
+    return module
 
 
 def failure(kind: str, exc: BaseException) -> dict[str, Any]:

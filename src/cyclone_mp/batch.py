@@ -50,6 +50,16 @@ class BatchWriter:
         """The statement in flight has finished and its result can be taken."""
         return self._future is not None and self._future.done()
 
+    def open(self) -> None:
+        """Open the writer's connection unless it is open (the first statement would).
+
+        Raises:
+            DatabaseUnavailable: the connection cannot be opened.
+        """
+        if self.store is None or self.store.broken:
+            self._close_store()
+            self.store = Store.open(self.dsn, generic_plans=True)
+
     def submit(self, context: Any, fn: Callable[[Store], Any], *, inline: bool = False) -> None:
         """Run ``fn(store)`` on the helper thread (``inline``: on the calling thread, when
         there is nothing to do meanwhile and a thread handoff would only add latency);
@@ -61,9 +71,8 @@ class BatchWriter:
         """
         if self._future is not None:
             raise RuntimeError("a batch statement is already in flight")
-        if self.store is None or self.store.broken:
-            self._close_store()
-            self.store = Store.open(self.dsn, generic_plans=True)
+        self.open()
+        assert self.store is not None
         self._context = context
         if inline:
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()

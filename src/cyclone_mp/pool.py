@@ -3,19 +3,21 @@
 A :class:`ChildProc` is a fresh interpreter (``python -m cyclone_mp._child``), never a
 fork of the grown supervisor. It runs in its own process group, carries the
 supervisor's marker in its environment (so reparented grandchildren can be recognised),
-and is reused for many steps until it is killed or recycled.
+and is reused for many steps until it is killed or recycled. It imports the handlers'
+modules before it says it is ready.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import psutil
 
@@ -32,12 +34,15 @@ class ChildProc:
         steps_run: tasks finished by this child (for ``max_steps_per_child``).
     """
 
-    def __init__(self, supervisor_id: str, limit: int) -> None:
+    def __init__(self, supervisor_id: str, limit: int, preload: Sequence[tuple[str, str | None]] = ()) -> None:
+        """Start a child. ``limit``: the largest message in bytes; ``preload``: the
+        ``(module, script path or None)`` of the handlers, imported before it is ready."""
         parent_sock, child_sock = socket.socketpair()
         cancel_r, cancel_w = os.pipe()
         env = dict(os.environ)
         env[procs.MARKER_ENV] = supervisor_id
         env["CYCLONE_MP_SYS_PATH"] = os.pathsep.join(p for p in sys.path if p)
+        env[protocol.PRELOAD_ENV] = json.dumps([list(m) for m in preload])
         try:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "cyclone_mp._child", str(child_sock.fileno()), str(cancel_r),

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
+PRELOAD_ENV = "CYCLONE_MP_PRELOAD"  # a child's environment: JSON [[module, path or null], ...] to import before "ready"
 
 
 

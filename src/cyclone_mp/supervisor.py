@@ -16,6 +16,7 @@ the SQL of it lives in ``sql/queries.sql``; what a failure does to the row is
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -142,6 +143,8 @@ class Supervisor:
                 )
         self.dsn = dsn
         self.mux = mux
+        # every child imports the handlers' modules before it is ready (issue 8)
+        self._preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
@@ -224,6 +227,8 @@ class Supervisor:
             log.warning("database unavailable at start (%s); retrying", exc)
         try:
             self._maintain_pool(self.clock())
+            with contextlib.suppress(DatabaseError):  # while the children start, not at the first result
+                self.batch.open()
             self.running.set()
             while True:
                 try:
@@ -339,7 +344,7 @@ class Supervisor:
 
     def _spawn(self) -> ChildProc | None:
         try:
-            child = ChildProc(self.id, self.config.max_payload)
+            child = ChildProc(self.id, self.config.max_payload, self._preload)
         except OSError as exc:
             log.error("cannot start a child process: %s", exc)
             return None

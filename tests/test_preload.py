@@ -1,0 +1,34 @@
+"""Children import the handlers' modules before they are ready (issue 8: children start
+from a process that has imported the app), so a step's first attempt in a fresh child
+does not spend its timeout importing, and a module that cannot be imported fails the
+attempts of its steps, never the child."""
+
+from __future__ import annotations
+
+import import_handlers as ih
+
+
+def test_a_slow_import_happens_before_the_child_is_ready_not_in_the_first_attempt(cyclone_env_factory, monkeypatch):
+    monkeypatch.setenv("IMPORT_HANDLERS_SLEEP", "1.5")
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(ih.imported_quick)
+    run_id = env.enqueue(ih.imported_quick, {}, timeout=1)
+    handle = env.start_worker()
+    step = env.run_until_complete(run_id, timeout=30).step
+    # Imported in the attempt, the 1.5 s would time out attempt 1 (timeout 1 s).
+    assert (step.state, step.attempt, step.errors) == ("completed", 1, [])
+    child = handle.client.supervisor.children[0]
+    assert child.ready_after >= 1.5
+
+
+def test_a_module_that_fails_to_import_fails_its_attempts_not_the_child(cyclone_env_factory, monkeypatch):
+    monkeypatch.setenv("IMPORT_HANDLERS_FAIL", "1")
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(ih.imported_quick)
+    run_id = env.enqueue(ih.imported_quick, {})
+    handle = env.start_worker()
+    step = env.run_until_complete(run_id, timeout=30).step
+    assert (step.state, step.attempt, step.error_kind) == ("discarded", 2, "error")
+    assert [(e["attempt"], e["type"]) for e in step.errors] == [(1, "builtins.RuntimeError"), (2, "builtins.RuntimeError")]
+    assert "broken on purpose" in step.errors[0]["message"]
+    assert handle.client.supervisor.stats["children_spawned"] == 1  # ready despite the import error
