@@ -86,3 +86,18 @@ def test_the_hot_statements_fit_psycopgs_parse_cache():
     # is parsed again on every call (about 75 us for the 6,700 characters settle had).
     assert len(Q["settle_completions"]) <= 4096
     assert len(Q["claim"]) <= 4096
+
+
+def test_a_script_that_fails_to_load_raises_its_error_again(tmp_path):
+    """A child preloads handler scripts and loads them again for a step if that failed:
+    the second try must raise the script's own error, not find a half-run module."""
+    from cyclone_mp._child import import_ref
+
+    script = tmp_path / "broken_app.py"
+    script.write_text("def handler(ctx, inp):\n    return 1\n\nraise RuntimeError('broken on purpose')\n")
+    ref = {"module": "cyclone_mp_app_broken_test", "qualname": "handler", "path": str(script)}
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="broken on purpose"):
+            import_ref(ref, {})
+    script.write_text("def handler(ctx, inp):\n    return 1\n")  # mended: it loads
+    assert import_ref(ref, {})(None, None) == 1
