@@ -169,12 +169,9 @@ class Store:
         hot-path statements with each call's values: planning them cost more than running
         them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
-        Such a connection also prepares each statement at its first use (psycopg waits for
-        the fifth): the first calls of the hot statements were parsed and planned each time.
         """
         conn = connect(dsn)
         if generic_plans:
-            conn.prepare_threshold = 0
             try:
                 conn.execute("SET plan_cache_mode = force_generic_plan")
             except psycopg.Error as exc:
