@@ -159,34 +159,6 @@ def test_short_steps_are_pipelined_and_each_runs_once(cyclone_env_factory):
     assert stats["pipelined"] > 0 and stats["completed"] == 300
 
 
-def test_steps_of_tens_of_ms_are_pipelined_one_deep_and_long_ones_not(cyclone_env_factory):
-    """30 ms steps get one step queued behind the running one (a core does not idle
-    while the loop hands out the next); 0.3 s steps get none (a queued step could not
-    move to a child that frees up first)."""
-    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
-    env.mux().register(h.sleeper)
-    client = env.client()
-    short = client.enqueue_many(h.sleeper, [{"seconds": 0.03}] * 40)
-    sup = env.start_worker().client.supervisor
-    depth = []
-    deadline = time.monotonic() + 60
-    while sup.stats["completed"] < 40:
-        depth.append(max((len(c.queued) for c in list(sup.children)), default=0))
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    assert sup.stats["pipelined"] >= 5 and max(depth) == 1
-    statuses = [env.run_until_complete(r, timeout=60) for r in short]
-    assert {(s.state, s.step.attempt, s.step.reclaims) for s in statuses} == {("completed", 1, 0)}
-
-    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
-    env.mux().register(h.sleeper)
-    long = env.client().enqueue_many(h.sleeper, [{"seconds": 0.3}] * 8)
-    sup = env.start_worker().client.supervisor
-    statuses = [env.run_until_complete(r, timeout=60) for r in long]
-    assert {(s.state, s.step.attempt, s.step.reclaims) for s in statuses} == {("completed", 1, 0)}
-    assert sup.stats["pipelined"] == 0
-
-
 def test_a_step_queued_behind_a_crashing_one_is_released_not_attempted(cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=32)
     env.mux().register(h.ok)

@@ -34,10 +34,7 @@ import psutil
 from . import decisions, procs, protocol
 from .batch import BatchWriter
 from .backoff import compute_backoff, delay_after
-from .config import (
-    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PIPELINE_ONE_MAX_STEP,
-    PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config,
-)
+from .config import COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
@@ -735,21 +732,16 @@ class Supervisor:
                 self._update_write_interest(child)
 
     def _pipeline(self) -> None:
-        """Pipelining: while attempts are short, a busy child also gets the next held
-        steps, so it starts each the moment the one before ends instead of waiting for
-        this loop. Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH
-        (on 2 cores that wait and its context switches were a third of B1's CPU); under
-        PIPELINE_ONE_MAX_STEP (0.1 s) one, which hides the loop's turn between two steps
-        (with 20 ms steps a core was idle about 1 % of the time) and keeps the queues
-        even at the end; longer ones none (a queued step could not move to a child that
-        frees up first)."""
-        if self.step_seconds is None or self.step_seconds >= PIPELINE_ONE_MAX_STEP:
+        """Pipelining: while attempts are short, a busy child also gets the next held steps
+        (up to PIPELINE_DEPTH), so it starts each the moment the one before ends instead
+        of waiting for this loop (on 2 cores that wait and its context switches were a
+        third of B1's CPU)."""
+        if self.step_seconds is None or self.step_seconds >= PIPELINE_MAX_STEP:
             return
-        depth = PIPELINE_DEPTH if self.step_seconds < PIPELINE_MAX_STEP else 1
         # A child's queue is topped up once it is half empty (its new tasks then go in one
         # write, read by one recv), one step per child in turn, so the queues stay even.
         cap = self.config.max_steps_per_child
-        low = [c for c in self.children if c.attempt is not None and len(c.queued) <= depth // 2]
+        low = [c for c in self.children if c.attempt is not None and len(c.queued) <= PIPELINE_DEPTH // 2]
         took = True
         while took:
             took = False
@@ -759,7 +751,7 @@ class Supervisor:
                 timeout = self.prefetched[0].row["timeout"]
                 if timeout is not None and timeout < PIPELINE_MIN_TIMEOUT:
                     return  # it could time out unstarted behind a handler that holds the GIL
-                if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
+                if (child.attempt is not None and len(child.queued) < PIPELINE_DEPTH and child.returncode is None
                         and child.attempt.cancel_reason is None and not child.recycle_due
                         and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
                     item = self.prefetched.popleft()
