@@ -16,6 +16,10 @@ if IN_CHILD:
     time.sleep(float(os.environ.get("IMPORT_HANDLERS_SLEEP", "0")))  # an app with heavy imports
     if os.environ.get("IMPORT_HANDLERS_FAIL"):
         raise RuntimeError("import_handlers: broken on purpose")
+    if os.environ.get("IMPORT_HANDLERS_EXIT"):
+        os._exit(5)  # kills the importing process (as a crashing C extension would)
+    if os.environ.get("IMPORT_HANDLERS_HANG"):
+        time.sleep(3600)
 
 
 @cy.step("imported_quick", max_attempts=2, backoff=lambda n: 0.0)

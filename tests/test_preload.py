@@ -5,6 +5,9 @@ attempts of its steps, never the child."""
 
 from __future__ import annotations
 
+import pytest
+
+import handlers as h
 import import_handlers as ih
 
 
@@ -32,3 +35,24 @@ def test_a_module_that_fails_to_import_fails_its_attempts_not_the_child(cyclone_
     assert [(e["attempt"], e["type"]) for e in step.errors] == [(1, "builtins.RuntimeError"), (2, "builtins.RuntimeError")]
     assert "broken on purpose" in step.errors[0]["message"]
     assert handle.client.supervisor.stats["children_spawned"] == 1  # ready despite the import error
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_module_whose_import_kills_or_hangs_the_child_stops_only_its_own_steps(cyclone_env_factory, monkeypatch, how):
+    """The child dies (os._exit) or hangs while importing the module: later children
+    leave it out, so other steps run at once and its own steps fail at their first
+    attempts (child_exited, or a timeout), as they did before children imported ahead."""
+    monkeypatch.setenv(f"IMPORT_HANDLERS_{how.upper()}", "1")
+    monkeypatch.setattr("cyclone_mp.supervisor.PRELOAD_TIMEOUT", 1.0)
+    env = cyclone_env_factory(worker="thread", workers=1, kill_grace=0.2)
+    env.mux().register(ih.imported_quick)
+    env.mux().register(h.ok)
+    good = env.client().enqueue_many(h.ok, [{"i": i} for i in range(5)])
+    bad = env.enqueue(ih.imported_quick, {}, timeout=1)
+    handle = env.start_worker()
+    for run_id in good:
+        assert env.run_until_complete(run_id, timeout=30).state == "completed"
+    step = env.run_until_complete(bad, timeout=30).step
+    kind = "child_exited" if how == "exit" else "timeout"
+    assert (step.state, step.attempt, [e["kind"] for e in step.errors]) == ("discarded", 2, [kind, kind])
+    assert handle.client.supervisor.stats["children_spawned"] <= 4  # no crash loop: one preload death, one per attempt

@@ -160,8 +160,11 @@ class Runner:
         """Import the handlers' modules before saying ready (issue 8: children start from
         a process that has imported the app), so the first attempt in a fresh child does
         not spend its timeout importing. A module that fails is left for its steps to
-        report, as their attempts' error."""
+        report, as their attempts' error. Each module is announced first: if importing it
+        kills or hangs this process, the supervisor leaves it out of the next child's
+        preload."""
         for name, path in modules:
+            self.send({"t": "preloading", "module": name, "path": path})
             try:
                 load_module(name, path, self.modules)
             except BaseException:  # noqa: BLE001 - its step's attempt reports it

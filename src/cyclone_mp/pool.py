@@ -70,6 +70,8 @@ class ChildProc:
         self.steps_run = 0
         self.cpu_total = 0.0  # the child's CPU seconds as of its last report (ready or result)
         self.cpu_at_ready = 0.0  # the CPU seconds it took to start (imports), before any step
+        self.preloading: tuple[str, str | None] | None = None  # the handler module it imports before it is ready
+        self.preloading_since = 0.0
         self.spawned = time.monotonic()
         self.ready_after: float | None = None
         self.returncode: int | None = None

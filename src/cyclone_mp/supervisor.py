@@ -34,7 +34,10 @@ import psutil
 from . import decisions, procs, protocol
 from .batch import BatchWriter
 from .backoff import compute_backoff, delay_after
-from .config import COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT, SWEEP_LIMIT, Config
+from .config import (
+    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT,
+    PRELOAD_TIMEOUT, SWEEP_LIMIT, Config,
+)
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
@@ -266,6 +269,7 @@ class Supervisor:
 
     def _tick(self, now: float) -> None:
         self._check_children_io()
+        self._check_preloads(self.clock())
         self._maintain_pool(self.clock())
         now = self.clock()
         if not self.db_ok and now >= self.reconnect_at:
@@ -396,7 +400,11 @@ class Supervisor:
 
     def _on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
         kind = message.get("t")
+        if kind == "preloading":
+            child.preloading, child.preloading_since = (message.get("module"), message.get("path")), self.clock()
+            return
         if kind == "ready":
+            child.preloading = None
             child.ready = True
             child.ready_after = self.clock() - child.spawned
             child.cpu_total = child.cpu_at_ready = float(message.get("cpu_total") or 0.0)
@@ -551,13 +559,27 @@ class Supervisor:
         queued, child.queued = list(child.queued), collections.deque()
         for unstarted in queued:
             self._settle_unstarted(unstarted)
-        if not child.ready and not child.killed:
+        if not child.ready and child.preloading in self._preload:
+            # Importing that module killed or wedged the child: later children leave it to
+            # its steps' first attempt (where it fails them, not every child), as before.
+            self._preload.remove(child.preloading)
+            log.error("a child %s while importing %s (code %s); its steps import it at their first attempt",
+                      "hung" if child.killed else "died", child.preloading[0], code)
+            self.respawn_delay = RESPAWN_BACKOFF[0]
+        elif not child.ready and not child.killed:
             self.respawn_delay = min(RESPAWN_BACKOFF[1], self.respawn_delay * 2)
             self.respawn_at = self.clock() + self.respawn_delay
             log.error("a child exited before it was ready (code %s); next start in %.1fs", code, self.respawn_delay)
         else:
             self.respawn_delay = RESPAWN_BACKOFF[0]
         self._maintain_pool(self.clock())
+
+    def _check_preloads(self, now: float) -> None:
+        """Kill a new child stuck importing one handler module for PRELOAD_TIMEOUT (30 s)."""
+        for child in list(self.children):
+            if not child.ready and child.preloading is not None and now - child.preloading_since > PRELOAD_TIMEOUT:
+                self._kill_child(child, "preload_timeout")
+                self._on_child_exit(child)
 
     def _maintain_pool(self, now: float) -> None:
         """Keep ``workers`` children alive (a killed or recycled one is replaced at once)."""
