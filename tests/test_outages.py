@@ -13,6 +13,7 @@ import pytest
 from psycopg import sql
 
 import handlers as h
+from cyclone_mp.errors import DatabaseError
 from cyclone_mp.store import connect
 from waiting import wait_for
 
@@ -143,3 +144,25 @@ def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_
                  "a new LISTEN connection")
     assert not [r for r in caplog.records if "rejected" in r.getMessage()]
     assert env.run_until_complete(env.enqueue(h.ok, {"after": "listen lost"}), timeout=30).state == "completed"
+
+
+def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_factory, monkeypatch):
+    """A claim the database rejects (not an outage: say a schema change broke it for a
+    while) backs off as an empty claim does; it used to be retried on every tick,
+    thousands of times a second."""
+    env = cyclone_env_factory(worker="thread", workers=1, poll_interval=(0.1, 1.0))
+    env.mux().register(h.ok)
+    sup = env.start_worker().client.supervisor
+    wait_for(lambda: sup.store is not None and sup.db_ok, 15, "the supervisor connected")
+    calls = []
+
+    def rejected(**kwargs):
+        calls.append(time.monotonic())
+        raise DatabaseError("database error: FeatureNotSupported: cached plan must not change result type")
+
+    monkeypatch.setattr(sup.store, "claim", rejected)
+    time.sleep(2.0)
+    monkeypatch.undo()
+    assert 1 <= len(calls) <= 12, f"{len(calls)} claims in 2 s"
+    assert sup.db_ok  # a rejection is not an outage
+    assert env.run_until_complete(env.enqueue(h.ok, {"after": "rejections"}), timeout=30).state == "completed"

@@ -706,8 +706,9 @@ class Supervisor:
                 limit=len(idle) + room, ttl=self.config.lease_ttl,
             )
         except DatabaseError as exc:
-            self._db_down(exc)
-            return
+            if self._db_down(exc):
+                return
+            rows = []  # rejected (not an outage): back off as after an empty claim, not retry each tick
         self._dispatch(rows, len(idle) + room)
 
     def _dispatch(self, rows: list[dict[str, Any]], limit: int) -> None:
