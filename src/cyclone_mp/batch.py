@@ -50,8 +50,8 @@ class BatchWriter:
         """The statement in flight has finished and its result can be taken."""
         return self._future is not None and self._future.done()
 
-    def open(self) -> None:
-        """Open the writer's connection unless it is open (the first statement would).
+    def open(self) -> Store:
+        """The writer's connection, opened unless it is open (the first statement would).
 
         Raises:
             DatabaseUnavailable: the connection cannot be opened.
@@ -59,6 +59,7 @@ class BatchWriter:
         if self.store is None or self.store.broken:
             self._close_store()
             self.store = Store.open(self.dsn, generic_plans=True)
+        return self.store
 
     def submit(self, context: Any, fn: Callable[[Store], Any], *, inline: bool = False) -> None:
         """Run ``fn(store)`` on the helper thread (``inline``: on the calling thread, when
@@ -71,18 +72,17 @@ class BatchWriter:
         """
         if self._future is not None:
             raise RuntimeError("a batch statement is already in flight")
-        self.open()
-        assert self.store is not None
+        store = self.open()
         self._context = context
         if inline:
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             try:
-                future.set_result(fn(self.store))
+                future.set_result(fn(store))
             except BaseException as exc:  # noqa: BLE001 - handed to take() as the helper would
                 future.set_exception(exc)
             self._future = future
             return
-        self._future = self._executor.submit(fn, self.store)
+        self._future = self._executor.submit(fn, store)
         self._future.add_done_callback(lambda _f: self._wake())
 
     def take(self) -> tuple[Any, concurrent.futures.Future[Any]] | None:
