@@ -104,6 +104,22 @@ def deque_wedge(ctx: cy.Context, inp: dict) -> dict:
     return {}
 
 
+@cy.step("gil_holder")
+def gil_holder(ctx: cy.Context, inp: dict) -> dict:
+    """Holds the GIL in one C loop for about ``seconds`` (no thread of the child runs)."""
+    import collections
+    import itertools
+
+    n, rate = 10**7, 0.0
+    for _ in range(3):  # the fastest of three: a slow first run would make the hold short
+        started = time.perf_counter()
+        collections.deque(itertools.repeat(None, n), maxlen=0)
+        rate = max(rate, n / max(time.perf_counter() - started, 1e-9))
+    started = time.perf_counter()
+    collections.deque(itertools.repeat(None, int(rate * inp["seconds"])), maxlen=0)
+    return {"held": round(time.perf_counter() - started, 3)}
+
+
 @cy.step("sleeper", max_attempts=3)
 def sleeper(ctx: cy.Context, inp: dict) -> dict:
     """Sleeps ``seconds`` (ignoring ctx); appends a line to ``log`` when it starts and ends."""

@@ -159,6 +159,60 @@ def test_short_steps_are_pipelined_and_each_runs_once(cyclone_env_factory):
     assert stats["pipelined"] > 0 and stats["completed"] == 300
 
 
+def test_steps_of_tens_of_ms_are_pipelined_one_deep_and_long_ones_not(cyclone_env_factory):
+    """30 ms steps get one step queued behind the running one (a core does not idle
+    while the loop hands out the next); 0.3 s steps get none (a queued step could not
+    move to a child that frees up first)."""
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
+    env.mux().register(h.sleeper)
+    client = env.client()
+    short = client.enqueue_many(h.sleeper, [{"seconds": 0.03}] * 40)
+    sup = env.start_worker().client.supervisor
+    depth = []
+    deadline = time.monotonic() + 60
+    while sup.stats["completed"] < 40:
+        depth.append(max((len(c.queued) for c in list(sup.children)), default=0))
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert sup.stats["pipelined"] >= 5 and max(depth) == 1
+    statuses = [env.run_until_complete(r, timeout=60) for r in short]
+    assert {(s.state, s.step.attempt, s.step.reclaims) for s in statuses} == {("completed", 1, 0)}
+
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
+    env.mux().register(h.sleeper)
+    long = env.client().enqueue_many(h.sleeper, [{"seconds": 0.3}] * 8)
+    sup = env.start_worker().client.supervisor
+    statuses = [env.run_until_complete(r, timeout=60) for r in long]
+    assert {(s.state, s.step.attempt, s.step.reclaims) for s in statuses} == {("completed", 1, 0)}
+    assert sup.stats["pipelined"] == 0
+
+
+def test_steps_queued_behind_a_gil_holding_handler_move_to_the_free_child(cyclone_env_factory):
+    """The handler in front holds the GIL for 4 s, so its child cannot hear a cancel.
+    The steps queued behind it are still released after the time a held step may wait
+    (the child would not start them later) and run at once in the other child: none
+    waits for the holder, none times out unstarted (timeout 2 s), none uses an attempt."""
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
+    env.mux().register(h.ok)
+    env.mux().register(h.gil_holder)
+    client = env.client()
+    client.enqueue_many(h.ok, [{"i": i} for i in range(60)])  # no-ops: pipelining turns on
+    holder = client.enqueue(h.gil_holder, {"seconds": 4.0})
+    tail = client.enqueue_many(h.ok, [{"i": i} for i in range(60, 70)])
+    tail += client.enqueue_many(h.ok, [{"i": i} for i in range(70, 80)], timeout=2)
+    sup = env.start_worker().client.supervisor
+    steps = [env.run_until_complete(r, timeout=60).step for r in tail]
+    held = env.run_until_complete(holder, timeout=60).step
+    assert [(s.state, s.attempt, s.reclaims, s.errors) for s in steps] == [("completed", 1, 0, [])] * len(steps)
+    assert (held.state, held.attempt, held.output["held"] >= 2.5) == ("completed", 1, True)
+    with connect(env.dsn) as conn:
+        finished = conn.execute(
+            "SELECT max(finished_at) FILTER (WHERE step_name = 'ok') AS tail, "
+            "max(finished_at) FILTER (WHERE step_name = 'gil_holder') AS holder FROM cyclone_steps").fetchone()
+    assert (finished["holder"] - finished["tail"]).total_seconds() > 2.0  # the tail did not wait for the holder
+    assert sup.stats["prefetch_released"] >= 1 and sup.stats["killed"] == 0
+
+
 def test_a_step_queued_behind_a_crashing_one_is_released_not_attempted(cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=32)
     env.mux().register(h.ok)
@@ -223,6 +277,24 @@ def test_a_child_drops_a_queued_task_cancelled_before_it_starts():
         b, a = _child_messages(child, 2, 10)  # b is given back at once, not when a ends
         assert (a["task"], a["ok"]) == ("a", True)
         assert (b["task"], b["ok"], b["dropped"], b["cancel_reason"]) == ("b", False, True, "timeout")
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+def test_a_child_never_starts_a_queued_task_after_its_start_by_time():
+    """Said without the cancel pipe, so it holds while a handler keeps the GIL."""
+    child = ChildProc("test-pipelining", 1 << 20)
+    try:
+        assert [m["t"] for m in _child_messages(child, 1, 30)] == ["ready"]
+        child.queue(_task("a", "gil_holder", {"seconds": 0.5}))
+        child.queue({**_task("b", "ok", {}), "start_by": time.monotonic() + 0.2})
+        child.queue({**_task("c", "ok", {}), "start_by": time.monotonic() + 30})
+        child.flush()
+        a, b, c = _child_messages(child, 3, 10)
+        assert (a["task"], a["ok"]) == ("a", True)
+        assert (b["task"], b["ok"], b["dropped"], b["cancel_reason"]) == ("b", False, True, "released")
+        assert (c["task"], c["ok"]) == ("c", True)
     finally:
         child.kill()
         child.wait(5)

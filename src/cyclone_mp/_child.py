@@ -5,9 +5,10 @@ in its own process group. It owns only the handler call and the pipe (STYLE patt
 it never touches the database. It dies with its parent (``PR_SET_PDEATHSIG``), reads
 tasks from the control socket, reads cancels from the cancellation pipe on a watcher
 thread, and sends back progress and one result per task, as JSON. Tasks run in the
-order they arrive; one may be queued behind the running one (pipelining): a cancel for
-it drops it unstarted, and after an attempt that left processes behind the next one
-waits for the supervisor's "go" (it sweeps them first).
+order they arrive; some may be queued behind the running one (pipelining): a cancel for
+one drops it unstarted, so does its ``start_by`` time (``time.monotonic()`` seconds,
+the same clock in every process) once passed, and after an attempt that left processes
+behind the next one waits for the supervisor's "go" (it sweeps them first).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .errors import Cancelled, Permanent
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
+RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
 
 
@@ -80,12 +82,8 @@ class Runner:
                     # ends, so the supervisor can release it in time.
                     if token not in self.dropped:
                         self.dropped[token] = reason
-                        self.ctrl.sendall(protocol.encode({
-                            "t": "result", "task": token, "ok": False, "kind": "cancelled", "dropped": True,
-                            "type": "cyclone_mp.errors.Cancelled", "cancel_reason": reason,
-                            "message": f"cancelled before it started ({reason})", "cpu": 0.0, "children": False,
-                        }))
-                elif reason != "released":  # "released" takes back a queued task only: a started one runs
+                        self.ctrl.sendall(dropped_frame(token, reason))
+                elif reason != RELEASED:  # "released" takes back a queued task only: a started one runs
                     self.cancellation.set(reason)
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
 
@@ -200,6 +198,12 @@ class Runner:
             with self.lock:
                 if self.dropped.pop(message["task"], None) is not None:
                     continue  # cancelled while queued (the watcher said so): it never starts
+                start_by = message.get("start_by")
+                if start_by is not None and time.monotonic() >= start_by:
+                    # Queued too long (behind a handler that may have held the GIL, so the
+                    # watcher could not hear a cancel): the supervisor releases it itself.
+                    self.ctrl.sendall(dropped_frame(message["task"], RELEASED))
+                    continue
                 self.task = message["task"]
                 self.cancellation = Cancellation()
                 self._pending_progress = None
@@ -247,6 +251,15 @@ class Runner:
                 f"handler output is {len(frame)} bytes, over the max_payload limit of {self.limit} bytes")), ok=False)
             return protocol.encode(result)
         return frame
+
+
+def dropped_frame(token: str, reason: str) -> bytes:
+    """The result frame of a queued task given back unstarted (``reason``: the cancel's)."""
+    return protocol.encode({
+        "t": "result", "task": token, "ok": False, "kind": "cancelled", "dropped": True,
+        "type": "cyclone_mp.errors.Cancelled", "cancel_reason": reason,
+        "message": f"cancelled before it started ({reason})", "cpu": 0.0, "children": False,
+    })
 
 
 def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:

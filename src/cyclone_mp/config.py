@@ -24,9 +24,9 @@ PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before
 COALESCE_MAX = 0.05  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement
 COALESCE_PER_WORKER = 2  # outcomes per child that go at once, without waiting COALESCE_MAX (pgqueuer: 10 or 0.1 s)
 PIPELINE_DEPTH = 16  # steps queued in a busy child, at most (a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
-PIPELINE_MIN_TIMEOUT = 10.0  # seconds: a step with a shorter timeout is never queued in a busy child
 PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed and the module is left to its steps
-PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets its next step queued
+PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets up to PIPELINE_DEPTH queued
+PIPELINE_ONE_MAX_STEP = 0.1  # seconds: with attempts shorter than this, one (B2's 20 ms steps: a core no longer idles between two)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from . import decisions, procs, protocol
 from .batch import BatchWriter
 from .backoff import compute_backoff, delay_after
 from .config import (
-    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_MIN_TIMEOUT, PREFETCH_MAX_WAIT,
+    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_MAX_WAIT,
     PRELOAD_TIMEOUT, SWEEP_LIMIT, Config,
 )
 from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
@@ -82,6 +82,7 @@ class Attempt:
     peak_rss_kb: int | None = None  # sampled with each heartbeat (a crashed child cannot be read)
     backoff_spec: Any = None  # the row's stored backoff (seconds or a list), if any
     release_at: float | None = None  # queued in a child (pipelining): taken back if not started by then
+    start_by: float | None = None  # release_at on time.monotonic(), the clock the child checks it on
 
 
 @dataclasses.dataclass
@@ -314,7 +315,7 @@ class Supervisor:
         if self.prefetched:
             times.append(min(p.release_at for p in self.prefetched))
         for child in self.children:
-            times.extend(a.release_at for a in child.queued if a.release_at is not None and a.cancel_reason is None)
+            times.extend(a.release_at for a in child.queued if a.release_at is not None)
         times.append(self.next_sweep)
         if not self.db_ok:
             times.append(self.reconnect_at)
@@ -369,22 +370,25 @@ class Supervisor:
             ready = [c for c in self.children if c in self._io_ready or c.outbox]
         self._io_ready.clear()
         for child in ready:
-            if child not in self.children:
-                continue
-            child.flush()
-            try:
-                messages, eof = child.receive()
-            except protocol.ProtocolError as exc:
-                log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
-                if child.attempt is not None:
-                    child.attempt.killed_by = "protocol_error"  # the attempt fails as an error
-                messages, eof = [], True
-                self._kill_child(child, "protocol_error")
-            for message in messages:
-                self._on_message(child, message)
-            if eof:
-                self._on_child_exit(child)
-            self._update_write_interest(child)
+            if child in self.children:
+                self._child_io(child)
+
+    def _child_io(self, child: ChildProc) -> None:
+        """Write what is queued for ``child``, then read and handle all it has sent."""
+        child.flush()
+        try:
+            messages, eof = child.receive()
+        except protocol.ProtocolError as exc:
+            log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
+            if child.attempt is not None:
+                child.attempt.killed_by = "protocol_error"  # the attempt fails as an error
+            messages, eof = [], True
+            self._kill_child(child, "protocol_error")
+        for message in messages:
+            self._on_message(child, message)
+        if eof:
+            self._on_child_exit(child)
+        self._update_write_interest(child)
 
     def _update_write_interest(self, child: ChildProc) -> None:
         if child.returncode is not None:
@@ -682,13 +686,32 @@ class Supervisor:
 
     def _release_queued(self, now: float) -> None:
         """Take back steps queued in children that waited too long behind a longer
-        attempt (or all of them when draining): the child drops each one unstarted and
-        it is released, as a held step would be. One the child already started runs."""
-        for child in self.children:
-            for att in child.queued:
-                if att.cancel_reason is None and (self.draining or (att.release_at is not None and now >= att.release_at)):
-                    self._prefetch_hold = True
+        attempt, as a held step would be: released, no attempt used.
+
+        A child never starts a queued task after its ``start_by`` (the same monotonic
+        clock in both processes), and it sends the result of the attempt in front before
+        it looks. So once ``start_by`` has passed, a step still queued after this reads
+        the child's socket never runs there: it is released here, without waiting for
+        the child to say so. That holds while the handler in front holds the GIL (the
+        child's cancel watcher cannot run then), so the step goes to a free child, never
+        times out unstarted. When draining, queued steps are cancelled over the pipe at
+        once; one the child already started runs."""
+        mono = time.monotonic()
+        for child in list(self.children):
+            if self.draining:
+                for att in child.queued:
                     self._cancel(att, RELEASED, now)
+            if not any(att.start_by is not None and mono >= att.start_by for att in child.queued):
+                continue
+            self._child_io(child)  # a result sent before the child looked is handled first
+            overdue = [att for att in child.queued if att.start_by is not None and mono >= att.start_by]
+            if not overdue:
+                continue
+            child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
+            self._prefetch_hold = True
+            for att in overdue:
+                att.cancel_reason = att.cancel_reason or RELEASED
+                self._settle_unstarted(att)
 
     def _note_duration(self, seconds: float) -> None:
         prev = self.step_seconds
@@ -755,26 +778,33 @@ class Supervisor:
                 self._update_write_interest(child)
 
     def _pipeline(self) -> None:
-        """Pipelining: while attempts are short, a busy child also gets the next held steps
-        (up to PIPELINE_DEPTH), so it starts each the moment the one before ends instead
-        of waiting for this loop (on 2 cores that wait and its context switches were a
-        third of B1's CPU)."""
-        if self.step_seconds is None or self.step_seconds >= PIPELINE_MAX_STEP:
+        """Pipelining: while attempts are short, a busy child also gets the next held
+        steps, so it starts each the moment the one before ends instead of waiting for
+        this loop. Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH
+        (on 2 cores that wait and its context switches were a third of B1's CPU); under
+        PIPELINE_ONE_MAX_STEP (0.1 s) one, which hides the loop's turn between two steps
+        (with 20 ms steps a core was idle about 1 % of the time); longer ones none (a
+        queued step could not move to a child that frees up first), and nothing is queued
+        behind an attempt that has run that long. A queued step that has not started
+        within the time a held step may wait is released (:meth:`_release_queued`)."""
+        if self.step_seconds is None or self.step_seconds >= PIPELINE_ONE_MAX_STEP:
             return
+        depth = PIPELINE_DEPTH if self.step_seconds < PIPELINE_MAX_STEP else 1
         # A child's queue is topped up once it is half empty (its new tasks then go in one
         # write, read by one recv), one step per child in turn, so the queues stay even.
         cap = self.config.max_steps_per_child
-        low = [c for c in self.children if c.attempt is not None and len(c.queued) <= PIPELINE_DEPTH // 2]
+        # Nothing is queued behind an attempt already running for PIPELINE_ONE_MAX_STEP:
+        # an outlier (a long handler among short ones) would only hold it until released.
+        young = self.clock() - PIPELINE_ONE_MAX_STEP
+        low = [c for c in self.children
+               if c.attempt is not None and len(c.queued) <= depth // 2 and c.attempt.started > young]
         took = True
         while took:
             took = False
             for child in low:
                 if not self.prefetched:
                     return
-                timeout = self.prefetched[0].row["timeout"]
-                if timeout is not None and timeout < PIPELINE_MIN_TIMEOUT:
-                    return  # it could time out unstarted behind a handler that holds the GIL
-                if (child.attempt is not None and len(child.queued) < PIPELINE_DEPTH and child.returncode is None
+                if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
                         and child.attempt.cancel_reason is None and not child.recycle_due
                         and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
                     item = self.prefetched.popleft()
@@ -831,14 +861,15 @@ class Supervisor:
         self.attempts[att.step_id] = att
         if child.attempt is None:
             child.attempt = att
-        else:  # pipelined: it starts when the child's current attempt ends
-            att.release_at = now + self._hold_bound(timeout)
+        else:  # pipelined: it starts when the child's current attempt ends, if by start_by
+            hold = self._hold_bound(timeout)
+            att.release_at, att.start_by = now + hold, time.monotonic() + hold
             child.queued.append(att)
         assert step is not None
         ref = step.ref
         child.queue({
             "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
-            "attempt": att.attempt, "timeout": timeout,
+            "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
             "deadline": (self.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
             "input": row["input"], "upstream": row["upstream"] or {},
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
