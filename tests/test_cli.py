@@ -443,6 +443,22 @@ def test_signal_command_completes_a_workflow(dsn: str, worker: Callable[..., Wor
         client.close()
 
 
+def test_signals_that_keep_coming_after_the_drain_still_exit_0(dsn: str, worker: Callable[..., Worker]) -> None:
+    """A service manager may signal again while the worker exits: once the supervisor
+    has stopped, a further SIGTERM changes nothing (it used to kill the exiting worker,
+    rc -15)."""
+    w = worker(workers=1)
+    w.wait_ready(1)
+    w.children()
+    while w.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    _, w.stderr = w.proc.communicate(timeout=30)
+    assert w.proc.returncode == 0, w.stderr
+    assert "stopped" in w.stderr and "Traceback" not in w.stderr
+
+
 def test_sigterm_drains_a_step_in_flight(dsn: str, worker: Callable[..., Worker]) -> None:
     w = worker(workers=1)
     run_id = run_cli("enqueue", APP, "slow", "--input", '{"seconds": 2.5}', dsn=dsn).stdout.strip()

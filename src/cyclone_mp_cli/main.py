@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import sys
 import time
 import traceback
@@ -160,9 +161,21 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
         f"steps {', '.join(mux.step_names) or '(none)'}; database {redact(client.dsn)}; "
         "SIGTERM/Ctrl-C drains, a second one stops", err=True,
     )
+    def after_drain(signum: int, frame: Any) -> None:
+        # Installed before client.run, which puts its own handler in place while the
+        # supervisor runs and gives this one back when it has stopped.
+        if client.supervisor is None or not client.supervisor.stopped.is_set():
+            raise KeyboardInterrupt  # before the supervisor started: exit 130
+        # Stopped already: the worker is exiting, a further signal changes nothing (exit 0).
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, after_drain)
     try:
         client.run()
     finally:
+        # Exiting now; Python gives a handler function back to SIG_DFL while it shuts
+        # down (a late SIGTERM then killed the worker: rc -15), but not SIG_IGN.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         client.close()
     sup = client.supervisor
     if sup is not None:
