@@ -56,3 +56,20 @@ def test_a_module_whose_import_kills_or_hangs_the_child_stops_only_its_own_steps
     kind = "child_exited" if how == "exit" else "timeout"
     assert (step.state, step.attempt, [e["kind"] for e in step.errors]) == ("discarded", 2, [kind, kind])
     assert handle.client.supervisor.stats["children_spawned"] <= 4  # no crash loop: one preload death, one per attempt
+
+
+def test_children_recycled_after_each_step_with_slow_imports_get_no_claim_and_release_churn(
+        cyclone_env_factory, monkeypatch):
+    """With ``max_steps_per_child=1`` a slot is free again only after a new child has
+    imported the app (0.7 s here); steps prefetched for it would wait past the 0.5 s a
+    held step may wait and be released, claimed again, released again."""
+    monkeypatch.setenv("IMPORT_HANDLERS_SLEEP", "0.7")
+    env = cyclone_env_factory(worker="thread", workers=2, prefetch=16, max_steps_per_child=1)
+    env.mux().register(ih.imported_quick)
+    ids = env.client().enqueue_many(ih.imported_quick, [{}] * 12)
+    handle = env.start_worker()
+    steps = [env.run_until_complete(r, timeout=60).step for r in ids]
+    assert {(s.state, s.attempt, s.reclaims, len(s.errors)) for s in steps} == {("completed", 1, 0, 0)}
+    assert len({s.output["pid"] for s in steps}) == 12  # one child per step
+    stats = handle.client.supervisor.stats
+    assert stats["prefetch_released"] <= 2 and stats["claimed"] <= 14, stats  # at most one per child, before the start-up time was known

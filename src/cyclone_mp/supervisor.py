@@ -189,6 +189,7 @@ class Supervisor:
         self.descended: set[int] = set()
         self.prefetched: collections.deque[Prefetched] = collections.deque()
         self.step_seconds: float | None = None  # moving average of attempt durations
+        self.ready_seconds: float | None = None  # moving average of a new child's spawn to ready
         self._prefetch_hold = False  # a prefetched step waited too long: none until the next result
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._next_stray_check = start
@@ -411,6 +412,8 @@ class Supervisor:
             child.preloading = None
             child.ready = True
             child.ready_after = self.clock() - child.spawned
+            prev = self.ready_seconds
+            self.ready_seconds = child.ready_after if prev is None else 0.8 * prev + 0.2 * child.ready_after
             child.cpu_total = child.cpu_at_ready = float(message.get("cpu_total") or 0.0)
             self._take_prefetched()
             return
@@ -658,7 +661,9 @@ class Supervisor:
         Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
         expected wait of a prefetched step, ``len(prefetched) / workers`` attempts, is
         kept under half the time a held step may wait (:meth:`_hold_bound`: 0.5 s,
-        ``lease_ttl / 4``, and ``timeout / 10`` of the last claim's rows): long steps,
+        ``lease_ttl / 4``, and ``timeout / 10`` of the last claim's rows). An attempt
+        counts with its share of a new child's start-up when ``max_steps_per_child``
+        recycles children (a slot is free again only once the new one is ready): long steps,
         or steps with short timeouts, get little or no prefetch, so nothing claimed sits
         waiting behind them until it is released. A prefetched step released
         for waiting too long stops prefetching until the next attempt ends (no claim and
@@ -669,7 +674,10 @@ class Supervisor:
         if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
             return 0
         wait = min(self._prefetch_wait(), self._claim_hold) / 2
-        cap = min(want, int(self.config.workers * wait / max(self.step_seconds, 1e-4)))
+        cycle = max(self.step_seconds, 1e-4)
+        if self.config.max_steps_per_child is not None and self.ready_seconds is not None:
+            cycle += self.ready_seconds / self.config.max_steps_per_child  # a recycled slot's restart, shared
+        cap = min(want, int(self.config.workers * wait / cycle))
         if len(self.prefetched) > cap // 2:
             return 0
         return cap - len(self.prefetched)
