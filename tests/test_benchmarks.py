@@ -34,3 +34,23 @@ def test_quick_benchmark_run(tmp_path):
     assert data["B3"]["samples"][0]["killed_by_supervisor"] is True
     assert data["B5"]["median"]["p50_ms"] > 0
     assert "meta" in data and "summary" in data
+
+
+def test_results_say_when_the_engine_had_uncommitted_changes(tmp_path):
+    """The engine lives in src/ (it looked at a cyclone_mp/ folder that no longer exists,
+    so a dirty engine was reported clean)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import run as bench_run
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    engine = tmp_path / "src" / "cyclone_mp"
+    engine.mkdir(parents=True)
+    (engine / "store.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "one"]):
+        subprocess.run(git + args, cwd=tmp_path, check=True, capture_output=True)
+    assert bench_run.git_state(str(tmp_path))["engine_uncommitted_changes"] is False
+    (engine / "store.py").write_text("x = 2\n")
+    state = bench_run.git_state(str(tmp_path))
+    assert state["engine_uncommitted_changes"] is True and len(state["commit"]) >= 7
