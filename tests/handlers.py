@@ -79,6 +79,14 @@ def cooperative(ctx: cy.Context, inp: dict) -> dict:
     return {"woke": woke}
 
 
+@cy.step("late_after_cancel", max_attempts=1)
+def late_after_cancel(ctx: cy.Context, inp: dict) -> dict:
+    """Woken by its cancel, it still returns ``after`` seconds later (past a short kill_grace)."""
+    ctx.cancellation.wait(30)
+    time.sleep(inp["after"])
+    return {"late": True}
+
+
 @cy.step("ignores_cancel", timeout=0.5, max_attempts=2, backoff=_no_backoff)
 def ignores_cancel(ctx: cy.Context, inp: dict) -> dict:
     """Sleeps in small slices whatever ctx says, then returns (too late)."""

@@ -213,6 +213,41 @@ def test_steps_queued_behind_a_gil_holding_handler_move_to_the_free_child(cyclon
     assert sup.stats["prefetch_released"] >= 1 and sup.stats["killed"] == 0
 
 
+def test_a_queued_step_started_as_the_child_is_killed_counts_its_attempt(cyclone_env_factory, monkeypatch, tmp_path):
+    """The step in front times out and, past kill_grace, returns just before its kill
+    lands; the child has then started the queued step, which dies with it. That start
+    was an attempt: it is written as one (it used to be released as never started and
+    ran again at the same attempt, leaving no trace). The race is widened here: the kill
+    waits 0.1 s after the supervisor last read the child."""
+    from cyclone_mp.supervisor import Supervisor
+
+    real_kill = Supervisor._kill_child
+
+    def slow_kill(self: Any, child: Any, trigger: str) -> None:
+        time.sleep(0.1)  # the step in front returns meanwhile (0.05 s past its kill_at)
+        real_kill(self, child, trigger)
+
+    monkeypatch.setattr(Supervisor, "_kill_child", slow_kill)
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=16, kill_grace=0.2)
+    env.mux().register(h.ok)
+    env.mux().register(h.late_after_cancel)
+    env.mux().register(h.sleeper)
+    client = env.client()
+    client.enqueue_many(h.ok, [{"i": i} for i in range(20)])  # no-ops: pipelining turns on
+    front = client.enqueue(h.late_after_cancel, {"after": 0.25}, timeout=0.15)
+    log = tmp_path / "queued.log"
+    queued = client.enqueue(h.sleeper, {"seconds": 0.3, "log": str(log)})
+    sup = env.start_worker().client.supervisor
+    assert env.run_until_complete(front, timeout=30).step.state in ("discarded", "completed")
+    step = env.run_until_complete(queued, timeout=30).step
+    starts = [line.split() for line in log.read_text().splitlines() if line.startswith("start")]
+    assert step.state == "completed" and sup.stats["killed"] == 1
+    # Every start of the handler is an attempt of the row, each in its own child.
+    assert [int(attempt) for _, _, attempt in starts] == list(range(1, step.attempt + 1))
+    assert len({pid for _, pid, _ in starts}) == len(starts)
+    assert step.attempt == 2 and step.errors[0]["trigger"] == "previous_attempt", step.errors
+
+
 def test_a_step_queued_behind_a_crashing_one_is_released_not_attempted(cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=32)
     env.mux().register(h.ok)
@@ -351,6 +386,38 @@ def test_a_held_back_outcome_is_written_before_its_attempts_deadline():
         sup.prefetched.clear()  # nothing held: the claim must go now
         assert sup._flush_at() == pytest.approx(100.0)
     finally:
+        sup.selector.close()
+        os.close(sup._wake_r)
+        os.close(sup._wake_w)
+
+
+def test_a_child_due_for_recycling_whose_next_step_was_dropped_is_retired_not_reused():
+    """Its queued step came back unstarted (dropped), so it is idle: it must be recycled
+    then, never handed another step (it went one over max_child_rss or the step cap)."""
+    from cyclone_mp.config import Config
+    from cyclone_mp.supervisor import Attempt, Supervisor
+
+    mux = cy.Mux()
+    mux.register(h.ok)
+    sup = Supervisor("postgresql:///unused", mux, Config.build(workers=1, prefetch=16))
+    child = ChildProc("test-recycle", 1 << 20)
+    try:
+        assert [m["t"] for m in _child_messages(child, 1, 30)] == ["ready"]
+        child.ready, child.recycle_due = True, True
+        sup.children.append(child)
+        att = Attempt(step_id=1, run_id="r", node="ok", step_name="ok", attempt=1, generation=1, timeout=None,
+                      token="t1", child=child, workflow=False, started=time.monotonic(), deadline=None,
+                      next_beat=time.monotonic() + 60, lease_ok_until=time.monotonic() + 60)
+        child.attempt = att
+        sup.attempts[1] = att
+        assert sup._idle_children() == []  # busy
+        sup._on_result(att, {"t": "result", "task": "t1", "ok": False, "dropped": True, "cancel_reason": "released"})
+        assert child not in sup.children and child.returncode is not None  # retired once idle
+        assert [w.kind for w in sup.pending] == ["release"]  # the dropped step goes back, unstarted
+    finally:
+        for c in [child, *sup.children]:  # a replacement may have been started
+            c.kill()
+            c.wait(5)
         sup.selector.close()
         os.close(sup._wake_r)
         os.close(sup._wake_w)

@@ -34,6 +34,7 @@ from .errors import Cancelled, Permanent
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
+DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
 
@@ -83,6 +84,8 @@ class Runner:
                     if token not in self.dropped:
                         self.dropped[token] = reason
                         self.ctrl.sendall(dropped_frame(token, reason))
+                        if len(self.dropped) > DROPPED_KEPT:  # cancels of tasks that had already ended
+                            del self.dropped[next(iter(self.dropped))]
                 elif reason != RELEASED:  # "released" takes back a queued task only: a started one runs
                     self.cancellation.set(reason)
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us

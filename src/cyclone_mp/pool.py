@@ -83,6 +83,7 @@ class ChildProc:
         # handle whose pid was since reused, so a stranger is never hit.
         self.descendants_seen: dict[int, psutil.Process] = {}
         self.killed = False  # the supervisor SIGKILLed it
+        self.unread: list[dict[str, Any]] = []  # what it sent before it died, read once it was reaped
         self.peak_rss_kb: int | None = None
 
     # -- I/O ------------------------------------------------------------------------------
@@ -172,6 +173,10 @@ class ChildProc:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.002)
+        # What it sent before it died (a result that crossed our kill) is still in the
+        # socket: the supervisor handles it before deciding what the death means.
+        with contextlib.suppress(protocol.ProtocolError):
+            self.unread += self.receive()[0]
         self.close()
         return self.returncode
 

@@ -81,8 +81,7 @@ class Attempt:
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)  # how the attempt ended
     peak_rss_kb: int | None = None  # sampled with each heartbeat (a crashed child cannot be read)
     backoff_spec: Any = None  # the row's stored backoff (seconds or a list), if any
-    release_at: float | None = None  # queued in a child (pipelining): taken back if not started by then
-    start_by: float | None = None  # release_at on time.monotonic(), the clock the child checks it on
+    start_by: float | None = None  # queued in a child (pipelining): released if not started by then (time.monotonic(), the child's clock too)
 
 
 @dataclasses.dataclass
@@ -315,8 +314,9 @@ class Supervisor:
             times.append(self.next_poll)
         if self.prefetched:
             times.append(min(p.release_at for p in self.prefetched))
+        mono = time.monotonic()
         for child in self.children:
-            times.extend(a.release_at for a in child.queued if a.release_at is not None)
+            times.extend(now + a.start_by - mono for a in child.queued if a.start_by is not None)
         times.append(self.next_sweep)
         if not self.db_ok:
             times.append(self.reconnect_at)
@@ -358,7 +358,7 @@ class Supervisor:
         return child
 
     def _idle_children(self) -> list[ChildProc]:
-        return [c for c in self.children if c.ready and c.attempt is None and c.returncode is None]
+        return [c for c in self.children if c.ready and c.attempt is None and c.returncode is None and not c.recycle_due]
 
     def _check_children_io(self) -> None:
         """Read the children whose sockets the last wait reported (and, every
@@ -445,7 +445,7 @@ class Supervisor:
         self._prefetch_hold = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
-            nxt.started, nxt.release_at = self.clock(), None
+            nxt.started, nxt.start_by = self.clock(), None
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -459,10 +459,11 @@ class Supervisor:
         child = att.child
         if result.get("dropped"):
             self._settle_dropped(att, result)
+            self._maybe_recycle(child)  # due for recycling, it takes nothing more (its next step was this one)
             return
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
-        if result.get("children", True):  # the child said it left processes behind
+        if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
             self._count_grandchildren(child, child.kill_descendants())
             child.queue({"t": "go"})  # swept: the child may start its next step
             child.flush()
@@ -522,7 +523,10 @@ class Supervisor:
 
     def _on_child_exit(self, child: ChildProc) -> None:
         with_suppress_unregister(self.selector, child.sock)
-        att = child.attempt
+        unread, child.unread = child.unread, []
+        for message in unread:  # sent before it died: e.g. the result of the attempt we killed it for
+            self._on_message(child, message)
+        att = child.attempt  # then maybe the queued step it had started since
         hit: list[int] = []
         if child.returncode is None and (att is None or not att.killed_by):
             # It ended on its own (or closed its socket): its group and descendants go with
@@ -553,6 +557,11 @@ class Supervisor:
                 entry["trigger"] = att.killed_by
                 entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
                 self._settle_cancelled(att, entry)
+            elif child.killed and att.cancel_reason is None:  # started as the attempt in front, being killed, ended
+                entry.update(killed_by_supervisor=True, trigger="previous_attempt", message=(
+                    "child killed by the supervisor to end the attempt before this one, "
+                    "which ended as this one started"))
+                self._write_fail(att, decisions.CHILD_EXITED, entry, require_timed_out=False)
             else:
                 entry["killed_by_supervisor"] = False
                 desc = procs.exit_description(code)
@@ -635,6 +644,8 @@ class Supervisor:
 
     def _maybe_recycle(self, child: ChildProc) -> None:
         cfg = self.config
+        if child.returncode is not None:
+            return  # dead already (a result read after its kill): its exit is being handled
         if not child.recycle_due:
             too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
             rss = child.rss() if cfg.max_child_rss is not None else None
@@ -717,6 +728,7 @@ class Supervisor:
                 continue
             child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
             self._prefetch_hold = True
+            self.next_poll = min(self.next_poll, now)  # a free child takes it back at once
             for att in overdue:
                 att.cancel_reason = att.cancel_reason or RELEASED
                 self._settle_unstarted(att)
@@ -870,8 +882,7 @@ class Supervisor:
         if child.attempt is None:
             child.attempt = att
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
-            hold = self._hold_bound(timeout)
-            att.release_at, att.start_by = now + hold, time.monotonic() + hold
+            att.start_by = time.monotonic() + self._hold_bound(timeout)
             child.queued.append(att)
         assert step is not None
         ref = step.ref
@@ -949,8 +960,11 @@ class Supervisor:
                 self.stats["lease_lost"] += 1
                 self._cancel(att, "lease_lost", now)
             if att.kill_at is not None and now >= att.kill_at and not att.settled:
-                att.killed_by = att.cancel_reason
                 child = att.child
+                self._child_io(child)  # it may have ended just now, and the child started the next
+                if att.settled or child.attempt is not att:
+                    continue  # ended (a result or its exit): nothing to kill
+                att.killed_by = att.cancel_reason
                 self._kill_child(child, att.cancel_reason or "kill")
                 self._on_child_exit(child)
 
