@@ -73,10 +73,7 @@ SELECT state, lease_owner, lease_generation,
 -- CAS): still running under the same lease_owner and lease_generation, and before its
 -- DB deadline. The runs of every row of the tick (completions and failures) are locked
 -- first, all at once, by id.
-done_in AS MATERIALIZED (  -- unnested once, not again for each row it is joined with
-    SELECT * FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(outputs)s::jsonb[], %(progress)s::jsonb[])
-        AS t(id, generation, output, progress)
-), runs AS (
+runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state
       FROM cyclone_runs r
@@ -85,21 +82,21 @@ done_in AS MATERIALIZED (  -- unnested once, not again for each row it is joined
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
+    -- Each row's own values are found by its position in the arrays (array_position, in
+    -- C): a join with the unnested arrays compared every row with every row (48 x 48).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = i.output,
-           progress = coalesce(i.progress, s.progress),
+           output = (%(outputs)s::jsonb[])[array_position(%(ids)s::bigint[], s.id)],
+           progress = coalesce((%(progress)s::jsonb[])[array_position(%(ids)s::bigint[], s.id)], s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL
-      FROM done_in i
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND s.id = i.id
-       AND s.run_id IN (SELECT id FROM runs)
+       AND s.run_id = ANY(ARRAY(SELECT id FROM runs))  -- one array, not a join per row
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND s.lease_generation = i.generation
+       AND s.lease_generation = (%(generations)s::bigint[])[array_position(%(ids)s::bigint[], s.id)]
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id
 ), completed_runs AS (
