@@ -166,3 +166,25 @@ def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_f
     assert 1 <= len(calls) <= 12, f"{len(calls)} claims in 2 s"
     assert sup.db_ok  # a rejection is not an outage
     assert env.run_until_complete(env.enqueue(h.ok, {"after": "rejections"}), timeout=30).state == "completed"
+
+
+@pytest.mark.parametrize("prefetch", [0, 32])
+def test_a_migration_that_changes_a_column_type_under_a_running_supervisor(cyclone_env_factory, caplog, prefetch):
+    """A prepared statement whose result type changed fails on every run ("cached plan
+    must not change result type"): each connection drops its prepared statements after
+    the first such error, so the supervisor claims again and the client's calls work
+    (a call is tried once more)."""
+    env = cyclone_env_factory(worker="thread", workers=2, prefetch=prefetch)
+    env.mux().register(h.ok)
+    client = env.client()
+    before = client.enqueue_many(h.ok, [{"i": i} for i in range(60)])
+    handle = env.start_worker()
+    assert {env.run_until_complete(r, timeout=30).state for r in before} == {"completed"}
+    with connect(env.dsn) as conn:
+        conn.execute("ALTER TABLE cyclone_steps ALTER COLUMN node TYPE varchar(400)")
+    after = client.enqueue_many(h.ok, [{"i": i} for i in range(60, 120)])
+    statuses = [env.run_until_complete(r, timeout=30) for r in after]
+    assert {(s.state, s.step.attempt) for s in statuses} == {("completed", 1)}
+    assert handle.client.supervisor.stats["completed"] == 120
+    stale = [r for r in caplog.records if "cached plan" in r.getMessage()]
+    assert 1 <= len(stale) <= 4  # the supervisor met it (its claim), and not on every tick

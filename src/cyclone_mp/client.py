@@ -25,7 +25,7 @@ from .durations import Duration, seconds
 from .errors import ConfigurationError, CycloneError, DatabaseError, PayloadError, RunNotFound, UnknownStep
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions
-from .store import NodeRow, Store, connect, redact
+from .store import NodeRow, Store, connect, redact, stale_plan
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -152,8 +152,15 @@ class Client:
     def _call(self, fn: Callable[[Store], Any]) -> Any:
         pool = self._store_pool()
         try:
-            with pool.connection() as conn:
-                return fn(Store(conn))
+            for tries_left in (1, 0):
+                try:
+                    with pool.connection() as conn:
+                        return fn(Store(conn))
+                except DatabaseError as exc:
+                    # A schema change invalidated a prepared statement: it did not run, and
+                    # the connection dropped its prepared statements. Once more, then.
+                    if not (tries_left and stale_plan(exc.__cause__)):
+                        raise
         except psycopg.Error as exc:
             raise DatabaseError(f"database error: {type(exc).__name__}: {exc}") from exc
         except DatabaseError as exc:
