@@ -206,6 +206,30 @@ def test_one_statement_settles_completions_failures_and_the_next_claim(cyclone_e
         store.close()
 
 
+def test_each_completion_is_matched_by_its_lease_and_carries_its_own_output(cyclone_env):
+    """Outputs follow their rows whatever the order, and a step listed twice (a stale
+    lease's item first) completes with its current lease's item, not the first one."""
+    store = Store.open(cyclone_env.dsn, generic_plans=True)
+    try:
+        cyclone_env.mux().register(h.ok)
+        for i in range(3):
+            cyclone_env.client().enqueue(h.ok, {"i": i})
+        a, b, c = store.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30)
+        settled = store.settle(owner=OWNER, completions=[
+            (c["id"], c["lease_generation"], {"mine": "c"}, {"done": 3}),
+            (a["id"], a["lease_generation"] - 1, {"stale": "a"}, None),  # an older lease of a
+            (b["id"], b["lease_generation"], [1, "b"], None),
+            (a["id"], a["lease_generation"], {"mine": "a"}, None),
+        ])
+        assert settled.completed == {a["id"], b["id"], c["id"]}
+        with connect(cyclone_env.dsn) as conn:
+            rows = {r["id"]: r for r in conn.execute("SELECT id, state, output, progress FROM cyclone_steps")}
+        assert [(rows[x["id"]]["state"], rows[x["id"]]["output"], rows[x["id"]]["progress"]) for x in (a, b, c)] == [
+            ("completed", {"mine": "a"}, None), ("completed", [1, "b"], None), ("completed", {"mine": "c"}, {"done": 3})]
+    finally:
+        store.close()
+
+
 def test_a_runs_completion_is_a_hot_update(cyclone_env):
     """Migration 0004: no index of cyclone_runs covers what a completion writes, so the
     run's update writes no index entry (PostgreSQL counts it in n_tup_hot_upd)."""

@@ -146,21 +146,24 @@ def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_
     assert env.run_until_complete(env.enqueue(h.ok, {"after": "listen lost"}), timeout=30).state == "completed"
 
 
-def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_factory, monkeypatch):
+@pytest.mark.parametrize("prefetch", [0, 16])
+def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_factory, monkeypatch, prefetch):
     """A claim the database rejects (not an outage: say a schema change broke it for a
     while) backs off as an empty claim does; it used to be retried on every tick,
-    thousands of times a second."""
-    env = cyclone_env_factory(worker="thread", workers=1, poll_interval=(0.1, 1.0))
+    thousands of times a second. With prefetch the claim runs on the batch writer."""
+    from cyclone_mp.store import Store
+
+    env = cyclone_env_factory(worker="thread", workers=1, poll_interval=(0.1, 1.0), prefetch=prefetch)
     env.mux().register(h.ok)
     sup = env.start_worker().client.supervisor
     wait_for(lambda: sup.store is not None and sup.db_ok, 15, "the supervisor connected")
     calls = []
 
-    def rejected(**kwargs):
+    def rejected(self, **kwargs):
         calls.append(time.monotonic())
         raise DatabaseError("database error: FeatureNotSupported: cached plan must not change result type")
 
-    monkeypatch.setattr(sup.store, "claim", rejected)
+    monkeypatch.setattr(Store, "claim", rejected)
     time.sleep(2.0)
     monkeypatch.undo()
     assert 1 <= len(calls) <= 12, f"{len(calls)} claims in 2 s"
@@ -188,3 +191,32 @@ def test_a_migration_that_changes_a_column_type_under_a_running_supervisor(cyclo
     assert handle.client.supervisor.stats["completed"] == 120
     stale = [r for r in caplog.records if "cached plan" in r.getMessage()]
     assert 1 <= len(stale) <= 4  # the supervisor met it (its claim), and not on every tick
+
+
+def test_a_completion_that_meets_a_stale_prepared_statement_is_written_again_not_failed(cyclone_env_factory, monkeypatch):
+    """The tick's statement and then the one-by-one write of its completions both meet a
+    statement a schema change invalidated: that is no fault of the output, so the write
+    is tried again (it used to become a failed attempt: "the database rejected the
+    handler's output")."""
+    from cyclone_mp.store import Store
+
+    real_settle = Store.settle
+    stale_left = [2]
+
+    def settle(self, **kwargs):
+        if kwargs.get("completions") and stale_left[0]:
+            stale_left[0] -= 1
+            try:
+                raise psycopg.errors.FeatureNotSupported("cached plan must not change result type")
+            except psycopg.Error as cause:
+                raise DatabaseError(f"database error: FeatureNotSupported: {cause}") from cause
+        return real_settle(self, **kwargs)
+
+    monkeypatch.setattr(Store, "settle", settle)
+    env = cyclone_env_factory(worker="thread", workers=2, prefetch=16)
+    env.mux().register(h.ok)
+    ids = env.client().enqueue_many(h.ok, [{"i": i} for i in range(20)], max_attempts=1)
+    env.start_worker()
+    steps = [env.run_until_complete(r, timeout=30).step for r in ids]
+    assert stale_left == [0]
+    assert [(s.state, s.attempt, s.errors) for s in steps] == [("completed", 1, [])] * 20

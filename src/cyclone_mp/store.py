@@ -426,7 +426,7 @@ class Store:
             cur.execute(Q["settle" if failures else "settle_completions"], {
                 "owner": owner,
                 "ids": [i[0] for i in completions],
-                "generations": [i[1] for i in completions],
+                "leases": [f"{i[0]}:{i[1]}" for i in completions],
                 "outputs": [Jsonb(i[2]) for i in completions],
                 "progress": [nullable_jsonb(i[3]) for i in completions],
                 "fail_ids": [f.id for f in failures],

@@ -42,7 +42,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .pool import ChildProc
 from .protocol import storable
 from .steps import Mux
-from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, FailedAttempt, Settled, Store, connect
+from .store import FORENSIC_KEYS, NOTIFY_CHANNEL, FailedAttempt, Settled, Store, connect, stale_plan
 
 RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -743,6 +743,9 @@ class Supervisor:
         if not (idle or room) or self.store is None:
             self.next_poll = now + self.poll_delay
             return
+        if self.config.prefetch:
+            self._claim_in_batch(now, len(idle) + room)
+            return
         try:
             rows = self.store.claim(
                 owner=self.id, queues=self.config.queues, names=self.mux.step_names,
@@ -753,6 +756,24 @@ class Supervisor:
                 return
             rows = []  # rejected (not an outage): back off as after an empty claim, not retry each tick
         self._dispatch(rows, len(idle) + room)
+
+    def _claim_in_batch(self, now: float, limit: int) -> None:
+        """With prefetch, a claim goes to the batch writer like a tick's outcomes, and
+        this loop keeps serving the children meanwhile: run here, it blocked the loop
+        about 10 ms per claim while 20 ms steps ended (B2, 23 claims per 400 steps), and
+        a child whose queued step had started ran dry. The rows are handed out when the
+        statement is back (:meth:`_collect_batch`)."""
+        owner, queues, names, ttl = self.id, self.config.queues, self.mux.step_names, self.config.lease_ttl
+
+        def statement(store: Store) -> Settled:
+            return Settled(set(), set(), store.claim(owner=owner, queues=queues, names=names, limit=limit, ttl=ttl))
+
+        self.next_poll = now + self.poll_delay  # set again when the rows are back
+        try:
+            self.batch.submit(([], [], limit), statement)
+        except DatabaseError as exc:
+            if not self._db_down(exc):
+                self._dispatch([], limit)
 
     def _dispatch(self, rows: list[dict[str, Any]], limit: int) -> None:
         """Hand claimed rows to idle children (the rest wait in ``prefetched``) and
@@ -1022,6 +1043,8 @@ class Supervisor:
                     self._write("complete", att, {"output": output, "progress": progress})
                 for att, kind, entry, rto in failed:
                     self._write("fail", att, fail_payload(kind, entry, rto))
+                if limit:  # the claim was rejected too: back off as after an empty claim
+                    self._dispatch([], limit)
             return
         except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
             log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
@@ -1113,6 +1136,8 @@ class Supervisor:
         A write the database rejects (bad data, not an outage) is never retried as is:
         a rejected success becomes a failed attempt, a rejected failure entry is written
         again with only its plain fields, a rejected release is left to the lease expiry.
+        A prepared statement a schema change invalidated is not the data's fault: that
+        write is tried again (the connection has dropped its prepared statements).
         """
         if not self.db_ok or self.store is None:
             return False
@@ -1141,6 +1166,9 @@ class Supervisor:
             )
         except DatabaseError as exc:
             if self._db_down(exc):
+                return False
+            if stale_plan(exc.__cause__):  # a schema change, not the data: the connection re-prepares
+                write.retry_at = self.clock() + 0.05
                 return False
             return self._rejected(write, exc)
         if result == "not_yet":

@@ -82,12 +82,15 @@ runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own values are found by its position in the arrays (array_position, in
-    -- C): a join with the unnested arrays compared every row with every row (48 x 48).
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
+    -- the leases array (array_position, in C): no item for this lease, no update (the
+    -- CAS on the generation; a step listed twice under two leases takes its current
+    -- one's). A join with the unnested arrays compared every row with every row.
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(ids)s::bigint[], s.id)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(ids)s::bigint[], s.id)], s.progress),
+           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+                               s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
@@ -96,7 +99,7 @@ runs AS (
        AND s.run_id = ANY(ARRAY(SELECT id FROM runs))  -- one array, not a join per row
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND s.lease_generation = (%(generations)s::bigint[])[array_position(%(ids)s::bigint[], s.id)]
+       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id
 ), completed_runs AS (
