@@ -146,6 +146,17 @@ def test_an_unexpected_error_in_the_batch_statement_loses_no_outcome(cyclone_env
 # -- pipelining: a busy child gets its next step queued while attempts are short ---------
 
 
+def pipelining_env(factory: Any, *steps: Any, workers: int, prefetch: int, noops: int, **options: Any) -> tuple[Any, Any]:
+    """A thread-mode env whose first ``noops`` no-op steps turn pipelining on (attempts
+    of well under 10 ms); ``steps`` are registered beside ``ok``. Returns (env, client)."""
+    env = factory(worker="thread", workers=workers, lease_ttl=10, prefetch=prefetch, **options)
+    for step in (h.ok, *steps):
+        env.mux().register(step)
+    client = env.client()
+    client.enqueue_many(h.ok, [{"i": i} for i in range(noops)])
+    return env, client
+
+
 def test_short_steps_are_pipelined_and_each_runs_once(cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
     env.mux().register(h.ok)
@@ -192,11 +203,7 @@ def test_steps_queued_behind_a_gil_holding_handler_move_to_the_free_child(cyclon
     The steps queued behind it are still released after the time a held step may wait
     (the child would not start them later) and run at once in the other child: none
     waits for the holder, none times out unstarted (timeout 2 s), none uses an attempt."""
-    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=10, prefetch=16)
-    env.mux().register(h.ok)
-    env.mux().register(h.gil_holder)
-    client = env.client()
-    client.enqueue_many(h.ok, [{"i": i} for i in range(60)])  # no-ops: pipelining turns on
+    env, client = pipelining_env(cyclone_env_factory, h.gil_holder, workers=2, prefetch=16, noops=60)
     holder = client.enqueue(h.gil_holder, {"seconds": 4.0})
     tail = client.enqueue_many(h.ok, [{"i": i} for i in range(60, 70)])
     tail += client.enqueue_many(h.ok, [{"i": i} for i in range(70, 80)], timeout=2)
@@ -228,12 +235,8 @@ def test_a_queued_step_started_as_the_child_is_killed_counts_its_attempt(cyclone
         real_kill(self, child, trigger)
 
     monkeypatch.setattr(Supervisor, "_kill_child", slow_kill)
-    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=16, kill_grace=0.2)
-    env.mux().register(h.ok)
-    env.mux().register(h.late_after_cancel)
-    env.mux().register(h.sleeper)
-    client = env.client()
-    client.enqueue_many(h.ok, [{"i": i} for i in range(20)])  # no-ops: pipelining turns on
+    env, client = pipelining_env(cyclone_env_factory, h.late_after_cancel, h.sleeper, workers=1, prefetch=16,
+                                 noops=20, kill_grace=0.2)
     front = client.enqueue(h.late_after_cancel, {"after": 0.25}, timeout=0.15)
     log = tmp_path / "queued.log"
     queued = client.enqueue(h.sleeper, {"seconds": 0.3, "log": str(log)})
@@ -267,11 +270,7 @@ def test_a_step_queued_behind_a_crashing_one_is_released_not_attempted(cyclone_e
 
 
 def test_a_step_queued_behind_a_long_one_is_taken_back_before_its_deadline(cyclone_env_factory):
-    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, prefetch=8)
-    env.mux().register(h.ok)
-    env.mux().register(h.sleeper)
-    client = env.client()
-    client.enqueue_many(h.ok, [{"i": i} for i in range(40)])  # no-ops: pipelining turns on
+    env, client = pipelining_env(cyclone_env_factory, h.sleeper, workers=1, prefetch=8, noops=40)
     long_id = client.enqueue(h.sleeper, {"seconds": 2.0})
     tail = client.enqueue_many(h.ok, [{"i": i} for i in range(40, 44)], timeout=1)
     sup = env.start_worker().client.supervisor
