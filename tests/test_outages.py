@@ -110,9 +110,11 @@ def test_held_steps_outlive_a_short_outage(cyclone_server, cyclone_env_factory):
     env = cyclone_env_factory(worker="thread", workers=2, prefetch=16, lease_ttl=10)
     env.mux().register(h.sleeper)
     client = env.client()
-    short = client.enqueue_many(h.sleeper, [{"seconds": 0.01}] * 10, max_reclaims=0)
+    # Steps of 0.15 s are not pipelined (one queued in a child could wait behind the
+    # first long step and be released): the held steps stay in the supervisor.
+    short = client.enqueue_many(h.sleeper, [{"seconds": 0.15}] * 6, max_reclaims=0)
     long = client.enqueue_many(h.sleeper, [{"seconds": 2.5}] * 2, max_reclaims=0)
-    tail = client.enqueue_many(h.sleeper, [{"seconds": 0.01}] * 30, max_reclaims=0)
+    tail = client.enqueue_many(h.sleeper, [{"seconds": 0.15}] * 12, max_reclaims=0)
     sup = env.start_worker().client.supervisor
 
     def both_children_on_long_steps_with_steps_held() -> bool:
