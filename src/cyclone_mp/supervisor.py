@@ -1103,8 +1103,8 @@ class Supervisor:
     def _flush_at(self) -> float | None:
         """When this tick's outcomes go to the database (None: there are none, or a
         statement is in flight). At once, except with prefetch while held steps keep
-        every child busy: then they wait up to COALESCE_MAX (50 ms) for
-        COALESCE_PER_WORKER (2) outcomes per child, so steps of about 20 ms share
+        every child busy: then they wait up to COALESCE_MAX (0.1 s) for
+        COALESCE_PER_WORKER (4) outcomes per child, so steps of about 20 ms share
         statements instead of paying one each (the completion is visible that much
         later; the claim rides along when held steps run low). pgqueuer buffers its
         completions the same way (10 of them or 0.1 s by default). An outcome never waits
