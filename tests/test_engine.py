@@ -196,7 +196,9 @@ def test_retry_raises_max_attempts_and_clears_the_error(cyclone_env):
     assert step.state in ("available", "running")  # the live worker may claim it at once
     assert (step.attempt, step.max_attempts) == (4, 4)
     assert step.error is None and step.error_kind is None and len(step.errors) == 3
-    assert cyclone_env.status(run_id).state == "running"
+    status = cyclone_env.status(run_id)
+    if status.state != "running":  # the live worker has already run attempt 4 of the reopened run
+        assert (status.state, status.step.attempt, len(status.step.errors)) == ("discarded", 4, 4)
     run = cyclone_env.run_until_complete(run_id)
     assert (run.step.state, run.step.attempt, len(run.step.errors)) == ("discarded", 4, 4)
 
