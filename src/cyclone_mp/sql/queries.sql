@@ -96,7 +96,7 @@ runs AS (
            error = NULL,
            error_kind = NULL
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND s.run_id = ANY(ARRAY(SELECT id FROM runs))  -- one array, not a join per row
+       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
        AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
