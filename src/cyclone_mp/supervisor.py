@@ -716,14 +716,18 @@ class Supervisor:
         times out unstarted. When draining, queued steps are cancelled over the pipe at
         once; one the child already started runs."""
         mono = time.monotonic()
+
+        def past_start_by(att: Attempt) -> bool:
+            return att.start_by is not None and mono >= att.start_by
+
         for child in list(self.children):
             if self.draining:
                 for att in child.queued:
                     self._cancel(att, RELEASED, now)
-            if not any(att.start_by is not None and mono >= att.start_by for att in child.queued):
+            if not any(map(past_start_by, child.queued)):
                 continue
             self._child_io(child)  # a result sent before the child looked is handled first
-            overdue = [att for att in child.queued if att.start_by is not None and mono >= att.start_by]
+            overdue = list(filter(past_start_by, child.queued))
             if not overdue:
                 continue
             child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
@@ -747,10 +751,7 @@ class Supervisor:
             self._claim_in_batch(now, len(idle) + room)
             return
         try:
-            rows = self.store.claim(
-                owner=self.id, queues=self.config.queues, names=self.mux.step_names,
-                limit=len(idle) + room, ttl=self.config.lease_ttl,
-            )
+            rows = self.store.claim(limit=len(idle) + room, **self._claim_args())
         except DatabaseError as exc:
             if self._db_down(exc):
                 return
@@ -763,10 +764,10 @@ class Supervisor:
         about 10 ms per claim while 20 ms steps ended (B2, 23 claims per 400 steps), and
         a child whose queued step had started ran dry. The rows are handed out when the
         statement is back (:meth:`_collect_batch`)."""
-        owner, queues, names, ttl = self.id, self.config.queues, self.mux.step_names, self.config.lease_ttl
+        args = self._claim_args()
 
         def statement(store: Store) -> Settled:
-            return Settled(set(), set(), store.claim(owner=owner, queues=queues, names=names, limit=limit, ttl=ttl))
+            return Settled(set(), set(), store.claim(limit=limit, **args))
 
         self.next_poll = now + self.poll_delay  # set again when the rows are back
         try:
@@ -774,6 +775,11 @@ class Supervisor:
         except DatabaseError as exc:
             if not self._db_down(exc):
                 self._dispatch([], limit)
+
+    def _claim_args(self) -> dict[str, Any]:
+        """What every claim of this supervisor passes: its lease owner, queues, step names, ttl."""
+        return {"owner": self.id, "queues": self.config.queues, "names": self.mux.step_names,
+                "ttl": self.config.lease_ttl}
 
     def _dispatch(self, rows: list[dict[str, Any]], limit: int) -> None:
         """Hand claimed rows to idle children (the rest wait in ``prefetched``) and
@@ -1012,11 +1018,10 @@ class Supervisor:
         ]
         limit = len(self._idle_children()) + self.prefetch_room() if not self.draining else 0
         workflows = any(a.workflow for a, _, _ in done) or any(a.workflow for a, _, _, _ in failed)
-        owner, queues, names, ttl = self.id, self.config.queues, self.mux.step_names, self.config.lease_ttl
+        args = self._claim_args()
 
         def statement(store: Store) -> Settled:
-            return store.settle(owner=owner, completions=completions, failures=failures, queues=queues,
-                                names=names, limit=limit, ttl=ttl, workflows=workflows)
+            return store.settle(completions=completions, failures=failures, limit=limit, workflows=workflows, **args)
         self.stats["batches"] += 1
         try:
             # Without prefetch nothing can start before the claim returns: run it here.
