@@ -37,10 +37,10 @@ picked AS (
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
-              -- the run's columns by primary key: a join here became a hash join over a
-              -- scan of every run in generic plans built on small tables
-              (SELECT r.input FROM cyclone_runs r WHERE r.id = s.run_id) AS input,
-              (SELECT r.kind FROM cyclone_runs r WHERE r.id = s.run_id) AS run_kind,
+              -- the run's row by primary key, once (its input and kind are read from it):
+              -- a join here became a hash join over a scan of every run in generic plans
+              -- built on small tables
+              (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
               CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
                   (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
                      FROM cyclone_steps d
@@ -174,7 +174,9 @@ fail_in AS MATERIALIZED (
 -- name: claim
 -- Claim up to %(limit)s available steps in one statement.
 WITH {claim_ctes}
-SELECT * FROM claimed
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, (c.run).input AS input, (c.run).kind AS run_kind, c.upstream
+  FROM claimed c
 
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
@@ -187,7 +189,7 @@ settled_completed AS (
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, c.input, c.run_kind, c.upstream
+           c.timeout, c.lease_generation, (c.run).input, (c.run).kind, c.upstream
       FROM claimed c
 )
 
