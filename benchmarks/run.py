@@ -286,7 +286,6 @@ class Bench:
         self.server = server
         self.n = counts
         self.tmp = tmp
-        self.calibration: dict[str, Any] | None = None
 
     # B1 -----------------------------------------------------------------------------------
 
@@ -353,26 +352,23 @@ class Bench:
 
     # B2 -----------------------------------------------------------------------------------
 
-    def calibrate(self) -> dict[str, Any]:
-        """``cpu_work`` iterations for 20 ms in this process (the peer harness's method);
-        chosen once per invocation, so every run does the same work."""
-        if self.calibration is None:
-            bench_steps.cpu_work(300_000)
-            t = time.perf_counter()
-            bench_steps.cpu_work(1_000_000)
-            per = (time.perf_counter() - t) / 1_000_000
-            self.calibration = {"cpu_iters": int(0.020 / per)}
-        return self.calibration
-
     @staticmethod
-    def job_ms(iters: int) -> float:
-        """One ``cpu_work(iters)`` call in this process, in ms (median of 25)."""
+    def job_ms(iters: int, calls: int = 25) -> float:
+        """One ``cpu_work(iters)`` call in this process, in ms (median of ``calls``)."""
         samples = []
-        for _ in range(25):
+        for _ in range(calls):
             t = time.perf_counter()
             bench_steps.cpu_work(iters)
             samples.append(time.perf_counter() - t)
         return statistics.median(samples) * 1000
+
+    def calibrate(self) -> int:
+        """``cpu_work`` iterations for a 20 ms call in this process now (the peer harness's
+        method, with medians: this VM's speed drifts, a loop once took 12.6 ms where it
+        had been calibrated to 20 minutes before)."""
+        bench_steps.cpu_work(300_000)
+        iters = int(20 / self.job_ms(100_000, 7) * 100_000)
+        return int(iters * 20 / self.job_ms(iters, 9))
 
     def pool2_s(self, iters: int) -> float:
         """Wall seconds of multiprocessing.Pool(2) for the B2 calls (the 2-core ceiling)."""
@@ -383,24 +379,18 @@ class Bench:
             return time.perf_counter() - t
 
     def b2(self) -> dict[str, Any]:
-        iters = self.calibrate()["cpu_iters"]
-        pool_ms = self.job_ms(iters)
-        pool_s = self.pool2_s(iters)
-        pool_ms = (pool_ms + self.job_ms(iters)) / 2
-        row = self.cpu_bound(iters, pool_s, prefetch=0)
-        fast = self.cpu_bound(iters, pool_s, prefetch=PREFETCH)
-        row.update(suffixed(fast, ("efficiency", "steps_per_s", "cores_busy", "efficiency_vs_pool2", "cpu_job_ms"),
-                            "_prefetch"))
-        # the same calls in multiprocessing.Pool(2), no database: what this VM's two busy
-        # cores gave in this sitting (below 1 when a core slows while both work)
-        row["pool2_s"] = round(pool_s, 3)
-        row["pool2_efficiency"] = round(self.n["b2_steps"] * pool_ms / 1000 / 2 / pool_s, 3)
+        row = self.cpu_bound(prefetch=0)
+        fast = self.cpu_bound(prefetch=PREFETCH)
+        row.update(suffixed(fast, ("efficiency", "steps_per_s", "cores_busy", "efficiency_vs_pool2", "cpu_job_ms",
+                                   "pool2_efficiency"), "_prefetch"))
         return row
 
-    def cpu_bound(self, iters: int, pool_s: float, prefetch: int) -> dict[str, Any]:
-        """B2 once: the ideal is taken from 20 ms calls timed right before and right after
-        the run (this VM's CPU speed drifts within minutes)."""
+    def cpu_bound(self, prefetch: int) -> dict[str, Any]:
+        """B2 once. The calls are calibrated to 20 ms right before the run; the ideal is
+        taken from the call's time right before and right after it; then Pool(2) runs the
+        same calls (this VM's CPU speed drifts within minutes)."""
         n = self.n["b2_steps"]
+        iters = self.calibrate()
         before = self.job_ms(iters)
         with self.server.fresh() as dsn:
             client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2, prefetch=prefetch)
@@ -410,13 +400,17 @@ class Bench:
             child_cpu = sum(c.cpu_total - c.cpu_at_ready for c in children)
             t = step_times(dsn, bench_steps.cpu.name, sup.id)
         cpu_ms = (before + self.job_ms(iters)) / 2
+        pool_s = self.pool2_s(iters)
         ideal = n * cpu_ms / 1000 / 2
         wall = t["last_finish"] - t["first_start"]
         return {
-            "steps": n, "cpu_job_ms": round(cpu_ms, 3), "ideal_s": round(ideal, 3), "wall_s": round(wall, 3),
-            "efficiency": round(ideal / wall, 3),
+            "steps": n, "cpu_iters": iters, "cpu_job_ms": round(cpu_ms, 3), "ideal_s": round(ideal, 3),
+            "wall_s": round(wall, 3), "efficiency": round(ideal / wall, 3),
             "efficiency_incl_startup": round(ideal / (t["last_finish"] - t0), 3),
             "efficiency_vs_pool2": round(pool_s / wall, 3),
+            # the same calls in multiprocessing.Pool(2), no database: what this VM's two busy
+            # cores gave right then (below 1 when a core slows while both work)
+            "pool2_s": round(pool_s, 3), "pool2_efficiency": round(ideal / pool_s, 3),
             # CPU seconds the children's steps used over 2 cores x wall:
             # independent of how fast the VM's CPU happened to be during calibration.
             "cores_busy": round(child_cpu / (2 * wall), 3),
@@ -701,8 +695,8 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          "(CPU-speed independent)", None),
         ("B2", "cores_busy_prefetch", f"steps' CPU in the children / (2 cores x wall), prefetch={PREFETCH}",
          "{:.3f}", ">= 0.95", lambda v, m: v >= 0.95),
-        ("B2", "pool2_efficiency", "multiprocessing.Pool(2) efficiency vs 2 ideal cores, no database", "{:.3f}",
-         "(this VM's ceiling in this sitting)", None),
+        ("B2", "pool2_efficiency_prefetch", "multiprocessing.Pool(2) efficiency vs 2 ideal cores, no database "
+         "(right after the prefetch run)", "{:.3f}", "(this VM's ceiling right then)", None),
         ("B2", "efficiency_vs_pool2", "CPU efficiency vs multiprocessing.Pool(2), defaults", "{:.3f}", "", None),
         ("B2", "efficiency_vs_pool2_prefetch", f"CPU efficiency vs multiprocessing.Pool(2), prefetch={PREFETCH}",
          "{:.3f}", "", None),
@@ -856,8 +850,6 @@ def main(argv: list[str] | None = None) -> int:
             if b not in only:
                 continue
             res = results[b] = {"samples": [], "median": {}, "errors": []}
-            if b == "B2":
-                res["calibration"] = bench.calibrate()  # the work per call; the ms are timed per run
             if b == "B6":
                 console.print(f"[bold]B6[/] seeding {counts['b6_finished']:,} finished + "
                               f"{counts['b6_queued']:,} queued rows ...")
