@@ -261,6 +261,27 @@ def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
     assert entry.get("signal_name") == "SIGKILL" and entry.get("cpu_seconds", 0) > 0.1
 
 
+def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
+    """With a long kill_grace the sweep records the timeout on the DB clock while the
+    wedged child still runs; the kill's forensics then join that entry, and its message
+    says both (a newcomer read "settled by the recovery sweep" beside "killed: yes")."""
+    env = cyclone_env_factory(workers=1, kill_grace=1.5, lease_ttl=3)
+    env.mux().register(h.deque_wedge)
+    run_id = env.enqueue(h.deque_wedge, {})
+    env.start_worker()
+    step = env.wait_for_state(run_id, None, "discarded", timeout=10)
+    assert "swept_by" in step.errors[-1], step.errors  # the sweep wrote the entry
+    deadline = time.monotonic() + 5
+    while "killed_by_supervisor" not in step.errors[-1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        step = env.status(run_id).step
+    assert len(step.errors) == 1
+    entry = step.errors[-1]
+    assert entry["kind"] == "timeout" and entry["killed_by_supervisor"] is True and entry["trigger"] == "timeout"
+    assert entry["message"] == ("timed out (database clock); settled by the recovery sweep; "
+                                "child killed by the supervisor after timeout"), entry
+
+
 def test_late_completion_is_discarded_by_the_cas(cyclone_env_factory, tmp_path):
     env = cyclone_env_factory(workers=1, kill_grace=5.0, lease_ttl=3)
     marker = tmp_path / "returned"

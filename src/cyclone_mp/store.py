@@ -488,8 +488,11 @@ class Store:
             if row is None:
                 forensics = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
                 if forensics:
+                    killed = forensics.get("killed_by_supervisor")
+                    note = f"child killed by the supervisor after {forensics.get('trigger') or 'cancel'}"
                     cur.execute(Q["annotate_attempt"], {
                         "id": id, "owner": owner, "generation": generation, "forensics": Jsonb(forensics),
+                        "note": note if killed else None,
                     })
                 return "lost"
             if require_timed_out and not row["timed_out"]:

@@ -534,12 +534,17 @@ SELECT id, hostname, pid, started_at, heartbeat_at, info,
 DELETE FROM cyclone_workers WHERE heartbeat_at < now() - interval '1 hour';
 
 -- name: annotate_attempt
--- The sweep settled a timed-out attempt first: add the killing supervisor's forensics to that entry.
+-- The sweep settled a timed-out attempt first: add the killing supervisor's forensics to
+-- that entry, and %(note)s (what the supervisor did, or NULL) to its message.
 UPDATE cyclone_steps
    SET errors = jsonb_set(errors, ARRAY[(jsonb_array_length(errors) - 1)::text],
-                          (errors -> -1) || %(forensics)s::jsonb)
+                          (errors -> -1) || %(forensics)s::jsonb
+                          || CASE WHEN %(note)s::text IS NULL THEN '{}'::jsonb
+                                  ELSE jsonb_build_object('message', concat_ws('; ', errors -> -1 ->> 'message', %(note)s::text))
+                             END)
  WHERE id = %(id)s
    AND jsonb_array_length(errors) > 0
+   AND NOT (errors -> -1) ? 'killed_by_supervisor'  -- once
    AND errors -> -1 ->> 'lease_owner' = %(owner)s
    AND (errors -> -1 ->> 'lease_generation')::bigint = %(generation)s;
 
