@@ -395,7 +395,8 @@ class Client:
         return self._call(lambda store: store.cancel_run(rid))
 
     def retry(self, run_id: str) -> int:
-        """Reopen the run's discarded steps (``max_attempts`` raised, no attempt consumed).
+        """Reopen the run's discarded steps, or the step of a cancelled single-step run
+        (``max_attempts`` raised, no attempt consumed).
 
         Returns how many steps were reopened.
 

@@ -361,7 +361,10 @@ def cancel(run_id: str) -> None:
 @cli.command()
 @click.argument("run_id")
 def retry(run_id: str) -> None:
-    """Reopen a run's discarded steps (no attempt consumed)."""
+    """Reopen a discarded (or cancelled single-step) run.
+
+    Its discarded steps run again: max_attempts is raised, no attempt consumed.
+    """
     click.echo(f"retrying run {run_id} ({_act('retry', run_id)} step(s) reopened)")
 
 
