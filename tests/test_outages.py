@@ -13,8 +13,8 @@ import pytest
 from psycopg import sql
 
 import handlers as h
-from cyclone_mp.errors import DatabaseError
-from cyclone_mp.store import connect
+from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
+from cyclone_mp.store import Store, connect
 from waiting import wait_for
 
 
@@ -222,3 +222,42 @@ def test_a_completion_that_meets_a_stale_prepared_statement_is_written_again_not
     steps = [env.run_until_complete(r, timeout=30).step for r in ids]
     assert stale_left == [0]
     assert [(s.state, s.attempt, s.errors) for s in steps] == [("completed", 1, [])] * 20
+
+
+def test_a_session_frozen_inside_a_transaction_stalls_the_others_only_briefly(cyclone_env_factory):
+    """Helper-17: a supervisor SIGSTOPped while its sweep held a run row lock stalled
+    every other supervisor for the whole freeze (no renewal, no claim, no sweep). Each of
+    cyclone_mp's sessions now ends after Config.idle_in_transaction_limit (1 s here) idle
+    inside a transaction, which releases its locks."""
+    from cyclone_mp.config import Config
+
+    limit = Config.build(lease_ttl=3.0).idle_in_transaction_limit
+    assert limit == 1.0
+    env = cyclone_env_factory(workers=1, lease_ttl=3.0)
+    env.mux().register(h.ok)
+    run_id = env.enqueue(h.ok, {})
+    frozen = Store.open(env.dsn, generic_plans=True, idle_in_transaction=limit)  # as a supervisor opens it
+    try:
+        frozen.conn.execute("BEGIN")
+        frozen.conn.execute("SELECT id FROM cyclone_runs WHERE id = %s FOR UPDATE", (run_id,))
+        t0 = time.monotonic()
+        env.start_worker()  # its completion needs that run's lock
+        assert env.run_until_complete(run_id, timeout=30).state == "completed"
+        assert time.monotonic() - t0 < 15
+        with pytest.raises(DatabaseUnavailable):  # the server ended the frozen session: an outage to its owner
+            frozen.lease_state(0)
+    finally:
+        frozen.close()
+
+
+def test_every_session_of_a_client_and_its_supervisor_limits_idle_transactions(cyclone_env_factory):
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=3.0)
+    env.mux().register(h.ok)
+    run_id = env.enqueue(h.ok, {})
+    client = env.start_worker().client
+    assert env.run_until_complete(run_id, timeout=30).state == "completed"
+    sup = client.supervisor
+    show = "SHOW idle_in_transaction_session_timeout"
+    seen = [sup.store.conn.execute(show).fetchone(), sup.batch.open().conn.execute(show).fetchone(),
+            client._call(lambda store: store.conn.execute(show).fetchone())]
+    assert [row["idle_in_transaction_session_timeout"] for row in seen] == ["1s"] * 3

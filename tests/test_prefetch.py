@@ -420,3 +420,33 @@ def test_a_child_due_for_recycling_whose_next_step_was_dropped_is_retired_not_re
         sup.selector.close()
         os.close(sup._wake_r)
         os.close(sup._wake_w)
+
+
+def test_held_steps_count_from_when_the_claim_was_sent(cyclone_env_factory, monkeypatch):
+    """A claim that comes back late (the supervisor frozen by SIGSTOP, or a stalled
+    server) has spent part of its rows' leases and timeouts in the database already:
+    held past their hold bound counted from the claim's sending, they are released, never
+    started. Helper-17 saw a supervisor resumed after SIGSTOP start a held step whose row
+    had meanwhile been reclaimed, so it ran twice."""
+    real_claim = Store.claim
+    stalled = []
+
+    def late_claim(self, **kwargs):
+        rows = real_claim(self, **kwargs)
+        if rows and not stalled:
+            stalled.append(len(rows))
+            time.sleep(1.0)  # hold bound: min(0.5 s, lease_ttl / 4)
+        return rows
+
+    monkeypatch.setattr(Store, "claim", late_claim)
+    env = cyclone_env_factory(worker="thread", workers=1, prefetch=4, lease_ttl=3)
+    env.mux().register(h.ok)
+    ids = [env.enqueue(h.ok, {"n": i}) for i in range(3)]
+    sup = env.start_worker().client.supervisor
+    statuses = [env.run_until_complete(run_id, timeout=30) for run_id in ids]
+    assert [s.state for s in statuses] == ["completed"] * 3
+    assert stalled and sup.stats["prefetch_released"] >= stalled[0]
+    # every step ran once, under a later claim than the stalled one; no attempt, no reclaim used
+    rows = rows_of(env.dsn, "ok")
+    assert [(r["attempt"], r["reclaims"]) for r in rows] == [(1, 0)] * 3
+    assert all(r["lease_generation"] >= 2 for r in rows[:stalled[0]]), rows

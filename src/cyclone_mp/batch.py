@@ -29,10 +29,12 @@ class BatchWriter:
     Args:
         dsn: PostgreSQL connection string.
         wake: called on the helper thread when a statement finishes (wakes the loop).
+        idle_in_transaction: seconds, see :func:`cyclone_mp.store.configure_session`.
     """
 
-    def __init__(self, dsn: str, wake: Callable[[], None]) -> None:
+    def __init__(self, dsn: str, wake: Callable[[], None], idle_in_transaction: float | None = None) -> None:
         self.dsn = dsn
+        self.idle_in_transaction = idle_in_transaction
         self._wake = wake
         self.store: Store | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cyclone-batch")
@@ -58,7 +60,7 @@ class BatchWriter:
         """
         if self.store is None or self.store.broken:
             self._close_store()
-            self.store = Store.open(self.dsn, generic_plans=True)
+            self.store = Store.open(self.dsn, generic_plans=True, idle_in_transaction=self.idle_in_transaction)
         return self.store
 
     def submit(self, context: Any, fn: Callable[[Store], Any], *, inline: bool = False) -> None:

@@ -25,7 +25,7 @@ from .durations import Duration, seconds
 from .errors import ConfigurationError, CycloneError, DatabaseError, PayloadError, RunNotFound, UnknownStep
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions
-from .store import NodeRow, Store, connect, redact, stale_plan
+from .store import NodeRow, Store, configure_session, connect, redact, stale_plan
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -142,10 +142,13 @@ class Client:
             if self._pool is None:
                 dsn = self.dsn
                 connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                limit = self.config.idle_in_transaction_limit
                 self._pool = ConnectionPool(
                     dsn, min_size=0, max_size=4, open=True, timeout=30.0, max_idle=60.0,
                     kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
                     check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
+                    # a client frozen inside cancel/retry/... must not stall the supervisors
+                    configure=lambda conn: configure_session(conn, idle_in_transaction=limit),
                 )
             return self._pool
 

@@ -139,3 +139,12 @@ class Config:
     def heartbeat_interval(self) -> float:
         """Seconds between renewals of one lease: ``lease_ttl / 3`` (seed)."""
         return self.lease_ttl / 3.0
+
+    @property
+    def idle_in_transaction_limit(self) -> float:
+        """Seconds one of this client's sessions may sit idle inside a transaction before
+        PostgreSQL ends it: one heartbeat interval, at least 1 s. A process frozen mid-
+        transaction (SIGSTOP, a paused VM, a debugger) holds its row locks only that long,
+        so other supervisors keep renewing their leases (a frozen supervisor stalled a
+        healthy one for the whole freeze)."""
+        return max(1.0, self.heartbeat_interval)

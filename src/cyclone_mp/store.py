@@ -112,6 +112,11 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
             raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
         except psycopg.Error as exc:
+            # The server ended the session (idle in a transaction past the limit: the
+            # process was frozen): an outage of this connection, never a rejected write.
+            if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout) or (
+                    args and isinstance(args[0], Store) and args[0].broken):
+                raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
             if stale_plan(exc) and args and isinstance(args[0], Store):
                 args[0].forget_prepared()
             raise DatabaseError(f"database error: {type(exc).__name__}: {str(exc).strip()}") from exc
@@ -144,6 +149,27 @@ def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0) -> psyc
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
 
 
+def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
+                      idle_in_transaction: float | None = None) -> None:
+    """Session settings of a cyclone_mp connection, in one round trip (``SET``, so a proxy
+    that refuses startup options still works).
+
+    ``generic_plans``: ``plan_cache_mode = force_generic_plan`` (see :meth:`Store.open`).
+    ``idle_in_transaction`` (seconds): ``idle_in_transaction_session_timeout``, so a
+    process frozen inside one of its transactions does not hold row locks that other
+    supervisors wait on (the server ends that session; the process reconnects and
+    writes again). Raises psycopg.Error.
+    """
+    settings = {}
+    if generic_plans:
+        settings["plan_cache_mode"] = "force_generic_plan"
+    if idle_in_transaction is not None:
+        settings["idle_in_transaction_session_timeout"] = f"{max(1, int(idle_in_transaction * 1000))}ms"
+    if settings:
+        conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
+                     [v for kv in settings.items() for v in kv])
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeRow:
     """One step row to insert at enqueue (a node of the run)."""
@@ -174,7 +200,7 @@ class Store:
         self.conn = conn
 
     @classmethod
-    def open(cls, dsn: str, *, generic_plans: bool = False) -> "Store":
+    def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None) -> "Store":
         """Connect to ``dsn``; raises DatabaseError.
 
         ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
@@ -182,17 +208,19 @@ class Store:
         hot-path statements with each call's values: planning them cost more than running
         them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
+        ``idle_in_transaction`` (seconds) sets ``idle_in_transaction_session_timeout``
+        (see :func:`session_settings`).
         """
         conn = connect(dsn)
         if generic_plans:
             # Prepared (and planned) at the first call, not the fifth: the first calls
             # of a start planned each many-CTE statement again, about 2 ms each.
             conn.prepare_threshold = 0
-            try:
-                conn.execute("SET plan_cache_mode = force_generic_plan")
-            except psycopg.Error as exc:
-                conn.close()
-                raise DatabaseUnavailable(f"cannot configure the connection: {redact(str(exc))}") from exc
+        try:
+            configure_session(conn, generic_plans=generic_plans, idle_in_transaction=idle_in_transaction)
+        except psycopg.Error as exc:
+            conn.close()
+            raise DatabaseUnavailable(f"cannot configure the connection: {redact(str(exc))}") from exc
         return cls(conn)
 
     def forget_prepared(self) -> None:

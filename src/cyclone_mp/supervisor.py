@@ -163,7 +163,8 @@ class Supervisor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
-        self.batch = BatchWriter(dsn, self._wake)  # a tick's outcomes + next claim, off the loop
+        self.batch = BatchWriter(dsn, self._wake, config.idle_in_transaction_limit)  # a tick's outcomes + next claim, off the loop
+        self._batch_sent = clock()  # when the statement in flight was sent (its claim counts from then)
         self._io_ready: set[ChildProc] = set()  # children whose sockets the last wait reported
         self._next_io_sweep = clock()
         self.draining = False
@@ -750,13 +751,14 @@ class Supervisor:
         if self.config.prefetch:
             self._claim_in_batch(now, len(idle) + room)
             return
+        sent = self.clock()
         try:
             rows = self.store.claim(limit=len(idle) + room, **self._claim_args())
         except DatabaseError as exc:
             if self._db_down(exc):
                 return
             rows = []  # rejected (not an outage): back off as after an empty claim, not retry each tick
-        self._dispatch(rows, len(idle) + room)
+        self._dispatch(rows, len(idle) + room, sent)
 
     def _claim_in_batch(self, now: float, limit: int) -> None:
         """With prefetch, a claim goes to the batch writer like a tick's outcomes, and
@@ -771,6 +773,7 @@ class Supervisor:
 
         self.next_poll = now + self.poll_delay  # set again when the rows are back
         try:
+            self._batch_sent = self.clock()
             self.batch.submit(([], [], limit), statement)
         except DatabaseError as exc:
             if not self._db_down(exc):
@@ -781,12 +784,18 @@ class Supervisor:
         return {"owner": self.id, "queues": self.config.queues, "names": self.mux.step_names,
                 "ttl": self.config.lease_ttl}
 
-    def _dispatch(self, rows: list[dict[str, Any]], limit: int) -> None:
+    def _dispatch(self, rows: list[dict[str, Any]], limit: int, sent: float | None = None) -> None:
         """Hand claimed rows to idle children (the rest wait in ``prefetched``) and
-        schedule the next poll."""
+        schedule the next poll. ``sent``: when the claim was sent (local monotonic). The
+        rows' leases and timeouts count from then, never from their arrival: the
+        database's ``now()`` is no earlier, so the local lease and deadline are never
+        later than the database's, even when the process was frozen while the claim was
+        in flight (a supervisor resumed after a SIGSTOP had started steps it no longer
+        held)."""
         now = self.clock()
+        at = now if sent is None else min(sent, now)
         for row in rows:
-            self.prefetched.append(Prefetched(row, now, now + self._hold_bound(row["timeout"])))
+            self.prefetched.append(Prefetched(row, at, at + self._hold_bound(row["timeout"])))
         if rows:
             self._claim_hold = min(self._hold_bound(row["timeout"]) for row in rows)
         self._take_prefetched()
@@ -807,6 +816,9 @@ class Supervisor:
         outage: held steps are released once the database is back)."""
         if not self.prefetched or self.draining or not self.db_ok:
             return
+        now = self.clock()
+        if now >= self.prefetched[0].release_at:  # held too long (the process was frozen?): release, never start
+            self._expire_prefetched(now)
         for child in self._idle_children():
             if not self.prefetched:
                 break
@@ -1025,6 +1037,7 @@ class Supervisor:
         self.stats["batches"] += 1
         try:
             # Without prefetch nothing can start before the claim returns: run it here.
+            self._batch_sent = self.clock()
             self.batch.submit((done, failed, limit), statement, inline=not self.config.prefetch)
         except DatabaseError as exc:
             self._db_down(exc)
@@ -1056,7 +1069,7 @@ class Supervisor:
             self._defer(done, failed)
             return
         if limit:
-            self._dispatch(settled.claimed, limit)
+            self._dispatch(settled.claimed, limit, self._batch_sent)
         self.stats["completed"] += len(settled.completed)
         self.stats["failed"] += len(settled.failed)
         if settled.failed:
@@ -1246,7 +1259,7 @@ class Supervisor:
     def _connect(self) -> None:
         self._close_db()
         self.batch.ensure_idle()
-        self.store = Store.open(self.dsn, generic_plans=True)
+        self.store = Store.open(self.dsn, generic_plans=True, idle_in_transaction=self.config.idle_in_transaction_limit)
         try:
             conn = connect(self.dsn)
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
