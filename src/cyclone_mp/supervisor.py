@@ -819,6 +819,8 @@ class Supervisor:
         now = self.clock()
         if now >= self.prefetched[0].release_at:  # held too long (the process was frozen?): release, never start
             self._expire_prefetched(now)
+            if not self.db_ok:  # the release met an outage: nothing starts until the database is back
+                return
         for child in self._idle_children():
             if not self.prefetched:
                 break
