@@ -14,7 +14,7 @@ from psycopg import sql
 
 import handlers as h
 from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
-from cyclone_mp.store import Store, connect
+from cyclone_mp.store import Store, connect, translate
 from waiting import wait_for
 
 
@@ -261,3 +261,24 @@ def test_every_session_of_a_client_and_its_supervisor_limits_idle_transactions(c
     seen = [sup.store.conn.execute(show).fetchone(), sup.batch.open().conn.execute(show).fetchone(),
             client._call(lambda store: store.conn.execute(show).fetchone())]
     assert [row["idle_in_transaction_session_timeout"] for row in seen] == ["1s"] * 3
+
+
+def test_a_client_call_whose_session_the_server_ended_mid_transaction_runs_again(cyclone_env_factory):
+    """Helper-18: a worker frozen inside its startup migration exited rc 1 once resumed,
+    because the server had ended its idle transaction. Nothing of a transaction whose
+    body failed was committed, so a Client call runs it once more on a fresh connection."""
+    env = cyclone_env_factory(lease_ttl=3.0)  # sessions end after 1 s idle in a transaction
+    client = env.client()
+    tries = []
+
+    def frozen_once(store):
+        with store._tx() as cur:
+            cur.execute("SELECT count(*) AS n FROM cyclone_runs")
+            tries.append(store.conn.info.backend_pid)
+            if len(tries) == 1:
+                time.sleep(2.0)  # as if the process were stopped here
+            cur.execute("SELECT count(*) AS n FROM cyclone_runs")
+            return cur.fetchone()["n"]
+
+    assert client._call(translate(frozen_once)) == 0  # as every Store method is wrapped
+    assert len(tries) == 2 and tries[0] != tries[1]  # the second try ran on another session

@@ -22,7 +22,9 @@ from .config import Config
 from .backoff import storable_backoff
 from .protocol import unstorable
 from .durations import Duration, seconds
-from .errors import ConfigurationError, CycloneError, DatabaseError, PayloadError, RunNotFound, UnknownStep
+from .errors import (
+    ConfigurationError, CycloneError, DatabaseError, DatabaseUnavailable, PayloadError, RunNotFound, UnknownStep,
+)
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions
 from .store import NodeRow, Store, configure_session, connect, redact, stale_plan
@@ -156,13 +158,20 @@ class Client:
         pool = self._store_pool()
         try:
             for tries_left in (1, 0):
+                store: Store | None = None
                 try:
                     with pool.connection() as conn:
-                        return fn(Store(conn))
+                        store = Store(conn)
+                        return fn(store)
                 except DatabaseError as exc:
-                    # A schema change invalidated a prepared statement: it did not run, and
-                    # the connection dropped its prepared statements. Once more, then.
-                    if not (tries_left and stale_plan(exc.__cause__)):
+                    # Once more, on another connection, when the call surely did nothing:
+                    # a schema change invalidated a prepared statement (it did not run, and
+                    # the connection dropped its prepared statements), or the connection
+                    # was lost inside the call's only transaction, before its COMMIT (the
+                    # server ends a session left idle in a transaction: a frozen process).
+                    lost_uncommitted = (isinstance(exc, DatabaseUnavailable) and store is not None
+                                        and store.failed_before_commit and store.commits == 0)
+                    if not (tries_left and (stale_plan(exc.__cause__) or lost_uncommitted)):
                         raise
         except psycopg.Error as exc:
             raise DatabaseError(f"database error: {type(exc).__name__}: {exc}") from exc

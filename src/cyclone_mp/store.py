@@ -198,6 +198,8 @@ class Store:
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
+        self.commits = 0  # transactions this Store committed
+        self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
     def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None) -> "Store":
@@ -243,8 +245,17 @@ class Store:
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[psycopg.Cursor]:
+        """One transaction. Records whether it failed in its body (before COMMIT: then
+        nothing of it was committed, even if the connection died) and counts commits, so
+        a caller knows when running it again is safe (:meth:`Client._call`)."""
+        self.failed_before_commit = False
         with self.conn.transaction(), self.conn.cursor() as cur:
-            yield cur
+            try:
+                yield cur
+            except BaseException:
+                self.failed_before_commit = True
+                raise
+        self.commits += 1
 
     def _one(self, cur: psycopg.Cursor, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
         cur.execute(Q[name], params)
