@@ -211,7 +211,7 @@ class Store:
         them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
         ``idle_in_transaction`` (seconds) sets ``idle_in_transaction_session_timeout``
-        (see :func:`session_settings`).
+        (see :func:`configure_session`).
         """
         conn = connect(dsn)
         if generic_plans:
