@@ -109,12 +109,11 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
         except psycopg.Error as exc:
-            # The server ended the session (idle in a transaction past the limit: the
-            # process was frozen): an outage of this connection, never a rejected write.
-            if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout) or (
+            # The connection is gone, or the server ended the session (idle in a transaction
+            # past the limit: the process was frozen): an outage, never a rejected write.
+            if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
+                                psycopg.errors.IdleInTransactionSessionTimeout)) or (
                     args and isinstance(args[0], Store) and args[0].broken):
                 raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
             if stale_plan(exc) and args and isinstance(args[0], Store):
@@ -527,11 +526,10 @@ class Store:
             if row is None:
                 forensics = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
                 if forensics:
-                    killed = forensics.get("killed_by_supervisor")
-                    note = f"child killed by the supervisor after {forensics.get('trigger') or 'cancel'}"
                     cur.execute(Q["annotate_attempt"], {
                         "id": id, "owner": owner, "generation": generation, "forensics": Jsonb(forensics),
-                        "note": note if killed else None,
+                        # what the supervisor says it did ("child killed by the supervisor after ...")
+                        "note": entry.get("message") if forensics.get("killed_by_supervisor") else None,
                     })
                 return "lost"
             if require_timed_out and not row["timed_out"]:

@@ -164,7 +164,6 @@ class Supervisor:
         os.set_blocking(self._wake_w, False)
         self.selector.register(self._wake_r, selectors.EVENT_READ, ("wake", None))
         self.batch = BatchWriter(dsn, self._wake, config.idle_in_transaction_limit)  # a tick's outcomes + next claim, off the loop
-        self._batch_sent = clock()  # when the statement in flight was sent (its claim counts from then)
         self._io_ready: set[ChildProc] = set()  # children whose sockets the last wait reported
         self._next_io_sweep = clock()
         self.draining = False
@@ -773,8 +772,7 @@ class Supervisor:
 
         self.next_poll = now + self.poll_delay  # set again when the rows are back
         try:
-            self._batch_sent = self.clock()
-            self.batch.submit(([], [], limit), statement)
+            self.batch.submit(([], [], limit, self.clock()), statement)
         except DatabaseError as exc:
             if not self._db_down(exc):
                 self._dispatch([], limit)
@@ -1039,8 +1037,8 @@ class Supervisor:
         self.stats["batches"] += 1
         try:
             # Without prefetch nothing can start before the claim returns: run it here.
-            self._batch_sent = self.clock()
-            self.batch.submit((done, failed, limit), statement, inline=not self.config.prefetch)
+            # (the send time goes along: the claimed rows' leases count from it)
+            self.batch.submit((done, failed, limit, self.clock()), statement, inline=not self.config.prefetch)
         except DatabaseError as exc:
             self._db_down(exc)
             self._defer(done, failed)
@@ -1052,7 +1050,7 @@ class Supervisor:
         taken = self.batch.take()
         if taken is None:
             return
-        (done, failed, limit), future = taken
+        (done, failed, limit, sent), future = taken
         try:
             settled: Settled = future.result()
         except DatabaseError as exc:
@@ -1071,7 +1069,7 @@ class Supervisor:
             self._defer(done, failed)
             return
         if limit:
-            self._dispatch(settled.claimed, limit, self._batch_sent)
+            self._dispatch(settled.claimed, limit, sent)
         self.stats["completed"] += len(settled.completed)
         self.stats["failed"] += len(settled.failed)
         if settled.failed:
