@@ -821,13 +821,13 @@ def ensure_bytecode() -> str:
 
 
 def git_state(root: str | None = None) -> dict[str, Any]:
-    """The commit measured, and whether the engine (``src/`` of the checkout ``root``,
+    """The commit measured, and whether the engine (``cyclone_mp/`` and ``cli/`` of the checkout ``root``,
     this one by default) had uncommitted changes."""
     root = root or os.path.dirname(HERE)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "cyclone_mp", "cli"], cwd=root, capture_output=True,
                                text=True, timeout=10).stdout.strip()
         return {"commit": head or None, "engine_uncommitted_changes": bool(dirty)}
     except (OSError, subprocess.SubprocessError):

@@ -37,14 +37,14 @@ def test_quick_benchmark_run(tmp_path):
 
 
 def test_results_say_when_the_engine_had_uncommitted_changes(tmp_path):
-    """The engine lives in src/ (it looked at a cyclone_mp/ folder that no longer exists,
-    so a dirty engine was reported clean)."""
+    """The engine is cyclone_mp/ and cli/ (once it looked at a folder that no longer
+    existed, so a dirty engine was reported clean)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import run as bench_run
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
-    engine = tmp_path / "src" / "cyclone_mp"
+    engine = tmp_path / "cyclone_mp"
     engine.mkdir(parents=True)
     (engine / "store.py").write_text("x = 1\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]

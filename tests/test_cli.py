@@ -44,15 +44,21 @@ UNREACHABLE = "postgresql://nobody:s3cret@127.0.0.1:1/x"
 
 def _cli_import_path() -> str | None:
     """A directory that makes ``cyclone_mp_cli`` importable when the project is not
-    installed (``src/``, where it lives)."""
+    installed (``cli/``, where it lives, is mapped to that name by pyproject.toml)."""
     try:
         import cyclone_mp_cli  # noqa: F401
 
         return None
     except ImportError:
-        src = str(REPO / "src")
-        sys.path.insert(0, src)
-        return src
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "cyclone_mp_cli", REPO / "cli" / "__init__.py", submodule_search_locations=[str(REPO / "cli")])
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["cyclone_mp_cli"] = module
+        spec.loader.exec_module(module)
+        return str(REPO / "cli")
 
 
 _SHIM = _cli_import_path()

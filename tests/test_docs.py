@@ -109,7 +109,7 @@ def test_docs_have_python_examples() -> None:
 
 
 def test_sql_in_the_docs_is_the_sql_that_runs() -> None:
-    """Every ```sql block of the docs is quoted from src/cyclone_mp/sql/queries.sql, verbatim."""
+    """Every ```sql block of the docs is quoted from cyclone_mp/sql/queries.sql, verbatim."""
     import importlib.resources
 
     queries = " ".join(importlib.resources.files("cyclone_mp.sql").joinpath("queries.sql").read_text().split())

@@ -1,6 +1,6 @@
 """The child runner: runs handlers, one at a time, for the supervisor that started it.
 
-Started by the supervisor as ``python -m cyclone_mp._child CTRL_FD CANCEL_FD PARENT_PID``
+Started by the supervisor as ``_boot.py _child CTRL_FD CANCEL_FD PARENT_PID LIMIT``
 in its own process group. It owns only the handler call and the pipe (STYLE pattern 9):
 it never touches the database. It dies with its parent (``PR_SET_PDEATHSIG``), reads
 tasks from the control socket, reads cancels from the cancellation pipe on a watcher
@@ -384,7 +384,6 @@ def main(argv: list[str]) -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     batch_scheduling()
-    sys.path[:0] = [p for p in os.environ.get("CYCLONE_MP_SYS_PATH", "").split(os.pathsep) if p and p not in sys.path]
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
         Runner(ctrl, cancel_fd, limit).loop()

@@ -1,6 +1,7 @@
 """The supervisor's side of one child process: spawn, pipes, kill, reap.
 
-A :class:`ChildProc` is a fresh interpreter (``python -m cyclone_mp._child``), never a
+A :class:`ChildProc` is a fresh interpreter (``cyclone_mp._child`` started through
+:func:`cyclone_mp.procs.helper_command`), never a
 fork of the grown supervisor. It runs in its own process group, carries the
 supervisor's marker in its environment (so reparented grandchildren can be recognised),
 and is reused for many steps until it is killed or recycled. It imports the handlers'
@@ -15,7 +16,7 @@ import json
 import os
 import socket
 import subprocess
-import sys
+
 import time
 from typing import Any, Sequence
 
@@ -39,14 +40,11 @@ class ChildProc:
         ``(module, script path or None)`` of the handlers, imported before it is ready."""
         parent_sock, child_sock = socket.socketpair()
         cancel_r, cancel_w = os.pipe()
-        env = dict(os.environ)
-        env[procs.MARKER_ENV] = supervisor_id
-        env["CYCLONE_MP_SYS_PATH"] = os.pathsep.join(p for p in sys.path if p)
-        env[protocol.PRELOAD_ENV] = json.dumps([list(m) for m in preload])
+        env = procs.helper_env({procs.MARKER_ENV: supervisor_id,
+                                protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload])})
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "cyclone_mp._child", str(child_sock.fileno()), str(cancel_r),
-                 str(os.getpid()), str(limit)],
+                procs.helper_command("_child", str(child_sock.fileno()), str(cancel_r), str(os.getpid()), str(limit)),
                 pass_fds=(child_sock.fileno(), cancel_r),
                 process_group=0,
                 stdin=subprocess.DEVNULL,
