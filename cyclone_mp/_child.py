@@ -136,16 +136,27 @@ class Runner:
             import datetime as dt  # here, not at import: a child starts faster without it
 
             deadline = dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
+        try:
+            # The input and the upstream outputs come as JSON text, read here, not in the
+            # supervisor: a value nested too deeply to decode fails its own attempt, at once
+            # and for good (it would fail the same way every time), never its claim batch.
+            inp, upstream = task.get("input"), task.get("upstream")
+            if task.get("input_json") is not None:
+                inp = json.loads(task["input_json"])
+            if task.get("upstream_json") is not None:
+                upstream = json.loads(task["upstream_json"])
+        except (ValueError, RecursionError) as exc:
+            return failure("permanent", ValueError(f"the step's input cannot be decoded: {type(exc).__name__}: {exc}"))
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
-            deadline=deadline, upstream=task.get("upstream"), progress_sink=self.progress,
+            deadline=deadline, upstream=upstream, progress_sink=self.progress,
             cancellation=self.cancellation,
         )
         try:
             fn = self.resolve(task["ref"])
             if fn not in self._handlers:
                 self._handlers[fn] = input_annotation(fn)
-            output = fn(ctx, convert_input(self._handlers[fn], task.get("input")))
+            output = fn(ctx, convert_input(self._handlers[fn], inp))
         except Cancelled as exc:
             return failure("cancelled", exc)
         except Permanent as exc:

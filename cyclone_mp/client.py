@@ -505,7 +505,7 @@ class Client:
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             def on_signal(signum: int, frame: Any) -> None:
-                if sup.draining or sup._shutdown_req.is_set():
+                if sup.draining or sup.shutdown_requested:
                     log.warning("second signal: hard stop")
                     sup.request_stop()
                 else:

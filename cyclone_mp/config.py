@@ -141,6 +141,27 @@ class Config:
         return self.lease_ttl / 3.0
 
     @property
+    def call_bound(self) -> float:
+        """Seconds a lease keeper's call (a claim, a renewal) may take before its connection
+        is abandoned and opened again: ``lease_ttl / 3``, at least 0.5 s. A black-holed
+        connection is noticed that fast (issue 17)."""
+        return max(0.5, self.lease_ttl / 3.0)
+
+    @property
+    def write_bound(self) -> float:
+        """Seconds an outcome writer's or maintenance call may take before its connection is
+        abandoned: ``lease_ttl / 3``, at least 5 s (settling a batch of a workflow's steps
+        on a busy server may take a while; nothing waits on it but the writes themselves)."""
+        return max(5.0, self.lease_ttl / 3.0)
+
+    @property
+    def lock_timeout(self) -> float:
+        """Seconds a supervisor's statement waits for a row lock before it gives up and is
+        tried again (``lock_timeout``): ``lease_ttl / 6`` within [0.05, 1] s. One locked
+        row holds back its own renewal, never the others', the claims or a kill."""
+        return max(0.05, min(1.0, self.lease_ttl / 6.0))
+
+    @property
     def idle_in_transaction_limit(self) -> float:
         """Seconds one of this client's sessions may sit idle inside a transaction before
         PostgreSQL ends it: one heartbeat interval, at least 1 s. A process frozen mid-

@@ -39,6 +39,12 @@ class DatabaseUnavailable(DatabaseError):
     """The database cannot be reached (connection refused, lost or closed)."""
 
 
+class DatabaseBusy(DatabaseError):
+    """The call ran out of time on the server (a lock wait past ``lock_timeout``, a
+    statement past ``statement_timeout``): nothing was done; try again later. Neither an
+    outage nor a rejection of the data (issue 17)."""
+
+
 class PayloadError(CycloneError, ValueError):
     """An input or output is not a JSON value, or is larger than the configured limit."""
 

@@ -14,9 +14,9 @@ import collections
 import contextlib
 import json
 import os
+import selectors
 import socket
 import subprocess
-
 import time
 from typing import Any, Sequence
 
@@ -55,6 +55,9 @@ class ChildProc:
             child_sock.close()
             os.close(cancel_r)
         self.pid = self.popen.pid
+        self.pidfd: int | None = None  # for the watchdog: a handle no recycled pid can alias
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(self.pid)
         self.sock = parent_sock
         self.sock.setblocking(False)
         self.cancel_w = cancel_w
@@ -187,9 +190,13 @@ class ChildProc:
         self.close()
 
     def close(self) -> None:
-        """Close our ends of the pipes (idempotent)."""
+        """Close our ends of the pipes, and the pidfd once reaped (idempotent)."""
         with contextlib.suppress(OSError):
             self.sock.close()
+        if self.pidfd is not None and self.returncode is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
         if self.cancel_w >= 0:
             with contextlib.suppress(OSError):
                 os.close(self.cancel_w)
@@ -212,3 +219,219 @@ class ChildProc:
         with contextlib.suppress(psutil.Error):
             return int(self.proc.memory_info().rss)
         return None
+
+
+RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
+PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed
+
+
+class ChildPool:
+    """Process control's children: start, replace, recycle, kill and reap them (SPEC 1, 4).
+
+    Every child's socket is registered in process control's ``selector`` with the data
+    ``("child", child)``. Each child is announced to the watchdog with its pidfd. The
+    pool never decides what an attempt's end means: process control does.
+
+    Args:
+        owner: the supervisor's id (the children's environment marker).
+        workers: how many children to keep.
+        limit: the largest message in bytes.
+        preload: ``(module, path)`` of the handlers' modules, imported before "ready".
+        selector: process control's selector.
+        watchdog: the :class:`~cyclone_mp.procs.WatchdogLink`.
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, owner: str, *, workers: int, limit: int, preload: list[tuple[str, str | None]],
+                 selector: Any, watchdog: Any, clock: Any = time.monotonic) -> None:
+        self.owner = owner
+        self.workers = workers
+        self.limit = limit
+        self.preload = preload
+        self.selector = selector
+        self.watchdog = watchdog
+        self.clock = clock
+        self.children: list[ChildProc] = []
+        self.respawn_at = clock()
+        self.respawn_delay = RESPAWN_BACKOFF[0]
+        self.ready_seconds: float | None = None  # moving average of a new child's spawn to ready
+        self.descended: set[int] = set()  # pids seen as descendants of our children (their zombies are ours to reap)
+        self._foreign: set[int] = set()  # children of this process that are no handler's
+        self.stats = {"children_spawned": 0, "killed": 0, "grandchildren_killed": 0}
+
+    # -- starting ----------------------------------------------------------------------------
+
+    def spawn(self) -> ChildProc | None:
+        """Start one child (None when the system refuses: tried again after a backoff)."""
+        try:
+            child = ChildProc(self.owner, self.limit, self.preload)
+        except OSError as exc:
+            import logging
+
+            logging.getLogger("cyclone_mp.supervisor").error("cannot start a child process: %s", exc)
+            return None
+        self.children.append(child)
+        self.stats["children_spawned"] += 1
+        self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
+        child.events = selectors.EVENT_READ
+        self.watchdog.child(child.pid, child.pidfd)
+        return child
+
+    def maintain(self, now: float, draining: bool) -> None:
+        """Keep ``workers`` children alive (a killed or recycled one is replaced at once)."""
+        if draining or now < self.respawn_at:
+            return
+        while len(self.children) < self.workers:
+            if self.spawn() is None:
+                self.respawn_at = now + self.respawn_delay
+                return
+
+    def idle(self) -> list[ChildProc]:
+        """Ready children with no attempt, not due for recycling."""
+        return [c for c in self.children if c.ready and c.attempt is None and c.returncode is None and not c.recycle_due]
+
+    def on_ready(self, child: ChildProc, message: dict[str, Any]) -> None:
+        child.preloading = None
+        child.ready = True
+        child.ready_after = self.clock() - child.spawned
+        prev = self.ready_seconds
+        self.ready_seconds = child.ready_after if prev is None else 0.8 * prev + 0.2 * child.ready_after
+        child.cpu_total = child.cpu_at_ready = float(message.get("cpu_total") or 0.0)
+
+    def stuck_preloads(self, now: float) -> list[ChildProc]:
+        """New children stuck importing one handler module for PRELOAD_TIMEOUT: killed here,
+        returned so their exit is handled."""
+        stuck = [c for c in self.children
+                 if not c.ready and c.preloading is not None and now - c.preloading_since > PRELOAD_TIMEOUT]
+        for child in stuck:
+            self.kill(child, "preload_timeout")
+        return stuck
+
+    # -- I/O registration ------------------------------------------------------------------------
+
+    def update_write_interest(self, child: ChildProc) -> None:
+        """Watch the child's socket for writability while its outbox holds data."""
+        if child.returncode is not None:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if child.outbox else 0)
+        if events == child.events:
+            return
+        child.events = events
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self.selector.modify(child.sock, events, ("child", child))
+
+    def unregister(self, child: ChildProc) -> None:
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self.selector.unregister(child.sock)
+
+    # -- ending ----------------------------------------------------------------------------------
+
+    def kill(self, child: ChildProc, trigger: str) -> None:
+        """SIGKILL the child's tree and reap it (SPEC 4)."""
+        import logging
+
+        child.note_descendants()
+        self.unregister(child)
+        hit = child.kill()
+        self.stats["killed"] += 1
+        self.count_grandchildren(child, hit)
+        logging.getLogger("cyclone_mp.supervisor").warning(
+            "killed child %d (%s) and %d descendant(s)", child.pid, trigger, len([p for p in hit if p != child.pid]))
+
+    def count_grandchildren(self, child: ChildProc, hit: list[int]) -> None:
+        self.stats["grandchildren_killed"] += len([p for p in hit if p != child.pid])
+
+    def reap(self, child: ChildProc, *, ended_alone: bool) -> int | None:
+        """A child whose socket closed: kill what it left (if it ``ended_alone``, its group
+        and descendants go with it, done before reaping it, while its pid cannot be
+        reused), reap it and its strays, and forget it. Returns its exit status."""
+        self.unregister(child)
+        hit: list[int] = []
+        if child.returncode is None and ended_alone:
+            child.note_descendants()
+            hit = procs.kill_tree(child.pid, child.pid, list(child.descendants_seen.values()))
+        code = child.wait(timeout=5.0)
+        if code is None:  # still alive after SIGKILL (uninterruptible sleep): kill and wait again
+            self.kill(child, "protocol_error")
+            code = child.returncode
+        if child in self.children:
+            self.children.remove(child)
+        self.watchdog.gone(child.pid)
+        if hit:
+            procs.reap([p for p in hit if p != child.pid], timeout=1.0)
+            self.count_grandchildren(child, hit)
+        self.reap_strays(child)
+        return code
+
+    def after_exit(self, child: ChildProc, code: int | None) -> None:
+        """Preload bookkeeping and the respawn backoff after a child is gone."""
+        import logging
+
+        log = logging.getLogger("cyclone_mp.supervisor")
+        if not child.ready and child.preloading in self.preload:
+            # Importing that module killed or wedged the child: later children leave it to
+            # its steps' first attempt (where it fails them, not every child).
+            self.preload.remove(child.preloading)
+            log.error("a child %s while importing %s (code %s); its steps import it at their first attempt",
+                      "hung" if child.killed else "died", child.preloading[0], code)
+            self.respawn_delay = RESPAWN_BACKOFF[0]
+        elif not child.ready and not child.killed:
+            self.respawn_delay = min(RESPAWN_BACKOFF[1], self.respawn_delay * 2)
+            self.respawn_at = self.clock() + self.respawn_delay
+            log.error("a child exited before it was ready (code %s); next start in %.1fs", code, self.respawn_delay)
+        else:
+            self.respawn_delay = RESPAWN_BACKOFF[0]
+
+    def retire(self, child: ChildProc) -> None:
+        """Recycle an idle child: ask it to exit, reap it (kill it if it does not go)."""
+        self.unregister(child)
+        child.retire()
+        if child.wait(timeout=2.0) is None:
+            child.kill()
+        if child in self.children:
+            self.children.remove(child)
+        self.watchdog.gone(child.pid)
+
+    def sweep_leftovers(self, child: ChildProc) -> None:
+        """A finished task left processes under the (reused) child: kill them, then let it go on."""
+        self.count_grandchildren(child, child.kill_descendants())
+        child.queue({"t": "go"})
+        child.flush()
+        self.update_write_interest(child)
+
+    def reap_strays(self, child: ChildProc) -> None:
+        if len(self.descended) > 10_000:
+            self.descended = {pid for pid in self.descended if psutil.pid_exists(pid)}
+        self.descended.update(child.descendants_seen)
+        self.stats["grandchildren_killed"] += procs.reap_strays(self.owner, self._known(), self.descended)
+
+    def reap_orphans(self) -> int:
+        """Kill handler processes reparented to us (we are a subreaper) while their child
+        lives on: a daemonised leftover (``sh -c 'cmd &'``) whose parent exited during the
+        handler. The child's own leftover check cannot see those. Returns how many."""
+        pids = protocol.child_pids()
+        known = self._known()
+        if pids is not None and not pids - known - self._foreign:
+            return 0
+        n = procs.reap_strays(self.owner, known, self.descended)
+        self.stats["grandchildren_killed"] += n
+        left = protocol.child_pids()
+        self._foreign = (left or set()) - known  # not ours (the embedding program's): not looked at again
+        return n
+
+    def _known(self) -> set[int]:
+        return {c.pid for c in self.children} | {self.watchdog.pid}
+
+    def teardown(self) -> None:
+        """Stop every child: idle ones are asked to exit, busy ones (or slow ones) killed."""
+        for child in list(self.children):
+            self.unregister(child)
+            if child.attempt is None:
+                child.retire()
+        deadline = time.monotonic() + 2.0
+        for child in list(self.children):
+            if child.attempt is not None or child.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
+                child.kill()
+            self.watchdog.gone(child.pid)
+        self.children.clear()
+        procs.reap_strays(self.owner, {self.watchdog.pid}, self.descended)

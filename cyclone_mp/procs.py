@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -216,17 +217,96 @@ def helper_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def spawn_watchdog(supervisor_id: str) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the watchdog process; returns it and the pipe end to keep open (close = fire)."""
-    r, w = os.pipe()
-    try:
-        popen = subprocess.Popen(
-            helper_command("_watchdog", str(r), supervisor_id),
-            pass_fds=(r,), process_group=0, stdin=subprocess.DEVNULL, close_fds=True, env=helper_env(),
-        )
-    finally:
-        os.close(r)
-    return popen, w
+class WatchdogLink:
+    """The supervisor's end of its watchdog (:mod:`cyclone_mp._watchdog`), a process that
+    kills a child whose due time passed while the supervisor could not (frozen), and
+    everything the supervisor started once it is gone.
+
+    Messages are tiny and never block the caller: a watchdog that stopped reading loses
+    them (it is then gone, and so is its backstop; a warning is logged once).
+    """
+
+    def __init__(self, supervisor_id: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.popen = subprocess.Popen(
+                helper_command("_watchdog", str(theirs.fileno()), supervisor_id),
+                pass_fds=(theirs.fileno(),), process_group=0, stdin=subprocess.DEVNULL, close_fds=True,
+                env=helper_env(),
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.sock.setblocking(False)
+        self._due: dict[int, float | None] = {}
+        self._warned = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def fileno(self) -> int:
+        """Readable when the watchdog reported kills (:meth:`reports`)."""
+        return self.sock.fileno()
+
+    def _send(self, data: bytes, fds: list[int] | None = None) -> None:
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], fds)
+            else:
+                self.sock.send(data)
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                import logging
+
+                logging.getLogger("cyclone_mp.supervisor").warning("the watchdog does not listen (%s)", exc)
+
+    def child(self, pid: int, pidfd: int | None) -> None:
+        """A new child (its pidfd, so the watchdog never hits a recycled pid)."""
+        if pidfd is not None:
+            self._send(f"child {pid}".encode(), [pidfd])
+
+    def due(self, pid: int, when: float | None) -> None:
+        """The child must be dead by ``when`` (``time.monotonic()``; None: no bound)."""
+        if self._due.get(pid) == when:
+            return
+        self._due[pid] = when
+        self._send(f"due {pid} {'-' if when is None else repr(when)}".encode())
+
+    def gone(self, pid: int) -> None:
+        """The child was reaped."""
+        self._due.pop(pid, None)
+        self._send(f"gone {pid}".encode())
+
+    def reports(self) -> list[int]:
+        """Pids of the children the watchdog killed since the last call."""
+        killed = []
+        while True:
+            try:
+                data = self.sock.recv(256)
+            except (BlockingIOError, InterruptedError):
+                return killed
+            except OSError:
+                return killed
+            if not data:
+                return killed
+            words = data.decode().split()
+            if len(words) == 2 and words[0] == "killed":
+                killed.append(int(words[1]))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the link (EOF: the watchdog sweeps what is left and exits) and reap it."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        try:
+            self.popen.wait(timeout=timeout)
+        except Exception:  # noqa: BLE001
+            self.popen.kill()
+            self.popen.wait()
 
 
 def exit_description(status: int | None) -> dict[str, object]:

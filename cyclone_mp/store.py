@@ -24,7 +24,7 @@ from psycopg.types.json import Jsonb
 
 from . import decisions
 from .backoff import delay_after
-from .errors import DatabaseError, DatabaseUnavailable, InvalidTransition, RunNotFound
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, InvalidTransition, RunNotFound
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -109,6 +109,13 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            # lock_timeout or statement_timeout (issue 17): nothing was done; not an outage
+            # (the connection is fine) and not the data's fault. (psycopg files both under
+            # OperationalError, so this comes first.)
+            if args and isinstance(args[0], Store) and args[0].broken:
+                raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
+            raise DatabaseBusy(f"database busy: {type(exc).__name__}: {str(exc).strip()}") from exc
         except psycopg.Error as exc:
             # The connection is gone, or the server ended the session (idle in a transaction
             # past the limit: the process was frozen): an outage, never a rejected write.
@@ -135,21 +142,34 @@ def to_us(seconds: float | None) -> int | None:
     return None if seconds is None else int(round(seconds * 1_000_000))
 
 
-def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0) -> psycopg.Connection:
-    """Open one connection with dict rows.
+def tcp_bounds(dead_after: float) -> dict[str, int]:
+    """libpq options that make a dead or black-holed TCP peer an error within about
+    ``dead_after`` seconds (issue 17): keepalive probes on an idle connection
+    (``keepalives_idle``/``_interval`` in whole seconds, 2 probes) and
+    ``tcp_user_timeout`` for data the peer never acknowledges. Unix sockets ignore them."""
+    probe = max(1, int(dead_after / 3))
+    return {"keepalives": 1, "keepalives_idle": probe, "keepalives_interval": probe, "keepalives_count": 2,
+            "tcp_user_timeout": max(1000, int(dead_after * 1000))}
+
+
+def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0, dead_after: float = 30.0) -> psycopg.Connection:
+    """Open one connection with dict rows; ``timeout``: seconds to connect;
+    ``dead_after``: seconds after which a silent TCP peer is an error (:func:`tcp_bounds`).
 
     Raises:
         DatabaseError: the server cannot be reached (message without the password).
     """
     try:
-        return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(1, int(timeout)))
+        return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(2, int(timeout)),
+                               **tcp_bounds(dead_after))
     except psycopg.Error as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
 
 
 def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
-                      idle_in_transaction: float | None = None) -> None:
+                      idle_in_transaction: float | None = None, lock_timeout: float | None = None,
+                      statement_timeout: float | None = None) -> None:
     """Session settings of a cyclone_mp connection, in one round trip (``SET``, so a proxy
     that refuses startup options still works).
 
@@ -157,9 +177,14 @@ def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
     ``idle_in_transaction`` (seconds): ``idle_in_transaction_session_timeout``, so a
     process frozen inside one of its transactions does not hold row locks that other
     supervisors wait on (the server ends that session; the process reconnects and
-    writes again). Raises psycopg.Error.
+    writes again). ``lock_timeout`` and ``statement_timeout`` (seconds) bound what a call
+    may wait for on the server (the supervisor's connections, issue 17). Raises psycopg.Error.
     """
     settings = {}
+    if lock_timeout is not None:
+        settings["lock_timeout"] = f"{max(1, int(lock_timeout * 1000))}ms"
+    if statement_timeout is not None:
+        settings["statement_timeout"] = f"{max(1, int(statement_timeout * 1000))}ms"
     if generic_plans:
         settings["plan_cache_mode"] = "force_generic_plan"
     if idle_in_transaction is not None:
@@ -201,7 +226,9 @@ class Store:
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
-    def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None) -> "Store":
+    def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None,
+             lock_timeout: float | None = None, statement_timeout: float | None = None,
+             dead_after: float = 30.0, connect_timeout: float = 10.0) -> "Store":
         """Connect to ``dsn``; raises DatabaseError.
 
         ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
@@ -209,16 +236,17 @@ class Store:
         hot-path statements with each call's values: planning them cost more than running
         them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
-        ``idle_in_transaction`` (seconds) sets ``idle_in_transaction_session_timeout``
-        (see :func:`configure_session`).
+        ``idle_in_transaction``, ``lock_timeout``, ``statement_timeout`` (seconds): see
+        :func:`configure_session`; ``dead_after``, ``connect_timeout``: see :func:`connect`.
         """
-        conn = connect(dsn)
+        conn = connect(dsn, timeout=connect_timeout, dead_after=dead_after)
         if generic_plans:
             # Prepared (and planned) at the first call, not the fifth: the first calls
             # of a start planned each many-CTE statement again, about 2 ms each.
             conn.prepare_threshold = 0
         try:
-            configure_session(conn, generic_plans=generic_plans, idle_in_transaction=idle_in_transaction)
+            configure_session(conn, generic_plans=generic_plans, idle_in_transaction=idle_in_transaction,
+                              lock_timeout=lock_timeout, statement_timeout=statement_timeout)
         except psycopg.Error as exc:
             conn.close()
             raise DatabaseUnavailable(f"cannot configure the connection: {redact(str(exc))}") from exc
@@ -423,6 +451,29 @@ class Store:
             return cur.rowcount == 1
 
     @translate
+    def renew_many(self, *, owner: str, items: Sequence[tuple[int, int, Any]], ttl: float) -> list[bool]:
+        """Renew several leases, ``(id, generation, progress or None)`` items, in one round
+        trip: still one renewal per step, addressed by id, with the seed's WHERE clause
+        (:meth:`heartbeat`), sent together (psycopg's pipelined ``executemany``). They share
+        one implicit transaction: a renewal that fails (a lock wait past ``lock_timeout``)
+        fails them all, and the caller renews one by one. Returns, per item, whether it
+        matched its row."""
+        if not items:
+            return []
+        with self.conn.cursor() as cur:
+            cur.executemany(Q["heartbeat"], [
+                {"id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
+                 "progress": nullable_jsonb(progress)}
+                for id, generation, progress in items
+            ], returning=True)
+            matched = []
+            while True:
+                matched.append(cur.rowcount == 1)
+                if not cur.nextset():
+                    break
+            return matched
+
+    @translate
     def lease_state(self, id: int) -> dict[str, Any] | None:
         """The row's state, owner, generation and whether its DB deadline passed."""
         with self.conn.cursor() as cur:
@@ -481,21 +532,24 @@ class Store:
             for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
         return Settled(
-            completed={r["id"] for r in rows if r["what"] == "completed"},
-            failed={r["id"] for r in rows if r["what"] == "failed"},
+            completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
+            failed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "failed"},
             claimed=[r for r in rows if r["what"] == "claimed"],
         )
 
-    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], workflows: bool = True) -> set[int]:
+    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
+                 workflows: bool = True) -> set[tuple[int, int]]:
         """Success CASes for ``(id, generation, output, progress)`` items (:meth:`settle`
-        without failures or claim); returns the ids whose CAS held."""
+        without failures or claim); returns the ``(id, generation)`` leases whose CAS held."""
         if not items:
             return set()
         return self.settle(owner=owner, completions=items, workflows=workflows).completed
 
-    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"], workflows: bool = False) -> set[int]:
-        """Failed attempts (:meth:`settle` without completions or claim); returns the ids
-        applied. Failures of workflow runs are applied only with ``workflows``."""
+    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"],
+                  workflows: bool = False) -> set[tuple[int, int]]:
+        """Failed attempts (:meth:`settle` without completions or claim); returns the
+        ``(id, generation)`` leases applied. Failures of workflow runs are applied only
+        with ``workflows``."""
         if not items:
             return set()
         return self.settle(owner=owner, failures=items, workflows=workflows).failed
@@ -877,9 +931,9 @@ class FailedAttempt:
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """What :meth:`Store.settle` did: the step ids whose completion and whose failure
-    CAS held, and the claimed rows."""
+    """What :meth:`Store.settle` did: the ``(id, lease generation)`` leases whose
+    completion and whose failure CAS held, and the claimed rows."""
 
-    completed: set[int]
-    failed: set[int]
+    completed: set[tuple[int, int]]
+    failed: set[tuple[int, int]]
     claimed: list[dict[str, Any]]

@@ -101,7 +101,7 @@ runs AS (
        AND s.lease_owner = %(owner)s
        AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
-    RETURNING s.id, s.run_id
+    RETURNING s.id, s.run_id, s.lease_generation
 ), completed_runs AS (
     UPDATE cyclone_runs r
        SET state = 'completed', finished_at = now(), updated_at = now()
@@ -161,7 +161,7 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state, j.run_kind, j.run_state
+    RETURNING s.id, s.run_id, s.state, s.lease_generation, j.run_kind, j.run_state
 ), discarded_runs AS (
     -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
@@ -172,10 +172,12 @@ fail_in AS MATERIALIZED (
 )
 
 -- name: claim
--- Claim up to %(limit)s available steps in one statement.
+-- Claim up to %(limit)s available steps in one statement. The input and the upstream
+-- outputs come back as JSON text: the supervisor hands them to the child unread (a value
+-- too deep to decode fails its own attempt in the child, never the claim of its batch).
 WITH {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, (c.run).input AS input, (c.run).kind AS run_kind, c.upstream
+       c.lease_generation, (c.run).input::text AS input, (c.run).kind AS run_kind, c.upstream::text AS upstream
   FROM claimed c
 
 -- name: settled_ctes
@@ -183,13 +185,13 @@ SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff
 settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
-           NULL::float8 AS timeout, NULL::bigint AS lease_generation, NULL::jsonb AS input,
-           runs.kind AS run_kind, NULL::jsonb AS upstream
+           NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
+           runs.kind AS run_kind, NULL::text AS upstream
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, (c.run).input, (c.run).kind, c.upstream
+           c.timeout, c.lease_generation, (c.run).input::text, (c.run).kind, c.upstream::text
       FROM claimed c
 )
 
@@ -199,7 +201,7 @@ settled_completed AS (
 WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.run_kind, NULL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed

@@ -1,0 +1,131 @@
+"""Process control's view of claimed steps: attempts, held steps, and the local fence (pure).
+
+An :class:`Attempt` is one execution of a step in a child, named by its lease
+(``(step id, lease generation)``, :data:`~cyclone_mp.messages.LeaseKey`). It stays an
+object of its own until its child has ended it (a result) or is dead and reaped,
+whatever happened to the step's row meanwhile: a due kill is carried out even after the
+step was retried, reclaimed, cancelled or completed elsewhere (issue 17).
+
+The local fence (SPEC 9, "one live execution at a time"): the database stamps a lease's
+expiry as ``now() + lease_ttl`` when a claim or renewal *arrives*, so the lease lasts at
+least until ``sent + lease_ttl``, ``sent`` being the local monotonic time at which that
+claim or renewal was sent. A handler whose lease is not renewed is killed by
+``fence - margin``, before any other supervisor can reclaim the step. The only
+assumption: the supervisor's and the database's clocks advance at the same rate
+(their values may differ by hours). ``margin`` is :data:`FENCE_MARGIN` of
+``lease_ttl`` (at least :data:`FENCE_MARGIN_MIN`): far more than the rate error of
+any clock NTP keeps (at most 500 ppm), and room for the kill itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .messages import LeaseKey
+
+FENCE_MARGIN = 0.1  #: fraction of lease_ttl: a handler whose lease could not be renewed is dead this long before it could expire
+FENCE_MARGIN_MIN = 0.01  #: seconds
+
+
+def fence_margin(lease_ttl: float) -> float:
+    """Seconds between the kill of an unrenewed handler and its lease's earliest expiry."""
+    return max(FENCE_MARGIN_MIN, lease_ttl * FENCE_MARGIN)
+
+
+@dataclasses.dataclass
+class Attempt:
+    """One attempt in a child (or queued in one behind another: pipelining).
+
+    Times are the local monotonic clock in seconds. ``lease_sent``: when the claim or the
+    last successful renewal was sent (the fence is ``lease_sent + lease_ttl``).
+    ``deadline``: the worker-clock deadline, ``claim sent + timeout`` (never later than the
+    database's, SPEC 4). ``kill_at``: when the child is SIGKILLed (set by a cancel).
+    """
+
+    key: LeaseKey
+    run_id: str
+    node: str
+    step_name: str
+    attempt: int
+    timeout: float | None
+    token: str
+    child: Any  # the ChildProc running (or holding) it
+    workflow: bool
+    started: float
+    deadline: float | None
+    lease_sent: float
+    backoff_spec: Any = None
+    progress: Any = None
+    cancel_reason: str | None = None
+    kill_at: float | None = None
+    killed_by: str | None = None
+    ended: bool = False  # its outcome is decided (a result came, or its child is dead)
+    fenced: bool = False  # cancelled by the local fence (its lease may still be ours: released, not dropped)
+    cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
+    forensics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    peak_rss_kb: int | None = None  # sampled while it runs (a crashed child cannot be read)
+    start_by: float | None = None  # queued in a child: the child never starts it after this (time.monotonic())
+
+    @property
+    def step_id(self) -> int:
+        return self.key[0]
+
+    @property
+    def generation(self) -> int:
+        return self.key[1]
+
+    def fence(self, lease_ttl: float) -> float:
+        """The earliest moment the lease may expire in the database (local clock)."""
+        return self.lease_sent + lease_ttl
+
+    def guards_lease(self) -> bool:
+        """True while this attempt must die before its lease can expire: always, unless it
+        was cancelled for a timeout or by an operator (then the row has moved on by the
+        database's own rules and only ``kill_grace`` applies, SPEC 4)."""
+        return self.cancel_reason not in ("timeout", "cancelled")
+
+
+def fence_cancel_at(att: Attempt, lease_ttl: float, kill_grace: float) -> float:
+    """When to cancel an attempt whose lease is not being renewed: ``kill_grace`` before
+    the fence's kill where possible, but never before a renewal was due and had time to
+    come back (1.5 heartbeat intervals after the last good one was sent), so a healthy
+    attempt with a ``kill_grace`` longer than its ``lease_ttl`` is not cancelled."""
+    kill_by = att.fence(lease_ttl) - fence_margin(lease_ttl)
+    return max(kill_by - kill_grace, att.lease_sent + 0.5 * lease_ttl)
+
+
+@dataclasses.dataclass
+class Held:
+    """A claimed step that no child has taken yet (free slots fill at once; more are held
+    with ``prefetch``). ``sent``: when its claim was sent (its lease and DB timeout count
+    from then); ``arrived``: when the row came back; ``release_at``: released (available
+    at once, no attempt used) if still held then."""
+
+    key: LeaseKey
+    row: dict[str, Any]
+    sent: float
+    arrived: float
+    release_at: float
+    lease_sent: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.lease_sent = self.lease_sent or self.sent
+
+
+def hold_bound(lease_ttl: float, timeout: float | None, cap: float) -> float:
+    """Seconds a held step may wait for a child after it arrived (fairness to other
+    supervisors, and its timeout already counting): min(``cap``, ``lease_ttl / 4``,
+    ``timeout / 10``). Counted from arrival, never from the claim's sending: a step is
+    never released for having taken long to arrive (issue 17)."""
+    bound = min(cap, lease_ttl / 4)
+    return bound if timeout is None else min(bound, timeout / 10)
+
+
+def startable(now: float, *, claim_sent: float, lease_sent: float, lease_ttl: float, timeout: float | None) -> bool:
+    """A claimed row may start while its lease can be kept (less than half of it spent
+    since the claim or the last renewal was sent) and its DB deadline (``claim_sent +
+    timeout``) has not passed on the local clock."""
+    if now >= lease_sent + lease_ttl / 2:
+        return False
+    return timeout is None or now < claim_sent + timeout

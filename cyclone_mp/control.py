@@ -1,0 +1,869 @@
+"""Process control: children, pipes, deadlines, fences, cancels, kills, reaping (SPEC 1, 4, 9).
+
+This is the supervisor's own thread (children are started from it: ``PR_SET_PDEATHSIG``
+follows the thread that creates them). It never calls the database: claims and
+renewals are the lease keeper's (:mod:`cyclone_mp.leases`), outcomes the writer's
+(:mod:`cyclone_mp.outcomes`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they
+talk by messages (:mod:`cyclone_mp.messages`). So a slow, locked or partitioned
+database delays durable transitions, never a kill.
+
+Each turn it reads its inbox (claimed rows, renewals, lost leases) and its children's
+sockets, hands claimed rows to idle children (holding the rest, with ``prefetch``, and
+queuing one behind a busy child while attempts are short), cancels attempts whose
+worker-clock deadline passed, whose lease was lost, or whose lease it could not renew in
+time (the local fence, :mod:`cyclone_mp.attempts`), SIGKILLs the tree of a child still
+running ``kill_grace`` after its cancel (or at the fence, whichever comes first), reaps
+it and starts another, and turns every ended attempt into an
+:class:`~cyclone_mp.messages.Outcome` for the writer. The watchdog is told, for every
+child, when it must be dead at the latest, so the fence holds while this thread is
+frozen too.
+
+Which part owns what (SPEC 4 and 5): a claim and a renewal are the lease keeper's; what
+a lost lease does to the handler is :meth:`ProcessControl.on_lease_lost`; a timeout on
+the worker clock, the fence, the cancel and the kill are :meth:`ProcessControl._enforce`;
+how an attempt ended is :meth:`ProcessControl._on_result` /
+:meth:`ProcessControl._on_child_exit`; the drain and the hard stop are
+:meth:`ProcessControl._handle_requests`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import selectors
+import threading
+import time
+from typing import Any, Callable
+
+import psutil
+
+from . import decisions, procs, protocol
+from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound, startable
+from .config import (
+    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_MAX_WAIT,
+    Config,
+)
+from .mailbox import Inbox
+from .messages import (
+    COMPLETE, FAIL, RELEASE, ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll,
+    Progress, Renewed,
+)
+from .pool import ChildPool, ChildProc
+from .steps import Mux
+
+RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
+log = logging.getLogger("cyclone_mp.supervisor")
+
+STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
+IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
+WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
+
+
+class ProcessControl:
+    """The supervisor's process-control loop (see the module docstring).
+
+    Args:
+        owner: the supervisor's id.
+        mux: the registered steps (their handlers' module paths).
+        config: the supervisor's :class:`~cyclone_mp.config.Config`.
+        keeper: posts a message to the lease keeper.
+        writer: the :class:`~cyclone_mp.outcomes.OutcomeWriter` (``post``, ``idle``).
+        watchdog: the :class:`~cyclone_mp.procs.WatchdogLink`.
+        clock: local monotonic clock in seconds (injectable; schedules work only).
+        wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
+    """
+
+    def __init__(self, owner: str, mux: Mux, config: Config, *, keeper: Callable[[Any], None], writer: Any,
+                 watchdog: procs.WatchdogLink, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.owner = owner
+        self.mux = mux
+        self.config = config
+        self.keeper = keeper
+        self.writer = writer
+        self.watchdog = watchdog
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.inbox = Inbox()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.inbox.fileno(), selectors.EVENT_READ, ("inbox", None))
+        self.selector.register(watchdog.fileno(), selectors.EVENT_READ, ("watchdog", None))
+        # every child imports the handlers' modules before it is ready (issue 8)
+        preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
+        self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
+                              selector=self.selector, watchdog=watchdog, clock=clock)
+        self.attempts: dict[LeaseKey, Attempt] = {}
+        self.held: collections.deque[Held] = collections.deque()
+        self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
+        self._outcomes_since: float | None = None
+        self._io_ready: set[ChildProc] = set()
+        self._watchdog_killed: set[int] = set()
+        self.db_ok = False
+        self.claim_pending = False
+        start = clock()
+        self.next_poll = start
+        self.poll_delay = config.poll_interval[0]
+        self._next_io_sweep = start
+        self._next_stray_check = start
+        self._next_sample = start
+        self._next_snapshot = start
+        self.draining = False
+        self.drain_deadline: float | None = None
+        self.hard_stop = False
+        self._shutdown_req = threading.Event()
+        self._stop_req = threading.Event()
+        self.step_seconds: float | None = None  # moving average of attempt durations
+        self._prefetch_hold = False  # a held step waited too long: none until the next result
+        self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
+        self._tokens = itertools.count(1)
+        self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues), "children": []}
+        self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
+                      "lease_lost": 0, "late_completions_dropped": 0}
+
+    @property
+    def children(self) -> list[ChildProc]:
+        return self.pool.children
+
+    # -- requests from other threads ------------------------------------------------------------
+
+    def request_shutdown(self) -> None:
+        """Soft stop: claim nothing more; in-flight handlers get ``shutdown_grace`` (SPEC 5)."""
+        self._shutdown_req.set()
+        self.inbox.wake()
+
+    def request_stop(self) -> None:
+        """Hard stop: cancel every in-flight handler now, kill after ``kill_grace``."""
+        self._shutdown_req.set()
+        self._stop_req.set()
+        self.inbox.wake()
+
+    def tell(self, message: Any) -> None:
+        """Post a message to this loop (from any thread)."""
+        self.inbox.post(message)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self, running: threading.Event | None = None) -> None:
+        """Run until drained or stopped (on the thread that owns the children)."""
+        self.pool.maintain(self.clock(), draining=False)
+        if running is not None:
+            running.set()
+        while True:
+            try:
+                now = self.clock()
+                self._handle_requests(now)
+                if self.draining and not self.attempts and not self.held:
+                    break
+                self._turn(now)
+                self._wait(self._next_wake(self.clock()))
+            except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
+                log.exception("unexpected error in the process-control loop; carrying on")
+                time.sleep(0.1)
+        self._send_outcomes()
+
+    def _handle_requests(self, now: float) -> None:
+        if self._shutdown_req.is_set() and not self.draining:
+            self.draining = True
+            self.drain_deadline = now + self.config.shutdown_grace
+            log.info("shutdown: draining %d in-flight step(s) for up to %.1fs", len(self.attempts),
+                     self.config.shutdown_grace)
+        if self._stop_req.is_set() and not self.hard_stop:
+            self.hard_stop = True
+            self.drain_deadline = now
+        if self.draining and self.drain_deadline is not None and now >= self.drain_deadline:
+            for att in list(self.attempts.values()):
+                self._cancel(att, "shutdown", now)
+
+    def _turn(self, now: float) -> None:
+        self._read_inbox()
+        if self.held and self.pool.idle():
+            self._take_held()
+        self._check_children_io()
+        self._read_watchdog()
+        for child in self.pool.stuck_preloads(self.clock()):
+            self._on_child_exit(child)
+        self.pool.maintain(self.clock(), self.draining)
+        now = self.clock()
+        if now >= self._next_stray_check:
+            self._next_stray_check = now + STRAY_CHECK_INTERVAL
+            if self.pool.reap_orphans():
+                log.info("killed handler process(es) reparented to the supervisor")
+        if now >= self._next_sample:
+            self._next_sample = now + self.config.heartbeat_interval
+            for att in self.attempts.values():  # a crashed child cannot be read afterwards
+                if att.child.attempt is att:
+                    att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
+        self._expire_held(self.clock())
+        self._release_queued(self.clock())
+        self._enforce(self.clock())
+        self._send_outcomes()
+        now = self.clock()
+        if self.db_ok and not self.draining and not self.claim_pending and now >= self.next_poll:
+            self._request_claim(now)
+        if now >= self._next_snapshot:
+            self._next_snapshot = now + self.config.registry_interval
+            self._publish_snapshot(now)
+
+    def _next_wake(self, now: float) -> float:
+        times = [now + 1.0, self._next_stray_check, self._next_sample]
+        ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
+        for att in self.attempts.values():
+            if att.ended:
+                continue
+            if att.kill_at is not None:
+                times.append(att.kill_at)
+            elif att.deadline is not None:
+                times.append(att.deadline)
+            if att.guards_lease():
+                times.append(att.fence(ttl) - fence_margin(ttl))
+                if att.cancel_reason is None:
+                    times.append(fence_cancel_at(att, ttl, kill_grace))
+        if self.db_ok and not self.draining and not self.claim_pending and (self.pool.idle() or self.prefetch_room()):
+            times.append(self.next_poll)
+        if self.held:
+            times.append(min(h.release_at for h in self.held))
+        mono = time.monotonic()
+        for child in self.pool.children:
+            times.extend(now + a.start_by - mono for a in child.queued if a.start_by is not None)
+        if self.draining and self.drain_deadline is not None:
+            times.append(self.drain_deadline)
+        flush_at = self._flush_at()
+        if flush_at is not None:
+            times.append(flush_at)
+        return max(0.0, min(times) - now)
+
+    def _wait(self, timeout: float) -> None:
+        for key, _ in self.selector.select(timeout):
+            kind, obj = key.data
+            if kind == "child":  # read (or written) in _check_children_io on this turn
+                self._io_ready.add(obj)
+
+    # -- messages from the other parts ------------------------------------------------------------
+
+    def _read_inbox(self) -> None:
+        for message in self.inbox.take():
+            if isinstance(message, Renewed):
+                self.on_renewed(message)
+            elif isinstance(message, Claimed):
+                self.on_claimed(message)
+            elif isinstance(message, LeaseLost):
+                self.on_lease_lost(message)
+            elif isinstance(message, Poll):
+                self.next_poll = min(self.next_poll, self.clock())
+            elif isinstance(message, DatabaseState):
+                self.db_ok = message.ok
+                if message.ok:
+                    self.next_poll = self.clock()
+
+    def on_renewed(self, message: Renewed) -> None:
+        """A renewal held: the lease lasts at least until ``sent + lease_ttl`` (the fence)."""
+        att = self.attempts.get(message.key)
+        if att is not None:
+            att.lease_sent = max(att.lease_sent, message.sent)
+            self._watch(att.child)
+            return
+        for held in self.held:
+            if held.key == message.key:
+                held.lease_sent = max(held.lease_sent, message.sent)
+                return
+
+    def on_lease_lost(self, message: LeaseLost) -> None:
+        """A renewal matched nothing: cancel the attempt with the reason the row gives
+        (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
+        att = self.attempts.get(message.key)
+        if att is None:
+            self.held = collections.deque(h for h in self.held if h.key != message.key)
+            return
+        if att.ended:
+            return
+        reason = "lease_lost" if message.reason == "finished" else message.reason
+        att.fenced = False  # the row says so: nothing to write for it
+        if reason == "lease_lost":
+            self.stats["lease_lost"] += 1
+        self._cancel(att, reason, self.clock())
+
+    def on_claimed(self, message: Claimed) -> None:
+        """Start claimed rows on idle children at once (however long they took to come
+        back: their leases count from the claim's sending), hold the rest."""
+        self.claim_pending = False
+        now = self.clock()
+        rows = list(message.rows)
+        cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
+        for row in rows:
+            key = (row["id"], row["lease_generation"])
+            bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
+            self.held.append(Held(key, row, message.sent, now, now + bound))
+        if rows:
+            self._claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+        if self.draining:
+            self._expire_held(now)
+        self._take_held()
+        lo, hi = self.config.poll_interval
+        if message.failed:
+            self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
+            self.next_poll = now + self.poll_delay
+        elif rows and len(rows) == message.limit:
+            self.poll_delay = lo
+            self.next_poll = now  # maybe more to take once a slot frees
+        elif rows:
+            self.poll_delay = lo
+            self.next_poll = now + lo
+        else:
+            self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
+            self.next_poll = now + self.poll_delay
+
+    def _read_watchdog(self) -> None:
+        for pid in self.watchdog.reports():
+            self._watchdog_killed.add(pid)
+            self.stats["watchdog_kills"] += 1
+            log.warning("the watchdog killed child %d (the supervisor was late: frozen or stalled)", pid)
+
+    # -- claiming -----------------------------------------------------------------------------------
+
+    def _request_claim(self, now: float) -> None:
+        limit = len(self.pool.idle()) + self.prefetch_room() - len(self.held)
+        if limit <= 0:
+            self.next_poll = now + self.poll_delay
+            return
+        self.claim_pending = True
+        self.keeper(ClaimRequest(limit))
+
+    def prefetch_room(self) -> int:
+        """How many steps to hold beyond the idle children (``Config.prefetch``).
+
+        Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
+        expected wait of a held step, ``len(held) / workers`` attempts, is kept under half
+        the time a held step may wait (:func:`~cyclone_mp.attempts.hold_bound`). An attempt
+        counts with its share of a new child's start-up when ``max_steps_per_child``
+        recycles children. A held step released for waiting too long stops prefetching
+        until the next attempt ends. The buffer is refilled once it is half empty, so
+        refills ride on few statements.
+        """
+        want = self.config.prefetch
+        if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
+            return 0
+        wait = self._claim_hold / 2
+        cycle = max(self.step_seconds, 1e-4)
+        ready = self.pool.ready_seconds
+        if self.config.max_steps_per_child is not None and ready is not None:
+            cycle += ready / self.config.max_steps_per_child  # a recycled slot's restart, shared
+        cap = min(want, int(self.config.workers * wait / cycle))
+        if len(self.held) > cap // 2:
+            return 0
+        return cap
+
+    def _take_held(self) -> None:
+        """Start held steps on idle children, oldest claim first (none while the lease keeper
+        is disconnected: their leases cannot be kept)."""
+        if not self.held or self.draining or not self.db_ok:
+            return
+        now = self.clock()
+        for child in self.pool.idle():
+            while self.held:
+                item = self.held.popleft()
+                if startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
+                             timeout=item.row["timeout"]):
+                    self._start(item, child)
+                    break
+                self._release_held(item)  # frozen or stalled past half its lease: never start it
+        self._send_queued()  # an idle child starts now, before the others' queues are filled
+        try:
+            self._pipeline()
+        finally:
+            self._send_queued()  # each child's new tasks in one write
+
+    def _release_held(self, item: Held) -> None:
+        self.writer.post(Outcome(item.key, RELEASE, item.row["step_name"], item.row["attempt"],
+                                 item.row["run_kind"] == "workflow", held=True))
+
+    def _send_queued(self) -> None:
+        for child in self.pool.children:
+            if child.outbox:
+                child.flush()
+                self.pool.update_write_interest(child)
+
+    def _pipeline(self) -> None:
+        """Pipelining: while attempts are short, a busy child also gets the next held steps,
+        so it starts each the moment the one before ends instead of waiting for this loop.
+        Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH; under
+        PIPELINE_ONE_MAX_STEP (0.1 s) one; longer ones none, and nothing is queued behind
+        an attempt that has run that long. A queued step that has not started within its
+        hold bound is released (:meth:`_release_queued`)."""
+        if self.step_seconds is None or self.step_seconds >= PIPELINE_ONE_MAX_STEP:
+            return
+        depth = PIPELINE_DEPTH if self.step_seconds < PIPELINE_MAX_STEP else 1
+        cap = self.config.max_steps_per_child
+        young = self.clock() - PIPELINE_ONE_MAX_STEP
+        low = [c for c in self.pool.children
+               if c.attempt is not None and len(c.queued) <= depth // 2 and c.attempt.started > young]
+        took = True
+        while took:
+            took = False
+            for child in low:
+                if not self.held:
+                    return
+                if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
+                        and child.attempt.cancel_reason is None and not child.recycle_due
+                        and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
+                    self._start(self.held.popleft(), child)
+                    self.stats["pipelined"] += 1
+                    took = True
+
+    def _expire_held(self, now: float) -> None:
+        """Release held steps nobody took in time, and all of them when draining (available
+        at once, no attempt or reclaim counted); drop those whose lease could not be kept
+        (their lease expires; the sweep reclaims them)."""
+        if not self.held:
+            return
+        ttl = self.config.lease_ttl
+        keep: collections.deque[Held] = collections.deque()
+        for item in self.held:
+            if now >= item.lease_sent + ttl - fence_margin(ttl):
+                self.keeper(LeaseDone(item.key))
+                continue
+            if self.draining or now >= item.release_at:
+                if not self.draining:
+                    self._prefetch_hold = True
+                self._release_held(item)
+                continue
+            keep.append(item)
+        self.held = keep
+
+    def _release_queued(self, now: float) -> None:
+        """Take back steps queued in children that waited too long behind a longer attempt,
+        as a held step would be: released, no attempt used. A child never starts a queued
+        task after its ``start_by`` (the same monotonic clock in both processes), and it
+        sends the result of the attempt in front before it looks; so once ``start_by`` has
+        passed, a step still queued after this reads the child's socket never runs there.
+        When draining, queued steps are cancelled over the pipe at once."""
+        mono = time.monotonic()
+
+        def past_start_by(att: Attempt) -> bool:
+            return att.start_by is not None and mono >= att.start_by
+
+        for child in list(self.pool.children):
+            if self.draining:
+                for att in child.queued:
+                    self._cancel(att, RELEASED, now)
+            if not any(map(past_start_by, child.queued)):
+                continue
+            self._child_io(child)  # a result sent before the child looked is handled first
+            overdue = list(filter(past_start_by, child.queued))
+            if not overdue:
+                continue
+            child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
+            self._prefetch_hold = True
+            self.next_poll = min(self.next_poll, now)  # a free child takes it back at once
+            for att in overdue:
+                att.cancel_reason = att.cancel_reason or RELEASED
+                self._settle_unstarted(att)
+
+    # -- starting an attempt -----------------------------------------------------------------------
+
+    def _start(self, item: Held, child: ChildProc) -> None:
+        """Start one claimed step on ``child``. Its timeout counts from the claim (its
+        ``sent`` time), as it does in the database (SPEC 4)."""
+        row = item.row
+        now = self.clock()
+        step = self.mux.steps[row["step_name"]]
+        timeout = row["timeout"]
+        token = f"{child.pid}.{next(self._tokens)}"
+        att = Attempt(
+            key=item.key, run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
+            attempt=row["attempt"], timeout=timeout, token=token, child=child,
+            workflow=row["run_kind"] == "workflow", started=now,
+            deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
+            backoff_spec=row.get("backoff"),
+        )
+        att.cpu_start = child.cpu_total
+        self.attempts[att.key] = att
+        if child.attempt is None:
+            child.attempt = att
+        else:  # pipelined: it starts when the child's current attempt ends, if by start_by
+            att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
+            child.queued.append(att)
+        ref = step.ref
+        child.queue({
+            "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
+            "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
+            "deadline": (self.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
+            "input_json": row["input"], "upstream_json": row["upstream"],
+            "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
+        })  # written by the caller, with the other tasks of this round
+        self._watch(child)
+
+    # -- the children's messages ------------------------------------------------------------------
+
+    def _check_children_io(self) -> None:
+        """Read the children whose sockets the last wait reported (and, every
+        ``IO_SWEEP_INTERVAL`` seconds, all of them), and write what is queued."""
+        now = self.clock()
+        if now >= self._next_io_sweep:
+            self._next_io_sweep = now + IO_SWEEP_INTERVAL
+            ready = list(self.pool.children)
+        else:
+            ready = [c for c in self.pool.children if c in self._io_ready or c.outbox]
+        self._io_ready.clear()
+        for child in ready:
+            if child in self.pool.children:
+                self._child_io(child)
+
+    def _child_io(self, child: ChildProc) -> None:
+        """Write what is queued for ``child``, then read and handle all it has sent."""
+        child.flush()
+        try:
+            messages, eof = child.receive()
+        except protocol.ProtocolError as exc:
+            log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
+            self._kill_for(child, "protocol_error")
+            messages, eof = [], True
+        for message in messages:
+            self._on_message(child, message)
+        if eof:
+            self._on_child_exit(child)
+        self.pool.update_write_interest(child)
+
+    def _kill_for(self, child: ChildProc, trigger: str) -> None:
+        """Kill ``child`` for breaking the pipe protocol: its attempt fails as an error."""
+        if child.attempt is not None:
+            child.attempt.killed_by = trigger
+        self.pool.kill(child, trigger)
+
+    def _on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
+        kind = message.get("t")
+        if kind == "preloading":
+            child.preloading, child.preloading_since = (message.get("module"), message.get("path")), self.clock()
+            return
+        if kind == "ready":
+            self.pool.on_ready(child, message)
+            self._take_held()
+            return
+        if kind == "undecodable":  # a frame the child sent that cannot be read: it broke the protocol
+            if child.returncode is None:
+                log.error("child %d sent an undecodable message (%s); killing it", child.pid, message.get("error"))
+                self._kill_for(child, "protocol_error")
+            return
+        att = child.attempt
+        if att is None or message.get("task") != att.token:
+            if kind == "result" and message.get("dropped"):  # a step queued behind ``att``, taken back
+                for queued in child.queued:
+                    if queued.token == message.get("task"):
+                        child.queued.remove(queued)
+                        self._settle_dropped(queued, message)
+                        break
+            return
+        if kind == "progress":
+            att.progress = {k: message.get(k) for k in ("done", "total", "message")}
+            self.keeper(Progress(att.key, att.progress))
+        elif kind == "result":
+            self._on_result(att, message)
+
+    def _on_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        child = att.child
+        child.attempt = None
+        dropped = bool(result.get("dropped"))  # a queued step the child never started
+        child.steps_run += not dropped
+        child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
+        self._end(att)
+        if not dropped:
+            self._note_duration(self.clock() - att.started)
+        self._prefetch_hold = False
+        if child.queued:  # the child starts its queued step now, in the order it was sent
+            nxt = child.attempt = child.queued.popleft()
+            nxt.started, nxt.start_by = self.clock(), None
+            if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
+                nxt.cancel_reason = None
+            elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
+                nxt.kill_at = nxt.started + self.config.kill_grace
+        try:
+            self._settle_result(att, result)
+        finally:
+            self._watch(child)
+            self._take_held()  # the freed child starts its next step now, not after a round trip
+
+    def _settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        child = att.child
+        if result.get("dropped"):
+            self._settle_dropped(att, result)
+            self._maybe_recycle(child)  # due for recycling, it takes nothing more (its next step was this one)
+            return
+        if result.get("progress"):
+            att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
+        if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
+            self.pool.sweep_leftovers(child)
+        self._maybe_recycle(child)
+        entry = {
+            "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
+            "elapsed": round(self.clock() - att.started, 3),
+        }
+        att.forensics = entry
+        reason = att.cancel_reason
+        if result.get("ok"):
+            if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
+                self.stats["late_completions_dropped"] += 1
+                self.keeper(LeaseDone(att.key))
+                return
+            self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
+                                       att.backoff_spec, output=result.get("output"), progress=att.progress,
+                                       entry=entry))
+            return
+        entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
+        if reason is not None:
+            entry["cancel_reason"] = reason
+            self._settle_cancelled(att, entry)
+            return
+        kind = result.get("kind")
+        kind = kind if kind in decisions.FAILURE_KINDS and kind not in (decisions.TIMEOUT, decisions.RECLAIM_LIMIT) \
+            else decisions.ERROR
+        self._fail(att, kind, entry)
+
+    def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
+        """An attempt that ended after a cancel: its reason decides what is written."""
+        reason = att.cancel_reason
+        if reason == "timeout":
+            entry.setdefault("message", "timed out")
+            self._fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
+        elif reason == "shutdown" or (reason == "lease_lost" and att.fenced):
+            # Given back: at shutdown (SPEC 5), or killed at the fence while the lease may
+            # still be ours (the release's CAS decides; if it was lost, nothing happens).
+            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
+        elif reason in ("cancelled", "lease_lost"):  # an operator's cancel, or someone else's lease
+            self.stats["cancelled_attempts"] += 1  # the row already says what happened: write nothing
+            self.keeper(LeaseDone(att.key))
+        else:  # killed for breaking the pipe protocol: a failed attempt like any error
+            self._fail(att, decisions.ERROR, entry)
+
+    def _settle_dropped(self, att: Attempt, result: dict[str, Any]) -> None:
+        """The child gave back a queued step unstarted: our cancel reason, else its own."""
+        att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
+        self._settle_unstarted(att)
+
+    def _settle_unstarted(self, att: Attempt) -> None:
+        """A step queued in a child that never started it: nothing ran. It is released
+        (available at once, nothing counted) unless a cancel already decided it."""
+        self._end(att)
+        if att.cancel_reason in (None, "shutdown", RELEASED):
+            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow,
+                                       held=att.cancel_reason == RELEASED))
+        else:
+            self._settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
+                                         "cancel_reason": att.cancel_reason})
+
+    def _on_child_exit(self, child: ChildProc) -> None:
+        """The child's socket closed (it died, or was killed): reap it, then decide what its
+        attempt (and the steps queued behind it) became."""
+        self._read_watchdog()
+        unread, child.unread = child.unread, []
+        for message in unread:  # sent before it died: e.g. the result of the attempt we killed it for
+            self._on_message(child, message)
+        att = child.attempt  # then maybe the queued step it had started since
+        by_watchdog = child.pid in self._watchdog_killed
+        code = self.pool.reap(child, ended_alone=not child.killed and (att is None or not att.killed_by)
+                              and not by_watchdog)
+        self._watchdog_killed.discard(child.pid)
+        child.attempt = None
+        if att is not None and not att.ended:
+            self._end(att)
+            self._note_duration(self.clock() - att.started)
+            entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(since=att.cpu_start),
+                     "elapsed": round(self.clock() - att.started, 3)}
+            if child.peak_rss_kb is None and att.peak_rss_kb is not None:
+                entry["peak_rss_kb"] = att.peak_rss_kb  # wait4's maxrss would include the pre-exec parent
+            if by_watchdog and not att.killed_by:
+                att.killed_by = att.cancel_reason if att.kill_at is not None else "lease_fence"
+                if att.cancel_reason is None:
+                    att.cancel_reason, att.fenced = "lease_lost", True
+                entry["killed_by"] = "watchdog"
+            if att.killed_by:
+                entry["killed_by_supervisor"] = True
+                entry["trigger"] = att.killed_by
+                entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
+                self._settle_cancelled(att, entry)
+            elif child.killed and att.cancel_reason is None:  # started as the attempt in front, being killed, ended
+                entry.update(killed_by_supervisor=True, trigger="previous_attempt", message=(
+                    "child killed by the supervisor to end the attempt before this one, "
+                    "which ended as this one started"))
+                self._fail(att, decisions.CHILD_EXITED, entry)
+            else:
+                entry["killed_by_supervisor"] = False
+                desc = procs.exit_description(code)
+                what = f"signal {desc.get('signal_name', desc.get('signal'))}" if "signal" in desc else f"exit code {code}"
+                entry["message"] = f"child process exited unexpectedly ({what})"
+                if att.cancel_reason is not None:
+                    entry["cancel_reason"] = att.cancel_reason
+                    self._settle_cancelled(att, entry)
+                else:
+                    self._fail(att, decisions.CHILD_EXITED, entry)
+        queued, child.queued = list(child.queued), collections.deque()
+        for unstarted in queued:
+            self._settle_unstarted(unstarted)
+        self.pool.after_exit(child, code)
+        self.pool.maintain(self.clock(), self.draining)
+
+    def _maybe_recycle(self, child: ChildProc) -> None:
+        cfg = self.config
+        if child.returncode is not None:
+            return  # dead already (a result read after its kill): its exit is being handled
+        if not child.recycle_due:
+            too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
+            rss = child.rss() if cfg.max_child_rss is not None else None
+            too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
+            child.recycle_due = too_many or too_big  # then nothing more is queued in it
+        if not child.recycle_due:
+            return
+        if child.attempt is not None:  # it finishes the step it runs; the ones queued are taken back
+            for att in child.queued:
+                self._cancel(att, RELEASED, self.clock())
+            return
+        self.pool.retire(child)
+        self.pool.maintain(self.clock(), self.draining)
+
+    def _note_duration(self, seconds: float) -> None:
+        prev = self.step_seconds
+        self.step_seconds = seconds if prev is None else 0.9 * prev + 0.1 * seconds
+
+    # -- deadlines, fences, cancels, kills ---------------------------------------------------------
+
+    def _cancel(self, att: Attempt, reason: str, now: float) -> None:
+        if att.cancel_reason is not None or att.ended:
+            return
+        att.cancel_reason = reason
+        att.killed_by = None
+        if att.child.attempt is att:  # a queued one is dropped by the child, nothing to kill
+            att.kill_at = now + self.config.kill_grace
+        att.child.cancel(att.token, reason)
+        self._watch(att.child)
+
+    def _enforce(self, now: float) -> None:
+        """Cancel at the worker-clock deadline or when the lease cannot be kept; kill at
+        ``kill_at`` or at the fence, whichever comes first. A due kill is carried out
+        whatever happened to the step's row since (issue 17)."""
+        ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
+        for att in list(self.attempts.values()):
+            if att.ended:
+                continue
+            if att.cancel_reason is None and att.deadline is not None and now >= att.deadline:
+                self._cancel(att, "timeout", now)
+            if att.cancel_reason is None and now >= fence_cancel_at(att, ttl, kill_grace):
+                # We could not renew in time: someone else may reclaim the step soon.
+                self.stats["lease_lost"] += 1
+                att.fenced = True
+                log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
+                self._cancel(att, "lease_lost", now)
+            child = att.child
+            if child.attempt is not att:
+                continue
+            kill_by = att.kill_at
+            trigger = att.cancel_reason or "kill"
+            fence_kill = att.fence(ttl) - fence_margin(ttl)
+            if att.guards_lease() and (kill_by is None or fence_kill < kill_by):
+                kill_by, trigger = fence_kill, "lease_fence"
+            if kill_by is None or now < kill_by:
+                continue
+            self._child_io(child)  # it may have ended just now, and the child started the next
+            if att.ended or child.attempt is not att:
+                continue
+            if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
+                att.cancel_reason, att.fenced = "lease_lost", True
+                child.cancel(att.token, "lease_lost")
+            if trigger == "lease_fence":
+                self.stats["fence_kills"] += 1
+            att.killed_by = trigger
+            self.pool.kill(child, trigger)
+            self._on_child_exit(child)
+
+    def _watch(self, child: ChildProc) -> None:
+        """Tell the watchdog when ``child`` must be dead at the latest: a little after the
+        kill of its cancel, or half the fence's margin before the fence (None: idle)."""
+        if child.returncode is not None:
+            return
+        ttl = self.config.lease_ttl
+        times = []
+        for att in [child.attempt, *child.queued]:
+            if att is None or att.ended:
+                continue
+            if att.guards_lease():
+                times.append(att.fence(ttl) - fence_margin(ttl) / 2)
+            if att.kill_at is not None:
+                times.append(att.kill_at + max(WATCHDOG_SLACK, fence_margin(ttl)))
+        due = min(times) - self.clock() + time.monotonic() if times else None
+        self.watchdog.due(child.pid, due)
+
+    # -- outcomes ----------------------------------------------------------------------------------
+
+    def _end(self, att: Attempt) -> None:
+        """The attempt is over in its child: forget it here (its outcome follows)."""
+        att.ended = True
+        if self.attempts.get(att.key) is att:
+            del self.attempts[att.key]
+
+    def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
+        self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,
+                                   progress=att.progress, error_kind=kind, entry=entry,
+                                   require_timed_out=require_timed_out))
+
+    def _outcome(self, att: Attempt, outcome: Outcome) -> None:
+        self.outcomes.append((outcome, att.deadline))
+        if self._outcomes_since is None:
+            self._outcomes_since = self.clock()
+
+    def _flush_at(self) -> float | None:
+        """When the gathered outcomes go to the writer (None: there are none). At once,
+        except with prefetch while held steps keep every child busy: then they wait up to
+        COALESCE_MAX (0.1 s) for COALESCE_PER_WORKER (4) outcomes per child, so steps of
+        about 20 ms share statements (pgqueuer buffers its completions the same way). An
+        outcome never waits into the last COALESCE_MAX before its attempt's deadline."""
+        if not self.outcomes:
+            return None
+        since = self._outcomes_since if self._outcomes_since is not None else self.clock()
+        workers = self.config.workers
+        if (not self.config.prefetch or self.draining or len(self.outcomes) >= COALESCE_PER_WORKER * workers
+                or len(self.held) < workers):
+            return since
+        due = [d for _, d in self.outcomes if d is not None]
+        return min([since + COALESCE_MAX] + [d - COALESCE_MAX for d in due])
+
+    def _send_outcomes(self, force: bool = False) -> None:
+        flush_at = self._flush_at()
+        if flush_at is None or (not force and flush_at > self.clock()):
+            return
+        outcomes, self.outcomes, self._outcomes_since = self.outcomes, [], None
+        for outcome, _ in outcomes:
+            self.writer.post(outcome)
+
+    # -- the registry snapshot -----------------------------------------------------------------------
+
+    def _publish_snapshot(self, now: float) -> None:
+        """What ``cyclone-mp workers`` shows, as plain data for maintenance to write."""
+        kids = []
+        for child in self.pool.children:
+            att = child.attempt
+            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run}
+            if child.proc is not None:
+                try:
+                    info["cpu_percent"] = child.proc.cpu_percent(None)
+                    info["rss"] = child.proc.memory_info().rss
+                except psutil.Error:
+                    pass
+            if att is not None:
+                info.update({"run_id": att.run_id, "node": att.node, "step": att.step_name,
+                             "attempt": att.attempt, "elapsed": round(now - att.started, 3)})
+            kids.append(info)
+        self.snapshot = {
+            "workers": self.config.workers, "queues": list(self.config.queues), "draining": self.draining,
+            "children": kids, "prefetched": len(self.held),
+        }
+
+    # -- teardown -------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every child and release this loop's descriptors."""
+        self._send_outcomes(force=True)
+        self.pool.teardown()
+        try:
+            self.selector.close()
+        except Exception:  # noqa: BLE001
+            pass
+        self.inbox.close()

@@ -1,0 +1,270 @@
+"""The lease keeper: claims and renewals, on a connection of its own (SPEC 4, issue 17).
+
+It claims when process control asks (:class:`~cyclone_mp.messages.ClaimRequest`: free
+slots plus room to hold), and renews every lease it claimed until it is told the lease
+is done (:class:`~cyclone_mp.messages.LeaseDone`: the outcome was written, or the step
+released): one renewal per step, addressed by id, with the seed's WHERE clause, every
+``lease_ttl / 3`` with a random initial phase and +-10 % jitter. The renewals due
+together go in one round trip (:meth:`~cyclone_mp.store.Store.renew_many`), so a distant
+database costs one round trip per heartbeat, not one per step.
+
+It tells process control what happened: :class:`~cyclone_mp.messages.Claimed` rows
+(with the time the claim was sent), :class:`~cyclone_mp.messages.Renewed` (with the
+time the renewal was sent: the local fence, SPEC 9) and
+:class:`~cyclone_mp.messages.LeaseLost` (a renewal matched nothing; the row says why).
+It never decides what happens to a handler: process control does.
+
+It also listens for ``NOTIFY`` (on ``listen_dsn`` when given: a direct connection past
+PgBouncer) and tells process control to claim at once
+(:class:`~cyclone_mp.messages.Poll`).
+
+Which file owns "a step's lease was lost": this one finds it out
+(:meth:`LeaseKeeper._renew`); what it does to the handler is
+:meth:`cyclone_mp.control.ProcessControl.on_lease_lost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from typing import Any, Callable, Sequence
+
+from . import decisions
+from .config import Config
+from .dbloop import DatabaseThread
+from .errors import DatabaseError, DatabaseUnavailable
+from .messages import (
+    ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed,
+)
+from .store import NOTIFY_CHANNEL, Store, connect
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+
+@dataclasses.dataclass
+class Lease:
+    """A lease the keeper renews: when next, and the progress to store with it."""
+
+    key: LeaseKey
+    next_beat: float
+    progress: Any = None
+    progress_dirty: bool = False
+
+
+class LeaseKeeper(DatabaseThread):
+    """Claims and renewals for one supervisor (see the module docstring).
+
+    Args:
+        dsn: PostgreSQL connection string (claims and renewals).
+        config: the supervisor's :class:`~cyclone_mp.config.Config`.
+        owner: the supervisor's id (``lease_owner``).
+        names: the step names it may claim.
+        tell: posts a message to process control.
+        listen_dsn: where to LISTEN (default ``dsn``).
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, dsn: str, config: Config, *, owner: str, names: Sequence[str],
+                 tell: Callable[[Any], None], listen_dsn: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        def open_store() -> Store:
+            return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
+                              lock_timeout=config.lock_timeout, statement_timeout=config.call_bound,
+                              dead_after=config.call_bound, connect_timeout=max(2.0, config.call_bound))
+
+        super().__init__("cyclone-lease-keeper", open_store, clock)
+        self.config = config
+        self.owner = owner
+        self.names = list(names)
+        self.tell = tell
+        self.listen_dsn = listen_dsn or dsn
+        self.leases: dict[LeaseKey, Lease] = {}
+        self.claims: list[int] = []  # limits asked for, not yet claimed
+        self.listen_conn: Any = None
+
+    # -- messages ----------------------------------------------------------------------------
+
+    def _read_inbox(self) -> None:
+        for message in self.inbox.take():
+            if isinstance(message, ClaimRequest):
+                self.claims.append(message.limit)
+            elif isinstance(message, Progress):
+                lease = self.leases.get(message.key)
+                if lease is not None:
+                    lease.progress, lease.progress_dirty = message.value, True
+            elif isinstance(message, LeaseDone):
+                self.leases.pop(message.key, None)
+
+    # -- the turn ------------------------------------------------------------------------------
+
+    def turn(self, now: float) -> float:
+        self._read_inbox()
+        if self.db_ok:
+            self._renew_due(now)
+        if self.claims:
+            self._claim()
+        interval = self.config.heartbeat_interval
+        beats = [lease.next_beat for lease in self.leases.values()]
+        return min([self.clock() + interval, *beats])
+
+    def _renew_due(self, now: float) -> None:
+        due = [lease for lease in self.leases.values() if now >= lease.next_beat]
+        if not due:
+            return
+        interval = self.config.heartbeat_interval
+        for lease in due:
+            lease.next_beat = now + interval * random.uniform(0.9, 1.1)
+        sent = self.clock()
+        items = [(l.key[0], l.key[1], l.progress if l.progress_dirty else None) for l in due]
+        try:
+            matched = self.call(self.config.call_bound, lambda store: store.renew_many(
+                owner=self.owner, items=items, ttl=self.config.lease_ttl))
+        except DatabaseUnavailable:
+            self._retry_soon(due)
+            return
+        except DatabaseError:  # one of them waited on a row lock: renew them one by one
+            for lease in due:
+                if not self._renew_one(lease):
+                    return
+            return
+        for lease, ok in zip(due, matched):
+            self._renewed(lease, ok, sent)
+
+    def _renew_one(self, lease: Lease) -> bool:
+        """Renew one lease alone; False when the connection was lost."""
+        sent = self.clock()
+        try:
+            matched = self.call(self.config.call_bound, lambda store: store.renew_many(
+                owner=self.owner, items=[(lease.key[0], lease.key[1], lease.progress if lease.progress_dirty else None)],
+                ttl=self.config.lease_ttl))
+        except DatabaseUnavailable:
+            self._retry_soon([lease])
+            return False
+        except DatabaseError as exc:  # its row is locked (or the call was rejected): the next beat tries again
+            log.info("renewal of step %d failed (%s); trying again", lease.key[0], exc)
+            self._retry_soon([lease])
+            return True
+        self._renewed(lease, matched[0], sent)
+        return True
+
+    def _retry_soon(self, leases: list[Lease]) -> None:
+        """A renewal that did not happen is tried again after half an interval."""
+        soon = self.clock() + self.config.heartbeat_interval / 2
+        for lease in leases:
+            lease.next_beat = min(lease.next_beat, soon)
+
+    def _renewed(self, lease: Lease, ok: bool, sent: float) -> None:
+        if ok:
+            if self.leases.get(lease.key) is lease:
+                lease.progress_dirty = False
+            self.tell(Renewed(lease.key, sent))
+            return
+        self._lost(lease)
+
+    def _lost(self, lease: Lease) -> None:
+        """A renewal matched nothing (seed: Heartbeats): find out why and say so."""
+        step_id, generation = lease.key
+        try:
+            row = self.call(self.config.call_bound, lambda store: store.lease_state(step_id))
+        except DatabaseError:
+            self._retry_soon([lease])  # asked again on the next beat (it matches nothing again)
+            return
+        reason = lost_reason(row, self.owner, generation)
+        self.leases.pop(lease.key, None)
+        if reason == "lease_lost":
+            self.count("lease_lost")
+        log.info("renewal of step %d matched nothing (%s)", step_id, reason)
+        self.tell(LeaseLost(lease.key, reason))
+
+    def _claim(self) -> None:
+        limit, self.claims = sum(self.claims), []
+        sent = self.clock()
+        if not self.db_ok:
+            self.tell(Claimed((), sent, limit, failed=True))
+            return
+        try:
+            rows = self.call(self.config.call_bound, lambda store: store.claim(
+                owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
+                ttl=self.config.lease_ttl))
+        except DatabaseError as exc:
+            if not isinstance(exc, DatabaseUnavailable):
+                log.error("claim rejected by the database: %s", exc)
+            self.tell(Claimed((), sent, limit, failed=True))
+            return
+        interval = self.config.heartbeat_interval
+        for row in rows:  # the claim was the first heartbeat: the next comes at a random phase
+            key = (row["id"], row["lease_generation"])
+            self.leases[key] = Lease(key, sent + random.uniform(0, interval))
+        self.count("claimed", len(rows))
+        self.tell(Claimed(tuple(rows), sent, limit))
+
+    # -- the connection, and LISTEN ------------------------------------------------------------
+
+    def connected(self) -> None:
+        self.tell(DatabaseState(True))
+        self._listen()
+        log.info("connected; supervisor %s", self.owner)
+
+    def disconnected(self) -> None:
+        self._unlisten()
+        self.tell(DatabaseState(False))
+
+    def _listen(self) -> None:
+        self._unlisten()
+        try:
+            conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound)
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            self.listen_conn = conn
+        except Exception as exc:  # noqa: BLE001 - polling still works without LISTEN
+            log.warning("LISTEN unavailable (%s); polling only", exc)
+            self.listen_conn = None
+
+    def _unlisten(self) -> None:
+        if self.listen_conn is not None:
+            try:
+                self.listen_conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self.listen_conn = None
+
+    def wait(self, timeout: float) -> None:
+        conn = self.listen_conn
+        fd = None
+        if conn is not None:
+            try:
+                fd = conn.pgconn.socket
+            except Exception:  # noqa: BLE001
+                self._unlisten()
+        if not self.inbox.wait(timeout, *([fd] if fd is not None else [])):
+            return
+        try:
+            conn.pgconn.consume_input()
+            got = False
+            while conn.pgconn.notifies() is not None:
+                got = True
+            if got:
+                self.tell(Poll())
+        except Exception as exc:  # noqa: BLE001 - a lost LISTEN connection is opened again
+            log.info("the LISTEN connection was lost (%s); listening again", exc)
+            self._unlisten()
+            if self.db_ok:
+                self._listen()
+
+    def finish(self) -> None:
+        self._unlisten()
+
+
+def lost_reason(row: dict[str, Any] | None, owner: str, generation: int) -> str:
+    """Why a renewal of ``(step, generation)`` by ``owner`` matched nothing, from the row's
+    :meth:`~cyclone_mp.store.Store.lease_state` (pure)."""
+    if row is None or row["state"] == "cancelled":
+        return "cancelled"
+    if row["state"] == "running" and row["lease_owner"] == owner and row["lease_generation"] == generation:
+        return "timeout" if row["timed_out"] else "lease_lost"
+    if row["last_error_kind"] == decisions.TIMEOUT and row["last_error_generation"] == generation:
+        return "timeout"  # the sweep settled this attempt's timeout first
+    if row["state"] in ("completed", "discarded") and row["lease_generation"] == generation:
+        return "finished"  # our own outcome was written (it crossed the renewal)
+    return "lease_lost"

@@ -1,0 +1,131 @@
+"""What the supervisor's parts tell each other (issue 17): plain, immutable data.
+
+The supervisor is four parts that share no mutable state (see :mod:`cyclone_mp.supervisor`):
+
+- process control (:mod:`cyclone_mp.control`, the supervisor's own thread): children,
+  pipes, deadlines, fences, cancels, kills, reaping; it never calls the database;
+- the lease keeper (:mod:`cyclone_mp.leases`): claims and renewals, on its own connection;
+- the outcome writer (:mod:`cyclone_mp.outcomes`): the CAS writes of ended attempts;
+- maintenance (:mod:`cyclone_mp.sweep`): the recovery sweep, timers, the registry.
+
+Each part reads an :class:`~cyclone_mp.mailbox.Inbox`; the others post these messages to
+it. A step's lease is named by :data:`LeaseKey`, ``(step id, lease generation)``: one life
+of a step. A step retried or reclaimed is a new life with a new key, so nothing about an
+old attempt (its kill, its outcome, its forensics) can be mistaken for the new one's.
+Times are the local monotonic clock, in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+LeaseKey = tuple[int, int]  #: ``(step id, lease generation)``
+
+COMPLETE, FAIL, RELEASE = "complete", "fail", "release"  #: kinds of :class:`Outcome`
+
+
+# -- process control -> lease keeper ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ClaimRequest:
+    """Claim up to ``limit`` steps (free child slots plus room to hold)."""
+
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """The latest ``{done, total, message}`` of an attempt: stored with its next renewal (SPEC 2)."""
+
+    key: LeaseKey
+    value: Any
+
+
+# -- process control, outcome writer -> lease keeper ------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LeaseDone:
+    """Stop renewing this lease: its outcome was written (or is moot), or it was released."""
+
+    key: LeaseKey
+
+
+# -- lease keeper -> process control ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """The rows a :class:`ClaimRequest` claimed (possibly none). ``sent``: when the claim
+    was sent; the database stamped the leases later, so they last at least until
+    ``sent + lease_ttl``. ``failed``: the claim did not run (an outage, a rejected call)."""
+
+    rows: tuple[dict[str, Any], ...]
+    sent: float
+    limit: int
+    failed: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Renewed:
+    """A renewal of ``key`` sent at ``sent`` matched its row: the lease lasts at least until
+    ``sent + lease_ttl`` in the database (the local fence, SPEC 9)."""
+
+    key: LeaseKey
+    sent: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseLost:
+    """A renewal of ``key`` matched nothing; ``reason`` says why: ``"cancelled"``,
+    ``"timeout"``, ``"lease_lost"`` or ``"finished"`` (the outcome was already written)."""
+
+    key: LeaseKey
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DatabaseState:
+    """The lease keeper's connection went down (``ok=False``) or came back."""
+
+    ok: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Poll:
+    """Something may be claimable now (a NOTIFY, a reclaim, a retry without backoff)."""
+
+
+# -- process control -> outcome writer ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended, to be written with the CAS guard (SPEC 1).
+
+    ``kind`` is :data:`COMPLETE` (``output``), :data:`FAIL` (``error_kind``, a
+    :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, and ``entry``, its error entry;
+    ``require_timed_out``: written only once the DB deadline has passed) or
+    :data:`RELEASE` (a step given back unstarted or at shutdown: available at once,
+    nothing counted; ``held``: it had been claimed ahead, for prefetch).
+    ``attempt`` and ``backoff_spec`` decide the backoff of a retried failure.
+    """
+
+    key: LeaseKey
+    kind: str
+    step_name: str
+    attempt: int
+    workflow: bool
+    backoff_spec: Any = None
+    output: Any = None
+    progress: Any = None
+    error_kind: str | None = None
+    entry: dict[str, Any] | None = None
+    require_timed_out: bool = False
+    held: bool = False
+
+    @property
+    def step_id(self) -> int:
+        return self.key[0]
+
+    @property
+    def generation(self) -> int:
+        return self.key[1]

@@ -1,0 +1,290 @@
+"""The outcome writer: every ended attempt's CAS write, on a connection of its own (issue 17).
+
+Process control hands it :class:`~cyclone_mp.messages.Outcome` values (a success, a
+failed attempt, a release) and goes on; the writer puts whatever has gathered meanwhile
+in one statement (:meth:`~cyclone_mp.store.Store.settle`: each row with its own CAS,
+SPEC 1), so outcomes share statements whenever they come faster than a round trip.
+A row whose CAS did not hold is looked at alone: a success past its DB deadline still
+counts once, as a timeout (SPEC 3), a failed attempt of a workflow run is written with
+its run advanced, and a timeout not yet due on the database clock waits for it.
+
+A write the database cannot take now (an outage, a lock wait past ``lock_timeout``) is
+kept and written again; one it rejects (bad data) is never retried as is: a rejected
+success becomes a failed attempt, a rejected error entry is written again with its plain
+fields only. When a write is done (applied, or moot), the lease keeper stops renewing
+that lease (:class:`~cyclone_mp.messages.LeaseDone`): until then the lease is kept, so a
+brief outage does not turn a finished step into a reclaimed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from . import decisions
+from .backoff import delay_after
+from .config import Config
+from .dbloop import DatabaseThread
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
+from .messages import COMPLETE, FAIL, RELEASE, LeaseDone, Outcome, Poll
+from .protocol import storable
+from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+RETRY_AFTER = 0.05  # seconds before a write that could not be made now is tried again
+FINAL_FLUSH = 1.0  # seconds the writer may spend on what is left when the supervisor stops
+
+
+@dataclasses.dataclass
+class PendingWrite:
+    """An outcome written alone, again at ``retry_at`` (local monotonic seconds) if needed."""
+
+    outcome: Outcome
+    retry_at: float
+    plain: bool = False  # the error entry was rejected once: write only its plain fields
+
+
+class OutcomeWriter(DatabaseThread):
+    """Writes the outcomes of one supervisor's attempts (see the module docstring).
+
+    Args:
+        dsn: PostgreSQL connection string.
+        config: the supervisor's :class:`~cyclone_mp.config.Config`.
+        owner: the supervisor's id (``lease_owner``).
+        backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
+        tell_keeper: posts a message to the lease keeper.
+        tell_control: posts a message to process control.
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, dsn: str, config: Config, *, owner: str,
+                 backoff_for: Callable[[str | None], Callable[[int], float]],
+                 tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        def open_store() -> Store:
+            return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
+                              lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
+                              dead_after=config.write_bound)
+
+        super().__init__("cyclone-outcome-writer", open_store, clock)
+        self.config = config
+        self.owner = owner
+        self.backoff_for = backoff_for
+        self.tell_keeper = tell_keeper
+        self.tell_control = tell_control
+        self.batch: list[Outcome] = []
+        self.pending: list[PendingWrite] = []
+        self._lock = threading.Lock()
+        self._outstanding = 0  # posted and not yet done (read by process control)
+
+    # -- process control's side ------------------------------------------------------------------
+
+    def post(self, outcome: Outcome) -> None:
+        """Hand over one outcome (never blocks)."""
+        with self._lock:
+            self._outstanding += 1
+        self.inbox.post(outcome)
+
+    @property
+    def idle(self) -> bool:
+        """Every outcome posted so far is written (or moot)."""
+        return self._outstanding == 0
+
+    # -- the turn ------------------------------------------------------------------------------------
+
+    def turn(self, now: float) -> float:
+        self.batch.extend(self.inbox.take())
+        if self.db_ok and self.batch:
+            self._write_batch()
+        if self.db_ok and self.pending:
+            self._retry_pending(self.clock())
+        if self.pending:
+            return min(p.retry_at for p in self.pending)
+        return self.clock() + 1.0
+
+    def _done(self, outcome: Outcome) -> None:
+        """The outcome's write is over: stop renewing its lease."""
+        self.tell_keeper(LeaseDone(outcome.key))
+        with self._lock:
+            self._outstanding -= 1
+
+    def _write_batch(self) -> None:
+        batch, self.batch = self.batch, []
+        releases = [o for o in batch if o.kind == RELEASE]
+        done = [o for o in batch if o.kind == COMPLETE]
+        failed = [o for o in batch if o.kind == FAIL]
+        if done or failed:
+            self._settle(done, failed)
+        for outcome in releases:
+            self._write_alone(PendingWrite(outcome, self.clock()))
+
+    def _settle(self, done: list[Outcome], failed: list[Outcome]) -> None:
+        completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]
+        failures = [
+            FailedAttempt(id=o.step_id, generation=o.generation, kind=o.error_kind or decisions.ERROR,
+                          entry=self._entry(o), require_timed_out=o.require_timed_out, progress=o.progress,
+                          delay=delay_after(o.attempt, o.backoff_spec, self.backoff_for(o.step_name)))
+            for o in failed
+        ]
+        workflows = any(o.workflow for o in done + failed)
+        self.count("batches")
+        try:
+            settled = self.call(self.config.write_bound, lambda store: store.settle(
+                owner=self.owner, completions=completions, failures=failures, workflows=workflows))
+        except DatabaseUnavailable:
+            self._keep(done + failed)
+            return
+        except DatabaseError:  # one bad (or locked) row must not hold back the others: one by one
+            for outcome in done + failed:
+                self._write_alone(PendingWrite(outcome, self.clock()))
+            return
+        self.count("completed", len(settled.completed))
+        self.count("failed", len(settled.failed))
+        if settled.failed:
+            self.tell_control(Poll())  # a retry without backoff is claimable at once
+        for outcome in done:
+            if outcome.key in settled.completed:
+                self._done(outcome)
+            else:
+                self._late_success(outcome)
+        # The rest (a lost lease, a timeout not yet due on the DB clock, a run neither
+        # running nor paused, a workflow run's failure) go the one-by-one way.
+        for outcome in failed:
+            if outcome.key in settled.failed:
+                self._done(outcome)
+            else:
+                self._write_alone(PendingWrite(outcome, self.clock()))
+
+    def _keep(self, outcomes: list[Outcome]) -> None:
+        now = self.clock()
+        self.pending.extend(PendingWrite(o, now) for o in outcomes)
+
+    def _late_success(self, outcome: Outcome) -> None:
+        """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
+        Anything else (cancelled, reclaimed, already written) drops it."""
+        try:
+            row = self.call(self.config.write_bound, lambda store: store.lease_state(outcome.step_id))
+        except DatabaseUnavailable:
+            self._keep([outcome])
+            return
+        except DatabaseError:
+            row = None
+        if (row and row["state"] == "running" and row["lease_owner"] == self.owner
+                and row["lease_generation"] == outcome.generation and row["timed_out"]):
+            entry = {k: v for k, v in (outcome.entry or {}).items()}
+            entry["message"] = "returned after the database deadline"
+            self._write_alone(PendingWrite(dataclasses.replace(
+                outcome, kind=FAIL, error_kind=decisions.TIMEOUT, entry=entry, require_timed_out=True,
+                output=None), self.clock()))
+            return
+        self.count("late_completions_dropped")
+        self._done(outcome)
+
+    def _entry(self, outcome: Outcome, plain: bool = False) -> dict[str, Any]:
+        """An attempt's error entry as stored: who wrote it, under which lease."""
+        entry = dict(outcome.entry or {})
+        if plain:
+            entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+        return {"worker": self.owner, "lease_generation": outcome.generation, **entry}
+
+    def _retry_pending(self, now: float) -> None:
+        due = [p for p in self.pending if p.retry_at <= now]
+        if not due:
+            return
+        self.pending = [p for p in self.pending if p.retry_at > now]
+        for write in due:
+            if not self.db_ok:
+                self.pending.append(write)
+                continue
+            self._write_alone(write)
+
+    def _write_alone(self, write: PendingWrite) -> None:
+        """Try one write now; keep it for later unless it is done (applied, moot, or replaced)."""
+        if not self._apply(write):
+            write.retry_at = max(write.retry_at, self.clock() + RETRY_AFTER)
+            self.pending.append(write)
+
+    def _apply(self, write: PendingWrite) -> bool:
+        """One write alone; True when it is over (see the module docstring)."""
+        outcome = write.outcome
+        try:
+            if outcome.kind == COMPLETE:
+                applied = self.call(self.config.write_bound, lambda store: store.complete(
+                    owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress)],
+                    workflows=outcome.workflow))
+                if applied:
+                    self.count("completed")
+                    self._done(outcome)
+                else:
+                    self._late_success(outcome)
+                return True
+            if outcome.kind == RELEASE:
+                released = self.call(self.config.write_bound, lambda store: store.release(
+                    owner=self.owner, id=outcome.step_id, generation=outcome.generation))
+                if released:
+                    self.count("prefetch_released" if outcome.held else "released")
+                    self.tell_control(Poll())  # claimable at once, here too
+                self._done(outcome)
+                return True
+            result = self.call(self.config.write_bound, lambda store: store.fail(
+                owner=self.owner, id=outcome.step_id, generation=outcome.generation,
+                kind=outcome.error_kind or decisions.ERROR, entry=self._entry(outcome, write.plain),
+                backoff=self.backoff_for(outcome.step_name), require_timed_out=outcome.require_timed_out,
+                progress=None if write.plain else outcome.progress))
+        except DatabaseUnavailable:
+            return False
+        except DatabaseBusy:
+            return False  # a lock wait or a slow statement: nothing was done, try again
+        except DatabaseError as exc:
+            if stale_plan(exc.__cause__):  # a schema change, not the data: the connection re-prepares
+                return False
+            return self._rejected(write, exc)
+        if result == "not_yet":  # the DB deadline has not passed yet: the worker clock never shortens it
+            return False
+        if result == "applied":
+            self.count("failed")
+            self.tell_control(Poll())
+        self._done(outcome)
+        return True
+
+    def _rejected(self, write: PendingWrite, exc: Exception) -> bool:
+        """The database refused this write for its data: never retried as is."""
+        outcome = write.outcome
+        if outcome.kind == COMPLETE:
+            self._write_alone(PendingWrite(dataclasses.replace(
+                outcome, kind=FAIL, error_kind=decisions.ERROR, output=None, require_timed_out=False, entry={
+                    "type": "cyclone_mp.errors.PayloadError",
+                    "message": storable(f"the database rejected the handler's output: {exc}")[:2000],
+                }), self.clock()))
+            return True
+        if outcome.kind == FAIL and not write.plain:
+            entry = {k: v for k, v in (outcome.entry or {}).items() if k in FORENSIC_KEYS}
+            entry["message"] = storable(f"error entry rejected by the database: {exc}")[:2000]
+            self._write_alone(PendingWrite(dataclasses.replace(outcome, entry=entry), self.clock(), plain=True))
+            return True
+        log.error("giving up on a %s write for step %d: %s", outcome.kind, outcome.step_id, exc)
+        self._done(outcome)
+        return True
+
+    # -- stopping ----------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Write what is left, for at most :data:`FINAL_FLUSH` seconds and only while the
+        database answers (SPEC 5: completed work is written before exit; an unfinished
+        write leaves its lease to expire, and another supervisor reclaims the step)."""
+        deadline = self.clock() + FINAL_FLUSH
+        while self.clock() < deadline:
+            self.batch.extend(self.inbox.take())
+            if not (self.batch or self.pending) or not self.db_ok:
+                return
+            if self.batch:
+                self._write_batch()
+            for write in self.pending:
+                write.retry_at = min(write.retry_at, self.clock())
+            self._retry_pending(self.clock())
+            if self.pending:
+                time.sleep(RETRY_AFTER)

@@ -1,0 +1,139 @@
+"""Maintenance: the recovery sweep, due timers and the supervisor registry (SPEC 4, issue 17).
+
+:class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
+:meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
+whose lease expired or whose ``started_at + timeout`` passed on the database clock),
+settles each under the run lock and the step lock (:meth:`cyclone_mp.store.Store.expire`,
+which asks :func:`cyclone_mp.decisions.expiry`), fires due timers, and returns counts.
+Tests call it directly.
+
+:class:`Maintenance` is the thin loop around it, on a thread and a connection of its
+own: it sweeps at a random point of every ``poll_interval``, refreshes the
+informational ``cyclone_workers`` row every ``registry_interval`` (from a snapshot that
+process control publishes), and tells process control to claim at once when the sweep
+made something claimable. Recovery never reads the registry (scenario SC-05).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+from typing import Any, Callable
+
+from .config import SWEEP_LIMIT, Config
+from .dbloop import DatabaseThread
+from .errors import DatabaseError
+from .messages import Poll
+from .store import Store
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+
+class Sweeper:
+    """One pass of the recovery sweep over a store (see the module docstring).
+
+    Args:
+        owner: the sweeping supervisor's id (written into the entries it settles).
+        backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
+    """
+
+    def __init__(self, owner: str, backoff_for: Callable[[str | None], Callable[[int], float]]) -> None:
+        self.owner = owner
+        self.backoff_for = backoff_for
+
+    def run_once(self, store: Store) -> dict[str, int]:
+        """Settle at most :data:`~cyclone_mp.config.SWEEP_LIMIT` candidates and fire due timers.
+
+        Returns counts by action: ``timeout``, ``reclaim``, ``reclaim_limit``, ``none``
+        (renewed, finished or gone meanwhile) and ``timers`` (runs whose timers fired).
+
+        Raises:
+            DatabaseError: the database failed (counts so far are lost with it; the
+                next pass finds the same candidates).
+        """
+        counts = {"timeout": 0, "reclaim": 0, "reclaim_limit": 0, "none": 0, "timers": 0}
+        for row in store.sweep_candidates(SWEEP_LIMIT):
+            counts[store.expire(row["id"], self.backoff_for, {"swept_by": self.owner})] += 1
+        counts["timers"] = store.fire_due_timers(SWEEP_LIMIT)
+        return counts
+
+
+class Maintenance(DatabaseThread):
+    """The sweep and the registry on their own thread and connection (see the module docstring).
+
+    Args:
+        dsn: PostgreSQL connection string.
+        config: the supervisor's :class:`~cyclone_mp.config.Config`.
+        sweeper: the :class:`Sweeper`.
+        owner: the supervisor's id.
+        snapshot: returns the registry's ``info`` (plain data) as process control last
+            published it.
+        tell_control: posts a message to process control.
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, owner: str,
+                 snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        def open_store() -> Store:
+            return Store.open(dsn, idle_in_transaction=config.idle_in_transaction_limit,
+                              lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
+                              dead_after=config.write_bound)
+
+        super().__init__("cyclone-maintenance", open_store, clock)
+        self.config = config
+        self.sweeper = sweeper
+        self.owner = owner
+        self.snapshot = snapshot
+        self.tell_control = tell_control
+        now = clock()
+        self.next_sweep = now
+        self.next_registry = now
+
+    def turn(self, now: float) -> float:
+        self.inbox.take()
+        if self.db_ok and now >= self.next_sweep:
+            lo, hi = self.config.poll_interval
+            self.next_sweep = now + random.uniform(lo, hi)
+            self.sweep()
+        if self.db_ok and now >= self.next_registry:
+            self.next_registry = now + self.config.registry_interval
+            self.register()
+        return min(self.next_sweep, self.next_registry)
+
+    def sweep(self) -> dict[str, int]:
+        """One sweep pass now (counted in this part's stats)."""
+        try:
+            counts = self.call(self.config.write_bound, self.sweeper.run_once)
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("sweep: %s", exc)
+            return {}
+        if counts["reclaim"] or counts["timeout"] or counts["timers"]:
+            self.tell_control(Poll())  # something may be claimable now: do not wait a poll
+        self.count("reclaimed", counts["reclaim"])
+        self.count("swept_timeouts", counts["timeout"])
+        self.count("reclaim_limits", counts["reclaim_limit"])
+        return counts
+
+    def register(self) -> None:
+        """Refresh this supervisor's registry row (informational)."""
+        info = self.snapshot()
+        try:
+            self.call(self.config.write_bound, lambda store: store.register_worker(
+                id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info))
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("registry: %s", exc)
+
+    def finish(self) -> None:
+        """Remove the registry row (best effort, bounded)."""
+        if not self.db_ok:
+            return
+        try:
+            self.call(min(1.0, self.config.write_bound), lambda store: store.unregister_worker(self.owner))
+        except DatabaseError:
+            pass
