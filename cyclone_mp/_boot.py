@@ -1,4 +1,4 @@
-"""How the supervisor's helper processes start: ``python -S .../cyclone_mp/_boot.py MODULE ARGS...``.
+"""How the supervisor's helper processes start: ``python -S -P .../cyclone_mp/_boot.py cyclone_mp.MODULE ARGS...``.
 
 A child must start fast, and an editable install of this project (the README's
 ``pip install -e .``) is an import hook: setuptools installs a finder for the ``cli/``
@@ -16,8 +16,8 @@ So the supervisor starts its children and its watchdog without site processing
   adds (``exit``, ``quit``, ``help``...).
 
 Then ``cyclone_mp.MODULE`` is imported (the package from beside this file, whichever way
-it is installed) and its ``main(ARGS)`` runs. Only ``os`` and ``sys`` are imported
-before the site is rebuilt.
+it is installed) and its ``main(ARGS)`` runs; ``ps`` shows the module's full name. Only
+``os`` and ``sys`` are imported before the site is rebuilt.
 """
 
 import os
@@ -51,13 +51,15 @@ def main() -> None:
     rebuild_site(json.loads(os.environ.get("CYCLONE_MP_SITE") or "null") or {
         "path": sys.path, "prefix": sys.prefix, "exec_prefix": sys.exec_prefix, "pth": [], "custom": []})
     module, args = sys.argv[1], sys.argv[2:]
+    if not module.startswith("cyclone_mp."):
+        raise SystemExit(f"_boot.py: not a cyclone_mp module: {module}")
     sys.argv[1:] = args  # as ``python -m cyclone_mp.MODULE ARGS`` would show them
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     added = root not in sys.path
     if added:  # an editable install: the package is found beside this file, for this import only
         sys.path.append(root)
     try:
-        target = __import__(f"cyclone_mp.{module}", fromlist=["main"])
+        target = __import__(module, fromlist=["main"])
     finally:
         if added:
             sys.path.remove(root)  # (the package's submodules resolve through its __path__)

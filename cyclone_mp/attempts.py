@@ -61,7 +61,7 @@ class Attempt:
     kill_at: float | None = None
     killed_by: str | None = None
     ended: bool = False  # its outcome is decided (a result came, or its child is dead)
-    fenced: bool = False  # cancelled by the local fence (its lease may still be ours: released, not dropped)
+    fenced: bool = False  # cancelled by the local fence: its lease may still be ours (a success is still written)
     cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)
     peak_rss_kb: int | None = None  # sampled while it runs (a crashed child cannot be read)

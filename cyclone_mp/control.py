@@ -101,7 +101,7 @@ class ProcessControl:
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
         self.db_ok = False
-        self.claim_pending = False
+        self.claiming = 0  # steps asked for by claims not yet back
         start = clock()
         self.next_poll = start
         self.poll_delay = config.poll_interval[0]
@@ -200,7 +200,7 @@ class ProcessControl:
         self._enforce(self.clock())
         self._send_outcomes()
         now = self.clock()
-        if self.db_ok and not self.draining and not self.claim_pending and now >= self.next_poll:
+        if self.db_ok and not self.draining and now >= self.next_poll:
             self._request_claim(now)
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
@@ -220,7 +220,7 @@ class ProcessControl:
                 times.append(att.fence(ttl) - fence_margin(ttl))
                 if att.cancel_reason is None:
                     times.append(fence_cancel_at(att, ttl, kill_grace))
-        if self.db_ok and not self.draining and not self.claim_pending and (self.pool.idle() or self.prefetch_room()):
+        if self.db_ok and not self.draining and (self.pool.idle() or self.prefetch_room()):
             times.append(self.next_poll)
         if self.held:
             times.append(min(h.release_at for h in self.held))
@@ -287,7 +287,7 @@ class ProcessControl:
     def on_claimed(self, message: Claimed) -> None:
         """Start claimed rows on idle children at once (however long they took to come
         back: their leases count from the claim's sending), hold the rest."""
-        self.claim_pending = False
+        self.claiming = max(0, self.claiming - message.limit)
         now = self.clock()
         rows = list(message.rows)
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
@@ -322,12 +322,23 @@ class ProcessControl:
 
     # -- claiming -----------------------------------------------------------------------------------
 
+    def _claim_limit(self, *, standalone: bool) -> int:
+        """Steps to claim now: free slots plus room to hold, minus what is held and what
+        claims on their way will bring (0 when draining or disconnected). A claim rides
+        with the outcomes that free its slots (:meth:`_send_outcomes`: one statement
+        writes them and claims, so a supervisor never holds more rows than it has slots
+        and room); one on its own waits until every outcome sent is written."""
+        if self.draining or not self.db_ok or (standalone and not self.writer.idle):
+            return 0
+        return max(0, len(self.pool.idle()) + self.prefetch_room() - len(self.held) - self.claiming)
+
     def _request_claim(self, now: float) -> None:
-        limit = len(self.pool.idle()) + self.prefetch_room() - len(self.held)
+        """A claim on its own, through the lease keeper (on the poll interval, or when woken)."""
+        limit = self._claim_limit(standalone=True)
         if limit <= 0:
             self.next_poll = now + self.poll_delay
             return
-        self.claim_pending = True
+        self.claiming += limit
         self.keeper(ClaimRequest(limit))
 
     def prefetch_room(self) -> int:
@@ -625,12 +636,14 @@ class ProcessControl:
         if reason == "timeout":
             entry.setdefault("message", "timed out")
             self._fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
-        elif reason == "shutdown" or (reason == "lease_lost" and att.fenced):
-            # Given back: at shutdown (SPEC 5), or killed at the fence while the lease may
-            # still be ours (the release's CAS decides; if it was lost, nothing happens).
+        elif reason == "shutdown":  # given back: available at once, nothing counted (SPEC 5)
             self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
-        elif reason in ("cancelled", "lease_lost"):  # an operator's cancel, or someone else's lease
-            self.stats["cancelled_attempts"] += 1  # the row already says what happened: write nothing
+        elif reason in ("cancelled", "lease_lost"):
+            # An operator's cancel or someone else's lease: the row already says what
+            # happened. Killed at the local fence: the lease is left to expire, and the
+            # sweep reclaims the step as after a crash (reclaims + 1, bounded by
+            # max_reclaims). Either way nothing is written and the lease is not renewed.
+            self.stats["cancelled_attempts"] += 1
             self.keeper(LeaseDone(att.key))
         else:  # killed for breaking the pipe protocol: a failed attempt like any error
             self._fail(att, decisions.ERROR, entry)
@@ -830,8 +843,9 @@ class ProcessControl:
         if flush_at is None or (not force and flush_at > self.clock()):
             return
         outcomes, self.outcomes, self._outcomes_since = self.outcomes, [], None
-        for outcome, _ in outcomes:
-            self.writer.post(outcome)
+        claim = self._claim_limit(standalone=False)  # the freed slots' next steps ride along (one statement)
+        self.claiming += claim
+        self.writer.post_batch(tuple(o for o, _ in outcomes), claim)
 
     # -- the registry snapshot -----------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
-    ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed,
+    ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
 )
 from .store import NOTIFY_CHANNEL, Store, connect
 
@@ -96,6 +96,9 @@ class LeaseKeeper(DatabaseThread):
                     lease.progress, lease.progress_dirty = message.value, True
             elif isinstance(message, LeaseDone):
                 self.leases.pop(message.key, None)
+            elif isinstance(message, Track):  # claimed by the outcome writer with a batch
+                for key in message.keys:
+                    self.leases[key] = Lease(key, message.sent + random.uniform(0, self.config.heartbeat_interval))
 
     # -- the turn ------------------------------------------------------------------------------
 

@@ -45,13 +45,22 @@ class Progress:
 # -- process control, outcome writer -> lease keeper ------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class Track:
+    """Renew these leases from now on: the outcome writer claimed them along with a batch
+    of outcomes (one statement for both), at ``sent``."""
+
+    keys: tuple[LeaseKey, ...]
+    sent: float
+
+
+@dataclasses.dataclass(frozen=True)
 class LeaseDone:
     """Stop renewing this lease: its outcome was written (or is moot), or it was released."""
 
     key: LeaseKey
 
 
-# -- lease keeper -> process control ----------------------------------------------------------
+# -- lease keeper (or the outcome writer) -> process control -----------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Claimed:
@@ -96,6 +105,17 @@ class Poll:
 
 
 # -- process control -> outcome writer ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Outcomes to write, and (``claim`` > 0) the next claim to make in the same statement:
+    a child freed by one of these attempts gets its next step in one round trip, and the
+    finished row is written before its slot is claimed again (SPEC 4: as many steps as
+    there are free child slots)."""
+
+    outcomes: tuple["Outcome", ...]
+    claim: int = 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:

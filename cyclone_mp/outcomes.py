@@ -29,7 +29,7 @@ from .backoff import delay_after
 from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
-from .messages import COMPLETE, FAIL, RELEASE, LeaseDone, Outcome, Poll
+from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Outcome, Poll, Track
 from .protocol import storable
 from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
 
@@ -61,7 +61,7 @@ class OutcomeWriter(DatabaseThread):
         clock: local monotonic clock in seconds.
     """
 
-    def __init__(self, dsn: str, config: Config, *, owner: str,
+    def __init__(self, dsn: str, config: Config, *, owner: str, names: list[str],
                  backoff_for: Callable[[str | None], Callable[[int], float]],
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,10 +73,12 @@ class OutcomeWriter(DatabaseThread):
         super().__init__("cyclone-outcome-writer", open_store, clock)
         self.config = config
         self.owner = owner
+        self.names = names
         self.backoff_for = backoff_for
         self.tell_keeper = tell_keeper
         self.tell_control = tell_control
         self.batch: list[Outcome] = []
+        self.claim = 0  # the claim to make with the next batch
         self.pending: list[PendingWrite] = []
         self._lock = threading.Lock()
         self._outstanding = 0  # posted and not yet done (read by process control)
@@ -85,9 +87,14 @@ class OutcomeWriter(DatabaseThread):
 
     def post(self, outcome: Outcome) -> None:
         """Hand over one outcome (never blocks)."""
+        self.post_batch((outcome,))
+
+    def post_batch(self, outcomes: tuple[Outcome, ...], claim: int = 0) -> None:
+        """Hand over outcomes, and a claim of up to ``claim`` steps to make in the same
+        statement (its rows go to process control as :class:`~cyclone_mp.messages.Claimed`)."""
         with self._lock:
-            self._outstanding += 1
-        self.inbox.post(outcome)
+            self._outstanding += len(outcomes)
+        self.inbox.post(Batch(tuple(outcomes), claim))
 
     @property
     def idle(self) -> bool:
@@ -96,9 +103,17 @@ class OutcomeWriter(DatabaseThread):
 
     # -- the turn ------------------------------------------------------------------------------------
 
+    def _read_inbox(self) -> None:
+        for message in self.inbox.take():
+            self.batch.extend(message.outcomes)
+            self.claim += message.claim
+
     def turn(self, now: float) -> float:
-        self.batch.extend(self.inbox.take())
-        if self.db_ok and self.batch:
+        self._read_inbox()
+        if self.claim and not self.db_ok:  # no claim during an outage: say so, process control backs off
+            claim, self.claim = self.claim, 0
+            self._claimed([], self.clock(), limit=claim, failed=True)
+        if self.db_ok and (self.batch or self.claim):
             self._write_batch()
         if self.db_ok and self.pending:
             self._retry_pending(self.clock())
@@ -114,15 +129,29 @@ class OutcomeWriter(DatabaseThread):
 
     def _write_batch(self) -> None:
         batch, self.batch = self.batch, []
+        claim, self.claim = self.claim, 0
         releases = [o for o in batch if o.kind == RELEASE]
         done = [o for o in batch if o.kind == COMPLETE]
         failed = [o for o in batch if o.kind == FAIL]
-        if done or failed:
-            self._settle(done, failed)
+        if done or failed or claim:
+            try:
+                self._settle(done, failed, claim)
+            except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
+                log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
+                self._keep(done + failed)
+                if claim:
+                    self._claimed([], self.clock(), limit=claim, failed=True)
         for outcome in releases:
             self._write_alone(PendingWrite(outcome, self.clock()))
 
-    def _settle(self, done: list[Outcome], failed: list[Outcome]) -> None:
+    def _claimed(self, rows: list[dict[str, Any]], sent: float, *, limit: int, failed: bool = False) -> None:
+        """Rows claimed with a batch: the keeper renews them from now on; process control starts them."""
+        if rows:
+            self.tell_keeper(Track(tuple((r["id"], r["lease_generation"]) for r in rows), sent))
+            self.count("claimed", len(rows))
+        self.tell_control(Claimed(tuple(rows), sent, limit, failed=failed))
+
+    def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int) -> None:
         completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]
         failures = [
             FailedAttempt(id=o.step_id, generation=o.generation, kind=o.error_kind or decisions.ERROR,
@@ -131,17 +160,26 @@ class OutcomeWriter(DatabaseThread):
             for o in failed
         ]
         workflows = any(o.workflow for o in done + failed)
-        self.count("batches")
+        if done or failed:
+            self.count("batches")
+        sent = self.clock()
         try:
             settled = self.call(self.config.write_bound, lambda store: store.settle(
-                owner=self.owner, completions=completions, failures=failures, workflows=workflows))
+                owner=self.owner, completions=completions, failures=failures, workflows=workflows,
+                queues=self.config.queues, names=self.names, limit=claim, ttl=self.config.lease_ttl))
         except DatabaseUnavailable:
             self._keep(done + failed)
+            if claim:
+                self._claimed([], sent, limit=claim, failed=True)
             return
         except DatabaseError:  # one bad (or locked) row must not hold back the others: one by one
+            if claim:
+                self._claimed([], sent, limit=claim, failed=True)
             for outcome in done + failed:
                 self._write_alone(PendingWrite(outcome, self.clock()))
             return
+        if claim:
+            self._claimed(settled.claimed, sent, limit=claim)
         self.count("completed", len(settled.completed))
         self.count("failed", len(settled.failed))
         if settled.failed:
@@ -278,7 +316,8 @@ class OutcomeWriter(DatabaseThread):
         write leaves its lease to expire, and another supervisor reclaims the step)."""
         deadline = self.clock() + FINAL_FLUSH
         while self.clock() < deadline:
-            self.batch.extend(self.inbox.take())
+            self._read_inbox()
+            self.claim = 0  # stopping: claim nothing more
             if not (self.batch or self.pending) or not self.db_ok:
                 return
             if self.batch:

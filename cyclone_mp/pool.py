@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import psutil
 
 from . import procs, protocol
+from .config import PRELOAD_TIMEOUT
 
 
 class ChildProc:
@@ -222,7 +223,6 @@ class ChildProc:
 
 
 RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
-PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed
 
 
 class ChildPool:

@@ -174,7 +174,7 @@ def helper_command(module: str, *args: str) -> list[str]:
     ``cyclone_mp.MODULE.main(args)``: started without site processing (``-S -P``),
     which :mod:`cyclone_mp._boot` rebuilds from :func:`child_site`, so no child loads
     an editable install's import hook (about 12 ms of every start)."""
-    return [sys.executable, "-S", "-P", BOOT, module, *args]
+    return [sys.executable, "-S", "-P", BOOT, f"cyclone_mp.{module}", *args]
 
 
 @functools.lru_cache(maxsize=1)

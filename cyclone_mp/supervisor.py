@@ -134,7 +134,8 @@ class Supervisor:
         try:
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
                                       tell=lambda m: control.tell(m), listen_dsn=self.listen_dsn, clock=self.clock)
-            self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, backoff_for=self.backoff_for,
+            self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
+                                        backoff_for=self.backoff_for,
                                         tell_keeper=self.keeper.inbox.post, tell_control=lambda m: control.tell(m),
                                         clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,

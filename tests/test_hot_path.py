@@ -73,7 +73,7 @@ def test_fail_many_matches_fail(cyclone_env, kind, options, aged, require_timed_
         applied = store.fail_many(owner=OWNER, items=[FailedAttempt(
             id=a["id"], generation=a["lease_generation"], kind=kind, entry=entry, delay=delay,
             require_timed_out=require_timed_out)])
-        assert applied == {a["id"]}
+        assert applied == {(a["id"], a["lease_generation"])}
         assert store.fail(owner=OWNER, id=b["id"], generation=b["lease_generation"], kind=kind, entry=entry,
                           backoff=lambda n: delay, require_timed_out=require_timed_out) == "applied"
         batched, single = row_of(cyclone_env.dsn, a["id"]), row_of(cyclone_env.dsn, b["id"])
@@ -104,7 +104,7 @@ def test_fail_many_leaves_what_it_must_not_decide(cyclone_env):
                                 entry={}, delay=0.0, require_timed_out=False)
         assert store.fail_many(owner=OWNER, items=[failure]) == set()
         assert row_of(cyclone_env.dsn, w["id"])["state"] == "running"
-        assert store.fail_many(owner=OWNER, items=[failure], workflows=True) == {w["id"]}
+        assert store.fail_many(owner=OWNER, items=[failure], workflows=True) == {(w["id"], w["lease_generation"])}
     finally:
         store.close()
 
@@ -139,7 +139,7 @@ def test_fail_many_matches_fail_in_paused_and_workflow_runs(cyclone_env, setup, 
         applied = store.fail_many(owner=OWNER, items=[FailedAttempt(
             id=first["id"], generation=first["lease_generation"], kind=kind, entry=entry, delay=0.0,
             require_timed_out=False)], workflows="workflow" in setup)
-        assert applied == {first["id"]}
+        assert applied == {(first["id"], first["lease_generation"])}
         assert store.fail(owner=OWNER, id=second["id"], generation=second["lease_generation"], kind=kind,
                           entry=entry, backoff=lambda n: 0.0) == "applied"
         batched, single = (run_rows(cyclone_env.dsn, r["run_id"]) for r in (first, second))
@@ -189,7 +189,7 @@ def test_one_statement_settles_completions_failures_and_the_next_claim(cyclone_e
             queues=["default"], names=["ok"], limit=2, ttl=30,
         )
         assert len(statements) == 1
-        assert (settled.completed, settled.failed) == ({a["id"]}, {c["id"]})
+        assert (settled.completed, settled.failed) == ({(a["id"], a["lease_generation"])}, {(c["id"], c["lease_generation"])})
         assert [r["run_id"] for r in settled.claimed] == [run_ids[3]]  # c waits for its next claim
         with connect(cyclone_env.dsn) as conn:
             rows = {r["id"]: r for r in conn.execute(
@@ -221,7 +221,7 @@ def test_each_completion_is_matched_by_its_lease_and_carries_its_own_output(cycl
             (b["id"], b["lease_generation"], [1, "b"], None),
             (a["id"], a["lease_generation"], {"mine": "a"}, None),
         ])
-        assert settled.completed == {a["id"], b["id"], c["id"]}
+        assert settled.completed == {(x["id"], x["lease_generation"]) for x in (a, b, c)}  # each by its current lease
         with connect(cyclone_env.dsn) as conn:
             rows = {r["id"]: r for r in conn.execute("SELECT id, state, output, progress FROM cyclone_steps")}
         assert [(rows[x["id"]]["state"], rows[x["id"]]["output"], rows[x["id"]]["progress"]) for x in (a, b, c)] == [
@@ -279,7 +279,7 @@ def test_an_error_entrys_time_is_utc_text_whatever_the_session_time_zone(cyclone
         _, (a, b) = claim_two(cyclone_env, store, h.raises, max_reclaims=0)
         assert store.fail_many(owner=OWNER, items=[FailedAttempt(
             id=a["id"], generation=a["lease_generation"], kind=decisions.ERROR, entry={}, delay=0.0,
-            require_timed_out=False)]) == {a["id"]}
+            require_timed_out=False)]) == {(a["id"], a["lease_generation"])}
         with connect(cyclone_env.dsn) as conn:
             conn.execute("UPDATE cyclone_steps SET lease_expiry = now() - interval '1 second' WHERE id = %s",
                          (b["id"],))

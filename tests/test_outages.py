@@ -138,11 +138,12 @@ def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5)
     env.mux().register(h.ok)
     sup = env.start_worker().client.supervisor
-    pid = sup.listen_conn.info.backend_pid
+    wait_for(lambda: sup.keeper is not None and sup.keeper.listen_conn is not None, 15, "a LISTEN connection")
+    pid = sup.keeper.listen_conn.info.backend_pid
     with caplog.at_level(logging.INFO, logger="cyclone_mp.supervisor"):
         with connect(env.dsn) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        wait_for(lambda: sup.listen_conn is not None and sup.listen_conn.info.backend_pid != pid, 15,
+        wait_for(lambda: sup.keeper.listen_conn is not None and sup.keeper.listen_conn.info.backend_pid != pid, 15,
                  "a new LISTEN connection")
     assert not [r for r in caplog.records if "rejected" in r.getMessage()]
     assert env.run_until_complete(env.enqueue(h.ok, {"after": "listen lost"}), timeout=30).state == "completed"
@@ -152,13 +153,13 @@ def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_
 def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_factory, monkeypatch, prefetch):
     """A claim the database rejects (not an outage: say a schema change broke it for a
     while) backs off as an empty claim does; it used to be retried on every tick,
-    thousands of times a second. With prefetch the claim runs on the batch writer."""
+    thousands of times a second."""
     from cyclone_mp.store import Store
 
     env = cyclone_env_factory(worker="thread", workers=1, poll_interval=(0.1, 1.0), prefetch=prefetch)
     env.mux().register(h.ok)
     sup = env.start_worker().client.supervisor
-    wait_for(lambda: sup.store is not None and sup.db_ok, 15, "the supervisor connected")
+    wait_for(lambda: sup.db_ok, 15, "the supervisor connected")
     calls = []
 
     def rejected(self, **kwargs):
@@ -258,9 +259,10 @@ def test_every_session_of_a_client_and_its_supervisor_limits_idle_transactions(c
     assert env.run_until_complete(run_id, timeout=30).state == "completed"
     sup = client.supervisor
     show = "SHOW idle_in_transaction_session_timeout"
-    seen = [sup.store.conn.execute(show).fetchone(), sup.batch.open().conn.execute(show).fetchone(),
-            client._call(lambda store: store.conn.execute(show).fetchone())]
-    assert [row["idle_in_transaction_session_timeout"] for row in seen] == ["1s"] * 3
+    wait_for(lambda: all(p.store is not None for p in (sup.keeper, sup.writer, sup.maintenance)), 15, "connected")
+    seen = [part.store.conn.execute(show).fetchone() for part in (sup.keeper, sup.writer, sup.maintenance)]
+    seen.append(client._call(lambda store: store.conn.execute(show).fetchone()))
+    assert [row["idle_in_transaction_session_timeout"] for row in seen] == ["1s"] * 4
 
 
 def test_a_client_call_whose_session_the_server_ended_mid_transaction_runs_again(cyclone_env_factory):

@@ -43,7 +43,7 @@ def test_a_module_whose_import_kills_or_hangs_the_child_stops_only_its_own_steps
     leave it out, so other steps run at once and its own steps fail at their first
     attempts (child_exited, or a timeout), as they did before children imported ahead."""
     monkeypatch.setenv(f"IMPORT_HANDLERS_{how.upper()}", "1")
-    monkeypatch.setattr("cyclone_mp.supervisor.PRELOAD_TIMEOUT", 1.0)
+    monkeypatch.setattr("cyclone_mp.pool.PRELOAD_TIMEOUT", 1.0)
     env = cyclone_env_factory(worker="thread", workers=1, kill_grace=0.2)
     env.mux().register(ih.imported_quick)
     env.mux().register(h.ok)

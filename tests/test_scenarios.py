@@ -553,16 +553,10 @@ def test_sc05_recovery_never_depends_on_worker_bookkeeping(cyclone_env_factory, 
     assert len(records(log_b, "done")) == 1
 
     # same host name and pid: still distinct owners
-    a = Supervisor(env.dsn, env.mux(), Config.build())
+    a = Supervisor(env.dsn, env.mux(), Config.build())  # (built, not run: it holds nothing yet)
     b = Supervisor(env.dsn, env.mux(), Config.build())
-    try:
-        prefix = f"{socket.gethostname()}:{os.getpid()}:"
-        assert a.id.startswith(prefix) and b.id.startswith(prefix) and a.id != b.id
-    finally:
-        for sup in (a, b):
-            sup.selector.close()
-            os.close(sup._wake_r)
-            os.close(sup._wake_w)
+    prefix = f"{socket.gethostname()}:{os.getpid()}:"
+    assert a.id.startswith(prefix) and b.id.startswith(prefix) and a.id != b.id
 
     old_pids = [r["pid"] for r in records(log_a, "tick") + records(log_b, "tick") if r["pid"]]
     check_after(env, w3, pids=[p for p in set(old_pids) if p not in env.child_pids()])
