@@ -155,6 +155,13 @@ class Config:
         return max(5.0, self.lease_ttl / 3.0)
 
     @property
+    def reconnect_cap(self) -> float:
+        """Seconds at most between two tries to reconnect after an outage (the delay doubles
+        from 0.1 s): ``lease_ttl / 4`` within [0.25, 2] s, so a supervisor cut off from the
+        database is back within about a lease once it is reachable again (issue 17)."""
+        return max(0.25, min(2.0, self.lease_ttl / 4.0))
+
+    @property
     def lock_timeout(self) -> float:
         """Seconds a supervisor's statement waits for a row lock before it gives up and is
         tried again (``lock_timeout``): ``lease_ttl / 6`` within [0.05, 1] s. One locked

@@ -33,7 +33,7 @@ from .store import Store
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
-RECONNECT_BACKOFF = (0.1, 2.0)  # seconds, doubling
+RECONNECT_FIRST = 0.1  # seconds before the first try to reconnect; it doubles up to the part's cap
 
 
 class CallTimer:
@@ -120,7 +120,8 @@ class DatabaseThread:
         clock: local monotonic clock in seconds.
     """
 
-    def __init__(self, name: str, open_store: Callable[[], Store], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str, open_store: Callable[[], Store], clock: Callable[[], float] = time.monotonic,
+                 reconnect_cap: float = 2.0) -> None:
         self.name = name
         self.inbox = Inbox()
         self.clock = clock
@@ -128,7 +129,8 @@ class DatabaseThread:
         self.store: Store | None = None
         self.db_ok = False
         self._reconnect_at = clock()
-        self._reconnect_delay = RECONNECT_BACKOFF[0]
+        self._reconnect_cap = reconnect_cap
+        self._reconnect_delay = RECONNECT_FIRST
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats: dict[str, int] = {}
@@ -140,15 +142,23 @@ class DatabaseThread:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float) -> bool:
-        """Ask the thread to end and wait up to ``timeout`` seconds; True if it ended. A
-        thread stuck in a call is left behind (a daemon: it dies with the process)."""
+    def request_stop(self) -> None:
+        """Ask the thread to end (after :meth:`finish`); returns at once."""
         self._stopping.set()
         self.inbox.wake()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; True if it did. A thread
+        stuck in a call is left behind (a daemon: it dies with the process)."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, timeout))
             return not self._thread.is_alive()
         return True
+
+    def stop(self, timeout: float) -> bool:
+        """:meth:`request_stop`, then :meth:`join`."""
+        self.request_stop()
+        return self.join(timeout)
 
     @property
     def stopping(self) -> bool:
@@ -193,7 +203,7 @@ class DatabaseThread:
             log.info("%s: cannot connect (next try in %.1fs): %s", self.name, self._reconnect_delay, exc)
             return
         self.db_ok = True
-        self._reconnect_delay = RECONNECT_BACKOFF[0]
+        self._reconnect_delay = RECONNECT_FIRST
         try:
             self.connected()
         except DatabaseError as exc:
@@ -221,7 +231,7 @@ class DatabaseThread:
 
     def _schedule_reconnect(self) -> None:
         self._reconnect_at = self.clock() + self._reconnect_delay
-        self._reconnect_delay = min(RECONNECT_BACKOFF[1], self._reconnect_delay * 2)
+        self._reconnect_delay = min(self._reconnect_cap, self._reconnect_delay * 2)
 
     def _close(self) -> None:
         if self.store is not None:

@@ -72,9 +72,10 @@ class LeaseKeeper(DatabaseThread):
         def open_store() -> Store:
             return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
                               lock_timeout=config.lock_timeout, statement_timeout=config.call_bound,
-                              dead_after=config.call_bound, connect_timeout=max(2.0, config.call_bound))
+                              dead_after=config.call_bound, connect_timeout=max(2.0, config.call_bound),
+                              application_name=f"cyclone_mp lease keeper {owner}")
 
-        super().__init__("cyclone-lease-keeper", open_store, clock)
+        super().__init__("cyclone-lease-keeper", open_store, clock, reconnect_cap=config.reconnect_cap)
         self.config = config
         self.owner = owner
         self.names = list(names)
@@ -217,7 +218,8 @@ class LeaseKeeper(DatabaseThread):
     def _listen(self) -> None:
         self._unlisten()
         try:
-            conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound)
+            conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound,
+                           application_name=f"cyclone_mp listen {self.owner}")
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             self.listen_conn = conn
         except Exception as exc:  # noqa: BLE001 - polling still works without LISTEN

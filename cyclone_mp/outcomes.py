@@ -36,7 +36,7 @@ from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
 log = logging.getLogger("cyclone_mp.supervisor")
 
 RETRY_AFTER = 0.05  # seconds before a write that could not be made now is tried again
-FINAL_FLUSH = 1.0  # seconds the writer may spend on what is left when the supervisor stops
+FINAL_FLUSH = 0.75  # seconds the writer may spend on what is left when the supervisor stops
 
 
 @dataclasses.dataclass
@@ -68,9 +68,9 @@ class OutcomeWriter(DatabaseThread):
         def open_store() -> Store:
             return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
                               lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
-                              dead_after=config.write_bound)
+                              dead_after=config.write_bound, application_name=f"cyclone_mp outcome writer {owner}")
 
-        super().__init__("cyclone-outcome-writer", open_store, clock)
+        super().__init__("cyclone-outcome-writer", open_store, clock, reconnect_cap=config.reconnect_cap)
         self.config = config
         self.owner = owner
         self.names = names

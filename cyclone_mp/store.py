@@ -152,16 +152,21 @@ def tcp_bounds(dead_after: float) -> dict[str, int]:
             "tcp_user_timeout": max(1000, int(dead_after * 1000))}
 
 
-def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0, dead_after: float = 30.0) -> psycopg.Connection:
+def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0, dead_after: float = 30.0,
+            application_name: str | None = None) -> psycopg.Connection:
     """Open one connection with dict rows; ``timeout``: seconds to connect;
-    ``dead_after``: seconds after which a silent TCP peer is an error (:func:`tcp_bounds`).
+    ``dead_after``: seconds after which a silent TCP peer is an error (:func:`tcp_bounds`);
+    ``application_name``: what ``pg_stat_activity`` shows for it (at most 63 bytes kept).
 
     Raises:
         DatabaseError: the server cannot be reached (message without the password).
     """
+    extra: dict[str, Any] = {}
+    if application_name:
+        extra["application_name"] = application_name[:63]
     try:
         return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(2, int(timeout)),
-                               **tcp_bounds(dead_after))
+                               **tcp_bounds(dead_after), **extra)
     except psycopg.Error as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
@@ -228,7 +233,7 @@ class Store:
     @classmethod
     def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None,
              lock_timeout: float | None = None, statement_timeout: float | None = None,
-             dead_after: float = 30.0, connect_timeout: float = 10.0) -> "Store":
+             dead_after: float = 30.0, connect_timeout: float = 10.0, application_name: str | None = None) -> "Store":
         """Connect to ``dsn``; raises DatabaseError.
 
         ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
@@ -237,9 +242,10 @@ class Store:
         them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
         ``idle_in_transaction``, ``lock_timeout``, ``statement_timeout`` (seconds): see
-        :func:`configure_session`; ``dead_after``, ``connect_timeout``: see :func:`connect`.
+        :func:`configure_session`; ``dead_after``, ``connect_timeout``, ``application_name``:
+        see :func:`connect`.
         """
-        conn = connect(dsn, timeout=connect_timeout, dead_after=dead_after)
+        conn = connect(dsn, timeout=connect_timeout, dead_after=dead_after, application_name=application_name)
         if generic_plans:
             # Prepared (and planned) at the first call, not the fifth: the first calls
             # of a start planned each many-CTE statement again, about 2 ms each.

@@ -162,18 +162,22 @@ class Supervisor:
         return info
 
     def _teardown(self, watchdog: procs.WatchdogLink) -> None:
-        """Stop the children, write what is left (bounded: a hung call is left behind),
-        stop the database parts, then the watchdog. Never waits on the database."""
+        """Stop the children, write what is left, stop the database parts, then the
+        watchdog. At most about :data:`~cyclone_mp.outcomes.FINAL_FLUSH` seconds once the
+        children are gone: a call that hangs (a partition) is left behind, never waited
+        for; its lease expires and another supervisor reclaims the step."""
         if self.control is not None:
             try:
                 self.control.close()
             except Exception:  # noqa: BLE001 - the rest must still stop
                 log.exception("stopping the children failed")
-        if self.writer is not None:
-            self.writer.stop(FINAL_FLUSH + 0.25)
-        for part in (self.keeper, self.maintenance):
-            if part is not None:
-                part.stop(0.5)
+        parts = [p for p in (self.writer, self.keeper, self.maintenance) if p is not None]
+        for part in parts:
+            part.request_stop()
+        deadline = time.monotonic() + FINAL_FLUSH + 0.1
+        for part in parts:
+            if not part.join(deadline - time.monotonic()):
+                log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close()
 
     # -- what callers read -----------------------------------------------------------------

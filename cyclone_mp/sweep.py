@@ -81,9 +81,9 @@ class Maintenance(DatabaseThread):
         def open_store() -> Store:
             return Store.open(dsn, idle_in_transaction=config.idle_in_transaction_limit,
                               lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
-                              dead_after=config.write_bound)
+                              dead_after=config.write_bound, application_name=f"cyclone_mp maintenance {owner}")
 
-        super().__init__("cyclone-maintenance", open_store, clock)
+        super().__init__("cyclone-maintenance", open_store, clock, reconnect_cap=config.reconnect_cap)
         self.config = config
         self.sweeper = sweeper
         self.owner = owner
@@ -134,6 +134,6 @@ class Maintenance(DatabaseThread):
         if not self.db_ok:
             return
         try:
-            self.call(min(1.0, self.config.write_bound), lambda store: store.unregister_worker(self.owner))
+            self.call(0.5, lambda store: store.unregister_worker(self.owner))
         except DatabaseError:
             pass

@@ -537,18 +537,24 @@ DELETE FROM cyclone_workers WHERE heartbeat_at < now() - interval '1 hour';
 
 -- name: annotate_attempt
 -- The sweep settled a timed-out attempt first: add the killing supervisor's forensics to
--- that entry, and %(note)s (what the supervisor did, or NULL) to its message.
-UPDATE cyclone_steps
-   SET errors = jsonb_set(errors, ARRAY[(jsonb_array_length(errors) - 1)::text],
-                          (errors -> -1) || %(forensics)s::jsonb
+-- that attempt's entry (found by its lease owner and generation, wherever it is: the step
+-- may have been retried and failed again before the kill), and %(note)s (what the
+-- supervisor did, or NULL) to its message.
+UPDATE cyclone_steps s
+   SET errors = jsonb_set(s.errors, ARRAY[(e.idx - 1)::text],
+                          e.entry || %(forensics)s::jsonb
                           || CASE WHEN %(note)s::text IS NULL THEN '{}'::jsonb
-                                  ELSE jsonb_build_object('message', concat_ws('; ', errors -> -1 ->> 'message', %(note)s::text))
+                                  ELSE jsonb_build_object('message', concat_ws('; ', e.entry ->> 'message', %(note)s::text))
                              END)
- WHERE id = %(id)s
-   AND jsonb_array_length(errors) > 0
-   AND NOT (errors -> -1) ? 'killed_by_supervisor'  -- once
-   AND errors -> -1 ->> 'lease_owner' = %(owner)s
-   AND (errors -> -1 ->> 'lease_generation')::bigint = %(generation)s;
+  FROM (SELECT t.entry, t.idx
+          FROM cyclone_steps c, jsonb_array_elements(c.errors) WITH ORDINALITY AS t(entry, idx)
+         WHERE c.id = %(id)s
+           AND t.entry ->> 'lease_owner' = %(owner)s
+           AND (t.entry ->> 'lease_generation')::bigint = %(generation)s
+           AND NOT t.entry ? 'killed_by_supervisor'  -- once
+         ORDER BY t.idx DESC
+         LIMIT 1) e
+ WHERE s.id = %(id)s;
 
 -- name: hold_paused
 -- In a paused run, a step that became claimable or waiting (a retry, a reclaim, a release)

@@ -29,16 +29,20 @@ from ..status import RunStatus, StepStatus
 from ..steps import Mux, Step
 from ..store import connect
 from ..workflow import Workflow
+from .network import FaultProxy
 
 
 class WorkerHandle:
-    """One supervisor started by an Env: a process (``popen``) or a thread (``client``)."""
+    """One supervisor started by an Env: a process (``popen``) or a thread (``client``).
+    ``proxy``: the :class:`~cyclone_mp.testing.network.FaultProxy` between it and
+    PostgreSQL (``Env(proxy=True)``), or None."""
 
     def __init__(self, *, popen: subprocess.Popen[bytes] | None = None, client: Client | None = None,
-                 supervisor_id: str = "") -> None:
+                 supervisor_id: str = "", proxy: FaultProxy | None = None) -> None:
         self.popen = popen
         self.client = client
         self.supervisor_id = supervisor_id
+        self.proxy = proxy
 
     @property
     def pid(self) -> int:
@@ -60,6 +64,9 @@ class Env:
         workers: child slots per supervisor. lease_ttl, kill_grace, shutdown_grace:
             seconds (short defaults for fast tests). poll_interval: seconds or (min, max).
         worker: ``"process"`` (a real supervisor process) or ``"thread"``.
+        proxy: put a :class:`~cyclone_mp.testing.network.FaultProxy` between each
+            supervisor started and PostgreSQL, so :meth:`partition`, :meth:`heal`,
+            :meth:`add_latency` and :meth:`reset_connections` can act on it (issue 17).
         **options: any other :class:`~cyclone_mp.Client` option.
 
     Raises:
@@ -76,12 +83,14 @@ class Env:
         shutdown_grace: float = 5.0,
         poll_interval: Any = (0.02, 0.1),
         worker: str = "process",
+        proxy: bool = False,
         **options: Any,
     ) -> None:
         if worker not in ("process", "thread"):
             raise ConfigurationError(f"worker must be 'process' or 'thread', not {worker!r}")
         self.dsn = dsn
         self.mode = worker
+        self.proxy = proxy
         self.options: dict[str, Any] = {
             "workers": workers, "lease_ttl": lease_ttl, "kill_grace": kill_grace,
             "shutdown_grace": shutdown_grace, "poll_interval": list(poll_interval) if isinstance(poll_interval, (tuple, list)) else poll_interval,
@@ -122,21 +131,38 @@ class Env:
 
     # -- supervisors ---------------------------------------------------------------------------
 
-    def start_worker(self, **overrides: Any) -> WorkerHandle:
-        """Start one more supervisor (process or thread per the mode) and wait until it runs."""
+    def start_worker(self, *, proxy: bool | None = None, dsn: str | None = None, prefix: list[str] | None = None,
+                     **overrides: Any) -> WorkerHandle:
+        """Start one more supervisor (process or thread per the mode) and wait until it runs.
+
+        ``proxy`` (default: the Env's): reach PostgreSQL through a fault proxy of its own.
+        ``dsn``: connect there instead of the Env's database (the same database reached
+        another way, say from a network namespace). ``prefix``: a command the process
+        supervisor's command line is run under (``["ip", "netns", "exec", NAME]``)."""
         options = {**self.options, **overrides}
-        if self.mode == "thread":
-            skew = self.clock_skew
-            client = Client(self.dsn, self._mux, clock=lambda: time.monotonic() + skew,
-                            wall_clock=lambda: time.time() + skew, **options)
-            client.start()
-            handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
-        else:
-            handle = self._spawn_process(options)
+        dsn = dsn or self.dsn
+        fault = None
+        if self.proxy if proxy is None else proxy:
+            fault = FaultProxy(upstream_of(dsn))
+            dsn = through(dsn, fault)
+        try:
+            if self.mode == "thread":
+                skew = self.clock_skew
+                client = Client(dsn, self._mux, clock=lambda: time.monotonic() + skew,
+                                wall_clock=lambda: time.time() + skew, **options)
+                client.start()
+                handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
+            else:
+                handle = self._spawn_process(options, dsn, prefix)
+        except BaseException:
+            if fault is not None:
+                fault.close()
+            raise
+        handle.proxy = fault
         self.workers.append(handle)
         return handle
 
-    def _spawn_process(self, options: dict[str, Any]) -> WorkerHandle:
+    def _spawn_process(self, options: dict[str, Any], dsn: str, prefix: list[str] | None = None) -> WorkerHandle:
         steps, workflows = [], []
         for step in self._mux.steps.values():
             if not step.ref.importable():
@@ -149,12 +175,12 @@ class Env:
             workflows.append({"module": wf.module, "name": wf.name})
         ready = os.path.join(self._tmp, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
         config = {
-            "dsn": self.dsn, "steps": steps, "workflows": workflows, "options": options,
+            "dsn": dsn, "steps": steps, "workflows": workflows, "options": options,
             "ready_file": ready, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
             "clock_skew": self.clock_skew,
         }
-        popen = subprocess.Popen([sys.executable, "-m", "cyclone_mp.testing.worker", json.dumps(config)],
-                                 stdin=subprocess.DEVNULL)
+        popen = subprocess.Popen([*(prefix or []), sys.executable, "-m", "cyclone_mp.testing.worker",
+                                  json.dumps(config)], stdin=subprocess.DEVNULL)
         self._pids_seen.add(popen.pid)
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
@@ -202,6 +228,31 @@ class Env:
             if handle.popen is not None and handle.alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(handle.pid, signal.SIGCONT)
+
+    def _proxied(self, handle: WorkerHandle | None, what: str) -> FaultProxy:
+        handle = handle or self._worker()
+        if handle.proxy is None:
+            raise ConfigurationError(f"{what} needs a supervisor started with a proxy: Env(proxy=True)")
+        return handle.proxy
+
+    def partition(self, handle: WorkerHandle | None = None) -> None:
+        """Black-hole the database traffic of the newest supervisor (or ``handle``): nothing
+        is answered, nothing is reset, as when a network silently drops packets. Its
+        handlers must be dead before its leases can expire (SPEC 9). Needs ``proxy=True``."""
+        self._proxied(handle, "partition()").partition()
+
+    def heal(self, handle: WorkerHandle | None = None) -> None:
+        """End a :meth:`partition`."""
+        self._proxied(handle, "heal()").heal()
+
+    def add_latency(self, seconds: float, handle: WorkerHandle | None = None) -> None:
+        """Add ``seconds`` of round trip between the newest supervisor (or ``handle``) and
+        PostgreSQL (0 removes it). Needs ``proxy=True``."""
+        self._proxied(handle, "add_latency()").add_latency(seconds)
+
+    def reset_connections(self, handle: WorkerHandle | None = None) -> None:
+        """Close the newest supervisor's (or ``handle``'s) database connections with an RST."""
+        self._proxied(handle, "reset_connections()").reset()
 
     def terminate_worker(self, sig: int = signal.SIGTERM) -> WorkerHandle:
         """Send ``sig`` to the newest supervisor process (SIGTERM drains, SPEC 5)."""
@@ -301,6 +352,9 @@ class Env:
     def stop_workers(self) -> None:
         """Stop every supervisor: SIGKILL processes (their children die with them), stop threads."""
         for handle in self.workers:
+            if handle.proxy is not None:  # a clean stop writes what it has
+                handle.proxy.heal()
+                handle.proxy.add_latency(0)
             if handle.popen is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(handle.popen.pid, signal.SIGCONT)
@@ -314,6 +368,8 @@ class Env:
             elif handle.client is not None:
                 handle.client.stop()
                 handle.client.close()
+            if handle.proxy is not None:
+                handle.proxy.close()
         self.workers.clear()
 
     def close(self) -> None:
@@ -331,6 +387,28 @@ class Env:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def upstream_of(dsn: str) -> tuple[str, int] | str:
+    """Where a DSN's connections go: ``(host, port)``, or a Unix socket's path."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(dsn)
+    host = str(params.get("host") or "/var/run/postgresql").split(",")[0]
+    port = int(str(params.get("port") or 5432).split(",")[0])
+    if host.startswith("/"):
+        return os.path.join(host, f".s.PGSQL.{port}")
+    return (host, port)
+
+
+def through(dsn: str, proxy: FaultProxy) -> str:
+    """``dsn`` with its host and port replaced by the proxy's."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    params = conninfo_to_dict(dsn)
+    params.update(proxy.dsn_options())
+    params.pop("hostaddr", None)
+    return make_conninfo(**params)
 
 
 def _is_our_descendant(pid: int) -> bool:
