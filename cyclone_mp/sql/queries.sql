@@ -370,6 +370,10 @@ UPDATE cyclone_runs
  WHERE id = %(run_id)s AND state IN ('running', 'paused')
 RETURNING (SELECT count(*) FROM steps) AS steps;
 
+-- name: attempt_kinds_expr
+-- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
+'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit'
+
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
 -- discarded by its attempts gets max_attempts raised to attempt + 1, as River does. A
@@ -377,9 +381,9 @@ RETURNING (SELECT count(*) FROM steps) AS steps;
 -- counted when that attempt ended.
 UPDATE cyclone_steps
    SET state = 'available',
-       attempt = CASE WHEN state = 'discarded' AND error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+       attempt = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
                       THEN attempt + 1 ELSE attempt END,
-       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
                            THEN greatest(max_attempts, attempt + 1) ELSE max_attempts END,
        reclaims = CASE WHEN state = 'discarded' AND error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
        scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
