@@ -25,6 +25,7 @@ import click
 
 from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep
 from cyclone_mp.status import TERMINAL_RUN_STATES
+from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
 
 from . import render
@@ -125,7 +126,7 @@ def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
               help="Seconds between a cooperative cancel and the SIGKILL.")
 @click.option("--shutdown-grace", type=SECONDS, default=30.0, show_default=True,
               help="Seconds in-flight steps may run on after SIGTERM/SIGINT.")
-@click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
+@click.option("--max-reclaims", type=click.IntRange(0, INT_MAX), default=None,
               help="Client-wide default max_reclaims for runs this process enqueues; the bound that "
                    "applies is stored on each step at enqueue (cy.step(max_reclaims=...) or "
                    "`enqueue --max-reclaims`) [default: unbounded].")
@@ -205,11 +206,13 @@ def migrate() -> None:
 @click.option("--input", "input_", type=JSON, default=None, metavar="JSON|@FILE",
               help="The run's input: JSON, @file.json, or @- for stdin [default: null].")
 @click.option("--timeout", type=SECONDS, default=None, help="Seconds per attempt (overrides the step's).")
-@click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Attempts before discard.")
-@click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
+@click.option("--max-attempts", type=click.IntRange(1, INT_MAX), default=None, help="Attempts before discard.")
+@click.option("--max-reclaims", type=click.IntRange(0, INT_MAX), default=None,
               help="Lease expiries (crashes) reclaimed before discard (overrides the step's).")
-@click.option("--queue", default=None, metavar="NAME", help="Queue (overrides the step's).")
-@click.option("--priority", type=int, default=None, help="Priority; lower runs first (overrides the step's).")
+@click.option("--queue", default=None, metavar="NAME",
+              help=f"Queue (overrides the step's); at most {MAX_NAME_LENGTH} characters.")
+@click.option("--priority", type=click.IntRange(INT_MIN, INT_MAX), default=None,
+              help="Priority; lower runs first (overrides the step's).")
 @click.option("--delay", type=SECONDS, default=None, help="Seconds before the first claim.")
 @click.option("--idempotency-key", default=None, metavar="KEY", help="Return the existing run for this key.")
 @click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
