@@ -84,11 +84,13 @@ def redact(text: str) -> str:
     """Return ``text`` (a DSN, or a message quoting one) with every password shown as ``***``.
 
     Handles URIs (``user:secret@host``, ``?password=secret``) and key=value strings,
-    quoted values with spaces included; never print a secret.
+    quoted values with spaces included and unquoted ones with escaped characters
+    (``password=S3cret\\ more``); never print a secret.
     """
     text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
     text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
-    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s']+)", r"\1***", text, flags=re.I)
+    # an unquoted libpq value ends at white space that no backslash escapes ("S3cret\\ more")
+    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)", r"\1***", text, flags=re.I)
 
 
 def stale_plan(exc: BaseException | None) -> bool:
