@@ -273,7 +273,7 @@ class Runner:
         except (TypeError, ValueError) as exc:
             return self._invalid(result, TypeError(f"handler output is not a JSON value: {exc}"))
         output = result.get("output")
-        if protocol.too_deep(frame, output):
+        if protocol.too_deep(frame, output, wrapping=1):
             return self._invalid(result, PayloadError(
                 f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
         problem = unstorable(output) if b"\\u" in frame else None

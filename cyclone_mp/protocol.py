@@ -81,15 +81,45 @@ def depth_over(value: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
-def too_deep(text: str | bytes, value: Any) -> bool:
-    """``value`` nests deeper than :data:`MAX_DEPTH`; ``text`` is JSON holding it (the
-    value's own, or a frame around it). Counting brackets is C-fast and enough for
-    almost every value: only a text with more brackets than the limit is walked."""
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (our encoders escape every non-ASCII character)
+_STRING_B = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_NOT_BRACKET_B = re.compile(rb"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")  # one level per pass: re.sub never rescans what it joined
+_INNERMOST_B = re.compile(rb"\[\]|\{\}")
+
+
+def text_depth_over(text: str | bytes, limit: int = MAX_DEPTH) -> bool:
+    """True when the JSON ``text`` nests more than ``limit`` levels. In C-speed passes:
+    strings are cut out, every character but brackets dropped, then each pass removes
+    the innermost ``[]``/``{}`` pairs (one level); ``limit`` passes that leave brackets
+    mean a deeper value. Most values are wide, not deep: a few passes empty them."""
+    if isinstance(text, bytes):
+        string, not_bracket, innermost = _STRING_B, _NOT_BRACKET_B, _INNERMOST_B
+    else:
+        string, not_bracket, innermost = _STRING, _NOT_BRACKET, _INNERMOST  # type: ignore[assignment]
+    rest = not_bracket.sub(type(text)(), string.sub(type(text)(), text))  # type: ignore[arg-type]
+    for _ in range(limit):
+        if not rest:
+            return False
+        rest, removed = innermost.subn(type(text)(), rest)  # type: ignore[arg-type]
+        if not removed:
+            return False  # unbalanced: not our encoder's output; the decoder will say so
+    return bool(rest)
+
+
+def too_deep(text: str | bytes, value: Any, wrapping: int = 0) -> bool:
+    """``value`` nests deeper than :data:`MAX_DEPTH`; ``text`` is JSON holding it, in
+    ``wrapping`` levels of containers (a frame around it). Counting brackets (C) rules
+    out almost every value; past that, :func:`text_depth_over` decides, and the value
+    itself is walked only when the text is too deep (the wrapping may hold other deep
+    values)."""
     if isinstance(text, str):
         brackets = text.count("[") + text.count("{")
     else:
         brackets = text.count(b"[") + text.count(b"{")
-    return brackets > MAX_DEPTH and depth_over(value)
+    return (brackets > MAX_DEPTH and text_depth_over(text, MAX_DEPTH + wrapping)
+            and (wrapping == 0 or depth_over(value)))
 
 
 def check_value(value: Any, what: str, max_bytes: int) -> str:

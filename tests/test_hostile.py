@@ -134,6 +134,24 @@ def test_check_value_limits_depth_without_recursing(depth, ok):
         sys.setrecursionlimit(old)
 
 
+def test_depth_from_the_text_agrees_with_the_walk():
+    """text_depth_over (regex passes over the JSON text) and depth_over (a walk of the
+    value) agree, brackets and quotes inside strings included."""
+    import random
+
+    rng = random.Random(18)
+    for _ in range(300):
+        depth = rng.choice([1, 2, 50, 199, 200, 201, 202, 210, 400])
+        value = rng.choice([[], {}, 'x[{"\\', 1])
+        for _ in range(depth - (1 if isinstance(value, (list, dict)) else 0)):
+            value = [value, ']}"[', {"a": [1]}] if rng.random() < 0.5 else {'k"[\\': value, "z": [[]]}
+        text = json.dumps(value)
+        expected = protocol.depth_over(value)
+        assert protocol.text_depth_over(text) is expected
+        assert protocol.text_depth_over(text.encode()) is expected
+        assert protocol.text_depth_over(json.dumps(value, separators=(",", ":"))) is expected
+
+
 def test_load_value_reports_each_bad_text():
     with pytest.raises(PayloadError, match=LIMIT_WORDS):
         protocol.load_value("[" * 5000 + "]" * 5000, "the file")
