@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,6 +26,7 @@ import click
 
 from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep
 from cyclone_mp.status import TERMINAL_RUN_STATES
+from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
 
 from . import render
@@ -94,11 +96,16 @@ def _out() -> Any:
 
 @click.group(cls=CycloneGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--dsn", envvar="CYCLONE_DSN", metavar="DSN", default=None,
-              help="PostgreSQL connection string [env CYCLONE_DSN]; default: the embedded server.")
+              help="PostgreSQL connection string [env CYCLONE_DSN]; default: --dsn-file, else libpq's "
+                   "PGHOST/PGSERVICE variables, else the embedded server. A password here is visible "
+                   "to other users (ps): prefer CYCLONE_DSN, --dsn-file, PGPASSWORD or ~/.pgpass.")
+@click.option("--dsn-file", envvar="CYCLONE_DSN_FILE", metavar="PATH", default=None,
+              type=click.Path(exists=True, dir_okay=False),
+              help="Read the connection string from this file (its first line) [env CYCLONE_DSN_FILE].")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(package_name="cyclone-mp", prog_name="cyclone-mp")
 @click.pass_context
-def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
+def cli(ctx: click.Context, dsn: str | None, dsn_file: str | None, verbose: int) -> None:
     """cyclone-mp: a PostgreSQL-backed durable step engine whose worker is a
     multiprocess supervisor that can kill wedged handlers.
 
@@ -109,7 +116,81 @@ def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
     if verbose < 2:
         logging.getLogger("psycopg").setLevel(logging.ERROR)  # pool chatter; our errors say it once
-    ctx.obj = Settings(dsn=dsn or None, verbose=verbose)
+    ctx.obj = Settings(dsn=_choose_dsn(ctx, dsn, dsn_file), verbose=verbose)
+
+
+LONG_LIVED = ("worker", "dashboard")  # commands whose process line others see for a long time
+#: libpq variables that name a server: with one of them set and no DSN given, the CLI
+#: connects with an empty DSN (libpq reads PGHOST, PGPORT, PGUSER, PGPASSWORD, ... itself).
+LIBPQ_SERVER_ENV = ("PGHOST", "PGHOSTADDR", "PGSERVICE")
+_COMMAND_LINE: list[str] | None = None  # the arguments main() runs with, when it is the program
+
+
+def _choose_dsn(ctx: click.Context, dsn: str | None, dsn_file: str | None) -> str | None:
+    """The DSN to use: ``--dsn`` / CYCLONE_DSN, else ``--dsn-file``, else ``""`` (libpq's
+    own variables) when one of :data:`LIBPQ_SERVER_ENV` is set, else None (the embedded
+    server). A password given on the command line gets one warning line, and a
+    long-lived command is run again without it (:func:`_hide_dsn`)."""
+    from click.core import ParameterSource
+
+    from cyclone_mp.procs import holds_password
+
+    on_command_line = ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
+    if dsn_file and ctx.get_parameter_source("dsn_file") == ParameterSource.COMMANDLINE and on_command_line and dsn:
+        raise click.UsageError("give --dsn or --dsn-file, not both", ctx)
+    if dsn_file and not (dsn and on_command_line):
+        try:
+            with open(dsn_file, encoding="utf-8") as fh:
+                dsn = fh.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"cannot read {dsn_file!r}: {getattr(exc, 'strerror', None) or exc}",
+                                     ctx, param_hint="--dsn-file") from None
+        if not dsn:
+            raise click.BadParameter(f"{dsn_file!r} holds no connection string", ctx, param_hint="--dsn-file")
+        return dsn
+    if dsn and on_command_line and holds_password(dsn):
+        click.echo("Warning: a password in --dsn is visible to other users (ps); give it in CYCLONE_DSN, "
+                   "--dsn-file, PGPASSWORD or ~/.pgpass instead", err=True)
+        if ctx.invoked_subcommand in LONG_LIVED:
+            _hide_dsn(dsn)
+    if dsn:
+        return dsn
+    if any(os.environ.get(name) for name in LIBPQ_SERVER_ENV):
+        return ""
+    return None
+
+
+def _hide_dsn(dsn: str) -> None:
+    """Run this command again in this process (``execve``: same pid) with the DSN moved
+    from the command line to CYCLONE_DSN, so a worker's ``ps`` line never shows its
+    password for the rest of its life (the environment of a process is readable by its
+    user and root only). Nothing happens when this is not the ``cyclone-mp`` program
+    itself (tests calling :func:`main` with arguments) or the command line is not ours."""
+    args = _COMMAND_LINE
+    if args is None or not args or sys.argv[1:] != args or list(sys.orig_argv[-len(args):]) != args:
+        return
+    kept: list[str] = []
+    rest = iter(enumerate(args))
+    for i, arg in rest:
+        if arg == "--dsn":
+            next(rest, None)  # its value
+        elif arg.startswith("--dsn="):
+            continue
+        elif arg.startswith("-"):
+            kept.append(arg)
+        else:  # the command: everything from here on is its own
+            kept.extend(args[i:])
+            break
+    env = {**os.environ, "CYCLONE_DSN": dsn}
+    env.pop("CYCLONE_DSN_FILE", None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, list(sys.orig_argv[:len(sys.orig_argv) - len(args)]) + kept, env)
+
+
+def describe_dsn(dsn: str) -> str:
+    """What the worker and dashboard banners say about the database (never a password)."""
+    return redact(dsn) if dsn else "from libpq's environment (PGHOST, PGSERVICE, ...)"
 
 
 # -- worker, migrate ---------------------------------------------------------------------------------
@@ -125,7 +206,7 @@ def cli(ctx: click.Context, dsn: str | None, verbose: int) -> None:
               help="Seconds between a cooperative cancel and the SIGKILL.")
 @click.option("--shutdown-grace", type=SECONDS, default=30.0, show_default=True,
               help="Seconds in-flight steps may run on after SIGTERM/SIGINT.")
-@click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
+@click.option("--max-reclaims", type=click.IntRange(0, INT_MAX), default=None,
               help="Client-wide default max_reclaims for runs this process enqueues; the bound that "
                    "applies is stored on each step at enqueue (cy.step(max_reclaims=...) or "
                    "`enqueue --max-reclaims`) [default: unbounded].")
@@ -158,7 +239,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(
         f"cyclone-mp worker: {cfg.workers} children, queues {', '.join(cfg.queues)}, "
-        f"steps {', '.join(mux.step_names) or '(none)'}; database {redact(client.dsn)}; "
+        f"steps {', '.join(mux.step_names) or '(none)'}; database {describe_dsn(client.dsn)}; "
         "SIGTERM/Ctrl-C drains, a second one stops", err=True,
     )
     def after_drain(signum: int, frame: Any) -> None:
@@ -205,11 +286,13 @@ def migrate() -> None:
 @click.option("--input", "input_", type=JSON, default=None, metavar="JSON|@FILE",
               help="The run's input: JSON, @file.json, or @- for stdin [default: null].")
 @click.option("--timeout", type=SECONDS, default=None, help="Seconds per attempt (overrides the step's).")
-@click.option("--max-attempts", type=click.IntRange(min=1), default=None, help="Attempts before discard.")
-@click.option("--max-reclaims", type=click.IntRange(min=0), default=None,
+@click.option("--max-attempts", type=click.IntRange(1, INT_MAX), default=None, help="Attempts before discard.")
+@click.option("--max-reclaims", type=click.IntRange(0, INT_MAX), default=None,
               help="Lease expiries (crashes) reclaimed before discard (overrides the step's).")
-@click.option("--queue", default=None, metavar="NAME", help="Queue (overrides the step's).")
-@click.option("--priority", type=int, default=None, help="Priority; lower runs first (overrides the step's).")
+@click.option("--queue", default=None, metavar="NAME",
+              help=f"Queue (overrides the step's); at most {MAX_NAME_LENGTH} characters.")
+@click.option("--priority", type=click.IntRange(INT_MIN, INT_MAX), default=None,
+              help="Priority; lower runs first (overrides the step's).")
 @click.option("--delay", type=SECONDS, default=None, help="Seconds before the first claim.")
 @click.option("--idempotency-key", default=None, metavar="KEY", help="Return the existing run for this key.")
 @click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
@@ -525,7 +608,7 @@ def dashboard(host: str, port: int, token: str | None) -> None:
     try:
         client.migrate()
         serve(client, host=host, port=port, token=token or None,
-              on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {redact(client.dsn)}; "
+              on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {describe_dsn(client.dsn)}; "
                                               "Ctrl-C stops)", err=True))
     finally:
         client.close()
@@ -542,6 +625,8 @@ def _fail(message: str, code: int) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Console script ``cyclone-mp``: run the CLI and exit with its code (0, 1 or 2)."""
+    global _COMMAND_LINE
+    _COMMAND_LINE = sys.argv[1:] if argv is None else None  # the program itself: its line may be re-run
     try:
         code = cli.main(args=argv, prog_name="cyclone-mp", standalone_mode=False)
     except LibraryUsageError as exc:

@@ -6,13 +6,15 @@ line naming the option) on malformed input.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 import sys
 from typing import Any
 
 import click
+
+from cyclone_mp.errors import PayloadError
+from cyclone_mp.protocol import load_value
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.I)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
@@ -29,18 +31,19 @@ class JsonValue(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if not isinstance(value, str):
             return value
-        text, source = value, "value"
+        text: str | bytes = value
+        source = "value"
         if value.startswith("@"):
             where = value[1:]
             try:
-                text = sys.stdin.read() if where == "-" else pathlib.Path(where).expanduser().read_text()
+                text = sys.stdin.buffer.read() if where == "-" else pathlib.Path(where).expanduser().read_bytes()
             except OSError as exc:
                 self.fail(f"cannot read {where!r}: {exc.strerror or exc}", param, ctx)
             source = "standard input" if where == "-" else f"file {where!r}"
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            self.fail(f"the {source} is not valid JSON: {exc}", param, ctx)
+            return load_value(text, f"the {source}")
+        except PayloadError as exc:  # not UTF-8, not JSON, too deep, an integer over 4,300 digits
+            self.fail(str(exc), param, ctx)
 
 
 class Seconds(click.ParamType):

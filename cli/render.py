@@ -147,7 +147,8 @@ def steps_table(status: RunStatus, *, live: bool = False) -> Table:
                       step.error_kind or "", when(step.started_at), when(step.finished_at)]
         cells.append(progress_cell(step.progress))
         if errors or not live:
-            cells.append(Text(short(step.error, 60), style="red"))
+            last_type = step.errors[-1].get("type") if step.errors and step.error else None
+            cells.append(Text(short(error_text(last_type, step.error), 60), style="red"))
         table.add_row(*cells)
     return table
 
@@ -167,10 +168,21 @@ def attempts_table(steps: Iterable[StepStatus]) -> Table | None:
                 "-" if killed is None else ("yes" if killed else "no"), str(entry.get("trigger") or "-"),
                 secs(entry.get("cpu_seconds"), 3), mib(entry.get("peak_rss_kb"), unit_kb=True),
                 secs(entry.get("elapsed")), when(_parse_time(entry.get("at"))),
-                Text(short(entry.get("message"), 70), style="red"),
+                Text(short(error_text(entry.get("type"), entry.get("message")), 70), style="red"),
             )
             rows += 1
     return table if rows else None
+
+
+def error_text(type_name: Any, message: Any) -> str:
+    """``ValueError: bad value``: the exception's short type name beside its message
+    (once: a message that already starts with it, such as ``SystemExit: exit code 0``,
+    is shown as it is)."""
+    text = "" if message is None else str(message)
+    short_type = str(type_name).rsplit(".", 1)[-1] if type_name else ""
+    if not short_type or text.startswith(short_type):
+        return text
+    return f"{short_type}: {text}" if text else short_type
 
 
 def _parse_time(value: Any) -> dt.datetime | None:

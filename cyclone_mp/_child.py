@@ -30,13 +30,16 @@ if TYPE_CHECKING:
 from . import protocol
 from .protocol import storable, unstorable
 from .context import Cancellation, Context
-from .errors import Cancelled, Permanent
+from .errors import Cancelled, PayloadError, Permanent
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
+PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
+# error kinds this runner reports besides "error", "permanent" and "cancelled" (cyclone_mp.decisions)
+OUTPUT_INVALID, MEMORY_ERROR, EXIT = "output_invalid", "memory_error", "exit"
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -97,11 +100,20 @@ class Runner:
 
     def progress(self, done: Any, total: Any, message: Any) -> None:
         """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
-        is sent by a timer once the interval has passed, so the latest always lands."""
+        is sent by a timer once the interval has passed, so the latest always lands.
+
+        Raises:
+            PayloadError: ``done``/``total`` are not JSON values within the payload
+                boundary (:data:`PROGRESS_MAX_BYTES`): raised in the handler, at its
+                ``set_progress`` call; uncaught, the attempt fails as ``output_invalid``.
+        """
+        try:
+            protocol.check_value([done, total], "progress (done, total)", PROGRESS_MAX_BYTES)
+        except PayloadError as exc:
+            exc.kind = OUTPUT_INVALID  # type: ignore[attr-defined]
+            raise
         msg = {"t": "progress", "task": self.task, "done": done, "total": total,
                "message": None if message is None else storable(str(message)[:500])}
-        if unstorable([done, total]):
-            return  # a progress value PostgreSQL cannot store is dropped, never fatal
         with self.lock:
             wait = self._last_progress + PROGRESS_MIN_INTERVAL - time.monotonic()
             if wait > 0:
@@ -137,36 +149,35 @@ class Runner:
 
             deadline = dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
         try:
-            # The input and the upstream outputs come as JSON text, read here, not in the
-            # supervisor: a value nested too deeply to decode fails its own attempt, at once
-            # and for good (it would fail the same way every time), never its claim batch.
-            inp, upstream = task.get("input"), task.get("upstream")
-            if task.get("input_json") is not None:
-                inp = json.loads(task["input_json"])
-            if task.get("upstream_json") is not None:
-                upstream = json.loads(task["upstream_json"])
-        except (ValueError, RecursionError) as exc:
-            return failure("permanent", ValueError(f"the step's input cannot be decoded: {type(exc).__name__}: {exc}"))
+            inputs = task_inputs(task)
+        except PayloadError as exc:  # an input no retry can fix
+            return failure("permanent", exc)
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
-            deadline=deadline, upstream=upstream, progress_sink=self.progress,
+            deadline=deadline, upstream=inputs[1], progress_sink=self.progress,
             cancellation=self.cancellation,
         )
         try:
             fn = self.resolve(task["ref"])
             if fn not in self._handlers:
                 self._handlers[fn] = input_annotation(fn)
-            output = fn(ctx, convert_input(self._handlers[fn], inp))
+            output = fn(ctx, convert_input(self._handlers[fn], inputs[0]))
         except Cancelled as exc:
             return failure("cancelled", exc)
         except Permanent as exc:
             return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
+        except MemoryError as exc:
+            return failure(MEMORY_ERROR, exc, f"MemoryError: {exc}" if str(exc) else
+                           "MemoryError: the handler ran out of memory (an allocation failed)")
+        except SystemExit as exc:
+            return failure(EXIT, exc, exit_message(exc.code))
         except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
-            return failure("error", exc)
+            kind = getattr(exc, "kind", None) if isinstance(exc, PayloadError) else None
+            return failure(kind or "error", exc)
         try:
             return {"ok": True, "output": to_json_value(output)}
         except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
-            return failure("error", TypeError(f"handler output is not a JSON value: {exc}"))
+            return failure(OUTPUT_INVALID, TypeError(f"handler output is not a JSON value: {exc}"))
 
     def preload(self, modules: list[list[Any]]) -> None:
         """Import the handlers' modules before saying ready (issue 8: children start from
@@ -187,7 +198,7 @@ class Runner:
         self.preload(json.loads(os.environ.pop(protocol.PRELOAD_ENV, None) or "[]"))
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
-        reader = protocol.FrameReader(self.limit)
+        reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
         held: list[dict[str, Any]] = []  # tasks received while self.held
         while True:
@@ -200,6 +211,12 @@ class Runner:
             kind = message.get("t")
             if kind == "exit":
                 return
+            if kind == protocol.UNDECODABLE:  # a task we cannot read: say so, never leave it hanging
+                if message.get("of") == "task" and message.get("task"):
+                    self.send({"t": "result", "task": message["task"], **failure("permanent", PayloadError(
+                        f"the task could not be decoded: {message.get('error')}")),
+                        "cpu": 0.0, "children": False})
+                continue
             if kind == "go":  # the supervisor has swept the last attempt's leftover processes
                 self.held = False
                 inbox[:0], held = held, []
@@ -224,12 +241,12 @@ class Runner:
             self.peak.reset()
             started = time.monotonic()
             before = resource.getrusage(resource.RUSAGE_SELF)
-            result = self.run_task(message)
+            # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
+            result = {"t": "result", "task": message["task"], **self.run_task(message)}
             after = resource.getrusage(resource.RUSAGE_SELF)
             # The peak is forensics of failed and long attempts; a quick success skips the read.
             slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
             result.update({
-                "t": "result", "task": message["task"],
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
                 "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
                 "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
@@ -245,26 +262,36 @@ class Runner:
                 self.task = None
 
     def checked(self, result: dict[str, Any]) -> bytes:
-        """The result's frame; a non-JSON or oversized output becomes a stored error,
-        never a crash."""
+        """The result's frame. An output outside the payload boundary (not JSON, not
+        storable in jsonb, nested deeper than ``MAX_DEPTH``, over ``max_payload``) is
+        never sent: the attempt fails with kind ``output_invalid`` instead (issue 18)."""
         try:
             frame = protocol.encode(result)
-        except (TypeError, ValueError, RecursionError) as exc:
-            result.pop("output", None)
-            result.update(failure("error", TypeError(f"handler output is not a JSON value: {exc}")), ok=False)
-            return protocol.encode(result)
-        problem = unstorable(result.get("output"))
+        except RecursionError:
+            return self._invalid(result, PayloadError(
+                f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
+        except (TypeError, ValueError) as exc:
+            return self._invalid(result, TypeError(f"handler output is not a JSON value: {exc}"))
+        output = result.get("output")
+        if protocol.too_deep(frame, output, wrapping=1):
+            return self._invalid(result, PayloadError(
+                f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
+        problem = unstorable(output) if b"\\u" in frame else None
         if problem:
-            result.pop("output", None)
-            result.update(failure("error", ValueError(
-                f"handler output cannot be stored in PostgreSQL: it contains {problem}")), ok=False)
-            return protocol.encode(result)
-        if len(frame) > self.limit:
-            result.pop("output", None)
-            result.update(failure("error", ValueError(
-                f"handler output is {len(frame)} bytes, over the max_payload limit of {self.limit} bytes")), ok=False)
-            return protocol.encode(result)
+            return self._invalid(result, ValueError(
+                f"handler output cannot be stored in PostgreSQL: it contains {problem}"))
+        if len(frame) > self.limit + protocol.FRAME_ENVELOPE:
+            return self._invalid(result, PayloadError(
+                f"handler output is {len(frame)} bytes with its result's envelope, over the max_payload limit of "
+                f"{self.limit} bytes"))
         return frame
+
+    @staticmethod
+    def _invalid(result: dict[str, Any], exc: BaseException) -> bytes:
+        result.pop("output", None)
+        result.pop("progress", None)  # checked when it was set, but it must not sink the report
+        result.update(failure(OUTPUT_INVALID, exc))
+        return protocol.encode(result)
 
 
 def dropped_frame(token: str, reason: str) -> bytes:
@@ -314,11 +341,12 @@ def load_module(name: str, path: str | None, cache: dict[tuple[str, str | None],
     return module
 
 
-def failure(kind: str, exc: BaseException) -> dict[str, Any]:
-    """Describe an exception as plain data: type, message and traceback (never pickled)."""
+def failure(kind: str, exc: BaseException, message: str | None = None) -> dict[str, Any]:
+    """Describe an exception as plain data: type, message (``message``, else ``str(exc)``)
+    and traceback (never pickled)."""
     exc_type = type(exc)
     try:
-        message = str(exc)
+        message = str(exc) if message is None else message
     except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the failure
         message = f"<{exc_type.__name__}: str() failed>"
     try:
@@ -331,6 +359,35 @@ def failure(kind: str, exc: BaseException) -> dict[str, Any]:
         "ok": False, "kind": kind, "type": storable(f"{exc_type.__module__}.{exc_type.__qualname__}"),
         "message": storable(message[:10_000]), "traceback": storable(tb[-50_000:]),
     }
+
+
+def exit_message(code: Any) -> str:
+    """The stored message of a handler's ``sys.exit(code)``: it names SystemExit and the
+    exit code the process would have had (0 for None, 1 for a message)."""
+    if code is None:
+        return "SystemExit: exit code 0 (sys.exit() without a code)"
+    if isinstance(code, int) and not isinstance(code, bool):
+        return f"SystemExit: exit code {code}"
+    return f"SystemExit: exit code 1 ({str(code)[:1000]})"
+
+
+def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The task's input and upstream outputs. Either is a value (``input``,
+    ``upstream``) or, from a supervisor that hands them on undecoded, JSON text
+    (``input_json``, ``upstream_json``), decoded here with the payload rules.
+
+    Raises:
+        PayloadError: a text that cannot be decoded (nested deeper than ``MAX_DEPTH``...).
+    """
+    if task.get("input_json") is not None:
+        inp = protocol.load_value(task["input_json"], "the run's input")
+    else:
+        inp = task.get("input")
+    if task.get("upstream_json") is not None:
+        upstream = protocol.load_value(task["upstream_json"], "the upstream outputs")
+    else:
+        upstream = task.get("upstream")
+    return inp, upstream or {}
 
 
 def input_annotation(fn: Any) -> Any:

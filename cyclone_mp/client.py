@@ -7,7 +7,6 @@ own connections (so it can reconnect on its own after an outage).
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import signal
 import threading
@@ -20,14 +19,14 @@ from psycopg_pool import ConnectionPool
 
 from .config import Config
 from .backoff import storable_backoff
-from .protocol import unstorable
+from .protocol import check_value
 from .durations import Duration, seconds
 from .errors import (
     ConfigurationError, CycloneError, DatabaseError, DatabaseUnavailable, PayloadError, RunNotFound, UnknownStep,
 )
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step, StepOptions
-from .store import NodeRow, Store, configure_session, connect, redact, stale_plan
+from .steps import Mux, Step, StepOptions, check_name
+from .store import NodeRow, Store, classify, configure_session, connect, redact, stale_plan
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -107,6 +106,9 @@ class Client:
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
+        if dsn is not None and not isinstance(dsn, str):
+            raise ConfigurationError(f"dsn must be a connection string or None (the embedded server), "
+                                     f"not {type(dsn).__name__}")
         if mux is not None and not isinstance(mux, Mux):
             raise ConfigurationError(f"mux must be a cy.Mux, not {type(mux).__name__}")
         extra: dict[str, Any] = {}
@@ -173,8 +175,8 @@ class Client:
                                         and store.failed_before_commit and store.commits == 0)
                     if not (tries_left and (stale_plan(exc.__cause__) or lost_uncommitted)):
                         raise
-        except psycopg.Error as exc:
-            raise DatabaseError(f"database error: {type(exc).__name__}: {exc}") from exc
+        except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
+            raise classify(exc) from exc
         except DatabaseError as exc:
             if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
                 raise DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`") from exc
@@ -212,24 +214,14 @@ class Client:
         raise UnknownStep(f"enqueue takes a cy.step, a cy.Workflow or a registered name, not {type(target).__name__}")
 
     def _check_payload(self, value: Any, what: str) -> str:
-        """``value`` as JSON text, checked: JSON, storable by PostgreSQL, within max_payload.
+        """``value`` as JSON text, checked at the payload boundary
+        (:func:`cyclone_mp.protocol.check_value`: JSON, storable by PostgreSQL, at most
+        ``MAX_DEPTH`` levels deep, within max_payload).
 
         Raises:
             PayloadError: it is not.
         """
-        try:
-            text = json.dumps(value, allow_nan=False)
-            size = len(text)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise PayloadError(f"{what} is not a JSON value: {exc}") from exc
-        # json.dumps escapes every non-ASCII character, so a NUL or a lone surrogate
-        # shows as "\u" in the text: without one, there is nothing to look for.
-        problem = unstorable(value) if "\\u" in text else None
-        if problem:
-            raise PayloadError(f"{what} cannot be stored in PostgreSQL: it contains {problem}")
-        if size > self.config.max_payload:
-            raise PayloadError(f"{what} is {size} bytes, over the max_payload limit of {self.config.max_payload} bytes")
-        return text
+        return check_value(value, what, self.config.max_payload)
 
     def _node_options(self, step: Step, overrides: StepOptions) -> StepOptions:
         return overrides.over(step.options).over(self.config.defaults)
@@ -270,10 +262,8 @@ class Client:
             backoff=backoff,
         )
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
-        if scheduled_at is not None and (scheduled_at.tzinfo is None or scheduled_at.utcoffset() is None):
-            raise ConfigurationError("scheduled_at must be a timezone-aware datetime")
-        if idempotency_key is not None and (not isinstance(idempotency_key, str) or not idempotency_key):
-            raise ConfigurationError("idempotency_key must be a non-empty string")
+        check_scheduled_at(scheduled_at)
+        check_idempotency_key(idempotency_key)
         if isinstance(definition, Workflow):
             nodes = [self._workflow_row(node, overrides) for node in definition.nodes]
             kind = "workflow"
@@ -353,6 +343,7 @@ class Client:
             backoff=backoff,
         ))
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
+        check_scheduled_at(scheduled_at)
         return self._call(lambda store: store.enqueue_many(
             name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
@@ -450,10 +441,13 @@ class Client:
 
         Raises:
             RunNotFound: no run has that id.
-            PayloadError: the payload is not a JSON value PostgreSQL can store.
+            PayloadError: the payload is not a JSON value PostgreSQL can store, or is
+                over a limit (see :func:`~cyclone_mp.protocol.check_value`).
+            ConfigurationError: an invalid signal name.
         """
-        rid = self._run_id(run_id)
+        check_name(name, "signal name")
         self._check_payload(payload, "payload")
+        rid = self._run_id(run_id)
         return self._call(lambda store: store.signal(rid, name, payload))
 
     def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
@@ -557,6 +551,40 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client(dsn={redact(self._dsn) if self._dsn else None!r}, workers={self.config.workers})"
+
+
+#: Longest idempotency key, in UTF-8 bytes: the key is indexed (UNIQUE), and a btree
+#: entry cannot exceed about 2,700 bytes (a 10 kB key failed with "index row requires
+#: 10016 bytes").
+MAX_IDEMPOTENCY_KEY_BYTES = 1024
+
+
+def check_idempotency_key(key: object) -> None:
+    """Raise ConfigurationError unless ``key`` is None or a usable idempotency key:
+    a non-empty string of at most :data:`MAX_IDEMPOTENCY_KEY_BYTES` UTF-8 bytes, without NUL."""
+    if key is None:
+        return
+    if not isinstance(key, str) or not key:
+        raise ConfigurationError("idempotency_key must be a non-empty string")
+    if "\x00" in key:
+        raise ConfigurationError("idempotency_key must not contain a NUL character")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConfigurationError("idempotency_key must be valid Unicode (it has a lone surrogate)") from None
+    if size > MAX_IDEMPOTENCY_KEY_BYTES:
+        raise ConfigurationError(
+            f"idempotency_key must be at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8), got {size}")
+
+
+def check_scheduled_at(value: object) -> None:
+    """Raise ConfigurationError unless ``value`` is None or a timezone-aware datetime."""
+    if value is None:
+        return
+    if not isinstance(value, dt.datetime):
+        raise ConfigurationError(f"scheduled_at must be a timezone-aware datetime, not {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ConfigurationError("scheduled_at must be a timezone-aware datetime")
 
 
 def enqueue(client: Client, target: Step | Workflow | str, input: Any = None, **options: Any) -> str:

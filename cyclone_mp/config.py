@@ -12,8 +12,8 @@ from typing import Sequence
 
 from .durations import Duration, seconds
 from .errors import ConfigurationError
-from .protocol import DEFAULT_MAX_PAYLOAD
-from .steps import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, StepOptions
+from .protocol import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD_LIMIT
+from .steps import DEFAULT_MAX_ATTEMPTS, DEFAULT_QUEUE, StepOptions, check_name
 
 LEASE_TTL_DEFAULT = 30.0
 KILL_GRACE_DEFAULT = 5.0
@@ -105,15 +105,17 @@ class Config:
         if isinstance(queues, str):
             queues = (queues,)
         queue_tuple = tuple(queues) if queues else (str(step_defaults.get("queue") or DEFAULT_QUEUE),)
-        if not all(isinstance(q, str) and q for q in queue_tuple):
-            raise ConfigurationError(f"queues must be non-empty strings, got {queues!r}")
+        for q in queue_tuple:
+            check_name(q, "queue")
         for name, value in (("max_steps_per_child", max_steps_per_child), ("max_child_rss", max_child_rss)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive int or None, got {value!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ConfigurationError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        if not isinstance(max_payload, int) or max_payload < 1024:
-            raise ConfigurationError(f"max_payload must be an int >= 1024 bytes, got {max_payload!r}")
+        if (not isinstance(max_payload, int) or isinstance(max_payload, bool)
+                or not 1024 <= max_payload <= MAX_PAYLOAD_LIMIT):
+            raise ConfigurationError(
+                f"max_payload must be an int from 1024 to {MAX_PAYLOAD_LIMIT} bytes (jsonb's limit), got {max_payload!r}")
         unknown = set(step_defaults) - {f.name for f in dataclasses.fields(StepOptions)}
         if unknown:
             raise ConfigurationError(f"unknown option(s): {', '.join(sorted(unknown))}")

@@ -551,10 +551,8 @@ class ProcessControl:
             self.pool.on_ready(child, message)
             self._take_held()
             return
-        if kind == "undecodable":  # a frame the child sent that cannot be read: it broke the protocol
-            if child.returncode is None:
-                log.error("child %d sent an undecodable message (%s); killing it", child.pid, message.get("error"))
-                self._kill_for(child, "protocol_error")
+        if kind == protocol.UNDECODABLE:
+            self._on_undecodable(child, message)
             return
         att = child.attempt
         if att is None or message.get("task") != att.token:
@@ -570,6 +568,26 @@ class ProcessControl:
             self.keeper(Progress(att.key, att.progress))
         elif kind == "result":
             self._on_result(att, message)
+
+    def _on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
+        """A frame the child sent that cannot be read (issue 18: decoding is per frame, so
+        nothing around it is lost). A result of the running attempt fails that attempt
+        (``output_invalid``) and the child is recycled; a progress value is dropped;
+        anything else means the child broke the protocol: it is killed."""
+        att = child.attempt
+        if marker.get("of") == "progress":
+            return
+        if marker.get("of") == "result" and att is not None and marker.get("task") == att.token:
+            child.recycle_due = True
+            self._on_result(att, {
+                "t": "result", "task": att.token, "ok": False, "kind": decisions.OUTPUT_INVALID,
+                "type": "cyclone_mp.errors.PayloadError", "children": True,
+                "message": f"the child's result could not be decoded: {marker.get('error')}",
+            })
+            return
+        if child.returncode is None:
+            log.error("child %d sent an undecodable message (%s); killing it", child.pid, marker.get("error"))
+            self._kill_for(child, "protocol_error")
 
     def _on_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
@@ -625,10 +643,7 @@ class ProcessControl:
             entry["cancel_reason"] = reason
             self._settle_cancelled(att, entry)
             return
-        kind = result.get("kind")
-        kind = kind if kind in decisions.FAILURE_KINDS and kind not in (decisions.TIMEOUT, decisions.RECLAIM_LIMIT) \
-            else decisions.ERROR
-        self._fail(att, kind, entry)
+        self._fail(att, decisions.reported_kind(result.get("kind")), entry)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
         """An attempt that ended after a cancel: its reason decides what is written."""

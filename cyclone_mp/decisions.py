@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 
-# error_kind values (SPEC 3)
+# error_kind values (SPEC 3, and issue 18: kinds that say what happened)
 TIMEOUT = "timeout"
 ERROR = "error"
 PERMANENT = "permanent"
 CHILD_EXITED = "child_exited"
 RECLAIM_LIMIT = "reclaim_limit"
+OUTPUT_INVALID = "output_invalid"  # the output or a progress value broke the payload boundary
+MEMORY_ERROR = "memory_error"  # the handler raised MemoryError
+EXIT = "exit"  # the handler raised SystemExit (sys.exit); the message has the code
 
-FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED)
+#: Kinds a failed attempt may have; each consumes an attempt and is retried after
+#: backoff (discarded when exhausted) except ``permanent``.
+FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED, OUTPUT_INVALID, MEMORY_ERROR, EXIT)
+#: Kinds a child reports in its result frame that are stored as they are; anything
+#: else it reports (besides "cancelled", which the cancel's reason decides) is ``error``.
+CHILD_REPORTED_KINDS = (ERROR, PERMANENT, OUTPUT_INVALID, MEMORY_ERROR, EXIT)
+
+
+def reported_kind(kind: object) -> str:
+    """The kind to store for a failed result a child reported with ``kind``: one of
+    :data:`CHILD_REPORTED_KINDS`, else ``error`` (a child is not trusted to name any
+    other kind, e.g. ``timeout``)."""
+    return kind if isinstance(kind, str) and kind in CHILD_REPORTED_KINDS else ERROR
 
 
 @dataclasses.dataclass(frozen=True)

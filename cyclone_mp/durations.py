@@ -6,6 +6,10 @@ import datetime as dt
 import math
 
 Duration = float | int | dt.timedelta
+#: The longest duration accepted (a timeout, a delay, a lease, ...): 100 years of 365.25
+#: days. Durations reach SQL as whole microseconds in a bigint and are added to
+#: ``now()``; 1e300 seconds or ``timedelta.max`` overflowed both.
+MAX_SECONDS = 100 * 365.25 * 86400
 
 
 def seconds(value: Duration | None, name: str, *, allow_none: bool = True, allow_zero: bool = False) -> float | None:
@@ -29,4 +33,6 @@ def seconds(value: Duration | None, name: str, *, allow_none: bool = True, allow
         raise ConfigurationError(f"{name} must be seconds (int/float) or a timedelta, not {type(value).__name__}")
     if not math.isfinite(result) or result < 0 or (result == 0 and not allow_zero):
         raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+    if result > MAX_SECONDS:
+        raise ConfigurationError(f"{name} must be at most 100 years ({MAX_SECONDS:.0f} seconds), got {value!r}")
     return result

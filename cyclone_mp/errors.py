@@ -45,8 +45,24 @@ class DatabaseBusy(DatabaseError):
     outage nor a rejection of the data (issue 17)."""
 
 
+class QueryRejected(DatabaseError):
+    """The database rejected this one call's data: a size limit, a data exception or a
+    constraint (SQLSTATE classes 54, 22, 23). The connection is fine; retrying the same
+    call fails the same way.
+
+    Attributes:
+        sqlstate: the five-character SQLSTATE, or None.
+    """
+
+    def __init__(self, message: str | None = None, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
 class PayloadError(CycloneError, ValueError):
-    """An input or output is not a JSON value, or is larger than the configured limit."""
+    """An input, output, signal payload or progress value is not a JSON value that
+    PostgreSQL can store, or is over a limit (``max_payload`` bytes, or
+    :data:`cyclone_mp.protocol.MAX_DEPTH` levels of nesting)."""
 
 
 class Permanent(Exception):

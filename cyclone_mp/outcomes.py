@@ -294,7 +294,7 @@ class OutcomeWriter(DatabaseThread):
         outcome = write.outcome
         if outcome.kind == COMPLETE:
             self._write_alone(PendingWrite(dataclasses.replace(
-                outcome, kind=FAIL, error_kind=decisions.ERROR, output=None, require_timed_out=False, entry={
+                outcome, kind=FAIL, error_kind=decisions.OUTPUT_INVALID, output=None, require_timed_out=False, entry={
                     "type": "cyclone_mp.errors.PayloadError",
                     "message": storable(f"the database rejected the handler's output: {exc}")[:2000],
                 }), self.clock()))

@@ -62,7 +62,7 @@ class ChildProc:
         self.sock = parent_sock
         self.sock.setblocking(False)
         self.cancel_w = cancel_w
-        self.reader = protocol.FrameReader(limit)
+        self.reader = protocol.FrameReader(limit + protocol.FRAME_ENVELOPE)
         self.outbox = bytearray()
         self.events = 0  # the selector events registered for the socket (the supervisor's)
         self.ready = False

@@ -16,6 +16,7 @@ import functools
 import glob
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -209,9 +210,33 @@ def child_site() -> str:
     })
 
 
+#: Variables a helper (a child running handlers, the watchdog) never gets: the DSN and
+#: libpq's password. Neither needs the database (SPEC 1: children never touch it).
+SECRET_ENV = frozenset({"CYCLONE_DSN", "CYCLONE_TEST_DSN", "PGPASSWORD"})
+KEEP_ENV = "CYCLONE_MP_CHILD_ENV_KEEP"  # comma-separated names a user passes on to children anyway
+_PASSWORD_VALUE = re.compile(
+    r"://[^/@\s:]*:[^@\s]+@"  # a URI with user:password@
+    r"|[?&]password=[^&\s#]"  # ...or ?password=
+    r"|\bpassword\s*=\s*\S",  # a libpq key=value string
+    re.I,
+)
+
+
+def holds_password(value: str) -> bool:
+    """True when an environment value carries a password (a connection URI with
+    ``user:password@`` or ``password=``, or a libpq ``password=...`` string)."""
+    return bool(_PASSWORD_VALUE.search(value))
+
+
 def helper_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a helper process: this one's, with :func:`child_site` and ``extra``."""
-    env = dict(os.environ)
+    """The environment of a helper process: this one's, with :func:`child_site` and
+    ``extra``, without secrets: :data:`SECRET_ENV` and every variable whose value holds
+    a password (:func:`holds_password`), so handler code cannot read the DSN from its
+    environment (issue 18). Names listed in ``CYCLONE_MP_CHILD_ENV_KEEP`` are kept
+    (never those of :data:`SECRET_ENV`)."""
+    keep = {name.strip() for name in os.environ.get(KEEP_ENV, "").split(",")} - SECRET_ENV
+    env = {k: v for k, v in os.environ.items()
+           if k not in SECRET_ENV and (k in keep or not holds_password(v))}
     env[SITE_ENV] = child_site()
     env.update(extra or {})
     return env

@@ -22,7 +22,8 @@ class StepStatus:
             attempts consumed.
         max_attempts, reclaims, max_reclaims: the bounds stored at enqueue.
         error, error_kind: the last error (``timeout``, ``error``, ``permanent``,
-            ``child_exited``, ``reclaim_limit``) or None.
+            ``child_exited``, ``output_invalid``, ``memory_error``, ``exit``,
+            ``reclaim_limit``) or None.
         errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,
             ``message``, ``traceback``, ``exit_code``/``signal``, ``killed_by_supervisor``,
             ``trigger``, ``cpu_seconds``, ``peak_rss_kb``, ``elapsed`` (seconds), ``at``.

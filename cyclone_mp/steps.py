@@ -20,6 +20,46 @@ if TYPE_CHECKING:
 
 DEFAULT_QUEUE = "default"
 DEFAULT_MAX_ATTEMPTS = 25
+#: Longest step, workflow, node, queue or signal name, in characters. A queue name is
+#: sent as the payload of a NOTIFY (PostgreSQL's limit: 8,000 bytes); every name is
+#: stored in a text column and shown in tables.
+MAX_NAME_LENGTH = 200
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # the integer columns: priority, max_attempts, max_reclaims
+
+
+def check_name(value: object, what: str) -> str:
+    """``value`` if it is a usable name: a non-empty string of at most
+    :data:`MAX_NAME_LENGTH` characters without control characters (NUL included:
+    PostgreSQL text refuses it).
+
+    Raises:
+        ConfigurationError: naming ``what`` and the rule.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{what} must be a non-empty string, got {_shown(value)}")
+    if len(value) > MAX_NAME_LENGTH:
+        raise ConfigurationError(f"{what} must be at most {MAX_NAME_LENGTH} characters, got {len(value)}")
+    if not value.isprintable():
+        raise ConfigurationError(f"{what} must not contain control characters (such as NUL), got {value!r}")
+    return value
+
+
+def check_int(value: object, what: str, low: int, high: int = INT_MAX) -> int | None:
+    """``value`` if it is None or an int (not a bool) from ``low`` to ``high``.
+
+    Raises:
+        ConfigurationError: naming ``what`` and the range.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigurationError(f"{what} must be an int from {low} to {high}, got {_shown(value)}")
+    return value
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:50]}... ({type(value).__name__})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +104,15 @@ class StepOptions:
         Raises:
             ConfigurationError: a value has the wrong type or range.
         """
-        if max_attempts is not None and (not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1):
-            raise ConfigurationError(f"max_attempts must be an int >= 1, got {max_attempts!r}")
-        if max_reclaims is not None and (not isinstance(max_reclaims, int) or isinstance(max_reclaims, bool) or max_reclaims < 0):
-            raise ConfigurationError(f"max_reclaims must be an int >= 0 or None, got {max_reclaims!r}")
+        check_int(max_attempts, "max_attempts", 1)
+        check_int(max_reclaims, "max_reclaims", 0)
         try:
             check_backoff(backoff)
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
-        if queue is not None and (not isinstance(queue, str) or not queue):
-            raise ConfigurationError(f"queue must be a non-empty string, got {queue!r}")
-        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-            raise ConfigurationError(f"priority must be an int, got {priority!r}")
+        if queue is not None:
+            check_name(queue, "queue")
+        check_int(priority, "priority", INT_MIN)
         return cls(
             timeout=seconds(timeout, "timeout"),
             max_attempts=max_attempts,
@@ -123,8 +160,7 @@ class Step:
     kind = "step"
 
     def __init__(self, name: str, fn: Callable[..., Any], options: StepOptions) -> None:
-        if not isinstance(name, str) or not name or len(name) > 200:
-            raise ConfigurationError(f"step name must be a non-empty string of at most 200 characters, got {name!r}")
+        check_name(name, "step name")
         if not callable(fn):
             raise ConfigurationError(f"step {name!r}: handler must be callable")
         self.name = name

@@ -24,7 +24,7 @@ from psycopg.types.json import Jsonb
 
 from . import decisions
 from .backoff import delay_after
-from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, InvalidTransition, RunNotFound
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, InvalidTransition, QueryRejected, RunNotFound
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -84,11 +84,13 @@ def redact(text: str) -> str:
     """Return ``text`` (a DSN, or a message quoting one) with every password shown as ``***``.
 
     Handles URIs (``user:secret@host``, ``?password=secret``) and key=value strings,
-    quoted values with spaces included; never print a secret.
+    quoted values with spaces included and unquoted ones with escaped characters
+    (``password=S3cret\\ more``); never print a secret.
     """
     text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
     text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
-    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s']+)", r"\1***", text, flags=re.I)
+    # an unquoted libpq value ends at white space that no backslash escapes ("S3cret\\ more")
+    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)", r"\1***", text, flags=re.I)
 
 
 def stale_plan(exc: BaseException | None) -> bool:
@@ -99,35 +101,71 @@ def stale_plan(exc: BaseException | None) -> bool:
         isinstance(exc, psycopg.errors.FeatureNotSupported) and "cached plan" in str(exc))
 
 
+#: SQLSTATEs of a session the server ended or cannot serve: an outage (reconnect, write
+#: again), whatever psycopg's exception class. Class 08 (connection exception) and 57P0x
+#: (admin/crash shutdown, cannot connect now) are matched by prefix.
+OUTAGE_STATES = frozenset({"25P03"})  # idle_in_transaction_session_timeout: the process was frozen
+OUTAGE_PREFIXES = ("08", "57P")
+#: SQLSTATE classes of a call whose data the database refused; the connection is fine:
+#: 54 program limit exceeded (jsonb over 256 MB, an index row too large, nesting too
+#: deep), 22 data exception (bad value, out of range), 23 integrity constraint.
+REJECTED_CLASSES = ("54", "22", "23")
+BUSY_STATES = ("55P03", "57014")  # lock_not_available, query_canceled (lock_timeout, statement_timeout)
+REJECTED_WHAT = {"54": "it is over a database limit", "22": "a value is invalid for its column",
+                 "23": "it breaks a constraint"}
+
+
+def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
+    """The :class:`DatabaseError` a psycopg error becomes, decided by its SQLSTATE (not by
+    psycopg's exception class: ``OperationalError`` covers both a lost connection and a
+    jsonb value over 256 MB):
+
+    * :class:`DatabaseUnavailable` (an outage): the connection is broken or closed
+      (``broken``), a client-side error without SQLSTATE (connection lost, refused),
+      class 08, 57P01-57P03, 25P03, or another ``OperationalError`` whose class is not
+      below (a cancelled statement, a lock timeout: transient);
+    * :class:`QueryRejected` (this one call's data): classes 54, 22 and 23;
+    * :class:`DatabaseBusy` (nothing was done; try again later): a lock wait past
+      ``lock_timeout`` (55P03) or a statement past ``statement_timeout`` (57014) on a
+      connection that is fine (issue 17);
+    * :class:`DatabaseError` otherwise (a bug or a schema problem).
+
+    The message never holds the DSN.
+    """
+    state = getattr(exc, "sqlstate", None) or None
+    text = redact(str(exc).strip()) or type(exc).__name__
+    first = text.splitlines()[0]
+    if state in BUSY_STATES and not broken:
+        return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})")
+    if state and state[:2] in REJECTED_CLASSES and not broken:
+        return QueryRejected(f"the database rejected the call: {REJECTED_WHAT[state[:2]]}: {first} (SQLSTATE {state})",
+                             sqlstate=state)
+    if (broken or state is None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+            or state is not None and (state in OUTAGE_STATES or state.startswith(OUTAGE_PREFIXES))
+            or isinstance(exc, psycopg.OperationalError)):
+        return DatabaseUnavailable(f"database unavailable: {text if str(exc).strip() else 'connection lost'}")
+    return DatabaseError(f"database error: {type(exc).__name__}: {text}")
+
+
 def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: psycopg errors leave as DatabaseError (cause kept, no DSN in the text).
-    After a :func:`stale_plan` error the connection's prepared statements are dropped,
-    so the next call prepares them again (a migration that changed a column type used to
-    fail every later call on that connection)."""
+    """Decorator: psycopg errors leave as a :class:`DatabaseError` chosen by
+    :func:`classify` (cause kept, no DSN in the text). After a :func:`stale_plan` error
+    the connection's prepared statements are dropped, so the next call prepares them
+    again (a migration that changed a column type used to fail every later call on
+    that connection)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
-            # lock_timeout or statement_timeout (issue 17): nothing was done; not an outage
-            # (the connection is fine) and not the data's fault. (psycopg files both under
-            # OperationalError, so this comes first.)
-            if args and isinstance(args[0], Store) and args[0].broken:
-                raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
-            raise DatabaseBusy(f"database busy: {type(exc).__name__}: {str(exc).strip()}") from exc
         except psycopg.Error as exc:
-            # The connection is gone, or the server ended the session (idle in a transaction
-            # past the limit: the process was frozen): an outage, never a rejected write.
-            if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError,
-                                psycopg.errors.IdleInTransactionSessionTimeout)) or (
-                    args and isinstance(args[0], Store) and args[0].broken):
-                raise DatabaseUnavailable(f"database unavailable: {str(exc).strip() or 'connection lost'}") from exc
-            if stale_plan(exc) and args and isinstance(args[0], Store):
-                args[0].forget_prepared()
-            raise DatabaseError(f"database error: {type(exc).__name__}: {str(exc).strip()}") from exc
+            store = args[0] if args and isinstance(args[0], Store) else None
+            error = classify(exc, broken=store is not None and store.broken)
+            if store is not None and not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
+                store.forget_prepared()
+            raise error from exc
         except UnicodeEncodeError as exc:  # a value psycopg cannot send (a lone surrogate)
-            raise DatabaseError(f"value rejected: {exc}") from exc
+            raise QueryRejected(f"value rejected: {exc}") from exc
 
     return wrapper
 

@@ -15,7 +15,7 @@ from typing import Iterable, Union
 from .durations import Duration
 from .durations import seconds as to_seconds
 from .errors import ConfigurationError
-from .steps import Step
+from .steps import Step, check_name
 
 NodeRef = Union["Node", str]
 
@@ -47,8 +47,7 @@ class Workflow:
     kind = "workflow"
 
     def __init__(self, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError("workflow name must be a non-empty string")
+        check_name(name, "workflow name")
         self.name = name
         self._nodes: dict[str, Node] = {}
         # Where a worker process finds this definition again (a module-level attribute).
@@ -68,6 +67,7 @@ class Workflow:
         return tuple(names)
 
     def _put(self, node: Node) -> Node:
+        check_name(node.name, f"workflow {self.name!r}: node name")
         if node.name in self._nodes:
             raise ConfigurationError(f"workflow {self.name!r}: duplicate node name {node.name!r}")
         self._nodes[node.name] = node
@@ -103,7 +103,8 @@ class Workflow:
         """
         if (seconds is None) == (until is None):
             raise ConfigurationError(f"timer {name!r}: give exactly one of seconds= or until=")
-        if until is not None and (until.tzinfo is None or until.utcoffset() is None):
+        if until is not None and (not isinstance(until, dt.datetime) or until.tzinfo is None
+                                  or until.utcoffset() is None):
             raise ConfigurationError(f"timer {name!r}: until= must be timezone-aware (UTC)")
         delay = to_seconds(seconds, "seconds", allow_zero=True) if seconds is not None else None
         return self._put(Node(name=name, kind="timer", after=self._deps(after), delay=delay, until=until))

@@ -58,6 +58,64 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+#: A token for a dashboard bound beyond loopback: at least this many characters...
+MIN_TOKEN_LENGTH = 16
+#: ...and at least this many bits by :func:`token_bits` (``secrets.token_urlsafe(32)``
+#: has about 200, 16 random letters and digits 50 or more; "passwordpassword" 44).
+MIN_TOKEN_BITS = 48
+TOKEN_ADVICE = "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+def token_bits(token: str) -> float:
+    """An estimate of a token's entropy in bits: its length times the Shannon entropy of
+    its own characters (repeats and small alphabets score low: ``"a" * 40`` is 0), capped
+    by the length times log2 of the alphabet its character classes span."""
+    import math
+    from collections import Counter
+
+    if not token:
+        return 0.0
+    n = len(token)
+    shannon = -sum(c / n * math.log2(c / n) for c in Counter(token).values())
+    classes = [any(ch.islower() for ch in token) * 26, any(ch.isupper() for ch in token) * 26,
+               any(ch.isdigit() for ch in token) * 10, any(not ch.isalnum() for ch in token) * 33]
+    return n * min(max(shannon, 0.0), math.log2(max(2, sum(classes))))
+
+
+def check_token(token: str | None, public: bool) -> None:
+    """Refuse a token that cannot protect the dashboard.
+
+    Every token: not empty or white space only, and without white space at either end
+    (a Bearer header is stripped, so such a token could only ever match ``?token=``).
+    A ``public`` bind (not loopback): at least :data:`MIN_TOKEN_LENGTH` characters and
+    :data:`MIN_TOKEN_BITS` bits by :func:`token_bits`.
+
+    Raises:
+        ConfigurationError: saying which rule, never the token.
+    """
+    from ..errors import ConfigurationError
+
+    if token is None:
+        return
+    if not token.strip():
+        raise ConfigurationError("the dashboard token is empty or only white space; " + TOKEN_ADVICE)
+    if token != token.strip():
+        raise ConfigurationError("the dashboard token starts or ends with white space; " + TOKEN_ADVICE)
+    if not token.isprintable():
+        raise ConfigurationError("the dashboard token holds control characters; " + TOKEN_ADVICE)
+    if not public:
+        return
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise ConfigurationError(
+            f"the dashboard token is {len(token)} characters; a dashboard bound beyond loopback needs at least "
+            f"{MIN_TOKEN_LENGTH}; " + TOKEN_ADVICE)
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        raise ConfigurationError(
+            f"the dashboard token is too easy to guess (about {bits:.0f} bits; a dashboard bound beyond loopback "
+            f"needs {MIN_TOKEN_BITS}); " + TOKEN_ADVICE)
+
+
 def _host_name(host_header: str) -> str:
     """``Host`` header without its port (``[::1]:8777`` -> ``::1``)."""
     if host_header.startswith("["):

@@ -7,17 +7,20 @@ import socket
 from typing import Any, Callable
 
 from ..errors import ConfigurationError, CycloneError
-from .security import is_loopback
+from .security import check_token, is_loopback
 
 log = logging.getLogger("cyclone_mp.dashboard")
 
 
 def check_bind(host: str, token: str | None) -> None:
-    """Refuse to serve on a non-loopback address without a token.
+    """Refuse to serve on a non-loopback address without a strong token, and with any
+    token that cannot protect it (:func:`~cyclone_mp.dashboard.security.check_token`).
 
     Raises:
-        ConfigurationError: ``host`` is not loopback and ``token`` is empty.
+        ConfigurationError: ``host`` is not loopback and ``token`` is missing or weak,
+            or ``token`` is blank.
     """
+    check_token(token, public=not is_loopback(host))
     if not token and not is_loopback(host):
         raise ConfigurationError(
             f"refusing to serve the dashboard on {host} without a token: anyone who can reach it could cancel "

@@ -42,7 +42,10 @@ picked AS (
               -- built on small tables
               (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
               CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
-                  (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
+                  -- a JSON object as text, built as text: a fan-in past jsonb's 256 MB is
+                  -- still read (text holds 1 GB), and the parent hands it on undecoded
+                  (SELECT '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
+                                                     ','), '') || '}'
                      FROM cyclone_steps d
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 )
@@ -372,6 +375,10 @@ UPDATE cyclone_runs
  WHERE id = %(run_id)s AND state IN ('running', 'paused')
 RETURNING (SELECT count(*) FROM steps) AS steps;
 
+-- name: attempt_kinds_expr
+-- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
+'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit'
+
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
 -- discarded by its attempts gets max_attempts raised to attempt + 1, as River does. A
@@ -379,9 +386,9 @@ RETURNING (SELECT count(*) FROM steps) AS steps;
 -- counted when that attempt ended.
 UPDATE cyclone_steps
    SET state = 'available',
-       attempt = CASE WHEN state = 'discarded' AND error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+       attempt = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
                       THEN attempt + 1 ELSE attempt END,
-       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ('timeout', 'error', 'permanent', 'child_exited')
+       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
                            THEN greatest(max_attempts, attempt + 1) ELSE max_attempts END,
        reclaims = CASE WHEN state = 'discarded' AND error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
        scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
