@@ -280,10 +280,11 @@ class Runner:
         if problem:
             return self._invalid(result, ValueError(
                 f"handler output cannot be stored in PostgreSQL: it contains {problem}"))
-        if len(frame) > self.limit + protocol.FRAME_ENVELOPE:
-            return self._invalid(result, PayloadError(
-                f"handler output is {len(frame)} bytes with its result's envelope, over the max_payload limit of "
-                f"{self.limit} bytes"))
+        if len(frame) > self.limit:  # then measure the output alone (max_payload is the output's limit)
+            size = len(json.dumps(output, separators=(",", ":"), allow_nan=False).encode())
+            if size > self.limit or len(frame) > self.limit + protocol.FRAME_ENVELOPE:
+                return self._invalid(result, PayloadError(
+                    f"handler output is {size} bytes, over the max_payload limit of {self.limit} bytes"))
         return frame
 
     @staticmethod

@@ -36,7 +36,7 @@ from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
-    ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
+    ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Load, Poll, Progress, Renewed, Track,
 )
 from .store import NOTIFY_CHANNEL, Store, connect
 
@@ -62,12 +62,15 @@ class LeaseKeeper(DatabaseThread):
         owner: the supervisor's id (``lease_owner``).
         names: the step names it may claim.
         tell: posts a message to process control.
+        load: posts a :class:`~cyclone_mp.messages.Load` to maintenance (rows too big
+            to come with their claim).
         listen_dsn: where to LISTEN (default ``dsn``).
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, owner: str, names: Sequence[str],
-                 tell: Callable[[Any], None], listen_dsn: str | None = None,
+                 tell: Callable[[Any], None], load: Callable[[Any], None],
+                 listen_dsn: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         def open_store() -> Store:
             return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
@@ -80,6 +83,7 @@ class LeaseKeeper(DatabaseThread):
         self.owner = owner
         self.names = list(names)
         self.tell = tell
+        self.load = load
         self.listen_dsn = listen_dsn or dsn
         self.leases: dict[LeaseKey, Lease] = {}
         self.claims: list[int] = []  # limits asked for, not yet claimed
@@ -202,7 +206,10 @@ class LeaseKeeper(DatabaseThread):
             key = (row["id"], row["lease_generation"])
             self.leases[key] = Lease(key, sent + random.uniform(0, interval))
         self.count("claimed", len(rows))
-        self.tell(Claimed(tuple(rows), sent, limit))
+        big = tuple(r for r in rows if r.get("big"))
+        if big:
+            self.load(Load(big, sent))
+        self.tell(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit))
 
     # -- the connection, and LISTEN ------------------------------------------------------------
 

@@ -104,6 +104,18 @@ class Poll:
     """Something may be claimable now (a NOTIFY, a reclaim, a retry without backoff)."""
 
 
+# -- lease keeper, outcome writer -> maintenance ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """Claimed rows whose input or upstream outputs were too big to come with the claim
+    (``big``): maintenance reads them alone, with a bound of their own, and hands the rows
+    to process control (:class:`Claimed`, ``limit`` 0); a row it cannot read fails alone."""
+
+    rows: tuple[dict[str, Any], ...]
+    sent: float
+
+
 # -- process control -> outcome writer ---------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

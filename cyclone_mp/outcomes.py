@@ -29,7 +29,7 @@ from .backoff import delay_after
 from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
-from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Outcome, Poll, Track
+from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track
 from .protocol import storable
 from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
 
@@ -58,13 +58,14 @@ class OutcomeWriter(DatabaseThread):
         backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
         tell_keeper: posts a message to the lease keeper.
         tell_control: posts a message to process control.
+        load: posts a :class:`~cyclone_mp.messages.Load` to maintenance.
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, owner: str, names: list[str],
                  backoff_for: Callable[[str | None], Callable[[int], float]],
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 load: Callable[[Any], None], clock: Callable[[], float] = time.monotonic) -> None:
         def open_store() -> Store:
             return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
                               lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
@@ -77,6 +78,7 @@ class OutcomeWriter(DatabaseThread):
         self.backoff_for = backoff_for
         self.tell_keeper = tell_keeper
         self.tell_control = tell_control
+        self.load = load
         self.batch: list[Outcome] = []
         self.claim = 0  # the claim to make with the next batch
         self.pending: list[PendingWrite] = []
@@ -149,7 +151,10 @@ class OutcomeWriter(DatabaseThread):
         if rows:
             self.tell_keeper(Track(tuple((r["id"], r["lease_generation"]) for r in rows), sent))
             self.count("claimed", len(rows))
-        self.tell_control(Claimed(tuple(rows), sent, limit, failed=failed))
+        big = tuple(r for r in rows if r.get("big"))
+        if big:
+            self.load(Load(big, sent))
+        self.tell_control(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, failed=failed))
 
     def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int) -> None:
         completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]

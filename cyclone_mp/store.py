@@ -31,6 +31,11 @@ FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
     "cpu_seconds", "peak_rss_kb", "elapsed", "worker",
 })
+#: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
+#: outputs come with its claim; a bigger row comes without them ("big") and the
+#: supervisor loads them alone (:meth:`Store.load_payload`), so one huge row never slows
+#: a claim past its bound nor holds back its neighbours (issue 18).
+INLINE_MAX = 512 * 1024
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
 NOTIFY_CHANNEL = "cyclone_mp"
 
@@ -481,6 +486,7 @@ class Store:
         with self.conn.cursor() as cur:
             cur.execute(Q["claim"], {
                 "owner": owner, "queues": list(queues), "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
+                "inline_max": INLINE_MAX,
             })
             return cur.fetchall()
 
@@ -516,6 +522,12 @@ class Store:
                 if not cur.nextset():
                     break
             return matched
+
+    @translate
+    def load_payload(self, id: int) -> dict[str, Any] | None:
+        """A claimed step's ``input`` and ``upstream`` as JSON text (None when the step is gone)."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "load_payload", {"id": id})
 
     @translate
     def lease_state(self, id: int) -> dict[str, Any] | None:
@@ -570,6 +582,7 @@ class Store:
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
                 "queues": list(queues), "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
+                "inline_max": INLINE_MAX,
                 "in_tx": workflows,
             })
             rows = cur.fetchall()

@@ -132,19 +132,22 @@ class Supervisor:
         was_subreaper = procs.set_subreaper(True)
         watchdog = procs.WatchdogLink(self.id)
         try:
+            # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                      tell=lambda m: control.tell(m), listen_dsn=self.listen_dsn, clock=self.clock)
+                                      tell=lambda m: control.tell(m), load=lambda m: maintenance.inbox.post(m),
+                                      listen_dsn=self.listen_dsn, clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for,
-                                        tell_keeper=self.keeper.inbox.post, tell_control=lambda m: control.tell(m),
-                                        clock=self.clock)
+                                        backoff_for=self.backoff_for, tell_keeper=self.keeper.inbox.post,
+                                        tell_control=lambda m: control.tell(m),
+                                        load=lambda m: maintenance.inbox.post(m), clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,
                                      writer=self.writer, watchdog=watchdog, clock=self.clock,
                                      wall_clock=self.wall_clock)
             self.control = control
-            self.maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
-                                           owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                           clock=self.clock)
+            maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
+                                      owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
+                                      post_outcome=self.writer.post, clock=self.clock)
+            self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
             for part in (self.keeper, self.writer, self.maintenance):

@@ -1,4 +1,4 @@
-"""Maintenance: the recovery sweep, due timers and the supervisor registry (SPEC 4, issue 17).
+"""Maintenance: the recovery sweep, due timers, the registry and big payloads (SPEC 4, issues 17, 18).
 
 :class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
 :meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
@@ -12,6 +12,11 @@ own: it sweeps at a random point of every ``poll_interval``, refreshes the
 informational ``cyclone_workers`` row every ``registry_interval`` (from a snapshot that
 process control publishes), and tells process control to claim at once when the sweep
 made something claimable. Recovery never reads the registry (scenario SC-05).
+
+It also reads, alone and with a bound of their own, the inputs and upstream outputs
+that were too big to come with their claim (:class:`~cyclone_mp.messages.Load`): a fan-in
+of hundreds of megabytes takes seconds, which a claim (bounded by ``lease_ttl / 3``)
+must not; one it cannot read at all fails that attempt alone (``permanent``).
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from typing import Any, Callable
 
 from .config import SWEEP_LIMIT, Config
 from .dbloop import DatabaseThread
-from .errors import DatabaseError
-from .messages import Poll
+from . import decisions
+from .errors import DatabaseError, DatabaseUnavailable
+from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
 from .store import Store
+
+LOAD_BOUND = 120.0  # seconds a big payload may take to read
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -72,12 +80,13 @@ class Maintenance(DatabaseThread):
         snapshot: returns the registry's ``info`` (plain data) as process control last
             published it.
         tell_control: posts a message to process control.
+        post_outcome: hands an :class:`~cyclone_mp.messages.Outcome` to the writer.
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, owner: str,
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 post_outcome: Callable[[Outcome], None], clock: Callable[[], float] = time.monotonic) -> None:
         def open_store() -> Store:
             return Store.open(dsn, idle_in_transaction=config.idle_in_transaction_limit,
                               lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
@@ -89,12 +98,18 @@ class Maintenance(DatabaseThread):
         self.owner = owner
         self.snapshot = snapshot
         self.tell_control = tell_control
+        self.post_outcome = post_outcome
+        self.loads: list[Load] = []
         now = clock()
         self.next_sweep = now
         self.next_registry = now
 
     def turn(self, now: float) -> float:
-        self.inbox.take()
+        self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
+        while self.loads:
+            load = self.loads.pop(0)
+            for row in load.rows:
+                self._load(row, load.sent)
         if self.db_ok and now >= self.next_sweep:
             lo, hi = self.config.poll_interval
             self.next_sweep = now + random.uniform(lo, hi)
@@ -103,6 +118,31 @@ class Maintenance(DatabaseThread):
             self.next_registry = now + self.config.registry_interval
             self.register()
         return min(self.next_sweep, self.next_registry)
+
+    def _load(self, row: dict[str, Any], sent: float) -> None:
+        """Read one big row's payload and hand the row to process control; a row that
+        cannot be read fails alone (``permanent``), one met by an outage is released."""
+        key = (row["id"], row["lease_generation"])
+        try:
+            payload = self.call(LOAD_BOUND, lambda store: store.load_payload(row["id"]))
+        except DatabaseUnavailable:
+            payload, error = None, None
+        except DatabaseError as exc:
+            payload, error = None, exc
+        else:
+            error = None if payload is not None else "the step is gone"
+        if payload is not None:
+            self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
+            return
+        workflow = row["run_kind"] == "workflow"
+        if error is None:  # an outage: give it back (its lease is kept until the writer can)
+            self.post_outcome(Outcome(key, RELEASE, row["step_name"], row["attempt"], workflow, held=True))
+            return
+        log.error("step %d: its input or upstream outputs cannot be read: %s", row["id"], error)
+        self.post_outcome(Outcome(key, FAIL, row["step_name"], row["attempt"], workflow, row.get("backoff"),
+                                  error_kind=decisions.PERMANENT, entry={
+                                      "type": "cyclone_mp.errors.PayloadError",
+                                      "message": f"the step's input or upstream outputs cannot be read: {error}"[:2000]}))
 
     def sweep(self) -> dict[str, int]:
         """One sweep pass now (counted in this part's stats)."""

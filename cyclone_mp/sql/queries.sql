@@ -41,11 +41,14 @@ picked AS (
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
               (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
+              s.depends_on <> '{}' AS has_upstream,
               CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
-                  -- a JSON object as text, built as text: a fan-in past jsonb's 256 MB is
-                  -- still read (text holds 1 GB), and the parent hands it on undecoded
-                  (SELECT '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
-                                                     ','), '') || '}'
+                  -- a JSON object as text, built as text (a fan-in past jsonb's 256 MB is
+                  -- still read: text holds 1 GB), and only when small: a big one (stored
+                  -- size over %(inline_max)s bytes) is loaded alone, off the claim's path
+                  (SELECT CASE WHEN sum(pg_column_size(d.output)) <= %(inline_max)s THEN
+                              '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
+                                                         ','), '') || '}' END
                      FROM cyclone_steps d
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 )
@@ -61,6 +64,19 @@ UPDATE cyclone_steps
    AND lease_owner = %(owner)s
    AND lease_generation = %(generation)s
    AND (timeout IS NULL OR started_at + timeout > now());
+
+-- name: load_payload
+-- A claimed step's input and upstream outputs as JSON text, read alone (they were too big
+-- to come with its claim).
+SELECT r.input::text AS input,
+       CASE WHEN s.depends_on <> '{}' THEN
+           (SELECT '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
+                                              ','), '') || '}'
+              FROM cyclone_steps d
+             WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
+  FROM cyclone_steps s
+  JOIN cyclone_runs r ON r.id = s.run_id
+ WHERE s.id = %(id)s;
 
 -- name: lease_state
 -- After a renewal matched nothing: why (cancelled, reclaimed, timed out, finished).
@@ -174,13 +190,23 @@ fail_in AS MATERIALIZED (
     RETURNING r.id
 )
 
+-- name: claimed_input_expr
+-- (Fragment) a claimed row's input as JSON text, unless its stored size is over
+-- %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
+CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::text END
+
+-- name: claimed_big_expr
+-- (Fragment) true when a claimed row's input or upstream outputs were left out for size.
+(pg_column_size((c.run).input) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL))
+
 -- name: claim
 -- Claim up to %(limit)s available steps in one statement. The input and the upstream
 -- outputs come back as JSON text: the supervisor hands them to the child unread (a value
 -- too deep to decode fails its own attempt in the child, never the claim of its batch).
 WITH {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, (c.run).input::text AS input, (c.run).kind AS run_kind, c.upstream::text AS upstream
+       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       {claimed_big_expr} AS big
   FROM claimed c
 
 -- name: settled_ctes
@@ -189,12 +215,12 @@ settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
-           runs.kind AS run_kind, NULL::text AS upstream
+           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, (c.run).input::text, (c.run).kind, c.upstream::text
+           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr}
       FROM claimed c
 )
 
@@ -204,7 +230,8 @@ settled_completed AS (
 WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
+       NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
