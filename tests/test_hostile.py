@@ -345,8 +345,11 @@ def test_sys_exit_is_named(cyclone_env, code, message):
 
 
 def test_memory_error_and_exit_have_their_kinds(cyclone_env):
-    mem = cyclone_env.run_until_complete(cyclone_env.enqueue(hh.memory_error, {}), timeout=15)
-    ex = cyclone_env.run_until_complete(cyclone_env.enqueue(hh.sys_exit, {"code": 0}), timeout=15)
+    cyclone_env.mux().register(hh.memory_error, hh.sys_exit)
+    mem_id = cyclone_env.enqueue(hh.memory_error, {})
+    ex_id = cyclone_env.enqueue(hh.sys_exit, {"code": 0})
+    mem = cyclone_env.run_until_complete(mem_id, timeout=15)
+    ex = cyclone_env.run_until_complete(ex_id, timeout=15)
     assert (mem.step.error_kind, ex.step.error_kind) == ("memory_error", "exit")
 
 
