@@ -112,13 +112,16 @@ class ProcessControl:
         self.draining = False
         self.drain_deadline: float | None = None
         self.hard_stop = False
-        self._shutdown_req = threading.Event()
-        self._stop_req = threading.Event()
+        # Plain flags: set from signal handlers, where taking a lock (threading.Event)
+        # could deadlock with the interrupted code; the inbox's wake-up is a write(2).
+        self._shutdown_req = False
+        self._stop_req = False
         self.step_seconds: float | None = None  # moving average of attempt durations
         self._prefetch_hold = False  # a held step waited too long: none until the next result
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
-        self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues), "children": []}
+        self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues),
+                                         "names": list(mux.step_names), "children": []}
         self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
                       "lease_lost": 0, "late_completions_dropped": 0}
 
@@ -126,17 +129,28 @@ class ProcessControl:
     def children(self) -> list[ChildProc]:
         return self.pool.children
 
+    def in_flight(self) -> list[Attempt]:
+        """The attempts running now (a copy, safe to read from another thread)."""
+        for _ in range(5):
+            try:
+                return [a for a in list(self.attempts.values()) if not a.ended]
+            except RuntimeError:  # changed while copied: try again
+                continue
+        return []
+
     # -- requests from other threads ------------------------------------------------------------
 
     def request_shutdown(self) -> None:
-        """Soft stop: claim nothing more; in-flight handlers get ``shutdown_grace`` (SPEC 5)."""
-        self._shutdown_req.set()
+        """Soft stop: claim nothing more; in-flight handlers get ``shutdown_grace`` (SPEC 5).
+        Safe in a signal handler (no lock is taken)."""
+        self._shutdown_req = True
         self.inbox.wake()
 
     def request_stop(self) -> None:
-        """Hard stop: cancel every in-flight handler now, kill after ``kill_grace``."""
-        self._shutdown_req.set()
-        self._stop_req.set()
+        """Hard stop: cancel every in-flight handler now, kill after ``kill_grace``. Safe
+        in a signal handler."""
+        self._shutdown_req = True
+        self._stop_req = True
         self.inbox.wake()
 
     def tell(self, message: Any) -> None:
@@ -164,12 +178,12 @@ class ProcessControl:
         self._send_outcomes()
 
     def _handle_requests(self, now: float) -> None:
-        if self._shutdown_req.is_set() and not self.draining:
+        if self._shutdown_req and not self.draining:
             self.draining = True
             self.drain_deadline = now + self.config.shutdown_grace
             log.info("shutdown: draining %d in-flight step(s) for up to %.1fs", len(self.attempts),
                      self.config.shutdown_grace)
-        if self._stop_req.is_set() and not self.hard_stop:
+        if self._stop_req and not self.hard_stop:
             self.hard_stop = True
             self.drain_deadline = now
         if self.draining and self.drain_deadline is not None and now >= self.drain_deadline:
@@ -653,6 +667,11 @@ class ProcessControl:
             self._fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
         elif reason == "shutdown":  # given back: available at once, nothing counted (SPEC 5)
             self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
+        elif reason == "cancelled" and entry.get("killed_by_supervisor"):
+            # An operator's cancel, ended by our kill: the row is cancelled already (its
+            # CAS cannot apply), but the kill's forensics join the attempt's cancel entry.
+            self.stats["cancelled_attempts"] += 1
+            self._fail(att, decisions.ERROR, entry)
         elif reason in ("cancelled", "lease_lost"):
             # An operator's cancel or someone else's lease: the row already says what
             # happened. Killed at the local fence: the lease is left to expire, and the
@@ -881,8 +900,8 @@ class ProcessControl:
                              "attempt": att.attempt, "elapsed": round(now - att.started, 3)})
             kids.append(info)
         self.snapshot = {
-            "workers": self.config.workers, "queues": list(self.config.queues), "draining": self.draining,
-            "children": kids, "prefetched": len(self.held),
+            "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
+            "draining": self.draining, "children": kids, "prefetched": len(self.held),
         }
 
     # -- teardown -------------------------------------------------------------------------------------

@@ -388,6 +388,7 @@ class ChildPool:
         child.retire()
         if child.wait(timeout=2.0) is None:
             child.kill()
+            self.stats["killed"] += 1
         if child in self.children:
             self.children.remove(child)
         self.watchdog.gone(child.pid)
@@ -432,6 +433,7 @@ class ChildPool:
         for child in list(self.children):
             if child.attempt is not None or child.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 child.kill()
+                self.stats["killed"] += 1
             self.watchdog.gone(child.pid)
         self.children.clear()
         procs.reap_strays(self.owner, {self.watchdog.pid}, self.descended)

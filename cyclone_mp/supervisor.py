@@ -217,8 +217,19 @@ class Supervisor:
 
     @property
     def attempts(self) -> dict[Any, Any]:
-        """Running attempts by lease ``(step id, generation)``."""
+        """Running attempts by lease ``(step id, generation)`` (process control's own
+        dict: from another thread, read :meth:`in_flight`)."""
         return self.control.attempts if self.control is not None else {}
+
+    def in_flight(self) -> list[Any]:
+        """The attempts running now (``step_name``, ``node``, ``run_id``...), a copy safe
+        to read from any thread."""
+        return self.control.in_flight() if self.control is not None else []
+
+    @property
+    def drain_deadline(self) -> float | None:
+        """When a drain gives up waiting (the supervisor's clock), once draining."""
+        return self.control.drain_deadline if self.control is not None else None
 
     @property
     def draining(self) -> bool:
