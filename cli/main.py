@@ -416,10 +416,13 @@ def signal_(run_id: str, name: str, payload: Any) -> None:
 
 @cli.group()
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-              help="The cluster directory [default: the per-user default].")
+              help="The cluster directory [default: $CYCLONE_EMBEDDED_DATA_DIR, else the per-user default].")
 @click.pass_context
 def db(ctx: click.Context, data_dir: str | None) -> None:
-    """Manage the embedded PostgreSQL server (the default when --dsn is not given)."""
+    """Manage the embedded PostgreSQL server (the default when --dsn is not given).
+
+    It is shared by every process (as root: every user) that uses the default; nothing
+    but `db stop` stops it."""
     from cyclone_mp.embedded import EmbeddedServer, default_server
 
     ctx.obj = default_server() if data_dir is None else EmbeddedServer(data_dir)
@@ -439,8 +442,15 @@ def db_start() -> None:
 
 @db.command("stop")
 def db_stop() -> None:
-    """Stop the server."""
-    click.echo("stopped" if _server().stop() else "not running")
+    """Stop the server, ending every session connected to it (workers reconnect once it
+    is started again). Nothing else stops it: not the demo, not a worker."""
+    server = _server()
+    sessions = server.sessions() if server.is_running() else None
+    if not server.stop():
+        click.echo("not running")
+        return
+    ended = "" if sessions is None else f" (ended {sessions} connected session{'s' if sessions != 1 else ''})"
+    click.echo("stopped" + ended)
 
 
 @db.command("status")
@@ -463,11 +473,18 @@ def db_uri() -> None:
 @cli.command()
 @click.option("--cpu-steps", type=click.IntRange(1, 1000), default=24, show_default=True,
               help="CPU-bound steps to run besides the three bad ones.")
+@click.option("--keep", is_flag=True,
+              help="Keep the demo's data (its own database on the embedded server, or its runs in --dsn) "
+                   "instead of removing it at the end.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def demo(cpu_steps: int, as_json: bool) -> None:
+def demo(cpu_steps: int, keep: bool, as_json: bool) -> None:
     """Run a CPU-bound workload with a wedged, a crashing and a grandchild-spawning
     handler on 2 children, then show what happened. Exits 0 when everything ended as
-    expected and no process is left behind."""
+    expected and no process is left behind.
+
+    On the embedded server the demo uses a database of its own, dropped at the end
+    (--keep keeps it); the server itself is left running for the next commands and for
+    anyone else using it (`cyclone-mp db stop` stops it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from cyclone_mp.demo import run_demo
@@ -488,7 +505,7 @@ def demo(cpu_steps: int, as_json: bool) -> None:
     if progress is not None:
         progress.start()
     try:
-        report = run_demo(_settings().dsn, cpu_steps=cpu_steps, on_tick=tick)
+        report = run_demo(_settings().dsn, cpu_steps=cpu_steps, keep=keep, on_tick=tick)
     finally:
         if progress is not None:
             progress.stop()

@@ -254,6 +254,8 @@ def print_db_status(con: Console, info: dict[str, Any]) -> None:
     con.print(f"data dir: {info.get('data_dir')}")
     if info.get("uri"):
         con.print(f"uri: {info['uri']}")
+    if info.get("sessions") is not None:
+        con.print(f"sessions: {info['sessions']} connected (`cyclone-mp db stop` would end them)")
 
 
 # -- demo ---------------------------------------------------------------------------------------------
@@ -305,9 +307,17 @@ def print_demo(con: Console, report: Any) -> None:
     mark = "[green]✓[/]" if not report.leftover_pids else "[bold red]✗[/]"
     con.print(f"{mark} check: {left} (supervisor {report.supervisor_id}: no process carries its marker, "
               f"no child of this process alive)")
-    server = "started by the demo and stopped" if report.server_stopped else (
-        "started by the demo" if report.server_started else "already running; left running")
-    con.print(f"database: {report.database}" + (f" (embedded server {server})" if report.embedded else ""))
+    if report.own_database:
+        data = "its own database, kept" if report.kept else "its own database, dropped at the end; --keep keeps it"
+    else:
+        data = "its runs kept" if report.kept else "its runs deleted at the end; --keep keeps them"
+    con.print(f"database: {report.database} ({data})", soft_wrap=True)  # whole, to copy
+    if report.kept:
+        con.print(f"look at its runs: cyclone-mp --dsn '{report.database}' runs", soft_wrap=True)
+    if report.embedded:
+        server = "started by this demo" if report.server_started else "already running"
+        con.print(f"embedded server: {server}; left running for other commands and users "
+                  "(`cyclone-mp db stop` stops it)")
     failed = [name for name, ok in report.checks.items() if not ok]
     if failed:
         con.print(f"[bold red]FAILED checks: {', '.join(failed)}[/]")

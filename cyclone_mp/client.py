@@ -6,17 +6,19 @@ own connections (so it can reconnect on its own after an outage).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import signal
 import threading
+import time
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .config import Config
 from .backoff import storable_backoff
@@ -31,6 +33,11 @@ from .store import NodeRow, Store, configure_session, connect, redact, stale_pla
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
+
+POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API pool
+#: Seconds between checks, while a call waits for a connection, that the server is still
+#: there: a server that went away fails the call at once, not after POOL_TIMEOUT (issue 19).
+POOL_PROBE_EVERY = 1.0
 
 
 class Client:
@@ -143,10 +150,13 @@ class Client:
         with self._lock:
             if self._pool is None:
                 dsn = self.dsn
-                connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                try:
+                    connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                except DatabaseUnavailable as exc:
+                    raise self._explain(exc) from exc.__cause__
                 limit = self.config.idle_in_transaction_limit
                 self._pool = ConnectionPool(
-                    dsn, min_size=0, max_size=4, open=True, timeout=30.0, max_idle=60.0,
+                    dsn, min_size=0, max_size=4, open=True, timeout=POOL_TIMEOUT, max_idle=60.0,
                     kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
                     check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
                     # a client frozen inside cancel/retry/... must not stall the supervisors
@@ -154,13 +164,59 @@ class Client:
                 )
             return self._pool
 
+    def _gone(self) -> DatabaseUnavailable | None:
+        """Why the server cannot be reached now, or None when it answers: the embedded
+        server's data dir says it stopped, or a fresh connection fails (bounded, 5 s)."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
+        if server is not None and server.stopping():
+            return DatabaseUnavailable(server.not_running_message())
+        try:
+            connect(self.dsn, timeout=5.0).close()
+        except DatabaseUnavailable as exc:
+            return self._explain(exc)
+        return None
+
+    def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
+        """``exc``, or when the DSN is an embedded server that is going away, the one line
+        that says so (a connection refused or closed by a stopping server is why)."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
+        if server is not None and server.stopping():
+            return DatabaseUnavailable(server.not_running_message())
+        return exc
+
+    @contextlib.contextmanager
+    def _connection(self, pool: ConnectionPool) -> Any:
+        """A pooled connection, like ``pool.connection()``, but waiting for one checks every
+        POOL_PROBE_EVERY seconds that the server is still there: a stopped server fails
+        the call in about a second with why (:meth:`_gone`), never after POOL_TIMEOUT."""
+        deadline = time.monotonic() + POOL_TIMEOUT
+        while True:
+            try:
+                conn = pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
+                break
+            except PoolTimeout:
+                gone = self._gone()
+                if gone is not None:
+                    raise gone from None
+                if time.monotonic() >= deadline:
+                    raise
+        try:
+            with conn:
+                yield conn
+        finally:
+            pool.putconn(conn)
+
     def _call(self, fn: Callable[[Store], Any]) -> Any:
         pool = self._store_pool()
         try:
             for tries_left in (1, 0):
                 store: Store | None = None
                 try:
-                    with pool.connection() as conn:
+                    with self._connection(pool) as conn:
                         store = Store(conn)
                         return fn(store)
                 except DatabaseError as exc:
@@ -178,6 +234,10 @@ class Client:
         except DatabaseError as exc:
             if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
                 raise DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`") from exc
+            if isinstance(exc, DatabaseUnavailable):  # lost mid-call, or refused: say why when we can
+                explained = self._explain(exc)
+                if explained is not exc:
+                    raise explained from exc
             raise
 
     def close(self) -> None:

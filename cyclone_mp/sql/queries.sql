@@ -676,6 +676,10 @@ WITH doomed AS (
 )
 DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
 
+-- name: delete_runs
+-- Delete the given runs in any state (their steps go by trigger, their signals by cascade).
+DELETE FROM cyclone_runs WHERE id = ANY(%(ids)s::uuid[]);
+
 -- name: runs_by_prefix
 -- Up to two runs whose id starts with a prefix (so a short id from a table is usable).
 SELECT id::text AS id
