@@ -21,7 +21,7 @@ supervisor down and returns a :class:`DemoReport` of what happened:
 Its data (issue 19): on the embedded default server the demo runs in a database of its
 own, ``cyclone_demo_<pid>_<hex>``, dropped at the end; on a given DSN it runs in that
 database, in a queue of its own, and deletes its runs at the end. ``keep=True`` keeps
-them (the report's ``database`` says where). It never stops the embedded server, which
+them (in ``cyclone_demo_kept_<hex>``; the report's ``database`` says where). It never stops the embedded server, which
 other processes may be using (see :mod:`cyclone_mp.embedded`); a demo database whose
 demo process died is dropped by the next demo.
 
@@ -378,7 +378,8 @@ def run_demo(
         server = default_server()
         admin_dsn, server_started = server.launch()
         _drop_stale_demo_databases(admin_dsn)
-        own_db = f"{DEMO_DB_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        # the pid marks a database to drop if its demo dies; a kept one has none
+        own_db = f"{DEMO_DB_PREFIX}{'kept' if keep else os.getpid()}_{uuid.uuid4().hex[:6]}"
         create_database(admin_dsn, own_db)
         dsn = server.uri(own_db)
     queue = f"demo-{uuid.uuid4().hex[:8]}"  # isolates this demo from any other work in the database

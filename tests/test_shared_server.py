@@ -202,3 +202,7 @@ def test_demo_keep_keeps_its_own_database(default_dir: pathlib.Path) -> None:
     assert len(kept) == 1 and f"--dsn '{server.uri(kept[0])}' runs" in proc.stdout, proc.stdout[-600:]
     assert _runs_in(server.uri(kept[0])) == 7
     assert "left running" in proc.stdout
+    again = subprocess.run([sys.executable, "-m", "cyclone_mp_cli.main", "demo", "--cpu-steps", "2"], cwd=REPO,
+                           env=_default_env(default_dir), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-800:]
+    assert list_databases(server.uri(), DEMO_PREFIX) == kept  # a kept database is never taken for a stale one
