@@ -89,7 +89,11 @@ def redact(text: str) -> str:
     """
     text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
     text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
-    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s']+)", r"\1***", text, flags=re.I)
+    # An already redacted value (``password=***``, then a space, a colon and space, or the
+    # end) is left alone: the CLI redacts whole messages again, and "password=***: connection
+    # failed" lost its colon.
+    return re.sub(r"(\bpassword\s*=\s*)(?!\*\*\*(?:[\s;,)]|:\s|:?$))('(?:[^'\\]|\\.)*'|[^\s']+)", r"\1***",
+                  text, flags=re.I)
 
 
 def stale_plan(exc: BaseException | None) -> bool:
