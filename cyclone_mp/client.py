@@ -538,6 +538,26 @@ class Client:
         """Live supervisors (refreshed within ``within`` seconds) and their children."""
         return self._call(lambda store: store.list_workers(within))
 
+    def unserved_steps(self, status: RunStatus, within: float = 15.0) -> list[StepStatus]:
+        """The run's unfinished task steps that no live supervisor would claim: none of
+        the supervisors seen within ``within`` seconds (the ``cyclone_workers`` registry)
+        claims from the step's queue, or (when its registry row lists the step names it
+        runs) runs the step, or it is draining. ``enqueue --wait`` warns about them at
+        once instead of waiting in silence (issue 19). Empty when every step is served.
+
+        Raises:
+            DatabaseError: the database failed or cannot be reached.
+        """
+        live = [row.get("info") or {} for row in self.workers(within)]
+        serving = [info for info in live if not info.get("draining")]
+
+        def served(step: StepStatus) -> bool:
+            return any(step.queue in (info.get("queues") or []) and
+                       (info.get("names") is None or step.step_name in info["names"]) for info in serving)
+
+        return [step for step in status.steps.values()
+                if step.kind == "task" and not step.terminal and step.state != "running" and not served(step)]
+
     # -- the supervisor -------------------------------------------------------------------------
 
     def _make_supervisor(self) -> Any:
@@ -554,26 +574,37 @@ class Client:
         self._supervisor = Supervisor(self.dsn, self.mux, self.config, **kwargs)
         return self._supervisor
 
-    def run(self) -> None:
+    def run(self, on_signal: Callable[[str], None] | None = None) -> None:
         """Run the supervisor in this thread until shut down (blocking).
 
         In the main thread, the first SIGTERM/SIGINT drains (SPEC 5) and a second one
-        stops hard. Raises ConfigurationError, DatabaseError (schema could not be set up).
+        stops hard; ``on_signal`` (if given) is then called with ``"drain"`` or
+        ``"stop"``, from the signal handler: it should only record the event (the CLI
+        prints what the drain waits for from another thread). Raises
+        ConfigurationError, DatabaseError (schema could not be set up).
         """
         sup = self._make_supervisor()
         self.close()  # the supervisor has its own connections; idle API connections would only wait
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            def on_signal(signum: int, frame: Any) -> None:
+            def on_signal_(signum: int, frame: Any) -> None:
+                # Runs again, nested, when a signal comes while it runs: after the hard stop
+                # it takes no lock (Event.set does), or the nested call could deadlock on it.
+                if sup._stop_req.is_set():
+                    return
                 if sup.draining or sup._shutdown_req.is_set():
-                    log.warning("second signal: hard stop")
+                    (log.info if on_signal is not None else log.warning)("second signal: hard stop")
                     sup.request_stop()
+                    event = "stop"
                 else:
                     log.info("signal %s: draining", signal.Signals(signum).name)
                     sup.request_shutdown()
+                    event = "drain"
+                if on_signal is not None:
+                    on_signal(event)
 
             for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, on_signal)
+                previous[sig] = signal.signal(sig, on_signal_)
         try:
             sup.run()
         finally:
