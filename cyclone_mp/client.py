@@ -164,20 +164,6 @@ class Client:
                 )
             return self._pool
 
-    def _gone(self) -> DatabaseUnavailable | None:
-        """Why the server cannot be reached now, or None when it answers: the embedded
-        server's data dir says it stopped, or a fresh connection fails (bounded, 5 s)."""
-        from .embedded import server_for_dsn
-
-        server = server_for_dsn(self.dsn)
-        if server is not None and server.stopping():
-            return DatabaseUnavailable(server.not_running_message())
-        try:
-            connect(self.dsn, timeout=5.0).close()
-        except DatabaseUnavailable as exc:
-            return self._explain(exc)
-        return None
-
     def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
         """``exc``, or when the DSN is an embedded server that is going away, the one line
         that says so (a connection refused or closed by a stopping server is why)."""
@@ -190,19 +176,27 @@ class Client:
 
     @contextlib.contextmanager
     def _connection(self, pool: ConnectionPool) -> Any:
-        """A pooled connection, like ``pool.connection()``, but waiting for one checks every
-        POOL_PROBE_EVERY seconds that the server is still there: a stopped server fails
-        the call in about a second with why (:meth:`_gone`), never after POOL_TIMEOUT."""
+        """A pooled connection, like ``pool.connection()``. While a call waits for one, an
+        embedded server that was stopped fails it within POOL_PROBE_EVERY seconds, with
+        one line that says so (issue 19: a stopped server used to cost a 30 s pool timeout
+        per call). Any other server may come back (a restart): the call waits up to
+        POOL_TIMEOUT as before, then fails with why a fresh connection fails."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
         deadline = time.monotonic() + POOL_TIMEOUT
         while True:
             try:
                 conn = pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
                 break
             except PoolTimeout:
-                gone = self._gone()
-                if gone is not None:
-                    raise gone from None
+                if server is not None and server.stopping():
+                    raise DatabaseUnavailable(server.not_running_message()) from None
                 if time.monotonic() >= deadline:
+                    try:
+                        connect(self.dsn, timeout=5.0).close()
+                    except DatabaseUnavailable as exc:
+                        raise exc from None
                     raise
         try:
             with conn:
