@@ -250,8 +250,9 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
         for step in status.steps.values():
             if step.state == "completed" and step.output is not None:
                 click.echo(f"output[{step.name}]: {render.dumps(step.output, indent=None)}")
-            elif step.error:
-                click.echo(f"{step.name}: {step.state} ({step.error_kind}): {render.short(step.error, 200)}", err=True)
+            elif step.error or step.error_kind:
+                click.echo(f"{step.name}: {step.state} ({step.error_kind}): {render.short(render.last_error(step), 200)}",
+                           err=True)
     if status.state != "completed":
         click.get_current_context().exit(1)
 
