@@ -146,13 +146,21 @@ def attempt_text(step: StepStatus) -> str:
     return f"{step.attempt if started else 0}/{step.max_attempts}"
 
 
+def type_name(name: Any) -> str | None:
+    """An exception type as stored (``builtins.ValueError``, ``app.errors.Bad``), without
+    the ``builtins.`` of the built-in ones."""
+    if not name:
+        return None
+    return str(name).removeprefix("builtins.")
+
+
 def last_error(step: StepStatus) -> str:
     """The step's last error as ``Type: message`` (the exception type from its last error
     entry, so an empty message still names what was raised), or ``""``."""
     if not step.error and not step.error_kind:
         return ""
     entry = next((e for e in reversed(step.errors) if e.get("kind") != "cancelled"), {})  # what set ``error``
-    kind = entry.get("type")
+    kind = type_name(entry.get("type"))
     message = step.error or ""
     if message == step.error_kind and kind:  # no message: the store keeps the kind in its place
         message = ""
@@ -271,8 +279,8 @@ def attempts_table(steps: Iterable[StepStatus], *, compact: bool = False) -> Tab
     rows = 0
     for step in steps:
         for entry in step.errors:
-            message = entry.get("message") or ""
-            error = f"{entry['type']}: {message}" if entry.get("type") and message else (entry.get("type") or message)
+            message, kind = entry.get("message") or "", type_name(entry.get("type"))
+            error = f"{kind}: {message}" if kind and message else (kind or message)
             head = [Text(step.name), str(entry.get("attempt", "-")), str(entry.get("kind") or "-"), exit_text(entry)]
             if compact:
                 detail = Text(short(error, 160), style="red")
@@ -405,7 +413,9 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
                 step = Text(str(kid.get("step") or "idle"))
                 if kid.get("node") and kid.get("node") != kid.get("step"):
                     step.append(f" ({kid['node']})")
-                step.append(f"\n{secs(elapsed, 1)} · CPU {cpu_text}% · {mib(kid.get('rss'))}", style="dim")
+                usage = [secs(elapsed, 1)] if busy else []
+                usage += [f"CPU {cpu_text}%", mib(kid.get("rss")).replace(" ", "\u00a0")]  # "14.6 MiB" stays whole
+                step.append("\n" + " · ".join(usage), style="dim")
                 table.add_row(str(kid.get("pid")), str(kid.get("run_id") or ""), str(kid.get("attempt") or ""), step)
                 continue
             table.add_row(
