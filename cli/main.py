@@ -30,6 +30,7 @@ from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
 
 from . import render
+from .drain import DrainReporter
 from .params import BYTES, JSON, POLL, SECONDS
 
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
@@ -227,8 +228,8 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
-    in-flight steps finish for up to --shutdown-grace), a second one stops hard.
-    Exits 0 after a drain.
+    in-flight steps finish for up to --shutdown-grace; the worker says which steps it
+    waits for), a second one stops hard. Exits 0 after a drain.
     """
     mux = _load(app)
     client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
@@ -251,19 +252,22 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, after_drain)
+    reporter = DrainReporter(client, lambda line: click.echo(line, err=True))  # says what a drain waits for
+    reporter.start()
     try:
-        client.run()
+        client.run(on_signal=reporter.signalled)
     finally:
         # Exiting now; Python gives a handler function back to SIG_DFL while it shuts
         # down (a late SIGTERM then killed the worker: rc -15), but not SIG_IGN.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        reporter.close()
         client.close()
     sup = client.supervisor
     if sup is not None:
         stats = sup.stats
         click.echo(f"cyclone-mp worker: stopped; {stats['completed']} completed, {stats['failed']} failed, "
                    f"{stats['released'] + stats['prefetch_released']} released, "
-                   f"{stats['killed']} children killed", err=True)
+                   f"{render.count(stats['killed'], 'child', 'children')} killed", err=True)
 
 
 @cli.command()
@@ -317,6 +321,7 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
             return
         if not as_json:
             click.echo(run_id)
+        _warn_unserved(client, client.status(run_id), app)
         status = _wait(client, run_id, wait_timeout, live=not as_json)
     finally:
         client.close()
@@ -328,10 +333,23 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
         for step in status.steps.values():
             if step.state == "completed" and step.output is not None:
                 click.echo(f"output[{step.name}]: {render.dumps(step.output, indent=None)}")
-            elif step.error:
-                click.echo(f"{step.name}: {step.state} ({step.error_kind}): {render.short(step.error, 200)}", err=True)
+            elif step.error or step.error_kind:
+                click.echo(f"{step.name}: {step.state} ({step.error_kind}): {render.short(render.last_error(step), 200)}",
+                           err=True)
     if status.state != "completed":
         click.get_current_context().exit(1)
+
+
+def _warn_unserved(client: Any, status: Any, app: str) -> None:
+    """Say at once (one line per queue, on stderr) when no live supervisor serves a step
+    of the run: the wait would otherwise last until one starts, in silence (issue 19)."""
+    by_queue: dict[str, list[str]] = {}
+    for step in client.unserved_steps(status):
+        by_queue.setdefault(step.queue, []).append(step.step_name or step.name)
+    for queue, names in by_queue.items():
+        option = "" if queue == "default" else f" --queue {queue}"
+        click.echo(f"Warning: no live supervisor serves queue {queue!r} (step {', '.join(sorted(set(names)))}); "
+                   f"the run waits until one starts: cyclone-mp worker {app}{option}", err=True)
 
 
 def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any:
@@ -341,7 +359,9 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
     start = time.monotonic()
     con = render.console(stderr=True)
     status = client.status(run_id)
-    view = Live(render.wait_view(status, 0.0), console=con, refresh_per_second=8, transient=False) if live else None
+    narrow = render.compact(con)
+    view = (Live(render.wait_view(status, 0.0, compact=narrow), console=con, refresh_per_second=8, transient=False)
+            if live else None)
     try:
         if view is not None:
             view.start()
@@ -351,7 +371,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
             time.sleep(0.2)
             status = client.status(run_id)
             if view is not None:
-                view.update(render.wait_view(status, time.monotonic() - start))
+                view.update(render.wait_view(status, time.monotonic() - start, compact=narrow))
     except KeyboardInterrupt:
         if view is not None:
             view.stop()
@@ -371,9 +391,12 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
 
 @cli.command()
 @click.argument("run_id")
+@click.option("--traceback", "show_traceback", is_flag=True, help="Also print the last traceback a handler raised.")
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(run_id: str, as_json: bool) -> None:
-    """Show a run: every step, and the forensics of every failed attempt."""
+def status(run_id: str, show_traceback: bool, wide: bool, as_json: bool) -> None:
+    """Show a run: every step (node, state, attempt, last error as `Type: message`), each
+    output under its node's name, and the forensics of every failed attempt."""
     client = _client()
     try:
         client.migrate()
@@ -383,14 +406,15 @@ def status(run_id: str, as_json: bool) -> None:
     if as_json:
         render.print_json(result.to_dict())
     else:
-        render.print_status(_out(), result)
+        render.print_status(_out(), result, wide=wide, traceback=show_traceback)
 
 
 @cli.command()
 @click.option("--state", type=click.Choice(RUN_STATES), default=None, help="Only runs in this state.")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many.")
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def runs(state: str | None, limit: int, as_json: bool) -> None:
+def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
     """List recent runs, newest first."""
     client = _client()
     try:
@@ -401,14 +425,16 @@ def runs(state: str | None, limit: int, as_json: bool) -> None:
     if as_json:
         render.print_json(rows)
     elif rows:
-        _out().print(render.runs_table(rows))
+        con = _out()
+        render.put(con, render.runs_table(rows, compact=render.compact(con, wide)), wide)
     else:
         click.echo("no runs" + (f" in state {state}" if state else ""))
 
 
 @cli.command()
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def workers(as_json: bool) -> None:
+def workers(wide: bool, as_json: bool) -> None:
     """Live supervisors and their children: pid, step, elapsed, CPU %, RSS."""
     client = _client()
     try:
@@ -419,7 +445,7 @@ def workers(as_json: bool) -> None:
     if as_json:
         render.print_json(rows)
     else:
-        render.print_workers(_out(), rows)
+        render.print_workers(_out(), rows, wide=wide)
 
 
 # -- operator actions ---------------------------------------------------------------------------------
@@ -499,10 +525,13 @@ def signal_(run_id: str, name: str, payload: Any) -> None:
 
 @cli.group()
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-              help="The cluster directory [default: the per-user default].")
+              help="The cluster directory [default: $CYCLONE_EMBEDDED_DATA_DIR, else the per-user default].")
 @click.pass_context
 def db(ctx: click.Context, data_dir: str | None) -> None:
-    """Manage the embedded PostgreSQL server (the default when --dsn is not given)."""
+    """Manage the embedded PostgreSQL server (the default when --dsn is not given).
+
+    It is shared by every process (as root: every user) that uses the default; nothing
+    but `db stop` stops it."""
     from cyclone_mp.embedded import EmbeddedServer, default_server
 
     ctx.obj = default_server() if data_dir is None else EmbeddedServer(data_dir)
@@ -522,8 +551,15 @@ def db_start() -> None:
 
 @db.command("stop")
 def db_stop() -> None:
-    """Stop the server."""
-    click.echo("stopped" if _server().stop() else "not running")
+    """Stop the server, ending every session connected to it (workers reconnect once it
+    is started again). Nothing else stops it: not the demo, not a worker."""
+    server = _server()
+    sessions = server.sessions() if server.is_running() else None
+    if not server.stop():
+        click.echo("not running")
+        return
+    ended = "" if sessions is None else f" (ended {sessions} connected session{'s' if sessions != 1 else ''})"
+    click.echo("stopped" + ended)
 
 
 @db.command("status")
@@ -546,11 +582,19 @@ def db_uri() -> None:
 @cli.command()
 @click.option("--cpu-steps", type=click.IntRange(1, 1000), default=24, show_default=True,
               help="CPU-bound steps to run besides the three bad ones.")
+@click.option("--keep", is_flag=True,
+              help="Keep the demo's data (its own database on the embedded server, or its runs in --dsn) "
+                   "instead of removing it at the end.")
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def demo(cpu_steps: int, as_json: bool) -> None:
+def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
     """Run a CPU-bound workload with a wedged, a crashing and a grandchild-spawning
     handler on 2 children, then show what happened. Exits 0 when everything ended as
-    expected and no process is left behind."""
+    expected and no process is left behind.
+
+    On the embedded server the demo uses a database of its own, dropped at the end
+    (--keep keeps it); the server itself is left running for the next commands and for
+    anyone else using it (`cyclone-mp db stop` stops it)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from cyclone_mp.demo import run_demo
@@ -571,14 +615,14 @@ def demo(cpu_steps: int, as_json: bool) -> None:
     if progress is not None:
         progress.start()
     try:
-        report = run_demo(_settings().dsn, cpu_steps=cpu_steps, on_tick=tick)
+        report = run_demo(_settings().dsn, cpu_steps=cpu_steps, keep=keep, on_tick=tick)
     finally:
         if progress is not None:
             progress.stop()
     if as_json:
         render.print_json(report.to_dict())
     else:
-        render.print_demo(_out(), report)
+        render.print_demo(_out(), report, wide=wide)
     if not report.ok:
         click.get_current_context().exit(1)
 

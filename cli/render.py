@@ -4,6 +4,12 @@ Pure presentation: every function takes data the library returned (a
 :class:`~cyclone_mp.RunStatus`, ``client.runs()`` / ``client.workers()`` rows, a
 :class:`~cyclone_mp.demo.DemoReport`) and returns a rich renderable or prints it.
 Times are shown in local time; durations in seconds; sizes in MiB.
+
+Tables fit the terminal (issue 19): below :data:`NARROW` columns they are *compact*:
+low-value columns are dropped or folded into one wrapping "detail" column, while state,
+attempts and run ids always show in full; ``wide=True`` (the CLI's ``--wide``) shows
+every column whatever the width. Data is printed as text, never as rich markup (a node
+named ``[x]`` or an input holding ``[true]`` shows as is).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import json
+import os
 import sys
 import uuid
 from typing import Any, Iterable
@@ -28,15 +35,36 @@ STATE_STYLES = {
     "available": "blue", "pending": "dim", "paused": "magenta", "waiting_signal": "magenta",
     "waiting_timer": "magenta",
 }
-WIDE = 160  #: table width when the output is not a terminal (pipes, logs, tests)
+WIDE = 160  #: table width when the output is not a terminal (pipes, logs, tests) and COLUMNS is unset
+NARROW = 100  #: below this many columns tables are compact (issue 19)
 
 
 def console(stderr: bool = False) -> Console:
-    """A console on stdout (or stderr); wide when it is not a terminal so tables stay readable."""
+    """A console on stdout (or stderr): the terminal's width; when the output is not a
+    terminal, ``$COLUMNS`` if set, else :data:`WIDE` so tables stay readable in logs."""
     con = Console(stderr=stderr, highlight=False)
-    if not con.is_terminal:
+    if not con.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
         con = Console(stderr=stderr, highlight=False, width=WIDE)
     return con
+
+
+def compact(con: Console, wide: bool = False) -> bool:
+    """True when tables printed on ``con`` should be compact (narrower than NARROW, and
+    ``wide`` not asked for)."""
+    return not wide and con.width < NARROW
+
+
+def put(con: Console, renderable: Any, wide: bool = False) -> None:
+    """Print a table; with ``wide`` on a console narrower than WIDE, at WIDE columns and
+    uncropped (every column whole: the terminal wraps the lines, or ``less -S`` scrolls)."""
+    if wide and con.width < WIDE:
+        narrow, con.width = con.width, WIDE  # print(width=...) cannot exceed the console's width
+        try:
+            con.print(renderable, crop=False)
+        finally:
+            con.width = narrow
+    else:
+        con.print(renderable)
 
 
 # -- JSON ---------------------------------------------------------------------------------------
@@ -100,6 +128,47 @@ def state_text(state: str) -> Text:
     return Text(state, style=STATE_STYLES.get(state, ""))
 
 
+def age(value: dt.datetime | None, now: dt.datetime | None = None) -> str:
+    """How long ago, compact: ``12s``, ``5m``, ``3h``, ``2d`` (or ``-``)."""
+    if value is None:
+        return "-"
+    seconds = max(0.0, ((now or dt.datetime.now(dt.timezone.utc)) - value).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def attempt_text(step: StepStatus) -> str:
+    """``attempt/max_attempts``; ``0/max`` for a step that never started (a first
+    attempt not begun is no attempt: issue 19)."""
+    started = step.started_at is not None or bool(step.errors)
+    return f"{step.attempt if started else 0}/{step.max_attempts}"
+
+
+def type_name(name: Any) -> str | None:
+    """An exception type as stored (``builtins.ValueError``, ``app.errors.Bad``), without
+    the ``builtins.`` of the built-in ones."""
+    if not name:
+        return None
+    return str(name).removeprefix("builtins.")
+
+
+def last_error(step: StepStatus) -> str:
+    """The step's last error as ``Type: message`` (the exception type from its last error
+    entry, so an empty message still names what was raised), or ``""``."""
+    if not step.error and not step.error_kind:
+        return ""
+    entry = next((e for e in reversed(step.errors) if e.get("kind") != "cancelled"), {})  # what set ``error``
+    kind = type_name(entry.get("type"))
+    message = step.error or ""
+    if message == step.error_kind and kind:  # no message: the store keeps the kind in its place
+        message = ""
+    if kind and not message.startswith(f"{kind}:"):
+        return f"{kind}: {message}" if message else str(kind)
+    return message or str(step.error_kind or "")
+
+
 def progress_cell(progress: Any, width: int = 16) -> Any:
     """A bar with ``done/total message`` for a ``{"done", "total", "message"}`` value."""
     if not isinstance(progress, dict):
@@ -115,6 +184,11 @@ def progress_cell(progress: Any, width: int = 16) -> Any:
     return label
 
 
+def count(n: int, one: str, many: str | None = None) -> str:
+    """``1 child``, ``2 children``: ``n`` and the noun agreeing with it."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
 def _num(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
@@ -124,16 +198,39 @@ def _num(value: Any) -> str:
 # -- status -----------------------------------------------------------------------------------------
 
 
-def steps_table(status: RunStatus, *, live: bool = False) -> Table:
+def _step_detail(step: StepStatus) -> Text:
+    """The compact table's last column: the error (kind, type, message) of a failed
+    step, else its progress or how long it took."""
+    if step.error or step.error_kind:
+        text = Text(f"{step.error_kind}: " if step.error_kind else "", style="bold red")
+        text.append(short(last_error(step), 160), style="red")
+        return text
+    if isinstance(step.progress, dict) and step.state == "running":
+        done, total, message = (step.progress.get(k) for k in ("done", "total", "message"))
+        head = f"{_num(done)}/{_num(total)}" if total else _num(done)
+        return Text(head + (f" {short(message, 60)}" if message else ""))
+    if step.started_at is not None and step.finished_at is not None and step.state == "completed":
+        return Text(f"took {secs((step.finished_at - step.started_at).total_seconds())}", style="dim")
+    return Text("")
+
+
+def steps_table(status: RunStatus, *, live: bool = False, compact: bool = False) -> Table:
     """One row per step: node, state, attempt/max, reclaims, error kind, times, progress,
-    last error. ``live`` (the ``enqueue --wait`` view) keeps only node, state, attempt,
-    progress and, once a step failed, the last error."""
+    last error (``Type: message``). ``live`` (the ``enqueue --wait`` view) keeps only
+    node, state, attempt, progress and, once a step failed, the last error. ``compact``
+    (narrow terminals): node, state, attempt and one wrapping detail column (the error,
+    the progress or the time taken); state and attempt never shrink."""
     steps = list(status.steps.values())
-    errors = any(step.error for step in steps)
+    errors = any(step.error or step.error_kind for step in steps)
     table = Table()
-    table.add_column("node", no_wrap=True)
-    table.add_column("state", no_wrap=True)
+    table.add_column("node", overflow="fold")
+    table.add_column("state", no_wrap=True, min_width=max([len("state")] + [len(s.state) for s in steps]))
     table.add_column("attempt", no_wrap=True)
+    if compact:
+        table.add_column("detail", overflow="fold", ratio=1)
+        for step in steps:
+            table.add_row(Text(step.name), state_text(step.state), attempt_text(step), _step_detail(step))
+        return table
     if not live:
         for name in ("reclaims", "error_kind", "started", "finished"):
             table.add_column(name, no_wrap=True)
@@ -141,35 +238,64 @@ def steps_table(status: RunStatus, *, live: bool = False) -> Table:
     if errors or not live:
         table.add_column("last error")
     for step in steps:
-        cells: list[Any] = [step.name, state_text(step.state), f"{step.attempt}/{step.max_attempts}"]
+        cells: list[Any] = [Text(step.name), state_text(step.state), attempt_text(step)]
         if not live:
             cells += [str(step.reclaims) + (f"/{step.max_reclaims}" if step.max_reclaims is not None else ""),
                       step.error_kind or "", when(step.started_at), when(step.finished_at)]
         cells.append(progress_cell(step.progress))
         if errors or not live:
-            last_type = step.errors[-1].get("type") if step.errors and step.error else None
-            cells.append(Text(short(error_text(last_type, step.error), 60), style="red"))
+            cells.append(Text(short(last_error(step), 90), style="red"))
         table.add_row(*cells)
     return table
 
 
-def attempts_table(steps: Iterable[StepStatus]) -> Table | None:
-    """The forensics of every failed attempt: why it ended, and what the child used."""
-    table = Table(title="failed attempts", title_justify="left")
-    for name in ("node", "attempt", "kind", "exit", "killed by supervisor", "trigger", "cpu", "peak RSS",
-                 "elapsed", "at", "message"):
-        table.add_column(name, no_wrap=name != "message")
+def _forensics_text(entry: dict[str, Any]) -> str:
+    """How an attempt's child ended, in words (the compact attempts table)."""
+    parts = []
+    killed = entry.get("killed_by_supervisor")
+    if killed and "killed by the supervisor" in str(entry.get("message") or ""):
+        pass  # the message says it already
+    elif killed:
+        parts.append(f"killed by supervisor after {entry.get('trigger') or 'cancel'}")
+    elif killed is False:
+        parts.append("child died on its own")
+    usage = [f"cpu {secs(entry.get('cpu_seconds'), 2)}" if entry.get("cpu_seconds") is not None else "",
+             f"peak {mib(entry.get('peak_rss_kb'), unit_kb=True)}" if entry.get("peak_rss_kb") is not None else "",
+             f"after {secs(entry.get('elapsed'))}" if entry.get("elapsed") is not None else ""]
+    return "; ".join(parts + [", ".join(u for u in usage if u)] if any(usage) else parts)
+
+
+def attempts_table(steps: Iterable[StepStatus], *, compact: bool = False) -> Table | None:
+    """The forensics of every failed (or cancelled) attempt: why it ended, the exception
+    type and message, and what the child used. ``compact``: node, attempt, kind, exit and
+    one wrapping column with the rest."""
+    table = Table(title="failed and cancelled attempts", title_justify="left")
+    names = (("node", "attempt", "kind", "exit", "what happened") if compact else
+             ("node", "attempt", "kind", "exit", "killed by supervisor", "trigger", "cpu", "peak RSS",
+              "elapsed", "at", "error"))
+    for name in names:
+        table.add_column(name, no_wrap=name not in ("node", "what happened", "error"),
+                         overflow="fold", ratio=1 if name in ("what happened", "error") else None)
     rows = 0
     for step in steps:
         for entry in step.errors:
-            killed = entry.get("killed_by_supervisor")
-            table.add_row(
-                step.name, str(entry.get("attempt", "-")), str(entry.get("kind") or "-"), exit_text(entry),
-                "-" if killed is None else ("yes" if killed else "no"), str(entry.get("trigger") or "-"),
-                secs(entry.get("cpu_seconds"), 3), mib(entry.get("peak_rss_kb"), unit_kb=True),
-                secs(entry.get("elapsed")), when(_parse_time(entry.get("at"))),
-                Text(short(error_text(entry.get("type"), entry.get("message")), 70), style="red"),
-            )
+            message, kind = entry.get("message") or "", type_name(entry.get("type"))
+            error = f"{kind}: {message}" if kind and message else (kind or message)
+            head = [Text(step.name), str(entry.get("attempt", "-")), str(entry.get("kind") or "-"), exit_text(entry)]
+            if compact:
+                detail = Text(short(error, 160), style="red")
+                how = _forensics_text(entry)
+                if how:
+                    detail.append(("; " if error else "") + how, style="dim")
+                table.add_row(*head, detail)
+            else:
+                killed = entry.get("killed_by_supervisor")
+                table.add_row(
+                    *head, "-" if killed is None else ("yes" if killed else "no"), str(entry.get("trigger") or "-"),
+                    secs(entry.get("cpu_seconds"), 3), mib(entry.get("peak_rss_kb"), unit_kb=True),
+                    secs(entry.get("elapsed")), when(_parse_time(entry.get("at"))),
+                    Text(short(error, 120), style="red"),
+                )
             rows += 1
     return table if rows else None
 
@@ -194,69 +320,121 @@ def _parse_time(value: Any) -> dt.datetime | None:
     return value if isinstance(value, dt.datetime) else None
 
 
-def print_status(con: Console, status: RunStatus) -> None:
-    """The full ``cyclone-mp status`` view of one run."""
+def last_traceback(status: RunStatus) -> tuple[str, dict[str, Any]] | None:
+    """``(node, error entry)`` of the most recent error entry that carries a traceback,
+    or None (``status --traceback``)."""
+    found = [(str(entry.get("at") or ""), step.name, entry) for step in status.steps.values()
+             for entry in step.errors if entry.get("traceback")]
+    if not found:
+        return None
+    _, node, entry = max(found, key=lambda item: item[0])
+    return node, entry
+
+
+def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceback: bool = False) -> None:
+    """The full ``cyclone-mp status`` view of one run: the run, a table of its steps (node
+    name, state, attempt, last error as ``Type: message``), each output under its node's
+    name, the failed attempts' forensics and, with ``traceback``, the last traceback."""
+    narrow = compact(con, wide)
     con.print(Text.assemble(
         ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", state_text(status.state),
         f"  created {when(status.created_at)}  finished {when(status.finished_at)}",
     ))
-    con.print(f"input: {short(dumps(status.input, indent=None), 150)}")
-    con.print(steps_table(status))
+    con.print(Text(f"input: {short(dumps(status.input, indent=None), 150)}"))
+    put(con, steps_table(status, compact=narrow), wide)
     for step in status.steps.values():
         if step.state == "completed" and step.output is not None:
-            con.print(f"output[{step.name}]: {short(dumps(step.output, indent=None), 150)}")
-    forensics = attempts_table(status.steps.values())
+            con.print(Text.assemble((f"output of {step.name}: ", "bold"), short(dumps(step.output, indent=None), 300)))
+    forensics = attempts_table(status.steps.values(), compact=narrow)
     if forensics is not None:
-        con.print(forensics)
+        put(con, forensics, wide)
+    if traceback:
+        last = last_traceback(status)
+        if last is None:
+            con.print(Text("no traceback recorded (no attempt raised an exception)", style="dim"))
+        else:
+            node, entry = last
+            con.print(Text(f"last traceback: {node}, attempt {entry.get('attempt', '-')}", style="bold"))
+            con.print(Text(str(entry["traceback"]).rstrip("\n")), soft_wrap=True)
+    elif any(entry.get("traceback") for step in status.steps.values() for entry in step.errors):
+        con.print(Text(f"(cyclone-mp status {status.id} --traceback shows the last traceback)", style="dim"))
 
 
-def wait_view(status: RunStatus, elapsed: float) -> Group:
+def wait_view(status: RunStatus, elapsed: float, *, compact: bool = False) -> Group:
     """What ``enqueue --wait`` shows while it waits."""
     head = Text.assemble(("run ", "bold"), status.id, "  ", state_text(status.state), f"  {elapsed:.1f}s")
-    return Group(head, steps_table(status, live=True))
+    return Group(head, steps_table(status, live=True, compact=compact))
 
 
 # -- runs, workers, db -------------------------------------------------------------------------------
 
 
-def runs_table(rows: list[dict[str, Any]]) -> Table:
-    """``client.runs()`` rows: id, name, kind, state, steps, created, finished."""
+def runs_table(rows: list[dict[str, Any]], *, compact: bool = False) -> Table:
+    """``client.runs()`` rows: id, name, kind, state, steps, created, finished. ``compact``:
+    id (in full), state, name (wrapping) and age."""
     table = Table()
+    if compact:
+        table.add_column("id", no_wrap=True, min_width=36)
+        table.add_column("state", no_wrap=True, min_width=9)
+        table.add_column("name", overflow="fold", ratio=1)
+        table.add_column("age", no_wrap=True, justify="right")
+        for row in rows:
+            table.add_row(str(row["id"]), state_text(str(row["state"])), Text(str(row["name"])),
+                          age(row.get("created_at")))
+        return table
     for name in ("id", "name", "kind", "state", "steps", "created", "finished"):
         table.add_column(name, no_wrap=True)
     for row in rows:
-        table.add_row(str(row["id"]), str(row["name"]), str(row["kind"]), state_text(str(row["state"])),
+        table.add_row(str(row["id"]), Text(str(row["name"])), str(row["kind"]), state_text(str(row["state"])),
                       str(row.get("steps", "")), when(row.get("created_at")), when(row.get("finished_at")))
     return table
 
 
-def print_workers(con: Console, rows: list[dict[str, Any]]) -> None:
-    """Each live supervisor, then a table of its children (pid, step, elapsed, CPU %, RSS)."""
+def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = False) -> None:
+    """Each live supervisor, then a table of its children (pid, step, elapsed, CPU %, RSS).
+    Compact (narrow terminals): pid, run id (in full), attempt, and the step with its
+    elapsed time, CPU % and RSS on a second line."""
     if not rows:
         con.print("no live supervisors")
         return
+    narrow = compact(con, wide)
     for row in rows:
         info = row.get("info") or {}
-        age = float(row.get("age") or 0.0)
+        age_s = float(row.get("age") or 0.0)
         con.print(Text.assemble(
             ("supervisor ", "bold"), (str(row["id"]), "bold"),
             f"  host {row.get('hostname')} pid {row.get('pid')}  up since {when(row.get('started_at'))}",
-            f"  seen {age:.1f}s ago  queues {','.join(info.get('queues') or [])}",
+            f"  seen {age_s:.1f}s ago  queues {','.join(info.get('queues') or [])}",
             ("  draining" if info.get("draining") else ""),
         ))
         table = Table()
-        for name in ("pid", "step", "node", "run", "attempt", "elapsed", "CPU %", "RSS", "steps run"):
-            table.add_column(name, no_wrap=True)
+        names = (("pid", "run", "attempt", "step") if narrow else
+                 ("pid", "step", "node", "run", "attempt", "elapsed", "CPU %", "RSS", "steps run"))
+        for name in names:
+            if name == "step" and narrow:
+                table.add_column(name, overflow="fold", ratio=1)
+            else:
+                table.add_column(name, no_wrap=True, min_width=36 if name == "run" and narrow else None)
         for kid in info.get("children") or []:
             busy = kid.get("run_id") is not None
-            elapsed = (float(kid.get("elapsed") or 0.0) + age) if busy else None
+            elapsed = (float(kid.get("elapsed") or 0.0) + age_s) if busy else None
             cpu = kid.get("cpu_percent")
+            cpu_text = "-" if cpu is None else f"{cpu:.0f}"
+            if narrow:
+                step = Text(str(kid.get("step") or "idle"))
+                if kid.get("node") and kid.get("node") != kid.get("step"):
+                    step.append(f" ({kid['node']})")
+                usage = [secs(elapsed, 1)] if busy else []
+                usage += [f"CPU {cpu_text}%", mib(kid.get("rss")).replace(" ", "\u00a0")]  # "14.6 MiB" stays whole
+                step.append("\n" + " · ".join(usage), style="dim")
+                table.add_row(str(kid.get("pid")), str(kid.get("run_id") or ""), str(kid.get("attempt") or ""), step)
+                continue
             table.add_row(
-                str(kid.get("pid")), str(kid.get("step") or "idle"), str(kid.get("node") or ""),
+                str(kid.get("pid")), Text(str(kid.get("step") or "idle")), Text(str(kid.get("node") or "")),
                 str(kid.get("run_id") or ""), str(kid.get("attempt") or ""), secs(elapsed, 1),
-                "-" if cpu is None else f"{cpu:.0f}", mib(kid.get("rss")), str(kid.get("steps_run", 0)),
+                cpu_text, mib(kid.get("rss")), str(kid.get("steps_run", 0)),
             )
-        con.print(table)
+        put(con, table, wide)
 
 
 def print_db_status(con: Console, info: dict[str, Any]) -> None:
@@ -266,44 +444,67 @@ def print_db_status(con: Console, info: dict[str, Any]) -> None:
     con.print(f"data dir: {info.get('data_dir')}")
     if info.get("uri"):
         con.print(f"uri: {info['uri']}")
+    if info.get("sessions") is not None:
+        con.print(f"sessions: {info['sessions']} connected (`cyclone-mp db stop` would end them)")
 
 
 # -- demo ---------------------------------------------------------------------------------------------
 
 
-def demo_table(report: Any) -> Table:
-    """One row per demo run: step, final state, attempts, reclaims, error_kind, duration."""
+def _demo_detail(row: Any) -> str:
+    """What happened to one demo run, in words."""
+    if not row.error:
+        return ""
+    forensics = row.forensics or {}
+    exit_ = exit_text(forensics)
+    if forensics.get("killed_by_supervisor"):
+        return f"child killed by supervisor after {forensics.get('trigger') or 'cancel'}, {exit_}"
+    if exit_ != "-":
+        return f"child died on its own, {exit_}"
+    return short(row.error, 60)
+
+
+def demo_table(report: Any, *, compact: bool = False) -> Table:
+    """One row per demo run: step, final state, attempts, reclaims, error_kind, duration.
+    ``compact``: step, run, state, attempts, what happened (error kind, duration and the
+    child's end, wrapping) and the check."""
     table = Table(title="cyclone-mp demo", title_justify="left")
+    if compact:
+        for name in ("step", "run", "state", "attempts", "what happened", "ok"):
+            wraps = name == "what happened"
+            table.add_column(name, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis",
+                             ratio=1 if wraps else None, min_width=9 if name == "state" else None)
+        for row in report.rows:
+            what = Text(f"{row.error_kind} after {secs(row.duration)}" if row.error_kind else secs(row.duration))
+            detail = _demo_detail(row)
+            if detail:
+                what.append(f": {detail}", style="dim")
+            if not row.ok:
+                what.append(f" (expected {row.expected})", style="bold red")
+            table.add_row(Text(row.step), row.run_id[:8], state_text(row.state), f"{row.attempt}/{row.max_attempts}",
+                          what, Text("ok" if row.ok else "✗", style="green" if row.ok else "bold red"))
+        return table
     for name in ("#", "step", "run", "state", "attempts", "reclaims", "error_kind", "duration", "what happened",
                  "expected"):
         table.add_column(name, no_wrap=True, overflow="ellipsis")
     for i, row in enumerate(report.rows, 1):
-        detail = ""
-        if row.error:
-            forensics = row.forensics or {}
-            exit_ = exit_text(forensics)
-            if forensics.get("killed_by_supervisor"):
-                detail = f"child killed by supervisor after {forensics.get('trigger') or 'cancel'}, {exit_}"
-            elif exit_ != "-":
-                detail = f"child died on its own, {exit_}"
-            else:
-                detail = short(row.error, 60)
         table.add_row(
-            str(i), row.step, row.run_id[:8], state_text(row.state), f"{row.attempt}/{row.max_attempts}",
-            str(row.reclaims), row.error_kind or "", secs(row.duration), Text(detail, style="dim"),
+            str(i), Text(row.step), row.run_id[:8], state_text(row.state), f"{row.attempt}/{row.max_attempts}",
+            str(row.reclaims), row.error_kind or "", secs(row.duration), Text(_demo_detail(row), style="dim"),
             Text("ok" if row.ok else f"expected {row.expected}", style="green" if row.ok else "bold red"),
         )
     return table
 
 
-def print_demo(con: Console, report: Any) -> None:
+def print_demo(con: Console, report: Any, *, wide: bool = False) -> None:
     """The demo's table, summary line and process check."""
-    con.print(demo_table(report))
+    put(con, demo_table(report, compact=compact(con, wide)), wide)
     throughput = f"{report.cpu_throughput:.2f} CPU steps/s" if report.cpu_throughput else "throughput n/a"
     con.print(
         f"[bold]{report.completed} completed, {report.discarded} discarded"
         + (f", {report.other} unfinished" if report.other else "") + "[/]"
-        f" · {report.killed} children killed, {report.grandchildren_killed} grandchildren reaped"
+        f" · {count(report.killed, 'child', 'children')} killed, "
+        f"{count(report.grandchildren_killed, 'grandchild', 'grandchildren')} reaped"
         f" · {throughput} · wall {report.wall_seconds:.1f}s (runs {report.run_seconds:.1f}s)"
     )
     if not report.grandchildren:
@@ -317,9 +518,17 @@ def print_demo(con: Console, report: Any) -> None:
     mark = "[green]✓[/]" if not report.leftover_pids else "[bold red]✗[/]"
     con.print(f"{mark} check: {left} (supervisor {report.supervisor_id}: no process carries its marker, "
               f"no child of this process alive)")
-    server = "started by the demo and stopped" if report.server_stopped else (
-        "started by the demo" if report.server_started else "already running; left running")
-    con.print(f"database: {report.database}" + (f" (embedded server {server})" if report.embedded else ""))
+    if report.own_database:
+        data = "its own database, kept" if report.kept else "its own database, dropped at the end; --keep keeps it"
+    else:
+        data = "its runs kept" if report.kept else "its runs deleted at the end; --keep keeps them"
+    con.print(f"database: {report.database} ({data})", soft_wrap=True)  # whole, to copy
+    if report.kept:
+        con.print(f"look at its runs: cyclone-mp --dsn '{report.database}' runs", soft_wrap=True)
+    if report.embedded:
+        server = "started by this demo" if report.server_started else "already running"
+        con.print(f"embedded server: {server}; left running for other commands and users "
+                  "(`cyclone-mp db stop` stops it)")
     failed = [name for name, ok in report.checks.items() if not ok]
     if failed:
         con.print(f"[bold red]FAILED checks: {', '.join(failed)}[/]")

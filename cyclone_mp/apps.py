@@ -118,7 +118,9 @@ def as_mux(obj: Any, spec: str = "") -> Mux:
     if isinstance(obj, (Step, Workflow)):
         return Mux().register(obj)
     where = f"APP {spec!r}" if spec else "the app"
-    raise ConfigurationError(f"{where} is a {type(obj).__name__}, not a cy.Mux, cy.step or cy.Workflow")
+    kind = type(obj).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"  # "an int", "a str"
+    raise ConfigurationError(f"{where} is {article} {kind}, not a cy.Mux, cy.step or cy.Workflow")
 
 
 def load_app(spec: str) -> Mux:

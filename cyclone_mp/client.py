@@ -6,16 +6,18 @@ own connections (so it can reconnect on its own after an outage).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import signal
 import threading
+import time
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from .config import Config
 from .backoff import storable_backoff
@@ -30,6 +32,11 @@ from .store import NodeRow, Store, classify, configure_session, connect, redact,
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
+
+POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API pool
+#: Seconds between checks, while a call waits for a connection, that the server is still
+#: there: a server that went away fails the call at once, not after POOL_TIMEOUT (issue 19).
+POOL_PROBE_EVERY = 1.0
 
 
 class Client:
@@ -145,10 +152,13 @@ class Client:
         with self._lock:
             if self._pool is None:
                 dsn = self.dsn
-                connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                try:
+                    connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                except DatabaseUnavailable as exc:
+                    raise self._explain(exc) from exc.__cause__
                 limit = self.config.idle_in_transaction_limit
                 self._pool = ConnectionPool(
-                    dsn, min_size=0, max_size=4, open=True, timeout=30.0, max_idle=60.0,
+                    dsn, min_size=0, max_size=4, open=True, timeout=POOL_TIMEOUT, max_idle=60.0,
                     kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
                     check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
                     # a client frozen inside cancel/retry/... must not stall the supervisors
@@ -156,13 +166,53 @@ class Client:
                 )
             return self._pool
 
+    def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
+        """``exc``, or when the DSN is an embedded server that is going away, the one line
+        that says so (a connection refused or closed by a stopping server is why)."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
+        if server is not None and server.stopping():
+            return DatabaseUnavailable(server.not_running_message())
+        return exc
+
+    @contextlib.contextmanager
+    def _connection(self, pool: ConnectionPool) -> Any:
+        """A pooled connection, like ``pool.connection()``. While a call waits for one, an
+        embedded server that was stopped fails it within POOL_PROBE_EVERY seconds, with
+        one line that says so (issue 19: a stopped server used to cost a 30 s pool timeout
+        per call). Any other server may come back (a restart): the call waits up to
+        POOL_TIMEOUT as before, then fails with why a fresh connection fails."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
+        deadline = time.monotonic() + POOL_TIMEOUT
+        while True:
+            try:
+                conn = pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
+                break
+            except PoolTimeout:
+                if server is not None and server.stopping():
+                    raise DatabaseUnavailable(server.not_running_message()) from None
+                if time.monotonic() >= deadline:
+                    try:
+                        connect(self.dsn, timeout=5.0).close()
+                    except DatabaseUnavailable as exc:
+                        raise exc from None
+                    raise
+        try:
+            with conn:
+                yield conn
+        finally:
+            pool.putconn(conn)
+
     def _call(self, fn: Callable[[Store], Any]) -> Any:
         pool = self._store_pool()
         try:
             for tries_left in (1, 0):
                 store: Store | None = None
                 try:
-                    with pool.connection() as conn:
+                    with self._connection(pool) as conn:
                         store = Store(conn)
                         return fn(store)
                 except DatabaseError as exc:
@@ -180,6 +230,10 @@ class Client:
         except DatabaseError as exc:
             if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
                 raise DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`") from exc
+            if isinstance(exc, DatabaseUnavailable):  # lost mid-call, or refused: say why when we can
+                explained = self._explain(exc)
+                if explained is not exc:
+                    raise explained from exc
             raise
 
     def close(self) -> None:
@@ -472,6 +526,26 @@ class Client:
         """Live supervisors (refreshed within ``within`` seconds) and their children."""
         return self._call(lambda store: store.list_workers(within))
 
+    def unserved_steps(self, status: RunStatus, within: float = 15.0) -> list[StepStatus]:
+        """The run's unfinished task steps that no live supervisor would claim: none of
+        the supervisors seen within ``within`` seconds (the ``cyclone_workers`` registry)
+        claims from the step's queue, or (when its registry row lists the step names it
+        runs) runs the step, or it is draining. ``enqueue --wait`` warns about them at
+        once instead of waiting in silence (issue 19). Empty when every step is served.
+
+        Raises:
+            DatabaseError: the database failed or cannot be reached.
+        """
+        live = [row.get("info") or {} for row in self.workers(within)]
+        serving = [info for info in live if not info.get("draining")]
+
+        def served(step: StepStatus) -> bool:
+            return any(step.queue in (info.get("queues") or []) and
+                       (info.get("names") is None or step.step_name in info["names"]) for info in serving)
+
+        return [step for step in status.steps.values()
+                if step.kind == "task" and not step.terminal and step.state != "running" and not served(step)]
+
     # -- the supervisor -------------------------------------------------------------------------
 
     def _make_supervisor(self) -> Any:
@@ -488,26 +562,37 @@ class Client:
         self._supervisor = Supervisor(self.dsn, self.mux, self.config, **kwargs)
         return self._supervisor
 
-    def run(self) -> None:
+    def run(self, on_signal: Callable[[str], None] | None = None) -> None:
         """Run the supervisor in this thread until shut down (blocking).
 
         In the main thread, the first SIGTERM/SIGINT drains (SPEC 5) and a second one
-        stops hard. Raises ConfigurationError, DatabaseError (schema could not be set up).
+        stops hard; ``on_signal`` (if given) is then called with ``"drain"`` or
+        ``"stop"``, from the signal handler: it should only record the event (the CLI
+        prints what the drain waits for from another thread). Raises
+        ConfigurationError, DatabaseError (schema could not be set up).
         """
         sup = self._make_supervisor()
         self.close()  # the supervisor has its own connections; idle API connections would only wait
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            def on_signal(signum: int, frame: Any) -> None:
+            def on_signal_(signum: int, frame: Any) -> None:
+                # Runs again, nested, when a signal comes while it runs: it takes no lock
+                # (the supervisor's stop requests set plain flags and write to a pipe).
+                if sup.stop_requested:
+                    return
                 if sup.draining or sup.shutdown_requested:
-                    log.warning("second signal: hard stop")
+                    (log.info if on_signal is not None else log.warning)("second signal: hard stop")
                     sup.request_stop()
+                    event = "stop"
                 else:
                     log.info("signal %s: draining", signal.Signals(signum).name)
                     sup.request_shutdown()
+                    event = "drain"
+                if on_signal is not None:
+                    on_signal(event)
 
             for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, on_signal)
+                previous[sig] = signal.signal(sig, on_signal_)
         try:
             sup.run()
         finally:

@@ -18,6 +18,13 @@ supervisor down and returns a :class:`DemoReport` of what happened:
   hangs ignoring cancellation, ``timeout=2``, ``max_attempts=1``. Expected:
   ``discarded`` with ``error_kind="timeout"``, and both grandchildren gone.
 
+Its data (issue 19): on the embedded default server the demo runs in a database of its
+own, ``cyclone_demo_<pid>_<hex>``, dropped at the end; on a given DSN it runs in that
+database, in a queue of its own, and deletes its runs at the end. ``keep=True`` keeps
+them (in ``cyclone_demo_kept_<hex>``; the report's ``database`` says where). It never stops the embedded server, which
+other processes may be using (see :mod:`cyclone_mp.embedded`); a demo database whose
+demo process died is dropped by the next demo.
+
 The handlers live at module level so children import them as ``cyclone_mp.demo``.
 Importing this module is cheap (stdlib and the light part of cyclone_mp only).
 """
@@ -40,6 +47,7 @@ import zlib
 from typing import Any, Callable
 
 import cyclone_mp as cy
+from .errors import DatabaseUnavailable
 from .status import RunStatus
 
 CPU_BLOCKS = 12  #: blocks per CPU step; one block is ~20-30 ms of compress + hash
@@ -148,7 +156,11 @@ class DemoReport:
     ``checks`` maps a check name to True/False; ``ok`` is True when all pass (the CLI
     exits 0). ``leftover_pids`` are processes still alive that this demo's supervisor
     started (by marker or as descendants of this process); ``grandchildren_alive`` the
-    recorded grandchild pids still present after the run.
+    recorded grandchild pids still present after the run. ``database`` is the
+    (redacted) DSN the demo ran on; ``own_database`` says it was a database made for the
+    demo; ``kept`` says its data was kept (else the database was dropped, or the demo's
+    runs deleted). The embedded server is never stopped (``server_started``: this demo
+    started it).
     """
 
     rows: list[DemoRow]
@@ -167,7 +179,8 @@ class DemoReport:
     database: str
     embedded: bool
     server_started: bool
-    server_stopped: bool
+    own_database: bool
+    kept: bool
     supervisor_id: str | None
     stats: dict[str, int]
     checks: dict[str, bool]
@@ -257,12 +270,12 @@ def _settle(check: Callable[[], list[int]], seconds: float) -> list[int]:
         time.sleep(0.05)
 
 
-def _drive(client: Any, cpu_steps: int, time_limit: float, on_tick: TickFn | None) -> tuple[list[RunStatus], bool, float]:
-    """Start the supervisor, enqueue, wait, stop; returns ``(final statuses in enqueue
-    order, timed out, seconds from start to the last run's end)``. The supervisor is
-    always stopped, also when this raises."""
+def _drive(client: Any, cpu_steps: int, time_limit: float, on_tick: TickFn | None,
+           run_ids: list[str]) -> tuple[list[RunStatus], bool, float]:
+    """Start the supervisor, enqueue (appending each run id to ``run_ids``), wait, stop;
+    returns ``(final statuses in enqueue order, timed out, seconds from start to the last
+    run's end)``. The supervisor is always stopped, also when this raises."""
     slots = [(cpu_steps // 4, wedge), (cpu_steps // 2, crash), ((3 * cpu_steps) // 4, spawn_and_hang)]
-    run_ids: list[str] = []
     statuses: dict[str, RunStatus] = {}
     timed_out = False
     try:
@@ -291,8 +304,12 @@ def _drive(client: Any, cpu_steps: int, time_limit: float, on_tick: TickFn | Non
     except BaseException:
         client.stop()
         for rid in run_ids:  # interrupted: its private queue has no worker left, so end its runs
-            with contextlib.suppress(Exception):
+            try:
                 client.cancel(rid)
+            except DatabaseUnavailable:
+                break  # the database is gone: the next runs would fail the same way
+            except Exception:  # noqa: BLE001 - e.g. a run that ended meanwhile
+                pass
         raise
     if timed_out:
         client.stop()
@@ -302,22 +319,42 @@ def _drive(client: Any, cpu_steps: int, time_limit: float, on_tick: TickFn | Non
     return [client.status(rid) for rid in run_ids], timed_out, run_seconds
 
 
+DEMO_DB_PREFIX = "cyclone_demo_"  #: databases the demo makes on the embedded server
+
+
+def _drop_stale_demo_databases(admin_dsn: str) -> None:
+    """Drop demo databases whose demo process is gone (``cyclone_demo_<pid>_<hex>``: the
+    embedded server takes Unix-socket connections only, so every demo ran on this host)."""
+    from .store import drop_database, list_databases
+
+    import psutil
+
+    for name in list_databases(admin_dsn, DEMO_DB_PREFIX):
+        pid = name[len(DEMO_DB_PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            with contextlib.suppress(cy.DatabaseError):
+                drop_database(admin_dsn, name)
+
+
 def run_demo(
     dsn: str | None = None,
     *,
     cpu_steps: int = 24,
     workers: int = 2,
     time_limit: float = 45.0,
+    keep: bool = False,
     on_tick: TickFn | None = None,
 ) -> DemoReport:
     """Run the demo end to end; see the module docstring.
 
     Args:
-        dsn: PostgreSQL DSN; None uses the embedded default server, started if needed
-            and stopped again at the end if this call started it.
+        dsn: PostgreSQL DSN; None uses the embedded default server (started if needed,
+            never stopped), in a database made for this demo.
         cpu_steps: how many CPU-bound steps to enqueue (>= 1).
         workers: child slots of the in-process supervisor.
         time_limit: seconds to wait for every run to end before a hard stop.
+        keep: keep the demo's data (its database, or its runs in ``dsn``); by default
+            they are removed at the end, also when the demo fails.
         on_tick: called about 10 times a second while waiting, with
             ``(terminal runs, total runs, {state: count}, elapsed seconds)``.
 
@@ -325,34 +362,40 @@ def run_demo(
         The :class:`DemoReport`; its ``ok`` says whether everything ended as expected.
 
     Raises:
-        ConfigurationError: bad arguments. DatabaseError: the database is unreachable.
+        ConfigurationError: bad arguments. DatabaseError: the database is unreachable
+        (DatabaseUnavailable, in one line, when it goes away during the demo).
         EmbeddedError: the embedded server could not be started.
     """
     from .client import Client
     from .embedded import default_server
-    from .store import redact
+    from .store import create_database, drop_database, redact
 
     if not isinstance(cpu_steps, int) or cpu_steps < 1:
         raise cy.ConfigurationError(f"cpu_steps must be an int >= 1, got {cpu_steps!r}")
     wall_start = time.monotonic()
-    server, server_started, server_stopped = None, False, False
+    server, server_started, admin_dsn, own_db = None, False, None, None
     if dsn is None:
         server = default_server()
-        server_started = not server.is_running()
-        dsn = server.start()
+        admin_dsn, server_started = server.launch()
+        _drop_stale_demo_databases(admin_dsn)
+        # the pid marks a database to drop if its demo dies; a kept one has none
+        own_db = f"{DEMO_DB_PREFIX}{'kept' if keep else os.getpid()}_{uuid.uuid4().hex[:6]}"
+        create_database(admin_dsn, own_db)
+        dsn = server.uri(own_db)
     queue = f"demo-{uuid.uuid4().hex[:8]}"  # isolates this demo from any other work in the database
+    client = Client(dsn, build_mux(), workers=workers, lease_ttl=5.0, kill_grace=0.5,
+                    poll_interval=(0.05, 0.5), shutdown_grace=5.0, queues=[queue], queue=queue)
+    run_ids: list[str] = []
     try:
-        client = Client(dsn, build_mux(), workers=workers, lease_ttl=5.0, kill_grace=0.5,
-                        poll_interval=(0.05, 0.5), shutdown_grace=5.0, queues=[queue], queue=queue)
-        try:
-            ordered, timed_out, run_seconds = _drive(client, cpu_steps, time_limit, on_tick)
-        finally:
-            client.close()
-    except BaseException:
-        if server is not None and server_started:
-            with contextlib.suppress(Exception):
-                server.stop()
-        raise
+        ordered, timed_out, run_seconds = _drive(client, cpu_steps, time_limit, on_tick, run_ids)
+    finally:
+        if not keep and own_db is None and run_ids:
+            with contextlib.suppress(cy.DatabaseError):
+                client._call(lambda store: store.delete_runs(run_ids))
+        client.close()
+        if own_db is not None and admin_dsn is not None and not keep:
+            with contextlib.suppress(cy.DatabaseError):
+                drop_database(admin_dsn, own_db)
     sup = client.supervisor
     supervisor_id = sup.id if sup is not None else None
     stats = dict(sup.stats) if sup is not None else {}
@@ -361,8 +404,6 @@ def run_demo(
     grandchildren = _grandchild_pids(ordered)
     grandchildren_alive = _settle(lambda: _alive(grandchildren), 3.0)
     leftovers = _settle(lambda: _leftover_processes(supervisor_id), 3.0)
-    if server is not None and server_started:
-        server_stopped = server.stop()
 
     cpu = [s.step for s in ordered if s.step.step_name == "demo.cpu" and s.step.state == "completed"]
     throughput = None
@@ -388,6 +429,6 @@ def run_demo(
         grandchildren=grandchildren, grandchildren_alive=grandchildren_alive, leftover_pids=leftovers,
         cpu_steps=cpu_steps, cpu_throughput=throughput, run_seconds=round(run_seconds, 3),
         wall_seconds=round(time.monotonic() - wall_start, 3), database=redact(dsn),
-        embedded=server is not None, server_started=server_started, server_stopped=server_stopped,
+        embedded=server is not None, server_started=server_started, own_database=own_db is not None, kept=keep,
         supervisor_id=supervisor_id, stats=stats, checks=checks, timed_out=timed_out,
     )

@@ -17,6 +17,16 @@ Unix socket only (in the data dir, or ``/tmp/cyclone-mp-<uid>-<hash>`` when that
 too long for ``AF_UNIX``). ``pg_ctl`` daemonizes the postmaster, so the server outlives
 its starter and is shared by every process using the data dir; a ``flock`` on a file
 next to the data dir serializes initdb, start and stop across processes and threads.
+
+A shared service (issue 19): any number of processes, and as root any number of users,
+use the default server at once. The first command that needs it starts it; nothing that
+merely uses it ever stops it (not the demo, not a worker, not an exiting process): only
+:meth:`EmbeddedServer.stop` does (``cyclone-mp db stop``), which reports the sessions
+it ended. "Stop when the last user leaves" was rejected: a process that has just read
+the URI holds no connection yet, so no count of sessions or lock can tell that nobody
+will connect the next instant, and an idle server costs little (9 processes, 29 MB of
+proportional set size, measured on PostgreSQL 18.6 after a demo). A client that finds the server gone says so in one line
+(:meth:`EmbeddedServer.not_running_message`, :func:`server_for_dsn`).
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ import psutil
 from cyclone_mp.errors import CycloneError
 
 SERVER_USER = "embedded_postgres"  #: runs the server when we are root
+#: Environment variable naming another data directory for the default server (tests,
+#: or a second private server): read by :func:`default_data_dir`.
+DATA_DIR_ENV = "CYCLONE_EMBEDDED_DATA_DIR"
 ROOT_BASE = pathlib.Path("/var/lib/cyclone-mp")
 PORT = 5432  #: only names the socket file ``.s.PGSQL.5432``; there is no TCP listener
 #: Server settings for a job engine on a small machine (``pg_ctl -o "-c name=value"``).
@@ -63,7 +76,10 @@ class EmbeddedError(CycloneError):
 
 
 def default_data_dir() -> pathlib.Path:
-    """``/var/lib/cyclone-mp/pgdata`` as root, else ``<user data dir>/pgdata``; creates nothing."""
+    """``$CYCLONE_EMBEDDED_DATA_DIR`` when set, else ``/var/lib/cyclone-mp/pgdata`` as root,
+    else ``<user data dir>/pgdata``; creates nothing."""
+    if os.environ.get(DATA_DIR_ENV):
+        return pathlib.Path(os.environ[DATA_DIR_ENV]).expanduser()
     if os.geteuid() == 0:
         return ROOT_BASE / "pgdata"
     return pathlib.Path(platformdirs.user_data_dir("cyclone-mp")) / "pgdata"
@@ -111,12 +127,38 @@ class EmbeddedServer:
 
     def status(self) -> dict:
         """``{"running": bool, "pid": int | None, "data_dir": str, "uri": str | None,
-        "version": str}``; ``version`` is the PostgreSQL version, e.g. ``"18.6"``."""
-        pid, uri = self.pid(), None
+        "version": str, "sessions": int | None}``; ``version`` is the PostgreSQL version,
+        e.g. ``"18.6"``; ``sessions`` the client sessions connected now (None when not
+        running or not readable)."""
+        pid, uri, sessions = self.pid(), None, None
         with contextlib.suppress(EmbeddedError):
             uri = self.uri() if pid is not None else None
+        if uri is not None:
+            sessions = self.sessions()
         return {"running": pid is not None, "pid": pid, "data_dir": str(self.data_dir),
-                "uri": uri, "version": _server_version()}
+                "uri": uri, "version": _server_version(), "sessions": sessions}
+
+    def sessions(self) -> int | None:
+        """How many client sessions are connected now (other than this call's own), or
+        None when the server is not running or does not answer."""
+        from .store import client_sessions
+
+        try:
+            return len(client_sessions(self.uri()))
+        except CycloneError:
+            return None
+
+    def stopping(self) -> bool:
+        """True when no server runs on this data directory, or its postmaster is shutting
+        down (``postmaster.pid`` says ``stopping``): connections fail, and will go on failing."""
+        if self.pid() is None:
+            return True
+        return (self._pidfile_lines() + [""] * 8)[7].strip() == "stopping"
+
+    def not_running_message(self) -> str:
+        """The one line a client prints when it finds this server gone (:meth:`stopping`)."""
+        return (f"the embedded PostgreSQL server was stopped while this command used it (data dir "
+                f"{self.data_dir}; `cyclone-mp db stop`?); `cyclone-mp db start` starts it again")
 
     def start(self, timeout: float = 60.0) -> str:
         """Ensure the server runs; return the URI of database ``postgres``.
@@ -126,18 +168,25 @@ class EmbeddedServer:
         (it outlives this process). ``timeout`` (seconds) bounds the call, initdb included.
         Raises :class:`EmbeddedError` (with the tail of the server log if it failed to start).
         """
+        return self.launch(timeout)[0]
+
+    def launch(self, timeout: float = 60.0) -> tuple[str, bool]:
+        """:meth:`start`, returning ``(uri, started)``: ``started`` is True when this call
+        started the server (under the lock, so of several callers at most one sees True)."""
         deadline = time.monotonic() + timeout
         self._make_parents()
+        started = False
         with self._lock(timeout):
             if self.pid() is None:
                 if not (self.data_dir / "PG_VERSION").exists():
                     self._initdb(deadline)
                 self._start_server(deadline)
+                started = True
             while (self._pidfile_lines() + [""] * 8)[7].strip() != "ready":  # 8th line: status
                 if time.monotonic() > deadline:  # a server started by someone else
                     raise EmbeddedError(f"the server in {self.data_dir} is not ready after {timeout}s")
                 time.sleep(0.05)
-            return self.uri()
+            return self.uri(), started
 
     def stop(self, timeout: float = 30.0, mode: str = "fast") -> bool:
         """Stop the server with ``pg_ctl stop -m MODE`` (``fast`` or ``immediate``: a crash
@@ -281,6 +330,23 @@ def default_server() -> EmbeddedServer:
 def ensure_default_dsn() -> str:
     """Start the default server if needed; return its URI. Raises :class:`EmbeddedError`."""
     return default_server().start()
+
+
+def server_for_dsn(dsn: str) -> EmbeddedServer | None:
+    """The embedded server a DSN from :meth:`EmbeddedServer.uri` names: its ``host`` is a
+    cluster's data directory, or the default server's socket directory. None for any
+    other DSN (a TCP host, a socket directory of another PostgreSQL). Reads files only."""
+    parsed = urllib.parse.urlsplit(dsn)
+    if parsed.scheme not in ("postgresql", "postgres"):
+        return None
+    hosts = urllib.parse.parse_qs(parsed.query).get("host") or []
+    if len(hosts) != 1 or not hosts[0].startswith("/"):
+        return None
+    host = pathlib.Path(hosts[0])
+    if (host / "PG_VERSION").exists():
+        return EmbeddedServer(host)
+    default = default_server()
+    return default if host == default._socket_dir() else None
 
 
 @contextlib.contextmanager

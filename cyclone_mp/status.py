@@ -26,7 +26,9 @@ class StepStatus:
             ``reclaim_limit``) or None.
         errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,
             ``message``, ``traceback``, ``exit_code``/``signal``, ``killed_by_supervisor``,
-            ``trigger``, ``cpu_seconds``, ``peak_rss_kb``, ``elapsed`` (seconds), ``at``.
+            ``trigger``, ``cpu_seconds``, ``peak_rss_kb``, ``elapsed`` (seconds), ``at``;
+            and one per attempt cancelled while it ran (``kind="cancelled"``, with its
+            ``started_at``; no attempt consumed, ``error`` unchanged: issue 19).
         started_at, finished_at, scheduled_at, heartbeat_at, lease_expiry: DB-clock
             timestamps (aware datetimes) or None.
         lease_owner: the supervisor id holding (or that last held) the lease.

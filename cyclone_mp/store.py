@@ -19,6 +19,7 @@ import uuid
 from typing import Any, Callable, Iterator, Sequence
 
 import psycopg
+import psycopg.sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -94,8 +95,12 @@ def redact(text: str) -> str:
     """
     text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
     text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
-    # an unquoted libpq value ends at white space that no backslash escapes ("S3cret\\ more")
-    return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)", r"\1***", text, flags=re.I)
+    # An unquoted libpq value ends at white space that no backslash escapes ("S3cret\\ more");
+    # an already redacted value (``password=***``, then a space, a colon and space, or the
+    # end) is left alone: the CLI redacts whole messages again, and "password=***: connection
+    # failed" lost its colon.
+    return re.sub(r"(\bpassword\s*=\s*)(?!\*\*\*(?:[\s;,)]|:\s|:?$))('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)",
+                  r"\1***", text, flags=re.I)
 
 
 def stale_plan(exc: BaseException | None) -> bool:
@@ -240,6 +245,49 @@ def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
     if settings:
         conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
                      [v for kv in settings.items() for v in kv])
+
+
+def database_dsn(dsn: str, name: str) -> str:
+    """``dsn`` pointed at database ``name`` (every other parameter kept)."""
+    return psycopg.conninfo.make_conninfo(dsn, dbname=name)
+
+
+@translate
+def create_database(dsn: str, name: str) -> str:
+    """``CREATE DATABASE name`` on the server of ``dsn`` (an admin connection); returns
+    the new database's DSN. Raises DatabaseError (e.g. no CREATEDB privilege)."""
+    with connect(dsn) as conn:
+        conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+    return database_dsn(dsn, name)
+
+
+@translate
+def drop_database(dsn: str, name: str) -> bool:
+    """``DROP DATABASE IF EXISTS name WITH (FORCE)`` (its sessions are ended) on the
+    server of ``dsn``; True if it existed. Raises DatabaseError."""
+    with connect(dsn) as conn:
+        existed = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+        conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name)))
+        return existed
+
+
+@translate
+def list_databases(dsn: str, prefix: str) -> list[str]:
+    """Names of the server's databases that start with ``prefix``. Raises DatabaseError."""
+    with connect(dsn) as conn:
+        rows = conn.execute("SELECT datname FROM pg_database WHERE starts_with(datname, %s) ORDER BY 1",
+                            (prefix,)).fetchall()
+        return [row["datname"] for row in rows]
+
+
+@translate
+def client_sessions(dsn: str) -> list[dict[str, Any]]:
+    """The server's client sessions other than this call's own: ``{"pid", "database",
+    "application", "state"}`` each (from ``pg_stat_activity``). Raises DatabaseError."""
+    with connect(dsn) as conn:
+        return conn.execute(
+            "SELECT pid, datname AS database, application_name AS application, state FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() ORDER BY pid").fetchall()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -877,6 +925,14 @@ class Store:
                 total += cur.rowcount
                 if cur.rowcount < batch:
                     return total
+
+    @translate
+    def delete_runs(self, run_ids: Sequence[str]) -> int:
+        """Delete these runs, whatever their state, with their steps and signals; returns
+        how many were deleted (the demo's clean-up: its runs ran in a queue of its own)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["delete_runs"], {"ids": list(run_ids)})
+            return cur.rowcount
 
     @translate
     def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any]) -> None:

@@ -206,6 +206,11 @@ class Supervisor:
         return bool(self._requests)
 
     @property
+    def stop_requested(self) -> bool:
+        """A hard stop was asked for."""
+        return "stop" in self._requests
+
+    @property
     def children(self) -> list[Any]:
         """The live child processes (:class:`~cyclone_mp.pool.ChildProc`)."""
         return self.control.children if self.control is not None else []

@@ -34,6 +34,18 @@ def reject(ctx: cy.Context, inp: object) -> None:
     raise cy.Permanent("rejected by the test app")
 
 
+@cy.step("interrupt", timeout=10, max_attempts=1)
+def interrupt(ctx: cy.Context, inp: object) -> None:
+    """Raise KeyboardInterrupt (no message): status must still name what was raised."""
+    raise KeyboardInterrupt
+
+
+@cy.step("boom", timeout=10, max_attempts=1)
+def boom(ctx: cy.Context, inp: object) -> None:
+    """Raise ValueError with a message holding brackets (shown as is, not as markup)."""
+    raise ValueError("bad [value] in the input")
+
+
 @cy.step("publish", timeout=10, max_attempts=3)
 def publish(ctx: cy.Context, inp: object) -> dict:
     """Return the payload of the ``approve`` signal this node waited for."""
@@ -45,4 +57,4 @@ _prepare = approval.add(echo)
 _approve = approval.signal("approve", after=[_prepare])
 approval.add(publish, after=[_approve])
 
-mux = cy.Mux().register(echo, slow, reject, approval)
+mux = cy.Mux().register(echo, slow, reject, interrupt, boom, approval)

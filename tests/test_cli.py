@@ -4,7 +4,8 @@ Pure parsing runs in-process with click's CliRunner; everything else runs the re
 CLI as a subprocess (``python -m cyclone_mp_cli.main``) against a dedicated database:
 one embedded server per session on a temp data dir (the ``pg`` fixture; small and
 self-contained so a shared conftest fixture can replace it), one fresh database per
-test (``dsn``). The demo test uses the embedded default server, as a user would.
+test (``dsn``). The demo test uses the embedded default server, as a user would, pointed
+at a private data dir (``default_env``) so the machine's own default is never touched.
 
 Every test must leave no process behind: the autouse fixture of ``tests/conftest.py``
 asserts that no child of the test process is alive afterwards, and the ``worker``
@@ -515,11 +516,29 @@ def test_migrate_is_idempotent(dsn: str) -> None:
 # -- the demo -------------------------------------------------------------------------------------------
 
 
-def test_demo_on_the_embedded_default() -> None:
+@pytest.fixture
+def default_env() -> Iterator[dict[str, str]]:
+    """The environment of a CLI whose embedded default server is a private one, on a temp
+    data dir (``CYCLONE_EMBEDDED_DATA_DIR``): the machine's default server may be in use
+    by others, and is never started or stopped by a test. Destroyed at the end."""
+    from cyclone_mp.embedded import DATA_DIR_ENV
+
+    base = pathlib.Path(tempfile.mkdtemp(prefix="cyclone-mp-default-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    env = _env()
+    env[DATA_DIR_ENV] = str(base / "pgdata")
+    try:
+        yield env
+    finally:
+        EmbeddedServer(base / "pgdata").destroy()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_demo_on_the_embedded_default(default_env: dict[str, str]) -> None:
     """``cyclone-mp demo`` as a newcomer runs it: the embedded default server, a table,
     exit 0, under a minute, nothing left behind."""
     started = time.monotonic()
-    proc = run_cli("demo", timeout=90)
+    proc = run_cli("demo", timeout=90, env=default_env)
     took = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-1200:] + proc.stderr[-500:]
     assert took < 60, f"the demo took {took:.1f}s"
@@ -548,30 +567,27 @@ def test_demo_json_on_a_given_dsn(dsn: str) -> None:
     assert all(not psutil.pid_exists(pid) for pid in report["grandchildren"])
 
 
-def test_worker_and_enqueue_on_the_embedded_default() -> None:
+def test_worker_and_enqueue_on_the_embedded_default(default_env: dict[str, str]) -> None:
     """Issue 3, acceptance 2: ``cyclone-mp worker examples.app:mux`` in one terminal and
     ``cyclone-mp enqueue ... --wait`` in another, both on the default (embedded) database."""
-    from cyclone_mp.embedded import default_server
+    from cyclone_mp.embedded import DATA_DIR_ENV
 
-    server = default_server()
-    was_running = server.is_running()
+    server = EmbeddedServer(default_env[DATA_DIR_ENV])
     worker = subprocess.Popen(
         [sys.executable, "-m", "cyclone_mp_cli.main", "worker", "examples.app:mux", "--workers", "1",
          "--lease-ttl", "3", "--poll-interval", "0.05,0.5"],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=default_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         wait_for(lambda: server.is_running() and len(psutil.Process(worker.pid).children()) >= 1, 60,
                  "the worker on the default server")
         proc = run_cli("enqueue", "examples.app:mux", "greet", "--input", '{"name": "default"}', "--wait",
-                       "--wait-timeout", "60", timeout=90)
+                       "--wait-timeout", "60", timeout=90, env=default_env)
         assert proc.returncode == 0, proc.stderr
         assert "hello, default!" in proc.stdout
     finally:
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=30)
-        if not was_running:
-            server.stop()
     assert worker.returncode == 0, err
 
 

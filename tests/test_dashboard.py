@@ -230,6 +230,32 @@ def test_run_detail_has_attempts_forensics_and_graph(world: World, api: TestClie
     assert html.count('class="node s-') == 4 and 'data-node="cooldown"' in html
 
 
+def test_run_outputs_say_why_a_finished_step_has_none(world: World, api: TestClient) -> None:
+    """Issue 19, item 9: a finished step never says "no output yet"; a step that never
+    started shows attempt 0."""
+    wedge = api.get(f"/api/runs/{world.runs['wedge']}").json()
+    assert wedge["outputs"] == [{"node": "deque_wedge", "state": "discarded", "output": None,
+                                 "note": "no output: discarded (timeout)"}]
+    assert wedge["outputs_note"] is None
+    done = api.get(f"/api/runs/{world.runs['ok0']}").json()
+    assert done["outputs"][0]["output"]["echo"] == {"i": 0} and done["outputs"][0]["note"] is None
+    flow = api.get(f"/api/runs/{world.runs['release']}").json()
+    assert [o["node"] for o in flow["outputs"]] == ["fetch"] and flow["outputs_note"] is None
+    later = api.get(f"/api/runs/{world.runs['later']}").json()
+    assert later["outputs"] == [] and later["outputs_note"] == "no output yet"
+    assert later["steps"][0]["attempt_shown"] == 0 and done["steps"][0]["attempt_shown"] == 1
+    cancelled = api.get(f"/api/runs/{world.runs['cancelled']}").json()
+    assert cancelled["outputs"][0]["note"] == "no output: cancelled"
+    for label in ("wedge", "cancelled", "ok0"):
+        html = api.get(f"/runs/{world.runs[label]}").text
+        assert "no output yet" not in html
+    assert "no output yet" in api.get(f"/runs/{world.runs['later']}").text
+    # recent kills show each message whole (it wraps), not cut at 90 characters
+    page = api.get("/").text
+    kills = api.get("/api/overview").json()["kills"]
+    assert kills and all(htmllib.escape(k["message"], quote=False) in page for k in kills)
+
+
 @pytest.mark.parametrize("url, needle", [
     ("/api/runs?state=sleeping", "state must be one of"),
     ("/api/runs?limit=-1", "limit must be between 1 and 500"),
@@ -456,6 +482,28 @@ def test_cli_refuses_a_public_bind_without_a_token_and_guards_with_one(cyclone_d
 # -- the browser ---------------------------------------------------------------------------------------
 
 
+OVERFLOW_JS = """() => {
+  const wide = [];
+  const doc = document.documentElement;
+  if (doc.scrollWidth > doc.clientWidth) wide.push(`page ${doc.scrollWidth} > ${doc.clientWidth}`);
+  document.querySelectorAll(".scroll, table, pre, section, main").forEach((el) => {
+    if (el.scrollWidth > el.clientWidth + 1 && getComputedStyle(el).overflowX !== "visible")
+      wide.push(`${el.tagName.toLowerCase()}#${el.id}.${el.className} ${el.scrollWidth} > ${el.clientWidth}`);
+  });
+  document.querySelectorAll("td.msg").forEach((el) => {
+    if (el.scrollWidth > el.clientWidth + 1) wide.push(`clipped message: ${el.textContent.slice(0, 60)}`);
+  });
+  return wide;
+}"""
+
+
+def assert_no_overflow(page: Any) -> None:
+    """Nothing wider than the window: no horizontal scrollbar on the page, and no table
+    hidden behind one of its own (issue 19: progress and errors were behind a scrollbar)."""
+    wide = page.evaluate(OVERFLOW_JS)
+    assert not wide, f"{page.url}: {wide}"
+
+
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)")
 def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
     from playwright.sync_api import expect, sync_playwright
@@ -471,7 +519,7 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
         with dashboard_process(world.dsn) as url, sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
-                page = browser.new_page(viewport={"width": 1440, "height": 1000})
+                page = browser.new_page(viewport={"width": 1280, "height": 1000})  # issue 19: fits 1,280 px
                 problems: list[str] = []  # script errors and CSP violations (reported on the console)
                 page.on("console", lambda msg: problems.append(msg.text) if msg.type == "error" else None)
                 page.on("pageerror", lambda exc: problems.append(str(exc)))
@@ -488,6 +536,7 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
                 expect(page.locator("body")).to_have_attribute("data-refreshed", re.compile(r"^[1-9]"), timeout=10_000)
                 expect(page.locator('[data-count="steps.running"]')).to_have_text("1")
                 expect(page.locator("#live")).to_have_text("live")
+                assert_no_overflow(page)
                 page.screenshot(path=str(ARTIFACTS / "dashboard-overview.png"), full_page=True)
 
                 # the wedged step's run: its attempt and how the supervisor killed it
@@ -497,12 +546,21 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
                 expect(row.locator("td.exit")).to_have_text("SIGKILL")
                 expect(row.locator("td.killed")).to_have_text("yes")
                 expect(row.locator("td.trigger")).to_have_text("timeout")
+                expect(page.locator("#outputs")).to_contain_text("no output: discarded (timeout)")
+                assert_no_overflow(page)
                 page.screenshot(path=str(ARTIFACTS / "dashboard-run-killed.png"), full_page=True)
 
                 # a workflow's graph, refreshed in place
                 page.goto(f"{url}runs/{world.runs['release']}")
                 expect(page.locator('#graph g.node[data-node="approve"]')).to_have_class("node s-waiting_signal")
+                assert_no_overflow(page)
                 page.screenshot(path=str(ARTIFACTS / "dashboard-run-graph.png"), full_page=True)
+                for label in ("raises", "exits", "ok0", "later", "paused"):
+                    page.goto(f"{url}runs/{world.runs[label]}")
+                    expect(page.locator("body")).to_have_attribute("data-refreshed", re.compile(r"^[1-9]"))
+                    assert_no_overflow(page)  # also after the script redrew the page from the API
+                page.goto(f"{url}runs")
+                assert_no_overflow(page)
 
                 # cancel the running step: button, confirm page, flash; the database says cancelled
                 watcher = browser.new_page()  # a second tab on the run, left alone: it must update itself
@@ -527,6 +585,7 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
                 expect(watcher.locator("#run-state")).to_have_text("cancelled", timeout=10_000)
                 expect(watcher.locator('tr.attempt[data-outcome="cancelled"]')).to_have_count(1)
                 expect(watcher.locator('a[data-action="cancel"]')).to_have_count(0)
+                assert_no_overflow(watcher)
                 watcher.screenshot(path=str(ARTIFACTS / "dashboard-run-live-update.png"), full_page=True)
                 assert not problems, problems
                 # the supervisor takes the slot back: the child is killed, no worker runs the step

@@ -134,6 +134,78 @@ def test_every_client_option_is_documented() -> None:
     assert not missing, f"Client options missing from the table in steps-and-client.md: {missing}"
 
 
+REPO = DOCS.parent
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_the_testing_extra_is_slim_and_the_docs_name_it() -> None:
+    """Issue 19, item 10: users testing their own steps install pytest and testcontainers,
+    not the repository's own suite (playwright, mkdocs, the dashboard)."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = sorted(re.split(r"[\[<>=!~ ]", req, maxsplit=1)[0] for req in extras["testing"])
+    assert names == ["pytest", "testcontainers"], extras["testing"]
+    page = (DOCS / "testing.md").read_text()
+    assert "pip install 'cyclone-mp[testing]'" in page
+    assert "pip install 'cyclone-mp[test]'" not in page
+
+
+def test_docs_say_retry_reopens_only_single_step_cancelled_runs() -> None:
+    """Issue 19, item 10: a cancelled workflow is refused by retry; no page says otherwise."""
+    from cyclone_mp_cli.main import retry
+
+    def sentences(text: str) -> list[str]:  # lines of markdown wrap mid-sentence
+        return re.split(r"(?<=[.;])\s+|\n\s*\n|\n(?=[-|#`])", text)
+
+    claims = [(page.name, " ".join(sentence.split())) for page in PAGES for sentence in sentences(page.read_text())
+              if re.search(r"reopen.*\bcancelled\b", sentence, flags=re.I | re.S)]
+    claims += [("cyclone-mp retry --help", " ".join(sentence.split())) for sentence in sentences(retry.help or "")
+               if re.search(r"reopen.*\bcancelled\b", sentence, flags=re.I | re.S)]
+    assert claims, "no page says what retry does with a cancelled run"
+    wrong = [claim for claim in claims if "single-step" not in claim[1]]
+    assert not wrong, f"retry reopens only a cancelled single-step run: {wrong}"
+
+
+def _index_columns(dsn: str) -> dict[str, str]:
+    """``{index name: "col, col"}`` of the cyclone tables after every migration."""
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT indexname, indexdef FROM pg_indexes WHERE tablename LIKE 'cyclone%%'").fetchall()
+    out = {}
+    for name, definition in rows:
+        inner = definition.split(" USING ", 1)[1]
+        inner = inner[inner.index("(") + 1:]
+        depth, cols = 1, ""
+        for ch in inner:  # up to the matching parenthesis
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                break
+            cols += ch
+        out[name] = cols
+    return out
+
+
+def test_indexes_the_docs_name_exist(cyclone_dsn: str) -> None:
+    """Issue 19, item 10: every index the docs name, by name or by its columns
+    ("the `(state, created_at)` index"), is one the migrations create."""
+    indexes = _index_columns(cyclone_dsn)
+    problems = []
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        for name in set(re.findall(r"`(cyclone_\w+_idx)`", text)):
+            if name not in indexes:
+                problems.append(f"{page.name}: no index {name}")
+        for name, cols in re.findall(r"`(cyclone_\w+_idx)` on `\(([^)`]+)\)", text):
+            if name in indexes and indexes[name] != cols:
+                problems.append(f"{page.name}: {name} is on ({indexes[name]}), not ({cols})")
+        for cols in re.findall(r"`\(([\w, ]+)\)` index", text):
+            if cols not in indexes.values():
+                problems.append(f"{page.name}: no index on ({cols})")
+    assert not problems, problems
+
+
 def _module_name(block: Block) -> str:
     if block.title:
         return Path(block.title).stem

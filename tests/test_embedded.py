@@ -280,6 +280,7 @@ def test_as_root_binaries_are_copied_with_resolvable_libraries(server):
 
 
 def test_default_data_dir(monkeypatch):
+    monkeypatch.delenv(embedded.DATA_DIR_ENV, raising=False)
     assert embedded.default_server() is embedded.default_server()
     assert embedded.default_server().data_dir == embedded.default_data_dir()
     if AS_ROOT:
@@ -289,3 +290,20 @@ def test_default_data_dir(monkeypatch):
     import platformdirs
 
     assert embedded.default_data_dir() == pathlib.Path(platformdirs.user_data_dir("cyclone-mp")) / "pgdata"
+
+
+def test_default_data_dir_from_the_environment(monkeypatch, server):
+    """``CYCLONE_EMBEDDED_DATA_DIR`` names another default (tests, a private server), and a
+    DSN of an embedded server maps back to it (a client that finds it gone says so)."""
+    monkeypatch.setenv(embedded.DATA_DIR_ENV, str(server.data_dir))
+    assert embedded.default_data_dir() == server.data_dir
+    assert embedded.server_for_dsn(f"postgresql://postgres@/x?host={server.data_dir}") is None  # no cluster yet
+    uri = server.start()
+    server.seen_pids.append(server.pid())
+    found = embedded.server_for_dsn(server.uri("somedb"))
+    assert found is not None and found.data_dir == server.data_dir and found.is_running()
+    assert embedded.server_for_dsn(uri.replace("postgresql://", "postgres://")) is not None
+    for other in ("postgresql://u:p@db.example:5432/x", "host=/tmp dbname=x", "postgresql://u@/x?host=/tmp"):
+        assert embedded.server_for_dsn(other) is None
+    server.stop()
+    assert "was stopped" in found.not_running_message() and not found.is_running() and found.stopping()

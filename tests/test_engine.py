@@ -339,7 +339,10 @@ def test_cancel_running_cooperative_and_uncooperative(cyclone_env_factory, tmp_p
     alive = [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
     assert len(alive) == 1, "exactly the stubborn child should have been killed"
     assert time.monotonic() - t0 < 0.2 + 0.5 + 2.0
-    assert env.status(coop).step.errors == [] and env.status(stubborn).step.errors == []
+    for run_id in (coop, stubborn):  # no error, no attempt consumed; the history keeps the attempt (issue 19)
+        step = env.status(run_id).step
+        assert step.error is None and step.attempt == 1
+        assert [(e["kind"], e["attempt"]) for e in step.errors] == [("cancelled", 1)]
 
 
 @pytest.mark.parametrize("skew", [3600.0, -3600.0])

@@ -193,7 +193,7 @@ def create_app(client: Any, token: str | None = None, *, allowed_hosts: list[str
         parameters:
           - {name: run_id, in: path, required: true, schema: {type: string, format: uuid}}
         responses:
-          200: {description: "{now, id, name, kind, state, input, created_at, updated_at, finished_at, steps, attempts, graph, signals, signal_names, actions}"}
+          200: {description: "{now, id, name, kind, state, input, created_at, updated_at, finished_at, steps, attempts, outputs, outputs_note, graph, signals, signal_names, actions}"}
           400: {description: malformed run id}
           404: {description: no such run}
         """

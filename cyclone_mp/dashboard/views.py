@@ -110,6 +110,7 @@ class Dashboard:
             "finished_at": iso(run["finished_at"]),
             "steps": views,
             "attempts": attempts(steps, now),
+            **outputs(steps, run["state"]),
             "graph": graph_layout(views),
             "signals": [{"name": r["name"], "payload": r["payload"], "created_at": iso(r["created_at"])}
                         for r in signals],
@@ -266,7 +267,30 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,
         "error_kind": step.error_kind, "progress": step.progress, "output": step.output,
         "failures": len(step.errors), "elapsed": elapsed,
+        # the attempt shown: 0 until a first attempt began (issue 19: "1/3" read as "ran once")
+        "attempt_shown": step.attempt if step.started_at is not None or step.errors else 0,
     }
+
+
+def outputs(steps: Sequence[StepStatus], run_state: str) -> dict[str, Any]:
+    """The run page's outputs: ``{"outputs": [{"node", "state", "output", "note"}],
+    "outputs_note": str | None}``. One entry per finished task node: a completed one with
+    its output (``note`` says when the handler returned null), a discarded or cancelled
+    one with why it has none; ``outputs_note`` when there is no entry ("no output yet"
+    only while the run can still produce one: issue 19)."""
+    out = []
+    for step in steps:
+        if step.kind != "task" or not step.terminal:
+            continue
+        if step.state == "completed":
+            note = "the handler returned null" if step.output is None else None
+        else:
+            note = f"no output: {step.state}" + (f" ({step.error_kind})" if step.error_kind else "")
+        out.append({"node": step.name, "state": step.state, "output": step.output, "note": note})
+    note = None
+    if not out:
+        note = "no output yet" if run_state in ("running", "paused") else f"no output: the run ended {run_state}"
+    return {"outputs": out, "outputs_note": note}
 
 
 def attempts(steps: Sequence[StepStatus], now: dt.datetime) -> list[dict[str, Any]]:

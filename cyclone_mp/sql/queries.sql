@@ -389,10 +389,20 @@ UPDATE cyclone_runs r
    AND x.new_state <> r.state;
 
 -- name: cancel_run
--- client.cancel: every non-terminal step of the run, then the run, in one transaction.
+-- client.cancel: every non-terminal step of the run, then the run, in one transaction. A
+-- running attempt leaves an entry in errors (kind "cancelled", with its started_at, lease
+-- owner and generation, so the supervisor's kill forensics can join it), consuming no
+-- attempt and leaving error and error_kind as they were: after cancel, retry, cancel the
+-- history still shows both attempts and when each started (issue 19).
 WITH steps AS (
     UPDATE cyclone_steps
-       SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL
+       SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL,
+           errors = CASE WHEN state = 'running' THEN errors || jsonb_build_array(jsonb_build_object(
+                        'attempt', attempt, 'kind', 'cancelled', 'message', 'cancelled while running (client.cancel)',
+                        'started_at', started_at, 'at', {utc_now_expr},
+                        'elapsed', round(extract(epoch FROM now() - started_at)::numeric, 3),
+                        'lease_owner', lease_owner, 'lease_generation', lease_generation))
+                    ELSE errors END
      WHERE run_id = %(run_id)s
        AND state IN ('pending', 'available', 'running', 'waiting_signal', 'waiting_timer', 'paused')
     RETURNING id
@@ -717,6 +727,10 @@ WITH doomed AS (
        FOR UPDATE SKIP LOCKED
 )
 DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
+
+-- name: delete_runs
+-- Delete the given runs in any state (their steps go by trigger, their signals by cascade).
+DELETE FROM cyclone_runs WHERE id = ANY(%(ids)s::uuid[]);
 
 -- name: runs_by_prefix
 -- Up to two runs whose id starts with a prefix (so a short id from a table is usable).

@@ -154,12 +154,15 @@
     fill("workers", workers.length ? workers :
       [h("p", {"class": "empty"}, "no live supervisors (none refreshed its registry row in the last 15 s)")]);
     var kills = d.kills.map(function (k) {
+      var msg = td(short(k.message, 400), "msg");
+      msg.title = k.message || "";
       return h("tr", {}, td(when(k.at)), td(runLink(k.run_id)), td(k.node), td(k.attempt, "num"),
-        td(h("span", {"class": "kind"}, k.kind)), td(k.exit), td(yesno(k.killed_by_supervisor)), td(k.trigger || "-"),
-        td(secs(k.cpu_seconds, 3), "num"), td(kib(k.peak_rss_kb), "num"), td(secs(k.elapsed), "num"),
-        td(badge(k.state)), td(short(k.message, 90), "msg"));
+        td(h("span", {"class": "kind"}, k.kind)), td(k.exit),
+        td([yesno(k.killed_by_supervisor), k.trigger ? [" ", h("span", {"class": "muted"}, "after " + k.trigger)] : null]),
+        td([secs(k.cpu_seconds, 3), h("div", {}, kib(k.peak_rss_kb)), h("div", {}, secs(k.elapsed))], "num"),
+        td(badge(k.state)), msg);
     });
-    fill("kills", kills.length ? kills : [emptyRow(13, "no kills")]);
+    fill("kills", kills.length ? kills : [emptyRow(10, "no kills")]);
   }
 
   // -- runs -----------------------------------------------------------------------------------
@@ -200,16 +203,21 @@
     });
     fill("steps-rows", d.steps.map(function (st) {
       var sched = st.kind === "timer" && st.due_at ? st.due_at : st.scheduled_at;
+      var times = [["scheduled", sched], ["started", st.started_at], ["finished", st.finished_at],
+                   ["heartbeat", st.heartbeat_at]].filter(function (t) { return t[1]; }).map(function (t) {
+        return h("div", {}, h("span", {"class": "muted"}, t[0]), " ", when(t[1]));
+      });
+      var sub = st.kind + " \u00b7 " + st.queue + (st.timeout !== null && st.timeout !== undefined ?
+        " \u00b7 timeout " + secs(st.timeout, 1) : "");
       return h("tr", {"data-node": st.name},
         td([h("strong", {}, st.name), st.step_name && st.step_name !== st.name ?
-          [" ", h("span", {"class": "muted"}, "(" + st.step_name + ")")] : null]),
-        td(st.kind), td([badge(st.state), st.paused_from ? [" ", h("span", {"class": "muted"}, "from " + st.paused_from)] : null]),
-        td(st.attempt + "/" + st.max_attempts, "num"),
+          [" ", h("span", {"class": "muted"}, "(" + st.step_name + ")")] : null, h("div", {"class": "muted sub"}, sub)]),
+        td([badge(st.state), st.paused_from ? [" ", h("span", {"class": "muted"}, "from " + st.paused_from)] : null]),
+        td(st.attempt_shown + "/" + st.max_attempts, "num"),
         td(st.reclaims + (st.max_reclaims !== null && st.max_reclaims !== undefined ? "/" + st.max_reclaims : ""), "num"),
-        td(st.queue), td(secs(st.timeout, 1), "num"), td(when(sched)), td(when(st.started_at)),
-        td(when(st.finished_at)), td(when(st.heartbeat_at)), td(secs(st.elapsed), "num"), td(progress(st.progress)),
+        td(times, "times"), td(secs(st.elapsed), "num"), td(progress(st.progress), "progress"),
         td(st.lease_owner || "", "owner"),
-        td([st.error_kind ? [h("span", {"class": "kind"}, st.error_kind), " "] : null, short(st.error, 80)], "msg"));
+        td([st.error_kind ? [h("span", {"class": "kind"}, st.error_kind), " "] : null, short(st.error, 300)], "msg"));
     }));
     var rows = [];
     d.attempts.forEach(function (a) {
@@ -217,7 +225,7 @@
         td(a.node), td(a.attempt, "num"), td(h("span", {"class": "kind o-" + a.outcome}, a.outcome)), td(a.exit, "exit"),
         td(yesno(a.killed_by_supervisor), "killed"), td(a.trigger || "-", "trigger"), td(secs(a.cpu_seconds, 3), "num"),
         td(kib(a.peak_rss_kb), "num"), td(secs(a.elapsed), "num"), td(when(a.at || a.finished_at || a.started_at)),
-        td([a.type ? [h("code", {}, a.type), " "] : null, short(a.message, 120)], "msg")));
+        td([a.type ? [h("code", {}, a.type), " "] : null, short(a.message, 300)], "msg")));
       if (a.traceback) {
         rows.push(h("tr", {"class": "tb", "data-key": a.node + "#" + a.attempt},
           h("td", {colspan: 11}, h("details", {}, h("summary", {}, "traceback"), h("pre", {}, a.traceback)))));
@@ -229,12 +237,13 @@
     });
     fill("signals", signals.length ? signals : [h("li", {"class": "empty"}, "none received")]);
     var outputs = [];
-    d.steps.forEach(function (st) {
-      if (st.state === "completed" && st.output !== null && st.output !== undefined) {
-        outputs.push(h("h3", {}, st.name), h("pre", {"class": "json"}, JSON.stringify(st.output, null, 2)));
-      }
+    d.outputs.forEach(function (o) {  // every finished task node: its output, or why it has none
+      outputs.push(h("h3", {"data-node": o.node}, o.node));
+      if (o.state === "completed") outputs.push(h("pre", {"class": "json"}, JSON.stringify(o.output, null, 2)));
+      if (o.note) outputs.push(h("p", {"class": "empty"}, o.note));
     });
-    fill("outputs", outputs.length ? outputs : [h("p", {"class": "empty"}, "no output yet")]);
+    if (d.outputs_note) outputs.push(h("p", {"class": "empty"}, d.outputs_note));
+    fill("outputs", outputs);
   }
 
   // -- the refresh loop -------------------------------------------------------------------------
