@@ -6,7 +6,9 @@ supervisor (:class:`cyclone_mp.procs.WatchdogLink`). One message per packet:
 - ``child PID`` with the child's pidfd attached (``SCM_RIGHTS``): a new child;
 - ``due PID T``: the child must be dead by ``T`` (``time.monotonic()`` seconds, the same
   clock in every process of the machine); ``due PID -``: no bound now (an idle child);
-- ``gone PID``: the supervisor reaped it (its pidfd is closed).
+- ``gone PID``: the supervisor reaped it (its pidfd is closed);
+- ``bye 0``: the supervisor is stopping cleanly (it reaped its children and swept their
+  strays), so the EOF that follows needs no look for marked processes.
 
 When a child's due time passes, the watchdog SIGKILLs it (through its pidfd, so a
 recycled pid is never hit), its process group and its descendants, and answers
@@ -72,6 +74,7 @@ def main(argv: list[str]) -> None:
     sock = socket.socket(fileno=fd)
     children: dict[int, int] = {}  # pid -> pidfd
     due: dict[int, float] = {}
+    clean = False
     while True:
         wait = None if not due else max(0.0, min(due.values()) - time.monotonic())
         try:
@@ -99,6 +102,8 @@ def main(argv: list[str]) -> None:
                     due.pop(pid, None)
                 else:
                     due[pid] = float(words[2])
+            elif kind == "bye":  # a clean stop: every child is reaped, every stray swept
+                clean = True
             elif kind == "gone":
                 due.pop(pid, None)
                 pidfd = children.pop(pid, None)
@@ -117,11 +122,12 @@ def main(argv: list[str]) -> None:
                 kill_child(pid, children.get(pid))
     for pid, pidfd in children.items():
         kill_child(pid, pidfd)
-    from .procs import kill_marked
+    if not clean:
+        from .procs import kill_marked
 
-    for _ in range(3):  # a fork may race one pass
-        if not kill_marked(supervisor_id, exclude={os.getpid()}):
-            break
+        for _ in range(3):  # a fork may race one pass
+            if not kill_marked(supervisor_id, exclude={os.getpid()}):
+                break
     os._exit(0)
 
 

@@ -134,6 +134,7 @@ class DatabaseThread:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats: dict[str, int] = {}
+        self.call_started: float | None = None  # when the call in progress began (local monotonic), or None
 
     # -- life -------------------------------------------------------------------------------
 
@@ -147,13 +148,23 @@ class DatabaseThread:
         self._stopping.set()
         self.inbox.wake()
 
-    def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the thread to end; True if it did. A thread
-        stuck in a call is left behind (a daemon: it dies with the process)."""
-        if self._thread is not None:
-            self._thread.join(max(0.0, timeout))
-            return not self._thread.is_alive()
-        return True
+    def join(self, timeout: float, *, hung_after: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end; True if it did. With
+        ``hung_after``, stop waiting earlier once a call has been in progress that long
+        (a partition: it would only end at its bound). A thread stuck in a call is left
+        behind (a daemon: it dies with the process)."""
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + max(0.0, timeout)
+        while self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            started = self.call_started
+            if hung_after is not None and started is not None and self.clock() - started > hung_after:
+                break
+            self._thread.join(min(left, 0.02))
+        return not self._thread.is_alive()
 
     def stop(self, timeout: float) -> bool:
         """:meth:`request_stop`, then :meth:`join`."""
@@ -196,12 +207,15 @@ class DatabaseThread:
 
     def _connect(self) -> None:
         self._close()
+        self.call_started = self.clock()  # a connect may hang as a call does (a black hole)
         try:
             self.store = self._open_store()
         except DatabaseError as exc:
             self._schedule_reconnect()
             log.info("%s: cannot connect (next try in %.1fs): %s", self.name, self._reconnect_delay, exc)
             return
+        finally:
+            self.call_started = None
         self.db_ok = True
         self._reconnect_delay = RECONNECT_FIRST
         try:
@@ -248,12 +262,15 @@ class DatabaseThread:
         store = self.store
         if store is None or not self.db_ok:
             raise DatabaseUnavailable("not connected")
+        self.call_started = self.clock()
         try:
             with CALL_TIMER.bound(store, seconds):
                 return fn(store)
         except DatabaseError as exc:
             self.down(exc)
             raise
+        finally:
+            self.call_started = None
 
     def count(self, key: str, n: int = 1) -> None:
         """Add ``n`` to one of this part's counters (read by ``Supervisor.stats``)."""

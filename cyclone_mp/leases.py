@@ -224,6 +224,7 @@ class LeaseKeeper(DatabaseThread):
 
     def _listen(self) -> None:
         self._unlisten()
+        self.call_started = self.clock()
         try:
             conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound,
                            application_name=f"cyclone_mp listen {self.owner}")
@@ -232,6 +233,8 @@ class LeaseKeeper(DatabaseThread):
         except Exception as exc:  # noqa: BLE001 - polling still works without LISTEN
             log.warning("LISTEN unavailable (%s); polling only", exc)
             self.listen_conn = None
+        finally:
+            self.call_started = None
 
     def _unlisten(self) -> None:
         if self.listen_conn is not None:

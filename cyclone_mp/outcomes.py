@@ -36,7 +36,7 @@ from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
 log = logging.getLogger("cyclone_mp.supervisor")
 
 RETRY_AFTER = 0.05  # seconds before a write that could not be made now is tried again
-FINAL_FLUSH = 0.75  # seconds the writer may spend on what is left when the supervisor stops
+FINAL_FLUSH = 1.0  # seconds the writer may spend on what is left when the supervisor stops (while calls come back)
 
 
 @dataclasses.dataclass

@@ -177,11 +177,13 @@ class Supervisor:
         parts = [p for p in (self.writer, self.keeper, self.maintenance) if p is not None]
         for part in parts:
             part.request_stop()
-        deadline = time.monotonic() + FINAL_FLUSH + 0.1
+        # What is left is written while calls come back; one that has hung past the lease
+        # keeper's bound is a partition: it is left behind rather than waited for.
+        deadline = time.monotonic() + FINAL_FLUSH + 2.0
         for part in parts:
-            if not part.join(deadline - time.monotonic()):
+            if not part.join(deadline - time.monotonic(), hung_after=self.config.call_bound):
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
-        watchdog.close()
+        watchdog.close(clean=True)
 
     # -- what callers read -----------------------------------------------------------------
 
