@@ -823,7 +823,8 @@ class ProcessControl:
 
     def _watch(self, child: ChildProc) -> None:
         """Tell the watchdog when ``child`` must be dead at the latest: a little after the
-        kill of its cancel, or half the fence's margin before the fence (None: idle)."""
+        kill of its cancel, or three quarters of the fence's margin before the fence
+        (None: idle)."""
         if child.returncode is not None:
             return
         ttl = self.config.lease_ttl
@@ -831,8 +832,8 @@ class ProcessControl:
         for att in [child.attempt, *child.queued]:
             if att is None or att.ended:
                 continue
-            if att.guards_lease():
-                times.append(att.fence(ttl) - fence_margin(ttl) / 2)
+            if att.guards_lease():  # a quarter of the margin after process control's own kill
+                times.append(att.fence(ttl) - fence_margin(ttl) * 0.75)
             if att.kill_at is not None:
                 times.append(att.kill_at + max(WATCHDOG_SLACK, fence_margin(ttl)))
         due = min(times) - self.clock() + time.monotonic() if times else None

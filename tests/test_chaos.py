@@ -138,7 +138,10 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn, 
     # no two executions of one step overlapped (but a timed-out one's retry, which the
     # sweep may start while the attempt before waits for its kill: seed, "Non-Cooperative Handlers")
     wedged = {r for r, name in ids.items() if name == "chaos_wedged"}
-    assert overlaps(log, wedged) == []
+    bad = overlaps(log, wedged)
+    details = {r: (ids[r], [line for line in log.read_text().splitlines() if r in line and "tick" not in line],
+                   env.status(r).step) for r in bad}
+    assert bad == [], details
     # every supervisor still alive takes new work, and nothing of ours is left when they stop
     assert all(hd.alive() for hd in handles)
     env.stop_workers()
