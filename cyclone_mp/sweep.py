@@ -91,12 +91,8 @@ class Maintenance(DatabaseThread):
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
                  post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        def open_store() -> Store:
-            return Store.open(dsn, idle_in_transaction=config.idle_in_transaction_limit,
-                              lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
-                              dead_after=config.write_bound, application_name=f"cyclone_mp maintenance {owner}")
-
-        super().__init__("cyclone-maintenance", open_store, clock, reconnect_cap=config.reconnect_cap)
+        super().__init__("maintenance", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
+                         clock=clock)
         self.config = config
         self.sweeper = sweeper
         self.owner = owner
