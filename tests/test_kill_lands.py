@@ -116,6 +116,7 @@ def test_a_wedged_child_dies_at_its_own_deadline_with_the_default_settings(cyclo
         assert len(watch.starts) == 3
         for pid, start in watch.starts.items():
             lived = deaths[pid] - start
+            print(f"wedged child {pid} lived {lived:.3f} s (timeout 1 + kill_grace 5)")
             assert 1 + 5 - 0.3 <= lived <= 1 + 5 + 1.0, f"child {pid} lived {lived:.2f} s (timeout 1 + kill_grace 5)"
         # no child burns a core afterwards, and the supervisor still has its three slots
         children = [psutil.Process(pid) for pid in env.child_pids()]
@@ -161,6 +162,7 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
             assert len(pids) == 3
             for pid in pids:
                 lived = deaths[pid] - watch.starts[pid]
+                print(f"{step.name} kill_grace {grace}: child {pid} lived {lived:.3f} s")
                 assert 1 + grace - 0.3 <= lived <= 1 + grace + 1.0, (
                     f"{step.name}: child {pid} lived {lived:.2f} s (timeout 1 + kill_grace {grace})")
     finally:
@@ -233,6 +235,7 @@ def test_a_cut_off_supervisors_handler_is_dead_before_the_step_runs_elsewhere(cy
         spans = executions(log, run_id)
         assert len(spans) == 2, spans
         (a_pid, (_, a_last)), (b_pid, (b_first, _)) = sorted(spans.items(), key=lambda kv: kv[1][0])
+        print(f"{fault}: A's handler last wrote {b_first - a_last:.3f} s before B's started")
         assert a_last < b_first, f"A's handler wrote at {a_last:.3f}, after B's started at {b_first:.3f}"
         ends = [(pid, run) for what, run, pid, _ in lines(log) if what == "end"]
         assert ends == [(b_pid, run_id)], ends
@@ -274,6 +277,7 @@ def test_a_locked_row_stalls_neither_kills_nor_claims(cyclone_env_factory, tmp_p
         deaths = watch.wait_all_dead(timeout=5)
         (pid,) = watch.starts
         lived = deaths[pid] - watch.starts[pid]
+        print(f"row locked: the wedged handler lived {lived:.3f} s (bound 4.75)")
         assert lived <= 4 + 0.5 + 0.25, f"the wedged handler lived {lived:.2f} s"
         assert (run.step.state, run.step.error_kind) == ("discarded", "timeout")
         more = env.client().enqueue_many(fh.quick, [{"seconds": 0.05}] * 5)
@@ -301,7 +305,9 @@ def test_claims_tolerate_latency(cyclone_env_factory, rtt):
     ids = env.client().enqueue_many(fh.quick, [{"seconds": 0.5}] * 50)
     env.start_worker()
     env.add_latency(rtt)
+    started = time.monotonic()
     statuses = [env.run_until_complete(r, timeout=120) for r in ids]
+    print(f"rtt {rtt}: 50 steps of 0.5 s on 4 children in {time.monotonic() - started:.2f} s")
     assert {(s.state, s.step.attempt, s.step.reclaims, len(s.step.errors)) for s in statuses} == {("completed", 1, 0, 0)}
     with connect(env.dsn) as conn:
         generations = [r["lease_generation"] for r in conn.execute("SELECT lease_generation FROM cyclone_steps")]
@@ -330,6 +336,7 @@ def test_sigterm_during_a_partition_exits_in_time_and_leaves_nothing(cyclone_env
     os.kill(a.pid, signal.SIGTERM)
     a.popen.wait(timeout=15)
     elapsed = time.monotonic() - started
+    print(f"SIGTERM during a partition: exited {elapsed:.3f} s later (bound 2.5)")
     assert elapsed <= 1.0 + 0.5 + 1.0, f"exited {elapsed:.2f} s after SIGTERM"
     wait_for(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 5,
              "the supervisor's processes to be gone")
