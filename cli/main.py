@@ -325,6 +325,24 @@ def runs(state: str | None, limit: int, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def schedules(as_json: bool) -> None:
+    """Periodic schedules (mux.schedule) and their next fire times (database clock)."""
+    client = _client()
+    try:
+        client.migrate()
+        rows = client.schedules()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif rows:
+        _out().print(render.schedules_table(rows))
+    else:
+        click.echo("no schedules (a supervisor whose mux defines one creates it)")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def workers(as_json: bool) -> None:
     """Live supervisors and their children: pid, step, elapsed, CPU %, RSS."""
     client = _client()

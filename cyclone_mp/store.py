@@ -130,6 +130,14 @@ def nullable_jsonb(value: Any) -> Jsonb | None:
     return None if value is None else Jsonb(value)
 
 
+def _limit_params(node: "NodeRow") -> dict[str, Any]:
+    return {
+        "key": node.concurrency_key, "concurrency": node.concurrency,
+        "rate_count": node.rate_limit[0] if node.rate_limit else None,
+        "rate_period_us": to_us(node.rate_limit[1]) if node.rate_limit else None,
+    }
+
+
 def to_us(seconds: float | None) -> int | None:
     """Seconds to whole microseconds (how durations reach SQL)."""
     return None if seconds is None else int(round(seconds * 1_000_000))
@@ -186,6 +194,14 @@ class NodeRow:
     timer_delay: float | None = None
     due_at: dt.datetime | None = None
     backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
+    concurrency_key: str = ""  # its fairness and limit group ('' for none)
+    concurrency: int | None = None  # at most this many running per (step, key)
+    rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
+
+    @property
+    def limited(self) -> bool:
+        """True when a limit needs slots (see :meth:`Store.ensure_slots`)."""
+        return self.concurrency is not None or self.rate_limit is not None
 
 
 class Store:
@@ -198,6 +214,12 @@ class Store:
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
         self.commits = 0  # transactions this Store committed
+        #: Per queue, the concurrency key the last claim's walk ended at: the next claim
+        #: serves the keys after it first (round-robin, issue 21).
+        self.fair_cursors: dict[str, str] = {}
+        #: After a claim: seconds until a step that a rate limit held back may start
+        #: (the supervisor's next poll need not come sooner), or None.
+        self.claim_wait: float | None = None
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
@@ -339,7 +361,13 @@ class Store:
                 "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
                 "due_ats": [n.due_at for n in nodes],
                 "backoffs": [nullable_jsonb(n.backoff) for n in nodes],
+                "keys": [n.concurrency_key for n in nodes],
+                "concurrencies": [n.concurrency for n in nodes],
+                "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
+                "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
             })
+            self._ensure_slots(cur, [(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit)
+                                     for n in nodes if n.limited])
             if kind == "workflow":
                 self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
             else:
@@ -358,8 +386,11 @@ class Store:
                 "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
                 "backoff": nullable_jsonb(node.backoff),
                 "scheduled_at": scheduled_at, "delay_us": to_us(delay),
+                **_limit_params(node),
             })
             row = cur.fetchone()
+            if row is not None and row["id"] is not None and node.limited:
+                self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
             if row is not None and row["id"] is not None:
                 return row["id"], True
             cur.execute(Q["run_by_key"], {"key": idempotency_key})
@@ -382,35 +413,76 @@ class Store:
         delay: float,
         scheduled_at: dt.datetime | None = None,
         backoff: Any = None,
+        keys: Sequence[str] | None = None,
+        concurrency: int | None = None,
+        rate_limit: tuple[int, float] | None = None,
     ) -> list[str]:
         """Insert many single-step runs in one statement; returns their ids in input order.
 
         ``inputs_json`` are the inputs as JSON texts (already checked by the client, so
-        each is encoded once).
+        each is encoded once); ``keys`` their concurrency keys (None: all '').
         """
         ids = [uuid.uuid4() for _ in inputs_json]
+        keys = list(keys) if keys is not None else [""] * len(ids)
         with self._tx() as cur:
             cur.execute(Q["enqueue_many"], {
                 "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
                 "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
                 "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
-                "backoff": nullable_jsonb(backoff),
+                "backoff": nullable_jsonb(backoff), "keys": keys, "concurrency": concurrency,
+                "rate_count": rate_limit[0] if rate_limit else None,
+                "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
             })
+            if concurrency is not None or rate_limit is not None:
+                self._ensure_slots(cur, [(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
             cur.execute(Q["notify"], {"queue": queue})
         return [str(i) for i in ids]
 
+    @staticmethod
+    def _ensure_slots(cur: psycopg.Cursor, groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> None:
+        """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay."""
+        if not groups:
+            return
+        cur.execute(Q["ensure_slots"], {
+            "step_names": [g[0] for g in groups], "keys": [g[1] for g in groups],
+            "concurrencies": [g[2] or 0 for g in groups], "rate_counts": [g[3][0] if g[3] else 0 for g in groups],
+        })
+
     # -- the supervisor's hot path ------------------------------------------------------
+
+    def _claim_params(self, queues: Sequence[str]) -> dict[str, Any]:
+        """The fairness cursors of a claim: per queue, the key its last walk ended at."""
+        return {"queues": list(queues), "cursors": [self.fair_cursors.get(q) for q in queues]}
+
+    def _claim_meta(self, meta: dict[str, Any] | None) -> None:
+        """Keep what a claim's meta row says: where each queue's walk ended, and the
+        rate-limit wait (:attr:`claim_wait`)."""
+        self.claim_wait = None
+        if meta is None:
+            return
+        self.fair_cursors.update(meta.get("input") or {})
+        wait = meta.get("timeout")
+        self.claim_wait = None if wait is None else float(wait)
 
     @translate
     def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float) -> list[dict[str, Any]]:
-        """Claim up to ``limit`` available steps (SKIP LOCKED), one statement."""
+        """Claim up to ``limit`` available steps (SKIP LOCKED), one statement.
+
+        Fair by key (round-robin within each queue) and within the steps' concurrency
+        and rate limits (issue 21); afterwards :attr:`claim_wait` is the seconds until a
+        rate-limited step held back by this claim may start, or None.
+        """
         if limit <= 0 or not names:
+            self.claim_wait = None
             return []
         with self.conn.cursor() as cur:
             cur.execute(Q["claim"], {
-                "owner": owner, "queues": list(queues), "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
+                "owner": owner, "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
+                **self._claim_params(queues),
             })
-            return cur.fetchall()
+            rows = cur.fetchall()
+        self._claim_meta(next((r for r in rows if r["id"] is None), None))
+        return [r for r in rows if r["id"] is not None]
 
     @translate
     def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None) -> bool:
@@ -474,16 +546,18 @@ class Store:
                 "delays_us": [to_us(f.delay) for f in failures],
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
-                "queues": list(queues), "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
-                "in_tx": workflows,
+                "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
+                "in_tx": workflows, **self._claim_params(queues),
             })
             rows = cur.fetchall()
+            self._claim_meta(next((r for r in rows if r["what"] == "meta"), None))
             for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
         return Settled(
             completed={r["id"] for r in rows if r["what"] == "completed"},
             failed={r["id"] for r in rows if r["what"] == "failed"},
             claimed=[r for r in rows if r["what"] == "claimed"],
+            wait=self.claim_wait,
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]], workflows: bool = True) -> set[int]:
@@ -647,6 +721,46 @@ class Store:
         )
         for row in cur.fetchall():
             cur.execute(Q["notify"], {"queue": row["queue"]})
+
+    # -- schedules (issue 21; the logic is cyclone_mp.schedules) ---------------------------
+
+    @translate
+    def sync_schedules(self, items: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        """Create or refresh the rows of ``(name, target, spec)`` schedules: a new or changed
+        one is due at once (its first tick computes its next slot); ``seen_at`` is kept fresh."""
+        items = sorted(items)
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sync_schedules"], {
+                "names": [i[0] for i in items], "targets": [i[1] for i in items],
+                "specs": [Jsonb(i[2]) for i in items],
+            })
+
+    @translate
+    def tick_schedules(self, names: Sequence[str], decide: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+        """In one transaction: lock the due rows among ``names`` (SKIP LOCKED), call
+        ``decide(row)`` for each (it may enqueue runs on this connection, inside the
+        transaction) and write the row it returns. Returns how many rows were decided."""
+        with self._tx() as cur:
+            cur.execute(Q["due_schedules"], {"names": list(names)})
+            rows = cur.fetchall()
+            for row in rows:
+                new = decide(row)
+                cur.execute(Q["advance_schedule"], {**new, "spec": Jsonb(new["spec"])})
+            return len(rows)
+
+    @translate
+    def get_schedule(self, name: str) -> dict[str, Any] | None:
+        """One schedule row, or None."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "get_schedule", {"name": name})
+
+    @translate
+    def list_schedules(self) -> list[dict[str, Any]]:
+        """Every schedule row with the database clock (``now``) and ``age``: seconds since
+        a supervisor that defines it last ticked."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["list_schedules"])
+            return cur.fetchall()
 
     # -- operator actions ---------------------------------------------------------------
 
@@ -883,3 +997,4 @@ class Settled:
     completed: set[int]
     failed: set[int]
     claimed: list[dict[str, Any]]
+    wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import psutil
 
-from . import decisions, procs, protocol
+from . import decisions, procs, protocol, schedules
 from .batch import BatchWriter
 from .backoff import compute_backoff, delay_after
 from .config import (
@@ -1237,6 +1237,7 @@ class Supervisor:
                 action = self.store.expire(row["id"], self._backoff_for, {"swept_by": self.id})
                 counts[action] += 1
             counts["timers"] = self.store.fire_due_timers(SWEEP_LIMIT)
+            counts["scheduled"] = schedules.run_once(self.store, self.mux, self.config)["enqueued"]  # issue 21
         except DatabaseError as exc:
             self._db_down(exc)
         if counts["reclaim"] or counts["timeout"] or counts["timers"]:

@@ -122,8 +122,12 @@ class Env:
 
     # -- supervisors ---------------------------------------------------------------------------
 
-    def start_worker(self, **overrides: Any) -> WorkerHandle:
-        """Start one more supervisor (process or thread per the mode) and wait until it runs."""
+    def start_worker(self, *, environ: dict[str, str] | None = None, **overrides: Any) -> WorkerHandle:
+        """Start one more supervisor (process or thread per the mode) and wait until it runs.
+
+        ``environ``: variables added to a worker process's environment (process mode),
+        for example ``LD_PRELOAD`` and ``FAKETIME`` to run it under libfaketime.
+        """
         options = {**self.options, **overrides}
         if self.mode == "thread":
             skew = self.clock_skew
@@ -132,11 +136,11 @@ class Env:
             client.start()
             handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
         else:
-            handle = self._spawn_process(options)
+            handle = self._spawn_process(options, environ)
         self.workers.append(handle)
         return handle
 
-    def _spawn_process(self, options: dict[str, Any]) -> WorkerHandle:
+    def _spawn_process(self, options: dict[str, Any], environ: dict[str, str] | None = None) -> WorkerHandle:
         steps, workflows = [], []
         for step in self._mux.steps.values():
             if not step.ref.importable():
@@ -147,14 +151,16 @@ class Env:
             steps.append({"module": step.ref.module, "qualname": step.ref.qualname, "path": step.ref.path})
         for wf in self._mux.workflows.values():
             workflows.append({"module": wf.module, "name": wf.name})
+        schedules = [{"target": s.target.name, "name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz,
+                      "input": s.input, "catch_up": s.catch_up} for s in self._mux.schedules.values()]
         ready = os.path.join(self._tmp, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
         config = {
-            "dsn": self.dsn, "steps": steps, "workflows": workflows, "options": options,
+            "dsn": self.dsn, "steps": steps, "workflows": workflows, "schedules": schedules, "options": options,
             "ready_file": ready, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
             "clock_skew": self.clock_skew,
         }
         popen = subprocess.Popen([sys.executable, "-m", "cyclone_mp.testing.worker", json.dumps(config)],
-                                 stdin=subprocess.DEVNULL)
+                                 stdin=subprocess.DEVNULL, env={**os.environ, **environ} if environ else None)
         self._pids_seen.add(popen.pid)
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
