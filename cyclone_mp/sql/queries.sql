@@ -128,13 +128,17 @@ walk (queue, key, p, first) AS (
 ), ranked AS (
     SELECT c.*, row_number() OVER (PARTITION BY c.step_name, c.key ORDER BY c.priority, c.rn, c.p, c.id) AS gr
       FROM cand c
-), picked AS MATERIALIZED (
-    -- round-robin: every key's first step, then every key's second, ... (priority first)
-    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.concurrency, r.rate_count
+), eligible AS MATERIALIZED (
+    -- the candidates their limits let start now
+    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority
       FROM ranked r
       LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
      WHERE a.ok IS NULL OR r.gr <= a.ok
-     ORDER BY r.priority, r.rn, r.p, r.id
+), picked AS MATERIALIZED (
+    -- round-robin: every key's first step, then every key's second, ... (priority first)
+    SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
+      FROM eligible e
+     ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
 ), claimed AS (
     UPDATE cyclone_steps s
@@ -172,15 +176,29 @@ walk (queue, key, p, first) AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
     -- group's next slot frees (the supervisor may poll again then; see Store.claim_wait)
+    -- a queue's walk ends at its last key before the first one that could have started a
+    -- step but lost its turn to the limit of this claim (no cursor: it starts there again)
     SELECT (SELECT jsonb_object_agg(x.queue, x.key)
-              FROM (SELECT DISTINCT ON (queue) queue, key FROM walk ORDER BY queue, p DESC) x) AS cursors,
-           (SELECT greatest(0, extract(epoch FROM min(sl.used_at + g.rate_period) - now()))::float8
+              FROM (SELECT DISTINCT ON (w.queue) w.queue, w.key
+                      FROM walk w
+                     WHERE NOT EXISTS (SELECT 1 FROM eligible e
+                                        WHERE e.queue = w.queue AND e.p <= w.p AND e.rn = 1
+                                          AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
+                     ORDER BY w.queue, w.p DESC) x) AS cursors,
+           (SELECT greatest(0, z.w)::float8 FROM (SELECT extract(epoch FROM min(
+                       CASE WHEN EXISTS (SELECT 1 FROM rslots r JOIN picked p ON p.step_name = r.step_name
+                                                                            AND p.key = r.key AND p.gr = r.i
+                                          WHERE r.step_name = sl.step_name AND r.key = sl.key AND r.slot = sl.slot)
+                            THEN now()  -- taken by this claim
+                            WHEN sl.used_at + g.rate_period > now() THEN sl.used_at END
+                       + g.rate_period) - now()) AS w
               FROM grp g
               JOIN allowed a ON a.step_name = g.step_name AND a.key = g.key AND a.ok < a.n
               JOIN cyclone_slots sl ON sl.step_name = g.step_name AND sl.key = g.key AND sl.kind = 'r'
                                    AND sl.slot <= g.rate_count
              WHERE g.rate_count IS NOT NULL
-               AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) AS wait
+               AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
+             WHERE z.w IS NOT NULL) AS wait
 )
 
 -- name: heartbeat
