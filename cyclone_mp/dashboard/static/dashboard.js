@@ -206,7 +206,7 @@
         td(st.kind), td([badge(st.state), st.paused_from ? [" ", h("span", {"class": "muted"}, "from " + st.paused_from)] : null]),
         td(st.attempt + "/" + st.max_attempts, "num"),
         td(st.reclaims + (st.max_reclaims !== null && st.max_reclaims !== undefined ? "/" + st.max_reclaims : ""), "num"),
-        td(st.queue), td(secs(st.timeout, 1), "num"), td(when(sched)), td(when(st.started_at)),
+        td([st.queue, st.limits ? [" ", h("span", {"class": "muted limits"}, st.limits)] : null]), td(secs(st.timeout, 1), "num"), td(when(sched)), td(when(st.started_at)),
         td(when(st.finished_at)), td(when(st.heartbeat_at)), td(secs(st.elapsed), "num"), td(progress(st.progress)),
         td(st.lease_owner || "", "owner"),
         td([st.error_kind ? [h("span", {"class": "kind"}, st.error_kind), " "] : null, short(st.error, 80)], "msg"));
