@@ -283,3 +283,57 @@ def test_cli_schedules_lists_next_fire_times(cyclone_dsn):
     assert table.exit_code == 0 and "morning" in table.output and "0 6 * * *" in table.output
     clock.store.close()
     client.close()
+
+
+def test_a_schedule_enqueues_a_workflow_run(cyclone_dsn):
+    import workflow_handlers as wh
+
+    client = cy.Client(cyclone_dsn)
+    mux = cy.Mux()
+    mux.schedule(wh.diamond, every=60, input={"x": 1}, name="wf_every_minute")
+    clock = FixedClock(cyclone_dsn)
+    schedules.run_once(clock.at(utc("2026-06-01T12:00:30")), mux, client.config)
+    schedules.run_once(clock.at(utc("2026-06-01T12:01:05")), mux, client.config)
+    (slot,) = slots_enqueued(cyclone_dsn, "wf_every_minute")
+    run = client.status(client.runs(limit=1)[0]["id"])
+    assert run.kind == "workflow" and run.name == "diamond" and run.input == {"x": 1}
+    assert set(run.steps) == {"a", "b", "c", "d"} and run.steps["a"].state == "available"
+    assert run.schedule["name"] == "wf_every_minute" and run.schedule["slot"] == slot == utc("2026-06-01T12:01:00")
+    assert run.schedule["next_at"] == utc("2026-06-01T12:02:00")
+    clock.store.close()
+    client.close()
+
+
+def test_runs_and_status_show_keys_limits_and_schedules(cyclone_dsn):
+    from cyclone_mp_cli.main import cli
+
+    client = cy.Client(cyclone_dsn)
+    mux = cy.Mux()
+    mux.schedule(fh.tick, every=60, name="minutely")
+    clock = FixedClock(cyclone_dsn)
+    schedules.run_once(clock.at(utc("2026-06-01T12:00:30")), mux, client.config)
+    schedules.run_once(clock.at(utc("2026-06-01T12:01:05")), mux, client.config)
+    ids = client.enqueue_many(fh.per_tenant, [{"tenant": "acme"}] * 3)
+    store = Store.open(cyclone_dsn)
+    store.claim(owner="t", queues=["default"], names=["per_tenant"], limit=5, ttl=60)
+    store.close()
+    runner = CliRunner()
+    rows = json.loads(runner.invoke(cli, ["--dsn", cyclone_dsn, "runs", "--json"]).output)
+    by_id = {r["id"]: r for r in rows}
+    assert {by_id[i]["key"] for i in ids} == {"acme"}
+    assert sorted(str(by_id[i]["waiting_on"]) for i in ids) == ["None", "None", "concurrency"]
+    assert [r["schedule"] for r in rows if r["name"] == "flow_tick"] == ["minutely"]
+    table = runner.invoke(cli, ["--dsn", cyclone_dsn, "runs"]).output
+    assert "waiting on" in table and "concurrency" in table and "minutely" in table
+    waiting = next(i for i in ids if by_id[i]["waiting_on"])
+    status = json.loads(runner.invoke(cli, ["--dsn", cyclone_dsn, "status", waiting, "--json"]).output)
+    step = status["steps"]["per_tenant"]
+    assert (step["concurrency_key"], step["concurrency"], step["waiting_on"], step["running_in_group"]) == (
+        "acme", 2, "concurrency", 2)
+    shown = runner.invoke(cli, ["--dsn", cyclone_dsn, "status", waiting]).output
+    assert "key acme, 2/2 running" in shown and "waiting on concurrency" in shown
+    scheduled = next(r["id"] for r in rows if r["schedule"])
+    shown = runner.invoke(cli, ["--dsn", cyclone_dsn, "status", scheduled]).output
+    assert "schedule: minutely" in shown and "next slot" in shown
+    clock.store.close()
+    client.close()

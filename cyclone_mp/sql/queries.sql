@@ -759,7 +759,7 @@ SELECT r.id::text AS id, r.name, r.kind, r.state, r.created_at, r.finished_at,
          WHERE s.run_id = r.id AND s.state = 'available' AND s.scheduled_at <= now()
            AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL)
          ORDER BY 1 NULLS LAST LIMIT 1) AS waiting_on,
-       substring(r.idempotency_key FROM '^cyclone-schedule:(.*)(?::[^:]*){3}$') AS schedule
+       substring(r.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') AS schedule
   FROM cyclone_runs r
  WHERE (%(state)s::text IS NULL OR r.state = %(state)s)
  ORDER BY r.created_at DESC, r.id
