@@ -14,6 +14,7 @@ import dataclasses
 import datetime as dt
 import functools
 import importlib.resources
+import json
 import re
 import uuid
 from typing import Any, Callable, Iterator, Sequence
@@ -478,7 +479,8 @@ class Store:
         self.claim_wait = None
         if meta is None:
             return
-        self.fair_cursors.update(meta.get("input") or {})
+        if meta.get("node"):
+            self.fair_cursors.update(json.loads(meta["node"]))
         wait = meta.get("timeout")
         self.claim_wait = None if wait is None else float(wait)
 

@@ -327,14 +327,15 @@ fail_in AS MATERIALIZED (
 
 -- name: claim
 -- Claim up to %(limit)s available steps in one statement. The last row (id NULL) is the
--- claim's meta row, for the store: timeout = claim_meta.wait, input = claim_meta.cursors.
+-- claim's meta row, for the store: timeout = claim_meta.wait, node = claim_meta.cursors
+-- (JSON text: columns whose types the claimed rows fix).
 WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
 {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, (c.run).input AS input, (c.run).kind AS run_kind, c.upstream
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, m.wait, NULL, m.cursors, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settled_ctes
@@ -352,7 +353,7 @@ settled_completed AS (
       FROM claimed c
     UNION ALL
     -- the claim's meta row (see claim): what = 'meta'
-    SELECT 'meta', NULL, NULL, NULL, NULL, NULL, NULL, NULL, m.wait, NULL, m.cursors, NULL, NULL
+    SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
       FROM claim_meta m
 )
 
