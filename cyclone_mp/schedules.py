@@ -221,10 +221,10 @@ def parse_idempotency_key(key: str | None) -> tuple[str, dt.datetime] | None:
 def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
     """One scheduling pass: enqueue the due slots of every schedule ``mux`` defines.
 
-    Refreshes the schedules' rows (definition, ``seen_at``) first, then takes each due
-    row with ``FOR UPDATE SKIP LOCKED`` (a row another supervisor is deciding is left
-    to it) and, in one transaction per row, enqueues its runs and advances it. Returns
-    counts: ``enqueued`` runs, ``skipped`` missed slots, ``schedules`` decided.
+    Refreshes the schedules' rows (definition, ``seen_at``) first, then, in one
+    transaction, takes the due rows with ``FOR UPDATE SKIP LOCKED`` (a row another
+    supervisor is deciding is left to it), enqueues their slots' runs and advances them.
+    Returns counts: ``enqueued`` runs, ``skipped`` missed slots, ``schedules`` decided.
 
     Raises:
         DatabaseError: the database failed (the caller treats it as the sweep does).

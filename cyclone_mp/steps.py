@@ -296,17 +296,20 @@ class Mux:
         Returns the :class:`~cyclone_mp.schedules.Schedule` (the target, as a decorator).
 
         Raises:
-            ConfigurationError: a bad expression, zone, interval or policy, or another
-                schedule already has that name.
+            ConfigurationError: a bad expression, zone, interval or policy, a step whose
+                concurrency key cannot be computed from ``input``, or another schedule
+                already has that name.
         """
         if target is None:
             def decorate(item: "Step | Workflow") -> "Step | Workflow":
                 self.schedule(item, cron=cron, every=every, input=input, tz=tz, name=name, catch_up=catch_up)
                 return item
             return decorate
+        from .client import node_rows
         from .schedules import Schedule
 
         self.register(target)
+        node_rows(target, input, StepOptions())  # a concurrency key callable must take this input
         definition = Schedule(name=name if name is not None else target.name, target=target, cron=cron,
                               every=every, tz=tz, input=input, catch_up=catch_up)
         existing = self._schedules.get(definition.name)

@@ -45,6 +45,12 @@ def test_bad_schedules_are_rejected_at_definition(bad):
         cy.Mux().schedule(fh.tick, **bad)
 
 
+def test_a_schedule_whose_input_has_no_key_is_rejected_at_definition():
+    with pytest.raises(cy.ConfigurationError, match="concurrency_key"):
+        cy.Mux().schedule(fh.per_tenant, every=10, input={"no_tenant": 1})
+    assert cy.Mux().schedule(fh.per_tenant, every=10, input={"tenant": "a"}).name == "per_tenant"
+
+
 def test_the_decorator_form_registers_the_step_and_the_schedule():
     mux = cy.Mux()
 
