@@ -43,7 +43,7 @@ walk (queue, key, p, first) AS (
             (SELECT s.concurrency_key FROM cyclone_steps s
               WHERE s.state = 'available' AND s.queue = q.name
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
-              ORDER BY s.concurrency_key LIMIT 1)) AS key) k
+              ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) k  -- (OFFSET 0: probed once, not per use)
      WHERE %(limit)s > 0 AND k.key IS NOT NULL
     UNION ALL
     SELECT w.queue, n.key, w.p + 1, w.first
@@ -56,7 +56,7 @@ walk (queue, key, p, first) AS (
             (SELECT s.concurrency_key FROM cyclone_steps s
               WHERE s.state = 'available' AND s.queue = w.queue
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
-              ORDER BY s.concurrency_key LIMIT 1)) AS key) n
+              ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) n
      WHERE w.p < greatest(%(limit)s, 8) AND n.key <> w.first
 ), cand AS MATERIALIZED (
     -- each walked key's first steps (as many as its share of the limit), locked
