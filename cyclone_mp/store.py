@@ -16,6 +16,7 @@ import functools
 import importlib.resources
 import json
 import re
+import time
 import uuid
 from typing import Any, Callable, Iterator, Sequence
 
@@ -32,6 +33,7 @@ FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
     "cpu_seconds", "peak_rss_kb", "elapsed", "worker",
 })
+FLOW_QUEUES_REFRESH = 1.0  # seconds between reads of cyclone_flow_queues by a claiming store
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
 NOTIFY_CHANNEL = "cyclone_mp"
 
@@ -218,6 +220,11 @@ class NodeRow:
     rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
 
     @property
+    def flow(self) -> bool:
+        """True when the step has a key or a limit: its queue needs the fair, limited claim."""
+        return bool(self.concurrency_key) or self.limited
+
+    @property
     def limited(self) -> bool:
         """True when a limit needs slots (see :meth:`Store.ensure_slots`)."""
         return self.concurrency is not None or self.rate_limit is not None
@@ -239,6 +246,8 @@ class Store:
         #: After a claim: seconds until a step that a rate limit held back may start
         #: (the supervisor's next poll need not come sooner), or None.
         self.claim_wait: float | None = None
+        self._flow_queues: frozenset[str] = frozenset()  # queues a key or a limit entered, as last read
+        self._flow_read_at: float | None = None  # when (monotonic); re-read every FLOW_QUEUES_REFRESH s
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
@@ -385,6 +394,7 @@ class Store:
                 "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
                 "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
             })
+            self._flag_flow(cur, [n.queue for n in nodes if n.flow])
             self._ensure_slots(cur, [(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit)
                                      for n in nodes if n.limited])
             if kind == "workflow":
@@ -408,8 +418,10 @@ class Store:
                 **_limit_params(node),
             })
             row = cur.fetchone()
-            if row is not None and row["id"] is not None and node.limited:
-                self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
+            if row is not None and row["id"] is not None and node.flow:
+                self._flag_flow(cur, [node.queue])
+                if node.limited:
+                    self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
             if row is not None and row["id"] is not None:
                 return row["id"], True
             cur.execute(Q["run_by_key"], {"key": idempotency_key})
@@ -452,10 +464,19 @@ class Store:
                 "rate_count": rate_limit[0] if rate_limit else None,
                 "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
             })
+            if concurrency is not None or rate_limit is not None or any(keys):
+                self._flag_flow(cur, [queue])
             if concurrency is not None or rate_limit is not None:
                 self._ensure_slots(cur, [(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
             cur.execute(Q["notify"], {"queue": queue})
         return [str(i) for i in ids]
+
+    @staticmethod
+    def _flag_flow(cur: psycopg.Cursor, queues: Sequence[str]) -> None:
+        """Mark queues that a step with a key or a limit enters (their claims use the fair,
+        limited statement from then on; see :meth:`_claim_statement`)."""
+        if queues:
+            cur.execute(Q["flag_flow_queues"], {"queues": sorted(set(queues))})
 
     @staticmethod
     def _ensure_slots(cur: psycopg.Cursor, groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> None:
@@ -468,6 +489,22 @@ class Store:
         })
 
     # -- the supervisor's hot path ------------------------------------------------------
+
+    def _claim_statement(self, name: str, queues: Sequence[str], limit: int) -> str:
+        """``name`` (the fair, limited claim) when a requested queue ever had a step with
+        a key or a limit, else its plain variant (``name_plain``: the claim of before,
+        which never takes such a step). The flags are read at most every
+        FLOW_QUEUES_REFRESH seconds, so a queue's first keyed or limited step waits up to
+        that long; they are never cleared."""
+        if limit <= 0:
+            return name + "_plain"
+        now = time.monotonic()
+        if self._flow_read_at is None or now - self._flow_read_at >= FLOW_QUEUES_REFRESH:
+            with self.conn.cursor() as cur:
+                cur.execute(Q["flow_queues"], {"queues": list(queues)})
+                self._flow_queues = frozenset(r["queue"] for r in cur.fetchall())
+            self._flow_read_at = now
+        return name if self._flow_queues.intersection(queues) else name + "_plain"
 
     def _claim_params(self, queues: Sequence[str]) -> dict[str, Any]:
         """The fairness cursors of a claim: per queue, the key its last walk ended at."""
@@ -495,8 +532,9 @@ class Store:
         if limit <= 0 or not names:
             self.claim_wait = None
             return []
+        statement = self._claim_statement("claim", queues, limit)
         with self.conn.cursor() as cur:
-            cur.execute(Q["claim"], {
+            cur.execute(Q[statement], {
                 "owner": owner, "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
                 **self._claim_params(queues),
             })
@@ -552,8 +590,9 @@ class Store:
         Raises:
             DatabaseUnavailable, QueryRejected: see :func:`translate`.
         """
+        statement = self._claim_statement("settle" if failures else "settle_completions", queues, limit)
         with (self._tx() if workflows else self.conn.cursor()) as cur:
-            cur.execute(Q["settle" if failures else "settle_completions"], {
+            cur.execute(Q[statement], {
                 "owner": owner,
                 "ids": [i[0] for i in completions],
                 "leases": [f"{i[0]}:{i[1]}" for i in completions],

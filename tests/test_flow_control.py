@@ -321,3 +321,24 @@ def test_a_small_tenant_is_not_stuck_behind_a_big_one(cyclone_env_factory):
     a_batches = {r["started_at"] for r in rows if r["k"] == "A" and visible < r["started_at"] < b_times[0]}
     assert len(a_batches) <= 1, sorted(a_batches)  # B's first step is in the first or second claim
     assert (b_times[-1] - b_at).total_seconds() < 1.0, (b_times[-1] - b_at)
+
+
+def test_queues_without_keys_or_limits_keep_the_plain_claim(cyclone_dsn, monkeypatch):
+    """A queue no keyed or limited step entered is claimed by the plain statement; once one
+    enters, the store switches within FLOW_QUEUES_REFRESH, and the plain statement never
+    takes a keyed or limited step meanwhile (so no limit is passed while a store lags)."""
+    from cyclone_mp import store as store_module
+
+    client = cy.Client(cyclone_dsn)
+    client.enqueue_many(fh.noop, [{}] * 3)
+    store = Store.open(cyclone_dsn)
+    assert store._claim_statement("claim", ["default"], 1) == "claim_plain"
+    client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # the queue is flagged now
+    got = claim(store, 10)  # the store still reads the old flags: the plain claim
+    assert len(got) == 3 and keys_of(cyclone_dsn, got) == ["", "", ""]
+    assert claim(store, 10) == []
+    monkeypatch.setattr(store_module, "FLOW_QUEUES_REFRESH", 0.0)
+    assert store._claim_statement("claim", ["default"], 1) == "claim"
+    assert keys_of(cyclone_dsn, claim(store, 10)) == ["t", "t"]  # the limit holds
+    store.close()
+    client.close()

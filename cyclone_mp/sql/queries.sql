@@ -140,27 +140,7 @@ walk (queue, key, p, first) AS (
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
-), claimed AS (
-    UPDATE cyclone_steps s
-       SET state = 'running',
-           started_at = now(),
-           lease_owner = %(owner)s,
-           lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
-           lease_generation = s.lease_generation + 1,
-           heartbeat_at = now(),
-           progress = NULL
-     WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
-    RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
-              extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
-              -- the run's row by primary key, once (its input and kind are read from it):
-              -- a join here became a hash join over a scan of every run in generic plans
-              -- built on small tables
-              (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
-              CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
-                  (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
-                     FROM cyclone_steps d
-                    WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
-), took_slots AS (
+), {claimed_ctes}, took_slots AS (
     -- each limited step claimed takes the gr-th free slot of its group (concurrency, rate)
     UPDATE cyclone_slots sl
        SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(), used_at = now()
@@ -200,6 +180,56 @@ walk (queue, key, p, first) AS (
                AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
              WHERE z.w IS NOT NULL) AS wait
 )
+
+-- name: claimed_ctes
+-- (Fragment) the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
+claimed AS (
+    UPDATE cyclone_steps s
+       SET state = 'running',
+           started_at = now(),
+           lease_owner = %(owner)s,
+           lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
+           lease_generation = s.lease_generation + 1,
+           heartbeat_at = now(),
+           progress = NULL
+     WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
+    RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
+              extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
+              -- the run's row by primary key, once (its input and kind are read from it):
+              -- a join here became a hash join over a scan of every run in generic plans
+              -- built on small tables
+              (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
+              CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
+                  (SELECT coalesce(jsonb_object_agg(d.node, d.output), '{}'::jsonb)
+                     FROM cyclone_steps d
+                    WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
+)
+
+-- name: claim_plain_ctes
+-- (Fragment) the claim of queues no step with a key or a limit ever entered (see
+-- cyclone_flow_queues, migration 0008): one ordered index scan per queue, SKIP LOCKED.
+-- It never takes a step with a key or a limit, whatever the store believes of a queue.
+picked AS (
+    -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
+    SELECT c.id
+      FROM unnest(%(queues)s::text[]) AS q(name)
+     CROSS JOIN LATERAL (
+            SELECT id, priority, scheduled_at
+              FROM cyclone_steps
+             WHERE state = 'available'
+               AND queue = q.name
+               AND concurrency_key = ''
+               AND step_name = ANY(%(names)s)
+               AND scheduled_at <= now()
+               AND concurrency IS NULL AND rate_count IS NULL
+             ORDER BY priority, scheduled_at, id
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED
+           ) c
+     ORDER BY c.priority, c.scheduled_at, c.id
+     LIMIT %(limit)s
+), {claimed_ctes}
 
 -- name: heartbeat
 -- Renew one step's lease, addressed by id, with exactly the seed's WHERE clause.
@@ -338,6 +368,13 @@ UNION ALL
 SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
+-- name: claim_plain
+-- The claim of queues without keys or limits (claim_plain_ctes): no meta row.
+WITH {claim_plain_ctes}
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, (c.run).input AS input, (c.run).kind AS run_kind, c.upstream
+  FROM claimed c
+
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
 settled_completed AS (
@@ -351,19 +388,29 @@ settled_completed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
            c.timeout, c.lease_generation, (c.run).input, (c.run).kind, c.upstream
       FROM claimed c
-    UNION ALL
-    -- the claim's meta row (see claim): what = 'meta'
-    SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
-      FROM claim_meta m
 )
 
 -- name: settle
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
--- %(limit)s, which may be 0) in one statement and one commit.
+-- %(limit)s, which may be 0) in one statement and one commit; the last row is the
+-- claim's meta row (what = 'meta', see claim).
 WITH RECURSIVE {settle_ctes}, {fail_ctes},
 finished AS (SELECT id, lease_generation AS generation FROM done
              UNION ALL SELECT id, lease_generation FROM ended),
 {claim_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.run_kind, NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_plain
+-- settle with the plain claim (queues without keys or limits: claim_plain_ctes).
+WITH {settle_ctes}, {fail_ctes}, {claim_plain_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.run_kind, NULL
@@ -376,6 +423,16 @@ SELECT * FROM settled_claimed
 -- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
 WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
 {claim_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_plain
+-- settle_completions with the plain claim (queues without keys or limits).
+WITH {settle_ctes}, {claim_plain_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -703,6 +760,17 @@ SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available'
        k.key, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond'
   FROM runs
   JOIN unnest(%(ids)b::uuid[], %(keys)s::text[]) AS k(id, key) ON k.id = runs.id;
+
+-- name: flag_flow_queues
+-- Queues that a step with a key or a limit entered: their supervisors claim with the
+-- fair, limited claim from then on (migration 0008).
+INSERT INTO cyclone_flow_queues (queue)
+SELECT DISTINCT unnest(%(queues)s::text[]) ORDER BY 1
+ON CONFLICT DO NOTHING;
+
+-- name: flow_queues
+-- Which of %(queues)s a step with a key or a limit ever entered.
+SELECT queue FROM cyclone_flow_queues WHERE queue = ANY(%(queues)s);
 
 -- name: ensure_slots
 -- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
