@@ -246,7 +246,7 @@ class Store:
         #: After a claim: seconds until a step that a rate limit held back may start
         #: (the supervisor's next poll need not come sooner), or None.
         self.claim_wait: float | None = None
-        self._flow_queues: frozenset[str] = frozenset()  # queues a key or a limit entered, as last read
+        self._flow_queues: dict[str, bool] = {}  # queues a key or a limit entered (True: a limit), as last read
         self._flow_read_at: float | None = None  # when (monotonic); re-read every FLOW_QUEUES_REFRESH s
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
@@ -394,7 +394,7 @@ class Store:
                 "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
                 "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
             })
-            self._flag_flow(cur, [n.queue for n in nodes if n.flow])
+            self._flag_flow(cur, [(n.queue, n.limited) for n in nodes if n.flow])
             self._ensure_slots(cur, [(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit)
                                      for n in nodes if n.limited])
             if kind == "workflow":
@@ -419,7 +419,7 @@ class Store:
             })
             row = cur.fetchone()
             if row is not None and row["id"] is not None and node.flow:
-                self._flag_flow(cur, [node.queue])
+                self._flag_flow(cur, [(node.queue, node.limited)])
                 if node.limited:
                     self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
             if row is not None and row["id"] is not None:
@@ -465,18 +465,18 @@ class Store:
                 "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
             })
             if concurrency is not None or rate_limit is not None or any(keys):
-                self._flag_flow(cur, [queue])
+                self._flag_flow(cur, [(queue, concurrency is not None or rate_limit is not None)])
             if concurrency is not None or rate_limit is not None:
                 self._ensure_slots(cur, [(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
             cur.execute(Q["notify"], {"queue": queue})
         return [str(i) for i in ids]
 
     @staticmethod
-    def _flag_flow(cur: psycopg.Cursor, queues: Sequence[str]) -> None:
-        """Mark queues that a step with a key or a limit enters (their claims use the fair,
-        limited statement from then on; see :meth:`_claim_statement`)."""
-        if queues:
-            cur.execute(Q["flag_flow_queues"], {"queues": sorted(set(queues))})
+    def _flag_flow(cur: psycopg.Cursor, marks: Sequence[tuple[str, bool]]) -> None:
+        """Mark the queues ``(queue, limited)`` that a step with a key or a limit enters
+        (their claims are the fair ones from then on; see :meth:`_claim_statement`)."""
+        if marks:
+            cur.execute(Q["flag_flow_queues"], {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks]})
 
     @staticmethod
     def _ensure_slots(cur: psycopg.Cursor, groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> None:
@@ -491,24 +491,29 @@ class Store:
     # -- the supervisor's hot path ------------------------------------------------------
 
     def _claim_statement(self, name: str, queues: Sequence[str], limit: int) -> str:
-        """``name`` (the fair, limited claim) when a requested queue ever had a step with
-        a key or a limit, else its plain variant (``name_plain``: the claim of before,
-        which never takes such a step). The flags are read at most every
-        FLOW_QUEUES_REFRESH seconds, so a queue's first keyed or limited step waits up to
-        that long; they are never cleared."""
+        """Which claim a statement of ``name`` uses: the fair and limited one (``name``)
+        when a step with a limit ever entered a requested queue, the fair one
+        (``name_fair``, no slots: it takes no step with a limit) when only keyed steps
+        did, else the plain claim of before (``name_plain``, which takes no step with a key
+        or a limit). The marks (cyclone_flow_queues) are read at most every
+        FLOW_QUEUES_REFRESH seconds, so a queue's first keyed or limited step may wait that
+        long; a stale read never passes a limit. Marks are never cleared."""
         if limit <= 0:
             return name + "_plain"
         now = time.monotonic()
         if self._flow_read_at is None or now - self._flow_read_at >= FLOW_QUEUES_REFRESH:
             with self.conn.cursor() as cur:
                 cur.execute(Q["flow_queues"], {"queues": list(queues)})
-                self._flow_queues = frozenset(r["queue"] for r in cur.fetchall())
+                self._flow_queues = {r["queue"]: bool(r["limits"]) for r in cur.fetchall()}
             self._flow_read_at = now
-        return name if self._flow_queues.intersection(queues) else name + "_plain"
+        marks = [self._flow_queues[q] for q in queues if q in self._flow_queues]
+        return name if any(marks) else name + "_fair" if marks else name + "_plain"
 
-    def _claim_params(self, queues: Sequence[str]) -> dict[str, Any]:
-        """The fairness cursors of a claim: per queue, the key its last walk ended at."""
-        return {"queues": list(queues), "cursors": [self.fair_cursors.get(q) for q in queues]}
+    def _claim_params(self, queues: Sequence[str], statement: str) -> dict[str, Any]:
+        """The fairness cursors of a claim (per queue, the key its last walk ended at) and
+        whether it may take steps with a limit (the full claim only)."""
+        return {"queues": list(queues), "cursors": [self.fair_cursors.get(q) for q in queues],
+                "limits": not statement.endswith(("_fair", "_plain"))}
 
     def _claim_meta(self, meta: dict[str, Any] | None) -> None:
         """Keep what a claim's meta row says: where each queue's walk ended, and the
@@ -536,7 +541,7 @@ class Store:
         with self.conn.cursor() as cur:
             cur.execute(Q[statement], {
                 "owner": owner, "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
-                **self._claim_params(queues),
+                **self._claim_params(queues, statement),
             })
             rows = cur.fetchall()
         self._claim_meta(next((r for r in rows if r["id"] is None), None))
@@ -606,7 +611,7 @@ class Store:
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
                 "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
-                "in_tx": workflows, **self._claim_params(queues),
+                "in_tx": workflows, **self._claim_params(queues, statement),
             })
             rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None))

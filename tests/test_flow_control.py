@@ -172,7 +172,8 @@ def test_claim_stays_index_driven_with_many_keys(cyclone_dsn):
     claim(store, 8)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
-        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000},
+        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000,
+         "limits": True},
     ).fetchall())
     assert "Seq Scan on cyclone_steps" not in plan, plan
     assert "cyclone_steps_claim_key_idx" in plan
@@ -333,11 +334,18 @@ def test_queues_without_keys_or_limits_keep_the_plain_claim(cyclone_dsn, monkeyp
     client.enqueue_many(fh.noop, [{}] * 3)
     store = Store.open(cyclone_dsn)
     assert store._claim_statement("claim", ["default"], 1) == "claim_plain"
-    client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # the queue is flagged now
-    got = claim(store, 10)  # the store still reads the old flags: the plain claim
+    client.enqueue_many(fh.fair, [{"tenant": "k"}] * 2)  # keys, no limit: the queue is marked fair
+    client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # and now limited too
+    got = claim(store, 10)  # the store still reads the old marks: the plain claim
     assert len(got) == 3 and keys_of(cyclone_dsn, got) == ["", "", ""]
     assert claim(store, 10) == []
     monkeypatch.setattr(store_module, "FLOW_QUEUES_REFRESH", 0.0)
+    conn = connect(cyclone_dsn)
+    conn.execute("UPDATE cyclone_flow_queues SET limits = false")  # as before the limited enqueue
+    assert store._claim_statement("claim", ["default"], 1) == "claim_fair"
+    assert keys_of(cyclone_dsn, claim(store, 10)) == ["k", "k"]  # the fair claim takes no limited step
+    conn.execute("UPDATE cyclone_flow_queues SET limits = true")
+    conn.close()
     assert store._claim_statement("claim", ["default"], 1) == "claim"
     assert keys_of(cyclone_dsn, claim(store, 10)) == ["t", "t"]  # the limit holds
     store.close()

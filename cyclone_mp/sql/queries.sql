@@ -23,14 +23,12 @@ CASE WHEN s.state = 'available' AND s.scheduled_at <= now() THEN
                       AND sl.slot <= s.rate_count AND sl.used_at + s.rate_period > now()) >= s.rate_count
               THEN 'rate_limit' END END
 
--- name: claim_ctes
--- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
--- heartbeat (SPEC 4). Fair by key (issue 21): each queue's keys (concurrency_key) are
--- walked in order from the key after %(cursors)s (one per queue, NULL: from the first)
--- and served round-robin: every walked key's first step, then every key's second, ...
--- A step with a limit is claimed only with a free slot of its (step, key) (see
--- migration 0007), taken in this statement. Needs a "finished" CTE before it: attempts
--- this statement ends, whose concurrency slots are free for this claim.
+-- name: walk_ctes
+-- (Fragment) the first half of the fair claims (issue 21): each queue's keys
+-- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
+-- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
+-- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
+-- within their (step, key) group. Without %(limits)s, no step with a limit is taken.
 walk (queue, key, p, first) AS (
     -- a loose index scan: the next key with a due step, wrapping around once
     SELECT q.name, k.key, 1, k.key
@@ -57,7 +55,7 @@ walk (queue, key, p, first) AS (
               WHERE s.state = 'available' AND s.queue = w.queue
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
               ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) n
-     WHERE w.p < greatest(%(limit)s, 8) AND n.key <> w.first
+     WHERE w.p < %(limit)s + 2 AND n.key <> w.first
 ), cand AS MATERIALIZED (
     -- each walked key's first steps (as many as its share of the limit), locked
     SELECT c.*, w.queue, w.p, row_number() OVER (PARTITION BY w.queue, w.key ORDER BY c.priority, c.scheduled_at, c.id) AS rn
@@ -71,11 +69,54 @@ walk (queue, key, p, first) AS (
                AND s.concurrency_key = w.key
                AND s.step_name = ANY(%(names)s)
                AND s.scheduled_at <= now()
+               AND (%(limits)s OR (s.concurrency IS NULL AND s.rate_count IS NULL))  -- the fair claim takes no limited step
              ORDER BY s.priority, s.scheduled_at, s.id
              LIMIT (%(limit)s + (SELECT count(*) FROM walk) - 1) / (SELECT count(*) FROM walk)
                FOR UPDATE SKIP LOCKED
            ) c
-), grp AS MATERIALIZED (
+), ranked AS (
+    SELECT c.*, row_number() OVER (PARTITION BY c.step_name, c.key ORDER BY c.priority, c.rn, c.p, c.id) AS gr
+      FROM cand c
+)
+
+-- name: picked_ctes
+-- (Fragment) round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
+picked AS MATERIALIZED (
+    -- round-robin: every key's first step, then every key's second, ... (priority first)
+    SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
+      FROM eligible e
+     ORDER BY e.priority, e.rn, e.p, e.id
+     LIMIT %(limit)s
+)
+
+-- name: claim_meta_ctes
+-- (Fragment) the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
+claim_meta AS (
+    -- for the store, not a claimed row: where each queue's walk ended (the next claim
+    -- starts after it) and, when a rate limit held a step back, the seconds until its
+    -- group's next slot frees (the supervisor may poll again then; see Store.claim_wait)
+    -- a queue's walk ends at its last key before the first one that could have started a
+    -- step but lost its turn to the limit of this claim (no cursor: it starts there again)
+    SELECT (SELECT jsonb_object_agg(x.queue, x.key)
+              FROM (SELECT DISTINCT ON (w.queue) w.queue, w.key
+                      FROM walk w
+                     WHERE NOT EXISTS (SELECT 1 FROM eligible e
+                                        WHERE e.queue = w.queue AND e.p <= w.p AND e.rn = 1
+                                          AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
+                     ORDER BY w.queue, w.p DESC) x) AS cursors,
+           (SELECT wait FROM claim_wait) AS wait
+)
+
+-- name: claim_ctes
+-- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
+-- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits (issue 21): a step with a
+-- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
+-- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
+-- concurrency slots are free for this claim.
+{walk_ctes}, grp AS MATERIALIZED (
     -- the limited (step, key) groups among them: their limits, and how many want a slot
     SELECT step_name, key, min(concurrency) AS concurrency, min(rate_count) AS rate_count,
            max(rate_period) AS rate_period, count(*) AS n
@@ -125,22 +166,13 @@ walk (queue, key, p, first) AS (
                  CASE WHEN g.rate_count IS NULL THEN g.n
                       ELSE (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) END) AS ok
       FROM grp g
-), ranked AS (
-    SELECT c.*, row_number() OVER (PARTITION BY c.step_name, c.key ORDER BY c.priority, c.rn, c.p, c.id) AS gr
-      FROM cand c
 ), eligible AS MATERIALIZED (
     -- the candidates their limits let start now
     SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority
       FROM ranked r
       LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
      WHERE a.ok IS NULL OR r.gr <= a.ok
-), picked AS MATERIALIZED (
-    -- round-robin: every key's first step, then every key's second, ... (priority first)
-    SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
-      FROM eligible e
-     ORDER BY e.priority, e.rn, e.p, e.id
-     LIMIT %(limit)s
-), {claimed_ctes}, took_slots AS (
+), {picked_ctes}, {claimed_ctes}, took_slots AS (
     -- each limited step claimed takes the gr-th free slot of its group (concurrency, rate)
     UPDATE cyclone_slots sl
        SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(), used_at = now()
@@ -152,20 +184,8 @@ walk (queue, key, p, first) AS (
         ON f.step_name = p.step_name AND f.key = p.key AND f.i = p.gr
      WHERE sl.step_name = f.step_name AND sl.key = f.key AND sl.kind = f.kind AND sl.slot = f.slot
     RETURNING sl.slot
-), claim_meta AS (
-    -- for the store, not a claimed row: where each queue's walk ended (the next claim
-    -- starts after it) and, when a rate limit held a step back, the seconds until its
-    -- group's next slot frees (the supervisor may poll again then; see Store.claim_wait)
-    -- a queue's walk ends at its last key before the first one that could have started a
-    -- step but lost its turn to the limit of this claim (no cursor: it starts there again)
-    SELECT (SELECT jsonb_object_agg(x.queue, x.key)
-              FROM (SELECT DISTINCT ON (w.queue) w.queue, w.key
-                      FROM walk w
-                     WHERE NOT EXISTS (SELECT 1 FROM eligible e
-                                        WHERE e.queue = w.queue AND e.p <= w.p AND e.rn = 1
-                                          AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
-                     ORDER BY w.queue, w.p DESC) x) AS cursors,
-           (SELECT greatest(0, z.w)::float8 FROM (SELECT extract(epoch FROM min(
+), claim_wait AS (
+    SELECT (SELECT greatest(0, z.w)::float8 FROM (SELECT extract(epoch FROM min(
                        CASE WHEN EXISTS (SELECT 1 FROM rslots r JOIN picked p ON p.step_name = r.step_name
                                                                             AND p.key = r.key AND p.gr = r.i
                                           WHERE r.step_name = sl.step_name AND r.key = sl.key AND r.slot = sl.slot)
@@ -179,7 +199,16 @@ walk (queue, key, p, first) AS (
              WHERE g.rate_count IS NOT NULL
                AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
              WHERE z.w IS NOT NULL) AS wait
-)
+), {claim_meta_ctes}
+
+-- name: claim_fair_ctes
+-- (Fragment) the fair claim of queues with keys but no limited step (walk_ctes without the
+-- slots; %(limits)s false: a limited step is left to the full claim).
+{walk_ctes}, eligible AS MATERIALIZED (
+    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority FROM ranked r
+), {picked_ctes}, {claimed_ctes}, claim_wait AS (
+    SELECT NULL::float8 AS wait
+), {claim_meta_ctes}
 
 -- name: claimed_ctes
 -- (Fragment) the claim's write: the picked steps become running under this lease, the
@@ -368,6 +397,18 @@ UNION ALL
 SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
+-- name: claim_fair
+-- claim with the fair claim (queues with keys, no limited step). The last row (id NULL) is the
+-- claim's meta row, for the store: timeout = claim_meta.wait, node = claim_meta.cursors
+-- (JSON text: columns whose types the claimed rows fix).
+WITH RECURSIVE {claim_fair_ctes}
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, (c.run).input AS input, (c.run).kind AS run_kind, c.upstream
+  FROM claimed c
+UNION ALL
+SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
 -- name: claim_plain
 -- The claim of queues without keys or limits (claim_plain_ctes): no meta row.
 WITH {claim_plain_ctes}
@@ -408,6 +449,21 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
+-- name: settle_fair
+-- The hot path: a tick's completions, its failed attempts and the next claim (up to
+-- %(limit)s, which may be 0) in one statement and one commit; the last row is the
+-- claim's meta row (what = 'meta', see claim).
+WITH RECURSIVE {settle_ctes}, {fail_ctes}, {claim_fair_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.run_kind, NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
 -- name: settle_plain
 -- settle with the plain claim (queues without keys or limits: claim_plain_ctes).
 WITH {settle_ctes}, {fail_ctes}, {claim_plain_ctes}, {settled_ctes}
@@ -423,6 +479,17 @@ SELECT * FROM settled_claimed
 -- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
 WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
 {claim_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_fair
+-- The hot path of a tick without failures (most ticks): its completions and the next
+-- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
+WITH RECURSIVE {settle_ctes}, {claim_fair_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -762,15 +829,19 @@ SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available'
   JOIN unnest(%(ids)b::uuid[], %(keys)s::text[]) AS k(id, key) ON k.id = runs.id;
 
 -- name: flag_flow_queues
--- Queues that a step with a key or a limit entered: their supervisors claim with the
--- fair, limited claim from then on (migration 0008).
-INSERT INTO cyclone_flow_queues (queue)
-SELECT DISTINCT unnest(%(queues)s::text[]) ORDER BY 1
-ON CONFLICT DO NOTHING;
+-- Queues that a step with a key or a limit entered (limits: one with a limit did): their
+-- supervisors claim with the fair (or the fair and limited) claim from then on.
+INSERT INTO cyclone_flow_queues (queue, limits)
+SELECT t.queue, bool_or(t.limits)
+  FROM unnest(%(queues)s::text[], %(limits)s::boolean[]) AS t(queue, limits)
+ GROUP BY t.queue
+ ORDER BY t.queue
+ON CONFLICT (queue) DO UPDATE SET limits = true
+ WHERE excluded.limits AND NOT cyclone_flow_queues.limits;
 
 -- name: flow_queues
--- Which of %(queues)s a step with a key or a limit ever entered.
-SELECT queue FROM cyclone_flow_queues WHERE queue = ANY(%(queues)s);
+-- Which of %(queues)s a step with a key or a limit ever entered, and whether one with a limit did.
+SELECT queue, limits FROM cyclone_flow_queues WHERE queue = ANY(%(queues)s);
 
 -- name: ensure_slots
 -- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
