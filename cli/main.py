@@ -434,6 +434,25 @@ def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
 @cli.command()
 @click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def schedules(wide: bool, as_json: bool) -> None:
+    """Periodic schedules (mux.schedule) and their next fire times (database clock)."""
+    client = _client()
+    try:
+        client.migrate()
+        rows = client.schedules()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif rows:
+        render.put(_out(), render.schedules_table(rows), wide)
+    else:
+        click.echo("no schedules (a supervisor whose mux defines one creates it)")
+
+
+@cli.command()
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def workers(wide: bool, as_json: bool) -> None:
     """Live supervisors and their children: pid, step, elapsed, CPU %, RSS."""
     client = _client()
