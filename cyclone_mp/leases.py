@@ -193,9 +193,9 @@ class LeaseKeeper(DatabaseThread):
             self.tell(Claimed((), sent, limit, failed=True))
             return
         try:
-            rows = self.call(self.config.call_bound, lambda store: store.claim(
+            rows, wait = self.call(self.config.call_bound, lambda store: (store.claim(
                 owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
-                ttl=self.config.lease_ttl))
+                ttl=self.config.lease_ttl), store.claim_wait))
         except DatabaseError as exc:
             if not isinstance(exc, DatabaseUnavailable):
                 log.error("claim rejected by the database: %s", exc)
@@ -209,7 +209,7 @@ class LeaseKeeper(DatabaseThread):
         big = tuple(r for r in rows if r.get("big"))
         if big:
             self.load(Load(big, sent))
-        self.tell(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit))
+        self.tell(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, wait=wait))
 
     # -- the connection, and LISTEN ------------------------------------------------------------
 

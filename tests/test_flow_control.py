@@ -350,3 +350,45 @@ def test_queues_without_keys_or_limits_keep_the_plain_claim(cyclone_dsn, monkeyp
     assert keys_of(cyclone_dsn, claim(store, 10)) == ["t", "t"]  # the limit holds
     store.close()
     client.close()
+
+
+def test_process_control_polls_when_the_rate_limit_frees_a_slot():
+    """A claim's ``wait`` (Claimed.wait, from Store.claim_wait or Settled.wait) brings the
+    next poll forward to when the held-back step may start, never later than the poll
+    interval's backoff would."""
+    from cyclone_mp.config import Config
+    from cyclone_mp.messages import Claimed
+    from test_prefetch import control_alone
+
+    now = [100.0]
+    control, watchdog, _ = control_alone(Config.build(workers=2, poll_interval=(0.5, 5.0)), clock=lambda: now[0])
+    try:
+        control.poll_delay = 4.0
+        control.on_claimed(Claimed((), sent=100.0, limit=2))
+        assert control.next_poll == pytest.approx(105.0)  # empty: the backoff doubles (capped at 5 s)
+        control.on_claimed(Claimed((), sent=100.0, limit=2, wait=0.3))
+        assert control.next_poll == pytest.approx(100.3)  # a rate slot frees then
+        control.on_claimed(Claimed((), sent=100.0, limit=2, wait=60.0))
+        assert control.next_poll == pytest.approx(105.0)  # never later than without a wait
+    finally:
+        control.close()
+        watchdog.close()
+
+
+def test_a_rate_limited_queue_is_claimed_again_when_its_slots_free(cyclone_env_factory):
+    """With a long poll backoff (1.5 s doubling to 5 s), 30 steps at 10 starts per second
+    start in three waves a second apart: the claims that found the bucket empty said when
+    it refills, and the supervisor polled then (not 3 or 5 s later)."""
+    env = cyclone_env_factory(worker="thread", workers=4, lease_ttl=2.0, poll_interval=(1.5, 5.0))
+    env.mux().register(fh.rate_limited)
+    ids = env.client().enqueue_many(fh.rate_limited, [{"key": "k"}] * 30)
+    env.start_worker()
+    for run_id in ids:
+        assert env.run_until_complete(run_id, timeout=15).state == "completed"
+    env.stop_workers()
+    conn = connect(env.dsn)
+    starts = [r["started_at"] for r in conn.execute(
+        "SELECT started_at FROM cyclone_steps WHERE step_name = 'rate_limited' ORDER BY started_at").fetchall()]
+    conn.close()
+    span = (starts[-1] - starts[0]).total_seconds()
+    assert 2.0 <= span < 2.6, span
