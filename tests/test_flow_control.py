@@ -182,6 +182,50 @@ def test_claim_stays_index_driven_with_many_keys(cyclone_dsn):
     client.close()
 
 
+@pytest.mark.parametrize("step, variant", [(fh.noop, "plain"), (fh.fair, "fair"), (fh.per_tenant, "limited")])
+def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_dsn, step, variant):
+    """The plain, fair and limited claims, alone (Store.claim: the lease keeper's) and with
+    a batch of outcomes (Store.settle: the outcome writer's), return the input as JSON text,
+    unparsed, and leave out an input stored bigger than INLINE_MAX (``big``: maintenance
+    loads it alone); (id, generation) pairs say which outcomes were written."""
+    import base64
+    import json
+    import os
+
+    from cyclone_mp.store import FailedAttempt
+
+    client = cy.Client(cyclone_dsn)
+    huge = base64.b64encode(os.urandom(INLINE_MAX)).decode()  # ~700 kB that pglz cannot shrink under INLINE_MAX
+    small = {"tenant": "t1", "sleep": 0, "text": "é \"quoted\" \\"}
+    client.enqueue(step, small)
+    client.enqueue(step, {"tenant": "t1", "huge": huge})
+    client.enqueue_many(step, [{"tenant": "t1", "n": i} for i in range(2)])
+    store = Store.open(cyclone_dsn, generic_plans=True)
+    expected = {"plain": "claim_plain", "fair": "claim_fair", "limited": "claim"}[variant]
+    assert store._claim_statement("claim", ["default"], 1) == expected
+    a, b = claim(store, 2, names=[step.name])
+    assert isinstance(a["input"], str) and json.loads(a["input"]) == small and a["upstream"] is None
+    assert a["big"] is False
+    assert b["input"] is None and b["big"] is True  # left out: loaded alone
+    assert json.loads(store.load_payload(b["id"])["input"])["huge"] == huge
+    # the writer's statement: one success, one failure, and the next claim in the same statement
+    settled = store.settle(
+        owner="test", completions=[(a["id"], a["lease_generation"], {}, None)],
+        failures=[FailedAttempt(b["id"], b["lease_generation"], "error", {"message": "x"}, 0.0, False)],
+        queues=["default"], names=[step.name], limit=5, ttl=60)
+    assert settled.completed == {(a["id"], a["lease_generation"])}
+    assert settled.failed == {(b["id"], b["lease_generation"])}
+    claimed = sorted(settled.claimed, key=lambda r: r["id"])
+    assert [json.loads(r["input"])["n"] for r in claimed if not r["big"]] == [0, 1]
+    assert [r["big"] for r in claimed] == [False, False] and settled.wait is None
+    # the failed one is available again (not to the statement that failed it): still big
+    done = [(r["id"], r["lease_generation"], {}, None) for r in claimed]
+    again = store.settle(owner="test", completions=done, queues=["default"], names=[step.name], limit=5, ttl=60)
+    assert len(again.completed) == 2 and [(r["id"], r["input"], r["big"]) for r in again.claimed] == [(b["id"], None, True)]
+    store.close()
+    client.close()
+
+
 # -- real supervisors --------------------------------------------------------------------------
 
 
