@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 import zoneinfo
 from typing import TYPE_CHECKING, Any, Iterator
 
 from cronsim import CronSim, CronSimError
 
 from .durations import seconds
-from .errors import ConfigurationError
+from .errors import ConfigurationError, PayloadError
+from .protocol import DEFAULT_MAX_PAYLOAD, check_value
+from .steps import check_name
 
 if TYPE_CHECKING:
     from .config import Config
@@ -75,8 +76,7 @@ class Schedule:
     catch_up: str = "latest"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or len(self.name) > 200:
-            raise ConfigurationError(f"schedule name must be a non-empty string of at most 200 characters, got {self.name!r}")
+        check_name(self.name, "schedule name")
         if (self.cron is None) == (self.every is None):
             raise ConfigurationError(f"schedule {self.name!r}: give exactly one of cron=... or every=seconds")
         if self.catch_up not in CATCH_UP:
@@ -99,10 +99,10 @@ class Schedule:
             if every < 0.01:
                 raise ConfigurationError(f"schedule {self.name!r}: every must be at least 0.01 seconds, got {self.every!r}")
             object.__setattr__(self, "every", every)
-        try:
-            json.dumps(self.input, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"schedule {self.name!r}: input is not a JSON value: {exc}") from None
+        try:  # checked as an enqueue checks it: a bad input would fail every tick of every schedule
+            check_value(self.input, "input", DEFAULT_MAX_PAYLOAD)
+        except PayloadError as exc:
+            raise ConfigurationError(f"schedule {self.name!r}: {exc}") from None
 
     @property
     def spec(self) -> dict[str, Any]:

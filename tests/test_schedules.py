@@ -39,6 +39,7 @@ def test_interval_slots_are_multiples_of_every_since_the_epoch():
 @pytest.mark.parametrize("bad", [
     {"cron": "61 * * * *"}, {"cron": "* * * *"}, {"every": 0}, {"every": -1}, {"cron": "* * * * *", "every": 1},
     {}, {"every": 1, "catch_up": "some"}, {"cron": "* * * * *", "tz": "Mars/Olympus"}, {"every": 1, "input": {1, 2}},
+    {"every": 1, "input": {"text": "a\x00b"}}, {"every": 1, "name": "a\x00b"}, {"every": 1, "name": "n" * 201},
 ])
 def test_bad_schedules_are_rejected_at_definition(bad):
     with pytest.raises(cy.ConfigurationError):
