@@ -182,6 +182,26 @@ def test_claim_stays_index_driven_with_many_keys(cyclone_dsn):
     client.close()
 
 
+def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyclone_dsn):
+    """The limited claim checks each slot's holder by primary key: it must not read every
+    running step (whose index keeps dead entries until a vacuum) at every claim."""
+    client = cy.Client(cyclone_dsn)
+    client.enqueue_many(fh.per_tenant, [{"tenant": f"t{i % 4}"} for i in range(40)])
+    store = Store.open(cyclone_dsn, generic_plans=True)
+    held = claim(store, 8)  # two per tenant: every slot has a running holder
+    store.settle(owner="test", completions=[(r["id"], r["lease_generation"], {}, None) for r in held[:4]],
+                 queues=["default"], names=NAMES, limit=0, ttl=60)
+    plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
+        "EXPLAIN (ANALYZE, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
+        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000,
+         "limits": True, "inline_max": INLINE_MAX},
+    ).fetchall())
+    assert "cyclone_slots_pkey" in plan  # the slots were looked at
+    assert "cyclone_steps_running_idx" not in plan, plan
+    store.close()
+    client.close()
+
+
 @pytest.mark.parametrize("step, variant", [(fh.noop, "plain"), (fh.fair, "fair"), (fh.per_tenant, "limited")])
 def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_dsn, step, variant):
     """The plain, fair and limited claims, alone (Store.claim: the lease keeper's) and with

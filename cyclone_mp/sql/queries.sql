@@ -134,11 +134,12 @@ claim_meta AS (
              WHERE sl.step_name = g.step_name AND sl.key = g.key AND sl.kind = 'c' AND sl.slot <= g.concurrency
                AND (sl.step_id IS NULL
                     OR (pg_visible_in_snapshot(sl.claim_xid, pg_current_snapshot())
-                        AND NOT EXISTS (SELECT 1 FROM cyclone_steps h
-                                         WHERE h.id = sl.step_id AND h.lease_generation = sl.generation
-                                           AND h.state = 'running'
-                                           AND NOT EXISTS (SELECT 1 FROM finished f
-                                                            WHERE f.id = h.id AND f.generation = h.lease_generation))))
+                        -- its holder, by primary key: a scalar subquery is one probe per slot
+                        -- looked at (a NOT EXISTS became a hash of every running row, dead
+                        -- index entries included, built at every claim)
+                        AND (NOT coalesce((SELECT h.state = 'running' FROM cyclone_steps h
+                                            WHERE h.id = sl.step_id AND h.lease_generation = sl.generation), false)
+                             OR EXISTS (SELECT 1 FROM finished f WHERE f.id = sl.step_id AND f.generation = sl.generation))))
              ORDER BY sl.slot
              LIMIT g.n
                FOR UPDATE SKIP LOCKED
