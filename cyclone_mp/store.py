@@ -367,7 +367,7 @@ class Store:
         #: After a claim: seconds until a step that a rate limit held back may start
         #: (the supervisor's next poll need not come sooner), or None.
         self.claim_wait: float | None = None
-        self._flow_queues: dict[str, bool] = {}  # queues a key or a limit entered (True: a limit), as last read
+        self._flow_queues: dict[str, tuple[bool, bool]] = {}  # queues a key or a limit entered: (a limit, a rate limit)
         self._flow_read_at: float | None = None  # when (monotonic); re-read every FLOW_QUEUES_REFRESH s
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
@@ -519,7 +519,7 @@ class Store:
                 "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
                 "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
             })
-            self._flag_flow(cur, [(n.queue, n.limited) for n in nodes if n.flow])
+            self._flag_flow(cur, [(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
             self._ensure_slots(cur, [(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit)
                                      for n in nodes if n.limited])
             if kind == "workflow":
@@ -544,7 +544,7 @@ class Store:
             })
             row = cur.fetchone()
             if row is not None and row["id"] is not None and node.flow:
-                self._flag_flow(cur, [(node.queue, node.limited)])
+                self._flag_flow(cur, [(node.queue, node.limited, node.rate_limit is not None)])
                 if node.limited:
                     self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
             if row is not None and row["id"] is not None:
@@ -590,18 +590,20 @@ class Store:
                 "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
             })
             if concurrency is not None or rate_limit is not None or any(keys):
-                self._flag_flow(cur, [(queue, concurrency is not None or rate_limit is not None)])
+                self._flag_flow(cur, [(queue, concurrency is not None or rate_limit is not None, rate_limit is not None)])
             if concurrency is not None or rate_limit is not None:
                 self._ensure_slots(cur, [(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
             cur.execute(Q["notify"], {"queue": queue})
         return [str(i) for i in ids]
 
     @staticmethod
-    def _flag_flow(cur: psycopg.Cursor, marks: Sequence[tuple[str, bool]]) -> None:
-        """Mark the queues ``(queue, limited)`` that a step with a key or a limit enters
-        (their claims are the fair ones from then on; see :meth:`_claim_statement`)."""
+    def _flag_flow(cur: psycopg.Cursor, marks: Sequence[tuple[str, bool, bool]]) -> None:
+        """Mark the queues ``(queue, limited, rate_limited)`` that a step with a key or a
+        limit enters (their claims are the fair or limited ones from then on; see
+        :meth:`_claim_statement`)."""
         if marks:
-            cur.execute(Q["flag_flow_queues"], {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks]})
+            cur.execute(Q["flag_flow_queues"], {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks],
+                                                "rates": [m[2] for m in marks]})
 
     @staticmethod
     def _ensure_slots(cur: psycopg.Cursor, groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> None:
@@ -616,29 +618,41 @@ class Store:
     # -- the supervisor's hot path ------------------------------------------------------
 
     def _claim_statement(self, name: str, queues: Sequence[str], limit: int) -> str:
-        """Which claim a statement of ``name`` uses: the fair and limited one (``name``)
-        when a step with a limit ever entered a requested queue, the fair one
-        (``name_fair``, no slots: it takes no step with a limit) when only keyed steps
-        did, else the plain claim of before (``name_plain``, which takes no step with a key
-        or a limit). The marks (cyclone_flow_queues) are read at most every
-        FLOW_QUEUES_REFRESH seconds, so a queue's first keyed or limited step may wait that
-        long; a stale read never passes a limit. Marks are never cleared."""
+        """Which claim a statement of ``name`` uses, from the least to the most work:
+
+        - ``name_plain``, the claim of before: no requested queue was ever entered by a
+          step with a key or a limit (it takes no such step);
+        - ``name_fair``: keyed steps did, no limited one (no slots; it takes no limited step);
+        - ``name_concurrency``: a step with a concurrency limit did, none with a rate limit
+          (concurrency slots only; it takes no rate-limited step);
+        - ``name``, the full limited claim: a rate-limited step did.
+
+        The marks (cyclone_flow_queues) are read at most every FLOW_QUEUES_REFRESH seconds,
+        so a queue's first keyed or limited step may wait that long; a stale read never
+        passes a limit (each claim leaves alone what it is not made for). Marks are never
+        cleared."""
         if limit <= 0:
             return name + "_plain"
         now = time.monotonic()
         if self._flow_read_at is None or now - self._flow_read_at >= FLOW_QUEUES_REFRESH:
             with self.conn.cursor() as cur:
                 cur.execute(Q["flow_queues"], {"queues": list(queues)})
-                self._flow_queues = {r["queue"]: bool(r["limits"]) for r in cur.fetchall()}
+                self._flow_queues = {r["queue"]: (bool(r["limits"]), bool(r["rates"])) for r in cur.fetchall()}
             self._flow_read_at = now
         marks = [self._flow_queues[q] for q in queues if q in self._flow_queues]
-        return name if any(marks) else name + "_fair" if marks else name + "_plain"
+        if any(rates for _, rates in marks):
+            return name
+        if any(limits for limits, _ in marks):
+            return name + "_concurrency"
+        return name + "_fair" if marks else name + "_plain"
 
     def _claim_params(self, queues: Sequence[str], statement: str) -> dict[str, Any]:
         """The fairness cursors of a claim (per queue, the key its last walk ended at) and
-        whether it may take steps with a limit (the full claim only)."""
+        which limited steps it may take: ``limits``, any (the limited claims); ``rates``,
+        rate-limited ones too (the full claim only)."""
         return {"queues": list(queues), "cursors": [self.fair_cursors.get(q) for q in queues],
-                "limits": not statement.endswith(("_fair", "_plain"))}
+                "limits": not statement.endswith(("_fair", "_plain")),
+                "rates": not statement.endswith(("_fair", "_plain", "_concurrency"))}
 
     def _claim_meta(self, meta: dict[str, Any] | None) -> None:
         """Keep what a claim's meta row says: where each queue's walk ended, and the

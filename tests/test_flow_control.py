@@ -173,7 +173,7 @@ def test_claim_stays_index_driven_with_many_keys(cyclone_dsn):
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
         {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000,
-         "limits": True, "inline_max": INLINE_MAX},
+         "limits": True, "rates": True, "inline_max": INLINE_MAX},
     ).fetchall())
     assert "Seq Scan on cyclone_steps" not in plan, plan
     assert "cyclone_steps_claim_key_idx" in plan
@@ -194,7 +194,7 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
         {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000,
-         "limits": True, "inline_max": INLINE_MAX},
+         "limits": True, "rates": True, "inline_max": INLINE_MAX},
     ).fetchall())
     assert "cyclone_slots_pkey" in plan  # the slots were looked at
     assert "cyclone_steps_running_idx" not in plan, plan
@@ -202,9 +202,10 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
     client.close()
 
 
-@pytest.mark.parametrize("step, variant", [(fh.noop, "plain"), (fh.fair, "fair"), (fh.per_tenant, "limited")])
+@pytest.mark.parametrize("step, variant", [(fh.noop, "plain"), (fh.fair, "fair"), (fh.per_tenant, "concurrency"),
+                                           (fh.rate_limited, "limited")])
 def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_dsn, step, variant):
-    """The plain, fair and limited claims, alone (Store.claim: the lease keeper's) and with
+    """The plain, fair, concurrency and full limited claims, alone (Store.claim: the lease keeper's) and with
     a batch of outcomes (Store.settle: the outcome writer's), return the input as JSON text,
     unparsed, and leave out an input stored bigger than INLINE_MAX (``big``: maintenance
     loads it alone); (id, generation) pairs say which outcomes were written."""
@@ -216,12 +217,13 @@ def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_ds
 
     client = cy.Client(cyclone_dsn)
     huge = base64.b64encode(os.urandom(INLINE_MAX)).decode()  # ~700 kB that pglz cannot shrink under INLINE_MAX
-    small = {"tenant": "t1", "sleep": 0, "text": "é \"quoted\" \\"}
+    small = {"tenant": "t1", "key": "t1", "sleep": 0, "text": "é \"quoted\" \\"}
     client.enqueue(step, small)
-    client.enqueue(step, {"tenant": "t1", "huge": huge})
-    client.enqueue_many(step, [{"tenant": "t1", "n": i} for i in range(2)])
+    client.enqueue(step, {"tenant": "t1", "key": "t1", "huge": huge})
+    client.enqueue_many(step, [{"tenant": "t1", "key": "t1", "n": i} for i in range(2)])
     store = Store.open(cyclone_dsn, generic_plans=True)
-    expected = {"plain": "claim_plain", "fair": "claim_fair", "limited": "claim"}[variant]
+    expected = {"plain": "claim_plain", "fair": "claim_fair", "concurrency": "claim_concurrency",
+                "limited": "claim"}[variant]
     assert store._claim_statement("claim", ["default"], 1) == expected
     a, b = claim(store, 2, names=[step.name])
     assert isinstance(a["input"], str) and json.loads(a["input"]) == small and a["upstream"] is None
@@ -390,8 +392,10 @@ def test_a_small_tenant_is_not_stuck_behind_a_big_one(cyclone_env_factory):
 
 def test_queues_without_keys_or_limits_keep_the_plain_claim(cyclone_dsn, monkeypatch):
     """A queue no keyed or limited step entered is claimed by the plain statement; once one
-    enters, the store switches within FLOW_QUEUES_REFRESH, and the plain statement never
-    takes a keyed or limited step meanwhile (so no limit is passed while a store lags)."""
+    enters, the store switches within FLOW_QUEUES_REFRESH (to the fair claim for keys, the
+    concurrency claim for concurrency limits, the full claim for rate limits), and a claim
+    never takes a step it is not made for meanwhile (so no limit is passed while a store
+    lags)."""
     from cyclone_mp import store as store_module
 
     client = cy.Client(cyclone_dsn)
@@ -400,18 +404,24 @@ def test_queues_without_keys_or_limits_keep_the_plain_claim(cyclone_dsn, monkeyp
     assert store._claim_statement("claim", ["default"], 1) == "claim_plain"
     client.enqueue_many(fh.fair, [{"tenant": "k"}] * 2)  # keys, no limit: the queue is marked fair
     client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # and now limited too
+    client.enqueue_many(fh.rate_limited, [{"key": "r"}] * 2)  # and rate-limited
     got = claim(store, 10)  # the store still reads the old marks: the plain claim
     assert len(got) == 3 and keys_of(cyclone_dsn, got) == ["", "", ""]
     assert claim(store, 10) == []
     monkeypatch.setattr(store_module, "FLOW_QUEUES_REFRESH", 0.0)
     conn = connect(cyclone_dsn)
-    conn.execute("UPDATE cyclone_flow_queues SET limits = false")  # as before the limited enqueue
+    assert conn.execute("SELECT limits, rates FROM cyclone_flow_queues WHERE queue = 'default'").fetchone() == {
+        "limits": True, "rates": True}
+    conn.execute("UPDATE cyclone_flow_queues SET limits = false, rates = false")  # as before the limited enqueues
     assert store._claim_statement("claim", ["default"], 1) == "claim_fair"
     assert keys_of(cyclone_dsn, claim(store, 10)) == ["k", "k"]  # the fair claim takes no limited step
-    conn.execute("UPDATE cyclone_flow_queues SET limits = true")
+    conn.execute("UPDATE cyclone_flow_queues SET limits = true")  # as before the rate-limited enqueue
+    assert store._claim_statement("claim", ["default"], 1) == "claim_concurrency"
+    assert keys_of(cyclone_dsn, claim(store, 10)) == ["t", "t"]  # the limit holds; no rate-limited step
+    conn.execute("UPDATE cyclone_flow_queues SET rates = true")
     conn.close()
     assert store._claim_statement("claim", ["default"], 1) == "claim"
-    assert keys_of(cyclone_dsn, claim(store, 10)) == ["t", "t"]  # the limit holds
+    assert keys_of(cyclone_dsn, claim(store, 10)) == ["r", "r"]
     store.close()
     client.close()
 

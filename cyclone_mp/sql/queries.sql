@@ -28,7 +28,8 @@ CASE WHEN s.state = 'available' AND s.scheduled_at <= now() THEN
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
--- within their (step, key) group. Without %(limits)s, no step with a limit is taken.
+-- within their (step, key) group. Without %(limits)s, no step with a limit is taken;
+-- without %(rates)s, no step with a rate limit.
 walk (queue, key, p, first) AS (
     -- a loose index scan: the next key with a due step, wrapping around once
     SELECT q.name, k.key, 1, k.key
@@ -70,6 +71,7 @@ walk (queue, key, p, first) AS (
                AND s.step_name = ANY(%(names)s)
                AND s.scheduled_at <= now()
                AND (%(limits)s OR (s.concurrency IS NULL AND s.rate_count IS NULL))  -- the fair claim takes no limited step
+               AND (%(rates)s OR s.rate_count IS NULL)  -- nor the concurrency claim a rate-limited one
              ORDER BY s.priority, s.scheduled_at, s.id
              LIMIT (%(limit)s + (SELECT count(*) FROM walk) - 1) / (SELECT count(*) FROM walk)
                FOR UPDATE SKIP LOCKED
@@ -110,20 +112,10 @@ claim_meta AS (
            (SELECT wait FROM claim_wait) AS wait
 )
 
--- name: claim_ctes
--- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
--- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits (issue 21): a step with a
--- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
--- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
--- concurrency slots are free for this claim.
-{walk_ctes}, grp AS MATERIALIZED (
-    -- the limited (step, key) groups among them: their limits, and how many want a slot
-    SELECT step_name, key, min(concurrency) AS concurrency, min(rate_count) AS rate_count,
-           max(rate_period) AS rate_period, count(*) AS n
-      FROM cand
-     WHERE concurrency IS NOT NULL OR rate_count IS NOT NULL
-     GROUP BY step_name, key
-), cslots AS MATERIALIZED (
+-- name: cslots_ctes
+-- (Fragment) the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
+cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
     SELECT g.step_name, g.key, f.slot, row_number() OVER (PARTITION BY g.step_name, g.key ORDER BY f.slot) AS i
@@ -145,7 +137,22 @@ claim_meta AS (
                FOR UPDATE SKIP LOCKED
            ) f
      WHERE g.concurrency IS NOT NULL
-), rslots AS MATERIALIZED (
+)
+
+-- name: claim_ctes
+-- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
+-- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits (issue 21): a step with a
+-- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
+-- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
+-- concurrency slots are free for this claim.
+{walk_ctes}, grp AS MATERIALIZED (
+    -- the limited (step, key) groups among them: their limits, and how many want a slot
+    SELECT step_name, key, min(concurrency) AS concurrency, min(rate_count) AS rate_count,
+           max(rate_period) AS rate_period, count(*) AS n
+      FROM cand
+     WHERE concurrency IS NOT NULL OR rate_count IS NOT NULL
+     GROUP BY step_name, key
+), {cslots_ctes}, rslots AS MATERIALIZED (
     -- free rate slots, locked: last used at least one period ago (the latest row version decides)
     SELECT g.step_name, g.key, f.slot, row_number() OVER (PARTITION BY g.step_name, g.key ORDER BY f.slot) AS i
       FROM grp g
@@ -202,9 +209,39 @@ claim_meta AS (
              WHERE z.w IS NOT NULL) AS wait
 ), {claim_meta_ctes}
 
+-- name: claim_concurrency_ctes
+-- (Fragment) the limited claim of queues that no rate-limited step ever entered (see
+-- cyclone_flow_queues.rates, migration 0010): claim_ctes with its concurrency slots only,
+-- a plan of about half the nodes (%(rates)s false: a rate-limited step is left to the
+-- full claim). Needs a "finished" CTE before it, as claim_ctes does.
+{walk_ctes}, grp AS MATERIALIZED (
+    -- the limited (step, key) groups among them, and how many want a slot
+    SELECT step_name, key, min(concurrency) AS concurrency, count(*) AS n
+      FROM cand
+     WHERE concurrency IS NOT NULL
+     GROUP BY step_name, key
+), {cslots_ctes}, eligible AS MATERIALIZED (
+    -- the candidates their limits let start now: the gr-th of a group needs gr free slots
+    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority
+      FROM ranked r
+     WHERE r.concurrency IS NULL
+        OR r.gr <= (SELECT count(*) FROM cslots c WHERE c.step_name = r.step_name AND c.key = r.key)
+), {picked_ctes}, {claimed_ctes}, took_slots AS (
+    -- each limited step claimed takes the gr-th free slot of its group
+    UPDATE cyclone_slots sl
+       SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(), used_at = now()
+      FROM picked p
+      JOIN claimed c ON c.id = p.id
+      JOIN cslots f ON f.step_name = p.step_name AND f.key = p.key AND f.i = p.gr
+     WHERE sl.step_name = f.step_name AND sl.key = f.key AND sl.kind = 'c' AND sl.slot = f.slot
+    RETURNING sl.slot
+), claim_wait AS (
+    SELECT NULL::float8 AS wait
+), {claim_meta_ctes}
+
 -- name: claim_fair_ctes
 -- (Fragment) the fair claim of queues with keys but no limited step (walk_ctes without the
--- slots; %(limits)s false: a limited step is left to the full claim).
+-- slots; %(limits)s false: a limited step is left to the limited claims).
 {walk_ctes}, eligible AS MATERIALIZED (
     SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority FROM ranked r
 ), {picked_ctes}, {claimed_ctes}, claim_wait AS (
@@ -430,6 +467,19 @@ UNION ALL
 SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
+-- name: claim_concurrency
+-- claim with the concurrency claim (queues with concurrency limits, no rate limit); the
+-- same rows and meta row.
+WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
+{claim_concurrency_ctes}
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       {claimed_big_expr} AS big
+  FROM claimed c
+UNION ALL
+SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
 -- name: claim_fair
 -- claim with the fair claim (queues with keys, no limited step); the same rows and meta row.
 WITH RECURSIVE {claim_fair_ctes}
@@ -483,6 +533,23 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
+-- name: settle_concurrency
+-- settle with the concurrency claim (queues with concurrency limits, no rate limit).
+WITH RECURSIVE {settle_ctes}, {fail_ctes},
+finished AS (SELECT id, lease_generation AS generation FROM done
+             UNION ALL SELECT id, lease_generation FROM ended),
+{claim_concurrency_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
+       NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
 -- name: settle_fair
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
 -- %(limit)s, which may be 0) in one statement and one commit; the last row is the
@@ -515,6 +582,17 @@ SELECT * FROM settled_claimed
 -- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
 WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
 {claim_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_concurrency
+-- settle_completions with the concurrency claim (queues with concurrency limits, no rate limit).
+WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
+{claim_concurrency_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -879,19 +957,22 @@ SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available'
   JOIN unnest(%(ids)b::uuid[], %(keys)s::text[]) AS k(id, key) ON k.id = runs.id;
 
 -- name: flag_flow_queues
--- Queues that a step with a key or a limit entered (limits: one with a limit did): their
--- supervisors claim with the fair (or the fair and limited) claim from then on.
-INSERT INTO cyclone_flow_queues (queue, limits)
-SELECT t.queue, bool_or(t.limits)
-  FROM unnest(%(queues)s::text[], %(limits)s::boolean[]) AS t(queue, limits)
+-- Queues that a step with a key or a limit entered (limits: one with a limit did; rates:
+-- one with a rate limit did): their supervisors claim with the fair, the concurrency or
+-- the full limited claim from then on. A mark is only ever raised.
+INSERT INTO cyclone_flow_queues (queue, limits, rates)
+SELECT t.queue, bool_or(t.limits), bool_or(t.rates)
+  FROM unnest(%(queues)s::text[], %(limits)s::boolean[], %(rates)s::boolean[]) AS t(queue, limits, rates)
  GROUP BY t.queue
  ORDER BY t.queue
-ON CONFLICT (queue) DO UPDATE SET limits = true
- WHERE excluded.limits AND NOT cyclone_flow_queues.limits;
+ON CONFLICT (queue) DO UPDATE
+   SET limits = cyclone_flow_queues.limits OR excluded.limits, rates = cyclone_flow_queues.rates OR excluded.rates
+ WHERE (excluded.limits AND NOT cyclone_flow_queues.limits) OR (excluded.rates AND NOT cyclone_flow_queues.rates);
 
 -- name: flow_queues
--- Which of %(queues)s a step with a key or a limit ever entered, and whether one with a limit did.
-SELECT queue, limits FROM cyclone_flow_queues WHERE queue = ANY(%(queues)s);
+-- Which of %(queues)s a step with a key or a limit ever entered, and whether one with a
+-- limit (a rate limit) did.
+SELECT queue, limits, rates FROM cyclone_flow_queues WHERE queue = ANY(%(queues)s);
 
 -- name: ensure_slots
 -- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
