@@ -16,7 +16,6 @@ import functools
 import importlib.resources
 import json
 import re
-import time
 import uuid
 from typing import Any, Callable, Iterator, Sequence
 
@@ -39,7 +38,6 @@ FORENSIC_KEYS = frozenset({
 #: supervisor loads them alone (:meth:`Store.load_payload`), so one huge row never slows
 #: a claim past its bound nor holds back its neighbours (issue 18).
 INLINE_MAX = 512 * 1024
-FLOW_QUEUES_REFRESH = 1.0  # seconds between reads of cyclone_flow_queues by a claiming store
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
 NOTIFY_CHANNEL = "cyclone_mp"
 
@@ -367,8 +365,11 @@ class Store:
         #: After a claim: seconds until a step that a rate limit held back may start
         #: (the supervisor's next poll need not come sooner), or None.
         self.claim_wait: float | None = None
-        self._flow_queues: dict[str, tuple[bool, bool]] = {}  # queues a key or a limit entered: (a limit, a rate limit)
-        self._flow_read_at: float | None = None  # when (monotonic); re-read every FLOW_QUEUES_REFRESH s
+        #: The marks of the queues the last claim statement asked for (see
+        #: :meth:`_claim_statement`), as its meta row said: queue -> "keys", "limits" or
+        #: "rates" (a queue without a mark is plain); None until a claim said.
+        self.flow_marks: dict[str, str] | None = None
+        self._marks_for: frozenset[str] = frozenset()  # the queues flow_marks covers
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
@@ -617,6 +618,11 @@ class Store:
 
     # -- the supervisor's hot path ------------------------------------------------------
 
+    #: The claim statements, from the least work to the most: each takes every step the
+    #: ones before it take, and more.
+    CLAIMS = ("_plain", "_fair", "_concurrency", "")
+    _FOR_MARK = {None: "_plain", "keys": "_fair", "limits": "_concurrency", "rates": ""}
+
     def _claim_statement(self, name: str, queues: Sequence[str], limit: int) -> str:
         """Which claim a statement of ``name`` uses, from the least to the most work:
 
@@ -625,26 +631,26 @@ class Store:
         - ``name_fair``: keyed steps did, no limited one (no slots; it takes no limited step);
         - ``name_concurrency``: a step with a concurrency limit did, none with a rate limit
           (concurrency slots only; it takes no rate-limited step);
-        - ``name``, the full limited claim: a rate-limited step did.
+        - ``name``, the full limited claim: a rate-limited step did, or the marks of these
+          queues are not known yet (it takes every kind of step).
 
-        The marks (cyclone_flow_queues) are read at most every FLOW_QUEUES_REFRESH seconds,
-        so a queue's first keyed or limited step may wait that long; a stale read never
-        passes a limit (each claim leaves alone what it is not made for). Marks are never
-        cleared."""
+        The marks (cyclone_flow_queues, written at enqueue, never cleared) come back in
+        every claim statement's meta row (:meth:`_claim_meta`), so they cost no round trip
+        of their own (under 250 ms of latency, a read of its own per claim pushed claims
+        past their bound). A claim chosen from older marks never passes a limit (each
+        claim leaves alone what it is not made for); :meth:`claim` claims again at once
+        when the marks it got back call for a claim that takes more."""
         if limit <= 0:
             return name + "_plain"
-        now = time.monotonic()
-        if self._flow_read_at is None or now - self._flow_read_at >= FLOW_QUEUES_REFRESH:
-            with self.conn.cursor() as cur:
-                cur.execute(Q["flow_queues"], {"queues": list(queues)})
-                self._flow_queues = {r["queue"]: (bool(r["limits"]), bool(r["rates"])) for r in cur.fetchall()}
-            self._flow_read_at = now
-        marks = [self._flow_queues[q] for q in queues if q in self._flow_queues]
-        if any(rates for _, rates in marks):
+        if self.flow_marks is None or not set(queues) <= self._marks_for:
             return name
-        if any(limits for limits, _ in marks):
-            return name + "_concurrency"
-        return name + "_fair" if marks else name + "_plain"
+        rank = max((self.CLAIMS.index(self._FOR_MARK[self.flow_marks.get(q)]) for q in queues), default=0)
+        return name + self.CLAIMS[rank]
+
+    @classmethod
+    def _rank(cls, statement: str) -> int:
+        """The place of a claim statement in :data:`CLAIMS` (more: it takes more kinds of steps)."""
+        return next((i for i, suffix in enumerate(cls.CLAIMS[:-1]) if statement.endswith(suffix)), len(cls.CLAIMS) - 1)
 
     def _claim_params(self, queues: Sequence[str], statement: str) -> dict[str, Any]:
         """The fairness cursors of a claim (per queue, the key its last walk ended at) and
@@ -654,12 +660,15 @@ class Store:
                 "limits": not statement.endswith(("_fair", "_plain")),
                 "rates": not statement.endswith(("_fair", "_plain", "_concurrency"))}
 
-    def _claim_meta(self, meta: dict[str, Any] | None) -> None:
-        """Keep what a claim's meta row says: where each queue's walk ended, and the
-        rate-limit wait (:attr:`claim_wait`)."""
+    def _claim_meta(self, meta: dict[str, Any] | None, queues: Sequence[str]) -> None:
+        """Keep what a claim's meta row says: the queues' marks, where each queue's walk
+        ended, and the rate-limit wait (:attr:`claim_wait`)."""
         self.claim_wait = None
         if meta is None:
             return
+        if meta.get("step_name") is not None:
+            self.flow_marks = json.loads(meta["step_name"])
+            self._marks_for = frozenset(queues)
         if meta.get("node"):
             self.fair_cursors.update(json.loads(meta["node"]))
         wait = meta.get("timeout")
@@ -671,20 +680,28 @@ class Store:
 
         Fair by key (round-robin within each queue) and within the steps' concurrency
         and rate limits (issue 21); afterwards :attr:`claim_wait` is the seconds until a
-        rate-limited step held back by this claim may start, or None.
+        rate-limited step held back by this claim may start, or None. When the marks
+        that came back call for a claim that takes more kinds of steps than the one just
+        made (a queue's first keyed or limited step), and it took fewer than ``limit``,
+        the rest is claimed at once with that one (a second statement, once per change of
+        a queue's marks).
         """
         if limit <= 0 or not names:
             self.claim_wait = None
             return []
-        statement = self._claim_statement("claim", queues, limit)
-        with self.conn.cursor() as cur:
-            cur.execute(Q[statement], {
-                "owner": owner, "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
-                "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
-            })
-            rows = cur.fetchall()
-        self._claim_meta(next((r for r in rows if r["id"] is None), None))
-        return [r for r in rows if r["id"] is not None]
+        claimed: list[dict[str, Any]] = []
+        while True:
+            statement = self._claim_statement("claim", queues, limit - len(claimed))
+            with self.conn.cursor() as cur:
+                cur.execute(Q[statement], {
+                    "owner": owner, "names": list(names), "limit": limit - len(claimed), "ttl_us": to_us(ttl),
+                    "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
+                })
+                rows = cur.fetchall()
+            self._claim_meta(next((r for r in rows if r["id"] is None), None), queues)
+            claimed += [r for r in rows if r["id"] is not None]
+            if len(claimed) >= limit or self._rank(self._claim_statement("claim", queues, 1)) <= self._rank(statement):
+                return claimed
 
     @translate
     def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None) -> bool:
@@ -782,7 +799,7 @@ class Store:
                 "inline_max": INLINE_MAX, "in_tx": workflows, **self._claim_params(queues, statement),
             })
             rows = cur.fetchall()
-            self._claim_meta(next((r for r in rows if r["what"] == "meta"), None))
+            self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
             for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
         return Settled(

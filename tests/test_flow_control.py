@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import signal
 import threading
 import time
@@ -222,6 +223,7 @@ def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_ds
     client.enqueue(step, {"tenant": "t1", "key": "t1", "huge": huge})
     client.enqueue_many(step, [{"tenant": "t1", "key": "t1", "n": i} for i in range(2)])
     store = Store.open(cyclone_dsn, generic_plans=True)
+    assert store.claim(owner="test", queues=["default"], names=["no_such_step"], limit=1, ttl=60) == []  # marks learnt
     expected = {"plain": "claim_plain", "fair": "claim_fair", "concurrency": "claim_concurrency",
                 "limited": "claim"}[variant]
     assert store._claim_statement("claim", ["default"], 1) == expected
@@ -390,38 +392,46 @@ def test_a_small_tenant_is_not_stuck_behind_a_big_one(cyclone_env_factory):
     assert (b_times[-1] - b_at).total_seconds() < 1.0, (b_times[-1] - b_at)
 
 
-def test_queues_without_keys_or_limits_keep_the_plain_claim(cyclone_dsn, monkeypatch):
-    """A queue no keyed or limited step entered is claimed by the plain statement; once one
-    enters, the store switches within FLOW_QUEUES_REFRESH (to the fair claim for keys, the
-    concurrency claim for concurrency limits, the full claim for rate limits), and a claim
-    never takes a step it is not made for meanwhile (so no limit is passed while a store
-    lags)."""
-    from cyclone_mp import store as store_module
+def test_each_claim_takes_what_it_is_made_for_and_the_marks_choose_it(cyclone_dsn):
+    """A queue no keyed or limited step entered is claimed by the plain statement, one
+    with keys by the fair one, with concurrency limits by the concurrency one, with rate
+    limits by the full one. Each leaves alone what it is not made for, so a claim chosen
+    from older marks passes no limit. The marks come back in every claim's meta row (no
+    round trip of their own): a store that does not know them yet claims with the full
+    statement, and one whose marks were out of date claims the rest at once with the
+    statement the new marks call for."""
+    from cyclone_mp.store import Q
+
+    def run(store: Store, statement: str) -> tuple[list[str], dict]:
+        rows = store.conn.execute(Q[statement], {
+            "owner": "test", "names": NAMES, "limit": 10, "ttl_us": 60_000_000, "inline_max": INLINE_MAX,
+            **store._claim_params(["default"], statement)}).fetchall()
+        return sorted(keys_of(cyclone_dsn, [r for r in rows if r["id"] is not None])), next(
+            json.loads(r["step_name"]) for r in rows if r["id"] is None)
 
     client = cy.Client(cyclone_dsn)
-    client.enqueue_many(fh.noop, [{}] * 3)
     store = Store.open(cyclone_dsn)
+    assert store._claim_statement("claim", ["default"], 1) == "claim"  # marks not known yet: the full claim
+    assert claim(store, 1) == [] and store.flow_marks == {}
     assert store._claim_statement("claim", ["default"], 1) == "claim_plain"
-    client.enqueue_many(fh.fair, [{"tenant": "k"}] * 2)  # keys, no limit: the queue is marked fair
-    client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # and now limited too
-    client.enqueue_many(fh.rate_limited, [{"key": "r"}] * 2)  # and rate-limited
-    got = claim(store, 10)  # the store still reads the old marks: the plain claim
-    assert len(got) == 3 and keys_of(cyclone_dsn, got) == ["", "", ""]
-    assert claim(store, 10) == []
-    monkeypatch.setattr(store_module, "FLOW_QUEUES_REFRESH", 0.0)
-    conn = connect(cyclone_dsn)
-    assert conn.execute("SELECT limits, rates FROM cyclone_flow_queues WHERE queue = 'default'").fetchone() == {
-        "limits": True, "rates": True}
-    conn.execute("UPDATE cyclone_flow_queues SET limits = false, rates = false")  # as before the limited enqueues
-    assert store._claim_statement("claim", ["default"], 1) == "claim_fair"
-    assert keys_of(cyclone_dsn, claim(store, 10)) == ["k", "k"]  # the fair claim takes no limited step
-    conn.execute("UPDATE cyclone_flow_queues SET limits = true")  # as before the rate-limited enqueue
-    assert store._claim_statement("claim", ["default"], 1) == "claim_concurrency"
-    assert keys_of(cyclone_dsn, claim(store, 10)) == ["t", "t"]  # the limit holds; no rate-limited step
-    conn.execute("UPDATE cyclone_flow_queues SET rates = true")
-    conn.close()
-    assert store._claim_statement("claim", ["default"], 1) == "claim"
-    assert keys_of(cyclone_dsn, claim(store, 10)) == ["r", "r"]
+    client.enqueue_many(fh.noop, [{}] * 2)
+    client.enqueue_many(fh.fair, [{"tenant": "k"}] * 2)  # keys, no limit: the queue is marked "keys"
+    client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # "limits" (concurrency 2)
+    client.enqueue_many(fh.rate_limited, [{"key": "r"}] * 2)  # "rates"
+    assert run(store, "claim_plain") == (["", ""], {"default": "rates"})
+    assert run(store, "claim_fair")[0] == ["k", "k"]  # no limited step
+    assert run(store, "claim_concurrency")[0] == ["t", "t"]  # the limit holds; no rate-limited step
+    assert run(store, "claim")[0] == ["r", "r"]
+    # a store whose marks are out of date claims the rest with the full claim at once
+    client.enqueue_many(fh.noop, [{}] * 2)
+    client.enqueue_many(fh.rate_limited, [{"key": "s"}] * 2)
+    stale = Store.open(cyclone_dsn)
+    stale.flow_marks, stale._marks_for = {}, frozenset(["default"])
+    assert sorted(keys_of(cyclone_dsn, claim(stale, 10))) == ["", "", "s", "s"]
+    assert stale.flow_marks == {"default": "rates"} and stale._claim_statement("claim", ["default"], 1) == "claim"
+    # a queue the store has no marks for (another queue set) gets the full claim again
+    assert stale._claim_statement("claim", ["default", "other"], 1) == "claim"
+    stale.close()
     store.close()
     client.close()
 

@@ -92,6 +92,16 @@ picked AS MATERIALIZED (
      LIMIT %(limit)s
 )
 
+-- name: flow_marks_expr
+-- (Fragment) what a claim's meta row tells the store of %(queues)s (cyclone_flow_queues,
+-- migrations 0008-0010): per queue a step with a key, a limit or a rate limit ever
+-- entered, its strongest mark ("keys", "limits", "rates"), as JSON text. The store picks
+-- its next claim statement from it, so the marks cost no round trip of their own.
+(SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
+                 '{}'::jsonb)::text
+   FROM cyclone_flow_queues f
+  WHERE f.queue = ANY(%(queues)s::text[]))
+
 -- name: claim_meta_ctes
 -- (Fragment) the claim's meta row, for the store (not a claimed row): where each queue's
 -- walk ended, and claim_wait's seconds until a step a rate limit held back may start
@@ -455,8 +465,8 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 -- outputs come back as JSON text: the supervisor hands them to the child unread (a value
 -- too deep to decode fails its own attempt in the child, never the claim of its batch).
 -- The last row (id NULL) is the claim's meta row, for the store: timeout =
--- claim_meta.wait, node = claim_meta.cursors (JSON text: columns whose types the claimed
--- rows fix).
+-- claim_meta.wait, node = claim_meta.cursors, step_name = the queues' marks
+-- (flow_marks_expr; JSON texts: columns whose types the claimed rows fix).
 WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
 {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
@@ -464,7 +474,7 @@ SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff
        {claimed_big_expr} AS big
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_concurrency
@@ -477,7 +487,7 @@ SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff
        {claimed_big_expr} AS big
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_fair
@@ -488,16 +498,19 @@ SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff
        {claimed_big_expr} AS big
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_plain
--- The claim of queues without keys or limits (claim_plain_ctes): no meta row.
+-- The claim of queues without keys or limits (claim_plain_ctes); its meta row carries the
+-- queues' marks only.
 WITH {claim_plain_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
        {claimed_big_expr} AS big
   FROM claimed c
+UNION ALL
+SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
@@ -530,7 +543,7 @@ SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lea
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_concurrency
@@ -547,7 +560,7 @@ SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lea
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_fair
@@ -563,7 +576,7 @@ SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lea
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_plain
@@ -576,6 +589,8 @@ SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lea
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settle_completions
 -- The hot path of a tick without failures (most ticks): its completions and the next
@@ -586,7 +601,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_concurrency
@@ -597,7 +612,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_fair
@@ -608,7 +623,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, NULL, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_plain
@@ -617,6 +632,8 @@ WITH {settle_ctes}, {claim_plain_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
@@ -968,11 +985,6 @@ SELECT t.queue, bool_or(t.limits), bool_or(t.rates)
 ON CONFLICT (queue) DO UPDATE
    SET limits = cyclone_flow_queues.limits OR excluded.limits, rates = cyclone_flow_queues.rates OR excluded.rates
  WHERE (excluded.limits AND NOT cyclone_flow_queues.limits) OR (excluded.rates AND NOT cyclone_flow_queues.rates);
-
--- name: flow_queues
--- Which of %(queues)s a step with a key or a limit ever entered, and whether one with a
--- limit (a rate limit) did.
-SELECT queue, limits, rates FROM cyclone_flow_queues WHERE queue = ANY(%(queues)s);
 
 -- name: ensure_slots
 -- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
