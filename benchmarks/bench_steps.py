@@ -47,3 +47,16 @@ def sleep(ctx: cy.Context, inp: dict) -> dict:
     """B4: sleeps ``inp["seconds"]`` (3 s), ignoring cancellation."""
     time.sleep(float(inp["seconds"]))
     return {"ok": True}
+
+
+@cy.step("bench_noop_keyed", concurrency_key=lambda inp: inp["k"])
+def noop_keyed(ctx: cy.Context, inp: object) -> None:
+    """B8: B1's no-op with a concurrency key on every step (fair claiming by key)."""
+    return None
+
+
+@cy.step("bench_noop_limited", concurrency_key=lambda inp: inp["k"], concurrency=1000)
+def noop_limited(ctx: cy.Context, inp: object) -> None:
+    """B8: the same with a per-key concurrency limit that never binds (its slots are taken
+    and freed by every claim, so the limit's whole cost is paid)."""
+    return None

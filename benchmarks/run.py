@@ -49,7 +49,7 @@ import cyclone_mp as cy
 from cyclone_mp.store import Store
 
 console = Console(width=None if sys.stdout.isatty() else 160)
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
 # The prefetch setting measured beside the default (Client(prefetch=...), SPEC 4 keeps 0).
 PREFETCH = 64
 PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
@@ -62,12 +62,14 @@ PEER_REF = {"pgqueuer_s1": 7013.0, "pgqueuer_s1_n20000": 5874.0, "celery_s1": 11
 FULL = {
     "b1_steps": 2000, "b1_single": 1000, "b1_bulk": 20000, "b1_batch": 1000,
     "b2_steps": 200, "b5_samples": 50, "b6_queued": 100_000, "b6_finished": 1_000_000,
-    "b7_steps": 20000, "b7_child_starts": 10,
+    "b7_steps": 20000, "b7_child_starts": 10, "b8_pairs": 3, "b8_keys": 100, "b8_claims": 200,
+    "b8_queued": 100_000, "b8_claim_keys": 1000,
 }
 QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
     "b2_steps": 40, "b5_samples": 10, "b6_queued": 10_000, "b6_finished": 100_000,
-    "b7_steps": 2000, "b7_child_starts": 3,
+    "b7_steps": 2000, "b7_child_starts": 3, "b8_pairs": 1, "b8_keys": 20, "b8_claims": 50,
+    "b8_queued": 10_000, "b8_claim_keys": 100,
 }
 
 
@@ -291,16 +293,19 @@ class Bench:
 
     # B1 -----------------------------------------------------------------------------------
 
-    def throughput(self, dsn: str, n: int, workers: int = 2, prefetch: int = 0) -> dict[str, Any]:
-        """Enqueue ``n`` no-ops with enqueue_many, then start a supervisor and time it."""
-        client = cy.Client(dsn, mux_of(bench_steps.noop), workers=workers, prefetch=prefetch)
-        client.enqueue_many(bench_steps.noop, [None] * n)
+    def throughput(self, dsn: str, n: int, workers: int = 2, prefetch: int = 0, step: cy.Step | None = None,
+                   keys: int = 0) -> dict[str, Any]:
+        """Enqueue ``n`` no-ops with enqueue_many, then start a supervisor and time it.
+        ``step``/``keys`` (B8): another no-op step, its inputs spread over ``keys`` keys."""
+        step = step or bench_steps.noop
+        client = cy.Client(dsn, mux_of(step), workers=workers, prefetch=prefetch)
+        client.enqueue_many(step, [{"k": f"key-{i % keys}"} for i in range(n)] if keys else [None] * n)
         wal0 = wal_lsn(dsn)
         sup, children, t0 = run_until_completed(client, n)
         wal = wal_lsn(dsn) - wal0  # the whole server's WAL; nothing else writes to it meanwhile
         stats = sup.stats
         ready_after = [c.ready_after for c in children if c.ready_after is not None]
-        t = step_times(dsn, bench_steps.noop.name, sup.id)
+        t = step_times(dsn, step.name, sup.id)
         if t["completed"] != n:
             raise AssertionError(f"{t['completed']} of {n} steps completed")
         return {
@@ -579,6 +584,57 @@ class Bench:
             row[f"ratio_to_b1{suffix}"] = round(big["steps_per_s"] / ref["steps_per_s"], 3)
         return row
 
+    # B8 -----------------------------------------------------------------------------------
+
+    def b8(self) -> dict[str, Any]:
+        """Flow control (issue 21). B1 (2 workers, defaults) with a concurrency key on every
+        step (spread over b8_keys keys), and with a per-key concurrency limit that never
+        binds, each in pairs with plain B1 run just before (the VM's speed drifts): the
+        medians of the pairs' ratios. Then the claim's cost as the backlog grows: the median
+        time of one claim of 8 (the supervisor's generic plan) with b8_queued available
+        steps over b8_claim_keys keys, against just enough for the claims, alternating."""
+        row: dict[str, Any] = {}
+        ratios: dict[str, list[float]] = {"keyed": [], "limited": []}
+        for _ in range(self.n["b8_pairs"]):
+            for name, step in (("keyed", bench_steps.noop_keyed), ("limited", bench_steps.noop_limited)):
+                with self.server.fresh() as dsn:
+                    ref = self.throughput(dsn, self.n["b1_steps"])
+                with self.server.fresh() as dsn:
+                    got = self.throughput(dsn, self.n["b1_steps"], step=step, keys=self.n["b8_keys"])
+                ratios[name].append(got["steps_per_s"] / ref["steps_per_s"])
+                row[f"{name}_steps_per_s"] = got["steps_per_s"]
+                row[f"{name}_b1_steps_per_s"] = ref["steps_per_s"]
+        for name, values in ratios.items():
+            row[f"{name}_ratio_to_b1"] = round(statistics.median(values), 3)
+            row[f"{name}_ratios"] = [round(v, 3) for v in values]
+        keys = self.n["b8_claim_keys"]
+        stores: dict[str, Store] = {}
+        with contextlib.ExitStack() as stack:
+            for label, queued in (("small", 8 * self.n["b8_claims"] + keys), ("big", self.n["b8_queued"])):
+                dsn = stack.enter_context(self.server.fresh())
+                client = cy.Client(dsn, mux_of(bench_steps.noop_keyed))
+                for start in range(0, queued, 20_000):
+                    client.enqueue_many(bench_steps.noop_keyed,
+                                        [{"k": f"key-{i % keys:05d}"} for i in range(start, min(queued, start + 20_000))])
+                client.close()
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    conn.execute("VACUUM ANALYZE cyclone_steps")
+                stores[label] = Store.open(dsn, generic_plans=True)
+                stack.callback(stores[label].close)
+            # alternate the two, claim by claim: the VM's speed drifts within seconds
+            times: dict[str, list[float]] = {"small": [], "big": []}
+            for _ in range(self.n["b8_claims"]):
+                for label, store in stores.items():
+                    t = time.perf_counter()
+                    got = store.claim(owner="bench", queues=["default"], names=[bench_steps.noop_keyed.name],
+                                      limit=8, ttl=60)
+                    times[label].append(time.perf_counter() - t)
+                    assert len(got) == 8
+            for label, values in times.items():
+                row[f"claim_ms_{label}"] = round(statistics.median(values[5:]) * 1000, 3)
+        row["claim_big_over_small"] = round(row["claim_ms_big"] / row["claim_ms_small"], 2)
+        return row
+
     # B7 -----------------------------------------------------------------------------------
 
     def child_starts(self) -> dict[str, Any]:
@@ -739,6 +795,16 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B1", "child_ready_ms", "child spawn to ready in the B1 supervisor, its handlers' module imported (ms)",
          "{:.1f}", "< 100 (replaced well under 100 ms)", lambda v, m: v < 100),
         ("B7", "child_rss_mb", "fresh child RSS (MiB)", "{:.1f}", "", None),
+        ("B8", "keyed_ratio_to_b1", f"B1 with a concurrency key on every step ({n['b8_keys']} keys) / B1 "
+         "(median of pairs)", "{:.2f}", ">= 0.80 (issue 21)", lambda v, m: v >= 0.80),
+        ("B8", "limited_ratio_to_b1", "B1 with a key and a per-key concurrency limit / B1 (median of pairs)",
+         "{:.2f}", ">= 0.80", lambda v, m: v >= 0.80),
+        ("B8", "claim_ms_small", f"one claim of 8, {8 * n['b8_claims'] + n['b8_claim_keys']:,} queued over {n['b8_claim_keys']:,} keys (ms)", "{:.2f}",
+         "", None),
+        ("B8", "claim_ms_big", f"one claim of 8, {n['b8_queued']:,} queued over {n['b8_claim_keys']:,} keys (ms)",
+         "{:.2f}", "", None),
+        ("B8", "claim_big_over_small", "claim time, big backlog / small", "{:.2f}", "flat (<= 1.5)",
+         lambda v, m: v <= 1.5),
     ]
 
 

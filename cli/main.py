@@ -31,7 +31,7 @@ from cyclone_mp.store import redact
 
 from . import render
 from .drain import DrainReporter
-from .params import BYTES, JSON, POLL, SECONDS
+from .params import BYTES, JSON, POLL, RATE, SECONDS
 
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
@@ -299,12 +299,19 @@ def migrate() -> None:
               help="Priority; lower runs first (overrides the step's).")
 @click.option("--delay", type=SECONDS, default=None, help="Seconds before the first claim.")
 @click.option("--idempotency-key", default=None, metavar="KEY", help="Return the existing run for this key.")
+@click.option("--concurrency-key", default=None, metavar="KEY",
+              help="The run's key: its queue serves keys round-robin, limits count per key (overrides the step's).")
+@click.option("--concurrency", type=click.IntRange(1, INT_MAX), default=None,
+              help="At most this many running at once per (step, key) (overrides the step's).")
+@click.option("--rate-limit", type=RATE, default=None,
+              help="At most COUNT starts per SECONDS per (step, key), e.g. 10/1s (overrides the step's).")
 @click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
 @click.option("--wait-timeout", type=SECONDS, default=None, help="With --wait: give up after these seconds (exit 1).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the run id, or with --wait the final status).")
 def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None,
             max_reclaims: int | None, queue: str | None, priority: int | None, delay: float | None,
-            idempotency_key: str | None, wait: bool, wait_timeout: float | None, as_json: bool) -> None:
+            idempotency_key: str | None, concurrency_key: str | None, concurrency: int | None,
+            rate_limit: tuple[int, float] | None, wait: bool, wait_timeout: float | None, as_json: bool) -> None:
     """Enqueue a run of step or workflow NAME registered in APP; print its run id."""
     if wait_timeout is not None and not wait:
         raise click.UsageError("--wait-timeout needs --wait")
@@ -315,7 +322,8 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
         client.migrate()
         run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts,
                                 max_reclaims=max_reclaims, queue=queue, priority=priority, delay=delay,
-                                idempotency_key=idempotency_key)
+                                idempotency_key=idempotency_key, concurrency_key=concurrency_key,
+                                concurrency=concurrency, rate_limit=rate_limit)
         if not wait:
             render.print_json({"run_id": run_id}) if as_json else click.echo(run_id)
             return
@@ -429,6 +437,25 @@ def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
         render.put(con, render.runs_table(rows, compact=render.compact(con, wide)), wide)
     else:
         click.echo("no runs" + (f" in state {state}" if state else ""))
+
+
+@cli.command()
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def schedules(wide: bool, as_json: bool) -> None:
+    """Periodic schedules (mux.schedule) and their next fire times (database clock)."""
+    client = _client()
+    try:
+        client.migrate()
+        rows = client.schedules()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif rows:
+        render.put(_out(), render.schedules_table(rows), wide)
+    else:
+        click.echo("no schedules (a supervisor whose mux defines one creates it)")
 
 
 @cli.command()

@@ -1,4 +1,4 @@
-"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals.
+"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits.
 
 Each converts one option value and fails with ``click.BadParameter`` (exit code 2, one
 line naming the option) on malformed input.
@@ -97,7 +97,27 @@ class PollInterval(click.ParamType):
         return lo, hi
 
 
+class RateLimit(click.ParamType):
+    """A rate limit, ``COUNT/SECONDS``: at most COUNT starts per SECONDS (``10/1s``,
+    ``100/1m``, ``5/2.5``). Converts to ``(count, seconds)``; the library checks the
+    ranges (issue 21)."""
+
+    name = "COUNT/SECONDS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, float]:
+        if isinstance(value, tuple):
+            return value
+        count, sep, period = str(value).partition("/")
+        if not sep or not count.strip().isdigit():
+            self.fail(f"{value!r} is not COUNT/SECONDS (e.g. 10/1s: at most 10 starts per second)", param, ctx)
+        seconds = Seconds().convert(period, param, ctx)
+        if seconds <= 0:
+            self.fail(f"{value!r}: the period must be more than 0 seconds", param, ctx)
+        return int(count), seconds
+
+
 JSON = JsonValue()
 SECONDS = Seconds()
 BYTES = ByteSize()
 POLL = PollInterval()
+RATE = RateLimit()

@@ -234,6 +234,9 @@ def steps_table(status: RunStatus, *, live: bool = False, compact: bool = False)
     if not live:
         for name in ("reclaims", "error_kind", "started", "finished"):
             table.add_column(name, no_wrap=True)
+    limits = any(step.concurrency_key or step.concurrency or step.rate_limit for step in steps)
+    if limits:
+        table.add_column("key / limit", no_wrap=True)
     table.add_column("progress", no_wrap=True)
     if errors or not live:
         table.add_column("last error")
@@ -242,11 +245,26 @@ def steps_table(status: RunStatus, *, live: bool = False, compact: bool = False)
         if not live:
             cells += [str(step.reclaims) + (f"/{step.max_reclaims}" if step.max_reclaims is not None else ""),
                       step.error_kind or "", when(step.started_at), when(step.finished_at)]
+        if limits:
+            cells.append(limit_text(step))
         cells.append(progress_cell(step.progress))
         if errors or not live:
             cells.append(Text(short(last_error(step), 90), style="red"))
         table.add_row(*cells)
     return table
+
+
+def limit_text(step: StepStatus) -> Text:
+    """The step's key, its limits with what they count now, and the one it waits on."""
+    parts = [f"key {step.concurrency_key}"] if step.concurrency_key else []
+    if step.concurrency is not None:
+        parts.append(f"{step.running_in_group or 0}/{step.concurrency} running")
+    if step.rate_limit is not None:
+        parts.append(f"{step.starts_in_period or 0}/{step.rate_limit[0]} starts per {step.rate_limit[1]:g}s")
+    text = Text(", ".join(parts))  # a Text: a key is user data, never markup
+    if step.waiting_on:
+        text.append(f"  waiting on {step.waiting_on.replace('_', ' ')}", style="yellow")
+    return text
 
 
 def _forensics_text(entry: dict[str, Any]) -> str:
@@ -341,6 +359,9 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
         f"  created {when(status.created_at)}  finished {when(status.finished_at)}",
     ))
     con.print(Text(f"input: {short(dumps(status.input, indent=None), 150)}"))
+    if status.schedule:
+        con.print(Text(f"schedule: {status.schedule['name']}  slot {when(status.schedule['slot'])}"
+                       f"  next slot {when(status.schedule.get('next_at'))}"))
     put(con, steps_table(status, compact=narrow), wide)
     for step in status.steps.values():
         if step.state == "completed" and step.output is not None:
@@ -370,8 +391,9 @@ def wait_view(status: RunStatus, elapsed: float, *, compact: bool = False) -> Gr
 
 
 def runs_table(rows: list[dict[str, Any]], *, compact: bool = False) -> Table:
-    """``client.runs()`` rows: id, name, kind, state, steps, created, finished. ``compact``:
-    id (in full), state, name (wrapping) and age."""
+    """``client.runs()`` rows: id, name, kind, state, steps, created, finished; and, when
+    any row has one, its key, the limit it waits on and its schedule (issue 21).
+    ``compact``: id (in full), state, name (wrapping) and age."""
     table = Table()
     if compact:
         table.add_column("id", no_wrap=True, min_width=36)
@@ -382,11 +404,35 @@ def runs_table(rows: list[dict[str, Any]], *, compact: bool = False) -> Table:
             table.add_row(str(row["id"]), state_text(str(row["state"])), Text(str(row["name"])),
                           age(row.get("created_at")))
         return table
-    for name in ("id", "name", "kind", "state", "steps", "created", "finished"):
-        table.add_column(name, no_wrap=True)
+    extra = [c for c in ("key", "waiting_on", "schedule") if any(row.get(c) for row in rows)]
+    for name in ("id", "name", "kind", "state", "steps", "created", "finished", *extra):
+        table.add_column(name.replace("_", " "), no_wrap=True)
     for row in rows:
         table.add_row(str(row["id"]), Text(str(row["name"])), str(row["kind"]), state_text(str(row["state"])),
-                      str(row.get("steps", "")), when(row.get("created_at")), when(row.get("finished_at")))
+                      str(row.get("steps", "")), when(row.get("created_at")), when(row.get("finished_at")),
+                      *(Text(str(row.get(c) or "")) for c in extra))
+    return table
+
+
+def schedule_period(spec: dict[str, Any]) -> str:
+    """``cron "<expr>" <tz>`` or ``every <n>s``, from a schedule's stored spec."""
+    if spec.get("cron") is not None:
+        return f'cron "{spec["cron"]}" {spec.get("tz") or "UTC"}'
+    return f"every {spec.get('every'):g}s"
+
+
+def schedules_table(rows: list[dict[str, Any]]) -> Table:
+    """``client.schedules()`` rows: name, target, period, catch-up, next and last slots, counts."""
+    table = Table()
+    for name in ("name", "target", "when", "catch up", "next", "last slot", "runs", "skipped", "active"):
+        table.add_column(name, no_wrap=True)
+    for row in rows:
+        spec = row.get("spec") or {}
+        table.add_row(Text(str(row["name"])), Text(str(row["target"])), Text(schedule_period(spec)),
+                      str(spec.get("catch_up", "")),
+                      when(row.get("next_at")), when(row.get("last_slot")), str(row.get("runs", 0)),
+                      str(row.get("skipped", 0)),
+                      "yes" if row.get("active") else Text("no", style="yellow"))
     return table
 
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run
         RunNotFound,
         UnknownStep,
     )
+    from .schedules import Schedule
     from .status import RunStatus, StepStatus
     from .steps import Mux, Step, step
     from .workflow import Workflow
@@ -52,7 +53,7 @@ _LAZY = {
     "Cancelled": "errors", "ConfigurationError": "errors", "CycloneError": "errors",
     "DatabaseError": "errors", "DatabaseUnavailable": "errors", "InvalidTransition": "errors",
     "PayloadError": "errors", "Permanent": "errors", "QueryRejected": "errors", "RunNotFound": "errors", "UnknownStep": "errors",
-    "RunStatus": "status", "StepStatus": "status",
+    "RunStatus": "status", "StepStatus": "status", "Schedule": "schedules",
     "Mux": "steps", "Step": "steps", "step": "steps",
     "Workflow": "workflow",
 }

@@ -298,10 +298,16 @@ class Client:
         scheduled_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
         conn: psycopg.Connection | None = None,
+        concurrency: int | None = None,
+        concurrency_key: str | None = None,
+        rate_limit: tuple[int, Duration] | None = None,
     ) -> str:
         """Enqueue one run of a step or workflow; returns the run id (a UUID string).
 
         Per-enqueue options win over the step's, which win over the client's (SPEC 2).
+        ``concurrency_key`` (a string here) names the run's group: its queue serves groups
+        round-robin, and ``concurrency`` and ``rate_limit`` (``(count, seconds)``) count
+        per (step, key) across every supervisor (see docs/schedules-and-flow-control.md).
         ``delay`` (seconds) or ``scheduled_at`` (aware datetime) postpone the first
         claim. With ``conn`` the run is written in the caller's open transaction. With
         ``idempotency_key`` an existing run with that key is returned instead.
@@ -316,18 +322,12 @@ class Client:
         self._check_payload(input, "input")
         overrides = self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff,
+            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
         )
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
         check_idempotency_key(idempotency_key)
-        if isinstance(definition, Workflow):
-            nodes = [self._workflow_row(node, overrides) for node in definition.nodes]
-            kind = "workflow"
-        else:
-            opts = self._node_options(definition, overrides)
-            nodes = [self._task_row(definition.name, definition, opts, (), "available")]
-            kind = "step"
+        kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
 
         def write(store: Store) -> str:
             run_id, _ = store.enqueue_run(
@@ -341,31 +341,17 @@ class Client:
         return self._call(write)
 
     @staticmethod
-    def _task_row(node: str, step: Step, opts: StepOptions, after: Sequence[str], state: str) -> NodeRow:
-        return NodeRow(
-            node=node, step_name=step.name, kind="task", depends_on=tuple(after), queue=opts.queue or "default",
-            priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
-            max_reclaims=opts.max_reclaims, timeout=opts.timeout, backoff=storable_backoff(opts.backoff),
-        )
-
-    @staticmethod
     def _enqueue_options(**raw: Any) -> StepOptions:
-        """Per-enqueue options; a backoff given here must be storable (seconds or a list)."""
+        """Per-enqueue options; a backoff given here must be storable (seconds or a list),
+        a concurrency key a string."""
+        if raw.get("concurrency_key") is not None and callable(raw["concurrency_key"]):
+            raise ConfigurationError("a per-enqueue concurrency_key is a string (a callable of the input belongs to cy.step)")
         if callable(raw.get("backoff")):
             raise ConfigurationError(
                 "a per-enqueue backoff must be seconds or a list of seconds (it is stored on the row); "
                 "pass a backoff(attempt) callable to cy.step(...) instead"
             )
         return StepOptions.build(**raw)
-
-    def _workflow_row(self, node: Any, overrides: StepOptions) -> NodeRow:
-        if node.kind == "task":
-            return self._task_row(node.name, node.step, self._node_options(node.step, overrides), node.after, "pending")
-        return NodeRow(
-            node=node.name, step_name=None, kind=node.kind, depends_on=node.after,
-            queue=overrides.queue or self.config.defaults.queue or "default", priority=0, state="pending",
-            max_attempts=1, max_reclaims=None, timeout=None, timer_delay=node.delay, due_at=node.until,
-        )
 
     def enqueue_many(
         self,
@@ -380,8 +366,14 @@ class Client:
         backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
+        concurrency: int | None = None,
+        concurrency_key: str | None = None,
+        rate_limit: tuple[int, Duration] | None = None,
     ) -> list[str]:
         """Enqueue one single-step run per input, in one INSERT; returns run ids in order.
+
+        Each run's concurrency key is ``concurrency_key`` if given, else the step's
+        ``concurrency_key(input)``.
 
         Raises:
             UnknownStep: a name that is not registered.
@@ -392,19 +384,22 @@ class Client:
         definition = self._resolve(target)
         if not isinstance(definition, Step):
             raise ConfigurationError("enqueue_many takes a step, not a workflow")
-        items = [self._check_payload(item, f"input #{i}") for i, item in enumerate(inputs)]  # JSON texts
+        originals = list(inputs)
+        items = [self._check_payload(item, f"input #{i}") for i, item in enumerate(originals)]  # JSON texts
         if not items:
             return []
         opts = self._node_options(definition, self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff,
+            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
         ))
+        keys = [opts.key_for(item) for item in originals] if opts.concurrency_key is not None else None
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
         return self._call(lambda store: store.enqueue_many(
             name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
             delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff),
+            keys=keys, concurrency=opts.concurrency, rate_limit=opts.rate_limit,
         ))
 
     # -- operator actions ------------------------------------------------------------------------
@@ -439,7 +434,27 @@ class Client:
             id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
             created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
             steps={row["node"]: StepStatus.from_row(row) for row in steps},
+            schedule=self._schedule_of(run["idempotency_key"]),
         )
+
+    def _schedule_of(self, key: str | None) -> dict[str, Any] | None:
+        """``{"name", "slot", "next_at"}`` for a run a schedule enqueued (its idempotency key says)."""
+        from .schedules import parse_idempotency_key
+
+        parsed = parse_idempotency_key(key)
+        if parsed is None:
+            return None
+        name, slot = parsed
+        row = self._call(lambda store: store.get_schedule(name))
+        return {"name": name, "slot": slot, "next_at": row["next_at"] if row else None}
+
+    def schedules(self) -> list[dict[str, Any]]:
+        """Every schedule the supervisors have defined (``mux.schedule``): ``name``,
+        ``target``, ``spec``, ``next_at`` (the next slot, database clock), ``last_slot``,
+        ``last_run_id``, ``runs``, ``skipped``, ``seen_at`` and ``active`` (a live
+        supervisor defines it: seen within the last minute)."""
+        rows = self._call(lambda store: store.list_schedules())
+        return [{**row, "active": row["age"] is not None and row["age"] < 60.0} for row in rows]
 
     def cancel(self, run_id: str) -> int:
         """Cancel the run and all its non-terminal steps in one transaction (seed).
@@ -673,6 +688,38 @@ def check_scheduled_at(value: object) -> None:
         raise ConfigurationError(f"scheduled_at must be a timezone-aware datetime, not {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise ConfigurationError("scheduled_at must be a timezone-aware datetime")
+def _task_row(node: str, step: Step, opts: StepOptions, input: Any, after: Sequence[str], state: str) -> NodeRow:
+    return NodeRow(
+        node=node, step_name=step.name, kind="task", depends_on=tuple(after), queue=opts.queue or "default",
+        priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
+        max_reclaims=opts.max_reclaims, timeout=opts.timeout, backoff=storable_backoff(opts.backoff),
+        concurrency_key=opts.key_for(input), concurrency=opts.concurrency, rate_limit=opts.rate_limit,
+    )
+
+
+def node_rows(definition: Step | Workflow, input: Any, defaults: StepOptions,
+              overrides: StepOptions = StepOptions()) -> tuple[str, list[NodeRow]]:
+    """The run kind and the step rows of one run of ``definition`` with ``input``: per
+    node, the enqueue's ``overrides`` over the step's options over ``defaults`` (SPEC 2).
+
+    Raises:
+        ConfigurationError: a concurrency key callable failed.
+    """
+    if isinstance(definition, Workflow):
+        nodes = []
+        for node in definition.nodes:
+            if node.kind == "task":
+                opts = overrides.over(node.step.options).over(defaults)
+                nodes.append(_task_row(node.name, node.step, opts, input, node.after, "pending"))
+            else:
+                nodes.append(NodeRow(
+                    node=node.name, step_name=None, kind=node.kind, depends_on=node.after,
+                    queue=overrides.queue or defaults.queue or "default", priority=0, state="pending",
+                    max_attempts=1, max_reclaims=None, timeout=None, timer_delay=node.delay, due_at=node.until,
+                ))
+        return "workflow", nodes
+    opts = overrides.over(definition.options).over(defaults)
+    return "step", [_task_row(definition.name, definition, opts, input, (), "available")]
 
 
 def enqueue(client: Client, target: Step | Workflow | str, input: Any = None, **options: Any) -> str:

@@ -310,7 +310,9 @@ class ProcessControl:
 
     def on_claimed(self, message: Claimed) -> None:
         """Start claimed rows on idle children at once (however long they took to come
-        back: their leases count from the claim's sending), hold the rest."""
+        back: their leases count from the claim's sending), hold the rest. The next poll
+        comes after the poll interval's backoff, and no later than the claim's ``wait``
+        (a rate-limited step's next free slot) when it has one."""
         self.claiming = max(0, self.claiming - message.limit)
         now = self.clock()
         rows = list(message.rows)
@@ -337,6 +339,8 @@ class ProcessControl:
         else:
             self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
             self.next_poll = now + self.poll_delay
+        if message.wait is not None:  # a rate limit held a step back: its slot frees then (issue 21)
+            self.next_poll = min(self.next_poll, now + message.wait)
 
     def _read_watchdog(self) -> None:
         for pid in self.watchdog.reports():

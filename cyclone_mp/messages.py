@@ -61,12 +61,16 @@ class LeaseDone:
 class Claimed:
     """The rows a claim took (possibly none): one a :class:`Batch` asked for. ``sent``: when the claim
     was sent; the database stamped the leases later, so they last at least until
-    ``sent + lease_ttl``. ``failed``: the claim did not run (an outage, a rejected call)."""
+    ``sent + lease_ttl``. ``failed``: the claim did not run (an outage, a rejected call).
+    ``wait``: seconds after which a step that a rate limit held back from this claim may
+    start (:attr:`cyclone_mp.store.Store.claim_wait`, issue 21), or None: process control
+    polls again no later than that."""
 
     rows: tuple[dict[str, Any], ...]
     sent: float
     limit: int
     failed: bool = False
+    wait: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -148,25 +148,27 @@ class OutcomeWriter(DatabaseThread):
         """A claim with no outcome to write (the poll, or a NOTIFY, found slots free)."""
         sent = self.clock()
         try:
-            rows = self.call(self.config.write_bound, lambda store: store.claim(
+            rows, wait = self.call(self.config.write_bound, lambda store: (store.claim(
                 owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
-                ttl=self.config.lease_ttl))
+                ttl=self.config.lease_ttl), store.claim_wait))
         except DatabaseError as exc:
             if not isinstance(exc, DatabaseUnavailable):
                 log.error("claim rejected by the database: %s", exc)
             self._claimed([], sent, limit=limit, failed=True)
             return
-        self._claimed(rows, sent, limit=limit)
+        self._claimed(rows, sent, limit=limit, wait=wait)
 
-    def _claimed(self, rows: list[dict[str, Any]], sent: float, *, limit: int, failed: bool = False) -> None:
-        """Rows claimed with a batch: the keeper renews them from now on; process control starts them."""
+    def _claimed(self, rows: list[dict[str, Any]], sent: float, *, limit: int, failed: bool = False,
+                 wait: float | None = None) -> None:
+        """Rows claimed with a batch: the keeper renews them from now on; process control starts
+        them (and polls again within ``wait`` seconds when a rate limit held a step back)."""
         if rows:
             self.tell_keeper(Track(tuple((r["id"], r["lease_generation"]) for r in rows), sent))
             self.count("claimed", len(rows))
         big = tuple(r for r in rows if r.get("big"))
         if big:
             self.load(Load(big, sent))
-        self.tell_control(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, failed=failed))
+        self.tell_control(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, failed=failed, wait=wait))
 
     def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int) -> None:
         completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]
@@ -196,7 +198,7 @@ class OutcomeWriter(DatabaseThread):
                 self._write_alone(PendingWrite(outcome, self.clock()))
             return
         if claim:
-            self._claimed(settled.claimed, sent, limit=claim)
+            self._claimed(settled.claimed, sent, limit=claim, wait=settled.wait)
         self.count("completed", len(settled.completed))
         self.count("failed", len(settled.failed))
         if settled.failed:

@@ -34,6 +34,11 @@ class StepStatus:
         lease_owner: the supervisor id holding (or that last held) the lease.
         output: the handler's JSON output once completed; progress: latest
             ``{"done", "total", "message"}`` or None.
+        concurrency_key: the step's key (fairness and limit group), or None.
+        concurrency, rate_limit: its limits per (step, key): an int, ``(count, seconds)``.
+        waiting_on: ``"concurrency"`` or ``"rate_limit"`` while that limit holds the
+            (due, available) step back, else None; running_in_group and
+            starts_in_period: what the limits count now.
     """
 
     name: str
@@ -63,6 +68,12 @@ class StepStatus:
     paused_from: str | None = None
     due_at: dt.datetime | None = None
     id: int = 0
+    concurrency_key: str | None = None
+    concurrency: int | None = None
+    rate_limit: tuple[int, float] | None = None
+    waiting_on: str | None = None
+    running_in_group: int | None = None
+    starts_in_period: int | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -77,6 +88,10 @@ class StepStatus:
             scheduled_at=row["scheduled_at"], heartbeat_at=row["heartbeat_at"],
             lease_expiry=row["lease_expiry"], lease_generation=row["lease_generation"],
             progress=row["progress"], paused_from=row["paused_from"], due_at=row["due_at"], id=row["id"],
+            concurrency_key=row.get("concurrency_key") or None, concurrency=row.get("concurrency"),
+            rate_limit=(row["rate_count"], row["rate_seconds"]) if row.get("rate_count") is not None else None,
+            waiting_on=row.get("waiting_on"), running_in_group=row.get("running_in_group"),
+            starts_in_period=row.get("starts_in_period"),
         )
 
     @property
@@ -103,6 +118,9 @@ class RunStatus:
     finished_at: dt.datetime | None
     steps: dict[str, StepStatus]
     idempotency_key: str | None = None
+    #: For a run a schedule enqueued: ``{"name", "slot", "next_at"}`` (its slot, and the
+    #: schedule's next one on the database clock), else None.
+    schedule: dict[str, Any] | None = None
 
     @property
     def step(self) -> StepStatus:

@@ -16,9 +16,47 @@ from .durations import Duration, seconds
 from .errors import ConfigurationError, UnknownStep
 
 if TYPE_CHECKING:
+    from .schedules import Schedule
     from .workflow import Workflow
 
+#: A concurrency key: a callable of the step's input, or (at enqueue) a string.
+ConcurrencyKey = Callable[[Any], str] | str
+MAX_KEY_LENGTH = 200
 DEFAULT_QUEUE = "default"
+
+
+def check_key(key: Any) -> str:
+    """``key`` if it is a usable concurrency key (a string of 1 to 200 characters).
+
+    Raises:
+        ConfigurationError: it is not.
+    """
+    if isinstance(key, int) and not isinstance(key, bool):
+        key = str(key)
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
+        raise ConfigurationError(
+            f"concurrency_key must be a non-empty string of at most {MAX_KEY_LENGTH} characters "
+            f"(without NUL), got {key!r:.80}")
+    return key
+
+
+def check_rate_limit(value: Any) -> tuple[int, float] | None:
+    """``(count, seconds)`` normalised, or None.
+
+    Raises:
+        ConfigurationError: not a pair of an int >= 1 and a positive duration.
+    """
+    if value is None:
+        return None
+    try:
+        count, period = value
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"rate_limit must be (count, seconds), got {value!r}") from None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1 or count > 10_000:
+        raise ConfigurationError(f"rate_limit count must be an int from 1 to 10000, got {count!r}")
+    return count, seconds(period, "rate_limit seconds", allow_none=False)
+
+
 DEFAULT_MAX_ATTEMPTS = 25
 #: Longest step, workflow, node, queue or signal name, in characters. A queue name is
 #: sent as the payload of a NOTIFY (PostgreSQL's limit: 8,000 bytes); every name is
@@ -79,6 +117,13 @@ class StepOptions:
             stored on the row at enqueue); default ``attempt**4`` +-10 %.
         queue: queue name (default ``"default"``).
         priority: lower runs first (as in River and Oban); default 0.
+        concurrency: at most this many of the step running at once per key, across
+            every supervisor (None: no limit). Stored on the row at enqueue.
+        concurrency_key: the step's key: a callable of the input returning a string,
+            or a string (at enqueue). Steps of different keys in a queue are claimed
+            round-robin; ``concurrency`` and ``rate_limit`` count per (step, key).
+        rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per
+            key, on the database clock (None: no limit). Stored on the row at enqueue.
     """
 
     timeout: float | None = None
@@ -87,6 +132,9 @@ class StepOptions:
     backoff: Backoff | None = None
     queue: str | None = None
     priority: int | None = None
+    concurrency: int | None = None
+    concurrency_key: ConcurrencyKey | None = None
+    rate_limit: tuple[int, float] | None = None
 
     @classmethod
     def build(
@@ -98,6 +146,9 @@ class StepOptions:
         backoff: Backoff | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        concurrency: int | None = None,
+        concurrency_key: ConcurrencyKey | None = None,
+        rate_limit: tuple[int, Duration] | None = None,
     ) -> "StepOptions":
         """Validate and normalise raw option values.
 
@@ -113,6 +164,9 @@ class StepOptions:
         if queue is not None:
             check_name(queue, "queue")
         check_int(priority, "priority", INT_MIN)
+        check_int(concurrency, "concurrency", 1)
+        if concurrency_key is not None and not callable(concurrency_key):
+            check_key(concurrency_key)
         return cls(
             timeout=seconds(timeout, "timeout"),
             max_attempts=max_attempts,
@@ -120,7 +174,26 @@ class StepOptions:
             backoff=backoff,
             queue=queue,
             priority=priority,
+            concurrency=concurrency,
+            concurrency_key=concurrency_key,
+            rate_limit=check_rate_limit(rate_limit),
         )
+
+    def key_for(self, input: Any) -> str:
+        """The concurrency key of a step with ``input`` ('' without one).
+
+        Raises:
+            ConfigurationError: the key callable failed or returned no string.
+        """
+        key = self.concurrency_key
+        if key is None:
+            return ""
+        if callable(key):
+            try:
+                key = key(input)
+            except Exception as exc:  # noqa: BLE001 - the user's callable: say which and why
+                raise ConfigurationError(f"concurrency_key({input!r:.80}) raised {type(exc).__name__}: {exc}") from exc
+        return check_key(key)
 
     def over(self, base: "StepOptions") -> "StepOptions":
         """Return these options with unset fields taken from ``base``."""
@@ -186,6 +259,9 @@ def step(
     backoff: Backoff | None = None,
     queue: str | None = None,
     priority: int | None = None,
+    concurrency: int | None = None,
+    concurrency_key: Callable[[Any], str] | None = None,
+    rate_limit: tuple[int, Duration] | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
     """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
 
@@ -197,13 +273,19 @@ def step(
         backoff: ``backoff(attempt) -> seconds``, seconds, or a list of seconds per
             failed attempt (default ``attempt**4`` +-10 %).
         queue: queue name (default ``"default"``); priority: lower runs first.
+        concurrency: at most this many running at once per key, across all supervisors.
+        concurrency_key: ``key(input) -> str``: the step's key (fairness and limits).
+        rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per key.
 
     Raises:
         ConfigurationError: an invalid option.
     """
+    if concurrency_key is not None and not callable(concurrency_key):
+        raise ConfigurationError("cy.step(concurrency_key=...) takes a callable of the input (a string key is given at enqueue)")
     options = StepOptions.build(
         timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims,
-        backoff=backoff, queue=queue, priority=priority,
+        backoff=backoff, queue=queue, priority=priority, concurrency=concurrency,
+        concurrency_key=concurrency_key, rate_limit=rate_limit,
     )
 
     def decorate(fn: Callable[..., Any]) -> Step:
@@ -221,6 +303,62 @@ class Mux:
     def __init__(self) -> None:
         self._steps: dict[str, Step] = {}
         self._workflows: dict[str, "Workflow"] = {}
+        self._schedules: dict[str, "Schedule"] = {}
+
+    def schedule(
+        self,
+        target: "Step | Workflow | None" = None,
+        *,
+        cron: str | None = None,
+        every: Duration | None = None,
+        input: Any = None,
+        tz: str = "UTC",
+        name: str | None = None,
+        catch_up: str = "latest",
+    ) -> Any:
+        """Run ``target`` periodically: at the slots of a ``cron`` expression read in time
+        zone ``tz``, or every ``every`` seconds (sub-minute too), each run with ``input``.
+
+        Registers ``target``. Every supervisor whose mux defines the schedule may enqueue
+        its due slots; each slot gets exactly one run, decided on the database clock.
+        ``catch_up`` says what becomes of slots missed while no supervisor ran:
+        ``"latest"`` (one run, the most recent), ``"all"`` or ``"none"``. ``name``
+        (default: the target's name) identifies the schedule; a schedule no longer
+        defined by any supervisor stops firing. Without ``target`` it is a decorator::
+
+            @mux.schedule(every=30)
+            @cy.step("refresh")
+            def refresh(ctx, inp): ...
+
+        Returns the :class:`~cyclone_mp.schedules.Schedule` (the target, as a decorator).
+
+        Raises:
+            ConfigurationError: a bad expression, zone, interval or policy, a step whose
+                concurrency key cannot be computed from ``input``, or another schedule
+                already has that name.
+        """
+        if target is None:
+            def decorate(item: "Step | Workflow") -> "Step | Workflow":
+                self.schedule(item, cron=cron, every=every, input=input, tz=tz, name=name, catch_up=catch_up)
+                return item
+            return decorate
+        from .client import node_rows
+        from .schedules import Schedule
+
+        self.register(target)
+        node_rows(target, input, StepOptions())  # a concurrency key callable must take this input
+        definition = Schedule(name=name if name is not None else target.name, target=target, cron=cron,
+                              every=every, tz=tz, input=input, catch_up=catch_up)
+        existing = self._schedules.get(definition.name)
+        if existing is not None and existing != definition:
+            raise ConfigurationError(f"a different schedule named {definition.name!r} is already defined; pass name=...")
+        self._schedules[definition.name] = definition
+        return definition
+
+    @property
+    def schedules(self) -> dict[str, "Schedule"]:
+        """A copy of the name -> Schedule mapping (``mux.schedule``)."""
+        return dict(self._schedules)
 
     def register(self, *items: "Step | Workflow") -> "Mux":
         """Register steps or workflows; returns the mux so calls can chain.

@@ -14,6 +14,7 @@ import dataclasses
 import datetime as dt
 import functools
 import importlib.resources
+import json
 import re
 import uuid
 from typing import Any, Callable, Iterator, Sequence
@@ -74,6 +75,24 @@ def _load_queries() -> dict[str, str]:
 
 
 Q = _load_queries()
+
+#: psycopg keeps the parsed form of a query only up to this many characters (its
+#: ``MAX_CACHED_STATEMENT_LENGTH``, 4,096); longer ones are parsed again at every call.
+#: The claim and settle statements grew past it with the fair, limited claim (issue 21):
+#: parsing settle_completions (10,600 characters) took 35 us a call, against 0.07 us
+#: cached. The limit is a module constant read at each call; it is raised to fit them.
+PARSE_CACHE_LENGTH = 16_384
+
+
+def _fit_parse_cache() -> None:
+    from psycopg import _queries
+
+    if getattr(_queries, "MAX_CACHED_STATEMENT_LENGTH", PARSE_CACHE_LENGTH) < PARSE_CACHE_LENGTH:
+        _queries.MAX_CACHED_STATEMENT_LENGTH = PARSE_CACHE_LENGTH
+
+
+with contextlib.suppress(ImportError):  # a psycopg without it: the statements are parsed at each call
+    _fit_parse_cache()
 
 
 def _migrations() -> list[tuple[int, str, str]]:
@@ -183,6 +202,14 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
 def nullable_jsonb(value: Any) -> Jsonb | None:
     """``value`` as a jsonb parameter, or SQL NULL (not JSON ``null``) for None."""
     return None if value is None else Jsonb(value)
+
+
+def _limit_params(node: "NodeRow") -> dict[str, Any]:
+    return {
+        "key": node.concurrency_key, "concurrency": node.concurrency,
+        "rate_count": node.rate_limit[0] if node.rate_limit else None,
+        "rate_period_us": to_us(node.rate_limit[1]) if node.rate_limit else None,
+    }
 
 
 def to_us(seconds: float | None) -> int | None:
@@ -307,6 +334,19 @@ class NodeRow:
     timer_delay: float | None = None
     due_at: dt.datetime | None = None
     backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
+    concurrency_key: str = ""  # its fairness and limit group ('' for none)
+    concurrency: int | None = None  # at most this many running per (step, key)
+    rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
+
+    @property
+    def flow(self) -> bool:
+        """True when the step has a key or a limit: its queue needs the fair, limited claim."""
+        return bool(self.concurrency_key) or self.limited
+
+    @property
+    def limited(self) -> bool:
+        """True when a limit needs slots (see :meth:`Store.ensure_slots`)."""
+        return self.concurrency is not None or self.rate_limit is not None
 
 
 class Store:
@@ -319,6 +359,17 @@ class Store:
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
         self.commits = 0  # transactions this Store committed
+        #: Per queue, the concurrency key the last claim's walk ended at: the next claim
+        #: serves the keys after it first (round-robin, issue 21).
+        self.fair_cursors: dict[str, str] = {}
+        #: After a claim: seconds until a step that a rate limit held back may start
+        #: (the supervisor's next poll need not come sooner), or None.
+        self.claim_wait: float | None = None
+        #: The marks of the queues the last claim statement asked for (see
+        #: :meth:`_claim_statement`), as its meta row said: queue -> "keys", "limits" or
+        #: "rates" (a queue without a mark is plain); None until a claim said.
+        self.flow_marks: dict[str, str] | None = None
+        self._marks_for: frozenset[str] = frozenset()  # the queues flow_marks covers
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
@@ -464,7 +515,14 @@ class Store:
                 "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
                 "due_ats": [n.due_at for n in nodes],
                 "backoffs": [nullable_jsonb(n.backoff) for n in nodes],
+                "keys": [n.concurrency_key for n in nodes],
+                "concurrencies": [n.concurrency for n in nodes],
+                "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
+                "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
             })
+            self._flag_flow(cur, [(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
+            self._ensure_slots(cur, [(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit)
+                                     for n in nodes if n.limited])
             if kind == "workflow":
                 self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
             else:
@@ -483,8 +541,13 @@ class Store:
                 "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
                 "backoff": nullable_jsonb(node.backoff),
                 "scheduled_at": scheduled_at, "delay_us": to_us(delay),
+                **_limit_params(node),
             })
             row = cur.fetchone()
+            if row is not None and row["id"] is not None and node.flow:
+                self._flag_flow(cur, [(node.queue, node.limited, node.rate_limit is not None)])
+                if node.limited:
+                    self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
             if row is not None and row["id"] is not None:
                 return row["id"], True
             cur.execute(Q["run_by_key"], {"key": idempotency_key})
@@ -507,36 +570,138 @@ class Store:
         delay: float,
         scheduled_at: dt.datetime | None = None,
         backoff: Any = None,
+        keys: Sequence[str] | None = None,
+        concurrency: int | None = None,
+        rate_limit: tuple[int, float] | None = None,
     ) -> list[str]:
         """Insert many single-step runs in one statement; returns their ids in input order.
 
         ``inputs_json`` are the inputs as JSON texts (already checked by the client, so
-        each is encoded once).
+        each is encoded once); ``keys`` their concurrency keys (None: all '').
         """
         ids = [uuid.uuid4() for _ in inputs_json]
+        keys = list(keys) if keys is not None else [""] * len(ids)
         with self._tx() as cur:
             cur.execute(Q["enqueue_many"], {
                 "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
                 "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
                 "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
-                "backoff": nullable_jsonb(backoff),
+                "backoff": nullable_jsonb(backoff), "keys": keys, "concurrency": concurrency,
+                "rate_count": rate_limit[0] if rate_limit else None,
+                "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
             })
+            if concurrency is not None or rate_limit is not None or any(keys):
+                self._flag_flow(cur, [(queue, concurrency is not None or rate_limit is not None, rate_limit is not None)])
+            if concurrency is not None or rate_limit is not None:
+                self._ensure_slots(cur, [(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
             cur.execute(Q["notify"], {"queue": queue})
         return [str(i) for i in ids]
 
+    @staticmethod
+    def _flag_flow(cur: psycopg.Cursor, marks: Sequence[tuple[str, bool, bool]]) -> None:
+        """Mark the queues ``(queue, limited, rate_limited)`` that a step with a key or a
+        limit enters (their claims are the fair or limited ones from then on; see
+        :meth:`_claim_statement`)."""
+        if marks:
+            cur.execute(Q["flag_flow_queues"], {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks],
+                                                "rates": [m[2] for m in marks]})
+
+    @staticmethod
+    def _ensure_slots(cur: psycopg.Cursor, groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> None:
+        """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay."""
+        if not groups:
+            return
+        cur.execute(Q["ensure_slots"], {
+            "step_names": [g[0] for g in groups], "keys": [g[1] for g in groups],
+            "concurrencies": [g[2] or 0 for g in groups], "rate_counts": [g[3][0] if g[3] else 0 for g in groups],
+        })
+
     # -- the supervisor's hot path ------------------------------------------------------
+
+    #: The claim statements, from the least work to the most: each takes every step the
+    #: ones before it take, and more.
+    CLAIMS = ("_plain", "_fair", "_concurrency", "")
+    _FOR_MARK = {None: "_plain", "keys": "_fair", "limits": "_concurrency", "rates": ""}
+
+    def _claim_statement(self, name: str, queues: Sequence[str], limit: int) -> str:
+        """Which claim a statement of ``name`` uses, from the least to the most work:
+
+        - ``name_plain``, the claim of before: no requested queue was ever entered by a
+          step with a key or a limit (it takes no such step);
+        - ``name_fair``: keyed steps did, no limited one (no slots; it takes no limited step);
+        - ``name_concurrency``: a step with a concurrency limit did, none with a rate limit
+          (concurrency slots only; it takes no rate-limited step);
+        - ``name``, the full limited claim: a rate-limited step did, or the marks of these
+          queues are not known yet (it takes every kind of step).
+
+        The marks (cyclone_flow_queues, written at enqueue, never cleared) come back in
+        every claim statement's meta row (:meth:`_claim_meta`), so they cost no round trip
+        of their own (under 250 ms of latency, a read of its own per claim pushed claims
+        past their bound). A claim chosen from older marks never passes a limit (each
+        claim leaves alone what it is not made for); :meth:`claim` claims again at once
+        when the marks it got back call for a claim that takes more."""
+        if limit <= 0:
+            return name + "_plain"
+        if self.flow_marks is None or not set(queues) <= self._marks_for:
+            return name
+        rank = max((self.CLAIMS.index(self._FOR_MARK[self.flow_marks.get(q)]) for q in queues), default=0)
+        return name + self.CLAIMS[rank]
+
+    @classmethod
+    def _rank(cls, statement: str) -> int:
+        """The place of a claim statement in :data:`CLAIMS` (more: it takes more kinds of steps)."""
+        return next((i for i, suffix in enumerate(cls.CLAIMS[:-1]) if statement.endswith(suffix)), len(cls.CLAIMS) - 1)
+
+    def _claim_params(self, queues: Sequence[str], statement: str) -> dict[str, Any]:
+        """The fairness cursors of a claim (per queue, the key its last walk ended at) and
+        which limited steps it may take: ``limits``, any (the limited claims); ``rates``,
+        rate-limited ones too (the full claim only)."""
+        return {"queues": list(queues), "cursors": [self.fair_cursors.get(q) for q in queues],
+                "limits": not statement.endswith(("_fair", "_plain")),
+                "rates": not statement.endswith(("_fair", "_plain", "_concurrency"))}
+
+    def _claim_meta(self, meta: dict[str, Any] | None, queues: Sequence[str]) -> None:
+        """Keep what a claim's meta row says: the queues' marks, where each queue's walk
+        ended, and the rate-limit wait (:attr:`claim_wait`)."""
+        self.claim_wait = None
+        if meta is None:
+            return
+        if meta.get("step_name") is not None:
+            self.flow_marks = json.loads(meta["step_name"])
+            self._marks_for = frozenset(queues)
+        if meta.get("node"):
+            self.fair_cursors.update(json.loads(meta["node"]))
+        wait = meta.get("timeout")
+        self.claim_wait = None if wait is None else float(wait)
 
     @translate
     def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float) -> list[dict[str, Any]]:
-        """Claim up to ``limit`` available steps (SKIP LOCKED), one statement."""
+        """Claim up to ``limit`` available steps (SKIP LOCKED), one statement.
+
+        Fair by key (round-robin within each queue) and within the steps' concurrency
+        and rate limits (issue 21); afterwards :attr:`claim_wait` is the seconds until a
+        rate-limited step held back by this claim may start, or None. When the marks
+        that came back call for a claim that takes more kinds of steps than the one just
+        made (a queue's first keyed or limited step), and it took fewer than ``limit``,
+        the rest is claimed at once with that one (a second statement, once per change of
+        a queue's marks).
+        """
         if limit <= 0 or not names:
+            self.claim_wait = None
             return []
-        with self.conn.cursor() as cur:
-            cur.execute(Q["claim"], {
-                "owner": owner, "queues": list(queues), "names": list(names), "limit": limit, "ttl_us": to_us(ttl),
-                "inline_max": INLINE_MAX,
-            })
-            return cur.fetchall()
+        claimed: list[dict[str, Any]] = []
+        while True:
+            statement = self._claim_statement("claim", queues, limit - len(claimed))
+            with self.conn.cursor() as cur:
+                cur.execute(Q[statement], {
+                    "owner": owner, "names": list(names), "limit": limit - len(claimed), "ttl_us": to_us(ttl),
+                    "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
+                })
+                rows = cur.fetchall()
+            self._claim_meta(next((r for r in rows if r["id"] is None), None), queues)
+            claimed += [r for r in rows if r["id"] is not None]
+            if len(claimed) >= limit or self._rank(self._claim_statement("claim", queues, 1)) <= self._rank(statement):
+                return claimed
 
     @translate
     def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None) -> bool:
@@ -615,8 +780,9 @@ class Store:
         Raises:
             DatabaseUnavailable, QueryRejected: see :func:`translate`.
         """
+        statement = self._claim_statement("settle" if failures else "settle_completions", queues, limit)
         with (self._tx() if workflows else self.conn.cursor()) as cur:
-            cur.execute(Q["settle" if failures else "settle_completions"], {
+            cur.execute(Q[statement], {
                 "owner": owner,
                 "ids": [i[0] for i in completions],
                 "leases": [f"{i[0]}:{i[1]}" for i in completions],
@@ -629,17 +795,18 @@ class Store:
                 "delays_us": [to_us(f.delay) for f in failures],
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
-                "queues": list(queues), "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
-                "inline_max": INLINE_MAX,
-                "in_tx": workflows,
+                "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
+                "inline_max": INLINE_MAX, "in_tx": workflows, **self._claim_params(queues, statement),
             })
             rows = cur.fetchall()
+            self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
             for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
         return Settled(
             completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
             failed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "failed"},
             claimed=[r for r in rows if r["what"] == "claimed"],
+            wait=self.claim_wait,
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
@@ -806,6 +973,46 @@ class Store:
         )
         for row in cur.fetchall():
             cur.execute(Q["notify"], {"queue": row["queue"]})
+
+    # -- schedules (issue 21; the logic is cyclone_mp.schedules) ---------------------------
+
+    @translate
+    def sync_schedules(self, items: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        """Create or refresh the rows of ``(name, target, spec)`` schedules: a new or changed
+        one is due at once (its first tick computes its next slot); ``seen_at`` is kept fresh."""
+        items = sorted(items)
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sync_schedules"], {
+                "names": [i[0] for i in items], "targets": [i[1] for i in items],
+                "specs": [Jsonb(i[2]) for i in items],
+            })
+
+    @translate
+    def tick_schedules(self, names: Sequence[str], decide: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+        """In one transaction: lock the due rows among ``names`` (SKIP LOCKED), call
+        ``decide(row)`` for each (it may enqueue runs on this connection, inside the
+        transaction) and write the row it returns. Returns how many rows were decided."""
+        with self._tx() as cur:
+            cur.execute(Q["due_schedules"], {"names": list(names)})
+            rows = cur.fetchall()
+            for row in rows:
+                new = decide(row)
+                cur.execute(Q["advance_schedule"], {**new, "spec": Jsonb(new["spec"])})
+            return len(rows)
+
+    @translate
+    def get_schedule(self, name: str) -> dict[str, Any] | None:
+        """One schedule row, or None."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "get_schedule", {"name": name})
+
+    @translate
+    def list_schedules(self) -> list[dict[str, Any]]:
+        """Every schedule row with the database clock (``now``) and ``age``: seconds since
+        a supervisor that defines it last ticked."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["list_schedules"])
+            return cur.fetchall()
 
     # -- operator actions ---------------------------------------------------------------
 
@@ -1050,3 +1257,4 @@ class Settled:
     completed: set[tuple[int, int]]
     failed: set[tuple[int, int]]
     claimed: list[dict[str, Any]]
+    wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)

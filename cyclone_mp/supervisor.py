@@ -11,7 +11,8 @@ part                        its job                                          its
                             cancels, kills, reaping; never a database call
 :mod:`~cyclone_mp.leases`   renewals (and LISTEN): nothing delays them       its own
 :mod:`~cyclone_mp.outcomes` claims, and every ended attempt's CAS write      its own
-:mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, the registry     its own
+:mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, schedules, the   its own
+                            registry
 ==========================  ===============================================  ===========
 
 Each database part has its own connection and bounds every call
@@ -145,7 +146,7 @@ class Supervisor:
                                      wall_clock=self.wall_clock)
             self.control = control
             maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
-                                      owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
+                                      mux=self.mux, owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
                                       post_outcome=self.writer.post, started=self.running, clock=self.clock)
             self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
@@ -250,7 +251,7 @@ class Supervisor:
 
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
              "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
-             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills")
+             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled")
 
 
 class Stats(Mapping[str, int]):

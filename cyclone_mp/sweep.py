@@ -1,4 +1,4 @@
-"""Maintenance: the recovery sweep, due timers, the registry and big payloads (SPEC 4, issues 17, 18).
+"""Maintenance: the recovery sweep, due timers, schedules, the registry and big payloads (SPEC 4, issues 17, 18, 21).
 
 :class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
 :meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
@@ -12,6 +12,10 @@ own: it sweeps at a random point of every ``poll_interval``, refreshes the
 informational ``cyclone_workers`` row every ``registry_interval`` (from a snapshot that
 process control publishes), and tells process control to claim at once when the sweep
 made something claimable. Recovery never reads the registry (scenario SC-05).
+
+On every sweep tick it also fires the due slots of the mux's schedules
+(:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its own: a schedule the
+database refuses never costs a sweep, and neither ever waits in process control's loop.
 
 It also reads, alone and with a bound of their own, the inputs and upstream outputs
 that were too big to come with their claim (:class:`~cyclone_mp.messages.Load`): a fan-in
@@ -31,9 +35,10 @@ from typing import Any, Callable
 
 from .config import SWEEP_LIMIT, Config
 from .dbloop import DatabaseThread
-from . import decisions
-from .errors import DatabaseError, DatabaseUnavailable
+from . import decisions, schedules
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
+from .steps import Mux
 from .store import Store
 
 LOAD_BOUND = 120.0  # seconds a big payload may take to read
@@ -77,6 +82,7 @@ class Maintenance(DatabaseThread):
         dsn: PostgreSQL connection string.
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         sweeper: the :class:`Sweeper`.
+        mux: the supervisor's steps and schedules (``mux.schedule``).
         owner: the supervisor's id.
         snapshot: returns the registry's ``info`` (plain data) as process control last
             published it.
@@ -87,7 +93,7 @@ class Maintenance(DatabaseThread):
         clock: local monotonic clock in seconds.
     """
 
-    def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, owner: str,
+    def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, mux: Mux, owner: str,
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
                  post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,6 +101,7 @@ class Maintenance(DatabaseThread):
                          clock=clock)
         self.config = config
         self.sweeper = sweeper
+        self.mux = mux
         self.owner = owner
         self.snapshot = snapshot
         self.tell_control = tell_control
@@ -115,6 +122,8 @@ class Maintenance(DatabaseThread):
             lo, hi = self.config.poll_interval
             self.next_sweep = now + random.uniform(lo, hi)
             self.sweep()
+            if self.db_ok:
+                self.fire_schedules()
         if self.db_ok and now >= self.next_registry:
             if self.started is not None and not self.started.is_set():
                 self.next_registry = now + 0.05  # process control has not started its children yet
@@ -162,6 +171,26 @@ class Maintenance(DatabaseThread):
         self.count("swept_timeouts", counts["timeout"])
         self.count("reclaim_limits", counts["reclaim_limit"])
         return counts
+
+    def fire_schedules(self) -> int:
+        """Enqueue the due slots of the mux's schedules now (one transaction, bounded as a
+        sweep is); returns how many runs it enqueued (counted as ``scheduled``)."""
+        if not self.mux.schedules:
+            return 0
+        try:
+            counts = self.call(self.config.write_bound,
+                               lambda store: schedules.run_once(store, self.mux, self.config))
+        except DatabaseBusy as exc:  # a lock wait or a slow statement: the next tick tries again
+            log.warning("schedules: %s", exc)
+            return 0
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("schedules: %s", exc)
+            return 0
+        self.count("scheduled", counts["enqueued"])
+        if counts["enqueued"]:
+            self.tell_control(Poll())  # the runs may be ours to claim: do not wait a poll
+        return counts["enqueued"]
 
     def register(self) -> None:
         """Refresh this supervisor's registry row (informational)."""

@@ -313,11 +313,26 @@ def test_unknown_run_id(dsn: str) -> None:
     (["worker", APP, "--workers", "0"], "--workers"),
     (["signal", str(uuid.uuid4()), "approve", "--payload", "{"], "not valid JSON"),
     (["enqueue", APP], "Missing argument 'NAME'"),
+    (["enqueue", APP, "echo", "--rate-limit", "ten"], "is not COUNT/SECONDS"),
+    (["enqueue", APP, "echo", "--rate-limit", "0/1s"], "rate_limit count must be an int from 1"),
+    (["enqueue", APP, "echo", "--concurrency", "0"], "--concurrency"),
 ])
 def test_bad_usage_one_line(dsn: str, args: list[str], words: str) -> None:
     proc = run_cli(*args, dsn=dsn)
     assert proc.returncode == 2, proc.stderr
     assert words in one_error_line(proc)
+
+
+def test_enqueue_with_a_key_and_limits(dsn: str) -> None:
+    """Issue 21 from the command line: the key and limits given at enqueue are stored on
+    the step (and shown by status)."""
+    proc = run_cli("enqueue", APP, "echo", "--input", "{}", "--concurrency-key", "acme", "--concurrency", "2",
+                   "--rate-limit", "10/1m", dsn=dsn)
+    assert proc.returncode == 0, proc.stderr
+    step = json.loads(run_cli("status", proc.stdout.strip(), "--json", dsn=dsn).stdout)["steps"]["echo"]
+    assert (step["concurrency_key"], step["concurrency"], step["rate_limit"]) == ("acme", 2, [10, 60.0])
+    shown = run_cli("status", proc.stdout.strip(), dsn=dsn).stdout
+    assert "key acme, 0/2 running, 0/10 starts per 60s" in shown
 
 
 def test_app_that_raises_on_import(dsn: str, tmp_path: pathlib.Path) -> None:

@@ -596,3 +596,37 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
                 browser.close()
     finally:
         env.stop_workers()
+
+
+def test_schedules_and_limits_are_shown(fresh: tuple[cy.Client, TestClient]) -> None:
+    """Issue 21: the overview lists schedules with their next slot; a run's page shows a
+    step's key, its limit and the limit it waits on."""
+    import datetime as dt
+    import zoneinfo
+
+    from cyclone_mp import schedules
+    from cyclone_mp.store import Store
+
+    import flow_handlers as fh
+
+    client, tc = fresh
+    mux = cy.Mux()
+    mux.schedule(fh.tick, cron="0 6 * * *", tz="Europe/Paris", name="morning")
+    store = Store.open(client.dsn)
+    schedules.run_once(store, mux, client.config)  # the row, with its next slot
+    store.close()
+    (row,) = tc.get("/api/overview").json()["schedules"]
+    next_at = dt.datetime.fromisoformat(row["next_at"])
+    assert row["name"] == "morning" and row["period"] == 'cron "0 6 * * *" Europe/Paris' and row["active"]
+    assert next_at.astimezone(zoneinfo.ZoneInfo("Europe/Paris")).hour == 6
+    assert "morning" in tc.get("/").text
+    ids = client.enqueue_many(fh.per_tenant, [{"tenant": "acme"}] * 3)
+    store = Store.open(client.dsn)
+    store.claim(owner="t", queues=["default"], names=["per_tenant"], limit=3, ttl=60)  # two take the slots
+    store.close()
+    views = [tc.get(f"/api/runs/{i}").json()["steps"][0] for i in ids]
+    waiting = [v for v in views if v["state"] == "available"]
+    assert len(waiting) == 1 and waiting[0]["waiting_on"] == "concurrency"
+    assert waiting[0]["limits"] == "key acme, 2/2 running, waiting on concurrency"
+    waiting_id = ids[[v["state"] for v in views].index("available")]
+    assert "waiting on concurrency" in tc.get(f"/runs/{waiting_id}").text

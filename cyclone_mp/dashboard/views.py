@@ -50,10 +50,12 @@ class Dashboard:
     # -- overview ----------------------------------------------------------------------------
 
     def overview(self, minutes: int = 30) -> dict[str, Any]:
-        """Counts by state, name and queue; throughput; live supervisors; recent kills."""
-        now, runs, steps, per_minute, kills, workers = self._read(lambda s: (
+        """Counts by state, name and queue; throughput; live supervisors; recent kills;
+        schedules and their next slots."""
+        now, runs, steps, per_minute, kills, workers, schedules = self._read(lambda s: (
             s.dashboard_now(), s.dashboard_run_counts(), s.dashboard_step_counts(),
             s.dashboard_throughput(minutes), s.dashboard_recent_kills(KILLS_SHOWN), s.list_workers(WORKERS_WITHIN),
+            s.list_schedules(),
         ))
         return {
             "now": iso(now),
@@ -62,6 +64,7 @@ class Dashboard:
             "throughput": throughput(per_minute, minutes),
             "workers": [worker_view(row) for row in workers],
             "kills": [kill_view(row) for row in kills],
+            "schedules": [schedule_view(row) for row in schedules],
         }
 
     # -- runs --------------------------------------------------------------------------------
@@ -269,6 +272,31 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "failures": len(step.errors), "elapsed": elapsed,
         # the attempt shown: 0 until a first attempt began (issue 19: "1/3" read as "ran once")
         "attempt_shown": step.attempt if step.started_at is not None or step.errors else 0,
+        "concurrency_key": step.concurrency_key, "waiting_on": step.waiting_on, "limits": limits_text(step),
+    }
+
+
+def limits_text(step: StepStatus) -> str:
+    """A step's key and limits with what they count now (issue 21), or ''."""
+    parts = [f"key {step.concurrency_key}"] if step.concurrency_key else []
+    if step.concurrency is not None:
+        parts.append(f"{step.running_in_group or 0}/{step.concurrency} running")
+    if step.rate_limit is not None:
+        parts.append(f"{step.starts_in_period or 0}/{step.rate_limit[0]} starts per {step.rate_limit[1]:g}s")
+    if step.waiting_on:
+        parts.append(f"waiting on {step.waiting_on.replace('_', ' ')}")
+    return ", ".join(parts)
+
+
+def schedule_view(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``client.schedules()`` row for the overview: when it fires and what it did."""
+    spec = row.get("spec") or {}
+    period = f'cron "{spec["cron"]}" {spec.get("tz") or "UTC"}' if spec.get("cron") else f"every {spec.get('every'):g}s"
+    return {
+        "name": row["name"], "target": row["target"], "period": period, "catch_up": spec.get("catch_up"),
+        "next_at": iso(row.get("next_at")), "last_slot": iso(row.get("last_slot")),
+        "last_run_id": row.get("last_run_id"), "runs": row.get("runs", 0), "skipped": row.get("skipped", 0),
+        "active": row["age"] is not None and row["age"] < 60.0,
     }
 
 

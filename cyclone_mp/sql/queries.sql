@@ -6,26 +6,262 @@
 -- of an error entry, whose text order must be time order (cyclone_steps_kills_idx).
 to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
 
--- name: claim_ctes
--- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first heartbeat (SPEC 4).
-picked AS (
-    -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
-    SELECT c.id
-      FROM unnest(%(queues)s::text[]) AS q(name)
+-- name: waiting_on_expr
+-- (Fragment) for a step row s: the limit that holds it back now ('concurrency' when its
+-- group's concurrency slots are all held by running attempts, 'rate_limit' when its
+-- group started rate_count steps in the last period), or NULL. Reads, for status views.
+CASE WHEN s.state = 'available' AND s.scheduled_at <= now() THEN
+    CASE WHEN s.concurrency IS NOT NULL
+              AND (SELECT count(*) FROM cyclone_slots sl
+                     JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation
+                                          AND h.state = 'running'
+                    WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'c'
+                      AND sl.slot <= s.concurrency) >= s.concurrency THEN 'concurrency'
+         WHEN s.rate_count IS NOT NULL
+              AND (SELECT count(*) FROM cyclone_slots sl
+                    WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'r'
+                      AND sl.slot <= s.rate_count AND sl.used_at + s.rate_period > now()) >= s.rate_count
+              THEN 'rate_limit' END END
+
+-- name: walk_ctes
+-- (Fragment) the first half of the fair claims (issue 21): each queue's keys
+-- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
+-- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
+-- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
+-- within their (step, key) group. Without %(limits)s, no step with a limit is taken;
+-- without %(rates)s, no step with a rate limit.
+walk (queue, key, p, first) AS (
+    -- a loose index scan: the next key with a due step, wrapping around once
+    SELECT q.name, k.key, 1, k.key
+      FROM unnest(%(queues)s::text[], %(cursors)s::text[]) AS q(name, cursor)
+     CROSS JOIN LATERAL (SELECT coalesce(
+            (SELECT s.concurrency_key FROM cyclone_steps s
+              WHERE s.state = 'available' AND s.queue = q.name AND s.concurrency_key > q.cursor
+                AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              ORDER BY s.concurrency_key LIMIT 1),
+            (SELECT s.concurrency_key FROM cyclone_steps s
+              WHERE s.state = 'available' AND s.queue = q.name
+                AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) k  -- (OFFSET 0: probed once, not per use)
+     WHERE %(limit)s > 0 AND k.key IS NOT NULL
+    UNION ALL
+    SELECT w.queue, n.key, w.p + 1, w.first
+      FROM walk w
+     CROSS JOIN LATERAL (SELECT coalesce(
+            (SELECT s.concurrency_key FROM cyclone_steps s
+              WHERE s.state = 'available' AND s.queue = w.queue AND s.concurrency_key > w.key
+                AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              ORDER BY s.concurrency_key LIMIT 1),
+            (SELECT s.concurrency_key FROM cyclone_steps s
+              WHERE s.state = 'available' AND s.queue = w.queue
+                AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) n
+     WHERE w.p < %(limit)s + 2 AND n.key <> w.first
+), cand AS MATERIALIZED (
+    -- each walked key's first steps (as many as its share of the limit), locked
+    SELECT c.*, w.queue, w.p, row_number() OVER (PARTITION BY w.queue, w.key ORDER BY c.priority, c.scheduled_at, c.id) AS rn
+      FROM walk w
      CROSS JOIN LATERAL (
-            SELECT id, priority, scheduled_at
-              FROM cyclone_steps
-             WHERE state = 'available'
-               AND queue = q.name
-               AND step_name = ANY(%(names)s)
-               AND scheduled_at <= now()
-             ORDER BY priority, scheduled_at, id
-             LIMIT %(limit)s
+            SELECT s.id, s.step_name, s.concurrency_key AS key, s.priority, s.scheduled_at,
+                   s.concurrency, s.rate_count, s.rate_period
+              FROM cyclone_steps s
+             WHERE s.state = 'available'
+               AND s.queue = w.queue
+               AND s.concurrency_key = w.key
+               AND s.step_name = ANY(%(names)s)
+               AND s.scheduled_at <= now()
+               AND (%(limits)s OR (s.concurrency IS NULL AND s.rate_count IS NULL))  -- the fair claim takes no limited step
+               AND (%(rates)s OR s.rate_count IS NULL)  -- nor the concurrency claim a rate-limited one
+             ORDER BY s.priority, s.scheduled_at, s.id
+             LIMIT (%(limit)s + (SELECT count(*) FROM walk) - 1) / (SELECT count(*) FROM walk)
                FOR UPDATE SKIP LOCKED
            ) c
-     ORDER BY c.priority, c.scheduled_at, c.id
+), ranked AS (
+    SELECT c.*, row_number() OVER (PARTITION BY c.step_name, c.key ORDER BY c.priority, c.rn, c.p, c.id) AS gr
+      FROM cand c
+)
+
+-- name: picked_ctes
+-- (Fragment) round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
+picked AS MATERIALIZED (
+    -- round-robin: every key's first step, then every key's second, ... (priority first)
+    SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
+      FROM eligible e
+     ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
-), claimed AS (
+)
+
+-- name: flow_marks_expr
+-- (Fragment) what a claim's meta row tells the store of %(queues)s (cyclone_flow_queues,
+-- migrations 0008-0010): per queue a step with a key, a limit or a rate limit ever
+-- entered, its strongest mark ("keys", "limits", "rates"), as JSON text. The store picks
+-- its next claim statement from it, so the marks cost no round trip of their own.
+(SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
+                 '{}'::jsonb)::text
+   FROM cyclone_flow_queues f
+  WHERE f.queue = ANY(%(queues)s::text[]))
+
+-- name: claim_meta_ctes
+-- (Fragment) the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
+claim_meta AS (
+    -- for the store, not a claimed row: where each queue's walk ended (the next claim
+    -- starts after it) and, when a rate limit held a step back, the seconds until its
+    -- group's next slot frees (the supervisor may poll again then; see Store.claim_wait)
+    -- a queue's walk ends at its last key before the first one that could have started a
+    -- step but lost its turn to the limit of this claim (no cursor: it starts there again)
+    SELECT (SELECT jsonb_object_agg(x.queue, x.key)
+              FROM (SELECT DISTINCT ON (w.queue) w.queue, w.key
+                      FROM walk w
+                     WHERE NOT EXISTS (SELECT 1 FROM eligible e
+                                        WHERE e.queue = w.queue AND e.p <= w.p AND e.rn = 1
+                                          AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
+                     ORDER BY w.queue, w.p DESC) x) AS cursors,
+           (SELECT wait FROM claim_wait) AS wait
+)
+
+-- name: cslots_ctes
+-- (Fragment) the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
+cslots AS MATERIALIZED (
+    -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
+    -- that includes the claim that took the slot (else held: it may have just started)
+    SELECT g.step_name, g.key, f.slot, row_number() OVER (PARTITION BY g.step_name, g.key ORDER BY f.slot) AS i
+      FROM grp g
+     CROSS JOIN LATERAL (
+            SELECT sl.slot
+              FROM cyclone_slots sl
+             WHERE sl.step_name = g.step_name AND sl.key = g.key AND sl.kind = 'c' AND sl.slot <= g.concurrency
+               AND (sl.step_id IS NULL
+                    OR (pg_visible_in_snapshot(sl.claim_xid, pg_current_snapshot())
+                        -- its holder, by primary key: a scalar subquery is one probe per slot
+                        -- looked at (a NOT EXISTS became a hash of every running row, dead
+                        -- index entries included, built at every claim)
+                        AND (NOT coalesce((SELECT h.state = 'running' FROM cyclone_steps h
+                                            WHERE h.id = sl.step_id AND h.lease_generation = sl.generation), false)
+                             OR EXISTS (SELECT 1 FROM finished f WHERE f.id = sl.step_id AND f.generation = sl.generation))))
+             ORDER BY sl.slot
+             LIMIT g.n
+               FOR UPDATE SKIP LOCKED
+           ) f
+     WHERE g.concurrency IS NOT NULL
+)
+
+-- name: claim_ctes
+-- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
+-- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits (issue 21): a step with a
+-- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
+-- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
+-- concurrency slots are free for this claim.
+{walk_ctes}, grp AS MATERIALIZED (
+    -- the limited (step, key) groups among them: their limits, and how many want a slot
+    SELECT step_name, key, min(concurrency) AS concurrency, min(rate_count) AS rate_count,
+           max(rate_period) AS rate_period, count(*) AS n
+      FROM cand
+     WHERE concurrency IS NOT NULL OR rate_count IS NOT NULL
+     GROUP BY step_name, key
+), {cslots_ctes}, rslots AS MATERIALIZED (
+    -- free rate slots, locked: last used at least one period ago (the latest row version decides)
+    SELECT g.step_name, g.key, f.slot, row_number() OVER (PARTITION BY g.step_name, g.key ORDER BY f.slot) AS i
+      FROM grp g
+     CROSS JOIN LATERAL (
+            SELECT sl.slot
+              FROM cyclone_slots sl
+             WHERE sl.step_name = g.step_name AND sl.key = g.key AND sl.kind = 'r' AND sl.slot <= g.rate_count
+               AND (sl.used_at IS NULL OR sl.used_at + g.rate_period <= now())
+             ORDER BY sl.slot
+             LIMIT g.n
+               FOR UPDATE SKIP LOCKED
+           ) f
+     WHERE g.rate_count IS NOT NULL
+), allowed AS (
+    -- how many of each limited group's steps this claim may start
+    SELECT g.step_name, g.key, g.n,
+           least(CASE WHEN g.concurrency IS NULL THEN g.n
+                      ELSE (SELECT count(*) FROM cslots c WHERE c.step_name = g.step_name AND c.key = g.key) END,
+                 CASE WHEN g.rate_count IS NULL THEN g.n
+                      ELSE (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) END) AS ok
+      FROM grp g
+), eligible AS MATERIALIZED (
+    -- the candidates their limits let start now
+    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority
+      FROM ranked r
+      LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
+     WHERE a.ok IS NULL OR r.gr <= a.ok
+), {picked_ctes}, {claimed_ctes}, took_slots AS (
+    -- each limited step claimed takes the gr-th free slot of its group (concurrency, rate)
+    UPDATE cyclone_slots sl
+       SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(), used_at = now()
+      FROM picked p
+      JOIN claimed c ON c.id = p.id
+      JOIN (SELECT 'c'::"char" AS kind, step_name, key, slot, i FROM cslots
+            UNION ALL
+            SELECT 'r'::"char", step_name, key, slot, i FROM rslots) f
+        ON f.step_name = p.step_name AND f.key = p.key AND f.i = p.gr
+     WHERE sl.step_name = f.step_name AND sl.key = f.key AND sl.kind = f.kind AND sl.slot = f.slot
+    RETURNING sl.slot
+), claim_wait AS (
+    SELECT (SELECT greatest(0, z.w)::float8 FROM (SELECT extract(epoch FROM min(
+                       CASE WHEN EXISTS (SELECT 1 FROM rslots r JOIN picked p ON p.step_name = r.step_name
+                                                                            AND p.key = r.key AND p.gr = r.i
+                                          WHERE r.step_name = sl.step_name AND r.key = sl.key AND r.slot = sl.slot)
+                            THEN now()  -- taken by this claim
+                            WHEN sl.used_at + g.rate_period > now() THEN sl.used_at END
+                       + g.rate_period) - now()) AS w
+              FROM grp g
+              JOIN allowed a ON a.step_name = g.step_name AND a.key = g.key AND a.ok < a.n
+              JOIN cyclone_slots sl ON sl.step_name = g.step_name AND sl.key = g.key AND sl.kind = 'r'
+                                   AND sl.slot <= g.rate_count
+             WHERE g.rate_count IS NOT NULL
+               AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
+             WHERE z.w IS NOT NULL) AS wait
+), {claim_meta_ctes}
+
+-- name: claim_concurrency_ctes
+-- (Fragment) the limited claim of queues that no rate-limited step ever entered (see
+-- cyclone_flow_queues.rates, migration 0010): claim_ctes with its concurrency slots only,
+-- a plan of about half the nodes (%(rates)s false: a rate-limited step is left to the
+-- full claim). Needs a "finished" CTE before it, as claim_ctes does.
+{walk_ctes}, grp AS MATERIALIZED (
+    -- the limited (step, key) groups among them, and how many want a slot
+    SELECT step_name, key, min(concurrency) AS concurrency, count(*) AS n
+      FROM cand
+     WHERE concurrency IS NOT NULL
+     GROUP BY step_name, key
+), {cslots_ctes}, eligible AS MATERIALIZED (
+    -- the candidates their limits let start now: the gr-th of a group needs gr free slots
+    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority
+      FROM ranked r
+     WHERE r.concurrency IS NULL
+        OR r.gr <= (SELECT count(*) FROM cslots c WHERE c.step_name = r.step_name AND c.key = r.key)
+), {picked_ctes}, {claimed_ctes}, took_slots AS (
+    -- each limited step claimed takes the gr-th free slot of its group
+    UPDATE cyclone_slots sl
+       SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(), used_at = now()
+      FROM picked p
+      JOIN claimed c ON c.id = p.id
+      JOIN cslots f ON f.step_name = p.step_name AND f.key = p.key AND f.i = p.gr
+     WHERE sl.step_name = f.step_name AND sl.key = f.key AND sl.kind = 'c' AND sl.slot = f.slot
+    RETURNING sl.slot
+), claim_wait AS (
+    SELECT NULL::float8 AS wait
+), {claim_meta_ctes}
+
+-- name: claim_fair_ctes
+-- (Fragment) the fair claim of queues with keys but no limited step (walk_ctes without the
+-- slots; %(limits)s false: a limited step is left to the limited claims).
+{walk_ctes}, eligible AS MATERIALIZED (
+    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority FROM ranked r
+), {picked_ctes}, {claimed_ctes}, claim_wait AS (
+    SELECT NULL::float8 AS wait
+), {claim_meta_ctes}
+
+-- name: claimed_ctes
+-- (Fragment) the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
+claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
            started_at = now(),
@@ -52,6 +288,31 @@ picked AS (
                      FROM cyclone_steps d
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 )
+
+-- name: claim_plain_ctes
+-- (Fragment) the claim of queues no step with a key or a limit ever entered (see
+-- cyclone_flow_queues, migration 0008): one ordered index scan per queue, SKIP LOCKED.
+-- It never takes a step with a key or a limit, whatever the store believes of a queue.
+picked AS (
+    -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
+    SELECT c.id
+      FROM unnest(%(queues)s::text[]) AS q(name)
+     CROSS JOIN LATERAL (
+            SELECT id, priority, scheduled_at
+              FROM cyclone_steps
+             WHERE state = 'available'
+               AND queue = q.name
+               AND concurrency_key = ''
+               AND step_name = ANY(%(names)s)
+               AND scheduled_at <= now()
+               AND concurrency IS NULL AND rate_count IS NULL
+             ORDER BY priority, scheduled_at, id
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED
+           ) c
+     ORDER BY c.priority, c.scheduled_at, c.id
+     LIMIT %(limit)s
+), {claimed_ctes}
 
 -- name: heartbeat
 -- Renew one step's lease, addressed by id, with exactly the seed's WHERE clause.
@@ -203,11 +464,53 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 -- Claim up to %(limit)s available steps in one statement. The input and the upstream
 -- outputs come back as JSON text: the supervisor hands them to the child unread (a value
 -- too deep to decode fails its own attempt in the child, never the claim of its batch).
-WITH {claim_ctes}
+-- The last row (id NULL) is the claim's meta row, for the store: timeout =
+-- claim_meta.wait, node = claim_meta.cursors, step_name = the queues' marks
+-- (flow_marks_expr; JSON texts: columns whose types the claimed rows fix).
+WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
+{claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
        {claimed_big_expr} AS big
   FROM claimed c
+UNION ALL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: claim_concurrency
+-- claim with the concurrency claim (queues with concurrency limits, no rate limit); the
+-- same rows and meta row.
+WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
+{claim_concurrency_ctes}
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       {claimed_big_expr} AS big
+  FROM claimed c
+UNION ALL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: claim_fair
+-- claim with the fair claim (queues with keys, no limited step); the same rows and meta row.
+WITH RECURSIVE {claim_fair_ctes}
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       {claimed_big_expr} AS big
+  FROM claimed c
+UNION ALL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: claim_plain
+-- The claim of queues without keys or limits (claim_plain_ctes); its meta row carries the
+-- queues' marks only.
+WITH {claim_plain_ctes}
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       {claimed_big_expr} AS big
+  FROM claimed c
+UNION ALL
+SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
@@ -226,8 +529,12 @@ settled_completed AS (
 
 -- name: settle
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
--- %(limit)s, which may be 0) in one statement and one commit.
-WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
+-- %(limit)s, which may be 0) in one statement and one commit; the last row is the
+-- claim's meta row (what = 'meta', see claim).
+WITH RECURSIVE {settle_ctes}, {fail_ctes},
+finished AS (SELECT id, lease_generation AS generation FROM done
+             UNION ALL SELECT id, lease_generation FROM ended),
+{claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
@@ -235,14 +542,98 @@ SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lea
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_concurrency
+-- settle with the concurrency claim (queues with concurrency limits, no rate limit).
+WITH RECURSIVE {settle_ctes}, {fail_ctes},
+finished AS (SELECT id, lease_generation AS generation FROM done
+             UNION ALL SELECT id, lease_generation FROM ended),
+{claim_concurrency_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
+       NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_fair
+-- The hot path: a tick's completions, its failed attempts and the next claim (up to
+-- %(limit)s, which may be 0) in one statement and one commit; the last row is the
+-- claim's meta row (what = 'meta', see claim).
+WITH RECURSIVE {settle_ctes}, {fail_ctes}, {claim_fair_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
+       NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_plain
+-- settle with the plain claim (queues without keys or limits: claim_plain_ctes).
+WITH {settle_ctes}, {fail_ctes}, {claim_plain_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
+       NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settle_completions
 -- The hot path of a tick without failures (most ticks): its completions and the next
 -- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
-WITH {settle_ctes}, {claim_ctes}, {settled_ctes}
+WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
+{claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_concurrency
+-- settle_completions with the concurrency claim (queues with concurrency limits, no rate limit).
+WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
+{claim_concurrency_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_fair
+-- The hot path of a tick without failures (most ticks): its completions and the next
+-- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
+WITH RECURSIVE {settle_ctes}, {claim_fair_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_plain
+-- settle_completions with the plain claim (queues without keys or limits).
+WITH {settle_ctes}, {claim_plain_ctes}, {settled_ctes}
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
@@ -388,6 +779,49 @@ UPDATE cyclone_runs r
    AND x.new_state IS NOT NULL
    AND x.new_state <> r.state;
 
+-- name: sync_schedules
+-- Create the rows of a supervisor's schedules, or refresh them: seen_at at most every 5 s,
+-- and a changed definition is due at once (its tick starts it afresh). Sorted by name
+-- (the caller's order), so concurrent supervisors lock rows in one order.
+INSERT INTO cyclone_schedules (name, target, spec, next_at)
+SELECT t.name, t.target, t.spec, now()
+  FROM unnest(%(names)s::text[], %(targets)s::text[], %(specs)s::jsonb[]) WITH ORDINALITY AS t(name, target, spec, i)
+ ORDER BY t.i
+ON CONFLICT (name) DO UPDATE
+   SET seen_at = now(),
+       next_at = CASE WHEN (cyclone_schedules.spec, cyclone_schedules.target) IS DISTINCT FROM (excluded.spec, excluded.target)
+                      THEN now() ELSE cyclone_schedules.next_at END
+ WHERE cyclone_schedules.seen_at < now() - interval '5 seconds'
+    OR (cyclone_schedules.spec, cyclone_schedules.target) IS DISTINCT FROM (excluded.spec, excluded.target);
+
+-- name: due_schedules
+-- The schedules among %(names)s whose next slot is due on the database clock, locked;
+-- one another supervisor is deciding is skipped (it enqueues that slot).
+SELECT name, target, spec, last_slot, now() AS now
+  FROM cyclone_schedules
+ WHERE name = ANY(%(names)s) AND next_at <= now()
+ ORDER BY name
+   FOR UPDATE SKIP LOCKED;
+
+-- name: advance_schedule
+-- After a tick enqueued a schedule's due slots: the definition, the last slot decided, the next one.
+UPDATE cyclone_schedules
+   SET target = %(target)s, spec = %(spec)s, last_slot = %(last_slot)s, next_at = %(next_at)s,
+       runs = runs + %(n)s, skipped = skipped + %(skipped)s,
+       last_run_id = coalesce(%(run_id)s::uuid, last_run_id), seen_at = now()
+ WHERE name = %(name)s;
+
+-- name: get_schedule
+-- One schedule row (a scheduled run's status shows its next slot).
+SELECT name, target, spec, last_slot, next_at, runs, skipped, seen_at FROM cyclone_schedules WHERE name = %(name)s;
+
+-- name: list_schedules
+-- Every schedule with the database clock: the CLI's and the dashboard's table.
+SELECT name, target, spec, last_slot, last_run_id::text AS last_run_id, next_at, runs, skipped,
+       seen_at, created_at, now() AS now, extract(epoch FROM now() - seen_at)::float8 AS age
+  FROM cyclone_schedules
+ ORDER BY name;
+
 -- name: cancel_run
 -- client.cancel: every non-terminal step of the run, then the run, in one transaction. A
 -- running attempt leaves an entry in errors (kind "cancelled", with its started_at, lease
@@ -485,10 +919,12 @@ WITH run AS (
     RETURNING id
 ), step AS (
     INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
-                               max_reclaims, timeout, backoff, scheduled_at)
+                               max_reclaims, timeout, backoff, scheduled_at,
+                               concurrency_key, concurrency, rate_count, rate_period)
     SELECT run.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
            %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
-           coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+           coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
+           %(key)s, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond'
       FROM run
     RETURNING run_id
 )
@@ -502,22 +938,25 @@ SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s;
 -- name: insert_steps
 -- The step rows of one run (one per node), from parallel arrays.
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
-                           max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at)
+                           max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at,
+                           concurrency_key, concurrency, rate_count, rate_period)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
        t.timeout_us * interval '1 microsecond', t.timer_delay_us * interval '1 microsecond', t.due_at,
        t.backoff,
-       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
+       t.key, t.concurrency, t.rate_count, t.rate_period_us * interval '1 microsecond'
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
-              %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[])
+              %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[], %(keys)s::text[], %(concurrencies)s::int[],
+              %(rate_counts)s::int[], %(rate_periods_us)s::bigint[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
-         timeout_us, timer_delay_us, due_at, backoff);
+         timeout_us, timer_delay_us, due_at, backoff, key, concurrency, rate_count, rate_period_us);
 
 -- name: enqueue_many
--- Many single-step runs in one statement (bulk load).
+-- Many single-step runs in one statement (bulk load), each with its concurrency key.
 WITH runs AS (
     INSERT INTO cyclone_runs (id, name, kind, input)
     SELECT t.id, %(name)s, 'step', t.input
@@ -525,11 +964,40 @@ WITH runs AS (
     RETURNING id
 )
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
-                           max_reclaims, timeout, backoff, scheduled_at)
+                           max_reclaims, timeout, backoff, scheduled_at,
+                           concurrency_key, concurrency, rate_count, rate_period)
 SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
        %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
-       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
-  FROM runs;
+       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
+       k.key, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond'
+  FROM runs
+  JOIN unnest(%(ids)b::uuid[], %(keys)s::text[]) AS k(id, key) ON k.id = runs.id;
+
+-- name: flag_flow_queues
+-- Queues that a step with a key or a limit entered (limits: one with a limit did; rates:
+-- one with a rate limit did): their supervisors claim with the fair, the concurrency or
+-- the full limited claim from then on. A mark is only ever raised.
+INSERT INTO cyclone_flow_queues (queue, limits, rates)
+SELECT t.queue, bool_or(t.limits), bool_or(t.rates)
+  FROM unnest(%(queues)s::text[], %(limits)s::boolean[], %(rates)s::boolean[]) AS t(queue, limits, rates)
+ GROUP BY t.queue
+ ORDER BY t.queue
+ON CONFLICT (queue) DO UPDATE
+   SET limits = cyclone_flow_queues.limits OR excluded.limits, rates = cyclone_flow_queues.rates OR excluded.rates
+ WHERE (excluded.limits AND NOT cyclone_flow_queues.limits) OR (excluded.rates AND NOT cyclone_flow_queues.rates);
+
+-- name: ensure_slots
+-- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
+-- 1..n (migration 0007). Rows already there are kept (a raised limit adds the new ones).
+INSERT INTO cyclone_slots (step_name, key, kind, slot)
+SELECT g.step_name, g.key, x.kind, x.slot
+  FROM unnest(%(step_names)s::text[], %(keys)s::text[], %(concurrencies)s::int[], %(rate_counts)s::int[])
+       AS g(step_name, key, concurrency, rate_count)
+ CROSS JOIN LATERAL (SELECT 'c'::"char" AS kind, generate_series(1, g.concurrency) AS slot
+                     UNION ALL
+                     SELECT 'r'::"char", generate_series(1, g.rate_count)) x
+ ORDER BY 1, 2, 3, 4
+ON CONFLICT DO NOTHING;
 
 -- name: notify
 -- Wake idle supervisors serving this queue (delivered at commit).
@@ -542,16 +1010,39 @@ SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, up
 
 -- name: get_steps
 -- Every step row of a run, in definition order.
-SELECT id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt,
-       max_attempts, reclaims, max_reclaims, extract(epoch FROM timeout)::float8 AS timeout,
-       due_at, scheduled_at, started_at, finished_at, lease_owner, lease_expiry,
-       lease_generation, heartbeat_at, error, error_kind, errors, output, progress
-  FROM cyclone_steps WHERE run_id = %(run_id)s ORDER BY id;
+-- With its key and limits (issue 21): running_in_group counts the group's attempts that
+-- hold a concurrency slot, starts_in_period the starts of the last rate period.
+SELECT s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
+       s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float8 AS timeout,
+       s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
+       s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
+       s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
+       g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
+  FROM cyclone_steps s
+  LEFT JOIN LATERAL (
+        SELECT (SELECT count(*) FROM cyclone_slots sl
+                  JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation AND h.state = 'running'
+                 WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'c'
+                   AND s.concurrency IS NOT NULL) AS running_in_group,
+               (SELECT count(*) FROM cyclone_slots sl
+                 WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'r'
+                   AND sl.used_at + s.rate_period > now() AND s.rate_count IS NOT NULL) AS starts_in_period
+         WHERE s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL) g ON true
+ WHERE s.run_id = %(run_id)s ORDER BY s.id;
 
 -- name: list_runs
 -- Recent runs, optionally by state, newest first.
+-- key: the concurrency keys of its steps (NULL: none); waiting_on: the limit that holds
+-- one of its steps back (see waiting_on_expr); schedule: the schedule that enqueued it.
 SELECT r.id::text AS id, r.name, r.kind, r.state, r.created_at, r.finished_at,
-       (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = r.id) AS steps
+       (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = r.id) AS steps,
+       (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps s
+         WHERE s.run_id = r.id AND s.concurrency_key <> '') AS key,
+       (SELECT {waiting_on_expr} FROM cyclone_steps s
+         WHERE s.run_id = r.id AND s.state = 'available' AND s.scheduled_at <= now()
+           AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL)
+         ORDER BY 1 NULLS LAST LIMIT 1) AS waiting_on,
+       substring(r.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') AS schedule
   FROM cyclone_runs r
  WHERE (%(state)s::text IS NULL OR r.state = %(state)s)
  ORDER BY r.created_at DESC, r.id

@@ -132,13 +132,15 @@ class Env:
     # -- supervisors ---------------------------------------------------------------------------
 
     def start_worker(self, *, proxy: bool | None = None, dsn: str | None = None, prefix: list[str] | None = None,
-                     **overrides: Any) -> WorkerHandle:
+                     environ: dict[str, str] | None = None, **overrides: Any) -> WorkerHandle:
         """Start one more supervisor (process or thread per the mode) and wait until it runs.
 
         ``proxy`` (default: the Env's): reach PostgreSQL through a fault proxy of its own.
         ``dsn``: connect there instead of the Env's database (the same database reached
         another way, say from a network namespace). ``prefix``: a command the process
-        supervisor's command line is run under (``["ip", "netns", "exec", NAME]``)."""
+        supervisor's command line is run under (``["ip", "netns", "exec", NAME]``).
+        ``environ``: variables added to a worker process's environment (process mode),
+        for example ``LD_PRELOAD`` and ``FAKETIME`` to run it under libfaketime."""
         options = {**self.options, **overrides}
         dsn = dsn or self.dsn
         fault = None
@@ -153,7 +155,7 @@ class Env:
                 client.start()
                 handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
             else:
-                handle = self._spawn_process(options, dsn, prefix)
+                handle = self._spawn_process(options, dsn, prefix, environ)
         except BaseException:
             if fault is not None:
                 fault.close()
@@ -162,7 +164,8 @@ class Env:
         self.workers.append(handle)
         return handle
 
-    def _spawn_process(self, options: dict[str, Any], dsn: str, prefix: list[str] | None = None) -> WorkerHandle:
+    def _spawn_process(self, options: dict[str, Any], dsn: str, prefix: list[str] | None = None,
+                       environ: dict[str, str] | None = None) -> WorkerHandle:
         steps, workflows = [], []
         for step in self._mux.steps.values():
             if not step.ref.importable():
@@ -173,14 +176,17 @@ class Env:
             steps.append({"module": step.ref.module, "qualname": step.ref.qualname, "path": step.ref.path})
         for wf in self._mux.workflows.values():
             workflows.append({"module": wf.module, "name": wf.name})
+        schedules = [{"target": s.target.name, "name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz,
+                      "input": s.input, "catch_up": s.catch_up} for s in self._mux.schedules.values()]
         ready = os.path.join(self._tmp, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
         config = {
-            "dsn": dsn, "steps": steps, "workflows": workflows, "options": options,
+            "dsn": dsn, "steps": steps, "workflows": workflows, "schedules": schedules, "options": options,
             "ready_file": ready, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
             "clock_skew": self.clock_skew,
         }
         popen = subprocess.Popen([*(prefix or []), sys.executable, "-m", "cyclone_mp.testing.worker",
-                                  json.dumps(config)], stdin=subprocess.DEVNULL)
+                                  json.dumps(config)], stdin=subprocess.DEVNULL,
+                                 env={**os.environ, **environ} if environ else None)
         self._pids_seen.add(popen.pid)
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):

@@ -41,6 +41,8 @@ def build_mux(config: dict[str, Any]) -> Mux:
         mux.register(target)
     for ref in config["workflows"]:
         mux.register(find_workflow(ref["module"], ref["name"]))
+    for spec in config.get("schedules", []):
+        mux.schedule(mux.lookup(spec.pop("target")), **spec)
     return mux
 
 
