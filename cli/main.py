@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import click
 
-from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep
+from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep, WaitTimeout
 from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
@@ -36,6 +36,7 @@ from .params import BYTES, JSON, POLL, SECONDS
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+WAIT_REFRESH = 0.25  # seconds between refreshes of enqueue --wait's live view (the end itself wakes it at once)
 
 
 @dataclasses.dataclass
@@ -353,7 +354,8 @@ def _warn_unserved(client: Any, status: Any, app: str) -> None:
 
 
 def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any:
-    """Poll ``client.status`` until the run is terminal, showing a live view on stderr."""
+    """``client.wait`` for the run (woken by LISTEN/NOTIFY when it ends), showing a live
+    view on stderr refreshed from ``client.status`` every WAIT_REFRESH seconds."""
     from rich.live import Live
 
     start = time.monotonic()
@@ -366,10 +368,13 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
         if view is not None:
             view.start()
         while not status.terminal:
-            if timeout is not None and time.monotonic() - start >= timeout:
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            if left is not None and left <= 0:
                 break
-            time.sleep(0.2)
-            status = client.status(run_id)
+            try:
+                status = client.wait(run_id, timeout=WAIT_REFRESH if left is None else min(WAIT_REFRESH, left))
+            except WaitTimeout:
+                status = client.status(run_id)  # the progress to show
             if view is not None:
                 view.update(render.wait_view(status, time.monotonic() - start, compact=narrow))
     except KeyboardInterrupt:

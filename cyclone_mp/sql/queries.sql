@@ -367,6 +367,10 @@ UPDATE cyclone_steps s
          AND EXISTS (SELECT 1 FROM cyclone_signals g WHERE g.run_id = s.run_id AND g.name = s.node))
      OR (s.state = 'waiting_timer' AND s.due_at <= now()));
 
+-- name: available_queues
+-- The queues in which a run has claimable steps (each gets a NOTIFY after the run moved on).
+SELECT DISTINCT queue FROM cyclone_steps WHERE run_id = %(run_id)s AND state = 'available';
+
 -- name: refresh_run_state
 -- Keep the run state in step with its steps: completed when all are, discarded when a
 -- discarded step leaves nothing that can progress.
@@ -540,13 +544,29 @@ SELECT pg_notify('cyclone_mp', %(queue)s);
 SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
   FROM cyclone_runs WHERE id = %(run_id)s;
 
+-- name: step_columns_expr
+-- (Fragment) the columns of a step row as client.status shows it (StepStatus.from_row).
+id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt,
+max_attempts, reclaims, max_reclaims, extract(epoch FROM timeout)::float8 AS timeout,
+due_at, scheduled_at, started_at, finished_at, lease_owner, lease_expiry,
+lease_generation, heartbeat_at, error, error_kind, errors, output, progress
+
 -- name: get_steps
 -- Every step row of a run, in definition order.
-SELECT id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt,
-       max_attempts, reclaims, max_reclaims, extract(epoch FROM timeout)::float8 AS timeout,
-       due_at, scheduled_at, started_at, finished_at, lease_owner, lease_expiry,
-       lease_generation, heartbeat_at, error, error_kind, errors, output, progress
+SELECT {step_columns_expr}
   FROM cyclone_steps WHERE run_id = %(run_id)s ORDER BY id;
+
+-- name: finished_runs
+-- The runs among some ids that are completed, discarded or cancelled (what a waiter reads
+-- when woken: the notification says which runs ended).
+SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
+  FROM cyclone_runs
+ WHERE id = ANY(%(ids)s::uuid[]) AND state IN ('completed', 'discarded', 'cancelled');
+
+-- name: steps_of_runs
+-- Every step row of some runs, by run then in definition order.
+SELECT run_id::text AS run_id, {step_columns_expr}
+  FROM cyclone_steps WHERE run_id = ANY(%(ids)s::uuid[]) ORDER BY run_id, id;
 
 -- name: list_runs
 -- Recent runs, optionally by state, newest first.
