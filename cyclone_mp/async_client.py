@@ -32,7 +32,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
 from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step
-from .store import AsyncStore, aconfigure_session, classify, redact
+from .store import AsyncStore, aconfigure_session, classify, redact, tcp_bounds
 from .waiting import AsyncWaiter, result_of
 from .workflow import Workflow
 
@@ -94,7 +94,8 @@ class AsyncClient(ClientBase):
 
                 pool = AsyncConnectionPool(
                     dsn, min_size=0, max_size=self._pool_size, open=False, timeout=POOL_TIMEOUT, max_idle=60.0,
-                    kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-async-client",
+                    kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp async client",
+                            **tcp_bounds(max(5.0, self.config.lease_ttl))}, name="cyclone-mp-async-client",
                     check=AsyncConnectionPool.check_connection, configure=configure,
                 )
                 await pool.open(wait=False)

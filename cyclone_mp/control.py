@@ -162,6 +162,7 @@ class ProcessControl:
     def run(self, running: threading.Event | None = None) -> None:
         """Run until drained or stopped (on the thread that owns the children)."""
         self.pool.maintain(self.clock(), draining=False)
+        self._publish_snapshot(self.clock())  # before maintenance's first registry row
         if running is not None:
             running.set()
         while True:

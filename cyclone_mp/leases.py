@@ -38,7 +38,7 @@ from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
     ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Load, Poll, Progress, Renewed, Track,
 )
-from .store import NOTIFY_CHANNEL, Store, connect
+from .store import NOTIFY_CHANNEL, connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -72,13 +72,7 @@ class LeaseKeeper(DatabaseThread):
                  tell: Callable[[Any], None], load: Callable[[Any], None],
                  listen_dsn: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        def open_store() -> Store:
-            return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
-                              lock_timeout=config.lock_timeout, statement_timeout=config.call_bound,
-                              dead_after=config.call_bound, connect_timeout=max(2.0, config.call_bound),
-                              application_name=f"cyclone_mp lease keeper {owner}")
-
-        super().__init__("cyclone-lease-keeper", open_store, clock, reconnect_cap=config.reconnect_cap)
+        super().__init__("lease keeper", dsn, config, owner=owner, bound=config.call_bound, clock=clock)
         self.config = config
         self.owner = owner
         self.names = list(names)

@@ -31,7 +31,7 @@ from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track
 from .protocol import storable
-from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
+from .store import FORENSIC_KEYS, FailedAttempt, stale_plan
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -66,12 +66,7 @@ class OutcomeWriter(DatabaseThread):
                  backoff_for: Callable[[str | None], Callable[[int], float]],
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
                  load: Callable[[Any], None], clock: Callable[[], float] = time.monotonic) -> None:
-        def open_store() -> Store:
-            return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
-                              lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
-                              dead_after=config.write_bound, application_name=f"cyclone_mp outcome writer {owner}")
-
-        super().__init__("cyclone-outcome-writer", open_store, clock, reconnect_cap=config.reconnect_cap)
+        super().__init__("outcome writer", dsn, config, owner=owner, bound=config.write_bound, clock=clock)
         self.config = config
         self.owner = owner
         self.names = names

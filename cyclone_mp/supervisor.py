@@ -146,7 +146,7 @@ class Supervisor:
             self.control = control
             maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
                                       owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                      post_outcome=self.writer.post, clock=self.clock)
+                                      post_outcome=self.writer.post, started=self.running, clock=self.clock)
             self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()

@@ -30,7 +30,7 @@ import psycopg
 from . import operations
 from .errors import CycloneError, DatabaseError, RunCancelled, RunFailed, WaitTimeout
 from .status import TERMINAL_RUN_STATES, RunStatus
-from .store import AsyncStore, Store, connect
+from .store import AsyncStore, Store, connect, tcp_bounds
 
 log = logging.getLogger("cyclone_mp.client")
 
@@ -365,7 +365,8 @@ class AsyncWaiter:
 
         try:
             conn = await psycopg.AsyncConnection.connect(self._dsn(), autocommit=True, row_factory=dict_row,
-                                                          application_name="cyclone_mp waiting", connect_timeout=10)
+                                                          application_name="cyclone_mp waiting", connect_timeout=10,
+                                                          **tcp_bounds(30.0))
         except psycopg.Error as exc:
             log.info("waiting: cannot connect (%s); polling", exc)
             return None, False
