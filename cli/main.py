@@ -223,9 +223,12 @@ def describe_dsn(dsn: str) -> str:
 @click.option("--prefetch", type=click.IntRange(min=0), default=0, show_default=True,
               help="Steps to claim beyond the idle children and hold until one frees up (for "
                    "floods of short steps); 0 claims only for idle children.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
-           max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int) -> None:
+           max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int,
+           metrics_port: int | None) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
@@ -236,13 +239,14 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                      shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
-                     max_child_rss=max_child_rss, prefetch=prefetch)
+                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(
         f"cyclone-mp worker: {cfg.workers} children, queues {', '.join(cfg.queues)}, "
         f"steps {', '.join(mux.step_names) or '(none)'}; database {describe_dsn(client.dsn)}; "
-        "SIGTERM/Ctrl-C drains, a second one stops", err=True,
+        + (f"metrics on :{metrics_port}/metrics; " if metrics_port is not None else "")
+        + "SIGTERM/Ctrl-C drains, a second one stops", err=True,
     )
     def after_drain(signum: int, frame: Any) -> None:
         # Installed before client.run, which puts its own handler in place while the

@@ -258,6 +258,10 @@ class Client(ClientBase):
             queued in each busy child (pipelining); see docs/steps-and-client.md#prefetch.
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
+        metrics_port: the supervisor serves Prometheus metrics on this TCP port
+            (``/metrics``; 0 picks a free one: ``client.supervisor.metrics.port``); None
+            (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
+            :mod:`cyclone_mp.metrics`.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -287,6 +291,7 @@ class Client(ClientBase):
         max_payload: int | None = None,
         prefetch: int = 0,
         registry_interval: Duration = 2.0,
+        metrics_port: int | None = None,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -314,6 +319,10 @@ class Client(ClientBase):
         self._supervisor: Any = None
         self._thread: threading.Thread | None = None
         self._waiting: Waiter | None = None
+        if metrics_port is not None and (not isinstance(metrics_port, int) or isinstance(metrics_port, bool)
+                                         or not 0 <= metrics_port <= 65535):
+            raise ConfigurationError(f"metrics_port must be a TCP port (0-65535) or None, got {metrics_port!r}")
+        self.metrics_port = metrics_port
 
     # -- connection -------------------------------------------------------------------------
 
@@ -640,7 +649,7 @@ class Client(ClientBase):
             kwargs["clock"] = self._clock
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
-        self._supervisor = Supervisor(self.dsn, self.mux, self.config, **kwargs)
+        self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port, **kwargs)
         return self._supervisor
 
     def run(self, on_signal: Callable[[str], None] | None = None) -> None:

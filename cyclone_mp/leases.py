@@ -39,6 +39,7 @@ from .messages import (
     ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Load, Poll, Progress, Renewed, Track,
 )
 from .store import NOTIFY_CHANNEL, connect
+from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -51,6 +52,7 @@ class Lease:
     next_beat: float
     progress: Any = None
     progress_dirty: bool = False
+    renewed: float = 0.0  # when the claim or the last renewal that held was sent (heartbeat lag)
 
 
 class LeaseKeeper(DatabaseThread):
@@ -65,14 +67,16 @@ class LeaseKeeper(DatabaseThread):
         load: posts a :class:`~cyclone_mp.messages.Load` to maintenance (rows too big
             to come with their claim).
         listen_dsn: where to LISTEN (default ``dsn``).
+        observer: told of claims and of the heartbeat lag (:mod:`cyclone_mp.telemetry`).
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, owner: str, names: Sequence[str],
                  tell: Callable[[Any], None], load: Callable[[Any], None],
-                 listen_dsn: str | None = None,
+                 listen_dsn: str | None = None, observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("lease keeper", dsn, config, owner=owner, bound=config.call_bound, clock=clock)
+        self.observer = observer
         self.config = config
         self.owner = owner
         self.names = list(names)
@@ -97,7 +101,8 @@ class LeaseKeeper(DatabaseThread):
                 self.leases.pop(message.key, None)
             elif isinstance(message, Track):  # claimed by the outcome writer with a batch
                 for key in message.keys:
-                    self.leases[key] = Lease(key, message.sent + random.uniform(0, self.config.heartbeat_interval))
+                    self.leases[key] = Lease(key, message.sent + random.uniform(0, self.config.heartbeat_interval),
+                                             renewed=message.sent)
 
     # -- the turn ------------------------------------------------------------------------------
 
@@ -107,6 +112,9 @@ class LeaseKeeper(DatabaseThread):
             self._renew_due(now)
         if self.claims:
             self._claim()
+        if self.observer is not NO_OBSERVER:
+            oldest = min((lease.renewed for lease in self.leases.values()), default=None)
+            self.observer.heartbeat_lag(0.0 if oldest is None else max(0.0, self.clock() - oldest))
         interval = self.config.heartbeat_interval
         beats = [lease.next_beat for lease in self.leases.values()]
         return min([self.clock() + interval, *beats])
@@ -161,6 +169,7 @@ class LeaseKeeper(DatabaseThread):
         if ok:
             if self.leases.get(lease.key) is lease:
                 lease.progress_dirty = False
+                lease.renewed = max(lease.renewed, sent)
             self.tell(Renewed(lease.key, sent))
             return
         self._lost(lease)
@@ -198,8 +207,10 @@ class LeaseKeeper(DatabaseThread):
         interval = self.config.heartbeat_interval
         for row in rows:  # the claim was the first heartbeat: the next comes at a random phase
             key = (row["id"], row["lease_generation"])
-            self.leases[key] = Lease(key, sent + random.uniform(0, interval))
+            self.leases[key] = Lease(key, sent + random.uniform(0, interval), renewed=sent)
         self.count("claimed", len(rows))
+        if rows:
+            self.observer.claimed(rows)
         big = tuple(r for r in rows if r.get("big"))
         if big:
             self.load(Load(big, sent))

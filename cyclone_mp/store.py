@@ -58,7 +58,8 @@ def _load_queries() -> dict[str, str]:
     queries: dict[str, str] = {}
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         name, _, body = block.partition("\n")
-        body = "\n".join(code for code in map(_code, body.strip().splitlines()) if code.strip())
+        # without comments and indentation (none of our literals spans lines)
+        body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
         queries[name.strip()] = body.strip().rstrip(";")
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
     # them, fragments cited by fragments first.
@@ -329,6 +330,9 @@ class Store:
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
         self.commits = 0  # transactions this Store committed
+        #: ``(step name, error kind)`` of the attempt the last :meth:`fail` or :meth:`expire`
+        #: ended (what it stored), or None: the supervisor's metrics count it (issue 24).
+        self.last_ended: tuple[str | None, str] | None = None
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
@@ -572,10 +576,12 @@ class Store:
             rows = cur.fetchall()
             for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
+        failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
         return Settled(
             completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
-            failed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "failed"},
+            failed=set(failed),
             claimed=[r for r in rows if r["what"] == "claimed"],
+            failed_kinds=failed,
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
@@ -614,6 +620,7 @@ class Store:
         ``"not_yet"`` (``require_timed_out`` and the DB deadline has not passed yet:
         the worker clock never shortens a durable timeout).
         """
+        self.last_ended = None
         with self._tx() as cur:
             if self._one(cur, "lock_run_of_step", {"id": id}) is None:
                 return "lost"
@@ -629,7 +636,8 @@ class Store:
                 return "lost"
             if require_timed_out and not row["timed_out"]:
                 return "not_yet"
-            self._end_attempt(cur, id, row, kind, entry, backoff, progress)
+            end = self._end_attempt(cur, id, row, kind, entry, backoff, progress)
+        self.last_ended = (row["step_name"], end.error_kind)
         return "applied"
 
     def _end_attempt(
@@ -684,8 +692,10 @@ class Store:
         """Settle one sweep candidate under the run lock then the step lock.
 
         Returns the action taken: ``"timeout"``, ``"reclaim"``, ``"reclaim_limit"`` or
-        ``"none"`` (renewed, finished or gone meanwhile).
+        ``"none"`` (renewed, finished or gone meanwhile). An attempt it ends (timeout,
+        reclaim_limit) is in :attr:`last_ended` afterwards.
         """
+        self.last_ended = None
         with self._tx() as cur:
             if self._one(cur, "lock_run_of_step", {"id": id}) is None:
                 return "none"
@@ -697,10 +707,10 @@ class Store:
                 reclaims=row["reclaims"], max_reclaims=row["max_reclaims"],
             ).action
             if action == "timeout":
-                self._end_attempt(cur, id, row, decisions.TIMEOUT, {
+                ended = self._end_attempt(cur, id, row, decisions.TIMEOUT, {
                     **entry, "message": "timed out (database clock); settled by the recovery sweep",
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
-                }, backoff_for(row["step_name"]))
+                }, backoff_for(row["step_name"])).error_kind
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
                 cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
@@ -713,7 +723,10 @@ class Store:
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
                 })})
                 self._advance(cur, self._run_of(cur, id))
-            return action
+                ended = decisions.RECLAIM_LIMIT
+        if action in ("timeout", "reclaim_limit"):
+            self.last_ended = (row["step_name"], ended)
+        return action
 
     @translate
     def fire_due_timers(self, limit: int = 100) -> int:
@@ -780,6 +793,14 @@ class Store:
         """Announce or refresh this supervisor's registry row (informational)."""
         with self.conn.cursor() as cur:
             cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info)})
+
+    @translate
+    def queue_depths(self, queues: Sequence[str], cap: int = 100_000) -> list[dict[str, Any]]:
+        """Per queue: ``queue``, ``depth`` (claimable steps, at most ``cap``) and ``oldest``
+        (seconds the oldest of them has been claimable, or None)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["queue_depths"], {"queues": list(queues), "cap": cap})
+            return cur.fetchall()
 
     @translate
     def unregister_worker(self, id: str) -> None:
@@ -957,11 +978,13 @@ class FailedAttempt:
 @dataclasses.dataclass(frozen=True)
 class Settled:
     """What :meth:`Store.settle` did: the ``(id, lease generation)`` leases whose
-    completion and whose failure CAS held, and the claimed rows."""
+    completion and whose failure CAS held (with the error kind each failure stored), and
+    the claimed rows."""
 
     completed: set[tuple[int, int]]
     failed: set[tuple[int, int]]
     claimed: list[dict[str, Any]]
+    failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
 
 
 # The client's operations are planned in cyclone_mp.operations, which reads this module's

@@ -36,6 +36,7 @@ picked AS (
            progress = NULL
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
+              extract(epoch FROM now() - s.scheduled_at)::float8 AS pickup,  -- claimable to claimed (metrics)
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
               -- the run's row by primary key, once (its input and kind are read from it):
               -- a join here became a hash join over a scan of every run in generic plans
@@ -180,7 +181,7 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state, s.lease_generation, j.run_kind, j.run_state
+    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state
 ), discarded_runs AS (
     -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
@@ -206,7 +207,7 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 WITH {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big
+       {claimed_big_expr} AS big, c.pickup
   FROM claimed c
 
 -- name: settled_ctes
@@ -215,23 +216,25 @@ settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
-           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big
+           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr}
+           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
+           c.pickup
       FROM claimed c
 )
 
 -- name: settle
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
--- %(limit)s, which may be 0) in one statement and one commit.
+-- %(limit)s, which may be 0) in one statement and one commit. A failed row's node column
+-- carries the error kind stored (the worker's, or timeout when the DB deadline passed).
 WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+       NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
@@ -594,6 +597,20 @@ SELECT id, hostname, pid, started_at, heartbeat_at, info,
   FROM cyclone_workers
  WHERE heartbeat_at > now() - (%(within_us)s::bigint * interval '1 microsecond')
  ORDER BY started_at;
+
+-- name: queue_depths
+-- Per queue: claimable steps (counted up to %(cap)s, in the claim's index order) and how
+-- long the oldest of them has been claimable (the supervisor's metrics, every few seconds).
+SELECT q.name AS queue, d.depth, d.oldest
+  FROM unnest(%(queues)s::text[]) AS q(name)
+ CROSS JOIN LATERAL (
+        SELECT count(*)::bigint AS depth, extract(epoch FROM now() - min(a.scheduled_at))::float8 AS oldest
+          FROM (SELECT scheduled_at
+                  FROM cyclone_steps
+                 WHERE state = 'available' AND queue = q.name AND scheduled_at <= now()
+                 ORDER BY priority, scheduled_at, id
+                 LIMIT %(cap)s) a
+       ) d;
 
 -- name: prune_workers
 -- Forget supervisors silent for a long time.
