@@ -24,7 +24,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from . import operations
+from . import operations, tracing
 from .client import POOL_PROBE_EVERY, POOL_TIMEOUT, ClientBase
 from .config import Config
 from .durations import Duration
@@ -184,14 +184,15 @@ class AsyncClient(ClientBase):
         """:meth:`Client.enqueue <cyclone_mp.Client.enqueue>`, awaitable. With ``conn`` (an
         ``AsyncConnection`` in an open transaction) the run is written in the caller's
         transaction: it exists only if that transaction commits."""
-        plan = self._plan_enqueue(
+        name, make = self._plan_enqueue(
             target, input, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
             idempotency_key=idempotency_key,
         )
-        if conn is not None:
-            return (await AsyncStore(conn).run(plan(), caller_tx=True))[0]
-        return (await self._run(plan))[0]
+        with tracing.enqueue_span(name) as trace:
+            if conn is not None:
+                return (await AsyncStore(conn).run(make(trace), caller_tx=True))[0]
+            return (await self._run(lambda: make(trace)))[0]
 
     async def enqueue_many(
         self,
@@ -210,15 +211,16 @@ class AsyncClient(ClientBase):
     ) -> list[str]:
         """:meth:`Client.enqueue_many <cyclone_mp.Client.enqueue_many>`, awaitable; with
         ``conn``, in the caller's open transaction."""
-        plan = self._plan_enqueue_many(
+        name, make = self._plan_enqueue_many(
             target, inputs, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
         )
-        if plan is None:
+        if make is None:
             return []
-        if conn is not None:
-            return await AsyncStore(conn).run(plan(), caller_tx=True)
-        return await self._run(plan)
+        with tracing.enqueue_span(name) as trace:
+            if conn is not None:
+                return await AsyncStore(conn).run(make(trace), caller_tx=True)
+            return await self._run(lambda: make(trace))
 
     # -- runs --------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from . import operations
+from . import operations, tracing
 from .config import Config
 from .backoff import storable_backoff
 from .protocol import check_value
@@ -140,9 +140,11 @@ class ClientBase:
         self, target: Step | Workflow | str, input: Any, *, timeout: Duration | None, max_attempts: int | None,
         max_reclaims: int | None, queue: str | None, priority: int | None, backoff: float | Sequence[float] | None,
         delay: Duration | None, scheduled_at: dt.datetime | None, idempotency_key: str | None,
-    ) -> Callable[[], Op]:
-        """Check an enqueue's arguments; returns a maker of its operation (a retried call
-        needs a fresh one). Raises what :meth:`Client.enqueue` documents, before any I/O."""
+    ) -> tuple[str, Callable[[Any], Op]]:
+        """Check an enqueue's arguments; returns the name enqueued and a maker of its
+        operation, ``make(trace)`` (a retried call needs a fresh one; ``trace``: the
+        enqueue's trace context or None). Raises what :meth:`Client.enqueue` documents,
+        before any I/O."""
         definition = self._resolve(target)
         self._check_payload(input, "input")
         overrides = self._enqueue_options(
@@ -159,34 +161,35 @@ class ClientBase:
             opts = self._node_options(definition, overrides)
             nodes = [self._task_row(definition.name, definition, opts, (), "available")]
             kind = "step"
-        return lambda: operations.enqueue_run(
+        return definition.name, lambda trace: operations.enqueue_run(
             name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
-            scheduled_at=scheduled_at, idempotency_key=idempotency_key,
+            scheduled_at=scheduled_at, idempotency_key=idempotency_key, trace=trace,
         )
 
     def _plan_enqueue_many(
         self, target: Step | str, inputs: Iterable[Any], *, timeout: Duration | None, max_attempts: int | None,
         max_reclaims: int | None, queue: str | None, priority: int | None, backoff: float | Sequence[float] | None,
         delay: Duration | None, scheduled_at: dt.datetime | None,
-    ) -> Callable[[], Op] | None:
-        """Check an enqueue_many's arguments; returns a maker of its operation, or None when
-        there are no inputs. Raises what :meth:`Client.enqueue_many` documents."""
+    ) -> tuple[str, Callable[[Any], Op] | None]:
+        """Check an enqueue_many's arguments; returns the step's name and a maker of its
+        operation, ``make(trace)``, or None when there are no inputs. Raises what
+        :meth:`Client.enqueue_many` documents."""
         definition = self._resolve(target)
         if not isinstance(definition, Step):
             raise ConfigurationError("enqueue_many takes a step, not a workflow")
         items = [self._check_payload(item, f"input #{i}") for i, item in enumerate(inputs)]  # JSON texts
         if not items:
-            return None
+            return definition.name, None
         opts = self._node_options(definition, self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
             backoff=backoff,
         ))
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
-        return lambda: operations.enqueue_many(
+        return definition.name, lambda trace: operations.enqueue_many(
             name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
-            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff),
+            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff), trace=trace,
         )
 
     def _plan_signal(self, run_id: str, name: str, payload: Any) -> Callable[[], Op]:
@@ -458,14 +461,15 @@ class Client(ClientBase):
             ConfigurationError: an invalid option.
             DatabaseError: the database failed or cannot be reached.
         """
-        plan = self._plan_enqueue(
+        name, make = self._plan_enqueue(
             target, input, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
             idempotency_key=idempotency_key,
         )
-        if conn is not None:
-            return Store(conn).run(plan(), caller_tx=True)[0]
-        return self._run(plan)[0]
+        with tracing.enqueue_span(name) as trace:  # the trace context kept on the run (issue 24)
+            if conn is not None:
+                return Store(conn).run(make(trace), caller_tx=True)[0]
+            return self._run(lambda: make(trace))[0]
 
     def enqueue_many(
         self,
@@ -491,15 +495,16 @@ class Client(ClientBase):
             ConfigurationError: an invalid option, or a workflow.
             DatabaseError: the database failed or cannot be reached.
         """
-        plan = self._plan_enqueue_many(
+        name, make = self._plan_enqueue_many(
             target, inputs, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
         )
-        if plan is None:
+        if make is None:
             return []
-        if conn is not None:
-            return Store(conn).run(plan(), caller_tx=True)
-        return self._run(plan)
+        with tracing.enqueue_span(name) as trace:
+            if conn is not None:
+                return Store(conn).run(make(trace), caller_tx=True)
+            return self._run(lambda: make(trace))
 
     # -- operator actions ------------------------------------------------------------------------
 

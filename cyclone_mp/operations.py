@@ -116,29 +116,30 @@ def migrate() -> Steps[list[str]]:
 
 def enqueue_run(
     *, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
-    scheduled_at: dt.datetime | None = None, idempotency_key: str | None,
+    scheduled_at: dt.datetime | None = None, idempotency_key: str | None, trace: Any = None,
 ) -> Op:
     """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``. With an
     ``idempotency_key`` already used, returns the existing run's id and ``created=False``.
 
     A single-step run is one statement; a workflow's rows are a transaction (which, on a
-    caller's connection, is the caller's).
+    caller's connection, is the caller's). ``trace``: the enqueue's trace context (a dict
+    of W3C headers, :mod:`cyclone_mp.tracing`), kept on the run, or None.
     """
     run_id = str(uuid.uuid4())
     if kind == "step" and len(nodes) == 1:
-        return _enqueue_step(run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key)
-    return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key)
+        return _enqueue_step(run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key, trace)
+    return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key, trace)
 
 
 @operation(transaction=False)
 def _enqueue_step(run_id: str, name: str, input: Any, node: NodeRow, delay: float,
-                  scheduled_at: dt.datetime | None, idempotency_key: str | None) -> Steps[tuple[str, bool]]:
+                  scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
     row = (yield q("enqueue_step", {
         "id": run_id, "name": name, "input": Jsonb(input), "idempotency_key": idempotency_key,
         "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
         "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
         "backoff": nullable_jsonb(node.backoff),
-        "scheduled_at": scheduled_at, "delay_us": to_us(delay)
+        "scheduled_at": scheduled_at, "delay_us": to_us(delay), "trace": nullable_jsonb(trace),
     })).one()
     if row is not None and row["id"] is not None:
         return row["id"], True
@@ -154,9 +155,10 @@ def _existing(idempotency_key: str | None) -> Steps[str]:
 
 @operation(transaction=True)
 def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
-                   scheduled_at: dt.datetime | None, idempotency_key: str | None) -> Steps[tuple[str, bool]]:
+                   scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
     inserted = (yield q("insert_run", {
         "id": run_id, "name": name, "kind": kind, "input": Jsonb(input), "idempotency_key": idempotency_key,
+        "trace": nullable_jsonb(trace),
     })).one()
     if inserted is None:
         return (yield from _existing(idempotency_key)), False
@@ -190,19 +192,19 @@ def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequenc
 def enqueue_many(
     *, name: str, inputs_json: Sequence[str], queue: str, priority: int, max_attempts: int,
     max_reclaims: int | None, timeout: float | None, delay: float, scheduled_at: dt.datetime | None = None,
-    backoff: Any = None,
+    backoff: Any = None, trace: Any = None,
 ) -> Steps[list[str]]:
     """Insert many single-step runs in one statement; returns their ids in input order.
 
     ``inputs_json`` are the inputs as JSON texts (already checked by the client, so each
-    is encoded once).
+    is encoded once); ``trace`` the enqueue's trace context, kept on every run.
     """
     ids = [uuid.uuid4() for _ in inputs_json]
     yield q("enqueue_many", {
         "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
         "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
         "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
-        "backoff": nullable_jsonb(backoff),
+        "backoff": nullable_jsonb(backoff), "trace": nullable_jsonb(trace),
     })
     yield q("notify", {"queue": queue})
     return [str(i) for i in ids]

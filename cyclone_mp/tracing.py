@@ -42,7 +42,7 @@ def available() -> bool:
 
 
 @contextlib.contextmanager
-def enqueue_span(name: str, runs: int = 1) -> Iterator[dict[str, str] | None]:
+def enqueue_span(name: str) -> Iterator[dict[str, str] | None]:
     """Around an enqueue: a PRODUCER span; yields its context as a carrier dict to store
     on the run(s), or None without OpenTelemetry (or when the span is not sampled)."""
     if not available():
@@ -52,7 +52,7 @@ def enqueue_span(name: str, runs: int = 1) -> Iterator[dict[str, str] | None]:
 
     tracer = trace.get_tracer(INSTRUMENTATION)
     with tracer.start_as_current_span(f"cyclone_mp enqueue {name}", kind=trace.SpanKind.PRODUCER,
-                                      attributes={"cyclone_mp.name": name, "cyclone_mp.runs": runs}) as span:
+                                      attributes={"cyclone_mp.name": name}) as span:
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         yield carrier if carrier and span.get_span_context().is_valid else None

@@ -207,7 +207,7 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 WITH {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace
   FROM claimed c
 
 -- name: settled_ctes
@@ -216,13 +216,14 @@ settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
-           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup
+           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup,
+           NULL::jsonb AS trace
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
            c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
-           c.pickup
+           c.pickup, (c.run).trace
       FROM claimed c
 )
 
@@ -234,7 +235,7 @@ WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL
+       NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
@@ -477,8 +478,8 @@ RETURNING name;
 
 -- name: insert_run
 -- One run row; with an idempotency key an existing run wins (returns nothing then).
-INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
-VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s)
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
+VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id::text AS id;
 
@@ -486,8 +487,8 @@ RETURNING id::text AS id;
 -- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
 -- With an idempotency key already used, nothing is written and id is NULL.
 WITH run AS (
-    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
-    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s)
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
+    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s, %(trace)s)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id
 ), step AS (
@@ -526,8 +527,8 @@ SELECT %(run_id)s, t.node, t.step_name, t.kind,
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load).
 WITH runs AS (
-    INSERT INTO cyclone_runs (id, name, kind, input)
-    SELECT t.id, %(name)s, 'step', t.input
+    INSERT INTO cyclone_runs (id, name, kind, input, trace)
+    SELECT t.id, %(name)s, 'step', t.input, %(trace)s::jsonb
       FROM unnest(%(ids)b::uuid[], %(inputs)b::text[]::jsonb[]) AS t(id, input)  -- binary: nothing to escape
     RETURNING id
 )
