@@ -845,6 +845,23 @@ class Store:
         return self._dash_rows("dash_throughput", {"minutes": minutes})
 
     @translate
+    def dashboard_pickup(self, minutes: int) -> list[dict[str, Any]]:
+        """One row per minute of the last ``minutes``: ``minute``, ``n``, ``p50``, ``p95``
+        (pickup latency of the task steps that finished then, seconds)."""
+        return self._dash_rows("dash_pickup", {"minutes": minutes})
+
+    @translate
+    def dashboard_kills_by_trigger(self, minutes: int) -> list[dict[str, Any]]:
+        """One row per minute of the last ``minutes``: ``minute``, ``triggers`` ({trigger: kills})."""
+        return self._dash_rows("dash_kills_by_trigger", {"minutes": minutes})
+
+    @translate
+    def dashboard_durations(self, minutes: int, limit: int = 50) -> list[dict[str, Any]]:
+        """Per step (at most ``limit``): ``step``, ``n``, ``p50``, ``p95``, ``p99``, ``max``
+        run time in seconds of the steps completed in the last ``minutes``."""
+        return self._dash_rows("dash_durations", {"minutes": minutes, "limit": limit})
+
+    @translate
     def dashboard_recent_kills(self, limit: int) -> list[dict[str, Any]]:
         """Steps whose latest error entry is a timeout, child exit or reclaim limit, newest first
         (``entry`` is that error entry)."""

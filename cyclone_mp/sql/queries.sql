@@ -692,6 +692,75 @@ SELECT m.minute, coalesce(f.completed, 0)::bigint AS completed, coalesce(f.disca
   LEFT JOIN finished f ON f.minute = m.minute
  ORDER BY m.minute;
 
+-- name: dash_pickup
+-- Pickup latency (started_at - scheduled_at: claimable to claimed) of the task steps that
+-- finished in each of the last %(minutes)s minutes (finished_at, DB clock), oldest first:
+-- how many, the median and the 95th percentile, in seconds.
+WITH bounds AS (
+    SELECT date_trunc('minute', now()) AS last,
+           date_trunc('minute', now()) - (%(minutes)s::int - 1) * interval '1 minute' AS first
+), finished AS (
+    SELECT date_trunc('minute', s.finished_at) AS minute, count(*) AS n,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY greatest(0, extract(epoch FROM s.started_at - s.scheduled_at)))
+               AS p50,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY greatest(0, extract(epoch FROM s.started_at - s.scheduled_at)))
+               AS p95
+      FROM cyclone_steps s, bounds
+     WHERE s.finished_at >= bounds.first
+       AND s.kind = 'task'
+       AND s.started_at IS NOT NULL
+     GROUP BY 1
+)
+SELECT m.minute, coalesce(f.n, 0)::bigint AS n, f.p50::float8 AS p50, f.p95::float8 AS p95
+  FROM bounds
+ CROSS JOIN generate_series(bounds.first, bounds.last, interval '1 minute') AS m(minute)
+  LEFT JOIN finished f ON f.minute = m.minute
+ ORDER BY m.minute;
+
+-- name: dash_kills_by_trigger
+-- Children the supervisors killed in each of the last %(minutes)s minutes, by trigger
+-- (error entries with killed_by_supervisor, by their "at"), oldest first: {trigger: n}.
+WITH bounds AS (
+    SELECT date_trunc('minute', now()) AS last,
+           date_trunc('minute', now()) - (%(minutes)s::int - 1) * interval '1 minute' AS first
+), since AS (
+    SELECT to_char(bounds.first AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"') AS at FROM bounds
+), kills AS (
+    SELECT date_trunc('minute', (e ->> 'at')::timestamptz) AS minute, coalesce(e ->> 'trigger', 'kill') AS trigger
+      FROM since, cyclone_steps s
+     CROSS JOIN LATERAL jsonb_array_elements(s.errors) AS e
+     WHERE s.errors <> '[]'::jsonb
+       AND (s.errors -> -1 ->> 'at') >= since.at  -- migration 0017's index
+       AND (e ->> 'at') >= since.at
+       AND e ->> 'killed_by_supervisor' = 'true'
+), per_minute AS (
+    SELECT x.minute, jsonb_object_agg(x.trigger, x.n) AS triggers
+      FROM (SELECT minute, trigger, count(*) AS n FROM kills GROUP BY 1, 2) x
+     GROUP BY x.minute
+)
+SELECT m.minute, coalesce(p.triggers, '{}'::jsonb) AS triggers
+  FROM bounds
+ CROSS JOIN generate_series(bounds.first, bounds.last, interval '1 minute') AS m(minute)
+  LEFT JOIN per_minute p ON p.minute = m.minute
+ ORDER BY m.minute;
+
+-- name: dash_durations
+-- Per step: the task steps completed in the last %(minutes)s minutes and the percentiles
+-- of their run time (finished_at - started_at of the attempt that completed), in seconds.
+SELECT s.step_name AS step, count(*)::bigint AS n,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p95,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p99,
+       max(extract(epoch FROM s.finished_at - s.started_at))::float8 AS max
+  FROM cyclone_steps s
+ WHERE s.finished_at >= now() - %(minutes)s::int * interval '1 minute'
+   AND s.kind = 'task'
+   AND s.state = 'completed'
+   AND s.started_at IS NOT NULL
+ GROUP BY s.step_name
+ ORDER BY s.step_name
+ LIMIT %(limit)s;
+
 -- name: dash_recent_kills
 -- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit), newest entry first.
 SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
