@@ -203,6 +203,9 @@ class Waiter:
                     if conn is not None and listening:
                         for note in conn.notifies(timeout=wait, stop_after=1):
                             ids.extend(run_ids(note.payload))
+                        if ids:  # and whatever else has come: one read for all of them
+                            for note in conn.notifies(timeout=0.0):
+                                ids.extend(run_ids(note.payload))
                     else:
                         time.sleep(wait)
                     if time.monotonic() >= next_poll:
@@ -335,6 +338,9 @@ class AsyncWaiter:
                     if conn is not None and listening:
                         async for note in conn.notifies(timeout=wait, stop_after=1):
                             ids.extend(run_ids(note.payload))
+                        if ids:  # and whatever else has come: one read for all of them
+                            async for note in conn.notifies(timeout=0.0):
+                                ids.extend(run_ids(note.payload))
                     else:
                         await asyncio.sleep(wait)
                     if time.monotonic() >= next_poll:
