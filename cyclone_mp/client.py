@@ -136,6 +136,7 @@ class ClientBase:
             queue=overrides.queue or self.config.defaults.queue or "default", priority=0, state="pending",
             max_attempts=1, max_reclaims=None, timeout=None, timer_delay=node.delay, due_at=node.until,
         )
+
     def _plan_enqueue(
         self, target: Step | Workflow | str, input: Any, *, timeout: Duration | None, max_attempts: int | None,
         max_reclaims: int | None, queue: str | None, priority: int | None, backoff: float | Sequence[float] | None,

@@ -133,7 +133,7 @@ class _Slot:
 
 class Waiter:
     """One listening connection and thread for every wait of a sync client (see the module
-    docstring). ``read_state(run_id) -> RunStatus`` is the waiter's own first look."""
+    docstring). ``read_status(run_id) -> RunStatus`` is the waiter's own first look."""
 
     def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], RunStatus]) -> None:
         self._dsn = dsn
@@ -185,7 +185,7 @@ class Waiter:
     def _run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
         listening = False
-        next_poll = time.monotonic()
+        next_poll = reconnect_at = time.monotonic()
         try:
             while not self._closed:
                 now = time.monotonic()
@@ -193,10 +193,14 @@ class Waiter:
                     if self.book.idle_for(now) >= IDLE_CLOSE or (conn is None and not self.book.slots and now > next_poll):
                         self._thread = None
                         return
-                if conn is None:
+                if conn is None and now >= reconnect_at:
                     conn, listening = self._connect()
                     next_poll = time.monotonic()  # whatever ended meanwhile
+                    reconnect_at = next_poll + POLL_FALLBACK
                     self._listening.set()
+                if conn is None:  # the server cannot be reached: try again later
+                    time.sleep(max(0.0, min(TURN_MAX, reconnect_at - time.monotonic())))
+                    continue
                 ids: list[str] = []
                 wait = max(0.0, min(TURN_MAX, next_poll - time.monotonic()))
                 try:
@@ -219,8 +223,11 @@ class Waiter:
                         found = self._statuses(conn, wanted)
                         with self._lock:
                             self.book.deliver(found)
-                except (psycopg.Error, DatabaseError) as exc:
-                    log.info("the waiting connection was lost (%s); listening again", exc)
+                except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
+                    if isinstance(exc, (psycopg.Error, DatabaseError)):
+                        log.info("the waiting connection was lost (%s); listening again", exc)
+                    else:
+                        log.exception("waiting: unexpected error; listening again")
                     with contextlib.suppress(Exception):
                         assert conn is not None
                         conn.close()
@@ -321,17 +328,21 @@ class AsyncWaiter:
     async def _run(self) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
         listening = False
-        next_poll = time.monotonic()
+        next_poll = reconnect_at = time.monotonic()
         assert self._listening is not None
         try:
             while not self._closed:
                 now = time.monotonic()
                 if self.book.idle_for(now) >= IDLE_CLOSE or (conn is None and not self.book.slots and now > next_poll):
                     return
-                if conn is None:
+                if conn is None and now >= reconnect_at:
                     conn, listening = await self._connect()
-                    next_poll = time.monotonic()
+                    next_poll = time.monotonic()  # whatever ended meanwhile
+                    reconnect_at = next_poll + POLL_FALLBACK
                     self._listening.set()
+                if conn is None:  # the server cannot be reached: try again later
+                    await asyncio.sleep(max(0.0, min(TURN_MAX, reconnect_at - time.monotonic())))
+                    continue
                 ids: list[str] = []
                 wait = max(0.0, min(TURN_MAX, next_poll - time.monotonic()))
                 try:
@@ -350,8 +361,11 @@ class AsyncWaiter:
                         wanted = self.book.wanted(ids)
                     if wanted and conn is not None:
                         self.book.deliver(statuses(*await AsyncStore(conn).run(operations.finished_runs(wanted))))
-                except (psycopg.Error, DatabaseError) as exc:
-                    log.info("the waiting connection was lost (%s); listening again", exc)
+                except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
+                    if isinstance(exc, (psycopg.Error, DatabaseError)):
+                        log.info("the waiting connection was lost (%s); listening again", exc)
+                    else:
+                        log.exception("waiting: unexpected error; listening again")
                     with contextlib.suppress(Exception):
                         assert conn is not None
                         await conn.close()

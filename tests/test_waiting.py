@@ -151,3 +151,27 @@ def test_many_threads_waiting_on_a_sync_client_share_one_listening_connection(cy
     assert sessions(env.dsn, "cyclone_mp waiting") == 1
     client.close()
     wait_for(lambda: sessions(env.dsn, "cyclone_mp waiting") == 0, 5, "the listening connection to close")
+
+
+def test_a_wait_outlives_the_loss_of_its_listening_connection(api_env):
+    """The server ends the listening session (a restart, a proxy): the listener connects
+    and listens again, reads what ended meanwhile, and the wait still returns."""
+    client = api_env.client()
+    run_id = api_env.enqueue(h.ok, {}, delay=2)
+    api_env.start_worker()
+    outcome: dict[str, str] = {}
+
+    def wait() -> None:
+        outcome["state"] = client.wait(run_id, timeout=30).state
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_for(lambda: sessions(api_env.dsn, "cyclone_mp waiting") == 1, 10, "the listening connection")
+    with connect(api_env.dsn) as conn:
+        ended = conn.execute("SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity"
+                             " WHERE datname = current_database() AND application_name = 'cyclone_mp waiting'"
+                             ).fetchone()["n"]
+    assert ended == 1
+    waiter.join(30)
+    assert outcome == {"state": "completed"}
+    assert sessions(api_env.dsn, "cyclone_mp waiting") == 1  # listening again
