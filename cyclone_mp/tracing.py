@@ -2,7 +2,7 @@
 
 * **Enqueue** opens a ``PRODUCER`` span, ``cyclone_mp enqueue <name>`` (a child of the
   caller's current span, if any), and records its trace context on the run (the
-  ``trace`` column, W3C ``traceparent``/``tracestate`` as JSON; migration 0016).
+  ``trace`` column, W3C ``traceparent``/``tracestate`` as JSON; migration 0015).
 * **Every attempt** becomes a ``CONSUMER`` span, ``cyclone_mp attempt <step>``, emitted by
   the supervisor (the parent process; children never import OpenTelemetry) once the
   attempt has ended, from its start to its end, *linked* to the enqueue's span. Its

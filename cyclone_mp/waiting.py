@@ -1,8 +1,10 @@
 """Waiting for runs to end: ``client.wait`` and ``client.result`` (issue 24).
 
 A run that becomes completed, discarded or cancelled sends a ``NOTIFY`` on the channel
-:data:`RUNS_CHANNEL` whose payload is its id (a trigger of migration 0015: one
-notification per statement, the ids of every run it ended, comma-separated). A client
+:data:`RUNS_CHANNEL` whose payload is its id: every statement that ends runs sends it
+for each (``run_ended_expr`` in ``sql/queries.sql``: the completion CAS, a discard,
+``client.cancel``, a workflow's refresh); a payload may also name several runs,
+comma-separated. A client
 keeps **one** listening connection for all its waits, however many (a thread for
 :class:`~cyclone_mp.Client`, a task for :class:`~cyclone_mp.AsyncClient`): woken by a
 notification, it reads the statuses of the runs it names that someone waits for, in
@@ -34,7 +36,7 @@ from .store import AsyncStore, Store, connect, tcp_bounds
 
 log = logging.getLogger("cyclone_mp.client")
 
-RUNS_CHANNEL = "cyclone_mp_runs"  #: the NOTIFY channel of runs that ended (migration 0015)
+RUNS_CHANNEL = "cyclone_mp_runs"  #: the NOTIFY channel of runs that ended (queries.sql: run_ended_expr)
 POLL_LISTENING = 5.0  #: seconds between polls of every waited run while LISTEN works
 POLL_FALLBACK = 0.5  #: seconds between polls when LISTEN cannot be had
 IDLE_CLOSE = 30.0  #: seconds without a waiter after which the listening connection is closed

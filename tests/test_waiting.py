@@ -1,5 +1,5 @@
 """Waiting for a run (issue 24): ``client.wait`` and ``client.result`` with each client,
-woken by LISTEN/NOTIFY on run completion (migration 0015's trigger), polling as the
+woken by LISTEN/NOTIFY on run completion (queries.sql's run_ended_expr), polling as the
 fallback, and one listening connection for 1,000 waits (acceptance 3; its latency is
 measured in benchmarks/wait.py, never here)."""
 
@@ -77,9 +77,9 @@ def test_without_notifications_the_poll_ends_the_wait(api_env, monkeypatch):
     assert client.wait(run_id, timeout=20).state == "completed"
 
 
-def test_the_trigger_notifies_every_way_a_run_ends(cyclone_env, tmp_path):
-    """One notification per statement, naming the runs it ended: a completion (the
-    supervisor's CAS), a discard, a cancel, a workflow's refresh; none for a pause."""
+def test_every_way_a_run_ends_notifies(cyclone_env, tmp_path):
+    """A notification names each run that ended, once: a completion (the supervisor's
+    CAS), a discard, a cancel, a workflow's refresh; none for a pause."""
     client = cyclone_env.client()
     cyclone_env.mux().register(h.ok, h.permanent, wh.diamond)
     listener = psycopg.connect(cyclone_env.dsn, autocommit=True)

@@ -1,6 +1,13 @@
 -- Every query cyclone_mp runs, one per "-- name:" header, with a one-line purpose.
 -- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
 
+-- name: run_ended_expr
+-- (Fragment) announce that run r ended, to the waiters of client.wait (issue 24): a NOTIFY on
+-- channel cyclone_mp_runs with the run's id, sent at commit. Every statement that makes a
+-- run completed, discarded or cancelled returns it (a RETURNING expression is computed
+-- for each row, whatever reads it).
+pg_notify('cyclone_mp_runs', r.id::text)
+
 -- name: utc_now_expr
 -- (Fragment) now() as ISO 8601 text in UTC, whatever the session's TimeZone: the "at"
 -- of an error entry, whose text order must be time order (cyclone_steps_kills_idx).
@@ -127,7 +134,7 @@ runs AS (
        SET state = 'completed', finished_at = now(), updated_at = now()
       FROM done d
      WHERE r.id = d.run_id AND r.kind = 'step' AND r.state IN ('running', 'paused')
-    RETURNING r.id
+    RETURNING r.id, {run_ended_expr}
 )
 
 -- name: fail_ctes
@@ -188,7 +195,7 @@ fail_in AS MATERIALIZED (
        SET state = 'discarded', finished_at = now(), updated_at = now()
       FROM ended e
      WHERE r.id = e.run_id AND e.state = 'discarded' AND e.run_kind = 'step' AND e.run_state = 'running'
-    RETURNING r.id
+    RETURNING r.id, {run_ended_expr}
 )
 
 -- name: claimed_input_expr
@@ -394,7 +401,8 @@ UPDATE cyclone_runs r
  WHERE r.id = %(run_id)s
    AND (r.state IN ('running', 'discarded') OR (r.state = 'paused' AND x.new_state = 'completed'))
    AND x.new_state IS NOT NULL
-   AND x.new_state <> r.state;
+   AND x.new_state <> r.state
+RETURNING r.id, CASE WHEN x.new_state IN ('completed', 'discarded') THEN {run_ended_expr} END;
 
 -- name: cancel_run
 -- client.cancel: every non-terminal step of the run, then the run, in one transaction. A
@@ -415,10 +423,10 @@ WITH steps AS (
        AND state IN ('pending', 'available', 'running', 'waiting_signal', 'waiting_timer', 'paused')
     RETURNING id
 )
-UPDATE cyclone_runs
+UPDATE cyclone_runs r
    SET state = 'cancelled', finished_at = now(), updated_at = now()
  WHERE id = %(run_id)s AND state IN ('running', 'paused')
-RETURNING (SELECT count(*) FROM steps) AS steps;
+RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr};
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
@@ -730,7 +738,7 @@ WITH bounds AS (
       FROM since, cyclone_steps s
      CROSS JOIN LATERAL jsonb_array_elements(s.errors) AS e
      WHERE s.errors <> '[]'::jsonb
-       AND (s.errors -> -1 ->> 'at') >= since.at  -- migration 0017's index
+       AND (s.errors -> -1 ->> 'at') >= since.at  -- migration 0016's index
        AND (e ->> 'at') >= since.at
        AND e ->> 'killed_by_supervisor' = 'true'
 ), per_minute AS (
