@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import click
 
-from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep
+from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep, WaitTimeout
 from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
@@ -36,6 +36,7 @@ from .params import BYTES, JSON, POLL, RATE, SECONDS
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+WAIT_REFRESH = 0.25  # seconds between refreshes of enqueue --wait's live view (the end itself wakes it at once)
 
 
 @dataclasses.dataclass
@@ -222,9 +223,12 @@ def describe_dsn(dsn: str) -> str:
 @click.option("--prefetch", type=click.IntRange(min=0), default=0, show_default=True,
               help="Steps to claim beyond the idle children and hold until one frees up (for "
                    "floods of short steps); 0 claims only for idle children.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
-           max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int) -> None:
+           max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int,
+           metrics_port: int | None) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
@@ -235,13 +239,14 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                      shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
-                     max_child_rss=max_child_rss, prefetch=prefetch)
+                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(
         f"cyclone-mp worker: {cfg.workers} children, queues {', '.join(cfg.queues)}, "
         f"steps {', '.join(mux.step_names) or '(none)'}; database {describe_dsn(client.dsn)}; "
-        "SIGTERM/Ctrl-C drains, a second one stops", err=True,
+        + (f"metrics on :{metrics_port}/metrics; " if metrics_port is not None else "")
+        + "SIGTERM/Ctrl-C drains, a second one stops", err=True,
     )
     def after_drain(signum: int, frame: Any) -> None:
         # Installed before client.run, which puts its own handler in place while the
@@ -361,7 +366,8 @@ def _warn_unserved(client: Any, status: Any, app: str) -> None:
 
 
 def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any:
-    """Poll ``client.status`` until the run is terminal, showing a live view on stderr."""
+    """``client.wait`` for the run (woken by LISTEN/NOTIFY when it ends), showing a live
+    view on stderr refreshed from ``client.status`` every WAIT_REFRESH seconds."""
     from rich.live import Live
 
     start = time.monotonic()
@@ -374,10 +380,13 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
         if view is not None:
             view.start()
         while not status.terminal:
-            if timeout is not None and time.monotonic() - start >= timeout:
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            if left is not None and left <= 0:
                 break
-            time.sleep(0.2)
-            status = client.status(run_id)
+            try:
+                status = client.wait(run_id, timeout=WAIT_REFRESH if left is None else min(WAIT_REFRESH, left))
+            except WaitTimeout:
+                status = client.status(run_id)  # the progress to show
             if view is not None:
                 view.update(render.wait_view(status, time.monotonic() - start, compact=narrow))
     except KeyboardInterrupt:

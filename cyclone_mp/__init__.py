@@ -22,6 +22,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: a child 
 if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run time
     from typing import Any
 
+    from .async_client import AsyncClient
     from .client import Client, enqueue
     from .config import Config
     from .context import Cancellation, Context
@@ -35,8 +36,11 @@ if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run
         PayloadError,
         Permanent,
         QueryRejected,
+        RunCancelled,
+        RunFailed,
         RunNotFound,
         UnknownStep,
+        WaitTimeout,
     )
     from .schedules import Schedule
     from .status import RunStatus, StepStatus
@@ -48,11 +52,12 @@ __version__ = "0.1.0"
 # Every public name loads on first use, so a child process (which imports this package
 # before its runner) starts without paying for what it does not need.
 _LAZY = {
-    "Client": "client", "enqueue": "client", "Config": "config",
+    "Client": "client", "enqueue": "client", "AsyncClient": "async_client", "Config": "config",
     "Cancellation": "context", "Context": "context",
     "Cancelled": "errors", "ConfigurationError": "errors", "CycloneError": "errors",
     "DatabaseError": "errors", "DatabaseUnavailable": "errors", "InvalidTransition": "errors",
     "PayloadError": "errors", "Permanent": "errors", "QueryRejected": "errors", "RunNotFound": "errors", "UnknownStep": "errors",
+    "RunFailed": "errors", "RunCancelled": "errors", "WaitTimeout": "errors",
     "RunStatus": "status", "StepStatus": "status", "Schedule": "schedules",
     "Mux": "steps", "Step": "steps", "step": "steps",
     "Workflow": "workflow",

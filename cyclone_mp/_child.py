@@ -9,6 +9,12 @@ order they arrive; some may be queued behind the running one (pipelining): a can
 one drops it unstarted, so does its ``start_by`` time (``time.monotonic()`` seconds,
 the same clock in every process) once passed, and after an attempt that left processes
 behind the next one waits for the supervisor's "go" (it sweeps them first).
+
+An ``async def`` handler (issue 24) runs as a task on the child's own event loop, made
+at its first async attempt and reused by the next ones (so a client or a pool a module
+keeps on it lives on); a cancel cancels that task at once, so its ``await`` raises
+``asyncio.CancelledError``. A loop blocked in C hears nothing: the supervisor's kill
+after ``kill_grace`` ends it as it ends a sync handler.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class Runner:
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
         self.held = False  # the last attempt left processes: start nothing until "go"
+        self.event_loop: Any = None  # the event loop of async handlers: made once, reused
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -162,6 +169,8 @@ class Runner:
             if fn not in self._handlers:
                 self._handlers[fn] = input_annotation(fn)
             output = fn(ctx, convert_input(self._handlers[fn], inputs[0]))
+            if is_coroutine(output):  # an async def handler (or a callable that returns a coroutine)
+                output = self.run_async(output)
         except Cancelled as exc:
             return failure("cancelled", exc)
         except Permanent as exc:
@@ -172,12 +181,36 @@ class Runner:
         except SystemExit as exc:
             return failure(EXIT, exc, exit_message(exc.code))
         except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
+            if self.cancellation.is_set() and is_cancelled_error(exc):  # our cancel, seen as CancelledError
+                return failure("cancelled", exc)
             kind = getattr(exc, "kind", None) if isinstance(exc, PayloadError) else None
             return failure(kind or "error", exc)
         try:
             return {"ok": True, "output": to_json_value(output)}
         except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
             return failure(OUTPUT_INVALID, TypeError(f"handler output is not a JSON value: {exc}"))
+
+    def run_async(self, coro: Any) -> Any:
+        """Run an async handler's coroutine to its end as a task on this child's event
+        loop (made at the first async attempt, then reused). The attempt's cancel cancels
+        the task from the watcher thread (``call_soon_threadsafe``), so the handler's
+        ``await`` raises ``asyncio.CancelledError`` at once; a cancel that came before it
+        started cancels it before its first step."""
+        import asyncio  # here, not at import: a child of sync handlers starts faster without it
+
+        if self.event_loop is None or self.event_loop.is_closed():
+            self.event_loop = asyncio.new_event_loop()
+        loop = self.event_loop
+        task = loop.create_task(coro)
+
+        def cancel(reason: str) -> None:
+            try:
+                loop.call_soon_threadsafe(task.cancel, f"cyclone_mp: attempt cancelled ({reason})")
+            except RuntimeError:  # the loop is closed: the attempt is over
+                pass
+
+        self.cancellation.on_set(cancel)
+        return loop.run_until_complete(task)
 
     def preload(self, modules: list[list[Any]]) -> None:
         """Import the handlers' modules before saying ready (issue 8: children start from
@@ -293,6 +326,18 @@ class Runner:
         result.pop("progress", None)  # checked when it was set, but it must not sink the report
         result.update(failure(OUTPUT_INVALID, exc))
         return protocol.encode(result)
+
+
+def is_coroutine(value: Any) -> bool:
+    """True for a coroutine object (what calling an ``async def`` handler returns),
+    without importing asyncio or inspect for the sync handlers' sake."""
+    return type(value).__name__ == "coroutine" and hasattr(value, "send") and hasattr(value, "cr_frame")
+
+
+def is_cancelled_error(exc: BaseException) -> bool:
+    """True for ``asyncio.CancelledError`` (asyncio is only imported once some handler used it)."""
+    asyncio = sys.modules.get("asyncio")
+    return asyncio is not None and isinstance(exc, asyncio.CancelledError)
 
 
 def dropped_frame(token: str, reason: str) -> bytes:

@@ -66,6 +66,8 @@ class Attempt:
     forensics: dict[str, Any] = dataclasses.field(default_factory=dict)
     peak_rss_kb: int | None = None  # sampled while it runs (a crashed child cannot be read)
     start_by: float | None = None  # queued in a child: the child never starts it after this (time.monotonic())
+    started_wall: float | None = None  # wall-clock epoch seconds it started in its child (None: never started)
+    trace: Any = None  # the run's stored trace context (a span per attempt links to it)
 
     @property
     def step_id(self) -> int:

@@ -12,23 +12,23 @@ import logging
 import signal
 import threading
 import time
-import uuid
 from typing import Any, Callable, Iterable, Sequence
 
 import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from . import operations, tracing
 from .config import Config
 from .backoff import storable_backoff
 from .protocol import check_value
 from .durations import Duration, seconds
-from .errors import (
-    ConfigurationError, CycloneError, DatabaseError, DatabaseUnavailable, PayloadError, RunNotFound, UnknownStep,
-)
+from .errors import ConfigurationError, CycloneError, DatabaseError, DatabaseUnavailable, UnknownStep
+from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
 from .store import NodeRow, Store, classify, configure_session, connect, redact, stale_plan, tcp_bounds
+from .waiting import Waiter, result_of
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -39,7 +39,174 @@ POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API po
 POOL_PROBE_EVERY = 1.0
 
 
-class Client:
+class ClientBase:
+    """What :class:`Client` and :class:`~cyclone_mp.AsyncClient` share: the options, the
+    mux, and the planning of every call (checks, then a
+    :class:`~cyclone_mp.operations.Op`). No I/O: each client runs the planned operations
+    on its own connections, one sync and one async (issue 24)."""
+
+    config: Config
+    mux: Mux
+    _dsn: str | None
+
+    @property
+    def dsn(self) -> str:
+        """The DSN in use (the embedded default's, started on first use, when None was given)."""
+        if self._dsn is None:
+            from .embedded import ensure_default_dsn
+
+            self._dsn = ensure_default_dsn()
+        return self._dsn
+
+    def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
+        """``exc``, or when the DSN is an embedded server that is going away, the one line
+        that says so (a connection refused or closed by a stopping server is why)."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
+        if server is not None and server.stopping():
+            return DatabaseUnavailable(server.not_running_message())
+        return exc
+
+    def _call_failed(self, exc: DatabaseError) -> DatabaseError:
+        """The error a failed call raises: a missing schema and an embedded server going
+        away say so in one line; anything else as it is."""
+        if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+            return DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`")
+        if isinstance(exc, DatabaseUnavailable):  # lost mid-call, or refused: say why when we can
+            return self._explain(exc)
+        return exc
+
+    @staticmethod
+    def _retryable(exc: DatabaseError, store: Any, tries_left: int) -> bool:
+        """Once more, on another connection, when the call surely did nothing: a schema
+        change invalidated a prepared statement (it did not run, and the connection
+        dropped its prepared statements), or the connection was lost inside the call's
+        only transaction, before its COMMIT (the server ends a session left idle in a
+        transaction: a frozen process)."""
+        lost_uncommitted = (isinstance(exc, DatabaseUnavailable) and store is not None
+                            and store.failed_before_commit and store.commits == 0)
+        return bool(tries_left) and (stale_plan(exc.__cause__) or lost_uncommitted)
+
+    # -- planning (pure) -------------------------------------------------------------------------
+
+    def _resolve(self, target: Step | Workflow | str) -> Step | Workflow:
+        if isinstance(target, (Step, Workflow)):
+            return target
+        if isinstance(target, str):
+            return self.mux.lookup(target)
+        raise UnknownStep(f"enqueue takes a cy.step, a cy.Workflow or a registered name, not {type(target).__name__}")
+
+    def _check_payload(self, value: Any, what: str) -> str:
+        """``value`` as JSON text, checked at the payload boundary
+        (:func:`cyclone_mp.protocol.check_value`: JSON, storable by PostgreSQL, at most
+        ``MAX_DEPTH`` levels deep, within max_payload).
+
+        Raises:
+            PayloadError: it is not.
+        """
+        return check_value(value, what, self.config.max_payload)
+
+    def _node_options(self, step: Step, overrides: StepOptions) -> StepOptions:
+        return overrides.over(step.options).over(self.config.defaults)
+
+    @staticmethod
+    def _enqueue_options(**raw: Any) -> StepOptions:
+        """Per-enqueue options; a backoff given here must be storable (seconds or a list),
+        a concurrency key a string."""
+        if raw.get("concurrency_key") is not None and callable(raw["concurrency_key"]):
+            raise ConfigurationError("a per-enqueue concurrency_key is a string (a callable of the input belongs to cy.step)")
+        if callable(raw.get("backoff")):
+            raise ConfigurationError(
+                "a per-enqueue backoff must be seconds or a list of seconds (it is stored on the row); "
+                "pass a backoff(attempt) callable to cy.step(...) instead"
+            )
+        return StepOptions.build(**raw)
+
+    def _plan_enqueue(
+        self, target: Step | Workflow | str, input: Any, *, timeout: Duration | None, max_attempts: int | None,
+        max_reclaims: int | None, queue: str | None, priority: int | None, backoff: float | Sequence[float] | None,
+        delay: Duration | None, scheduled_at: dt.datetime | None, idempotency_key: str | None,
+        concurrency: int | None = None, concurrency_key: str | None = None,
+        rate_limit: tuple[int, Duration] | None = None,
+    ) -> tuple[str, Callable[[Any], Op]]:
+        """Check an enqueue's arguments; returns the name enqueued and a maker of its
+        operation, ``make(trace)`` (a retried call needs a fresh one; ``trace``: the
+        enqueue's trace context or None). Raises what :meth:`Client.enqueue` documents,
+        before any I/O."""
+        definition = self._resolve(target)
+        self._check_payload(input, "input")
+        overrides = self._enqueue_options(
+            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+        )
+        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
+        check_scheduled_at(scheduled_at)
+        check_idempotency_key(idempotency_key)
+        kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
+        return definition.name, lambda trace: operations.enqueue_run(
+            name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
+            scheduled_at=scheduled_at, idempotency_key=idempotency_key, trace=trace,
+        )
+
+    def _plan_enqueue_many(
+        self, target: Step | str, inputs: Iterable[Any], *, timeout: Duration | None, max_attempts: int | None,
+        max_reclaims: int | None, queue: str | None, priority: int | None, backoff: float | Sequence[float] | None,
+        delay: Duration | None, scheduled_at: dt.datetime | None, concurrency: int | None = None,
+        concurrency_key: str | None = None, rate_limit: tuple[int, Duration] | None = None,
+    ) -> tuple[str, Callable[[Any], Op] | None]:
+        """Check an enqueue_many's arguments; returns the step's name and a maker of its
+        operation, ``make(trace)``, or None when there are no inputs. Raises what
+        :meth:`Client.enqueue_many` documents."""
+        definition = self._resolve(target)
+        if not isinstance(definition, Step):
+            raise ConfigurationError("enqueue_many takes a step, not a workflow")
+        originals = list(inputs)
+        items = [self._check_payload(item, f"input #{i}") for i, item in enumerate(originals)]  # JSON texts
+        if not items:
+            return definition.name, None
+        opts = self._node_options(definition, self._enqueue_options(
+            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+        ))
+        keys = [opts.key_for(item) for item in originals] if opts.concurrency_key is not None else None
+        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
+        check_scheduled_at(scheduled_at)
+        return definition.name, lambda trace: operations.enqueue_many(
+            name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
+            max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
+            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff), trace=trace,
+            keys=keys, concurrency=opts.concurrency, rate_limit=opts.rate_limit,
+        )
+
+    def _plan_signal(self, run_id: str, name: str, payload: Any) -> Callable[[], Op]:
+        check_name(name, "signal name")
+        self._check_payload(payload, "payload")
+        return lambda: operations.signal(run_id, name, payload)
+
+    @staticmethod
+    def _plan_prune(older_than: Duration) -> Callable[[], Op]:
+        age = seconds(older_than, "older_than", allow_none=False, allow_zero=True)
+        return lambda: operations.prune(older_than=age or 0.0)
+
+    @staticmethod
+    def _wait_timeout(timeout: Duration | None) -> float | None:
+        return seconds(timeout, "timeout", allow_zero=True)
+
+    @staticmethod
+    def _unserved(status: RunStatus, workers: list[dict[str, Any]]) -> list[StepStatus]:
+        live = [row.get("info") or {} for row in workers]
+        serving = [info for info in live if not info.get("draining")]
+
+        def served(step: StepStatus) -> bool:
+            return any(step.queue in (info.get("queues") or []) and
+                       (info.get("names") is None or step.step_name in info["names"]) for info in serving)
+
+        return [step for step in status.steps.values()
+                if step.kind == "task" and not step.terminal and step.state != "running" and not served(step)]
+
+
+class Client(ClientBase):
     """A connection to the cyclone tables, and (with ``run``/``start``) a supervisor.
 
     Durations are seconds (``int``/``float``) or ``datetime.timedelta`` (SPEC section 2).
@@ -81,6 +248,10 @@ class Client:
             queued in each busy child (pipelining); see docs/steps-and-client.md#prefetch.
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
+        metrics_port: the supervisor serves Prometheus metrics on this TCP port
+            (``/metrics``; 0 picks a free one: ``client.supervisor.metrics.port``); None
+            (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
+            :mod:`cyclone_mp.metrics`.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -110,6 +281,7 @@ class Client:
         max_payload: int | None = None,
         prefetch: int = 0,
         registry_interval: Duration = 2.0,
+        metrics_port: int | None = None,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -136,17 +308,13 @@ class Client:
         self._wall_clock = wall_clock
         self._supervisor: Any = None
         self._thread: threading.Thread | None = None
+        self._waiting: Waiter | None = None
+        if metrics_port is not None and (not isinstance(metrics_port, int) or isinstance(metrics_port, bool)
+                                         or not 0 <= metrics_port <= 65535):
+            raise ConfigurationError(f"metrics_port must be a TCP port (0-65535) or None, got {metrics_port!r}")
+        self.metrics_port = metrics_port
 
     # -- connection -------------------------------------------------------------------------
-
-    @property
-    def dsn(self) -> str:
-        """The DSN in use (the embedded default's, started on first use, when None was given)."""
-        if self._dsn is None:
-            from .embedded import ensure_default_dsn
-
-            self._dsn = ensure_default_dsn()
-        return self._dsn
 
     def _store_pool(self) -> ConnectionPool:
         with self._lock:
@@ -168,16 +336,6 @@ class Client:
                     configure=lambda conn: configure_session(conn, idle_in_transaction=limit),
                 )
             return self._pool
-
-    def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
-        """``exc``, or when the DSN is an embedded server that is going away, the one line
-        that says so (a connection refused or closed by a stopping server is why)."""
-        from .embedded import server_for_dsn
-
-        server = server_for_dsn(self.dsn)
-        if server is not None and server.stopping():
-            return DatabaseUnavailable(server.not_running_message())
-        return exc
 
     @contextlib.contextmanager
     def _connection(self, pool: ConnectionPool) -> Any:
@@ -219,29 +377,27 @@ class Client:
                         store = Store(conn)
                         return fn(store)
                 except DatabaseError as exc:
-                    # Once more, on another connection, when the call surely did nothing:
-                    # a schema change invalidated a prepared statement (it did not run, and
-                    # the connection dropped its prepared statements), or the connection
-                    # was lost inside the call's only transaction, before its COMMIT (the
-                    # server ends a session left idle in a transaction: a frozen process).
-                    lost_uncommitted = (isinstance(exc, DatabaseUnavailable) and store is not None
-                                        and store.failed_before_commit and store.commits == 0)
-                    if not (tries_left and (stale_plan(exc.__cause__) or lost_uncommitted)):
+                    if not self._retryable(exc, store, tries_left):
                         raise
         except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
             raise classify(exc) from exc
         except DatabaseError as exc:
-            if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
-                raise DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`") from exc
-            if isinstance(exc, DatabaseUnavailable):  # lost mid-call, or refused: say why when we can
-                explained = self._explain(exc)
-                if explained is not exc:
-                    raise explained from exc
+            failed = self._call_failed(exc)
+            if failed is not exc:
+                raise failed from exc
             raise
 
+    def _run(self, plan: Callable[[], Op]) -> Any:
+        """Run the operation ``plan()`` makes on a pooled connection (a retry makes another)."""
+        return self._call(lambda store: store.run(plan()))
+
     def close(self) -> None:
-        """Close the API connection pool (the supervisor, if any, is not affected)."""
+        """Close the API connection pool and stop listening for waits (the supervisor, if
+        any, is not affected)."""
         with self._lock:
+            if self._waiting is not None:
+                self._waiting.close()
+                self._waiting = None
             if self._pool is not None:
                 self._pool.close()
                 self._pool = None
@@ -259,29 +415,9 @@ class Client:
 
         Returns the migration files applied now (empty when up to date).
         """
-        return self._call(lambda store: store.migrate())
+        return self._run(operations.migrate)
 
     # -- enqueue ------------------------------------------------------------------------------
-
-    def _resolve(self, target: Step | Workflow | str) -> Step | Workflow:
-        if isinstance(target, (Step, Workflow)):
-            return target
-        if isinstance(target, str):
-            return self.mux.lookup(target)
-        raise UnknownStep(f"enqueue takes a cy.step, a cy.Workflow or a registered name, not {type(target).__name__}")
-
-    def _check_payload(self, value: Any, what: str) -> str:
-        """``value`` as JSON text, checked at the payload boundary
-        (:func:`cyclone_mp.protocol.check_value`: JSON, storable by PostgreSQL, at most
-        ``MAX_DEPTH`` levels deep, within max_payload).
-
-        Raises:
-            PayloadError: it is not.
-        """
-        return check_value(value, what, self.config.max_payload)
-
-    def _node_options(self, step: Step, overrides: StepOptions) -> StepOptions:
-        return overrides.over(step.options).over(self.config.defaults)
 
     def enqueue(
         self,
@@ -318,40 +454,16 @@ class Client:
             ConfigurationError: an invalid option.
             DatabaseError: the database failed or cannot be reached.
         """
-        definition = self._resolve(target)
-        self._check_payload(input, "input")
-        overrides = self._enqueue_options(
-            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+        name, make = self._plan_enqueue(
+            target, input, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
+            priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
+            idempotency_key=idempotency_key, concurrency=concurrency, concurrency_key=concurrency_key,
+            rate_limit=rate_limit,
         )
-        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
-        check_scheduled_at(scheduled_at)
-        check_idempotency_key(idempotency_key)
-        kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
-
-        def write(store: Store) -> str:
-            run_id, _ = store.enqueue_run(
-                name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
-                scheduled_at=scheduled_at, idempotency_key=idempotency_key, conn=conn,
-            )
-            return run_id
-
-        if conn is not None:
-            return write(Store(conn))
-        return self._call(write)
-
-    @staticmethod
-    def _enqueue_options(**raw: Any) -> StepOptions:
-        """Per-enqueue options; a backoff given here must be storable (seconds or a list),
-        a concurrency key a string."""
-        if raw.get("concurrency_key") is not None and callable(raw["concurrency_key"]):
-            raise ConfigurationError("a per-enqueue concurrency_key is a string (a callable of the input belongs to cy.step)")
-        if callable(raw.get("backoff")):
-            raise ConfigurationError(
-                "a per-enqueue backoff must be seconds or a list of seconds (it is stored on the row); "
-                "pass a backoff(attempt) callable to cy.step(...) instead"
-            )
-        return StepOptions.build(**raw)
+        with tracing.enqueue_span(name) as trace:  # the trace context kept on the run (issue 24)
+            if conn is not None:
+                return Store(conn).run(make(trace), caller_tx=True)[0]
+            return self._run(lambda: make(trace))[0]
 
     def enqueue_many(
         self,
@@ -366,11 +478,13 @@ class Client:
         backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
+        conn: psycopg.Connection | None = None,
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
     ) -> list[str]:
         """Enqueue one single-step run per input, in one INSERT; returns run ids in order.
+        With ``conn`` the runs are written in the caller's open transaction.
 
         Each run's concurrency key is ``concurrency_key`` if given, else the step's
         ``concurrency_key(input)``.
@@ -381,46 +495,19 @@ class Client:
             ConfigurationError: an invalid option, or a workflow.
             DatabaseError: the database failed or cannot be reached.
         """
-        definition = self._resolve(target)
-        if not isinstance(definition, Step):
-            raise ConfigurationError("enqueue_many takes a step, not a workflow")
-        originals = list(inputs)
-        items = [self._check_payload(item, f"input #{i}") for i, item in enumerate(originals)]  # JSON texts
-        if not items:
+        name, make = self._plan_enqueue_many(
+            target, inputs, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
+            priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
+            concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+        )
+        if make is None:
             return []
-        opts = self._node_options(definition, self._enqueue_options(
-            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
-        ))
-        keys = [opts.key_for(item) for item in originals] if opts.concurrency_key is not None else None
-        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
-        check_scheduled_at(scheduled_at)
-        return self._call(lambda store: store.enqueue_many(
-            name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
-            max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
-            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff),
-            keys=keys, concurrency=opts.concurrency, rate_limit=opts.rate_limit,
-        ))
+        with tracing.enqueue_span(name) as trace:
+            if conn is not None:
+                return Store(conn).run(make(trace), caller_tx=True)
+            return self._run(lambda: make(trace))
 
     # -- operator actions ------------------------------------------------------------------------
-
-    def _run_id(self, run_id: str) -> str:
-        """A full run id, or the one run whose id starts with ``run_id`` (at least 8 hex
-        digits, as the CLI's tables show). Raises RunNotFound (none, or ambiguous)."""
-        text = str(run_id).strip()
-        try:
-            return str(uuid.UUID(text))
-        except ValueError:
-            pass
-        digits = text.replace("-", "").lower()
-        if len(digits) < 8 or len(digits) > 32 or any(c not in "0123456789abcdef" for c in digits):
-            raise RunNotFound(f"no run with id {run_id!r} (not a UUID or a prefix of 8+ hex digits)")
-        found = self._call(lambda store: store.runs_by_prefix(digits))
-        if not found:
-            raise RunNotFound(f"no run with id starting {run_id!r}")
-        if len(found) > 1:
-            raise RunNotFound(f"{run_id!r} matches several runs; give more of the id")
-        return found[0]
 
     def status(self, run_id: str) -> RunStatus:
         """The run and each of its steps, as the database has them.
@@ -428,25 +515,40 @@ class Client:
         Raises:
             RunNotFound: no run has that id.
         """
-        rid = self._run_id(run_id)
-        run, steps = self._call(lambda store: store.get_run(rid))
-        return RunStatus(
-            id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
-            created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
-            steps={row["node"]: StepStatus.from_row(row) for row in steps},
-            schedule=self._schedule_of(run["idempotency_key"]),
-        )
+        return RunStatus.from_rows(*self._run(lambda: operations.get_run(run_id)))
 
-    def _schedule_of(self, key: str | None) -> dict[str, Any] | None:
-        """``{"name", "slot", "next_at"}`` for a run a schedule enqueued (its idempotency key says)."""
-        from .schedules import parse_idempotency_key
+    def wait(self, run_id: str, timeout: Duration | None = None) -> RunStatus:
+        """Block until the run is completed, discarded or cancelled; returns its final status.
 
-        parsed = parse_idempotency_key(key)
-        if parsed is None:
-            return None
-        name, slot = parsed
-        row = self._call(lambda store: store.get_schedule(name))
-        return {"name": name, "slot": slot, "next_at": row["next_at"] if row else None}
+        Woken by ``LISTEN/NOTIFY`` the moment the run ends (polling is the fallback); all
+        the waits of one client, from any number of threads, share one listening
+        connection. A paused run is still waited for.
+
+        Raises:
+            RunNotFound: no run has that id.
+            WaitTimeout: the run did not end within ``timeout`` seconds (None: no limit).
+        """
+        limit = self._wait_timeout(timeout)
+        rid = self._run(lambda: operations.resolve_run(run_id))
+        return self._waiter().wait(rid, limit)
+
+    def result(self, run_id: str, timeout: Duration | None = None) -> Any:
+        """:meth:`wait` for the run, then return its output: a single-step run's output, or
+        a workflow's ``{node: output}``.
+
+        Raises:
+            RunNotFound: no run has that id.
+            WaitTimeout: the run did not end within ``timeout`` seconds.
+            RunFailed: the run was discarded (``.status`` has every step's errors).
+            RunCancelled: the run was cancelled.
+        """
+        return result_of(self.wait(run_id, timeout))
+
+    def _waiter(self) -> Waiter:
+        with self._lock:
+            if self._waiting is None:
+                self._waiting = Waiter(lambda: self.dsn, self.status)
+            return self._waiting
 
     def schedules(self) -> list[dict[str, Any]]:
         """Every schedule the supervisors have defined (``mux.schedule``): ``name``,
@@ -466,8 +568,7 @@ class Client:
             RunNotFound: no run has that id.
             InvalidTransition: the run is already completed, discarded or cancelled.
         """
-        rid = self._run_id(run_id)
-        return self._call(lambda store: store.cancel_run(rid))
+        return self._run(lambda: operations.cancel_run(run_id))
 
     def retry(self, run_id: str) -> int:
         """Reopen the run's discarded steps, or the step of a cancelled single-step run
@@ -479,8 +580,7 @@ class Client:
             RunNotFound: no run has that id.
             InvalidTransition: the run has no discarded (or cancelled single) step.
         """
-        rid = self._run_id(run_id)
-        return self._call(lambda store: store.retry_run(rid))
+        return self._run(lambda: operations.retry_run(run_id))
 
     def pause(self, run_id: str) -> int:
         """Pause a run: waiting steps become paused, running ones finish (SPEC 6).
@@ -491,8 +591,7 @@ class Client:
             RunNotFound: no run has that id.
             InvalidTransition: the run is not running.
         """
-        rid = self._run_id(run_id)
-        return self._call(lambda store: store.pause_run(rid))
+        return self._run(lambda: operations.pause_run(run_id))
 
     def resume(self, run_id: str) -> int:
         """Resume a paused run: each step returns to the state it was paused from (SPEC 6).
@@ -503,8 +602,7 @@ class Client:
             RunNotFound: no run has that id.
             InvalidTransition: the run is not paused.
         """
-        rid = self._run_id(run_id)
-        return self._call(lambda store: store.resume_run(rid))
+        return self._run(lambda: operations.resume_run(run_id))
 
     def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
         """Send signal ``name``; the first one per name is kept (returns False for a repeat).
@@ -517,14 +615,11 @@ class Client:
                 over a limit (see :func:`~cyclone_mp.protocol.check_value`).
             ConfigurationError: an invalid signal name.
         """
-        check_name(name, "signal name")
-        self._check_payload(payload, "payload")
-        rid = self._run_id(run_id)
-        return self._call(lambda store: store.signal(rid, name, payload))
+        return self._run(self._plan_signal(run_id, name, payload))
 
     def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """Recent runs (dicts: id, name, kind, state, created_at, finished_at, steps)."""
-        return self._call(lambda store: store.list_runs(state=state, limit=limit))
+        return self._run(lambda: operations.list_runs(state=state, limit=limit))
 
     def prune(self, older_than: Duration) -> int:
         """Delete runs that finished (completed, discarded or cancelled) more than
@@ -537,12 +632,11 @@ class Client:
             ConfigurationError: ``older_than`` is negative.
             DatabaseError: the database failed or cannot be reached.
         """
-        age = seconds(older_than, "older_than", allow_none=False, allow_zero=True)
-        return self._call(lambda store: store.prune(older_than=age or 0.0))
+        return self._run(self._plan_prune(older_than))
 
     def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """Live supervisors (refreshed within ``within`` seconds) and their children."""
-        return self._call(lambda store: store.list_workers(within))
+        return self._run(lambda: operations.list_workers(within))
 
     def unserved_steps(self, status: RunStatus, within: float = 15.0) -> list[StepStatus]:
         """The run's unfinished task steps that no live supervisor would claim: none of
@@ -554,15 +648,7 @@ class Client:
         Raises:
             DatabaseError: the database failed or cannot be reached.
         """
-        live = [row.get("info") or {} for row in self.workers(within)]
-        serving = [info for info in live if not info.get("draining")]
-
-        def served(step: StepStatus) -> bool:
-            return any(step.queue in (info.get("queues") or []) and
-                       (info.get("names") is None or step.step_name in info["names"]) for info in serving)
-
-        return [step for step in status.steps.values()
-                if step.kind == "task" and not step.terminal and step.state != "running" and not served(step)]
+        return self._unserved(status, self.workers(within))
 
     # -- the supervisor -------------------------------------------------------------------------
 
@@ -577,7 +663,7 @@ class Client:
             kwargs["clock"] = self._clock
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
-        self._supervisor = Supervisor(self.dsn, self.mux, self.config, **kwargs)
+        self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port, **kwargs)
         return self._supervisor
 
     def run(self, on_signal: Callable[[str], None] | None = None) -> None:

@@ -3,7 +3,9 @@
 Cancellation is cooperative first: ``ctx.cancelled`` turns true when the supervisor
 sends a cancel over the cancellation pipe (reason ``"timeout"``, ``"cancelled"``,
 ``"lease_lost"`` or ``"shutdown"``); after ``kill_grace`` seconds the supervisor
-SIGKILLs the child whatever the handler does.
+SIGKILLs the child whatever the handler does. An ``async def`` handler's task is
+cancelled at the same moment (its ``await`` raises ``asyncio.CancelledError``), and
+``await ctx.cancellation`` waits for the cancel in any other task (issue 24).
 """
 
 from __future__ import annotations
@@ -19,17 +21,58 @@ from .errors import Cancelled
 
 
 class Cancellation:
-    """The cancellation handle (the Ruby SDK's ``ctx.cancellation``)."""
+    """The cancellation handle (the Ruby SDK's ``ctx.cancellation``).
+
+    Awaitable in an ``async def`` handler: ``reason = await ctx.cancellation`` returns
+    once the attempt is cancelled (at once if it already is). The handler's own task is
+    cancelled then too, so await it from another task (a watcher in a ``TaskGroup``, say):
+    in the handler's task the cancel arrives as ``asyncio.CancelledError``.
+    """
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[str], None]] = []
         self.reason: str | None = None
 
     def set(self, reason: str) -> None:
-        """Trip the handle (first reason wins)."""
-        if not self._event.is_set():
+        """Trip the handle (first reason wins) and call what :meth:`on_set` registered."""
+        with self._lock:
+            if self._event.is_set():
+                return
             self.reason = reason
             self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(reason)
+
+    def on_set(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once the handle trips (now, if it has). It runs on the
+        thread that trips it (the child's cancel watcher): it must not block."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self.reason or "cancelled")
+
+    def __await__(self) -> Any:
+        import asyncio  # here, not at import: a child of sync handlers starts faster without it
+
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def resolve(reason: str) -> None:
+            if not future.done():
+                future.set_result(reason)
+
+        def wake(reason: str) -> None:
+            try:
+                loop.call_soon_threadsafe(resolve, reason)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        self.on_set(wake)
+        return future.__await__()
 
     def is_set(self) -> bool:
         """True once cancellation was requested."""

@@ -52,6 +52,7 @@ from .messages import (
     Progress, Renewed,
 )
 from .pool import ChildPool, ChildProc
+from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
 
 RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
@@ -73,12 +74,14 @@ class ProcessControl:
         writer: the :class:`~cyclone_mp.outcomes.OutcomeWriter` (``post``, ``idle``).
         watchdog: the :class:`~cyclone_mp.procs.WatchdogLink`.
         clock: local monotonic clock in seconds (injectable; schedules work only).
-        wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
+        wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` (and the start
+            time of an attempt's span) only.
+        observer: told how each attempt ended and of each kill (:mod:`cyclone_mp.telemetry`).
     """
 
     def __init__(self, owner: str, mux: Mux, config: Config, *, keeper: Callable[[Any], None], writer: Any,
                  watchdog: procs.WatchdogLink, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, observer: Observer = NO_OBSERVER) -> None:
         self.owner = owner
         self.mux = mux
         self.config = config
@@ -93,8 +96,9 @@ class ProcessControl:
         self.selector.register(watchdog.fileno(), selectors.EVENT_READ, ("watchdog", None))
         # every child imports the handlers' modules before it is ready (issue 8)
         preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
+        self.observer = observer
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
-                              selector=self.selector, watchdog=watchdog, clock=clock)
+                              selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed)
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.held: collections.deque[Held] = collections.deque()
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
@@ -346,6 +350,7 @@ class ProcessControl:
         for pid in self.watchdog.reports():
             self._watchdog_killed.add(pid)
             self.stats["watchdog_kills"] += 1
+            self.observer.killed("watchdog")
             log.warning("the watchdog killed child %d (the supervisor was late: frozen or stalled)", pid)
 
     # -- claiming -----------------------------------------------------------------------------------
@@ -515,12 +520,13 @@ class ProcessControl:
             attempt=row["attempt"], timeout=timeout, token=token, child=child,
             workflow=row["run_kind"] == "workflow", started=now,
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
-            backoff_spec=row.get("backoff"),
+            backoff_spec=row.get("backoff"), trace=row.get("trace"),
         )
         att.cpu_start = child.cpu_total
         self.attempts[att.key] = att
         if child.attempt is None:
             child.attempt = att
+            att.started_wall = self.wall_clock()
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
@@ -630,7 +636,7 @@ class ProcessControl:
         self._prefetch_hold = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
-            nxt.started, nxt.start_by = self.clock(), None
+            nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -661,6 +667,7 @@ class ProcessControl:
         if result.get("ok"):
             if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
                 self.stats["late_completions_dropped"] += 1
+                self._observe_end(att, "late", entry)
                 self.keeper(LeaseDone(att.key))
                 return
             self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
@@ -693,6 +700,7 @@ class ProcessControl:
             # sweep reclaims the step as after a crash (reclaims + 1, bounded by
             # max_reclaims). Either way nothing is written and the lease is not renewed.
             self.stats["cancelled_attempts"] += 1
+            self._observe_end(att, reason, entry)
             self.keeper(LeaseDone(att.key))
         else:  # killed for breaking the pipe protocol: a failed attempt like any error
             self._fail(att, decisions.ERROR, entry)
@@ -868,9 +876,22 @@ class ProcessControl:
                                    require_timed_out=require_timed_out))
 
     def _outcome(self, att: Attempt, outcome: Outcome) -> None:
+        if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended
+            if outcome.kind == COMPLETE:
+                label = "completed"
+            elif outcome.kind == RELEASE:
+                label = "released"
+            else:
+                label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
+            self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
         self.outcomes.append((outcome, att.deadline))
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()
+
+    def _observe_end(self, att: Attempt, outcome: str, entry: dict[str, Any]) -> None:
+        """Tell the observer (metrics, traces) how an attempt that ran ended."""
+        if att.started_wall is not None:
+            self.observer.attempt_ended(att, outcome, entry)
 
     def _flush_at(self) -> float | None:
         """When the gathered outcomes go to the writer (None: there are none). At once,

@@ -31,6 +31,35 @@ class InvalidTransition(CycloneError):
     """The run is not in a state that allows this operation."""
 
 
+class WaitTimeout(CycloneError, TimeoutError):
+    """The run did not end within the time ``client.wait`` or ``client.result`` was given."""
+
+
+class RunFailed(CycloneError):
+    """The run was discarded: a step failed for good (``client.result``).
+
+    Attributes:
+        status: the run's final :class:`~cyclone_mp.RunStatus` (each step's ``error``,
+            ``error_kind`` and ``errors``).
+    """
+
+    def __init__(self, message: str | None = None, status: object = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RunCancelled(CycloneError):
+    """The run was cancelled (``client.result``).
+
+    Attributes:
+        status: the run's final :class:`~cyclone_mp.RunStatus`.
+    """
+
+    def __init__(self, message: str | None = None, status: object = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class DatabaseError(CycloneError):
     """The database could not be reached or rejected a query."""
 

@@ -40,6 +40,7 @@ from .messages import (
     DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
 )
 from .store import NOTIFY_CHANNEL, connect
+from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -52,6 +53,7 @@ class Lease:
     next_beat: float
     progress: Any = None
     progress_dirty: bool = False
+    renewed: float = 0.0  # when the claim or the last renewal that held was sent (heartbeat lag)
 
 
 class LeaseKeeper(DatabaseThread):
@@ -63,13 +65,15 @@ class LeaseKeeper(DatabaseThread):
         owner: the supervisor's id (``lease_owner``).
         tell: posts a message to process control.
         listen_dsn: where to LISTEN (default ``dsn``).
+        observer: told of the heartbeat lag (:mod:`cyclone_mp.telemetry`).
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, owner: str, tell: Callable[[Any], None],
-                 listen_dsn: str | None = None,
+                 listen_dsn: str | None = None, observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("lease keeper", dsn, config, owner=owner, bound=config.call_bound, clock=clock)
+        self.observer = observer
         self.config = config
         self.owner = owner
         self.tell = tell
@@ -89,7 +93,8 @@ class LeaseKeeper(DatabaseThread):
                 self.leases.pop(message.key, None)
             elif isinstance(message, Track):  # claimed by the outcome writer with a batch
                 for key in message.keys:
-                    self.leases[key] = Lease(key, message.sent + random.uniform(0, self.config.heartbeat_interval))
+                    self.leases[key] = Lease(key, message.sent + random.uniform(0, self.config.heartbeat_interval),
+                                             renewed=message.sent)
 
     # -- the turn ------------------------------------------------------------------------------
 
@@ -97,6 +102,9 @@ class LeaseKeeper(DatabaseThread):
         self._read_inbox()
         if self.db_ok:
             self._renew_due(now)
+        if self.observer is not NO_OBSERVER:
+            oldest = min((lease.renewed for lease in self.leases.values()), default=None)
+            self.observer.heartbeat_lag(0.0 if oldest is None else max(0.0, self.clock() - oldest))
         interval = self.config.heartbeat_interval
         beats = [lease.next_beat for lease in self.leases.values()]
         return min([self.clock() + interval, *beats])
@@ -151,6 +159,7 @@ class LeaseKeeper(DatabaseThread):
         if ok:
             if self.leases.get(lease.key) is lease:
                 lease.progress_dirty = False
+                lease.renewed = max(lease.renewed, sent)
             self.tell(Renewed(lease.key, sent))
             return
         self._lost(lease)

@@ -33,6 +33,7 @@ from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track
 from .protocol import storable
 from .store import FORENSIC_KEYS, FailedAttempt, stale_plan
+from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -66,8 +67,10 @@ class OutcomeWriter(DatabaseThread):
     def __init__(self, dsn: str, config: Config, *, owner: str, names: list[str],
                  backoff_for: Callable[[str | None], Callable[[int], float]],
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
-                 load: Callable[[Any], None], clock: Callable[[], float] = time.monotonic) -> None:
+                 load: Callable[[Any], None], observer: Observer = NO_OBSERVER,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("outcome writer", dsn, config, owner=owner, bound=config.write_bound, clock=clock)
+        self.observer = observer
         self.config = config
         self.owner = owner
         self.names = names
@@ -165,6 +168,7 @@ class OutcomeWriter(DatabaseThread):
         if rows:
             self.tell_keeper(Track(tuple((r["id"], r["lease_generation"]) for r in rows), sent))
             self.count("claimed", len(rows))
+            self.observer.claimed(rows)
         big = tuple(r for r in rows if r.get("big"))
         if big:
             self.load(Load(big, sent))
@@ -205,6 +209,7 @@ class OutcomeWriter(DatabaseThread):
             self.tell_control(Poll())  # a retry without backoff is claimable at once
         for outcome in done:
             if outcome.key in settled.completed:
+                self.observer.written(outcome.step_name, "completed")
                 self._done(outcome)
             else:
                 self._late_success(outcome)
@@ -212,6 +217,7 @@ class OutcomeWriter(DatabaseThread):
         # running nor paused, a workflow run's failure) go the one-by-one way.
         for outcome in failed:
             if outcome.key in settled.failed:
+                self.observer.written(outcome.step_name, settled.failed_kinds.get(outcome.key) or decisions.ERROR)
                 self._done(outcome)
             else:
                 self._write_alone(PendingWrite(outcome, self.clock()))
@@ -275,6 +281,7 @@ class OutcomeWriter(DatabaseThread):
                     workflows=outcome.workflow))
                 if applied:
                     self.count("completed")
+                    self.observer.written(outcome.step_name, "completed")
                     self._done(outcome)
                 else:
                     self._late_success(outcome)
@@ -304,6 +311,8 @@ class OutcomeWriter(DatabaseThread):
             return False
         if result == "applied":
             self.count("failed")
+            ended = self.store.last_ended if self.store is not None else None
+            self.observer.written(outcome.step_name, ended[1] if ended else outcome.error_kind or decisions.ERROR)
             self.tell_control(Poll())
         self._done(outcome)
         return True

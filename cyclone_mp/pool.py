@@ -243,8 +243,10 @@ class ChildPool:
     """
 
     def __init__(self, owner: str, *, workers: int, limit: int, preload: list[tuple[str, str | None]],
-                 selector: Any, watchdog: Any, clock: Any = time.monotonic) -> None:
+                 selector: Any, watchdog: Any, clock: Any = time.monotonic,
+                 on_kill: Any = None) -> None:
         self.owner = owner
+        self.on_kill = on_kill or (lambda trigger: None)  # told each SIGKILL's trigger (metrics)
         self.workers = workers
         self.limit = limit
         self.preload = preload
@@ -334,6 +336,7 @@ class ChildPool:
         self.unregister(child)
         hit = child.kill()
         self.stats["killed"] += 1
+        self.on_kill(trigger)
         self.count_grandchildren(child, hit)
         logging.getLogger("cyclone_mp.supervisor").warning(
             "killed child %d (%s) and %d descendant(s)", child.pid, trigger, len([p for p in hit if p != child.pid]))
@@ -389,6 +392,7 @@ class ChildPool:
         if child.wait(timeout=2.0) is None:
             child.kill()
             self.stats["killed"] += 1
+            self.on_kill("recycle")
         if child in self.children:
             self.children.remove(child)
         self.watchdog.gone(child.pid)
@@ -434,6 +438,7 @@ class ChildPool:
             if child.attempt is not None or child.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 child.kill()
                 self.stats["killed"] += 1
+                self.on_kill("teardown")
             self.watchdog.gone(child.pid)
         self.children.clear()
         procs.reap_strays(self.owner, {self.watchdog.pid}, self.descended)

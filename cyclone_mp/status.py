@@ -122,6 +122,16 @@ class RunStatus:
     #: schedule's next one on the database clock), else None.
     schedule: dict[str, Any] | None = None
 
+    @classmethod
+    def from_rows(cls, run: dict[str, Any], steps: list[dict[str, Any]]) -> "RunStatus":
+        """Build from a ``get_run`` row (with ``schedule`` when
+        :func:`cyclone_mp.operations.get_run` found one) and its ``get_steps`` rows."""
+        return cls(
+            id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
+            created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
+            steps={row["node"]: StepStatus.from_row(row) for row in steps}, schedule=run.get("schedule"),
+        )
+
     @property
     def step(self) -> StepStatus:
         """The only step of a single-step run (the first node otherwise)."""

@@ -8,6 +8,7 @@ module path of its handler so a child process can import it by name.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -227,7 +228,9 @@ def _handler_ref(fn: Callable[..., Any]) -> HandlerRef:
 class Step:
     """A registered handler ``fn(ctx, input) -> output`` with its options.
 
-    Calling a ``Step`` calls the handler directly (useful in unit tests).
+    The handler may be an ``async def`` function: its child runs it on an event loop of
+    its own, and a cancel cancels its task (issue 24). Calling a ``Step`` calls the
+    handler directly (useful in unit tests; an async handler's call returns its coroutine).
     """
 
     kind = "step"
@@ -236,6 +239,9 @@ class Step:
         check_name(name, "step name")
         if not callable(fn):
             raise ConfigurationError(f"step {name!r}: handler must be callable")
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+            raise ConfigurationError(f"step {name!r}: a handler returns its output; a generator "
+                                     "(a function that yields) cannot be a step")
         self.name = name
         self.fn = fn
         self.options = options
@@ -245,6 +251,11 @@ class Step:
 
     def __call__(self, ctx: Any, inp: Any) -> Any:
         return self.fn(ctx, inp)
+
+    @property
+    def is_async(self) -> bool:
+        """True for an ``async def`` handler."""
+        return inspect.iscoroutinefunction(self.fn)
 
     def __repr__(self) -> str:
         return f"Step({self.name!r})"

@@ -16,7 +16,6 @@ import functools
 import importlib.resources
 import json
 import re
-import uuid
 from typing import Any, Callable, Iterator, Sequence
 
 import psycopg
@@ -26,7 +25,7 @@ from psycopg.types.json import Jsonb
 
 from . import decisions
 from .backoff import delay_after
-from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, InvalidTransition, QueryRejected, RunNotFound
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, QueryRejected
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -60,7 +59,8 @@ def _load_queries() -> dict[str, str]:
     queries: dict[str, str] = {}
     for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         name, _, body = block.partition("\n")
-        body = "\n".join(code for code in map(_code, body.strip().splitlines()) if code.strip())
+        # without comments and indentation (none of our literals spans lines)
+        body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
         queries[name.strip()] = body.strip().rstrip(";")
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
     # them, fragments cited by fragments first.
@@ -270,8 +270,19 @@ def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
     if idle_in_transaction is not None:
         settings["idle_in_transaction_session_timeout"] = f"{max(1, int(idle_in_transaction * 1000))}ms"
     if settings:
-        conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
-                     [v for kv in settings.items() for v in kv])
+        conn.execute(*_set_config(settings))
+
+
+def _set_config(settings: dict[str, str]) -> tuple[str, list[str]]:
+    return ("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
+            [v for kv in settings.items() for v in kv])
+
+
+async def aconfigure_session(conn: psycopg.AsyncConnection[Any], *, idle_in_transaction: float) -> None:
+    """:func:`configure_session` of an async client's connection (its
+    ``idle_in_transaction``, in seconds). Raises psycopg.Error."""
+    await conn.execute(*_set_config(
+        {"idle_in_transaction_session_timeout": f"{max(1, int(idle_in_transaction * 1000))}ms"}))
 
 
 def database_dsn(dsn: str, name: str) -> str:
@@ -370,6 +381,9 @@ class Store:
         #: "rates" (a queue without a mark is plain); None until a claim said.
         self.flow_marks: dict[str, str] | None = None
         self._marks_for: frozenset[str] = frozenset()  # the queues flow_marks covers
+        #: ``(step name, error kind)`` of the attempt the last :meth:`fail` or :meth:`expire`
+        #: ended (what it stored), or None: the supervisor's metrics count it (issue 24).
+        self.last_ended: tuple[str | None, str] | None = None
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod
@@ -436,35 +450,42 @@ class Store:
         cur.execute(Q[name], params)
         return cur.fetchone() if cur.description else None
 
-    # -- schema -----------------------------------------------------------------------
+    # -- the client's operations (cyclone_mp.operations, shared with AsyncStore) ------------
 
-    @translate
+    def run(self, op: "operations.Op", *, caller_tx: bool = False) -> Any:
+        """Run a planned operation (:mod:`cyclone_mp.operations`) on this store's
+        connection: in a transaction of its own when the operation needs one, unless
+        ``caller_tx`` (the connection is the caller's, inside the caller's open
+        transaction: the operation's rows exist only if it commits).
+
+        Raises:
+            DatabaseError: see :func:`translate`; what the operation itself raises
+                (RunNotFound, InvalidTransition, ...).
+        """
+        try:
+            if caller_tx or not op.transaction:
+                with self.conn.cursor(row_factory=dict_row) as cur:
+                    return drive(cur, op)
+            with self._tx() as cur:
+                return drive(cur, op)
+        except psycopg.Error as exc:
+            raise self._translated(exc) from exc
+        except UnicodeEncodeError as exc:  # a value psycopg cannot send (a lone surrogate)
+            raise QueryRejected(f"value rejected: {exc}") from exc
+
+    def _translated(self, exc: psycopg.Error) -> DatabaseError:
+        error = classify(exc, broken=self.broken)
+        if not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
+            self.forget_prepared()
+        return error
+
     def migrate(self) -> list[str]:
         """Apply pending numbered migrations under an advisory lock; returns their names.
 
         Idempotent and safe to run from many processes at once.
         """
-        applied: list[str] = []
-        with self._tx() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-            cur.execute(
-                "CREATE TABLE IF NOT EXISTS cyclone_migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            cur.execute("SELECT version FROM cyclone_migrations")
-            done = {row["version"] for row in cur.fetchall()}
-            for version, name, text in _migrations():
-                if version in done:
-                    continue
-                cur.execute(text)
-                cur.execute("INSERT INTO cyclone_migrations (version, name) VALUES (%s, %s)", (version, name))
-                applied.append(name)
-        return applied
+        return self.run(operations.migrate())
 
-    # -- enqueue ----------------------------------------------------------------------
-
-    @translate
     def enqueue_run(
         self,
         *,
@@ -477,144 +498,22 @@ class Store:
         idempotency_key: str | None,
         conn: psycopg.Connection | None = None,
     ) -> tuple[str, bool]:
-        """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``.
+        """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``
+        (:func:`cyclone_mp.operations.enqueue_run`).
 
         With ``conn`` the rows are written in the caller's open transaction (they exist
         only if it commits). With an ``idempotency_key`` already used, returns the
         existing run id and ``created=False``.
         """
-        target = conn if conn is not None else self.conn
-        run_id = str(uuid.uuid4())
-        if kind == "step" and len(nodes) == 1:
-            return self._enqueue_step(target, run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key)
-        ctx = contextlib.nullcontext() if conn is not None else self.conn.transaction()
-        with ctx, target.cursor(row_factory=dict_row) as cur:
-            cur.execute(Q["insert_run"], {
-                "id": run_id, "name": name, "kind": kind, "input": Jsonb(input), "idempotency_key": idempotency_key,
-            })
-            if cur.fetchone() is None:
-                cur.execute(Q["run_by_key"], {"key": idempotency_key})
-                row = cur.fetchone()
-                if row is None:  # the conflicting run was deleted between the two statements
-                    raise DatabaseError("idempotency key conflict; try again")
-                return row["id"], False
-            cur.execute(Q["insert_steps"], {
-                "run_id": run_id,
-                "delay_us": to_us(delay),
-                "scheduled_at": scheduled_at,
-                "nodes": [n.node for n in nodes],
-                "step_names": [n.step_name for n in nodes],
-                "kinds": [n.kind for n in nodes],
-                "depends_on": [Jsonb(list(n.depends_on)) for n in nodes],
-                "queues": [n.queue for n in nodes],
-                "priorities": [n.priority for n in nodes],
-                "states": [n.state for n in nodes],
-                "max_attempts": [n.max_attempts for n in nodes],
-                "max_reclaims": [n.max_reclaims for n in nodes],
-                "timeouts_us": [to_us(n.timeout) for n in nodes],
-                "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
-                "due_ats": [n.due_at for n in nodes],
-                "backoffs": [nullable_jsonb(n.backoff) for n in nodes],
-                "keys": [n.concurrency_key for n in nodes],
-                "concurrencies": [n.concurrency for n in nodes],
-                "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
-                "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
-            })
-            self._flag_flow(cur, [(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
-            self._ensure_slots(cur, [(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit)
-                                     for n in nodes if n.limited])
-            if kind == "workflow":
-                self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
-            else:
-                for queue in sorted({n.queue for n in nodes if n.state == "available"}):
-                    cur.execute(Q["notify"], {"queue": queue})
-        return run_id, True
+        op = operations.enqueue_run(name=name, kind=kind, input=input, nodes=nodes, delay=delay,
+                                    scheduled_at=scheduled_at, idempotency_key=idempotency_key)
+        if conn is not None:
+            return Store(conn).run(op, caller_tx=True)
+        return self.run(op)
 
-    def _enqueue_step(
-        self, target: psycopg.Connection, run_id: str, name: str, input: Any, node: NodeRow, delay: float,
-        scheduled_at: dt.datetime | None, idempotency_key: str | None,
-    ) -> tuple[str, bool]:
-        with target.cursor(row_factory=dict_row) as cur:
-            cur.execute(Q["enqueue_step"], {
-                "id": run_id, "name": name, "input": Jsonb(input), "idempotency_key": idempotency_key,
-                "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
-                "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
-                "backoff": nullable_jsonb(node.backoff),
-                "scheduled_at": scheduled_at, "delay_us": to_us(delay),
-                **_limit_params(node),
-            })
-            row = cur.fetchone()
-            if row is not None and row["id"] is not None and node.flow:
-                self._flag_flow(cur, [(node.queue, node.limited, node.rate_limit is not None)])
-                if node.limited:
-                    self._ensure_slots(cur, [(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)])
-            if row is not None and row["id"] is not None:
-                return row["id"], True
-            cur.execute(Q["run_by_key"], {"key": idempotency_key})
-            existing = cur.fetchone()
-            if existing is None:  # the conflicting run was deleted between the two statements
-                raise DatabaseError("idempotency key conflict; try again")
-            return existing["id"], False
-
-    @translate
-    def enqueue_many(
-        self,
-        *,
-        name: str,
-        inputs_json: Sequence[str],
-        queue: str,
-        priority: int,
-        max_attempts: int,
-        max_reclaims: int | None,
-        timeout: float | None,
-        delay: float,
-        scheduled_at: dt.datetime | None = None,
-        backoff: Any = None,
-        keys: Sequence[str] | None = None,
-        concurrency: int | None = None,
-        rate_limit: tuple[int, float] | None = None,
-    ) -> list[str]:
-        """Insert many single-step runs in one statement; returns their ids in input order.
-
-        ``inputs_json`` are the inputs as JSON texts (already checked by the client, so
-        each is encoded once); ``keys`` their concurrency keys (None: all '').
-        """
-        ids = [uuid.uuid4() for _ in inputs_json]
-        keys = list(keys) if keys is not None else [""] * len(ids)
-        with self._tx() as cur:
-            cur.execute(Q["enqueue_many"], {
-                "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
-                "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
-                "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
-                "backoff": nullable_jsonb(backoff), "keys": keys, "concurrency": concurrency,
-                "rate_count": rate_limit[0] if rate_limit else None,
-                "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
-            })
-            if concurrency is not None or rate_limit is not None or any(keys):
-                self._flag_flow(cur, [(queue, concurrency is not None or rate_limit is not None, rate_limit is not None)])
-            if concurrency is not None or rate_limit is not None:
-                self._ensure_slots(cur, [(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
-            cur.execute(Q["notify"], {"queue": queue})
-        return [str(i) for i in ids]
-
-    @staticmethod
-    def _flag_flow(cur: psycopg.Cursor, marks: Sequence[tuple[str, bool, bool]]) -> None:
-        """Mark the queues ``(queue, limited, rate_limited)`` that a step with a key or a
-        limit enters (their claims are the fair or limited ones from then on; see
-        :meth:`_claim_statement`)."""
-        if marks:
-            cur.execute(Q["flag_flow_queues"], {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks],
-                                                "rates": [m[2] for m in marks]})
-
-    @staticmethod
-    def _ensure_slots(cur: psycopg.Cursor, groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> None:
-        """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay."""
-        if not groups:
-            return
-        cur.execute(Q["ensure_slots"], {
-            "step_names": [g[0] for g in groups], "keys": [g[1] for g in groups],
-            "concurrencies": [g[2] or 0 for g in groups], "rate_counts": [g[3][0] if g[3] else 0 for g in groups],
-        })
+    def enqueue_many(self, **kwargs: Any) -> list[str]:
+        """Insert many single-step runs in one statement (:func:`cyclone_mp.operations.enqueue_many`)."""
+        return self.run(operations.enqueue_many(**kwargs))
 
     # -- the supervisor's hot path ------------------------------------------------------
 
@@ -802,11 +701,13 @@ class Store:
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
             for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
                 self._advance(cur, run_id)
+        failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
         return Settled(
             completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
-            failed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "failed"},
+            failed=set(failed),
             claimed=[r for r in rows if r["what"] == "claimed"],
             wait=self.claim_wait,
+            failed_kinds=failed,
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
@@ -845,6 +746,7 @@ class Store:
         ``"not_yet"`` (``require_timed_out`` and the DB deadline has not passed yet:
         the worker clock never shortens a durable timeout).
         """
+        self.last_ended = None
         with self._tx() as cur:
             if self._one(cur, "lock_run_of_step", {"id": id}) is None:
                 return "lost"
@@ -860,7 +762,8 @@ class Store:
                 return "lost"
             if require_timed_out and not row["timed_out"]:
                 return "not_yet"
-            self._end_attempt(cur, id, row, kind, entry, backoff, progress)
+            end = self._end_attempt(cur, id, row, kind, entry, backoff, progress)
+        self.last_ended = (row["step_name"], end.error_kind)
         return "applied"
 
     def _end_attempt(
@@ -915,8 +818,10 @@ class Store:
         """Settle one sweep candidate under the run lock then the step lock.
 
         Returns the action taken: ``"timeout"``, ``"reclaim"``, ``"reclaim_limit"`` or
-        ``"none"`` (renewed, finished or gone meanwhile).
+        ``"none"`` (renewed, finished or gone meanwhile). An attempt it ends (timeout,
+        reclaim_limit) is in :attr:`last_ended` afterwards.
         """
+        self.last_ended = None
         with self._tx() as cur:
             if self._one(cur, "lock_run_of_step", {"id": id}) is None:
                 return "none"
@@ -928,10 +833,10 @@ class Store:
                 reclaims=row["reclaims"], max_reclaims=row["max_reclaims"],
             ).action
             if action == "timeout":
-                self._end_attempt(cur, id, row, decisions.TIMEOUT, {
+                ended = self._end_attempt(cur, id, row, decisions.TIMEOUT, {
                     **entry, "message": "timed out (database clock); settled by the recovery sweep",
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
-                }, backoff_for(row["step_name"]))
+                }, backoff_for(row["step_name"])).error_kind
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
                 cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
@@ -944,7 +849,10 @@ class Store:
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
                 })})
                 self._advance(cur, self._run_of(cur, id))
-            return action
+                ended = decisions.RECLAIM_LIMIT
+        if action in ("timeout", "reclaim_limit"):
+            self.last_ended = (row["step_name"], ended)
+        return action
 
     @translate
     def fire_due_timers(self, limit: int = 100) -> int:
@@ -959,20 +867,8 @@ class Store:
         return len(run_ids)
 
     def _advance(self, cur: psycopg.Cursor, run_id: str) -> None:
-        """Under the run lock: promote ready nodes, fire signals and timers, refresh the run."""
-        cur.execute(Q["hold_paused"], {"run_id": run_id})
-        for _ in range(10_000):
-            cur.execute(Q["promote_ready"], {"run_id": run_id})
-            promoted = cur.rowcount
-            cur.execute(Q["fire_nodes"], {"run_id": run_id})
-            if promoted == 0 and cur.rowcount == 0:
-                break
-        cur.execute(Q["refresh_run_state"], {"run_id": run_id})
-        cur.execute(
-            "SELECT DISTINCT queue FROM cyclone_steps WHERE run_id = %s AND state = 'available'", (run_id,)
-        )
-        for row in cur.fetchall():
-            cur.execute(Q["notify"], {"queue": row["queue"]})
+        """Under the run lock: :func:`cyclone_mp.operations.advance` on this cursor."""
+        drive(cur, operations.advance(run_id))
 
     # -- schedules (issue 21; the logic is cyclone_mp.schedules) ---------------------------
 
@@ -1014,132 +910,49 @@ class Store:
             cur.execute(Q["list_schedules"])
             return cur.fetchall()
 
-    # -- operator actions ---------------------------------------------------------------
+    # -- operator actions (cyclone_mp.operations) -----------------------------------------
 
-    def _locked_run(self, cur: psycopg.Cursor, run_id: str) -> dict[str, Any]:
-        row = self._one(cur, "lock_run", {"run_id": run_id})
-        if row is None:
-            raise RunNotFound(f"no run with id {run_id}")
-        return row
-
-    @translate
     def cancel_run(self, run_id: str) -> int:
-        """Cancel the run and every non-terminal step in one transaction; returns steps cancelled.
+        """:func:`cyclone_mp.operations.cancel_run`."""
+        return self.run(operations.cancel_run(run_id))
 
-        Raises:
-            RunNotFound, InvalidTransition: the run is already completed, discarded or cancelled.
-        """
-        with self._tx() as cur:
-            run = self._locked_run(cur, run_id)
-            row = self._one(cur, "cancel_run", {"run_id": run_id})
-            if row is None:
-                raise InvalidTransition(f"run {run_id} is {run['state']}; only running or paused runs can be cancelled")
-            return int(row["steps"])
-
-    @translate
     def retry_run(self, run_id: str) -> int:
-        """Reopen the run's discarded steps (or a cancelled single step); returns how many.
+        """:func:`cyclone_mp.operations.retry_run`."""
+        return self.run(operations.retry_run(run_id))
 
-        Raises:
-            RunNotFound, InvalidTransition: nothing to retry.
-        """
-        with self._tx() as cur:
-            run = self._locked_run(cur, run_id)
-            count = 0
-            if run["state"] in ("discarded", "running"):
-                cur.execute(Q["retry_run"], {"run_id": run_id, "from_state": "discarded"})
-                count = cur.rowcount
-            elif run["state"] == "cancelled" and run["kind"] == "step":
-                cur.execute(Q["retry_run"], {"run_id": run_id, "from_state": "cancelled"})
-                count = cur.rowcount
-            if count == 0:
-                raise InvalidTransition(f"run {run_id} is {run['state']} with no discarded step; nothing to retry")
-            cur.execute(Q["reopen_run"], {"run_id": run_id})
-            self._advance(cur, run_id)
-            return count
-
-    @translate
     def pause_run(self, run_id: str) -> int:
-        """Pause a running run; returns how many steps were paused. Raises RunNotFound, InvalidTransition."""
-        with self._tx() as cur:
-            run = self._locked_run(cur, run_id)
-            row = self._one(cur, "pause_run", {"run_id": run_id})
-            if row is None:
-                raise InvalidTransition(f"run {run_id} is {run['state']}; only a running run can be paused")
-            return int(row["steps"])
+        """:func:`cyclone_mp.operations.pause_run`."""
+        return self.run(operations.pause_run(run_id))
 
-    @translate
     def resume_run(self, run_id: str) -> int:
-        """Resume a paused run; returns how many steps were restored. Raises RunNotFound, InvalidTransition."""
-        with self._tx() as cur:
-            run = self._locked_run(cur, run_id)
-            row = self._one(cur, "resume_run", {"run_id": run_id})
-            if row is None:
-                raise InvalidTransition(f"run {run_id} is {run['state']}; only a paused run can be resumed")
-            self._advance(cur, run_id)
-            return int(row["steps"])
+        """:func:`cyclone_mp.operations.resume_run`."""
+        return self.run(operations.resume_run(run_id))
 
-    @translate
     def signal(self, run_id: str, name: str, payload: Any) -> bool:
-        """Store the first signal ``name`` for the run; False when one was already kept.
-
-        Raises:
-            RunNotFound.
-        """
-        with self._tx() as cur:
-            self._locked_run(cur, run_id)
-            kept = self._one(cur, "put_signal", {"run_id": run_id, "name": name, "payload": Jsonb(payload)}) is not None
-            self._advance(cur, run_id)
-            return kept
+        """:func:`cyclone_mp.operations.signal`."""
+        return self.run(operations.signal(run_id, name, payload))
 
     # -- reads ----------------------------------------------------------------------------
 
-    @translate
     def get_run(self, run_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The run row and its step rows. Raises RunNotFound."""
-        with self.conn.cursor() as cur:
-            run = self._one(cur, "get_run", {"run_id": run_id})
-            if run is None:
-                raise RunNotFound(f"no run with id {run_id}")
-            cur.execute(Q["get_steps"], {"run_id": run_id})
-            return run, cur.fetchall()
+        return self.run(operations.get_run(run_id))
 
-    @translate
     def runs_by_prefix(self, prefix: str) -> list[str]:
         """Ids of at most two runs whose id starts with the hex ``prefix`` (index range scan)."""
-        digits = prefix.replace("-", "").lower()
-        low = uuid.UUID(digits.ljust(32, "0"))
-        high = uuid.UUID(digits.ljust(32, "f"))
-        with self.conn.cursor() as cur:
-            cur.execute(Q["runs_by_prefix"], {"low": str(low), "high": str(high)})
-            return [row["id"] for row in cur.fetchall()]
+        return self.run(operations.runs_by_prefix(prefix))
 
-    @translate
     def list_runs(self, *, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """Recent runs, newest first."""
-        with self.conn.cursor() as cur:
-            cur.execute(Q["list_runs"], {"state": state, "limit": limit})
-            return cur.fetchall()
+        return self.run(operations.list_runs(state=state, limit=limit))
 
-    @translate
     def prune(self, *, older_than: float, batch: int = 1000) -> int:
-        """Delete finished runs (completed, discarded, cancelled) that finished more than
-        ``older_than`` seconds ago, ``batch`` per statement; returns how many were deleted."""
-        total = 0
-        while True:
-            with self.conn.cursor() as cur:
-                cur.execute(Q["prune_runs"], {"older_us": to_us(older_than), "limit": batch})
-                total += cur.rowcount
-                if cur.rowcount < batch:
-                    return total
+        """:func:`cyclone_mp.operations.prune`."""
+        return self.run(operations.prune(older_than=older_than, batch=batch))
 
-    @translate
     def delete_runs(self, run_ids: Sequence[str]) -> int:
-        """Delete these runs, whatever their state, with their steps and signals; returns
-        how many were deleted (the demo's clean-up: its runs ran in a queue of its own)."""
-        with self.conn.cursor() as cur:
-            cur.execute(Q["delete_runs"], {"ids": list(run_ids)})
-            return cur.rowcount
+        """:func:`cyclone_mp.operations.delete_runs`."""
+        return self.run(operations.delete_runs(run_ids))
 
     @translate
     def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any]) -> None:
@@ -1148,17 +961,22 @@ class Store:
             cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info)})
 
     @translate
+    def queue_depths(self, queues: Sequence[str], cap: int = 100_000) -> list[dict[str, Any]]:
+        """Per queue: ``queue``, ``depth`` (claimable steps, at most ``cap``) and ``oldest``
+        (seconds the oldest of them has been claimable, or None)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["queue_depths"], {"queues": list(queues), "cap": cap})
+            return cur.fetchall()
+
+    @translate
     def unregister_worker(self, id: str) -> None:
         """Remove this supervisor's registry row."""
         with self.conn.cursor() as cur:
             cur.execute(Q["unregister_worker"], {"id": id})
 
-    @translate
     def list_workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """Supervisors that refreshed their row within ``within`` seconds."""
-        with self.conn.cursor() as cur:
-            cur.execute(Q["list_workers"], {"within_us": to_us(within)})
-            return cur.fetchall()
+        return self.run(operations.list_workers(within))
 
     # -- dashboard reads ------------------------------------------------------------------
     # Read-only queries of cyclone_mp.dashboard (issue 7), named ``dash_*`` in queries.sql.
@@ -1191,6 +1009,23 @@ class Store:
         """One row per minute of the last ``minutes`` (DB clock), oldest first:
         ``minute``, ``completed``, ``discarded`` (task steps, by ``finished_at``)."""
         return self._dash_rows("dash_throughput", {"minutes": minutes})
+
+    @translate
+    def dashboard_pickup(self, minutes: int) -> list[dict[str, Any]]:
+        """One row per minute of the last ``minutes``: ``minute``, ``n``, ``p50``, ``p95``
+        (pickup latency of the task steps that finished then, seconds)."""
+        return self._dash_rows("dash_pickup", {"minutes": minutes})
+
+    @translate
+    def dashboard_kills_by_trigger(self, minutes: int) -> list[dict[str, Any]]:
+        """One row per minute of the last ``minutes``: ``minute``, ``triggers`` ({trigger: kills})."""
+        return self._dash_rows("dash_kills_by_trigger", {"minutes": minutes})
+
+    @translate
+    def dashboard_durations(self, minutes: int, limit: int = 50) -> list[dict[str, Any]]:
+        """Per step (at most ``limit``): ``step``, ``n``, ``p50``, ``p95``, ``p99``, ``max``
+        run time in seconds of the steps completed in the last ``minutes``."""
+        return self._dash_rows("dash_durations", {"minutes": minutes, "limit": limit})
 
     @translate
     def dashboard_recent_kills(self, limit: int) -> list[dict[str, Any]]:
@@ -1234,6 +1069,80 @@ class Store:
         return self._dash_rows("dash_run_signals", {"run_id": run_id})
 
 
+def drive(cur: psycopg.Cursor, op: Any) -> Any:
+    """Run the steps of ``op`` (a :class:`cyclone_mp.operations.Op`, or its generator) on
+    a sync cursor: each yielded statement is executed and its result sent back; returns
+    what the operation returns."""
+    steps = iter(op)
+    try:
+        statement = next(steps)
+        while True:
+            cur.execute(statement.sql, statement.params, prepare=statement.prepare)
+            result = operations.Result(cur.fetchall() if cur.description else [], cur.rowcount)
+            statement = steps.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+async def adrive(cur: psycopg.AsyncCursor[Any], op: Any) -> Any:
+    """:func:`drive` on an async cursor."""
+    steps = iter(op)
+    try:
+        statement = next(steps)
+        while True:
+            await cur.execute(statement.sql, statement.params, prepare=statement.prepare)
+            result = operations.Result(await cur.fetchall() if cur.description else [], cur.rowcount)
+            statement = steps.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+class AsyncStore:
+    """The client's operations (:mod:`cyclone_mp.operations`) over one async psycopg
+    connection: :class:`Store`'s sync driver, awaited. Errors are translated the same way.
+
+    Attributes:
+        commits, failed_before_commit: as :class:`Store`'s (the client retries a call
+            that surely did nothing).
+    """
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+        self.commits = 0
+        self.failed_before_commit = False
+
+    @property
+    def broken(self) -> bool:
+        """True when the connection is closed or lost."""
+        return self.conn.closed or self.conn.broken
+
+    async def run(self, op: Any, *, caller_tx: bool = False) -> Any:
+        """:meth:`Store.run`, awaited."""
+        try:
+            if caller_tx or not op.transaction:
+                async with self.conn.cursor(row_factory=dict_row) as cur:
+                    return await adrive(cur, op)
+            self.failed_before_commit = False
+            async with self.conn.transaction():
+                async with self.conn.cursor(row_factory=dict_row) as cur:
+                    try:
+                        value = await adrive(cur, op)
+                    except BaseException:
+                        self.failed_before_commit = True
+                        raise
+            self.commits += 1
+            return value
+        except psycopg.Error as exc:
+            error = classify(exc, broken=self.broken)
+            if not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
+                with contextlib.suppress(psycopg.Error):
+                    if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                        await self.conn.execute("DEALLOCATE ALL", prepare=False)
+            raise error from exc
+        except UnicodeEncodeError as exc:
+            raise QueryRejected(f"value rejected: {exc}") from exc
+
+
 @dataclasses.dataclass(frozen=True)
 class FailedAttempt:
     """One failed attempt for :meth:`Store.settle`: ``kind`` is a
@@ -1252,9 +1161,16 @@ class FailedAttempt:
 @dataclasses.dataclass(frozen=True)
 class Settled:
     """What :meth:`Store.settle` did: the ``(id, lease generation)`` leases whose
-    completion and whose failure CAS held, and the claimed rows."""
+    completion and whose failure CAS held (with the error kind each failure stored), and
+    the claimed rows."""
 
     completed: set[tuple[int, int]]
     failed: set[tuple[int, int]]
     claimed: list[dict[str, Any]]
     wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)
+    failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
+
+
+# The client's operations are planned in cyclone_mp.operations, which reads this module's
+# named SQL; imported last so that either module may be imported first.
+from . import operations  # noqa: E402

@@ -52,6 +52,7 @@ from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
 from .sweep import Maintenance, Sweeper
+from .telemetry import Observer, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -65,6 +66,8 @@ class Supervisor:
         config: a :class:`~cyclone_mp.config.Config`.
         listen_dsn: where to LISTEN for new work (default ``dsn``; a direct connection
             when ``dsn`` goes through PgBouncer in transaction mode).
+        metrics_port: serve Prometheus metrics on this port (0: any free one); None: none.
+        observer: what the parts report to (default: :func:`~cyclone_mp.telemetry.supervisor_observer`).
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
 
@@ -74,6 +77,7 @@ class Supervisor:
     """
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
+                 metrics_port: int | None = None, observer: Observer | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         if os.environ.get(procs.MARKER_ENV):
             # We are a handler's child (or its descendant): a supervisor here would spawn
@@ -103,6 +107,7 @@ class Supervisor:
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
+        self.observer = observer if observer is not None else supervisor_observer(metrics_port)
 
     # -- control from other threads / signal handlers -----------------------------------
 
@@ -136,21 +141,26 @@ class Supervisor:
         try:
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
-                                      listen_dsn=self.listen_dsn, clock=self.clock)
+                                      listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
                                         backoff_for=self.backoff_for, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
-                                        load=lambda m: maintenance.inbox.post(m), clock=self.clock)
+                                        load=lambda m: maintenance.inbox.post(m), observer=self.observer,
+                                        clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,
                                      writer=self.writer, watchdog=watchdog, clock=self.clock,
-                                     wall_clock=self.wall_clock)
+                                     wall_clock=self.wall_clock, observer=self.observer)
             self.control = control
-            maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
+            maintenance = Maintenance(self.dsn, self.config,
+                                      sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written),
                                       mux=self.mux, owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                      post_outcome=self.writer.post, started=self.running, clock=self.clock)
+                                      post_outcome=self.writer.post, started=self.running, observer=self.observer,
+                                      clock=self.clock)
             self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
+            pool = control.pool
+            self.observer.start(lambda: len(pool.children))  # serves the metrics from now on
             for part in (self.keeper, self.writer, self.maintenance):
                 part.start()
             control.run(self.running)
@@ -185,8 +195,14 @@ class Supervisor:
             if not part.join(deadline - time.monotonic(), hung_after=self.config.call_bound):
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close(clean=True)
+        self.observer.close()  # the metrics server stops (an observer's failure is only logged)
 
     # -- what callers read -----------------------------------------------------------------
+
+    @property
+    def metrics(self) -> Any:
+        """The :class:`~cyclone_mp.metrics.Metrics` served (``metrics.port``), or None."""
+        return self.observer.find("Metrics")
 
     @property
     def stats(self) -> "Stats":

@@ -40,6 +40,7 @@ from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
 from .steps import Mux
 from .store import Store
+from .telemetry import NO_OBSERVER, Observer
 
 LOAD_BOUND = 120.0  # seconds a big payload may take to read
 
@@ -54,9 +55,11 @@ class Sweeper:
         backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
     """
 
-    def __init__(self, owner: str, backoff_for: Callable[[str | None], Callable[[int], float]]) -> None:
+    def __init__(self, owner: str, backoff_for: Callable[[str | None], Callable[[int], float]],
+                 written: Callable[[str | None, str], None] | None = None) -> None:
         self.owner = owner
         self.backoff_for = backoff_for
+        self.written = written  # told of each attempt a pass ends: (step name, error kind stored)
 
     def run_once(self, store: Store) -> dict[str, int]:
         """Settle at most :data:`~cyclone_mp.config.SWEEP_LIMIT` candidates and fire due timers.
@@ -71,6 +74,8 @@ class Sweeper:
         counts = {"timeout": 0, "reclaim": 0, "reclaim_limit": 0, "none": 0, "timers": 0}
         for row in store.sweep_candidates(SWEEP_LIMIT):
             counts[store.expire(row["id"], self.backoff_for, {"swept_by": self.owner})] += 1
+            if store.last_ended is not None and self.written is not None:
+                self.written(*store.last_ended)
         counts["timers"] = store.fire_due_timers(SWEEP_LIMIT)
         return counts
 
@@ -96,7 +101,7 @@ class Maintenance(DatabaseThread):
     def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, mux: Mux, owner: str,
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
                  post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 observer: Observer = NO_OBSERVER, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("maintenance", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
                          clock=clock)
         self.config = config
@@ -108,9 +113,11 @@ class Maintenance(DatabaseThread):
         self.post_outcome = post_outcome
         self.started = started
         self.loads: list[Load] = []
+        self.observer = observer
         now = clock()
         self.next_sweep = now
         self.next_registry = now
+        self.next_depths = now if observer.queue_depth_interval is not None else None
 
     def turn(self, now: float) -> float:
         self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
@@ -130,7 +137,23 @@ class Maintenance(DatabaseThread):
             else:
                 self.next_registry = now + self.config.registry_interval
                 self.register()
-        return min(self.next_sweep, self.next_registry)
+        if self.db_ok and self.next_depths is not None and now >= self.next_depths:
+            self.next_depths = now + (self.observer.queue_depth_interval or 5.0)
+            self.read_queue_depths()
+        return min(self.next_sweep, self.next_registry, *([self.next_depths] if self.next_depths is not None else []))
+
+    def read_queue_depths(self) -> None:
+        """Read how many steps wait in each queue served, and since when, for the metrics:
+        one bounded statement every ``observer.queue_depth_interval`` seconds, whatever the
+        scrape rate (counted as ``queue_depth_reads``)."""
+        try:
+            rows = self.call(self.config.write_bound, lambda store: store.queue_depths(self.config.queues))
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("queue depths: %s", exc)
+            return
+        self.count("queue_depth_reads")
+        self.observer.queue_depths(rows)
 
     def _load(self, row: dict[str, Any], sent: float) -> None:
         """Read one big row's payload and hand the row to process control; a row that

@@ -36,3 +36,21 @@ def _cmd(p: psutil.Process) -> str:
         return " ".join(p.cmdline())[:120]
     except psutil.Error:
         return "?"
+
+
+@pytest.fixture(params=["Client", "AsyncClient"])
+def client_kind(request):
+    """``"Client"``, then ``"AsyncClient"``: a test that takes it runs once with each client."""
+    return request.param
+
+
+@pytest.fixture
+def api_env(client_kind, cyclone_env_factory):
+    """An Env whose client calls go through ``cy.Client`` or, in the second run of the
+    test, ``cy.AsyncClient`` (issue 24: one behavioural test for both clients)."""
+    from clients import use_async_client
+
+    env = cyclone_env_factory()
+    if client_kind == "AsyncClient":
+        use_async_client(env)
+    return env

@@ -167,6 +167,57 @@ def test_overview_counts_match_the_database_and_the_page(world: World, api: Test
     assert 'id="chart"' in html and "<svg" in html and "SIGKILL" in html
 
 
+def _percentile(values: list[float], q: float) -> float:
+    """PostgreSQL's percentile_cont: linear interpolation between the closest ranks."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def test_hour_charts_match_the_database(world: World, api: TestClient) -> None:
+    """Issue 24: beside the throughput chart, pickup latency and kills by trigger over the
+    last hour, and per-step run time percentiles, each checked against the rows."""
+    data = api.get("/api/overview").json()
+    rows = sql(world.dsn, "SELECT step_name, state, kind, started_at, scheduled_at, finished_at, errors, "
+                          "now() - interval '59 minutes' AS since FROM cyclone_steps")
+    since = rows[0]["since"].replace(second=0, microsecond=0)
+    finished = [r for r in rows if r["kind"] == "task" and r["finished_at"] and r["started_at"]
+                and r["finished_at"] >= since]
+    pickup = data["pickup"]
+    assert len(pickup["per_minute"]) == 60 and pickup["steps"] == len(finished) > 0
+    waits = [max(0.0, (r["started_at"] - r["scheduled_at"]).total_seconds()) for r in finished]
+    p95s = [p["p95"] for p in pickup["per_minute"] if p["p95"] is not None]
+    assert min(p95s) <= _percentile(waits, 0.95) + 1e-6 and pickup["worst_p95"] == max(p95s)
+    assert len(pickup["chart"]["bars"]) == 60
+    # kills: error entries the supervisor killed, in the last hour, by trigger
+    kills: dict[str, int] = {}
+    for r in rows:
+        for e in r["errors"] or []:
+            if e.get("killed_by_supervisor") is True and e["at"] >= since.isoformat():
+                kills[e.get("trigger") or "kill"] = kills.get(e.get("trigger") or "kill", 0) + 1
+    triggers = data["kill_triggers"]
+    assert {t["trigger"]: t["n"] for t in triggers["by_trigger"]} == kills and kills.get("timeout", 0) >= 1
+    assert triggers["total"] == sum(kills.values())
+    # run time percentiles per step, of the steps completed in the last hour
+    runtimes: dict[str, list[float]] = {}
+    for r in finished:
+        if r["state"] == "completed":
+            runtimes.setdefault(r["step_name"], []).append((r["finished_at"] - r["started_at"]).total_seconds())
+    shown = {d["step"]: d for d in data["durations"]}
+    assert set(shown) == set(runtimes) and "ok" in shown
+    for step, values in runtimes.items():
+        d = shown[step]
+        assert d["n"] == len(values)
+        for key, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99)):
+            assert abs(d[key] - _percentile(values, q)) < 1e-6, (step, key)
+        assert abs(d["max"] - max(values)) < 1e-6
+    html = api.get("/").text
+    assert 'id="pickup-chart"' in html and 'id="kills-chart"' in html
+    assert f'data-step="ok"' in html and "timeout <strong>" in html
+
+
 def test_runs_filters_and_both_paginations(world: World, api: TestClient) -> None:
     total = sql(world.dsn, "SELECT count(*) AS n FROM cyclone_runs")[0]["n"]
     data = api.get("/api/runs").json()
@@ -532,6 +583,11 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
                     expect(page.locator(f'[data-count="steps.{state}"]')).to_have_text(str(expected["steps"][state]))
                 expect(page.locator("#workers")).to_contain_text("sleeper")
                 expect(page.locator("#kills")).to_contain_text("SIGKILL")
+                # issue 24: pickup latency, kills by trigger and run time by step, redrawn by the script too
+                expect(page.locator("#kill-triggers")).to_contain_text("timeout")
+                expect(page.locator('#durations tr[data-step="ok"]')).to_have_count(1)
+                assert page.locator("#pickup-chart rect").count() >= 60
+                assert page.locator("#kills-chart rect.trig-0").count() >= 1
                 # the script refreshed the page from the API and it still shows the same numbers
                 expect(page.locator("body")).to_have_attribute("data-refreshed", re.compile(r"^[1-9]"), timeout=10_000)
                 expect(page.locator('[data-count="steps.running"]')).to_have_text("1")

@@ -45,9 +45,9 @@ def read_pids(path: Path, timeout: float = 10.0) -> list[int]:
 # -- SPEC 3, row by row ------------------------------------------------------------------------
 
 
-def test_success_completes(cyclone_env):
-    run_id = cyclone_env.enqueue(h.ok, {"x": 1})
-    run = cyclone_env.run_until_complete(run_id)
+def test_success_completes(api_env):
+    run_id = api_env.enqueue(h.ok, {"x": 1})
+    run = api_env.run_until_complete(run_id)
     step = run.step
     assert (run.state, step.state, step.attempt, step.reclaims) == ("completed", "completed", 1, 0)
     assert step.output == {"echo": {"x": 1}, "attempt": 1, "run_id": run_id}
@@ -134,14 +134,14 @@ def test_timeout_retries_when_attempts_remain(cyclone_env):
     assert step.attempt == 3 and step.max_attempts == 3 and len(step.errors) == 3
 
 
-def test_cancel_is_immediate_and_consumes_nothing(cyclone_env):
-    run_id = cyclone_env.enqueue(h.sleeper, {"seconds": 30}, delay=60)
-    assert cyclone_env.client().cancel(run_id) == 1
-    run = cyclone_env.status(run_id)
+def test_cancel_is_immediate_and_consumes_nothing(api_env):
+    run_id = api_env.enqueue(h.sleeper, {"seconds": 30}, delay=60)
+    assert api_env.client().cancel(run_id) == 1
+    run = api_env.status(run_id)
     assert run.state == "cancelled" and run.step.state == "cancelled"
     assert run.step.attempt == 1 and run.step.errors == [] and run.step.error is None
     with pytest.raises(cy.InvalidTransition):
-        cyclone_env.client().cancel(run_id)
+        api_env.client().cancel(run_id)
 
 
 def test_supervisor_crash_reclaims_without_consuming_an_attempt(cyclone_env_factory, tmp_path):
@@ -188,18 +188,18 @@ def test_max_reclaims_zero_discards_on_first_expiry(cyclone_env_factory):
     assert (step.reclaims, step.error_kind) == (0, "reclaim_limit")
 
 
-def test_retry_raises_max_attempts_and_clears_the_error(cyclone_env):
-    run_id = cyclone_env.enqueue(h.raises, {})
-    cyclone_env.run_until_complete(run_id)
-    assert cyclone_env.client().retry(run_id) == 1
-    step = cyclone_env.status(run_id).step
+def test_retry_raises_max_attempts_and_clears_the_error(api_env):
+    run_id = api_env.enqueue(h.raises, {})
+    api_env.run_until_complete(run_id)
+    assert api_env.client().retry(run_id) == 1
+    step = api_env.status(run_id).step
     assert step.state in ("available", "running")  # the live worker may claim it at once
     assert (step.attempt, step.max_attempts) == (4, 4)
     assert step.error is None and step.error_kind is None and len(step.errors) == 3
-    status = cyclone_env.status(run_id)
+    status = api_env.status(run_id)
     if status.state != "running":  # the live worker has already run attempt 4 of the reopened run
         assert (status.state, status.step.attempt, len(status.step.errors)) == ("discarded", 4, 4)
-    run = cyclone_env.run_until_complete(run_id)
+    run = api_env.run_until_complete(run_id)
     assert (run.step.state, run.step.attempt, len(run.step.errors)) == ("discarded", 4, 4)
 
 
@@ -381,30 +381,59 @@ def test_process_mode_rejects_unimportable_handlers(cyclone_env):
         cyclone_env.start_worker()
 
 
-def test_enqueue_in_callers_transaction(cyclone_env):
-    cyclone_env.mux().register(h.ok)
-    client = cyclone_env.client()
-    with connect(cyclone_env.dsn, autocommit=False) as conn:
-        run_id = client.enqueue(h.ok, {"tx": True}, conn=conn)
-        conn.rollback()
-    with pytest.raises(cy.RunNotFound):
-        client.status(run_id)
-    with connect(cyclone_env.dsn, autocommit=False) as conn:
-        run_id = client.enqueue(h.ok, {"tx": True}, conn=conn)
-        conn.commit()
-    assert cyclone_env.run_until_complete(run_id).state == "completed"
+def test_enqueue_in_callers_transaction(api_env, client_kind):
+    """Acceptance 2 of issue 24 with each client: runs enqueued (one, a workflow, many) in
+    the caller's transaction exist only if it commits; with AsyncClient the transaction
+    is an async one (psycopg.AsyncConnection)."""
+    import psycopg
+    import workflow_handlers as wh
+
+    api_env.mux().register(h.ok, wh.pausable)
+    client = api_env.client()
+    flow = wh.pausable
+
+    def enqueue_all(commit: bool) -> list[str]:
+        later = {"delay": 3600}
+        if client_kind == "Client":
+            with connect(api_env.dsn, autocommit=False) as conn:
+                ids = [client.enqueue(h.ok, {"tx": True}, conn=conn), client.enqueue(flow, {}, conn=conn, **later),
+                       *client.enqueue_many(h.ok, [{"i": 1}, {"i": 2}], conn=conn, **later)]
+                conn.commit() if commit else conn.rollback()
+            return ids
+
+        async def in_async_tx() -> list[str]:
+            aclient = client.async_client
+            async with await psycopg.AsyncConnection.connect(api_env.dsn) as conn:
+                async with conn.transaction():
+                    ids = [await aclient.enqueue(h.ok, {"tx": True}, conn=conn),
+                           await aclient.enqueue(flow, {}, conn=conn, **later),
+                           *await aclient.enqueue_many(h.ok, [{"i": 1}, {"i": 2}], conn=conn, **later)]
+                    if not commit:
+                        raise psycopg.Rollback()  # leaves the transaction block, rolled back
+            return ids
+
+        return client.call(in_async_tx())
+
+    for run_id in enqueue_all(commit=False):
+        with pytest.raises(cy.RunNotFound):
+            client.status(run_id)
+    with connect(api_env.dsn) as conn:
+        assert conn.execute("SELECT count(*) AS n FROM cyclone_runs").fetchone()["n"] == 0
+    committed = enqueue_all(commit=True)
+    assert api_env.run_until_complete(committed[0]).state == "completed"
+    assert [client.status(run_id).state for run_id in committed[1:]] == ["running"] * 3
 
 
-def test_enqueue_many_and_idempotency(cyclone_env):
-    client = cyclone_env.client()
-    cyclone_env.mux().register(h.ok)
+def test_enqueue_many_and_idempotency(api_env):
+    client = api_env.client()
+    api_env.mux().register(h.ok)
     ids = client.enqueue_many(h.ok, [{"i": i} for i in range(50)])
     assert len(set(ids)) == 50
     a = client.enqueue(h.ok, {}, idempotency_key="k1")
     b = client.enqueue(h.ok, {}, idempotency_key="k1")
     assert a == b
     for run_id in ids[:3]:
-        assert cyclone_env.run_until_complete(run_id).step.output["echo"]["i"] == ids.index(run_id)
+        assert api_env.run_until_complete(run_id).step.output["echo"]["i"] == ids.index(run_id)
 
 
 def test_deleting_runs_by_hand_leaves_no_step_behind(cyclone_env):
@@ -421,13 +450,13 @@ def test_deleting_runs_by_hand_leaves_no_step_behind(cyclone_env):
         assert conn.execute("SELECT count(*) AS n FROM cyclone_steps").fetchone()["n"] == 0
 
 
-def test_enqueue_many_stores_each_input_exactly_and_all_or_nothing(cyclone_env):
-    client = cyclone_env.client()
-    cyclone_env.mux().register(h.ok)
+def test_enqueue_many_stores_each_input_exactly_and_all_or_nothing(api_env):
+    client = api_env.client()
+    api_env.mux().register(h.ok)
     inputs = [None, 0, -2**62, 1.5e-7, "zürich ☃ \"quoted\" \\", [1, [2, {"a": None}]], {"nested": {"ü": [True, False]}},
               "a literal \\u0000 and \\ud800 (backslash-u text, not escapes)", {"emoji 😀": "pair 😀"}]
     ids = client.enqueue_many(h.ok, inputs)
-    with connect(cyclone_env.dsn) as conn:
+    with connect(api_env.dsn) as conn:
         stored = {r["id"]: r["input"] for r in conn.execute("SELECT id::text AS id, input FROM cyclone_runs").fetchall()}
     assert [stored[i] for i in ids] == inputs
     with pytest.raises(cy.PayloadError, match="input #1"):
@@ -437,12 +466,12 @@ def test_enqueue_many_stores_each_input_exactly_and_all_or_nothing(cyclone_env):
             client.enqueue_many(h.ok, [{"ok": 1}, bad])
         with pytest.raises(cy.PayloadError, match="cannot be stored"):
             client.enqueue(h.ok, bad)
-    with connect(cyclone_env.dsn) as conn:
+    with connect(api_env.dsn) as conn:
         assert conn.execute("SELECT count(*) AS n FROM cyclone_runs").fetchone()["n"] == len(inputs)  # nothing of the bad call
 
 
-def test_bad_input_is_rejected_cleanly(cyclone_env):
-    client = cyclone_env.client()
+def test_bad_input_is_rejected_cleanly(api_env):
+    client = api_env.client()
     with pytest.raises(cy.PayloadError):
         client.enqueue(h.ok, {"x": object()})
     with pytest.raises(cy.UnknownStep):
@@ -463,13 +492,13 @@ def test_a_child_that_breaks_the_pipe_protocol_fails_its_attempt(cyclone_env):
     assert cyclone_env.run_until_complete(cyclone_env.enqueue(h.ok, {})).state == "completed"
 
 
-def test_retry_of_a_cancelled_step_consumes_no_attempt(cyclone_env):
-    run_id = cyclone_env.enqueue(h.ok, {}, delay=60)
-    cyclone_env.client().cancel(run_id)
-    assert cyclone_env.client().retry(run_id) == 1
-    step = cyclone_env.status(run_id).step
+def test_retry_of_a_cancelled_step_consumes_no_attempt(api_env):
+    run_id = api_env.enqueue(h.ok, {}, delay=60)
+    api_env.client().cancel(run_id)
+    assert api_env.client().retry(run_id) == 1
+    step = api_env.status(run_id).step
     assert (step.state, step.attempt, step.max_attempts) == ("available", 1, 25)
-    run = cyclone_env.run_until_complete(run_id)
+    run = api_env.run_until_complete(run_id)
     assert run.step.output["attempt"] == 1
 
 
@@ -494,25 +523,25 @@ def test_retry_of_a_step_cancelled_after_a_failure_keeps_its_attempt(cyclone_env
     assert ([e["attempt"] for e in step.errors], step.attempt, step.state) == ([1, 2], 3, "available")
 
 
-def test_per_enqueue_backoff_is_stored_and_applied(cyclone_env):
-    run_id = cyclone_env.enqueue(h.flaky_default_backoff, {}, backoff=[0.0, 30.0])
-    run = cyclone_env.run_until_complete(run_id)
+def test_per_enqueue_backoff_is_stored_and_applied(api_env):
+    run_id = api_env.enqueue(h.flaky_default_backoff, {}, backoff=[0.0, 30.0])
+    run = api_env.run_until_complete(run_id)
     assert (run.step.state, run.step.attempt) == ("completed", 2)
     gap = (run.step.started_at - dt.datetime.fromisoformat(run.step.errors[0]["at"])).total_seconds()
     assert gap < 0.8, "the stored schedule (0 s after attempt 1) must win over attempt**4"
     with pytest.raises(cy.ConfigurationError):
-        cyclone_env.client().enqueue(h.ok, {}, backoff=lambda n: 1.0)
+        api_env.client().enqueue(h.ok, {}, backoff=lambda n: 1.0)
     with pytest.raises(cy.ConfigurationError):
-        cyclone_env.client().enqueue(h.ok, {}, backoff=[-1])
+        api_env.client().enqueue(h.ok, {}, backoff=[-1])
 
 
-def test_a_paused_single_step_run_completes_when_its_step_does(cyclone_env):
-    run_id = cyclone_env.enqueue(h.sleeper, {"seconds": 0.6})
-    cyclone_env.start_worker()
-    cyclone_env.wait_for_state(run_id, None, "running")
-    assert cyclone_env.client().pause(run_id) == 0
-    assert cyclone_env.status(run_id).state == "paused"
-    run = cyclone_env.run_until_complete(run_id)
+def test_a_paused_single_step_run_completes_when_its_step_does(api_env):
+    run_id = api_env.enqueue(h.sleeper, {"seconds": 0.6})
+    api_env.start_worker()
+    api_env.wait_for_state(run_id, None, "running")
+    assert api_env.client().pause(run_id) == 0
+    assert api_env.status(run_id).state == "paused"
+    run = api_env.run_until_complete(run_id)
     assert (run.state, run.step.state) == ("completed", "completed")
 
 
@@ -546,9 +575,9 @@ def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
     assert "cannot start inside a handler's child" in proc.stdout
 
 
-def test_a_run_can_be_named_by_a_prefix_of_its_id(cyclone_env):
-    client = cyclone_env.client()
-    run_id = cyclone_env.enqueue(h.ok, {}, delay=60)
+def test_a_run_can_be_named_by_a_prefix_of_its_id(api_env):
+    client = api_env.client()
+    run_id = api_env.enqueue(h.ok, {}, delay=60)
     assert client.status(run_id[:8]).id == run_id
     assert client.cancel(run_id[:13]) == 1  # with the dash, as printed
     for bad in ("zzzzzzzz", run_id[:7], "ffffffffffff"):

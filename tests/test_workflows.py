@@ -25,6 +25,7 @@ import cyclone_mp as cy
 from cyclone_mp.store import connect
 
 import workflow_handlers as wh
+from clients import use_async_client
 
 UTC = dt.timezone.utc
 LA = ZoneInfo("America/Los_Angeles")
@@ -130,10 +131,10 @@ def test_definition_errors_raise_configuration_error():
 # -- 1. the diamond -------------------------------------------------------------------------------
 
 
-def test_diamond_runs_each_node_once_and_joins_upstream_outputs(cyclone_env, tmp_path):
+def test_diamond_runs_each_node_once_and_joins_upstream_outputs(api_env, tmp_path):
     inp = run_input(tmp_path)
-    run_id = cyclone_env.enqueue(wh.diamond, inp)
-    run = cyclone_env.run_until_complete(run_id, timeout=30)
+    run_id = api_env.enqueue(wh.diamond, inp)
+    run = api_env.run_until_complete(run_id, timeout=30)
     assert run.state == "completed" and run.kind == "workflow" and run.finished_at is not None
     assert states(run) == {"a": "completed", "b": "completed", "c": "completed", "d": "completed"}
     folder = Path(inp["dir"])
@@ -192,20 +193,20 @@ def test_supervisor_crash_mid_diamond_reclaims_only_the_running_node(cyclone_env
 # -- 3. signals --------------------------------------------------------------------------------------
 
 
-def test_signal_sent_before_the_node_is_reached_is_kept(cyclone_env, tmp_path):
+def test_signal_sent_before_the_node_is_reached_is_kept(api_env, tmp_path):
     release = tmp_path / "release-prepare"
     inp = run_input(tmp_path, hold={"prepare": str(release)})
     folder = Path(inp["dir"])
-    run_id = cyclone_env.enqueue(wh.approval, inp)
-    cyclone_env.start_worker()
-    cyclone_env.wait_for_state(run_id, "prepare", "running")
-    client = cyclone_env.client()
+    run_id = api_env.enqueue(wh.approval, inp)
+    api_env.start_worker()
+    api_env.wait_for_state(run_id, "prepare", "running")
+    client = api_env.client()
     assert client.signal(run_id, "approve", {"by": "alice"}) is True
     assert client.signal(run_id, "approve", {"by": "mallory"}) is False  # a repeat is ignored
-    run = cyclone_env.status(run_id)
+    run = api_env.status(run_id)
     assert (run.steps["approve"].state, run.steps["publish"].state) == ("pending", "pending")
     release.write_text("go")
-    run = cyclone_env.run_until_complete(run_id)
+    run = api_env.run_until_complete(run_id)
     assert run.state == "completed"
     approve = run.steps["approve"]
     assert (approve.state, approve.output) == ("completed", {"by": "alice"})
@@ -214,26 +215,26 @@ def test_signal_sent_before_the_node_is_reached_is_kept(cyclone_env, tmp_path):
     assert [starts(folder, n) for n in ("prepare", "publish")] == [1, 1]
 
 
-def test_signal_sent_after_the_node_is_reached_and_sent_twice(cyclone_env, tmp_path):
+def test_signal_sent_after_the_node_is_reached_and_sent_twice(api_env, tmp_path):
     inp = run_input(tmp_path)
     folder = Path(inp["dir"])
-    run_id = cyclone_env.enqueue(wh.approval, inp)
-    cyclone_env.start_worker()
-    waiting = cyclone_env.wait_for_state(run_id, "approve", "waiting_signal", timeout=15)
+    run_id = api_env.enqueue(wh.approval, inp)
+    api_env.start_worker()
+    waiting = api_env.wait_for_state(run_id, "approve", "waiting_signal", timeout=15)
     assert waiting.output is None
     time.sleep(0.3)  # several polls: nothing moves without the signal
-    run = cyclone_env.status(run_id)
+    run = api_env.status(run_id)
     assert (run.state, run.steps["approve"].state, run.steps["publish"].state) == ("running", "waiting_signal", "pending")
-    client = cyclone_env.client()
+    client = api_env.client()
     assert client.signal(run_id, "approve", ["first", 1]) is True
     assert client.signal(run_id, "approve", ["second", 2]) is False
-    run = cyclone_env.run_until_complete(run_id)
+    run = api_env.run_until_complete(run_id)
     assert run.state == "completed"
     assert run.steps["approve"].output == ["first", 1]
     assert run.steps["publish"].output["upstream"] == {"approve": ["first", 1]}
     # a signal after completion changes nothing either
     assert client.signal(run_id, "approve", ["third", 3]) is False
-    assert cyclone_env.status(run_id).steps["approve"].output == ["first", 1]
+    assert api_env.status(run_id).steps["approve"].output == ["first", 1]
     assert [starts(folder, n) for n in ("prepare", "publish")] == [1, 1]
 
 
@@ -360,8 +361,10 @@ def test_timer_instants_in_the_fall_back_hour_are_stored_exactly(cyclone_dsn, cy
 # -- 5. pause, resume, cancel ---------------------------------------------------------------------------
 
 
-def test_pause_holds_everything_but_the_running_step_and_resume_restores(cyclone_env_factory, tmp_path):
+def test_pause_holds_everything_but_the_running_step_and_resume_restores(cyclone_env_factory, tmp_path, client_kind):
     env = cyclone_env_factory(workers=1)
+    if client_kind == "AsyncClient":
+        use_async_client(env)
     env.mux().register(wh.pausable)
     release = tmp_path / "release-slow"
     inp = run_input(tmp_path, hold={"slow": str(release)})
@@ -427,8 +430,10 @@ def test_pause_holds_everything_but_the_running_step_and_resume_restores(cyclone
     assert run.steps["final"].output["upstream"]["gate"] == "open"
 
 
-def test_cancel_of_a_paused_run_cancels_everything_in_one_transaction(cyclone_env_factory, tmp_path):
+def test_cancel_of_a_paused_run_cancels_everything_in_one_transaction(cyclone_env_factory, tmp_path, client_kind):
     env = cyclone_env_factory(workers=1)
+    if client_kind == "AsyncClient":
+        use_async_client(env)
     env.mux().register(wh.pausable)
     inp = run_input(tmp_path, hold={"slow": str(tmp_path / "never")})
     folder = Path(inp["dir"])
@@ -460,54 +465,54 @@ def test_cancel_of_a_paused_run_cancels_everything_in_one_transaction(cyclone_en
     assert [starts(folder, n) for n in ("slow", "other", "after_slow", "final")] == [1, 0, 0, 0]
 
 
-def test_a_step_that_fails_while_paused_is_not_retried_until_resume(cyclone_env, tmp_path):
+def test_a_step_that_fails_while_paused_is_not_retried_until_resume(api_env, tmp_path):
     release = tmp_path / "release-flaky"
     marker = tmp_path / "fixed"
     inp = run_input(tmp_path, hold={"flaky": str(release)}, fail_until={"flaky": str(marker)})
     folder = Path(inp["dir"])
-    run_id = cyclone_env.enqueue(wh.fragile, inp)
-    cyclone_env.start_worker()
-    cyclone_env.wait_for_state(run_id, "flaky", "running", timeout=15)
-    client = cyclone_env.client()
+    run_id = api_env.enqueue(wh.fragile, inp)
+    api_env.start_worker()
+    api_env.wait_for_state(run_id, "flaky", "running", timeout=15)
+    client = api_env.client()
     client.pause(run_id)
     release.write_text("go")  # attempt 1 fails while the run is paused
     wait_until(lambda: lines(folder, "flaky", "fail"), 10, "flaky's first attempt to fail")
     time.sleep(0.5)  # many polls: a retry claimable now would have been claimed
-    flaky = cyclone_env.status(run_id).steps["flaky"]
+    flaky = api_env.status(run_id).steps["flaky"]
     assert starts(folder, "flaky") == 1, "the failed step was retried while its run was paused"
     assert (flaky.state, flaky.paused_from, flaky.attempt) == ("paused", "available", 2)
     marker.write_text("fixed")
     client.resume(run_id)
-    run = cyclone_env.run_until_complete(run_id)
+    run = api_env.run_until_complete(run_id)
     assert run.state == "completed" and starts(folder, "flaky") == 2
 
 
 # -- 6. discard and retry -----------------------------------------------------------------------------------
 
 
-def test_discarded_step_discards_the_run_and_retry_completes_it(cyclone_env, tmp_path):
+def test_discarded_step_discards_the_run_and_retry_completes_it(api_env, tmp_path):
     marker = tmp_path / "fixed"
     release = tmp_path / "release-side"
     inp = run_input(tmp_path, fail_until={"flaky": str(marker)}, hold={"side": str(release)})
     folder = Path(inp["dir"])
-    run_id = cyclone_env.enqueue(wh.fragile, inp)
-    cyclone_env.start_worker()
-    flaky = cyclone_env.wait_for_state(run_id, "flaky", "discarded", timeout=15)
+    run_id = api_env.enqueue(wh.fragile, inp)
+    api_env.start_worker()
+    flaky = api_env.wait_for_state(run_id, "flaky", "discarded", timeout=15)
     assert (flaky.attempt, flaky.max_attempts, flaky.error_kind) == (2, 2, "error")
     # side is still running: something can progress, so the run is not discarded yet
-    run = cyclone_env.status(run_id)
+    run = api_env.status(run_id)
     assert run.state == "running" and run.steps["side"].state == "running"
     release.write_text("go")
-    run = wait_run_state(cyclone_env, run_id, "discarded")
+    run = wait_run_state(api_env, run_id, "discarded")
     assert states(run) == {"start": "completed", "flaky": "discarded", "side": "completed", "finish": "pending"}
     assert run.finished_at is not None
     assert starts(folder, "finish") == 0
 
     marker.write_text("fixed")
-    assert cyclone_env.client().retry(run_id) == 1
-    reopened = cyclone_env.status(run_id)
+    assert api_env.client().retry(run_id) == 1
+    reopened = api_env.status(run_id)
     assert reopened.state == "running" and reopened.finished_at is None
-    run = cyclone_env.run_until_complete(run_id)
+    run = api_env.run_until_complete(run_id)
     assert run.state == "completed" and set(states(run).values()) == {"completed"}
     flaky = run.steps["flaky"]
     assert (flaky.attempt, flaky.max_attempts, flaky.error, flaky.error_kind) == (3, 3, None, None)
@@ -515,25 +520,25 @@ def test_discarded_step_discards_the_run_and_retry_completes_it(cyclone_env, tmp
     assert [starts(folder, n) for n in ("start", "flaky", "side", "finish")] == [1, 3, 1, 1]
     assert run.steps["finish"].output["upstream"] == {"flaky": flaky.output, "side": run.steps["side"].output}
     with pytest.raises(cy.InvalidTransition):
-        cyclone_env.client().retry(run_id)
+        api_env.client().retry(run_id)
 
 
 # -- idempotency keys ------------------------------------------------------------------------------------------
 
 
-def test_idempotency_key_returns_the_same_run(cyclone_env, tmp_path):
+def test_idempotency_key_returns_the_same_run(api_env, tmp_path):
     inp = run_input(tmp_path)
-    first = cyclone_env.enqueue(wh.diamond, inp, idempotency_key="order-1")
-    again = cyclone_env.enqueue(wh.diamond, {**inp, "x": 7}, idempotency_key="order-1")
-    other = cyclone_env.enqueue(wh.diamond, {"x": 1}, idempotency_key="order-2")
+    first = api_env.enqueue(wh.diamond, inp, idempotency_key="order-1")
+    again = api_env.enqueue(wh.diamond, {**inp, "x": 7}, idempotency_key="order-1")
+    other = api_env.enqueue(wh.diamond, {"x": 1}, idempotency_key="order-2")
     assert first == again and other != first
-    with connect(cyclone_env.dsn) as conn:
+    with connect(api_env.dsn) as conn:
         runs = conn.execute("SELECT id::text AS id, input FROM cyclone_runs WHERE idempotency_key = 'order-1'").fetchall()
         steps = conn.execute("SELECT count(*) AS n FROM cyclone_steps WHERE run_id = %s", (first,)).fetchone()["n"]
     assert [r["id"] for r in runs] == [first] and runs[0]["input"]["x"] == 42 and steps == 4
-    run = cyclone_env.run_until_complete(first)
+    run = api_env.run_until_complete(first)
     assert run.state == "completed" and run.idempotency_key == "order-1"
-    assert cyclone_env.enqueue(wh.diamond, inp, idempotency_key="order-1") == first  # also once finished
+    assert api_env.enqueue(wh.diamond, inp, idempotency_key="order-1") == first  # also once finished
     assert starts(Path(inp["dir"]), "a") == 1
 
 

@@ -1,6 +1,13 @@
 -- Every query cyclone_mp runs, one per "-- name:" header, with a one-line purpose.
 -- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
 
+-- name: run_ended_expr
+-- (Fragment) announce that run r ended, to the waiters of client.wait (issue 24): a NOTIFY on
+-- channel cyclone_mp_runs with the run's id, sent at commit. Every statement that makes a
+-- run completed, discarded or cancelled returns it (a RETURNING expression is computed
+-- for each row, whatever reads it).
+pg_notify('cyclone_mp_runs', r.id::text)
+
 -- name: utc_now_expr
 -- (Fragment) now() as ISO 8601 text in UTC, whatever the session's TimeZone: the "at"
 -- of an error entry, whose text order must be time order (cyclone_steps_kills_idx).
@@ -272,6 +279,7 @@ claimed AS (
            progress = NULL
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
+              extract(epoch FROM now() - s.scheduled_at)::float8 AS pickup,  -- claimable to claimed (metrics)
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
               -- the run's row by primary key, once (its input and kind are read from it):
               -- a join here became a hash join over a scan of every run in generic plans
@@ -387,7 +395,7 @@ runs AS (
        SET state = 'completed', finished_at = now(), updated_at = now()
       FROM done d
      WHERE r.id = d.run_id AND r.kind = 'step' AND r.state IN ('running', 'paused')
-    RETURNING r.id
+    RETURNING r.id, {run_ended_expr}
 )
 
 -- name: fail_ctes
@@ -441,14 +449,14 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state, s.lease_generation, j.run_kind, j.run_state
+    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state
 ), discarded_runs AS (
     -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
        SET state = 'discarded', finished_at = now(), updated_at = now()
       FROM ended e
      WHERE r.id = e.run_id AND e.state = 'discarded' AND e.run_kind = 'step' AND e.run_state = 'running'
-    RETURNING r.id
+    RETURNING r.id, {run_ended_expr}
 )
 
 -- name: claimed_input_expr
@@ -471,10 +479,10 @@ WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generatio
 {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_concurrency
@@ -484,10 +492,10 @@ WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generatio
 {claim_concurrency_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_fair
@@ -495,10 +503,10 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 WITH RECURSIVE {claim_fair_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_plain
@@ -507,10 +515,10 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 WITH {claim_plain_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
@@ -518,32 +526,35 @@ settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
-           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big
+           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup,
+           NULL::jsonb AS trace
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr}
+           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
+           c.pickup, (c.run).trace
       FROM claimed c
 )
 
 -- name: settle
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
 -- %(limit)s, which may be 0) in one statement and one commit; the last row is the
--- claim's meta row (what = 'meta', see claim).
+-- claim's meta row (what = 'meta', see claim). A failed row's node column carries the
+-- error kind stored (the worker's, or timeout when the DB deadline passed).
 WITH RECURSIVE {settle_ctes}, {fail_ctes},
 finished AS (SELECT id, lease_generation AS generation FROM done
              UNION ALL SELECT id, lease_generation FROM ended),
 {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+       NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_concurrency
@@ -554,13 +565,13 @@ finished AS (SELECT id, lease_generation AS generation FROM done
 {claim_concurrency_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+       NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_fair
@@ -570,13 +581,13 @@ SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL,
 WITH RECURSIVE {settle_ctes}, {fail_ctes}, {claim_fair_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+       NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_plain
@@ -584,13 +595,13 @@ SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL,
 WITH {settle_ctes}, {fail_ctes}, {claim_plain_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+       NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settle_completions
 -- The hot path of a tick without failures (most ticks): its completions and the next
@@ -601,7 +612,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_concurrency
@@ -612,7 +623,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_fair
@@ -623,7 +634,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_plain
@@ -633,7 +644,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
@@ -758,6 +769,10 @@ UPDATE cyclone_steps s
          AND EXISTS (SELECT 1 FROM cyclone_signals g WHERE g.run_id = s.run_id AND g.name = s.node))
      OR (s.state = 'waiting_timer' AND s.due_at <= now()));
 
+-- name: available_queues
+-- The queues in which a run has claimable steps (each gets a NOTIFY after the run moved on).
+SELECT DISTINCT queue FROM cyclone_steps WHERE run_id = %(run_id)s AND state = 'available';
+
 -- name: refresh_run_state
 -- Keep the run state in step with its steps: completed when all are, discarded when a
 -- discarded step leaves nothing that can progress.
@@ -777,7 +792,8 @@ UPDATE cyclone_runs r
  WHERE r.id = %(run_id)s
    AND (r.state IN ('running', 'discarded') OR (r.state = 'paused' AND x.new_state = 'completed'))
    AND x.new_state IS NOT NULL
-   AND x.new_state <> r.state;
+   AND x.new_state <> r.state
+RETURNING r.id, CASE WHEN x.new_state IN ('completed', 'discarded') THEN {run_ended_expr} END;
 
 -- name: sync_schedules
 -- Create the rows of a supervisor's schedules, or refresh them: seen_at at most every 5 s,
@@ -841,10 +857,10 @@ WITH steps AS (
        AND state IN ('pending', 'available', 'running', 'waiting_signal', 'waiting_timer', 'paused')
     RETURNING id
 )
-UPDATE cyclone_runs
+UPDATE cyclone_runs r
    SET state = 'cancelled', finished_at = now(), updated_at = now()
  WHERE id = %(run_id)s AND state IN ('running', 'paused')
-RETURNING (SELECT count(*) FROM steps) AS steps;
+RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr};
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
@@ -904,8 +920,8 @@ RETURNING name;
 
 -- name: insert_run
 -- One run row; with an idempotency key an existing run wins (returns nothing then).
-INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
-VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s)
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
+VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING id::text AS id;
 
@@ -913,8 +929,8 @@ RETURNING id::text AS id;
 -- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
 -- With an idempotency key already used, nothing is written and id is NULL.
 WITH run AS (
-    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key)
-    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s)
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
+    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s, %(trace)s)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id
 ), step AS (
@@ -958,8 +974,8 @@ SELECT %(run_id)s, t.node, t.step_name, t.kind,
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load), each with its concurrency key.
 WITH runs AS (
-    INSERT INTO cyclone_runs (id, name, kind, input)
-    SELECT t.id, %(name)s, 'step', t.input
+    INSERT INTO cyclone_runs (id, name, kind, input, trace)
+    SELECT t.id, %(name)s, 'step', t.input, %(trace)s::jsonb
       FROM unnest(%(ids)b::uuid[], %(inputs)b::text[]::jsonb[]) AS t(id, input)  -- binary: nothing to escape
     RETURNING id
 )
@@ -1008,27 +1024,48 @@ SELECT pg_notify('cyclone_mp', %(queue)s);
 SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
   FROM cyclone_runs WHERE id = %(run_id)s;
 
+-- name: step_columns_expr
+-- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
+-- with its key and limits (issue 21): running_in_group counts the group's attempts that
+-- hold a concurrency slot, starts_in_period the starts of the last rate period (both from
+-- step_limits_expr, which the query joins).
+s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
+s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float8 AS timeout,
+s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
+s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
+s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
+g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
+
+-- name: step_limits_expr
+-- (Fragment) the join of step_columns_expr's group counts, for a step row s.
+LEFT JOIN LATERAL (
+      SELECT (SELECT count(*) FROM cyclone_slots sl
+                JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation AND h.state = 'running'
+               WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'c'
+                 AND s.concurrency IS NOT NULL) AS running_in_group,
+             (SELECT count(*) FROM cyclone_slots sl
+               WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'r'
+                 AND sl.used_at + s.rate_period > now() AND s.rate_count IS NOT NULL) AS starts_in_period
+       WHERE s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL) g ON true
+
 -- name: get_steps
 -- Every step row of a run, in definition order.
--- With its key and limits (issue 21): running_in_group counts the group's attempts that
--- hold a concurrency slot, starts_in_period the starts of the last rate period.
-SELECT s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
-       s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float8 AS timeout,
-       s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
-       s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
-       s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
-       g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
-  FROM cyclone_steps s
-  LEFT JOIN LATERAL (
-        SELECT (SELECT count(*) FROM cyclone_slots sl
-                  JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation AND h.state = 'running'
-                 WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'c'
-                   AND s.concurrency IS NOT NULL) AS running_in_group,
-               (SELECT count(*) FROM cyclone_slots sl
-                 WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'r'
-                   AND sl.used_at + s.rate_period > now() AND s.rate_count IS NOT NULL) AS starts_in_period
-         WHERE s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL) g ON true
+SELECT {step_columns_expr}
+  FROM cyclone_steps s {step_limits_expr}
  WHERE s.run_id = %(run_id)s ORDER BY s.id;
+
+-- name: finished_runs
+-- The runs among some ids that are completed, discarded or cancelled (what a waiter reads
+-- when woken: the notification says which runs ended).
+SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
+  FROM cyclone_runs
+ WHERE id = ANY(%(ids)s::uuid[]) AND state IN ('completed', 'discarded', 'cancelled');
+
+-- name: steps_of_runs
+-- Every step row of some runs, by run then in definition order.
+SELECT s.run_id::text AS run_id, {step_columns_expr}
+  FROM cyclone_steps s {step_limits_expr}
+ WHERE s.run_id = ANY(%(ids)s::uuid[]) ORDER BY s.run_id, s.id;
 
 -- name: list_runs
 -- Recent runs, optionally by state, newest first.
@@ -1065,6 +1102,20 @@ SELECT id, hostname, pid, started_at, heartbeat_at, info,
   FROM cyclone_workers
  WHERE heartbeat_at > now() - (%(within_us)s::bigint * interval '1 microsecond')
  ORDER BY started_at;
+
+-- name: queue_depths
+-- Per queue: claimable steps (counted up to %(cap)s, in the claim's index order) and how
+-- long the oldest of them has been claimable (the supervisor's metrics, every few seconds).
+SELECT q.name AS queue, d.depth, d.oldest
+  FROM unnest(%(queues)s::text[]) AS q(name)
+ CROSS JOIN LATERAL (
+        SELECT count(*)::bigint AS depth, extract(epoch FROM now() - min(a.scheduled_at))::float8 AS oldest
+          FROM (SELECT scheduled_at
+                  FROM cyclone_steps
+                 WHERE state = 'available' AND queue = q.name AND scheduled_at <= now()
+                 ORDER BY priority, scheduled_at, id
+                 LIMIT %(cap)s) a
+       ) d;
 
 -- name: prune_workers
 -- Forget supervisors silent for a long time.
@@ -1144,6 +1195,75 @@ SELECT m.minute, coalesce(f.completed, 0)::bigint AS completed, coalesce(f.disca
  CROSS JOIN generate_series(bounds.first, bounds.last, interval '1 minute') AS m(minute)
   LEFT JOIN finished f ON f.minute = m.minute
  ORDER BY m.minute;
+
+-- name: dash_pickup
+-- Pickup latency (started_at - scheduled_at: claimable to claimed) of the task steps that
+-- finished in each of the last %(minutes)s minutes (finished_at, DB clock), oldest first:
+-- how many, the median and the 95th percentile, in seconds.
+WITH bounds AS (
+    SELECT date_trunc('minute', now()) AS last,
+           date_trunc('minute', now()) - (%(minutes)s::int - 1) * interval '1 minute' AS first
+), finished AS (
+    SELECT date_trunc('minute', s.finished_at) AS minute, count(*) AS n,
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY greatest(0, extract(epoch FROM s.started_at - s.scheduled_at)))
+               AS p50,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY greatest(0, extract(epoch FROM s.started_at - s.scheduled_at)))
+               AS p95
+      FROM cyclone_steps s, bounds
+     WHERE s.finished_at >= bounds.first
+       AND s.kind = 'task'
+       AND s.started_at IS NOT NULL
+     GROUP BY 1
+)
+SELECT m.minute, coalesce(f.n, 0)::bigint AS n, f.p50::float8 AS p50, f.p95::float8 AS p95
+  FROM bounds
+ CROSS JOIN generate_series(bounds.first, bounds.last, interval '1 minute') AS m(minute)
+  LEFT JOIN finished f ON f.minute = m.minute
+ ORDER BY m.minute;
+
+-- name: dash_kills_by_trigger
+-- Children the supervisors killed in each of the last %(minutes)s minutes, by trigger
+-- (error entries with killed_by_supervisor, by their "at"), oldest first: {trigger: n}.
+WITH bounds AS (
+    SELECT date_trunc('minute', now()) AS last,
+           date_trunc('minute', now()) - (%(minutes)s::int - 1) * interval '1 minute' AS first
+), since AS (
+    SELECT to_char(bounds.first AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"') AS at FROM bounds
+), kills AS (
+    SELECT date_trunc('minute', (e ->> 'at')::timestamptz) AS minute, coalesce(e ->> 'trigger', 'kill') AS trigger
+      FROM since, cyclone_steps s
+     CROSS JOIN LATERAL jsonb_array_elements(s.errors) AS e
+     WHERE s.errors <> '[]'::jsonb
+       AND (s.errors -> -1 ->> 'at') >= since.at  -- migration 0016's index
+       AND (e ->> 'at') >= since.at
+       AND e ->> 'killed_by_supervisor' = 'true'
+), per_minute AS (
+    SELECT x.minute, jsonb_object_agg(x.trigger, x.n) AS triggers
+      FROM (SELECT minute, trigger, count(*) AS n FROM kills GROUP BY 1, 2) x
+     GROUP BY x.minute
+)
+SELECT m.minute, coalesce(p.triggers, '{}'::jsonb) AS triggers
+  FROM bounds
+ CROSS JOIN generate_series(bounds.first, bounds.last, interval '1 minute') AS m(minute)
+  LEFT JOIN per_minute p ON p.minute = m.minute
+ ORDER BY m.minute;
+
+-- name: dash_durations
+-- Per step: the task steps completed in the last %(minutes)s minutes and the percentiles
+-- of their run time (finished_at - started_at of the attempt that completed), in seconds.
+SELECT s.step_name AS step, count(*)::bigint AS n,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p95,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p99,
+       max(extract(epoch FROM s.finished_at - s.started_at))::float8 AS max
+  FROM cyclone_steps s
+ WHERE s.finished_at >= now() - %(minutes)s::int * interval '1 minute'
+   AND s.kind = 'task'
+   AND s.state = 'completed'
+   AND s.started_at IS NOT NULL
+ GROUP BY s.step_name
+ ORDER BY s.step_name
+ LIMIT %(limit)s;
 
 -- name: dash_recent_kills
 -- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit), newest entry first.

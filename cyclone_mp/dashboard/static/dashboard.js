@@ -113,6 +113,40 @@
     svg.replaceChildren.apply(svg, kids);
   }
 
+  // A chart whose geometry the API gives (views._bars): one bar per minute, in segments.
+  function bars(id, c) {
+    var svg = document.getElementById(id);
+    if (!svg || !c) return;
+    var kids = [s("line", {"class": "axis", x1: 0, y1: c.height - 0.5, x2: c.width, y2: c.height - 0.5})];
+    c.bars.forEach(function (b) {
+      var g = s("g", {}, s("title", {}, b.title));
+      b.segments.forEach(function (seg) {
+        g.appendChild(s("rect", {"class": seg.cls, x: b.x, y: seg.y, width: b.w, height: seg.h}));
+      });
+      kids.push(g);
+    });
+    svg.replaceChildren.apply(svg, kids);
+  }
+
+  function hourCharts(d) {
+    if (!d.pickup) return;
+    setText('[data-count="pickup.steps"]', d.pickup.steps);
+    setText('[data-count="pickup.worst_p95"]', secs(d.pickup.worst_p95, 3));
+    bars("pickup-chart", d.pickup.chart);
+    bars("kills-chart", d.kill_triggers.chart);
+    var legend = [];
+    d.kill_triggers.by_trigger.forEach(function (t, i) {
+      if (i) legend.push(" \u00b7 ");
+      legend.push(h("span", {"class": "key " + t.cls}), " " + t.trigger + " ", h("strong", {}, t.n));
+    });
+    fill("kill-triggers", legend.length ? legend : ["no kills in the last hour"]);
+    var rows = d.durations.map(function (r) {
+      return h("tr", {"data-step": r.step}, td(r.step), td(r.n, "num"), td(secs(r.p50, 3), "num"),
+        td(secs(r.p95, 3), "num"), td(secs(r.p99, 3), "num"), td(secs(r.max, 3), "num"));
+    });
+    fill("durations", rows.length ? rows : [emptyRow(6, "no step completed in the last hour")]);
+  }
+
   function worker(w) {
     var rows = w.children.map(function (k) {
       return h("tr", k.busy ? {"class": "busy"} : {},
@@ -144,6 +178,7 @@
     setText('[data-count="throughput.max"]', d.throughput.max);
     setText('[data-count="workers.length"]', d.workers.length);
     chart(d.throughput);
+    hourCharts(d);
     var byName = d.steps.by_name.map(function (g) {
       return h("tr", {}, td(g.name), td(g.queue), STEP_STATES.map(function (st) {
         return td(g.by_state[st], g.by_state[st] ? "num" : "num zero");

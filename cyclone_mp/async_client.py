@@ -1,0 +1,289 @@
+"""``cy.AsyncClient``: :class:`~cyclone_mp.Client`'s methods, awaitable (issue 24).
+
+Built on psycopg's async connections and psycopg_pool's ``AsyncConnectionPool``. It
+plans every call as :class:`~cyclone_mp.Client` does (:class:`~cyclone_mp.client.ClientBase`)
+and runs the same operations (:mod:`cyclone_mp.operations`), so the SQL, its parameters
+and the handling of its rows exist once. It enqueues and manages runs; the supervisor
+runs elsewhere (``cyclone-mp worker``, or ``Client.run`` in a worker process).
+
+Use it from one event loop (its pool and its waiting task belong to that loop)::
+
+    async with cy.AsyncClient(dsn, mux) as client:
+        run_id = await client.enqueue(resize, {"path": "a.png"})
+        output = await client.result(run_id, timeout=30)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from . import operations, tracing
+from .client import POOL_PROBE_EVERY, POOL_TIMEOUT, ClientBase
+from .config import Config
+from .durations import Duration
+from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
+from .operations import Op
+from .status import RunStatus, StepStatus
+from .steps import Mux, Step
+from .store import AsyncStore, aconfigure_session, classify, redact, tcp_bounds
+from .waiting import AsyncWaiter, result_of
+from .workflow import Workflow
+
+
+class AsyncClient(ClientBase):
+    """The awaitable twin of :class:`~cyclone_mp.Client` for asyncio applications.
+
+    Args:
+        dsn: PostgreSQL connection string; None means the embedded default server.
+        mux: the registered steps and workflows (to enqueue by name).
+        pool_size: most connections its pool opens (default 4; waits use one more).
+        **options: the enqueue defaults :class:`~cyclone_mp.Client` takes (``timeout``,
+            ``max_attempts``, ``max_reclaims``, ``backoff``, ``queue``, ``priority``,
+            ``max_payload``), and its supervisor options, which only a supervisor uses.
+
+    Raises:
+        ConfigurationError: an invalid option.
+    """
+
+    def __init__(self, dsn: str | None = None, mux: Mux | None = None, *, pool_size: int = 4,
+                 **options: Any) -> None:
+        if dsn is not None and not isinstance(dsn, str):
+            raise ConfigurationError(f"dsn must be a connection string or None (the embedded server), "
+                                     f"not {type(dsn).__name__}")
+        if mux is not None and not isinstance(mux, Mux):
+            raise ConfigurationError(f"mux must be a cy.Mux, not {type(mux).__name__}")
+        if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
+            raise ConfigurationError(f"pool_size must be an int >= 1, got {pool_size!r}")
+        for supervisor_only in ("clock", "wall_clock", "metrics_port"):
+            options.pop(supervisor_only, None)
+        self.config = Config.build(**options)
+        self.mux = mux if mux is not None else Mux()
+        self._dsn = dsn
+        self._pool_size = pool_size
+        self._pool: AsyncConnectionPool | None = None
+        self._pool_lock: asyncio.Lock | None = None
+        self._waiting: AsyncWaiter | None = None
+
+    # -- connection -------------------------------------------------------------------------
+
+    async def _store_pool(self) -> AsyncConnectionPool:
+        if self._pool_lock is None:
+            self._pool_lock = asyncio.Lock()
+        async with self._pool_lock:
+            if self._pool is None:
+                dsn = self._dsn if self._dsn is not None else await asyncio.to_thread(lambda: self.dsn)
+                try:  # fail fast, with a clear message, when unreachable
+                    conn = await psycopg.AsyncConnection.connect(dsn, connect_timeout=10)
+                    await conn.close()
+                except psycopg.Error as exc:
+                    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise self._explain(DatabaseUnavailable(
+                        f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}")) from exc
+                limit = self.config.idle_in_transaction_limit
+
+                async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+                    # a client frozen inside cancel/retry/... must not stall the supervisors
+                    await aconfigure_session(conn, idle_in_transaction=limit)
+
+                pool = AsyncConnectionPool(
+                    dsn, min_size=0, max_size=self._pool_size, open=False, timeout=POOL_TIMEOUT, max_idle=60.0,
+                    kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp async client",
+                            **tcp_bounds(max(5.0, self.config.lease_ttl))}, name="cyclone-mp-async-client",
+                    check=AsyncConnectionPool.check_connection, configure=configure,
+                )
+                await pool.open(wait=False)
+                self._pool = pool
+            return self._pool
+
+    async def _getconn(self, pool: AsyncConnectionPool) -> psycopg.AsyncConnection[Any]:
+        """A pooled connection; an embedded server that was stopped fails the call within
+        POOL_PROBE_EVERY seconds (as :meth:`Client._connection` does)."""
+        from .embedded import server_for_dsn
+
+        server = server_for_dsn(self.dsn)
+        deadline = time.monotonic() + POOL_TIMEOUT
+        while True:
+            try:
+                return await pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
+            except PoolTimeout:
+                if server is not None and server.stopping():
+                    raise DatabaseUnavailable(server.not_running_message()) from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    async def _run(self, plan: Callable[[], Op]) -> Any:
+        """Run the operation ``plan()`` makes on a pooled connection; once more on another
+        connection when the call surely did nothing (as :meth:`Client._call`)."""
+        pool = await self._store_pool()
+        try:
+            for tries_left in (1, 0):
+                store: AsyncStore | None = None
+                try:
+                    conn = await self._getconn(pool)
+                    try:
+                        store = AsyncStore(conn)
+                        return await store.run(plan())
+                    finally:
+                        await pool.putconn(conn)
+                except DatabaseError as exc:
+                    if not self._retryable(exc, store, tries_left):
+                        raise
+        except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
+            raise classify(exc) from exc
+        except DatabaseError as exc:
+            failed = self._call_failed(exc)
+            if failed is not exc:
+                raise failed from exc
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        """Stop listening for waits and close the pool."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            await waiting.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def migrate(self) -> list[str]:
+        """:meth:`Client.migrate <cyclone_mp.Client.migrate>`, awaitable."""
+        return await self._run(operations.migrate)
+
+    # -- enqueue ----------------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        target: Step | Workflow | str,
+        input: Any = None,
+        *,
+        timeout: Duration | None = None,
+        max_attempts: int | None = None,
+        max_reclaims: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        backoff: float | Sequence[float] | None = None,
+        delay: Duration | None = None,
+        scheduled_at: dt.datetime | None = None,
+        idempotency_key: str | None = None,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        concurrency: int | None = None,
+        concurrency_key: str | None = None,
+        rate_limit: tuple[int, Duration] | None = None,
+    ) -> str:
+        """:meth:`Client.enqueue <cyclone_mp.Client.enqueue>`, awaitable. With ``conn`` (an
+        ``AsyncConnection`` in an open transaction) the run is written in the caller's
+        transaction: it exists only if that transaction commits."""
+        name, make = self._plan_enqueue(
+            target, input, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
+            priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
+            idempotency_key=idempotency_key, concurrency=concurrency, concurrency_key=concurrency_key,
+            rate_limit=rate_limit,
+        )
+        with tracing.enqueue_span(name) as trace:
+            if conn is not None:
+                return (await AsyncStore(conn).run(make(trace), caller_tx=True))[0]
+            return (await self._run(lambda: make(trace)))[0]
+
+    async def enqueue_many(
+        self,
+        target: Step | str,
+        inputs: Iterable[Any],
+        *,
+        timeout: Duration | None = None,
+        max_attempts: int | None = None,
+        max_reclaims: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        backoff: float | Sequence[float] | None = None,
+        delay: Duration | None = None,
+        scheduled_at: dt.datetime | None = None,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        concurrency: int | None = None,
+        concurrency_key: str | None = None,
+        rate_limit: tuple[int, Duration] | None = None,
+    ) -> list[str]:
+        """:meth:`Client.enqueue_many <cyclone_mp.Client.enqueue_many>`, awaitable; with
+        ``conn``, in the caller's open transaction."""
+        name, make = self._plan_enqueue_many(
+            target, inputs, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
+            priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
+            concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+        )
+        if make is None:
+            return []
+        with tracing.enqueue_span(name) as trace:
+            if conn is not None:
+                return await AsyncStore(conn).run(make(trace), caller_tx=True)
+            return await self._run(lambda: make(trace))
+
+    # -- runs --------------------------------------------------------------------------------
+
+    async def status(self, run_id: str) -> RunStatus:
+        """:meth:`Client.status <cyclone_mp.Client.status>`, awaitable."""
+        return RunStatus.from_rows(*await self._run(lambda: operations.get_run(run_id)))
+
+    async def wait(self, run_id: str, timeout: Duration | None = None) -> RunStatus:
+        """:meth:`Client.wait <cyclone_mp.Client.wait>`, awaitable: every wait of this
+        client shares one listening connection and one task."""
+        limit = self._wait_timeout(timeout)
+        rid = await self._run(lambda: operations.resolve_run(run_id))
+        if self._waiting is None:
+            self._waiting = AsyncWaiter(lambda: self.dsn, self.status)
+        return await self._waiting.wait(rid, limit)
+
+    async def result(self, run_id: str, timeout: Duration | None = None) -> Any:
+        """:meth:`Client.result <cyclone_mp.Client.result>`, awaitable."""
+        return result_of(await self.wait(run_id, timeout))
+
+    async def cancel(self, run_id: str) -> int:
+        """:meth:`Client.cancel <cyclone_mp.Client.cancel>`, awaitable."""
+        return await self._run(lambda: operations.cancel_run(run_id))
+
+    async def retry(self, run_id: str) -> int:
+        """:meth:`Client.retry <cyclone_mp.Client.retry>`, awaitable."""
+        return await self._run(lambda: operations.retry_run(run_id))
+
+    async def pause(self, run_id: str) -> int:
+        """:meth:`Client.pause <cyclone_mp.Client.pause>`, awaitable."""
+        return await self._run(lambda: operations.pause_run(run_id))
+
+    async def resume(self, run_id: str) -> int:
+        """:meth:`Client.resume <cyclone_mp.Client.resume>`, awaitable."""
+        return await self._run(lambda: operations.resume_run(run_id))
+
+    async def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
+        """:meth:`Client.signal <cyclone_mp.Client.signal>`, awaitable."""
+        return await self._run(self._plan_signal(run_id, name, payload))
+
+    async def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """:meth:`Client.runs <cyclone_mp.Client.runs>`, awaitable."""
+        return await self._run(lambda: operations.list_runs(state=state, limit=limit))
+
+    async def prune(self, older_than: Duration) -> int:
+        """:meth:`Client.prune <cyclone_mp.Client.prune>`, awaitable."""
+        return await self._run(self._plan_prune(older_than))
+
+    async def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
+        """:meth:`Client.workers <cyclone_mp.Client.workers>`, awaitable."""
+        return await self._run(lambda: operations.list_workers(within))
+
+    async def unserved_steps(self, status: RunStatus, within: float = 15.0) -> list[StepStatus]:
+        """:meth:`Client.unserved_steps <cyclone_mp.Client.unserved_steps>`, awaitable."""
+        return self._unserved(status, await self.workers(within))
+
+    def __repr__(self) -> str:
+        return f"AsyncClient(dsn={redact(self._dsn) if self._dsn else None!r})"

@@ -1,0 +1,143 @@
+"""Prometheus metrics of a supervisor (issue 24): ``Client(metrics_port=...)``,
+``cyclone-mp worker --metrics-port``.
+
+The supervisor process serves them (``prometheus_client``'s HTTP server, on a thread of
+its own) from a registry of its own, never the global one, and without multiprocess mode:
+children never touch them. Every value comes from an event a part of the supervisor
+already handles (:mod:`cyclone_mp.telemetry`); a scrape reads memory only. The one
+database read is maintenance's queue depth, at most every :data:`QUEUE_DEPTH_INTERVAL`
+seconds, whatever the scrape rate.
+
+=============================================  =========  ======================================
+metric                                         type       labels
+=============================================  =========  ======================================
+``cyclone_claims_total``                       counter    ``step``
+``cyclone_completions_total``                  counter    ``step``
+``cyclone_failures_total``                     counter    ``step``, ``kind`` (error kind stored)
+``cyclone_kills_total``                        counter    ``trigger``
+``cyclone_pickup_latency_seconds``             histogram  ``step`` (claimable to claimed, DB clock)
+``cyclone_attempt_duration_seconds``           histogram  ``step``, ``outcome``
+``cyclone_heartbeat_lag_seconds``              gauge      (oldest lease's time since its last renewal)
+``cyclone_queue_depth``                        gauge      ``queue`` (claimable steps)
+``cyclone_queue_oldest_available_seconds``     gauge      ``queue``
+``cyclone_children_alive``                     gauge
+=============================================  =========  ======================================
+
+Completions and failures are counted when they are written (once per row, by whoever
+wrote it: the outcome writer or the recovery sweep), so they equal what the database
+holds for this supervisor's attempts; claims count every step claimed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from .errors import ConfigurationError
+from .telemetry import Observer
+
+QUEUE_DEPTH_INTERVAL = 5.0  #: seconds between maintenance's reads of the queues' depth
+#: histogram buckets (seconds): pickup latency spans milliseconds (LISTEN) to minutes (a backlog)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0)
+
+
+class Metrics(Observer):
+    """The supervisor's Prometheus metrics and the HTTP server that serves them.
+
+    Args:
+        port: TCP port to serve ``/metrics`` on (0: any free port; see :attr:`port`).
+        host: address to bind (default all).
+
+    Raises:
+        ConfigurationError: ``prometheus_client`` is not installed, or the port is invalid.
+    """
+
+    queue_depth_interval = QUEUE_DEPTH_INTERVAL
+
+    def __init__(self, port: int, *, host: str = "0.0.0.0") -> None:
+        try:
+            import prometheus_client as prom
+        except ImportError:
+            raise ConfigurationError(
+                "metrics_port needs prometheus_client: pip install 'cyclone-mp[metrics]'") from None
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigurationError(f"metrics_port must be a TCP port (0-65535), got {port!r}")
+        self._prom = prom
+        self.requested_port = port
+        self.host = host
+        self.port: int | None = None  # the bound port, once serving
+        self._server: Any = None
+        self.registry = registry = prom.CollectorRegistry(auto_describe=True)
+        self.claims = prom.Counter("cyclone_claims", "Steps claimed by this supervisor.", ["step"],
+                                   registry=registry)
+        self.completions = prom.Counter("cyclone_completions", "Attempts written as completed.", ["step"],
+                                        registry=registry)
+        self.failures = prom.Counter("cyclone_failures", "Attempts written as failed, by the error kind stored.",
+                                     ["step", "kind"], registry=registry)
+        self.kills = prom.Counter("cyclone_kills", "Child processes SIGKILLed, by what triggered the kill.",
+                                  ["trigger"], registry=registry)
+        self.pickup = prom.Histogram("cyclone_pickup_latency_seconds",
+                                     "Seconds from claimable (scheduled_at) to claimed, on the database clock.",
+                                     ["step"], buckets=LATENCY_BUCKETS, registry=registry)
+        self.duration = prom.Histogram("cyclone_attempt_duration_seconds",
+                                       "Seconds an attempt ran in its child, by how it ended.",
+                                       ["step", "outcome"], buckets=DURATION_BUCKETS, registry=registry)
+        self.lag = prom.Gauge("cyclone_heartbeat_lag_seconds",
+                              "Seconds since the last successful renewal of the oldest lease held.",
+                              registry=registry)
+        self.depth = prom.Gauge("cyclone_queue_depth", "Claimable steps in a queue this supervisor serves.",
+                                ["queue"], registry=registry)
+        self.oldest = prom.Gauge("cyclone_queue_oldest_available_seconds",
+                                 "Seconds the oldest claimable step of a queue has waited.", ["queue"], registry=registry)
+        self.children = prom.Gauge("cyclone_children_alive", "Live child processes of this supervisor.",
+                                   registry=registry)
+
+    # -- serving ---------------------------------------------------------------------------------
+
+    def start(self, children_alive: Callable[[], int]) -> None:
+        """Serve ``/metrics`` (a daemon thread of prometheus_client's)."""
+        self.children.set_function(lambda: float(children_alive()))
+        try:
+            server, _thread = self._prom.start_http_server(self.requested_port, addr=self.host,
+                                                           registry=self.registry)
+        except OSError as exc:
+            raise ConfigurationError(f"cannot serve metrics on port {self.requested_port}: {exc.strerror or exc}") from exc
+        self._server = server
+        self.port = server.server_address[1]
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def claimed(self, rows: Sequence[dict[str, Any]]) -> None:
+        for row in rows:
+            step = row.get("step_name") or ""
+            self.claims.labels(step).inc()
+            if row.get("pickup") is not None:
+                self.pickup.labels(step).observe(max(0.0, float(row["pickup"])))
+
+    def written(self, step_name: str | None, outcome: str) -> None:
+        if outcome == "completed":
+            self.completions.labels(step_name or "").inc()
+        else:
+            self.failures.labels(step_name or "", outcome).inc()
+
+    def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
+        elapsed = entry.get("elapsed")
+        if elapsed is not None:
+            self.duration.labels(attempt.step_name, outcome).observe(max(0.0, float(elapsed)))
+
+    def killed(self, trigger: str) -> None:
+        self.kills.labels(trigger).inc()
+
+    def heartbeat_lag(self, seconds: float) -> None:
+        self.lag.set(seconds)
+
+    def queue_depths(self, rows: Sequence[dict[str, Any]]) -> None:
+        for row in rows:
+            self.depth.labels(row["queue"]).set(row["depth"])
+            self.oldest.labels(row["queue"]).set(row["oldest"] or 0.0)

@@ -1,0 +1,472 @@
+"""The client's database operations, written once for the sync and the async driver (issue 24).
+
+Each operation is a generator (a "sans-IO" procedure): it yields a :class:`Statement`
+(a named query of ``sql/queries.sql`` and its parameters), receives its
+:class:`Result` (rows and rowcount) and finally returns a value. It decides everything
+else itself: which statement comes next, what a row means, which error to raise. It
+never touches a connection: :class:`cyclone_mp.store.Store` drives it on a psycopg
+connection, :class:`cyclone_mp.store.AsyncStore` on an async one, so ``Client`` and
+``AsyncClient`` run the same SQL with the same parameters and the same row handling.
+
+An :class:`Op` says whether its statements form one transaction. Operations compose
+with ``yield from`` (:func:`advance` is part of every operation that moves a run on,
+and of the supervisor's own writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import uuid
+from typing import Any, Callable, Generator, Sequence, TypeVar
+
+from psycopg.types.json import Jsonb
+
+from .errors import DatabaseError, InvalidTransition, RunNotFound
+from .schedules import parse_idempotency_key
+from .store import MIGRATION_LOCK, Q, NodeRow, _limit_params, _migrations, nullable_jsonb, to_us
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Statement:
+    """One statement to run: its SQL text and parameters (named, or a sequence).
+    ``prepare``: psycopg's ``prepare`` argument (None: its default)."""
+
+    sql: str
+    params: Any = None
+    prepare: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What a statement gave back: its rows (dicts; empty without a result set) and rowcount."""
+
+    rows: list[dict[str, Any]]
+    rowcount: int
+
+    def one(self) -> dict[str, Any] | None:
+        """The first row, or None."""
+        return self.rows[0] if self.rows else None
+
+
+Steps = Generator[Statement, Result, T]
+
+
+class Op:
+    """A planned operation: its steps (a generator) and whether they form one transaction.
+    Iterating an ``Op`` gives its steps, so ``yield from op`` composes operations."""
+
+    def __init__(self, steps: Steps[Any], *, transaction: bool, name: str = "") -> None:
+        self.steps = steps
+        self.transaction = transaction
+        self.name = name
+
+    def __iter__(self) -> Steps[Any]:
+        return self.steps
+
+    def __repr__(self) -> str:
+        return f"Op({self.name}, transaction={self.transaction})"
+
+
+def operation(*, transaction: bool) -> Callable[[Callable[..., Steps[T]]], Callable[..., Op]]:
+    """Decorator: a generator function becomes a function returning an :class:`Op`."""
+
+    def decorate(fn: Callable[..., Steps[T]]) -> Callable[..., Op]:
+        @functools.wraps(fn)
+        def make(*args: Any, **kwargs: Any) -> Op:
+            return Op(fn(*args, **kwargs), transaction=transaction, name=fn.__name__)
+
+        return make
+
+    return decorate
+
+
+def q(name: str, params: Any = None, *, prepare: bool | None = None) -> Statement:
+    """The named query ``name`` of ``sql/queries.sql`` with ``params``."""
+    return Statement(Q[name], params, prepare)
+
+
+# -- schema ------------------------------------------------------------------------------------
+
+
+@operation(transaction=True)
+def migrate() -> Steps[list[str]]:
+    """Apply pending numbered migrations under an advisory lock; returns their file names."""
+    yield Statement("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+    yield Statement(
+        "CREATE TABLE IF NOT EXISTS cyclone_migrations ("
+        " version integer PRIMARY KEY, name text NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+    done = {row["version"] for row in (yield Statement("SELECT version FROM cyclone_migrations")).rows}
+    applied: list[str] = []
+    for version, name, text in _migrations():
+        if version in done:
+            continue
+        yield Statement(text)
+        yield Statement("INSERT INTO cyclone_migrations (version, name) VALUES (%s, %s)", (version, name))
+        applied.append(name)
+    return applied
+
+
+# -- enqueue -----------------------------------------------------------------------------------
+
+
+def enqueue_run(
+    *, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
+    scheduled_at: dt.datetime | None = None, idempotency_key: str | None, trace: Any = None,
+) -> Op:
+    """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``. With an
+    ``idempotency_key`` already used, returns the existing run's id and ``created=False``.
+
+    A single-step run is one statement; a workflow's rows are a transaction (which, on a
+    caller's connection, is the caller's). ``trace``: the enqueue's trace context (a dict
+    of W3C headers, :mod:`cyclone_mp.tracing`), kept on the run, or None.
+    """
+    run_id = str(uuid.uuid4())
+    if kind == "step" and len(nodes) == 1:
+        # a step with a key or a limit also marks its queue and makes its slots: one transaction
+        make = _enqueue_flow_step if nodes[0].flow else _enqueue_step
+        return make(run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key, trace)
+    return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key, trace)
+
+
+def _insert_step(run_id: str, name: str, input: Any, node: NodeRow, delay: float,
+                 scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
+    row = (yield q("enqueue_step", {
+        "id": run_id, "name": name, "input": Jsonb(input), "idempotency_key": idempotency_key,
+        "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
+        "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
+        "backoff": nullable_jsonb(node.backoff),
+        "scheduled_at": scheduled_at, "delay_us": to_us(delay), "trace": nullable_jsonb(trace),
+        **_limit_params(node),
+    })).one()
+    if row is not None and row["id"] is not None:
+        if node.flow:
+            yield from _flag_flow([(node.queue, node.limited, node.rate_limit is not None)])
+            yield from _ensure_slots([(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)]
+                                     if node.limited else [])
+        return row["id"], True
+    return (yield from _existing(idempotency_key)), False
+
+
+_enqueue_step = operation(transaction=False)(_insert_step)  # one statement
+_enqueue_flow_step = operation(transaction=True)(_insert_step)  # the step, its queue's mark, its slots
+
+
+def _flag_flow(marks: Sequence[tuple[str, bool, bool]]) -> Steps[None]:
+    """Mark the queues ``(queue, limited, rate_limited)`` that a step with a key or a limit
+    enters: their claims are the fair or limited ones from then on (issue 21; see
+    :meth:`cyclone_mp.store.Store._claim_statement`)."""
+    if marks:
+        yield q("flag_flow_queues", {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks],
+                                     "rates": [m[2] for m in marks]})
+
+
+def _ensure_slots(groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> Steps[None]:
+    """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay."""
+    if groups:
+        yield q("ensure_slots", {
+            "step_names": [g[0] for g in groups], "keys": [g[1] for g in groups],
+            "concurrencies": [g[2] or 0 for g in groups], "rate_counts": [g[3][0] if g[3] else 0 for g in groups],
+        })
+
+
+def _existing(idempotency_key: str | None) -> Steps[str]:
+    existing = (yield q("run_by_key", {"key": idempotency_key})).one()
+    if existing is None:  # the conflicting run was deleted between the two statements
+        raise DatabaseError("idempotency key conflict; try again")
+    return existing["id"]
+
+
+@operation(transaction=True)
+def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
+                   scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
+    inserted = (yield q("insert_run", {
+        "id": run_id, "name": name, "kind": kind, "input": Jsonb(input), "idempotency_key": idempotency_key,
+        "trace": nullable_jsonb(trace),
+    })).one()
+    if inserted is None:
+        return (yield from _existing(idempotency_key)), False
+    yield q("insert_steps", {
+        "run_id": run_id,
+        "delay_us": to_us(delay),
+        "scheduled_at": scheduled_at,
+        "nodes": [n.node for n in nodes],
+        "step_names": [n.step_name for n in nodes],
+        "kinds": [n.kind for n in nodes],
+        "depends_on": [Jsonb(list(n.depends_on)) for n in nodes],
+        "queues": [n.queue for n in nodes],
+        "priorities": [n.priority for n in nodes],
+        "states": [n.state for n in nodes],
+        "max_attempts": [n.max_attempts for n in nodes],
+        "max_reclaims": [n.max_reclaims for n in nodes],
+        "timeouts_us": [to_us(n.timeout) for n in nodes],
+        "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
+        "due_ats": [n.due_at for n in nodes],
+        "backoffs": [nullable_jsonb(n.backoff) for n in nodes],
+        "keys": [n.concurrency_key for n in nodes],
+        "concurrencies": [n.concurrency for n in nodes],
+        "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
+        "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
+    })
+    yield from _flag_flow([(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
+    yield from _ensure_slots([(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit) for n in nodes if n.limited])
+    if kind == "workflow":
+        yield from advance(run_id)  # roots leave pending; NOTIFY sent there
+    else:
+        for queue in sorted({n.queue for n in nodes if n.state == "available"}):
+            yield q("notify", {"queue": queue})
+    return run_id, True
+
+
+@operation(transaction=True)
+def enqueue_many(
+    *, name: str, inputs_json: Sequence[str], queue: str, priority: int, max_attempts: int,
+    max_reclaims: int | None, timeout: float | None, delay: float, scheduled_at: dt.datetime | None = None,
+    backoff: Any = None, trace: Any = None, keys: Sequence[str] | None = None, concurrency: int | None = None,
+    rate_limit: tuple[int, float] | None = None,
+) -> Steps[list[str]]:
+    """Insert many single-step runs in one statement; returns their ids in input order.
+
+    ``inputs_json`` are the inputs as JSON texts (already checked by the client, so each
+    is encoded once); ``trace`` the enqueue's trace context, kept on every run; ``keys``
+    their concurrency keys (None: all ''), ``concurrency`` and ``rate_limit``
+    (``(count, seconds)``) the step's limits (issue 21).
+    """
+    ids = [uuid.uuid4() for _ in inputs_json]
+    keys = list(keys) if keys is not None else [""] * len(ids)
+    yield q("enqueue_many", {
+        "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
+        "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
+        "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
+        "backoff": nullable_jsonb(backoff), "trace": nullable_jsonb(trace), "keys": keys,
+        "concurrency": concurrency, "rate_count": rate_limit[0] if rate_limit else None,
+        "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
+    })
+    limited = concurrency is not None or rate_limit is not None
+    if limited or any(keys):
+        yield from _flag_flow([(queue, limited, rate_limit is not None)])
+    if limited:
+        yield from _ensure_slots([(name, k, concurrency, rate_limit) for k in sorted(set(keys))])
+    yield q("notify", {"queue": queue})
+    return [str(i) for i in ids]
+
+
+# -- moving a run on (shared with the supervisor's writes) ----------------------------------------
+
+
+def advance(run_id: str) -> Steps[None]:
+    """Under the run lock: promote ready nodes, fire signals and timers, refresh the run's
+    state, and NOTIFY the queues that have claimable steps now."""
+    yield q("hold_paused", {"run_id": run_id})
+    for _ in range(10_000):
+        promoted = (yield q("promote_ready", {"run_id": run_id})).rowcount
+        fired = (yield q("fire_nodes", {"run_id": run_id})).rowcount
+        if promoted == 0 and fired == 0:
+            break
+    yield q("refresh_run_state", {"run_id": run_id})
+    for row in (yield q("available_queues", {"run_id": run_id})).rows:
+        yield q("notify", {"queue": row["queue"]})
+
+
+def _locked_run(run_id: str) -> Steps[dict[str, Any]]:
+    row = (yield q("lock_run", {"run_id": run_id})).one()
+    if row is None:
+        raise RunNotFound(f"no run with id {run_id}")
+    return row
+
+
+# -- run ids -------------------------------------------------------------------------------------
+
+
+def run_id_or_prefix(run_id: str) -> str | None:
+    """``run_id`` as a canonical UUID string, or None when it is a prefix to look up.
+
+    Raises:
+        RunNotFound: neither a UUID nor a prefix of 8 to 32 hex digits.
+    """
+    text = str(run_id).strip()
+    try:
+        return str(uuid.UUID(text))
+    except ValueError:
+        pass
+    digits = text.replace("-", "").lower()
+    if len(digits) < 8 or len(digits) > 32 or any(c not in "0123456789abcdef" for c in digits):
+        raise RunNotFound(f"no run with id {run_id!r} (not a UUID or a prefix of 8+ hex digits)")
+    return None
+
+
+def resolve(run_id: str) -> Steps[str]:
+    """A full run id, or the one run whose id starts with ``run_id`` (at least 8 hex digits,
+    as the CLI's tables show). Raises RunNotFound (none, or ambiguous)."""
+    full = run_id_or_prefix(run_id)
+    if full is not None:
+        return full
+    found = yield from _runs_by_prefix(str(run_id).strip())
+    if not found:
+        raise RunNotFound(f"no run with id starting {run_id!r}")
+    if len(found) > 1:
+        raise RunNotFound(f"{run_id!r} matches several runs; give more of the id")
+    return found[0]
+
+
+def _runs_by_prefix(prefix: str) -> Steps[list[str]]:
+    digits = prefix.replace("-", "").lower()
+    low = uuid.UUID(digits.ljust(32, "0"))
+    high = uuid.UUID(digits.ljust(32, "f"))
+    rows = (yield q("runs_by_prefix", {"low": str(low), "high": str(high)})).rows
+    return [row["id"] for row in rows]
+
+
+@operation(transaction=False)
+def resolve_run(run_id: str) -> Steps[str]:
+    """:func:`resolve` as an operation of its own."""
+    return (yield from resolve(run_id))
+
+
+@operation(transaction=False)
+def runs_by_prefix(prefix: str) -> Steps[list[str]]:
+    """Ids of at most two runs whose id starts with the hex ``prefix`` (index range scan)."""
+    return (yield from _runs_by_prefix(prefix))
+
+
+# -- operator actions ------------------------------------------------------------------------------
+
+
+@operation(transaction=True)
+def cancel_run(run_id: str) -> Steps[int]:
+    """Cancel the run and every non-terminal step in one transaction; returns steps cancelled.
+
+    Raises:
+        RunNotFound, InvalidTransition: the run is already completed, discarded or cancelled.
+    """
+    rid = yield from resolve(run_id)
+    run = yield from _locked_run(rid)
+    row = (yield q("cancel_run", {"run_id": rid})).one()
+    if row is None:
+        raise InvalidTransition(f"run {rid} is {run['state']}; only running or paused runs can be cancelled")
+    return int(row["steps"])
+
+
+@operation(transaction=True)
+def retry_run(run_id: str) -> Steps[int]:
+    """Reopen the run's discarded steps (or a cancelled single step); returns how many.
+
+    Raises:
+        RunNotFound, InvalidTransition: nothing to retry.
+    """
+    rid = yield from resolve(run_id)
+    run = yield from _locked_run(rid)
+    count = 0
+    if run["state"] in ("discarded", "running"):
+        count = (yield q("retry_run", {"run_id": rid, "from_state": "discarded"})).rowcount
+    elif run["state"] == "cancelled" and run["kind"] == "step":
+        count = (yield q("retry_run", {"run_id": rid, "from_state": "cancelled"})).rowcount
+    if count == 0:
+        raise InvalidTransition(f"run {rid} is {run['state']} with no discarded step; nothing to retry")
+    yield q("reopen_run", {"run_id": rid})
+    yield from advance(rid)
+    return count
+
+
+@operation(transaction=True)
+def pause_run(run_id: str) -> Steps[int]:
+    """Pause a running run; returns how many steps were paused. Raises RunNotFound, InvalidTransition."""
+    rid = yield from resolve(run_id)
+    run = yield from _locked_run(rid)
+    row = (yield q("pause_run", {"run_id": rid})).one()
+    if row is None:
+        raise InvalidTransition(f"run {rid} is {run['state']}; only a running run can be paused")
+    return int(row["steps"])
+
+
+@operation(transaction=True)
+def resume_run(run_id: str) -> Steps[int]:
+    """Resume a paused run; returns how many steps were restored. Raises RunNotFound, InvalidTransition."""
+    rid = yield from resolve(run_id)
+    run = yield from _locked_run(rid)
+    row = (yield q("resume_run", {"run_id": rid})).one()
+    if row is None:
+        raise InvalidTransition(f"run {rid} is {run['state']}; only a paused run can be resumed")
+    yield from advance(rid)
+    return int(row["steps"])
+
+
+@operation(transaction=True)
+def signal(run_id: str, name: str, payload: Any) -> Steps[bool]:
+    """Store the first signal ``name`` for the run; False when one was already kept.
+
+    Raises:
+        RunNotFound.
+    """
+    rid = yield from resolve(run_id)
+    yield from _locked_run(rid)
+    kept = (yield q("put_signal", {"run_id": rid, "name": name, "payload": Jsonb(payload)})).one() is not None
+    yield from advance(rid)
+    return kept
+
+
+# -- reads ---------------------------------------------------------------------------------------
+
+
+@operation(transaction=False)
+def get_run(run_id: str) -> Steps[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """The run row and its step rows. Raises RunNotFound."""
+    rid = yield from resolve(run_id)
+    run = (yield q("get_run", {"run_id": rid})).one()
+    if run is None:
+        raise RunNotFound(f"no run with id {rid}")
+    scheduled = parse_idempotency_key(run["idempotency_key"])
+    if scheduled is not None:  # a schedule enqueued it: its slot, and the schedule's next one (issue 21)
+        name, slot = scheduled
+        row = (yield q("get_schedule", {"name": name})).one()
+        run = {**run, "schedule": {"name": name, "slot": slot, "next_at": row["next_at"] if row else None}}
+    return run, (yield q("get_steps", {"run_id": rid})).rows
+
+
+@operation(transaction=False)
+def finished_runs(run_ids: Sequence[str]) -> Steps[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """The run rows (as ``get_run``'s) of those of ``run_ids`` that are completed,
+    discarded or cancelled, and their step rows (as ``get_steps``', with ``run_id``), in
+    two statements: what a waiter reads when a notification names runs."""
+    runs = (yield q("finished_runs", {"ids": list(run_ids)})).rows
+    if not runs:
+        return [], []
+    steps = (yield q("steps_of_runs", {"ids": [r["id"] for r in runs]})).rows
+    return runs, steps
+
+
+@operation(transaction=False)
+def list_runs(*, state: str | None = None, limit: int = 50) -> Steps[list[dict[str, Any]]]:
+    """Recent runs, newest first."""
+    return (yield q("list_runs", {"state": state, "limit": limit})).rows
+
+
+@operation(transaction=False)
+def prune(*, older_than: float, batch: int = 1000) -> Steps[int]:
+    """Delete finished runs (completed, discarded, cancelled) that finished more than
+    ``older_than`` seconds ago, ``batch`` per statement (each its own transaction);
+    returns how many were deleted."""
+    total = 0
+    while True:
+        deleted = (yield q("prune_runs", {"older_us": to_us(older_than), "limit": batch})).rowcount
+        total += deleted
+        if deleted < batch:
+            return total
+
+
+@operation(transaction=False)
+def list_workers(within: float = 15.0) -> Steps[list[dict[str, Any]]]:
+    """Supervisors that refreshed their row within ``within`` seconds."""
+    return (yield q("list_workers", {"within_us": to_us(within)})).rows
+
+
+@operation(transaction=False)
+def delete_runs(run_ids: Sequence[str]) -> Steps[int]:
+    """Delete these runs, whatever their state, with their steps and signals; returns how
+    many were deleted (the demo's clean-up: its runs ran in a queue of its own)."""
+    return (yield q("delete_runs", {"ids": list(run_ids)})).rowcount

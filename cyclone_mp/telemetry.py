@@ -1,0 +1,130 @@
+"""What the supervisor's parts report as it happens, for metrics and traces (issue 24).
+
+The parts call an :class:`Observer` at the events they already handle: the lease keeper
+and the outcome writer when they claim, the writer and maintenance when an attempt's end
+is written (what the database now holds), process control when an attempt ends in its
+child and when it kills one, the lease keeper when it renews, maintenance when it reads
+the queues. The default observer does nothing; :class:`~cyclone_mp.metrics.Metrics`
+(Prometheus) and :class:`~cyclone_mp.tracing.Tracer` (OpenTelemetry) listen. No event
+costs a database call of its own.
+
+Every method is called from a part's thread (several at once): an observer must be
+thread-safe, cheap, and must never raise (:class:`Observers` guards each call).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+
+class Observer:
+    """The events (all no-ops here). Times are seconds."""
+
+    #: seconds between two reads of the queues' depth by maintenance (None: never read)
+    queue_depth_interval: float | None = None
+
+    def claimed(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Steps were claimed: claim rows (``step_name``, ``pickup``: seconds from claimable
+        to claimed on the database clock, ``run_id``, ``node``, ``attempt``...)."""
+
+    def written(self, step_name: str | None, outcome: str) -> None:
+        """An attempt's end is in the database: ``outcome`` is ``"completed"`` or the error
+        kind stored (``timeout``, ``error``, ``reclaim_limit``...). Called once per row
+        written, by whoever wrote it (the writer, or the sweep)."""
+
+    def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
+        """An attempt ended in its child (process control): ``attempt`` is the
+        :class:`~cyclone_mp.attempts.Attempt`, ``outcome`` how it ended (``completed``, an
+        error kind, ``released``, ``cancelled``, ``lease_lost``, ``late``), ``entry`` its
+        forensics (pid, exit code or signal, killed_by_supervisor, trigger, CPU seconds,
+        peak RSS, elapsed...)."""
+
+    def killed(self, trigger: str) -> None:
+        """A child was SIGKILLed, for ``trigger`` (``timeout``, ``cancelled``,
+        ``lease_lost``, ``lease_fence``, ``shutdown``, ``watchdog``, ``protocol_error``...)."""
+
+    def heartbeat_lag(self, seconds: float) -> None:
+        """The oldest lease held went ``seconds`` without a successful renewal (0: none held)."""
+
+    def queue_depths(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Per queue served: ``queue``, ``depth`` (claimable steps), ``oldest`` (seconds the
+        oldest has been claimable, or None)."""
+
+    def start(self, children_alive: Callable[[], int]) -> None:
+        """The supervisor runs; ``children_alive()`` counts its live child processes."""
+
+    def close(self) -> None:
+        """The supervisor stopped."""
+
+    def find(self, kind: str) -> Any:
+        """The observer of class name ``kind`` among these (``"Metrics"``, ``"Tracer"``), or None."""
+        return self if type(self).__name__ == kind else None
+
+
+class Observers(Observer):
+    """Several observers as one; an observer that raises is logged, never the part's problem."""
+
+    def __init__(self, observers: Sequence[Observer]) -> None:
+        self.observers = list(observers)
+        intervals = [o.queue_depth_interval for o in self.observers if o.queue_depth_interval is not None]
+        self.queue_depth_interval = min(intervals) if intervals else None
+
+    def _each(self, name: str, *args: Any) -> None:
+        for observer in self.observers:
+            try:
+                getattr(observer, name)(*args)
+            except Exception:  # noqa: BLE001 - telemetry must never break the supervisor
+                log.exception("%s.%s failed", type(observer).__name__, name)
+
+    def claimed(self, rows: Sequence[dict[str, Any]]) -> None:
+        self._each("claimed", rows)
+
+    def written(self, step_name: str | None, outcome: str) -> None:
+        self._each("written", step_name, outcome)
+
+    def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
+        self._each("attempt_ended", attempt, outcome, entry)
+
+    def killed(self, trigger: str) -> None:
+        self._each("killed", trigger)
+
+    def heartbeat_lag(self, seconds: float) -> None:
+        self._each("heartbeat_lag", seconds)
+
+    def queue_depths(self, rows: Sequence[dict[str, Any]]) -> None:
+        self._each("queue_depths", rows)
+
+    def start(self, children_alive: Callable[[], int]) -> None:
+        self._each("start", children_alive)
+
+    def close(self) -> None:
+        self._each("close")
+
+    def find(self, kind: str) -> Any:
+        return next((o for o in self.observers if o.find(kind) is not None), None)
+
+
+NO_OBSERVER = Observer()
+
+
+def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0") -> Observer:
+    """The observer of a supervisor: Prometheus metrics when ``metrics_port`` is given,
+    traces when ``opentelemetry-api`` is importable, else :data:`NO_OBSERVER`.
+
+    Raises:
+        ConfigurationError: ``metrics_port`` is given but ``prometheus_client`` is not
+            installed.
+    """
+    observers: list[Observer] = []
+    if metrics_port is not None:
+        from .metrics import Metrics
+
+        observers.append(Metrics(metrics_port, host=metrics_host))
+    from . import tracing
+
+    if tracing.available():
+        observers.append(tracing.Tracer())
+    return Observers(observers) if observers else NO_OBSERVER

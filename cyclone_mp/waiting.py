@@ -1,0 +1,401 @@
+"""Waiting for runs to end: ``client.wait`` and ``client.result`` (issue 24).
+
+A run that becomes completed, discarded or cancelled sends a ``NOTIFY`` on the channel
+:data:`RUNS_CHANNEL` whose payload is its id: every statement that ends runs sends it
+for each (``run_ended_expr`` in ``sql/queries.sql``: the completion CAS, a discard,
+``client.cancel``, a workflow's refresh); a payload may also name several runs,
+comma-separated. A client
+keeps **one** listening connection for all its waits, however many (a thread for
+:class:`~cyclone_mp.Client`, a task for :class:`~cyclone_mp.AsyncClient`): woken by a
+notification, it reads the statuses of the runs it names that someone waits for, in
+two statements on that same connection, and hands each waiter its
+:class:`~cyclone_mp.RunStatus`. It polls as the fallback: every
+:data:`POLL_LISTENING` seconds while listening (a notification lost with a connection),
+every :data:`POLL_FALLBACK` seconds when LISTEN cannot be had, and at once after a
+reconnect. With nobody waiting for :data:`IDLE_CLOSE` seconds it closes its connection.
+
+A waiter subscribes before it looks: once the connection listens, it registers and reads
+the run's state once itself; a run that ends after that read notifies the listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import psycopg
+
+from . import operations
+from .errors import CycloneError, DatabaseError, RunCancelled, RunFailed, WaitTimeout
+from .status import TERMINAL_RUN_STATES, RunStatus
+from .store import AsyncStore, Store, connect, tcp_bounds
+
+log = logging.getLogger("cyclone_mp.client")
+
+RUNS_CHANNEL = "cyclone_mp_runs"  #: the NOTIFY channel of runs that ended (queries.sql: run_ended_expr)
+POLL_LISTENING = 5.0  #: seconds between polls of every waited run while LISTEN works
+POLL_FALLBACK = 0.5  #: seconds between polls when LISTEN cannot be had
+IDLE_CLOSE = 30.0  #: seconds without a waiter after which the listening connection is closed
+LISTEN_READY_WITHIN = 10.0  #: seconds a wait gives the listener to start listening before it polls alone
+TURN_MAX = 1.0  #: seconds at most between two looks of the listener at its own state
+
+
+def run_ids(payload: str) -> list[str]:
+    """The run ids a notification names (comma-separated)."""
+    return [part for part in payload.split(",") if part]
+
+
+def outputs(status: RunStatus) -> Any:
+    """What ``client.result`` returns for a completed run: the output of a single-step run,
+    else ``{node: output}`` of every node."""
+    if status.kind == "step":
+        return status.step.output
+    return {name: step.output for name, step in status.steps.items()}
+
+
+def result_of(status: RunStatus) -> Any:
+    """The outputs of a finished run (:func:`outputs`).
+
+    Raises:
+        RunFailed: the run was discarded (the message names its failed steps and their errors).
+        RunCancelled: the run was cancelled.
+    """
+    if status.state == "completed":
+        return outputs(status)
+    if status.state == "cancelled":
+        raise RunCancelled(f"run {status.id} ({status.name}) was cancelled", status)
+    failed = [s for s in status.steps.values() if s.state == "discarded"]
+    detail = "; ".join(f"{s.name}: {s.error_kind}: {(s.error or '')[:200]}" for s in failed) or "no step discarded"
+    raise RunFailed(f"run {status.id} ({status.name}) was discarded: {detail}", status)
+
+
+def statuses(runs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, RunStatus]:
+    """RunStatus objects by run id, from run rows and the step rows of those runs."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for row in steps:
+        by_run.setdefault(row["run_id"], []).append(row)
+    return {run["id"]: RunStatus.from_rows(run, by_run.get(run["id"], [])) for run in runs}
+
+
+class WaitBook:
+    """Who waits for which run (the pure part, shared by both listeners): ``slots`` maps a
+    run id to the waiters' slots (an object with ``deliver(status)``)."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, list[Any]] = {}
+        self.idle_since: float | None = time.monotonic()
+
+    def add(self, run_id: str, slot: Any) -> None:
+        self.slots.setdefault(run_id, []).append(slot)
+        self.idle_since = None
+
+    def remove(self, run_id: str, slot: Any) -> None:
+        slots = self.slots.get(run_id)
+        if slots is not None:
+            with contextlib.suppress(ValueError):
+                slots.remove(slot)
+            if not slots:
+                del self.slots[run_id]
+        if not self.slots and self.idle_since is None:
+            self.idle_since = time.monotonic()
+
+    def wanted(self, ids: list[str] | None = None) -> list[str]:
+        """Of ``ids`` (None: all), those someone waits for."""
+        if ids is None:
+            return list(self.slots)
+        return [i for i in dict.fromkeys(ids) if i in self.slots]
+
+    def deliver(self, found: dict[str, RunStatus]) -> None:
+        """Hand each finished run's status to its waiters (they unregister themselves)."""
+        for run_id, status in found.items():
+            if status.state in TERMINAL_RUN_STATES:
+                for slot in list(self.slots.get(run_id, ())):
+                    slot.deliver(status)
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self.idle_since is None else now - self.idle_since
+
+
+# -- the thread of a sync Client ----------------------------------------------------------------
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.status: RunStatus | None = None
+
+    def deliver(self, status: RunStatus) -> None:
+        self.status = status
+        self.event.set()
+
+
+class Waiter:
+    """One listening connection and thread for every wait of a sync client (see the module
+    docstring). ``read_status(run_id) -> RunStatus`` is the waiter's own first look."""
+
+    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], RunStatus]) -> None:
+        self._dsn = dsn
+        self._read_status = read_status
+        self._lock = threading.Lock()
+        self.book = WaitBook()
+        self._thread: threading.Thread | None = None
+        self._listening = threading.Event()
+        self._closed = False
+        self.listening_connections = 0  # connections that LISTEN now (0 or 1)
+
+    def wait(self, run_id: str, timeout: float | None) -> RunStatus:
+        """Block until ``run_id`` (a full id) ends; returns its status.
+
+        Raises:
+            WaitTimeout: still not finished after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slot = _Slot()
+        with self._lock:
+            self._ensure_thread()
+            self.book.add(run_id, slot)
+        try:
+            self._listening.wait(LISTEN_READY_WITHIN if deadline is None
+                                 else max(0.0, min(LISTEN_READY_WITHIN, deadline - time.monotonic())))
+            status = self._read_status(run_id)  # subscribed first, then look
+            if status.terminal:
+                return status
+            while not slot.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WaitTimeout(f"run {run_id} is still {status.state} after {timeout:g}s")
+            assert slot.status is not None
+            return slot.status
+        finally:
+            with self._lock:
+                self.book.remove(run_id, slot)
+
+    def close(self) -> None:
+        """Stop listening (the thread ends within :data:`TURN_MAX` seconds)."""
+        self._closed = True
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._closed = False
+            self._listening.clear()
+            self._thread = threading.Thread(target=self._run, name="cyclone-mp-waiter", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        listening = False
+        next_poll = reconnect_at = time.monotonic()
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                with self._lock:
+                    if self.book.idle_for(now) >= IDLE_CLOSE or (conn is None and not self.book.slots and now > next_poll):
+                        self._thread = None
+                        return
+                if conn is None and now >= reconnect_at:
+                    conn, listening = self._connect()
+                    next_poll = time.monotonic()  # whatever ended meanwhile
+                    reconnect_at = next_poll + POLL_FALLBACK
+                    self._listening.set()
+                if conn is None:  # the server cannot be reached: try again later
+                    time.sleep(max(0.0, min(TURN_MAX, reconnect_at - time.monotonic())))
+                    continue
+                ids: list[str] = []
+                wait = max(0.0, min(TURN_MAX, next_poll - time.monotonic()))
+                try:
+                    if conn is not None and listening:
+                        for note in conn.notifies(timeout=wait, stop_after=1):
+                            ids.extend(run_ids(note.payload))
+                        if ids:  # and whatever else has come: one read for all of them
+                            for note in conn.notifies(timeout=0.0):
+                                ids.extend(run_ids(note.payload))
+                    else:
+                        time.sleep(wait)
+                    if time.monotonic() >= next_poll:
+                        next_poll = time.monotonic() + (POLL_LISTENING if listening else POLL_FALLBACK)
+                        with self._lock:
+                            wanted = self.book.wanted()
+                    else:
+                        with self._lock:
+                            wanted = self.book.wanted(ids)
+                    if wanted and conn is not None:
+                        found = self._statuses(conn, wanted)
+                        with self._lock:
+                            self.book.deliver(found)
+                except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
+                    if isinstance(exc, (psycopg.Error, DatabaseError)):
+                        log.info("the waiting connection was lost (%s); listening again", exc)
+                    else:
+                        log.exception("waiting: unexpected error; listening again")
+                    with contextlib.suppress(Exception):
+                        assert conn is not None
+                        conn.close()
+                    conn, listening = None, False
+                    self.listening_connections = 0
+                    time.sleep(min(POLL_FALLBACK, TURN_MAX))
+        finally:
+            self.listening_connections = 0
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+
+    def _connect(self) -> tuple[psycopg.Connection[Any] | None, bool]:
+        try:
+            conn = connect(self._dsn(), application_name="cyclone_mp waiting")
+        except CycloneError as exc:
+            log.info("waiting: cannot connect (%s); polling", exc)
+            return None, False
+        try:
+            conn.execute(f"LISTEN {RUNS_CHANNEL}")
+        except psycopg.Error as exc:
+            log.info("waiting: LISTEN unavailable (%s); polling", exc)
+            return conn, False
+        self.listening_connections = 1
+        return conn, True
+
+    @staticmethod
+    def _statuses(conn: psycopg.Connection[Any], ids: list[str]) -> dict[str, RunStatus]:
+        return statuses(*Store(conn).run(operations.finished_runs(ids)))
+
+
+# -- the task of an AsyncClient ------------------------------------------------------------------
+
+
+class _AsyncSlot:
+    def __init__(self) -> None:
+        self.future: asyncio.Future[RunStatus] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, status: RunStatus) -> None:
+        if not self.future.done():
+            self.future.set_result(status)
+
+
+class AsyncWaiter:
+    """:class:`Waiter` for an :class:`~cyclone_mp.AsyncClient`: one listening connection
+    and one task of its event loop for every wait."""
+
+    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], Any]) -> None:
+        self._dsn = dsn
+        self._read_status = read_status
+        self.book = WaitBook()
+        self._task: asyncio.Task[None] | None = None
+        self._listening: asyncio.Event | None = None
+        self._closed = False
+        self.listening_connections = 0
+
+    async def wait(self, run_id: str, timeout: float | None) -> RunStatus:
+        """Await the end of ``run_id`` (a full id); returns its status.
+
+        Raises:
+            WaitTimeout: still not finished after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slot = _AsyncSlot()
+        self._ensure_task()
+        assert self._listening is not None
+        self.book.add(run_id, slot)
+        try:
+            left = LISTEN_READY_WITHIN if deadline is None else max(0.0, min(LISTEN_READY_WITHIN, deadline - time.monotonic()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._listening.wait(), left)
+            status = await self._read_status(run_id)  # subscribed first, then look
+            if status.terminal:
+                return status
+            try:
+                return await asyncio.wait_for(asyncio.shield(slot.future),
+                                              None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise WaitTimeout(f"run {run_id} is still {status.state} after {timeout:g}s") from None
+        finally:
+            self.book.remove(run_id, slot)
+
+    async def close(self) -> None:
+        """Stop listening and close the connection."""
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._closed = False
+            self._listening = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="cyclone-mp-waiter")
+
+    async def _run(self) -> None:
+        conn: psycopg.AsyncConnection[Any] | None = None
+        listening = False
+        next_poll = reconnect_at = time.monotonic()
+        assert self._listening is not None
+        try:
+            while not self._closed:
+                now = time.monotonic()
+                if self.book.idle_for(now) >= IDLE_CLOSE or (conn is None and not self.book.slots and now > next_poll):
+                    return
+                if conn is None and now >= reconnect_at:
+                    conn, listening = await self._connect()
+                    next_poll = time.monotonic()  # whatever ended meanwhile
+                    reconnect_at = next_poll + POLL_FALLBACK
+                    self._listening.set()
+                if conn is None:  # the server cannot be reached: try again later
+                    await asyncio.sleep(max(0.0, min(TURN_MAX, reconnect_at - time.monotonic())))
+                    continue
+                ids: list[str] = []
+                wait = max(0.0, min(TURN_MAX, next_poll - time.monotonic()))
+                try:
+                    if conn is not None and listening:
+                        async for note in conn.notifies(timeout=wait, stop_after=1):
+                            ids.extend(run_ids(note.payload))
+                        if ids:  # and whatever else has come: one read for all of them
+                            async for note in conn.notifies(timeout=0.0):
+                                ids.extend(run_ids(note.payload))
+                    else:
+                        await asyncio.sleep(wait)
+                    if time.monotonic() >= next_poll:
+                        next_poll = time.monotonic() + (POLL_LISTENING if listening else POLL_FALLBACK)
+                        wanted = self.book.wanted()
+                    else:
+                        wanted = self.book.wanted(ids)
+                    if wanted and conn is not None:
+                        self.book.deliver(statuses(*await AsyncStore(conn).run(operations.finished_runs(wanted))))
+                except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
+                    if isinstance(exc, (psycopg.Error, DatabaseError)):
+                        log.info("the waiting connection was lost (%s); listening again", exc)
+                    else:
+                        log.exception("waiting: unexpected error; listening again")
+                    with contextlib.suppress(Exception):
+                        assert conn is not None
+                        await conn.close()
+                    conn, listening = None, False
+                    self.listening_connections = 0
+                    await asyncio.sleep(min(POLL_FALLBACK, TURN_MAX))
+        finally:
+            self.listening_connections = 0
+            if self._listening is not None:
+                self._listening.set()
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+
+    async def _connect(self) -> tuple[psycopg.AsyncConnection[Any] | None, bool]:
+        from psycopg.rows import dict_row
+
+        try:
+            conn = await psycopg.AsyncConnection.connect(self._dsn(), autocommit=True, row_factory=dict_row,
+                                                          application_name="cyclone_mp waiting", connect_timeout=10,
+                                                          **tcp_bounds(30.0))
+        except psycopg.Error as exc:
+            log.info("waiting: cannot connect (%s); polling", exc)
+            return None, False
+        try:
+            await conn.execute(f"LISTEN {RUNS_CHANNEL}")
+        except psycopg.Error as exc:
+            log.info("waiting: LISTEN unavailable (%s); polling", exc)
+            return conn, False
+        self.listening_connections = 1
+        return conn, True

@@ -1,0 +1,177 @@
+"""Waiting for a run (issue 24): ``client.wait`` and ``client.result`` with each client,
+woken by LISTEN/NOTIFY on run completion (queries.sql's run_ended_expr), polling as the
+fallback, and one listening connection for 1,000 waits (acceptance 3; its latency is
+measured in benchmarks/wait.py, never here)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import psycopg
+import pytest
+
+import cyclone_mp as cy
+from cyclone_mp import waiting
+from cyclone_mp.store import connect
+
+import handlers as h
+import workflow_handlers as wh
+from waiting import wait_for
+
+
+def sessions(dsn: str, application: str) -> int:
+    with connect(dsn) as conn:
+        return conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database()"
+                            " AND application_name = %s", (application,)).fetchone()["n"]
+
+
+def test_wait_and_result_of_every_ending(api_env, tmp_path):
+    client = api_env.client()
+    api_env.mux().register(h.ok, h.raises, wh.diamond)
+    done = api_env.enqueue(h.ok, {"x": 1})
+    failed = api_env.enqueue(h.raises, {})
+    flow = api_env.enqueue(wh.diamond, {"dir": str(tmp_path), "x": 42})
+    cancelled = api_env.enqueue(h.ok, {}, delay=3600)
+    api_env.start_worker()
+    status = client.wait(done, timeout=30)
+    assert (status.id, status.state, status.terminal) == (done, "completed", True)
+    assert client.result(done[:8], timeout=30) == {"echo": {"x": 1}, "attempt": 1, "run_id": done}
+    outputs = client.result(flow, timeout=30)
+    assert sorted(outputs) == ["a", "b", "c", "d"] and outputs["d"]["node"] == "d"
+    with pytest.raises(cy.RunFailed, match="was discarded: raises: error: bad value on attempt 3") as failure:
+        client.result(failed, timeout=30)
+    assert failure.value.status.state == "discarded" and len(failure.value.status.step.errors) == 3
+    with pytest.raises(cy.WaitTimeout, match="still running after 0.2s"):
+        client.wait(cancelled, timeout=0.2)
+    client.cancel(cancelled)
+    with pytest.raises(cy.RunCancelled, match="was cancelled"):
+        client.result(cancelled, timeout=5)
+    with pytest.raises(cy.RunNotFound):
+        client.wait("00000000-0000-0000-0000-000000000000", timeout=1)
+
+
+def test_a_wait_is_woken_by_the_notification_not_the_poll(api_env, monkeypatch):
+    """With the poll 60 s away, only the NOTIFY can end the wait within a second."""
+    monkeypatch.setattr(waiting, "POLL_LISTENING", 60.0)
+    client = api_env.client()
+    run_id = api_env.enqueue(h.sleeper, {"seconds": 0.5})
+    api_env.start_worker()
+    started = time.monotonic()
+    status = client.wait(run_id, timeout=20)
+    assert status.state == "completed"
+    assert time.monotonic() - started < 10
+    woke = time.time()
+    assert woke - status.finished_at.timestamp() < 1.0
+
+
+def test_without_notifications_the_poll_ends_the_wait(api_env, monkeypatch):
+    """LISTEN on a channel nobody notifies (as behind a proxy that drops them): the
+    fallback poll still ends the wait."""
+    monkeypatch.setattr(waiting, "RUNS_CHANNEL", "cyclone_mp_nobody_notifies_this")
+    monkeypatch.setattr(waiting, "POLL_LISTENING", 0.3)
+    client = api_env.client()
+    run_id = api_env.enqueue(h.ok, {})
+    api_env.start_worker()
+    assert client.wait(run_id, timeout=20).state == "completed"
+
+
+def test_every_way_a_run_ends_notifies(cyclone_env, tmp_path):
+    """A notification names each run that ended, once: a completion (the supervisor's
+    CAS), a discard, a cancel, a workflow's refresh; none for a pause."""
+    client = cyclone_env.client()
+    cyclone_env.mux().register(h.ok, h.permanent, wh.diamond)
+    listener = psycopg.connect(cyclone_env.dsn, autocommit=True)
+    try:
+        listener.execute(f"LISTEN {waiting.RUNS_CHANNEL}")
+        paused = client.enqueue(h.ok, {}, delay=3600)
+        client.pause(paused)
+        cancelled = client.enqueue(h.ok, {}, delay=3600)
+        client.cancel(cancelled)
+        ok = client.enqueue(h.ok, {})
+        bad = client.enqueue(h.permanent, {})
+        flow = client.enqueue(wh.diamond, {"dir": str(tmp_path)})
+        for run_id in (ok, bad, flow):
+            cyclone_env.run_until_complete(run_id)
+        named: list[str] = []
+        deadline = time.monotonic() + 5
+        while not {cancelled, ok, bad, flow} <= set(named) and time.monotonic() < deadline:
+            for note in listener.notifies(timeout=0.2, stop_after=1):
+                named.extend(waiting.run_ids(note.payload))
+        assert sorted(named) == sorted([cancelled, ok, bad, flow])  # each once, the paused run never
+    finally:
+        listener.close()
+
+
+def test_a_thousand_async_waits_share_one_listening_connection(cyclone_env_factory):
+    """Acceptance 3 (the connection part): 1,000 concurrent ``await client.wait`` in one
+    process use one listening connection, and each returns its own run's status."""
+    env = cyclone_env_factory(workers=2)
+    env.mux().register(h.ok)
+    ids = env.client().enqueue_many(h.ok, [{"i": i} for i in range(1000)], delay=2)
+    peak = {"listening": 0, "pool": 0}
+
+    async def main() -> list[cy.RunStatus]:
+        async with cy.AsyncClient(env.dsn, env.mux()) as client:
+            waits = [asyncio.ensure_future(client.wait(run_id, timeout=60)) for run_id in ids]
+            await asyncio.sleep(0.5)
+            peak["listening"] = await asyncio.to_thread(sessions, env.dsn, "cyclone_mp waiting")
+            env.start_worker()
+            while not all(w.done() for w in waits):
+                peak["listening"] = max(peak["listening"], await asyncio.to_thread(sessions, env.dsn, "cyclone_mp waiting"))
+                await asyncio.sleep(0.1)
+            return [w.result() for w in waits]
+
+    statuses = asyncio.run(main())
+    assert [s.id for s in statuses] == ids
+    assert all(s.state == "completed" and s.step.output["echo"] == {"i": i} for i, s in enumerate(statuses))
+    assert peak["listening"] == 1
+
+
+def test_many_threads_waiting_on_a_sync_client_share_one_listening_connection(cyclone_env_factory):
+    env = cyclone_env_factory(workers=2)
+    env.mux().register(h.ok)
+    client = env.client()
+    ids = client.enqueue_many(h.ok, [{"i": i} for i in range(200)], delay=1.5)
+    results: dict[str, str] = {}
+
+    def wait_one(run_id: str) -> None:
+        results[run_id] = client.wait(run_id, timeout=60).state
+
+    threads = [threading.Thread(target=wait_one, args=(run_id,)) for run_id in ids]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(client._waiter().book.slots) == len(ids), 20, "every thread to wait")
+    assert sessions(env.dsn, "cyclone_mp waiting") == 1
+    env.start_worker()
+    for thread in threads:
+        thread.join(60)
+    assert results == {run_id: "completed" for run_id in ids}
+    assert sessions(env.dsn, "cyclone_mp waiting") == 1
+    client.close()
+    wait_for(lambda: sessions(env.dsn, "cyclone_mp waiting") == 0, 5, "the listening connection to close")
+
+
+def test_a_wait_outlives_the_loss_of_its_listening_connection(api_env):
+    """The server ends the listening session (a restart, a proxy): the listener connects
+    and listens again, reads what ended meanwhile, and the wait still returns."""
+    client = api_env.client()
+    run_id = api_env.enqueue(h.ok, {}, delay=2)
+    api_env.start_worker()
+    outcome: dict[str, str] = {}
+
+    def wait() -> None:
+        outcome["state"] = client.wait(run_id, timeout=30).state
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    wait_for(lambda: sessions(api_env.dsn, "cyclone_mp waiting") == 1, 10, "the listening connection")
+    with connect(api_env.dsn) as conn:
+        ended = conn.execute("SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity"
+                             " WHERE datname = current_database() AND application_name = 'cyclone_mp waiting'"
+                             ).fetchone()["n"]
+    assert ended == 1
+    waiter.join(30)
+    assert outcome == {"state": "completed"}
+    assert sessions(api_env.dsn, "cyclone_mp waiting") == 1  # listening again
