@@ -67,6 +67,10 @@ class Client:
             of seconds per failed attempt; default ``attempt**4`` +-10 %.
         queue: default queue of enqueued steps (``"default"``).
         priority: default priority of enqueued steps; lower runs first (0).
+        memory_limit, cpu_limit, max_processes, max_open_files: default resource caps of
+            the steps this client enqueues (each attempt's whole process tree: bytes or
+            ``"512MiB"``, CPU seconds, processes, descriptors per process); None: no cap.
+            See docs/resource-limits.md.
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
@@ -105,6 +109,10 @@ class Client:
         backoff: Callable[[int], float] | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int | None = None,
@@ -126,6 +134,8 @@ class Client:
             shutdown_grace=shutdown_grace, queues=queues, max_steps_per_child=max_steps_per_child,
             max_child_rss=max_child_rss, timeout=timeout, max_attempts=max_attempts,
             max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
+            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
             prefetch=prefetch, registry_interval=registry_interval, **extra,
         )
         self.mux = mux if mux is not None else Mux()
@@ -295,6 +305,10 @@ class Client:
         scheduled_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
         conn: psycopg.Connection | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> str:
         """Enqueue one run of a step or workflow; returns the run id (a UUID string).
 
@@ -302,6 +316,8 @@ class Client:
         ``delay`` (seconds) or ``scheduled_at`` (aware datetime) postpone the first
         claim. With ``conn`` the run is written in the caller's open transaction. With
         ``idempotency_key`` an existing run with that key is returned instead.
+        ``memory_limit``, ``cpu_limit``, ``max_processes`` and ``max_open_files`` cap each
+        attempt's process tree (docs/resource-limits.md).
 
         Raises:
             UnknownStep: a name that is not registered.
@@ -313,7 +329,8 @@ class Client:
         self._check_payload(input, "input")
         overrides = self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff,
+            backoff=backoff, memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         )
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
@@ -343,6 +360,7 @@ class Client:
             node=node, step_name=step.name, kind="task", depends_on=tuple(after), queue=opts.queue or "default",
             priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
             max_reclaims=opts.max_reclaims, timeout=opts.timeout, backoff=storable_backoff(opts.backoff),
+            limits=opts.limits,
         )
 
     @staticmethod
@@ -377,6 +395,10 @@ class Client:
         backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> list[str]:
         """Enqueue one single-step run per input, in one INSERT; returns run ids in order.
 
@@ -394,14 +416,15 @@ class Client:
             return []
         opts = self._node_options(definition, self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff,
+            backoff=backoff, memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         ))
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
         return self._call(lambda store: store.enqueue_many(
             name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
-            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff),
+            delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff), limits=opts.limits,
         ))
 
     # -- operator actions ------------------------------------------------------------------------

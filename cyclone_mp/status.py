@@ -23,10 +23,14 @@ class StepStatus:
         max_attempts, reclaims, max_reclaims: the bounds stored at enqueue.
         error, error_kind: the last error (``timeout``, ``error``, ``permanent``,
             ``child_exited``, ``output_invalid``, ``memory_error``, ``exit``,
-            ``reclaim_limit``) or None.
+            ``reclaim_limit``; the causes of death ``memory_limit``, ``cpu_limit``,
+            ``process_limit``, ``oom_killed``) or None.
         errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,
             ``message``, ``traceback``, ``exit_code``/``signal``, ``killed_by_supervisor``,
             ``trigger``, ``cpu_seconds``, ``peak_rss_kb``, ``elapsed`` (seconds), ``at``;
+            for an attempt with resource limits or killed by a cause of death also
+            ``limits``, ``tree`` (``peak_memory_kb``, ``cpu_seconds``, ``processes`` of the
+            whole process tree), ``cause`` and ``enforced_by``;
             and one per attempt cancelled while it ran (``kind="cancelled"``, with its
             ``started_at``; no attempt consumed, ``error`` unchanged: issue 19).
         started_at, finished_at, scheduled_at, heartbeat_at, lease_expiry: DB-clock
@@ -34,6 +38,8 @@ class StepStatus:
         lease_owner: the supervisor id holding (or that last held) the lease.
         output: the handler's JSON output once completed; progress: latest
             ``{"done", "total", "message"}`` or None.
+        memory_limit, cpu_limit, max_processes, max_open_files: the resource caps stored
+            at enqueue (bytes, CPU seconds, processes, descriptors) or None.
     """
 
     name: str
@@ -63,6 +69,10 @@ class StepStatus:
     paused_from: str | None = None
     due_at: dt.datetime | None = None
     id: int = 0
+    memory_limit: int | None = None
+    cpu_limit: float | None = None
+    max_processes: int | None = None
+    max_open_files: int | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -77,6 +87,8 @@ class StepStatus:
             scheduled_at=row["scheduled_at"], heartbeat_at=row["heartbeat_at"],
             lease_expiry=row["lease_expiry"], lease_generation=row["lease_generation"],
             progress=row["progress"], paused_from=row["paused_from"], due_at=row["due_at"], id=row["id"],
+            memory_limit=row.get("memory_limit"), cpu_limit=row.get("cpu_limit"),
+            max_processes=row.get("max_processes"), max_open_files=row.get("max_open_files"),
         )
 
     @property

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .backoff import Backoff, check_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError, UnknownStep
+from .limits import Limits, check_count, parse_size
 
 if TYPE_CHECKING:
     from .workflow import Workflow
@@ -79,6 +80,11 @@ class StepOptions:
             stored on the row at enqueue); default ``attempt**4`` +-10 %.
         queue: queue name (default ``"default"``).
         priority: lower runs first (as in River and Oban); default 0.
+        memory_limit: bytes of memory the attempt's whole process tree may use (an int,
+            or a size such as ``"512MiB"``); None: no cap (issue 20). Stored on the row.
+        cpu_limit: CPU seconds the tree may use in one attempt (seconds or timedelta).
+        max_processes: processes the tree may have at once, the child included.
+        max_open_files: descriptors each process of the tree may open.
     """
 
     timeout: float | None = None
@@ -87,6 +93,10 @@ class StepOptions:
     backoff: Backoff | None = None
     queue: str | None = None
     priority: int | None = None
+    memory_limit: int | None = None
+    cpu_limit: float | None = None
+    max_processes: int | None = None
+    max_open_files: int | None = None
 
     @classmethod
     def build(
@@ -98,6 +108,10 @@ class StepOptions:
         backoff: Backoff | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> "StepOptions":
         """Validate and normalise raw option values.
 
@@ -120,7 +134,17 @@ class StepOptions:
             backoff=backoff,
             queue=queue,
             priority=priority,
+            memory_limit=parse_size(memory_limit, "memory_limit"),
+            cpu_limit=seconds(cpu_limit, "cpu_limit"),
+            max_processes=check_count(max_processes, "max_processes"),
+            max_open_files=check_count(max_open_files, "max_open_files"),
         )
+
+    @property
+    def limits(self) -> Limits:
+        """The resource caps of these options (:mod:`cyclone_mp.limits`)."""
+        return Limits(memory=self.memory_limit, cpu=self.cpu_limit, processes=self.max_processes,
+                      open_files=self.max_open_files)
 
     def over(self, base: "StepOptions") -> "StepOptions":
         """Return these options with unset fields taken from ``base``."""
@@ -186,6 +210,10 @@ def step(
     backoff: Backoff | None = None,
     queue: str | None = None,
     priority: int | None = None,
+    memory_limit: int | str | None = None,
+    cpu_limit: Duration | None = None,
+    max_processes: int | None = None,
+    max_open_files: int | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
     """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
 
@@ -197,13 +225,18 @@ def step(
         backoff: ``backoff(attempt) -> seconds``, seconds, or a list of seconds per
             failed attempt (default ``attempt**4`` +-10 %).
         queue: queue name (default ``"default"``); priority: lower runs first.
+        memory_limit: bytes (or ``"512MiB"``) of memory for the attempt's whole process
+            tree; cpu_limit: its CPU seconds; max_processes: its processes at once;
+            max_open_files: descriptors per process. Killed past a cap, the attempt fails
+            as ``memory_limit``, ``cpu_limit`` or ``process_limit`` (docs/resource-limits.md).
 
     Raises:
         ConfigurationError: an invalid option.
     """
     options = StepOptions.build(
         timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims,
-        backoff=backoff, queue=queue, priority=priority,
+        backoff=backoff, queue=queue, priority=priority, memory_limit=memory_limit, cpu_limit=cpu_limit,
+        max_processes=max_processes, max_open_files=max_open_files,
     )
 
     def decorate(fn: Callable[..., Any]) -> Step:

@@ -25,12 +25,13 @@ from psycopg.types.json import Jsonb
 
 from . import decisions
 from .backoff import delay_after
+from .limits import NO_LIMITS, Limits
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, InvalidTransition, QueryRejected, RunNotFound
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
-    "cpu_seconds", "peak_rss_kb", "elapsed", "worker",
+    "cpu_seconds", "peak_rss_kb", "elapsed", "worker", "tree", "limits", "cause", "enforced_by",
 })
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the
@@ -185,6 +186,12 @@ def nullable_jsonb(value: Any) -> Jsonb | None:
     return None if value is None else Jsonb(value)
 
 
+def limit_params(limits: Limits) -> dict[str, Any]:
+    """A step row's resource-limit columns as query parameters (issue 20)."""
+    return {"memory_limit": limits.memory, "cpu_limit": limits.cpu, "max_processes": limits.processes,
+            "max_open_files": limits.open_files}
+
+
 def to_us(seconds: float | None) -> int | None:
     """Seconds to whole microseconds (how durations reach SQL)."""
     return None if seconds is None else int(round(seconds * 1_000_000))
@@ -307,6 +314,7 @@ class NodeRow:
     timer_delay: float | None = None
     due_at: dt.datetime | None = None
     backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
+    limits: Limits = NO_LIMITS  # resource caps of each attempt (issue 20)
 
 
 class Store:
@@ -464,6 +472,10 @@ class Store:
                 "timer_delays_us": [to_us(n.timer_delay) for n in nodes],
                 "due_ats": [n.due_at for n in nodes],
                 "backoffs": [nullable_jsonb(n.backoff) for n in nodes],
+                "memory_limits": [n.limits.memory for n in nodes],
+                "cpu_limits": [n.limits.cpu for n in nodes],
+                "max_processes": [n.limits.processes for n in nodes],
+                "max_open_files": [n.limits.open_files for n in nodes],
             })
             if kind == "workflow":
                 self._advance(cur, run_id)  # roots leave pending; NOTIFY sent there
@@ -482,7 +494,7 @@ class Store:
                 "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
                 "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
                 "backoff": nullable_jsonb(node.backoff),
-                "scheduled_at": scheduled_at, "delay_us": to_us(delay),
+                "scheduled_at": scheduled_at, "delay_us": to_us(delay), **limit_params(node.limits),
             })
             row = cur.fetchone()
             if row is not None and row["id"] is not None:
@@ -507,6 +519,7 @@ class Store:
         delay: float,
         scheduled_at: dt.datetime | None = None,
         backoff: Any = None,
+        limits: Limits = NO_LIMITS,
     ) -> list[str]:
         """Insert many single-step runs in one statement; returns their ids in input order.
 
@@ -519,7 +532,7 @@ class Store:
                 "ids": ids, "inputs": list(inputs_json), "name": name, "queue": queue,
                 "priority": priority, "max_attempts": max_attempts, "max_reclaims": max_reclaims,
                 "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
-                "backoff": nullable_jsonb(backoff),
+                "backoff": nullable_jsonb(backoff), **limit_params(limits),
             })
             cur.execute(Q["notify"], {"queue": queue})
         return [str(i) for i in ids]
@@ -708,9 +721,11 @@ class Store:
         entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
         if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
             entry["reported_kind"] = kind
+        quarantined = (decisions.discard_message(end.error_kind, entry, list(row.get("error_kinds") or []))
+                       if end.state == "discarded" else None)
         cur.execute(Q["end_attempt"], {
             "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
-            "error": entry.get("message") or end.error_kind, "error_kind": end.error_kind,
+            "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
             "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
         })
         self._advance(cur, self._run_of(cur, id))

@@ -37,6 +37,7 @@ picked AS (
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
+              {limits_expr} AS limits,
               -- the run's row by primary key, once (its input and kind are read from it):
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
@@ -164,7 +165,8 @@ fail_in AS MATERIALIZED (
            finished_at = CASE WHEN j.d THEN now() ELSE NULL END,
            lease_owner = CASE WHEN j.d THEN s.lease_owner ELSE NULL END,
            lease_expiry = NULL,
-           error = coalesce(nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
+           error = coalesce(CASE WHEN j.d AND NOT j.t THEN {quarantine_error_expr} END,
+                            nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
            error_kind = CASE WHEN j.t THEN 'timeout' ELSE j.kind END,
            errors = s.errors || jsonb_build_array(
                j.entry
@@ -190,6 +192,30 @@ fail_in AS MATERIALIZED (
     RETURNING r.id
 )
 
+-- name: limits_expr
+-- (Fragment) a step row's resource limits (issue 20) as one JSON object for process
+-- control, NULL when the step has none (most rows: nothing to build).
+CASE WHEN num_nonnulls(s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files) > 0 THEN
+    jsonb_strip_nulls(jsonb_build_object('memory_limit', s.memory_limit, 'cpu_limit', s.cpu_limit,
+                                         'max_processes', s.max_processes, 'max_open_files', s.max_open_files))
+END
+
+-- name: quarantine_error_expr
+-- (Fragment) the poison quarantine (issue 20, decisions.discard_message): the error of a
+-- step discarded by an attempt j that died of a resource cause (its entry has a "cause"),
+-- when the attempts before it died of the same cause: "killed 3 times: memory_limit
+-- 512 MiB, peak 2.1 GiB". NULL otherwise. Earlier entries of cancelled attempts are skipped.
+CASE WHEN j.kind IN ('memory_limit', 'cpu_limit', 'process_limit', 'oom_killed') AND j.entry ? 'cause' THEN
+    (SELECT 'killed ' || (n.same + 1) || ' times: ' || (j.entry ->> 'cause')
+       FROM (SELECT count(*) AS same
+               FROM jsonb_array_elements(s.errors) WITH ORDINALITY AS e(v, i)
+              WHERE e.v ->> 'kind' = j.kind
+                AND e.i > coalesce((SELECT max(f.i)
+                                      FROM jsonb_array_elements(s.errors) WITH ORDINALITY AS f(v, i)
+                                     WHERE f.v ->> 'kind' NOT IN (j.kind, 'cancelled')), 0)) n
+      WHERE n.same > 0)
+END
+
 -- name: claimed_input_expr
 -- (Fragment) a claimed row's input as JSON text, unless its stored size is over
 -- %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
@@ -206,7 +232,7 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 WITH {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big
+       {claimed_big_expr} AS big, c.limits
   FROM claimed c
 
 -- name: settled_ctes
@@ -215,12 +241,13 @@ settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
-           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big
+           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::jsonb AS limits
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr}
+           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
+           c.limits
       FROM claimed c
 )
 
@@ -231,7 +258,7 @@ WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL
+       NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
@@ -258,7 +285,8 @@ SELECT r.id::text AS id, r.kind, r.state
 -- name: lock_attempt
 -- Under the run lock: the step row of one attempt, if still running under that lease.
 SELECT attempt, max_attempts, reclaims, max_reclaims, step_name, backoff,
-       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
+       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out,
+       ARRAY(SELECT e ->> 'kind' FROM jsonb_array_elements(errors) AS e) AS error_kinds  -- the poison quarantine's
   FROM cyclone_steps
  WHERE id = %(id)s
    AND state = 'running'
@@ -414,7 +442,7 @@ RETURNING (SELECT count(*) FROM steps) AS steps;
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
-'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit'
+'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit', 'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed'
 
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
@@ -485,10 +513,12 @@ WITH run AS (
     RETURNING id
 ), step AS (
     INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
-                               max_reclaims, timeout, backoff, scheduled_at)
+                               max_reclaims, timeout, backoff, scheduled_at,
+                               memory_limit, cpu_limit, max_processes, max_open_files)
     SELECT run.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
            %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
-           coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+           coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
+           %(memory_limit)s::bigint, %(cpu_limit)s::float8, %(max_processes)s::int, %(max_open_files)s::int
       FROM run
     RETURNING run_id
 )
@@ -502,19 +532,22 @@ SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s;
 -- name: insert_steps
 -- The step rows of one run (one per node), from parallel arrays.
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
-                           max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at)
+                           max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at,
+                           memory_limit, cpu_limit, max_processes, max_open_files)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
        t.timeout_us * interval '1 microsecond', t.timer_delay_us * interval '1 microsecond', t.due_at,
        t.backoff,
-       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
+       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
-              %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[])
+              %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[], %(memory_limits)s::bigint[],
+              %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
-         timeout_us, timer_delay_us, due_at, backoff);
+         timeout_us, timer_delay_us, due_at, backoff, memory_limit, cpu_limit, max_processes, max_open_files);
 
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load).
@@ -525,10 +558,12 @@ WITH runs AS (
     RETURNING id
 )
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
-                           max_reclaims, timeout, backoff, scheduled_at)
+                           max_reclaims, timeout, backoff, scheduled_at,
+                           memory_limit, cpu_limit, max_processes, max_open_files)
 SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
        %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
-       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond'))
+       coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
+       %(memory_limit)s::bigint, %(cpu_limit)s::float8, %(max_processes)s::int, %(max_open_files)s::int
   FROM runs;
 
 -- name: notify
@@ -545,7 +580,8 @@ SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, up
 SELECT id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt,
        max_attempts, reclaims, max_reclaims, extract(epoch FROM timeout)::float8 AS timeout,
        due_at, scheduled_at, started_at, finished_at, lease_owner, lease_expiry,
-       lease_generation, heartbeat_at, error, error_kind, errors, output, progress
+       lease_generation, heartbeat_at, error, error_kind, errors, output, progress,
+       memory_limit, cpu_limit, max_processes, max_open_files
   FROM cyclone_steps WHERE run_id = %(run_id)s ORDER BY id;
 
 -- name: list_runs
@@ -655,11 +691,13 @@ SELECT m.minute, coalesce(f.completed, 0)::bigint AS completed, coalesce(f.disca
  ORDER BY m.minute;
 
 -- name: dash_recent_kills
--- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit), newest entry first.
+-- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit, a resource
+-- cause of issue 20), newest entry first.
 SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
        s.reclaims, s.max_reclaims, s.errors -> -1 AS entry
   FROM cyclone_steps s
- WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit')
+ WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit',
+                                       'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
  ORDER BY (s.errors -> -1 ->> 'at') DESC, s.id DESC
  LIMIT %(limit)s;
 
