@@ -9,6 +9,13 @@ order they arrive; some may be queued behind the running one (pipelining): a can
 one drops it unstarted, so does its ``start_by`` time (``time.monotonic()`` seconds,
 the same clock in every process) once passed, and after an attempt that left processes
 behind the next one waits for the supervisor's "go" (it sweeps them first).
+
+It is a child subreaper (issue 18): a process its handler started that loses its parent
+(``sh -c '(setsid cmd &)'``) is reparented to it, not to the supervisor or init, so it
+counts as a leftover of its attempt and is swept with it, whatever it did to its
+environment or session. A task with resource limits (issue 20) runs under soft rlimits
+set for it and restored after it (``RLIMIT_NOFILE``, ``RLIMIT_CPU``, and
+``RLIMIT_DATA`` where no cgroup holds the memory cap), which what it starts inherits.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from .context import Cancellation, Context
 from .errors import Cancelled, PayloadError, Permanent
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
@@ -49,6 +57,79 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(70)
+
+
+def adopt_orphans() -> None:
+    """Become a child subreaper (Linux): orphans of the handlers' trees become ours."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def task_rlimits(limits: dict[str, Any] | None) -> list[tuple[int, tuple[int, int]]]:
+    """Set the soft rlimits of a task with ``limits`` (issue 20); returns what to restore.
+
+    - ``max_open_files``: ``RLIMIT_NOFILE`` = the descriptors this runner holds +
+      ``max_open_files`` (a new descriptor takes the lowest free number, so the handler
+      can open ``max_open_files`` more; a process it starts, holding fewer, a few more);
+    - ``cpu_limit``: ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 1,
+      rounded up (a backstop: the supervisor kills the tree at the limit; SIGXCPU ends a
+      handler that does not ignore it when the supervisor cannot, frozen);
+    - ``memory_limit`` with ``rlimit_memory`` (no cgroup caps the memory):
+      ``RLIMIT_DATA`` = this process's data segment now + 1.5 times the limit: a
+      backstop for one allocation too fast for the supervisor's sampling of the tree
+      (which decides at the limit itself, counting resident memory where the data
+      segment counts mappings); past it the allocation fails (``MemoryError``, a
+      ``memory_limit`` death to the supervisor).
+
+    Only soft limits: they can be raised back once the task is over (and by the handler,
+    which the supervisor's sampling or cgroups cover). Never raises: a limit the system
+    refuses is left as it was.
+    """
+    if not limits:
+        return []
+    saved = []
+
+    def lower(which: int, soft: int) -> None:
+        try:
+            old = resource.getrlimit(which)
+            hard = old[1]
+            if hard != resource.RLIM_INFINITY:
+                soft = min(soft, hard)
+            resource.setrlimit(which, (soft, hard))
+            saved.append((which, old))
+        except (OSError, ValueError):
+            pass
+
+    if limits.get("max_open_files"):
+        try:
+            held = len(os.listdir("/proc/self/fd")) - 1  # (without the listing's own descriptor)
+        except OSError:
+            held = 64
+        lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
+    if limits.get("cpu_limit"):
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        lower(resource.RLIMIT_CPU, int(usage.ru_utime + usage.ru_stime + float(limits["cpu_limit"])) + 2)
+    if limits.get("memory_limit") and limits.get("rlimit_memory"):
+        data = 0
+        try:
+            with open("/proc/self/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"VmData:"):
+                        data = int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            pass
+        lower(resource.RLIMIT_DATA, data + int(limits["memory_limit"]) * 3 // 2)
+    return saved
+
+
+def restore_rlimits(saved: list[tuple[int, tuple[int, int]]]) -> None:
+    """Put back what :func:`task_rlimits` changed."""
+    for which, old in reversed(saved):
+        try:
+            resource.setrlimit(which, old)
+        except (OSError, ValueError):
+            pass
 
 
 class Runner:
@@ -240,9 +321,15 @@ class Runner:
                 self._pending_progress = None
             self.peak.reset()
             started = time.monotonic()
+            saved = task_rlimits(message.get("limits"))
             before = resource.getrusage(resource.RUSAGE_SELF)
-            # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
-            result = {"t": "result", "task": message["task"], **self.run_task(message)}
+            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if saved else 0
+            try:
+                # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
+                result = {"t": "result", "task": message["task"], **self.run_task(message)}
+            finally:
+                if saved:
+                    restore_rlimits(saved)
             after = resource.getrusage(resource.RUSAGE_SELF)
             # The peak is forensics of failed and long attempts; a quick success skips the read.
             slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
@@ -252,6 +339,10 @@ class Runner:
                 "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
+            if saved:  # with limits: the largest descendant waited for during the task (the tree's forensics)
+                kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+                if kids > kids_before:
+                    result["children_maxrss_kb"] = kids
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None
             frame = self.checked(result)
@@ -451,6 +542,7 @@ def batch_scheduling() -> None:
 def main(argv: list[str]) -> None:
     ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent_pid)
+    adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     batch_scheduling()
     ctrl = socket.socket(fileno=ctrl_fd)

@@ -571,7 +571,7 @@ class Client:
 
     # -- the supervisor -------------------------------------------------------------------------
 
-    def _make_supervisor(self) -> Any:
+    def _make_supervisor(self, dedicated: bool = False) -> Any:
         from .supervisor import Supervisor
 
         if not self.mux.step_names:
@@ -582,11 +582,13 @@ class Client:
             kwargs["clock"] = self._clock
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
-        self._supervisor = Supervisor(self.dsn, self.mux, self.config, **kwargs)
+        self._supervisor = Supervisor(self.dsn, self.mux, self.config, dedicated=dedicated, **kwargs)
         return self._supervisor
 
     def run(self, on_signal: Callable[[str], None] | None = None) -> None:
-        """Run the supervisor in this thread until shut down (blocking).
+        """Run the supervisor in this thread until shut down (blocking). The process is the
+        supervisor's from then on: any process it adopts is taken for a handler's escapee
+        and killed (a program with children of its own should use :meth:`start`).
 
         In the main thread, the first SIGTERM/SIGINT drains (SPEC 5) and a second one
         stops hard; ``on_signal`` (if given) is then called with ``"drain"`` or
@@ -594,7 +596,9 @@ class Client:
         prints what the drain waits for from another thread). Raises
         ConfigurationError, DatabaseError (schema could not be set up).
         """
-        sup = self._make_supervisor()
+        # client.run() makes this process the supervisor's: whatever it adopts from now on is a
+        # handler's (issue 18; client.start() leaves an embedding program's children alone)
+        sup = self._make_supervisor(dedicated=True)
         self.close()  # the supervisor has its own connections; idle API connections would only wait
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():

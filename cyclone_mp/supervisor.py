@@ -41,7 +41,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
-from . import procs
+from . import procs, slots
 from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
@@ -65,6 +65,9 @@ class Supervisor:
             when ``dsn`` goes through PgBouncer in transaction mode).
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
+        dedicated: this process runs only the supervisor (``client.run()``, ``cyclone-mp
+            worker``): every process it adopts is then a handler's (issue 18); False in a
+            program that embeds it (``client.start()``), whose own children are left alone.
 
     Raises:
         ConfigurationError: a registered handler cannot be imported by a child, or this
@@ -72,7 +75,8 @@ class Supervisor:
     """
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 dedicated: bool = False) -> None:
         if os.environ.get(procs.MARKER_ENV):
             # We are a handler's child (or its descendant): a supervisor here would spawn
             # children that import the same module and start supervisors again, without end.
@@ -93,7 +97,9 @@ class Supervisor:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
+        self.dedicated = dedicated
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.confinement: slots.Confinement | None = None
         self.running = threading.Event()
         self.stopped = threading.Event()
         self.control: ProcessControl | None = None
@@ -132,6 +138,10 @@ class Supervisor:
         was_subreaper = procs.set_subreaper(True)
         watchdog = procs.WatchdogLink(self.id)
         try:
+            # The child slots' cgroups (issue 20): the watchdog kills them if we die.
+            self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
+            watchdog.cgroups(confinement.dirs)
+            log.info("resource limits: %s", confinement.mechanism.describe())
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
                                       tell=lambda m: control.tell(m), load=lambda m: maintenance.inbox.post(m),
@@ -142,7 +152,7 @@ class Supervisor:
                                         load=lambda m: maintenance.inbox.post(m), clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,
                                      writer=self.writer, watchdog=watchdog, clock=self.clock,
-                                     wall_clock=self.wall_clock)
+                                     wall_clock=self.wall_clock, confinement=confinement, dedicated=self.dedicated)
             self.control = control
             maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
                                       owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
@@ -174,6 +184,8 @@ class Supervisor:
                 self.control.close()
             except Exception:  # noqa: BLE001 - the rest must still stop
                 log.exception("stopping the children failed")
+        elif self.confinement is not None:
+            self.confinement.close()
         parts = [p for p in (self.writer, self.keeper, self.maintenance) if p is not None]
         for part in parts:
             part.request_stop()
@@ -250,7 +262,7 @@ class Supervisor:
 
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
              "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
-             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills")
+             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "limit_kills")
 
 
 class Stats(Mapping[str, int]):
