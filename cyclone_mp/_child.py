@@ -14,8 +14,8 @@ It is a child subreaper (issue 18): a process its handler started that loses its
 (``sh -c '(setsid cmd &)'``) is reparented to it, not to the supervisor or init, so it
 counts as a leftover of its attempt and is swept with it, whatever it did to its
 environment or session. A task with resource limits (issue 20) runs under soft rlimits
-set for it and restored after it (``RLIMIT_NOFILE``, ``RLIMIT_CPU``, and
-``RLIMIT_DATA`` where no cgroup holds the memory cap), which what it starts inherits.
+(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, and ``RLIMIT_DATA`` where no
+cgroup holds the memory cap), which what it starts inherits.
 """
 
 from __future__ import annotations
@@ -65,71 +65,95 @@ def adopt_orphans() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-def task_rlimits(limits: dict[str, Any] | None) -> list[tuple[int, tuple[int, int]]]:
-    """Set the soft rlimits of a task with ``limits`` (issue 20); returns what to restore.
+class TaskLimits:
+    """The soft rlimits of tasks with resource limits (issue 20), which what a handler
+    starts inherits. They stay set while consecutive tasks have the same limits (a
+    task's check is then one comparison, and one ``getrusage`` for a CPU budget) and are
+    put back before a task with other limits or none:
 
-    - ``max_open_files``: ``RLIMIT_NOFILE`` = the descriptors this runner holds +
-      ``max_open_files`` (a new descriptor takes the lowest free number, so the handler
-      can open ``max_open_files`` more; a process it starts, holding fewer, a few more);
-    - ``cpu_limit``: ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 1,
-      rounded up (a backstop: the supervisor kills the tree at the limit; SIGXCPU ends a
-      handler that does not ignore it when the supervisor cannot, frozen);
+    - ``max_open_files``: ``RLIMIT_NOFILE`` = the descriptors this runner held when the
+      limit was set + ``max_open_files`` (a new descriptor takes the lowest free number,
+      so the handler can open ``max_open_files`` more; a process it starts, holding
+      fewer, a few more);
+    - ``cpu_limit``: ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 2,
+      moved on before a task whose budget it would not leave whole (a backstop: the
+      supervisor kills the tree at the limit; SIGXCPU ends a handler that does not ignore
+      it when the supervisor cannot, frozen);
     - ``memory_limit`` with ``rlimit_memory`` (no cgroup caps the memory):
-      ``RLIMIT_DATA`` = this process's data segment now + 1.5 times the limit: a
-      backstop for one allocation too fast for the supervisor's sampling of the tree
-      (which decides at the limit itself, counting resident memory where the data
-      segment counts mappings); past it the allocation fails (``MemoryError``, a
-      ``memory_limit`` death to the supervisor).
+      ``RLIMIT_DATA`` = this process's data segment + 1.5 times the limit: a backstop for
+      one allocation too fast for the supervisor's sampling of the tree (which decides at
+      the limit itself, counting resident memory where the data segment counts
+      mappings); past it the allocation fails (``MemoryError``, a ``memory_limit`` death
+      to the supervisor).
 
-    Only soft limits: they can be raised back once the task is over (and by the handler,
-    which the supervisor's sampling or cgroups cover). Never raises: a limit the system
-    refuses is left as it was.
+    Only soft limits: they can be raised back (and by the handler, which the supervisor's
+    sampling or cgroups cover). A limit the system refuses is left as it was.
     """
-    if not limits:
-        return []
-    saved = []
 
-    def lower(which: int, soft: int) -> None:
+    def __init__(self) -> None:
+        self.applied: dict[str, Any] | None = None
+        self.saved: list[tuple[int, tuple[int, int]]] = []
+        self.cpu_soft: int | None = None
+
+    def apply(self, limits: dict[str, Any] | None) -> None:
+        """Set the rlimits of a task with ``limits`` (None: none), before it runs."""
+        if limits == self.applied:
+            if limits and self.cpu_soft is not None:
+                used = self._cpu_used()
+                if self.cpu_soft - used < float(limits["cpu_limit"]) + 1:
+                    self._lower(resource.RLIMIT_CPU, int(used + float(limits["cpu_limit"])) + 2, save=False)
+            return
+        self.restore()
+        if not limits:
+            return
+        if limits.get("max_open_files"):
+            try:
+                held = len(os.listdir("/proc/self/fd")) - 1  # (without the listing's own descriptor)
+            except OSError:
+                held = 64
+            self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
+        if limits.get("cpu_limit"):
+            self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
+        if limits.get("memory_limit") and limits.get("rlimit_memory"):
+            data = 0
+            try:
+                with open("/proc/self/status", "rb") as fh:
+                    for line in fh:
+                        if line.startswith(b"VmData:"):
+                            data = int(line.split()[1]) * 1024
+                            break
+            except (OSError, ValueError, IndexError):
+                pass
+            self._lower(resource.RLIMIT_DATA, data + int(limits["memory_limit"]) * 3 // 2)
+        self.applied = limits
+
+    def restore(self) -> None:
+        """Put back what :meth:`apply` changed."""
+        for which, old in reversed(self.saved):
+            try:
+                resource.setrlimit(which, old)
+            except (OSError, ValueError):
+                pass
+        self.saved, self.applied, self.cpu_soft = [], None, None
+
+    @staticmethod
+    def _cpu_used() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    def _lower(self, which: int, soft: int, save: bool = True) -> None:
         try:
             old = resource.getrlimit(which)
             hard = old[1]
             if hard != resource.RLIM_INFINITY:
                 soft = min(soft, hard)
             resource.setrlimit(which, (soft, hard))
-            saved.append((which, old))
         except (OSError, ValueError):
-            pass
-
-    if limits.get("max_open_files"):
-        try:
-            held = len(os.listdir("/proc/self/fd")) - 1  # (without the listing's own descriptor)
-        except OSError:
-            held = 64
-        lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
-    if limits.get("cpu_limit"):
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        lower(resource.RLIMIT_CPU, int(usage.ru_utime + usage.ru_stime + float(limits["cpu_limit"])) + 2)
-    if limits.get("memory_limit") and limits.get("rlimit_memory"):
-        data = 0
-        try:
-            with open("/proc/self/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"VmData:"):
-                        data = int(line.split()[1]) * 1024
-                        break
-        except (OSError, ValueError, IndexError):
-            pass
-        lower(resource.RLIMIT_DATA, data + int(limits["memory_limit"]) * 3 // 2)
-    return saved
-
-
-def restore_rlimits(saved: list[tuple[int, tuple[int, int]]]) -> None:
-    """Put back what :func:`task_rlimits` changed."""
-    for which, old in reversed(saved):
-        try:
-            resource.setrlimit(which, old)
-        except (OSError, ValueError):
-            pass
+            return
+        if save:
+            self.saved.append((which, old))
+        if which == resource.RLIMIT_CPU:
+            self.cpu_soft = soft
 
 
 class Runner:
@@ -149,6 +173,7 @@ class Runner:
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
         self.held = False  # the last attempt left processes: start nothing until "go"
+        self.limits = TaskLimits()  # the rlimits of tasks with resource limits
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -321,15 +346,12 @@ class Runner:
                 self._pending_progress = None
             self.peak.reset()
             started = time.monotonic()
-            saved = task_rlimits(message.get("limits"))
+            limits = message.get("limits")
+            self.limits.apply(limits)
             before = resource.getrusage(resource.RUSAGE_SELF)
-            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if saved else 0
-            try:
-                # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
-                result = {"t": "result", "task": message["task"], **self.run_task(message)}
-            finally:
-                if saved:
-                    restore_rlimits(saved)
+            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if limits else 0
+            # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
+            result = {"t": "result", "task": message["task"], **self.run_task(message)}
             after = resource.getrusage(resource.RUSAGE_SELF)
             # The peak is forensics of failed and long attempts; a quick success skips the read.
             slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
@@ -339,7 +361,7 @@ class Runner:
                 "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
-            if saved:  # with limits: the largest descendant waited for during the task (the tree's forensics)
+            if limits:  # with limits: the largest descendant waited for during the task (the tree's forensics)
                 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 if kids > kids_before:
                     result["children_maxrss_kb"] = kids

@@ -401,6 +401,7 @@ class Slot:
         self._fds: dict[str, int] = {}
         self.caps: tuple[int | None, int | None] = (None, None)  # (memory, pids.max) written now
         self.last = Baseline()  # the counters when last looked at (an attempt without limits is judged against it)
+        self.runner_tasks: int | None = None  # the child runner's threads (its tasks under a pids cap)
         mech = confinement.mechanism
         for key, base in (("v2", confinement.v2), ("memory", confinement.memory_v1), ("pids", confinement.pids_v1)):
             if base:
@@ -435,7 +436,9 @@ class Slot:
                 _write(os.path.join(path, "cgroup.procs"), str(pid))
             self.confined = True
             self.last = Baseline()
-            self.last.oom_kills, self.last.cap_hits, self.last.fork_failures = self._counters()
+            self.last.oom_kills, self.last.cap_hits = self._memory_counters()
+            self.last.fork_failures = self._forks_refused()
+            self.runner_tasks = None
         except OSError as exc:
             log.error("cannot move child %d into its cgroup (%s); it is killed with signals", pid, exc)
             self.confined = False
@@ -471,9 +474,10 @@ class Slot:
         memory = limits.memory if self.memory_file else None
         tasks = None
         if limits.processes is not None and self.pids_file:
-            stat = _stat(self.pid) if self.pid else None
-            runner = stat[1] if stat else 1
-            tasks = limits.processes + max(0, runner - 1)  # the runner counts as one process, whatever its threads
+            if self.runner_tasks is None:  # its threads, once (read each time, it cost more than the rest)
+                stat = _stat(self.pid) if self.pid else None
+                self.runner_tasks = stat[1] if stat else 2
+            tasks = limits.processes + max(0, self.runner_tasks - 1)  # the runner counts as one process, whatever its threads
         if (memory, tasks) == self.caps:
             return True
         try:
@@ -499,18 +503,18 @@ class Slot:
         self.caps = (memory, tasks)
         return True
 
-    def _counters(self) -> tuple[int, int, int]:
-        """(OOM kills, memory cap hits, refused forks) of this slot so far."""
-        oom = hits = forks = 0
+    def _memory_counters(self) -> tuple[int, int]:
+        """(OOM kills, memory cap hits) in this slot so far (v1: the hits are judged from
+        the peak instead, see :meth:`sample`)."""
         if self.memory_file == "v2":
             events = _fields(self._pread("v2", "memory.events"))
-            oom, hits = events.get("oom_kill", 0), events.get("oom", 0) + events.get("max", 0)
-        elif self.memory_file == "memory":
-            oom = _fields(self._pread("memory", "memory.oom_control")).get("oom_kill", 0)
-            hits = _int(self._pread("memory", "memory.failcnt")) or 0
-        if self.pids_file:
-            forks = _fields(self._pread(self.pids_file, "pids.events")).get("max", 0)
-        return oom, hits, forks
+            return events.get("oom_kill", 0), events.get("oom", 0) + events.get("max", 0)
+        if self.memory_file == "memory":
+            return _fields(self._pread("memory", "memory.oom_control")).get("oom_kill", 0), 0
+        return 0, 0
+
+    def _forks_refused(self) -> int:
+        return _fields(self._pread(self.pids_file, "pids.events")).get("max", 0) if self.pids_file else 0
 
     def _cpu(self) -> float | None:
         if self.confined and "v2" in self.dirs:
@@ -519,28 +523,46 @@ class Slot:
                 return usec / 1e6
         return None
 
+    def _reset_peak(self) -> None:
+        """The memory peak restarts from now (a v2 kernel before 6.12: it counts since creation)."""
+        key, name, text = (("v2", "memory.peak", b"reset") if self.memory_file == "v2" else
+                           ("memory", "memory.max_usage_in_bytes", b"0"))
+        cache = f"{key}/{name}/w"
+        fd = self._fds.get(cache)
+        try:
+            if fd is None:
+                path = self._file(key, name)
+                if path is None:
+                    return
+                fd = self._fds[cache] = os.open(path, os.O_WRONLY)
+            os.pwrite(fd, text, 0)
+        except OSError:
+            pass
+
     def begin(self, limits: Limits) -> Baseline:
-        """An attempt with ``limits`` starts now in this slot: where its counters start."""
-        base = Baseline()
-        base.oom_kills, base.cap_hits, base.fork_failures = self._counters()
-        self.last = dataclasses.replace(base)
+        """An attempt with ``limits`` starts now in this slot: where its counters start.
+        Only what its caps need is read (a few microseconds each, through descriptors kept
+        open): the OOM counter and the peak for a memory cap, refused forks for a process
+        cap, the CPU counter for a CPU budget; the rest starts from the slot's last look."""
+        base = dataclasses.replace(self.last, peak=0, processes=0)
+        if limits.memory is not None and self.memory_file:
+            base.oom_kills, base.cap_hits = self._memory_counters()
+            self._reset_peak()
+        if limits.processes is not None and self.pids_file:
+            base.fork_failures = self._forks_refused()
         if limits.cpu is not None:
             base.cpu = self._cpu()
             if base.cpu is None:
                 base.cpu = _tree(self.pid)[0] if self.pid else 0.0
-        if limits.memory is not None and self.memory_file:
-            with contextlib.suppress(OSError, TypeError):  # the peak restarts from now (older kernels: since creation)
-                if self.memory_file == "v2":
-                    _write(self._file("v2", "memory.peak") or "", "reset")
-                else:
-                    _write(self._file("memory", "memory.max_usage_in_bytes") or "", "0")
         return base
 
     def sample(self, limits: Limits, base: Baseline, *, final: bool = False) -> Usage:
         """What the attempt's tree used since ``base``. ``final``: it is over (or being
-        killed): also count its processes."""
+        killed): every counter is read, and its processes counted."""
         usage = Usage()
-        oom, hits, forks = self._counters()
+        memory = limits.memory is not None or final
+        oom, hits = self._memory_counters() if memory else (base.oom_kills, base.cap_hits)
+        forks = self._forks_refused() if limits.processes is not None or final else base.fork_failures
         if final:
             self.last = Baseline(oom_kills=oom, cap_hits=hits, fork_failures=forks)
         usage.oom_kills, usage.memory_cap_hits = oom - base.oom_kills, hits - base.cap_hits
@@ -549,12 +571,14 @@ class Slot:
             limits.processes is not None and not self.pids_file)
         cpu_now = self._cpu() if limits.cpu is not None or final else None
         tree = _tree(self.pid) if (need_tree or (cpu_now is None and limits.cpu is not None)) and self.pid else None
-        if self.memory_file == "v2":
+        if self.memory_file == "v2" and memory:
             usage.memory = _int(self._pread("v2", "memory.current"))
             usage.peak_memory = _int(self._pread("v2", "memory.peak"))
-        elif self.memory_file == "memory":
+        elif self.memory_file == "memory" and memory:
             usage.memory = _int(self._pread("memory", "memory.usage_in_bytes"))
             usage.peak_memory = _int(self._pread("memory", "memory.max_usage_in_bytes"))
+            if limits.memory is not None and usage.peak_memory is not None and usage.peak_memory >= limits.memory:
+                usage.memory_cap_hits = max(usage.memory_cap_hits, 1)  # v1: the peak reached the cap
         elif tree is not None:
             usage.memory = tree[1]
             base.peak = max(base.peak, tree[1])
@@ -565,7 +589,7 @@ class Slot:
             usage.cpu = max(0.0, cpu_now - base.cpu)
         if tree is not None:
             usage.processes, usage.tasks = tree[2], tree[3]
-        else:
+        elif final or limits.processes is not None:  # (forensics: a periodic look need not list the cgroup)
             listed = self.procs()
             usage.processes = len(listed) if listed is not None else None
         if usage.processes is not None:  # the forensics say the most the tree had

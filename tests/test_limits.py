@@ -312,7 +312,7 @@ def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
     caps = Limits(memory=256 * MIB, cpu=2.0, processes=20)
     assert slot.configure(caps)
     assert (base / "slot-0" / "memory.max").read_text() == str(256 * MIB)
-    assert (base / "slot-0" / "pids.max").read_text() == "20"  # pids.current 1: the runner counts as one
+    assert (base / "slot-0" / "pids.max").read_text() == "21"  # a runner's two threads count as one process
     (base / "slot-0" / "memory.current").write_text(str(300 * MIB))
     slot.caps = (None, None)
     assert not slot.configure(caps)  # the reused child holds more than the cap: it is replaced, never OOM-killed idle
