@@ -93,11 +93,12 @@ class Attempt:
 
 def fence_cancel_at(att: Attempt, lease_ttl: float, kill_grace: float) -> float:
     """When to cancel an attempt whose lease is not being renewed: ``kill_grace`` before
-    the fence's kill where possible, but never before a renewal was due and had time to
-    come back (1.5 heartbeat intervals after the last good one was sent), so a healthy
-    attempt with a ``kill_grace`` longer than its ``lease_ttl`` is not cancelled."""
+    the fence's kill where possible, but never before two renewals were due and had time
+    to come back (three quarters of a lease after the last good one was sent): a renewal
+    that is merely late (a busy machine) does not doom a healthy attempt, whose
+    ``kill_grace`` may be longer than its ``lease_ttl``. A cancel is never taken back."""
     kill_by = att.fence(lease_ttl) - fence_margin(lease_ttl)
-    return max(kill_by - kill_grace, att.lease_sent + 0.5 * lease_ttl)
+    return max(kill_by - kill_grace, att.lease_sent + 0.75 * lease_ttl)
 
 
 @dataclasses.dataclass

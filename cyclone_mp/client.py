@@ -28,7 +28,7 @@ from .errors import (
 )
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
-from .store import NodeRow, Store, classify, configure_session, connect, redact, stale_plan
+from .store import NodeRow, Store, classify, configure_session, connect, redact, stale_plan, tcp_bounds
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -169,7 +169,10 @@ class Client:
                 limit = self.config.idle_in_transaction_limit
                 self._pool = ConnectionPool(
                     dsn, min_size=0, max_size=4, open=True, timeout=POOL_TIMEOUT, max_idle=60.0,
-                    kwargs={"autocommit": True, "row_factory": dict_row}, name="cyclone-mp-client",
+                    # a dead or black-holed server is an error within about lease_ttl, not a hang (issue 17)
+                    kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp client",
+                            **tcp_bounds(max(5.0, self.config.lease_ttl))},
+                    name="cyclone-mp-client",
                     check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
                     # a client frozen inside cancel/retry/... must not stall the supervisors
                     configure=lambda conn: configure_session(conn, idle_in_transaction=limit),

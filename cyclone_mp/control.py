@@ -2,8 +2,8 @@
 
 This is the supervisor's own thread (children are started from it: ``PR_SET_PDEATHSIG``
 follows the thread that creates them). It never calls the database: claims and
-renewals are the lease keeper's (:mod:`cyclone_mp.leases`), outcomes the writer's
-(:mod:`cyclone_mp.outcomes`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they
+claims and outcomes are the outcome writer's (:mod:`cyclone_mp.outcomes`), renewals the
+lease keeper's (:mod:`cyclone_mp.leases`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they
 talk by messages (:mod:`cyclone_mp.messages`). So a slow, locked or partitioned
 database delays durable transitions, never a kill.
 
@@ -18,7 +18,8 @@ it and starts another, and turns every ended attempt into an
 child, when it must be dead at the latest, so the fence holds while this thread is
 frozen too.
 
-Which part owns what (SPEC 4 and 5): a claim and a renewal are the lease keeper's; what
+Which part owns what (SPEC 4 and 5): a claim is the outcome writer's, a renewal the
+lease keeper's; what
 a lost lease does to the handler is :meth:`ProcessControl.on_lease_lost`; a timeout on
 the worker clock, the fence, the cancel and the kill are :meth:`ProcessControl._enforce`;
 how an attempt ended is :meth:`ProcessControl._on_result` /
@@ -48,7 +49,7 @@ from .config import (
 )
 from .mailbox import Inbox
 from .messages import (
-    COMPLETE, FAIL, RELEASE, ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll,
+    COMPLETE, FAIL, RELEASE, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll,
     Progress, Renewed,
 )
 from .pool import ChildPool, ChildProc
@@ -174,6 +175,7 @@ class ProcessControl:
     def run(self, running: threading.Event | None = None) -> None:
         """Run until drained or stopped (on the thread that owns the children)."""
         self.pool.maintain(self.clock(), draining=False)
+        self._publish_snapshot(self.clock())  # before maintenance's first registry row
         if running is not None:
             running.set()
         while True:
@@ -367,13 +369,14 @@ class ProcessControl:
         return max(0, len(self.pool.idle()) + self.prefetch_room() - len(self.held) - self.claiming)
 
     def _request_claim(self, now: float) -> None:
-        """A claim on its own, through the lease keeper (on the poll interval, or when woken)."""
+        """A claim on its own (on the poll interval, or when woken), through the outcome
+        writer, which makes every claim: the lease keeper only renews."""
         limit = self._claim_limit(standalone=True)
         if limit <= 0:
             self.next_poll = now + self.poll_delay
             return
         self.claiming += limit
-        self.keeper(ClaimRequest(limit))
+        self.writer.post_batch((), limit)
 
     def prefetch_room(self) -> int:
         """How many steps to hold beyond the idle children (``Config.prefetch``).

@@ -115,21 +115,35 @@ class DatabaseThread:
     monotonic seconds) and may override :meth:`connected` / :meth:`disconnected`.
 
     Args:
-        name: the thread's name (and the part's, in logs).
-        open_store: opens this part's connection (raises DatabaseError).
+        part: the part's name ("lease keeper", ...): its thread is ``cyclone-<part>`` and
+            its connection's ``application_name`` is ``cyclone_mp <part> <owner>``.
+        dsn: PostgreSQL connection string.
+        config: the supervisor's :class:`~cyclone_mp.config.Config` (the session's limits
+            and the reconnect backoff's cap come from it).
+        owner: the supervisor's id.
+        bound: seconds a call may take (``statement_timeout``, a silent peer, and
+            :class:`CallTimer`'s default for :meth:`call`).
+        generic_plans: see :meth:`cyclone_mp.store.Store.open`.
         clock: local monotonic clock in seconds.
     """
 
-    def __init__(self, name: str, open_store: Callable[[], Store], clock: Callable[[], float] = time.monotonic,
-                 reconnect_cap: float = 2.0) -> None:
-        self.name = name
+    def __init__(self, part: str, dsn: str, config: Any, *, owner: str, bound: float, generic_plans: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = "cyclone-" + part.replace(" ", "-")
         self.inbox = Inbox()
         self.clock = clock
+        self.bound = bound
+
+        def open_store() -> Store:
+            return Store.open(dsn, generic_plans=generic_plans, idle_in_transaction=config.idle_in_transaction_limit,
+                              lock_timeout=config.lock_timeout, statement_timeout=bound, dead_after=bound,
+                              connect_timeout=max(2.0, bound), application_name=f"cyclone_mp {part} {owner}")
+
         self._open_store = open_store
         self.store: Store | None = None
         self.db_ok = False
         self._reconnect_at = clock()
-        self._reconnect_cap = reconnect_cap
+        self._reconnect_cap = config.reconnect_cap
         self._reconnect_delay = RECONNECT_FIRST
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None

@@ -1,15 +1,16 @@
-"""The lease keeper: claims and renewals, on a connection of its own (SPEC 4, issue 17).
+"""The lease keeper: renewals, on a connection of its own (SPEC 4, issue 17).
 
-It claims when process control asks (:class:`~cyclone_mp.messages.ClaimRequest`: free
-slots plus room to hold), and renews every lease it claimed until it is told the lease
-is done (:class:`~cyclone_mp.messages.LeaseDone`: the outcome was written, or the step
-released): one renewal per step, addressed by id, with the seed's WHERE clause, every
-``lease_ttl / 3`` with a random initial phase and +-10 % jitter. The renewals due
-together go in one round trip (:meth:`~cyclone_mp.store.Store.renew_many`), so a distant
-database costs one round trip per heartbeat, not one per step.
+It renews every lease its supervisor holds until it is told the lease is done
+(:class:`~cyclone_mp.messages.LeaseDone`: the outcome was written, or the step released):
+one renewal per step, addressed by id, with the seed's WHERE clause, every
+``lease_ttl / 3`` with a random initial phase and +-10 % jitter. It learns of new leases
+from the claims the outcome writer makes (:class:`~cyclone_mp.messages.Track`). The
+renewals due together go in one round trip
+(:meth:`~cyclone_mp.store.Store.renew_many`), so a distant database costs one round
+trip per heartbeat, not one per step. It does nothing else that could delay a renewal:
+claims are the outcome writer's.
 
-It tells process control what happened: :class:`~cyclone_mp.messages.Claimed` rows
-(with the time the claim was sent), :class:`~cyclone_mp.messages.Renewed` (with the
+It tells process control what happened: :class:`~cyclone_mp.messages.Renewed` (with the
 time the renewal was sent: the local fence, SPEC 9) and
 :class:`~cyclone_mp.messages.LeaseLost` (a renewal matched nothing; the row says why).
 It never decides what happens to a handler: process control does.
@@ -19,7 +20,7 @@ PgBouncer) and tells process control to claim at once
 (:class:`~cyclone_mp.messages.Poll`).
 
 Which file owns "a step's lease was lost": this one finds it out
-(:meth:`LeaseKeeper._renew`); what it does to the handler is
+(:meth:`LeaseKeeper._lost`); what it does to the handler is
 :meth:`cyclone_mp.control.ProcessControl.on_lease_lost`.
 """
 
@@ -29,16 +30,16 @@ import dataclasses
 import logging
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from . import decisions
 from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
-    ClaimRequest, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Load, Poll, Progress, Renewed, Track,
+    DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
 )
-from .store import NOTIFY_CHANNEL, Store, connect
+from .store import NOTIFY_CHANNEL, connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -54,48 +55,33 @@ class Lease:
 
 
 class LeaseKeeper(DatabaseThread):
-    """Claims and renewals for one supervisor (see the module docstring).
+    """Renewals for one supervisor (see the module docstring).
 
     Args:
         dsn: PostgreSQL connection string (claims and renewals).
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         owner: the supervisor's id (``lease_owner``).
-        names: the step names it may claim.
         tell: posts a message to process control.
-        load: posts a :class:`~cyclone_mp.messages.Load` to maintenance (rows too big
-            to come with their claim).
         listen_dsn: where to LISTEN (default ``dsn``).
         clock: local monotonic clock in seconds.
     """
 
-    def __init__(self, dsn: str, config: Config, *, owner: str, names: Sequence[str],
-                 tell: Callable[[Any], None], load: Callable[[Any], None],
+    def __init__(self, dsn: str, config: Config, *, owner: str, tell: Callable[[Any], None],
                  listen_dsn: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        def open_store() -> Store:
-            return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
-                              lock_timeout=config.lock_timeout, statement_timeout=config.call_bound,
-                              dead_after=config.call_bound, connect_timeout=max(2.0, config.call_bound),
-                              application_name=f"cyclone_mp lease keeper {owner}")
-
-        super().__init__("cyclone-lease-keeper", open_store, clock, reconnect_cap=config.reconnect_cap)
+        super().__init__("lease keeper", dsn, config, owner=owner, bound=config.call_bound, clock=clock)
         self.config = config
         self.owner = owner
-        self.names = list(names)
         self.tell = tell
-        self.load = load
         self.listen_dsn = listen_dsn or dsn
         self.leases: dict[LeaseKey, Lease] = {}
-        self.claims: list[int] = []  # limits asked for, not yet claimed
         self.listen_conn: Any = None
 
     # -- messages ----------------------------------------------------------------------------
 
     def _read_inbox(self) -> None:
         for message in self.inbox.take():
-            if isinstance(message, ClaimRequest):
-                self.claims.append(message.limit)
-            elif isinstance(message, Progress):
+            if isinstance(message, Progress):
                 lease = self.leases.get(message.key)
                 if lease is not None:
                     lease.progress, lease.progress_dirty = message.value, True
@@ -111,8 +97,6 @@ class LeaseKeeper(DatabaseThread):
         self._read_inbox()
         if self.db_ok:
             self._renew_due(now)
-        if self.claims:
-            self._claim()
         interval = self.config.heartbeat_interval
         beats = [lease.next_beat for lease in self.leases.values()]
         return min([self.clock() + interval, *beats])
@@ -185,31 +169,6 @@ class LeaseKeeper(DatabaseThread):
             self.count("lease_lost")
         log.info("renewal of step %d matched nothing (%s)", step_id, reason)
         self.tell(LeaseLost(lease.key, reason))
-
-    def _claim(self) -> None:
-        limit, self.claims = sum(self.claims), []
-        sent = self.clock()
-        if not self.db_ok:
-            self.tell(Claimed((), sent, limit, failed=True))
-            return
-        try:
-            rows = self.call(self.config.call_bound, lambda store: store.claim(
-                owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
-                ttl=self.config.lease_ttl))
-        except DatabaseError as exc:
-            if not isinstance(exc, DatabaseUnavailable):
-                log.error("claim rejected by the database: %s", exc)
-            self.tell(Claimed((), sent, limit, failed=True))
-            return
-        interval = self.config.heartbeat_interval
-        for row in rows:  # the claim was the first heartbeat: the next comes at a random phase
-            key = (row["id"], row["lease_generation"])
-            self.leases[key] = Lease(key, sent + random.uniform(0, interval))
-        self.count("claimed", len(rows))
-        big = tuple(r for r in rows if r.get("big"))
-        if big:
-            self.load(Load(big, sent))
-        self.tell(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit))
 
     # -- the connection, and LISTEN ------------------------------------------------------------
 

@@ -4,8 +4,10 @@ The supervisor is four parts that share no mutable state (see :mod:`cyclone_mp.s
 
 - process control (:mod:`cyclone_mp.control`, the supervisor's own thread): children,
   pipes, deadlines, fences, cancels, kills, reaping; it never calls the database;
-- the lease keeper (:mod:`cyclone_mp.leases`): claims and renewals, on its own connection;
-- the outcome writer (:mod:`cyclone_mp.outcomes`): the CAS writes of ended attempts;
+- the lease keeper (:mod:`cyclone_mp.leases`): renewals (and LISTEN), on its own
+  connection, so nothing else ever delays a renewal;
+- the outcome writer (:mod:`cyclone_mp.outcomes`): claims and the CAS writes of ended
+  attempts (a claim rides in the statement that frees its slots);
 - maintenance (:mod:`cyclone_mp.sweep`): the recovery sweep, timers, the registry.
 
 Each part reads an :class:`~cyclone_mp.mailbox.Inbox`; the others post these messages to
@@ -26,13 +28,6 @@ COMPLETE, FAIL, RELEASE = "complete", "fail", "release"  #: kinds of :class:`Out
 
 
 # -- process control -> lease keeper ---------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ClaimRequest:
-    """Claim up to ``limit`` steps (free child slots plus room to hold)."""
-
-    limit: int
-
 
 @dataclasses.dataclass(frozen=True)
 class Progress:
@@ -60,11 +55,11 @@ class LeaseDone:
     key: LeaseKey
 
 
-# -- lease keeper (or the outcome writer) -> process control -----------------------------------
+# -- lease keeper, outcome writer, maintenance -> process control ---------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Claimed:
-    """The rows a :class:`ClaimRequest` claimed (possibly none). ``sent``: when the claim
+    """The rows a claim took (possibly none): one a :class:`Batch` asked for. ``sent``: when the claim
     was sent; the database stamped the leases later, so they last at least until
     ``sent + lease_ttl``. ``failed``: the claim did not run (an outage, a rejected call)."""
 

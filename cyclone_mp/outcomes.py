@@ -1,8 +1,9 @@
-"""The outcome writer: every ended attempt's CAS write, on a connection of its own (issue 17).
+"""The outcome writer: claims and every ended attempt's CAS write, on a connection of its own (issue 17).
 
-Process control hands it :class:`~cyclone_mp.messages.Outcome` values (a success, a
-failed attempt, a release) and goes on; the writer puts whatever has gathered meanwhile
-in one statement (:meth:`~cyclone_mp.store.Store.settle`: each row with its own CAS,
+Process control hands it :class:`~cyclone_mp.messages.Batch` values (outcomes: a
+success, a failed attempt, a release; and the claim for the slots they free) and goes
+on; the writer puts whatever has gathered meanwhile, the claim included, in one
+statement (:meth:`~cyclone_mp.store.Store.settle`: each row with its own CAS,
 SPEC 1), so outcomes share statements whenever they come faster than a round trip.
 A row whose CAS did not hold is looked at alone: a success past its DB deadline still
 counts once, as a timeout (SPEC 3), a failed attempt of a workflow run is written with
@@ -31,7 +32,7 @@ from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track
 from .protocol import storable
-from .store import FORENSIC_KEYS, FailedAttempt, Store, stale_plan
+from .store import FORENSIC_KEYS, FailedAttempt, stale_plan
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -66,12 +67,7 @@ class OutcomeWriter(DatabaseThread):
                  backoff_for: Callable[[str | None], Callable[[int], float]],
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
                  load: Callable[[Any], None], clock: Callable[[], float] = time.monotonic) -> None:
-        def open_store() -> Store:
-            return Store.open(dsn, generic_plans=True, idle_in_transaction=config.idle_in_transaction_limit,
-                              lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
-                              dead_after=config.write_bound, application_name=f"cyclone_mp outcome writer {owner}")
-
-        super().__init__("cyclone-outcome-writer", open_store, clock, reconnect_cap=config.reconnect_cap)
+        super().__init__("outcome writer", dsn, config, owner=owner, bound=config.write_bound, clock=clock)
         self.config = config
         self.owner = owner
         self.names = names
@@ -135,7 +131,9 @@ class OutcomeWriter(DatabaseThread):
         releases = [o for o in batch if o.kind == RELEASE]
         done = [o for o in batch if o.kind == COMPLETE]
         failed = [o for o in batch if o.kind == FAIL]
-        if done or failed or claim:
+        if claim and not (done or failed):
+            self._claim_alone(claim)
+        elif done or failed:
             try:
                 self._settle(done, failed, claim)
             except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
@@ -145,6 +143,20 @@ class OutcomeWriter(DatabaseThread):
                     self._claimed([], self.clock(), limit=claim, failed=True)
         for outcome in releases:
             self._write_alone(PendingWrite(outcome, self.clock()))
+
+    def _claim_alone(self, limit: int) -> None:
+        """A claim with no outcome to write (the poll, or a NOTIFY, found slots free)."""
+        sent = self.clock()
+        try:
+            rows = self.call(self.config.write_bound, lambda store: store.claim(
+                owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
+                ttl=self.config.lease_ttl))
+        except DatabaseError as exc:
+            if not isinstance(exc, DatabaseUnavailable):
+                log.error("claim rejected by the database: %s", exc)
+            self._claimed([], sent, limit=limit, failed=True)
+            return
+        self._claimed(rows, sent, limit=limit)
 
     def _claimed(self, rows: list[dict[str, Any]], sent: float, *, limit: int, failed: bool = False) -> None:
         """Rows claimed with a batch: the keeper renews them from now on; process control starts them."""

@@ -9,8 +9,8 @@ part                        its job                                          its
 ==========================  ===============================================  ===========
 :mod:`~cyclone_mp.control`  children, pipes, deadlines, the local fence,     this one
                             cancels, kills, reaping; never a database call
-:mod:`~cyclone_mp.leases`   claims and renewals (and LISTEN)                 its own
-:mod:`~cyclone_mp.outcomes` every ended attempt's CAS write                  its own
+:mod:`~cyclone_mp.leases`   renewals (and LISTEN): nothing delays them       its own
+:mod:`~cyclone_mp.outcomes` claims, and every ended attempt's CAS write      its own
 :mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, the registry     its own
 ==========================  ===============================================  ===========
 
@@ -20,7 +20,8 @@ transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) ki
 child whose fence passed while this process was frozen, and everything it started once
 it is gone.
 
-Which file owns what: SPEC 4's claim and renewal are :mod:`cyclone_mp.leases`; "a
+Which file owns what: SPEC 4's claim is :mod:`cyclone_mp.outcomes` and its renewal
+:mod:`cyclone_mp.leases`; "a
 renewal matched nothing" is found there and acted on in
 :meth:`cyclone_mp.control.ProcessControl.on_lease_lost`; the worker-clock deadline, the
 fence, the cancel and the kill are :meth:`cyclone_mp.control.ProcessControl._enforce`;
@@ -143,8 +144,7 @@ class Supervisor:
             watchdog.cgroups(confinement.dirs)
             log.info("resource limits: %s", confinement.mechanism.describe())
             # Each part reaches the others only through their inboxes (posted messages).
-            self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                      tell=lambda m: control.tell(m), load=lambda m: maintenance.inbox.post(m),
+            self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
                                       listen_dsn=self.listen_dsn, clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
                                         backoff_for=self.backoff_for, tell_keeper=self.keeper.inbox.post,
@@ -156,7 +156,7 @@ class Supervisor:
             self.control = control
             maintenance = Maintenance(self.dsn, self.config, sweeper=Sweeper(self.id, self.backoff_for),
                                       owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                      post_outcome=self.writer.post, clock=self.clock)
+                                      post_outcome=self.writer.post, started=self.running, clock=self.clock)
             self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()

@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -81,24 +82,24 @@ class Maintenance(DatabaseThread):
             published it.
         tell_control: posts a message to process control.
         post_outcome: hands an :class:`~cyclone_mp.messages.Outcome` to the writer.
+        started: set once process control runs (its children started): the first
+            registry row waits for it, so it lists them.
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, owner: str,
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
-                 post_outcome: Callable[[Outcome], None], clock: Callable[[], float] = time.monotonic) -> None:
-        def open_store() -> Store:
-            return Store.open(dsn, idle_in_transaction=config.idle_in_transaction_limit,
-                              lock_timeout=config.lock_timeout, statement_timeout=config.write_bound,
-                              dead_after=config.write_bound, application_name=f"cyclone_mp maintenance {owner}")
-
-        super().__init__("cyclone-maintenance", open_store, clock, reconnect_cap=config.reconnect_cap)
+                 post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__("maintenance", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
+                         clock=clock)
         self.config = config
         self.sweeper = sweeper
         self.owner = owner
         self.snapshot = snapshot
         self.tell_control = tell_control
         self.post_outcome = post_outcome
+        self.started = started
         self.loads: list[Load] = []
         now = clock()
         self.next_sweep = now
@@ -115,8 +116,11 @@ class Maintenance(DatabaseThread):
             self.next_sweep = now + random.uniform(lo, hi)
             self.sweep()
         if self.db_ok and now >= self.next_registry:
-            self.next_registry = now + self.config.registry_interval
-            self.register()
+            if self.started is not None and not self.started.is_set():
+                self.next_registry = now + 0.05  # process control has not started its children yet
+            else:
+                self.next_registry = now + self.config.registry_interval
+                self.register()
         return min(self.next_sweep, self.next_registry)
 
     def _load(self, row: dict[str, Any], sent: float) -> None:
