@@ -67,10 +67,12 @@ class Client:
             of seconds per failed attempt; default ``attempt**4`` +-10 %.
         queue: default queue of enqueued steps (``"default"``).
         priority: default priority of enqueued steps; lower runs first (0).
-        memory_limit, cpu_limit, max_processes, max_open_files: default resource caps of
-            the steps this client enqueues (each attempt's whole process tree: bytes or
-            ``"512MiB"``, CPU seconds, processes, descriptors per process); None: no cap.
-            See docs/resource-limits.md.
+        memory_limit: default memory cap of the steps this client enqueues: bytes (or
+            ``"512MiB"``) of each attempt's whole process tree; None: no cap. See
+            docs/resource-limits.md.
+        cpu_limit: default CPU seconds of each attempt's whole tree; None: no cap.
+        max_processes: default cap on the processes of each attempt's tree.
+        max_open_files: default cap on the descriptors each process of the tree may open.
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
