@@ -150,4 +150,6 @@ def escapee(ctx: cy.Context, inp: dict) -> dict:
         time.sleep(0.01)
     note(inp["log"], "escapee", time.time(), found)
     time.sleep(inp.get("stay", 0))
+    if inp.get("crash"):  # the child dies on its own: the escapee is reparented to the supervisor
+        os._exit(3)
     return {"escapee": found}

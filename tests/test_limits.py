@@ -43,6 +43,28 @@ HOST.close()
 MECHANISMS = ["host", "fallback"]
 
 
+def cgroup_dirs() -> set[str]:
+    """Every supervisor cgroup directory on this host now (``cyclone-mp-<pid>-<tag>``)."""
+    found = set()
+    for parent in {os.path.dirname(p) for p in HOST.mechanism.where}:
+        if os.path.isdir(parent):
+            found |= {os.path.join(parent, n) for n in os.listdir(parent)
+                      if n.startswith("cyclone-mp-") and not n.startswith("cyclone-mp-supervisor-")}
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_cgroup_left_behind():
+    """A test leaves no cgroup behind: its supervisors remove theirs when they stop, and
+    the watchdog of a SIGKILLed one removes them for it."""
+    before = cgroup_dirs()
+    yield
+    deadline = time.monotonic() + 5
+    while cgroup_dirs() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not cgroup_dirs() - before, sorted(cgroup_dirs() - before)
+
+
 @pytest.fixture(params=MECHANISMS)
 def mechanism(request, monkeypatch):
     """Run a test with the host's mechanism and with the fallback (no cgroups)."""
@@ -626,6 +648,22 @@ def test_the_scrubbed_escapee_dies_with_its_step(cyclone_env_factory, tmp_path, 
     try:
         assert run.step.state == "completed" and run.step.output == {"escapee": pid}
         wait_for(lambda: dead(pid), ESCAPEE_WAIT, f"escapee {pid} to die with its step")
+    finally:
+        _kill_if_alive(pid)
+
+
+def test_the_scrubbed_escapee_of_a_crashed_child_is_killed(cyclone_env_factory, tmp_path, mechanism):
+    """The child dies on its own (os._exit) right after the escape: the escapee is then
+    reparented to the supervisor (a subreaper), which kills it: it is in the slot's
+    cgroup, or (the fallback) the supervisor runs alone in its process (client.run()),
+    so whatever it adopts is a handler's."""
+    env = cyclone_env_factory(workers=1, lease_ttl=2)
+    log = tmp_path / "esc"
+    run = env.run_until_complete(env.enqueue(lh.escapee, {"log": str(log), "crash": True}), timeout=30)
+    pid = escapee_of(log)
+    try:
+        assert run.step.error_kind == "child_exited" and run.step.errors[-1]["exit_code"] == 3
+        wait_for(lambda: dead(pid), ESCAPEE_WAIT, f"escapee {pid} of a crashed child to die")
     finally:
         _kill_if_alive(pid)
 
