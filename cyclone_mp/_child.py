@@ -75,16 +75,17 @@ class TaskLimits:
       limit was set + ``max_open_files`` (a new descriptor takes the lowest free number,
       so the handler can open ``max_open_files`` more; a process it starts, holding
       fewer, a few more);
-    - ``cpu_limit``: ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 2,
-      moved on before a task whose budget it would not leave whole (a backstop: the
-      supervisor kills the tree at the limit; SIGXCPU ends a handler that does not ignore
-      it when the supervisor cannot, frozen);
-    - ``memory_limit`` with ``rlimit_memory`` (no cgroup caps the memory):
+    - ``cpu_limit`` with ``rlimit_cpu`` (no cgroup counts the tree's CPU):
+      ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 2, moved on before
+      a task whose budget it would not leave whole (a backstop: the supervisor kills the
+      tree at the limit; SIGXCPU ends a handler that does not ignore it when the
+      supervisor cannot, frozen);
+    - ``memory_limit`` with ``rlimit_data`` (no cgroup caps the memory):
       ``RLIMIT_DATA`` = this process's data segment + 1.5 times the limit: a backstop for
       one allocation too fast for the supervisor's sampling of the tree (which decides at
       the limit itself, counting resident memory where the data segment counts
       mappings); past it the allocation fails (``MemoryError``, a ``memory_limit`` death
-      to the supervisor).
+      to the supervisor). The result then also says the largest descendant's peak.
 
     Only soft limits: they can be raised back (and by the handler, which the supervisor's
     sampling or cgroups cover). A limit the system refuses is left as it was.
@@ -112,9 +113,9 @@ class TaskLimits:
             except OSError:
                 held = 64
             self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
-        if limits.get("cpu_limit"):
+        if limits.get("cpu_limit") and limits.get("rlimit_cpu"):
             self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
-        if limits.get("memory_limit") and limits.get("rlimit_memory"):
+        if limits.get("memory_limit") and limits.get("rlimit_data"):
             data = 0
             try:
                 with open("/proc/self/status", "rb") as fh:
@@ -349,7 +350,8 @@ class Runner:
             limits = message.get("limits")
             self.limits.apply(limits)
             before = resource.getrusage(resource.RUSAGE_SELF)
-            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if limits else 0
+            kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
+            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
             # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
             result = {"t": "result", "task": message["task"], **self.run_task(message)}
             after = resource.getrusage(resource.RUSAGE_SELF)
@@ -361,7 +363,7 @@ class Runner:
                 "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
-            if limits:  # with limits: the largest descendant waited for during the task (the tree's forensics)
+            if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
                 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 if kids > kids_before:
                     result["children_maxrss_kb"] = kids

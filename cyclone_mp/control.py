@@ -56,6 +56,14 @@ from .pool import ChildPool, ChildProc
 from .steps import Mux
 
 RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
+
+
+def row_limits(row: dict[str, Any]) -> Limits:
+    """A claimed row's resource limits (read once, kept in the row)."""
+    limits = row.get("limits")
+    if limits is None:
+        limits = row["limits"] = Limits.of_row(row)
+    return limits
 log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
@@ -104,6 +112,7 @@ class ProcessControl:
                               selector=self.selector, watchdog=watchdog, clock=clock,
                               confinement=self.confinement, dedicated=dedicated)
         self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled (issue 20)
+        self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self._vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.held: collections.deque[Held] = collections.deque()
@@ -457,7 +466,7 @@ class ProcessControl:
                         and child.attempt.cancel_reason is None and not child.recycle_due
                         and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)
                         # the slot's caps are set per attempt: only behind an attempt with the same
-                        and Limits.from_json(self.held[0].row.get("limits")) == child.attempt.limits):
+                        and row_limits(self.held[0].row) == child.attempt.limits):
                     self._start(self.held.popleft(), child)
                     self.stats["pipelined"] += 1
                     took = True
@@ -519,7 +528,7 @@ class ProcessControl:
         the child's slot first (issue 20); False (nothing started) when the child already
         holds more memory than the step's cap: the child is replaced, the step waits."""
         row = item.row
-        limits = Limits.from_json(row.get("limits"))
+        limits = row_limits(row)
         slot = child.slot
         fits = True
         if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
@@ -567,8 +576,16 @@ class ProcessControl:
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
         }
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
-            task["limits"] = {**limits.as_json(), "rlimit_memory": not self.confinement.mechanism.kernel_memory_cap
-                              or not (slot is not None and slot.confined)}
+            # where no cgroup holds the memory (or none counts the tree's CPU), rlimit backstops
+            confined = slot is not None and slot.confined
+            flags = (not (confined and self.confinement.mechanism.kernel_memory_cap), not confined)
+            cached = self._task_limits.get((limits, flags))
+            if cached is None:
+                if len(self._task_limits) > 256:
+                    self._task_limits.clear()
+                cached = self._task_limits[(limits, flags)] = {**limits.as_json(), "rlimit_data": flags[0],
+                                                               "rlimit_cpu": flags[1]}
+            task["limits"] = cached
         child.queue(task)  # written by the caller, with the other tasks of this round
         self._watch(child)
         return True
@@ -579,7 +596,7 @@ class ProcessControl:
         """An attempt with limits starts running: note where its slot's counters stand and
         sample it from now on (an attempt without limits costs nothing here)."""
         if att.limits and att.child.slot is not None:
-            att.base = att.child.slot.begin(att.limits)
+            att.base = att.child.slot.begin(att.limits, runner_cpu=att.child.cpu_total)
             self.limited[att.key] = att
 
     def _check_limits(self) -> None:

@@ -99,16 +99,21 @@ class Limits:
     processes: int | None = None
     open_files: int | None = None
 
-    def __bool__(self) -> bool:
-        return any(v is not None for v in (self.memory, self.cpu, self.processes, self.open_files))
+    def __bool__(self) -> bool:  # (on the hot path: no generator)
+        return (self.memory is not None or self.cpu is not None or self.processes is not None
+                or self.open_files is not None)
 
     @classmethod
-    def from_json(cls, value: Any) -> "Limits":
-        """From the ``limits`` a claim returns (``{"memory_limit": ..., ...}`` or None)."""
-        if not value:
-            return NO_LIMITS
-        return cls(memory=value.get("memory_limit"), cpu=value.get("cpu_limit"),
-                   processes=value.get("max_processes"), open_files=value.get("max_open_files"))
+    def of_row(cls, row: dict[str, Any]) -> "Limits":
+        """A claimed row's limits (its ``memory_limit``, ``cpu_limit``, ``max_processes`` and
+        ``max_open_files`` columns); one shared object per distinct set."""
+        key = (row.get("memory_limit"), row.get("cpu_limit"), row.get("max_processes"), row.get("max_open_files"))
+        limits = _SHARED.get(key)
+        if limits is None:
+            if len(_SHARED) > 1024:
+                _SHARED.clear()
+            limits = _SHARED[key] = cls(*key) if any(v is not None for v in key) else NO_LIMITS
+        return limits
 
     def as_json(self) -> dict[str, Any]:
         """The set caps under their option names (what a task message and an error entry carry)."""
@@ -128,6 +133,7 @@ class Limits:
 
 
 NO_LIMITS = Limits()
+_SHARED: dict[tuple[Any, ...], Limits] = {(None, None, None, None): NO_LIMITS}
 
 
 @dataclasses.dataclass
@@ -137,9 +143,9 @@ class Usage:
     ``memory``/``peak_memory``: bytes now / the most since the attempt began;
     ``cpu``: CPU seconds of the tree since the attempt began; ``processes``: processes of
     the tree now (``tasks``: with their threads); ``oom_kills``: kills by the kernel's OOM
-    killer inside the tree since the attempt began, ``memory_cap_hits`` of them at its own
-    memory cap (not the machine's or a parent's); ``fork_failures``: forks refused at the
-    process cap.
+    killer inside the tree since the attempt began, ``memory_cap_hits``: the tree reached
+    its own memory cap (not the machine's or a parent's); ``fork_failures``: forks refused
+    at the process cap, ``at_process_cap``: the tree is at that cap now.
     """
 
     memory: int | None = None
@@ -150,6 +156,7 @@ class Usage:
     oom_kills: int = 0
     memory_cap_hits: int = 0
     fork_failures: int = 0
+    at_process_cap: bool = False
 
     def forensics(self) -> dict[str, Any]:
         """The ``tree`` of an error entry: ``peak_memory_kb``, ``cpu_seconds``, ``processes``."""
@@ -167,15 +174,17 @@ def over_limit(limits: Limits, usage: Usage, *, kernel_memory_cap: bool, kernel_
     """The cap a running attempt broke (its tree is then killed), or None.
 
     With a kernel memory cap (a cgroup) the memory cannot cross it: an OOM kill inside
-    the tree is the evidence (the tree is killed whole, as the kernel would not). With a
-    kernel process cap, a refused fork is. Otherwise the sampled values decide.
+    the tree, with the tree's peak at its cap, is the evidence (the tree is killed whole,
+    as the kernel would not). With a kernel process cap, a refused fork with the tree at
+    its cap is. Otherwise the sampled values decide. (An OOM kill without the tree at its
+    own cap is the machine's doing: the tree is left to live on, and judged if it dies.)
     """
-    if usage.oom_kills:
-        return MEMORY_LIMIT if limits.memory is not None and usage.memory_cap_hits else OOM_KILLED
+    if limits.memory is not None and usage.oom_kills and usage.memory_cap_hits:
+        return MEMORY_LIMIT
     if limits.memory is not None and not kernel_memory_cap and usage.memory is not None and usage.memory > limits.memory:
         return MEMORY_LIMIT
     if limits.processes is not None:
-        if usage.fork_failures:
+        if usage.fork_failures and (usage.at_process_cap or not kernel_process_cap):
             return PROCESS_LIMIT
         if not kernel_process_cap and usage.processes is not None and usage.processes > limits.processes:
             return PROCESS_LIMIT
@@ -191,7 +200,7 @@ def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, kil
     ``killed_for``: the cap the supervisor killed the tree for (it wins). Otherwise the
     evidence: an OOM kill inside the tree (at its own memory cap: ``memory_limit``, else
     ``oom_killed``); a peak past the memory cap (sampled, or a descendant's peak plus the
-    child's); a refused fork under ``max_processes``; the child killed by
+    child's); a refused fork with the tree at its ``max_processes``; the child killed by
     ``SIGXCPU`` (``RLIMIT_CPU``) under a ``cpu_limit``; a ``MemoryError`` under a memory
     cap kept by ``RLIMIT_DATA``; a ``SIGKILL`` nobody here sent while the machine's OOM
     killer acted (``oom_inferred``).
@@ -202,7 +211,7 @@ def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, kil
         return MEMORY_LIMIT if limits.memory is not None and usage.memory_cap_hits else OOM_KILLED
     if limits.memory is not None and usage.peak_memory is not None and usage.peak_memory > limits.memory:
         return MEMORY_LIMIT  # past the cap (a kernel cap never lets it: sampled, or a descendant's peak)
-    if limits.processes is not None and usage.fork_failures:
+    if limits.processes is not None and usage.fork_failures and usage.at_process_cap:
         return PROCESS_LIMIT
     if limits.cpu is not None and exit_signal == signal.SIGXCPU:
         return CPU_LIMIT

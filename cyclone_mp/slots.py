@@ -15,7 +15,7 @@ memory (``memory_limit``) cgroup v2 ``memory.max``; cgroup v1              ``RLI
 processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     the tree's processes sampled
 (``max_processes``)       is the evidence)
 CPU (``cpu_limit``)       cgroup v2 ``cpu.stat`` sampled every 50 ms       the tree's ``/proc`` times
-                          (plus ``RLIMIT_CPU`` in the child)               sampled (plus ``RLIMIT_CPU``)
+                                                                           sampled, ``RLIMIT_CPU`` in the child
 open files                ``RLIMIT_NOFILE`` in the child (no cgroup        the same
 (``max_open_files``)      counts descriptors)
 ========================  ===============================================  ==========================
@@ -162,6 +162,21 @@ def _fields(text: str | None) -> dict[str, int]:
         with contextlib.suppress(ValueError):
             out[key] = int(value)
     return out
+
+
+def _value_after(data: bytes | None, key: bytes, default: Any = 0) -> Any:
+    """The integer after ``key`` in a counter file's bytes (``default`` if absent)."""
+    if not data:
+        return default
+    at = data.find(key)
+    if at < 0 or (at and data[at - 1:at] != b"\n"):
+        return default
+    at += len(key)
+    end = data.find(b"\n", at)
+    try:
+        return int(data[at:end if end >= 0 else None])
+    except ValueError:
+        return default
 
 
 def _int(text: str | None) -> int | None:
@@ -384,6 +399,7 @@ class Baseline:
     oom_kills: int = 0
     cap_hits: int = 0
     fork_failures: int = 0
+    runner_cpu: float | None = None  # the child's own CPU seconds when the attempt started
     peak: int = 0  # sampled peak memory (fallback)
     processes: int = 0  # the most processes seen in the tree  # sampled peak (fallback)
 
@@ -448,8 +464,8 @@ class Slot:
         path = self.dirs.get(key)
         return os.path.join(path, name) if path and self.confined else None
 
-    def _pread(self, key: str, name: str) -> str | None:
-        """Read a file of this slot through a descriptor kept open (a few microseconds)."""
+    def _pread_bytes(self, key: str, name: str) -> bytes | None:
+        """Read a file of this slot through a descriptor kept open (about 2 us)."""
         cache = f"{key}/{name}"
         fd = self._fds.get(cache)
         if fd is None:
@@ -461,9 +477,13 @@ class Slot:
             except OSError:
                 return None
         try:
-            return os.pread(fd, 4096, 0).decode()
+            return os.pread(fd, 4096, 0)
         except OSError:
             return None
+
+    def _pread(self, key: str, name: str) -> str | None:
+        data = self._pread_bytes(key, name)
+        return None if data is None else data.decode()
 
     def configure(self, limits: Limits) -> bool:
         """Set the kernel's caps for the next attempt (written only when they change).
@@ -509,76 +529,98 @@ class Slot:
         if self.memory_file == "v2":
             events = _fields(self._pread("v2", "memory.events"))
             return events.get("oom_kill", 0), events.get("oom", 0) + events.get("max", 0)
-        if self.memory_file == "memory":
-            return _fields(self._pread("memory", "memory.oom_control")).get("oom_kill", 0), 0
+        if self.memory_file == "memory":  # "oom_kill_disable 0\nunder_oom 0\noom_kill N\n"
+            return _value_after(self._pread_bytes("memory", "memory.oom_control"), b"oom_kill "), 0
         return 0, 0
 
     def _forks_refused(self) -> int:
-        return _fields(self._pread(self.pids_file, "pids.events")).get("max", 0) if self.pids_file else 0
+        return _value_after(self._pread_bytes(self.pids_file, "pids.events"), b"max ") if self.pids_file else 0
 
     def _cpu(self) -> float | None:
         if self.confined and "v2" in self.dirs:
-            usec = _fields(self._pread("v2", "cpu.stat")).get("usage_usec")
+            usec = _value_after(self._pread_bytes("v2", "cpu.stat"), b"usage_usec ", None)
             if usec is not None:
                 return usec / 1e6
         return None
 
+    def _peak_fd(self) -> int | None:
+        """One descriptor for the memory peak: v2's ``memory.peak`` resets per open file,
+        so it is written and read through the same one."""
+        key, name = ("v2", "memory.peak") if self.memory_file == "v2" else ("memory", "memory.max_usage_in_bytes")
+        cache = f"{key}/{name}/rw"
+        fd = self._fds.get(cache)
+        if fd is None:
+            path = self._file(key, name)
+            if path is None:
+                return None
+            try:
+                fd = self._fds[cache] = os.open(path, os.O_RDWR)
+            except OSError:
+                return None
+        return fd
+
     def _reset_peak(self) -> None:
         """The memory peak restarts from now (a v2 kernel before 6.12: it counts since creation)."""
-        key, name, text = (("v2", "memory.peak", b"reset") if self.memory_file == "v2" else
-                           ("memory", "memory.max_usage_in_bytes", b"0"))
-        cache = f"{key}/{name}/w"
-        fd = self._fds.get(cache)
-        try:
-            if fd is None:
-                path = self._file(key, name)
-                if path is None:
-                    return
-                fd = self._fds[cache] = os.open(path, os.O_WRONLY)
-            os.pwrite(fd, text, 0)
-        except OSError:
-            pass
+        fd = self._peak_fd()
+        if fd is not None:
+            try:
+                os.pwrite(fd, b"reset" if self.memory_file == "v2" else b"0", 0)
+            except OSError:
+                pass
 
-    def begin(self, limits: Limits) -> Baseline:
+    def _peak(self) -> int | None:
+        fd = self._peak_fd()
+        if fd is None:
+            return None
+        try:
+            return _int(os.pread(fd, 64, 0).decode())
+        except OSError:
+            return None
+
+    def begin(self, limits: Limits, runner_cpu: float | None = None) -> Baseline:
         """An attempt with ``limits`` starts now in this slot: where its counters start.
-        Only what its caps need is read (a few microseconds each, through descriptors kept
-        open): the OOM counter and the peak for a memory cap, refused forks for a process
-        cap, the CPU counter for a CPU budget; the rest starts from the slot's last look."""
-        base = dataclasses.replace(self.last, peak=0, processes=0)
+
+        Nothing is read here (this is every limited attempt's cost: about a microsecond):
+        the counters start from the slot's last look, and a memory cap only restarts the
+        peak. So an OOM kill or a refused fork is blamed on this attempt only with its
+        own evidence beside it: its peak reached its memory cap, its tree is at its
+        process cap (:meth:`sample`). The CPU counter is read at the first look (most
+        attempts end before it), less what the child itself used since it started the
+        attempt (``runner_cpu``: its CPU seconds then)."""
+        last = self.last
+        base = Baseline(oom_kills=last.oom_kills, cap_hits=last.cap_hits, fork_failures=last.fork_failures,
+                        runner_cpu=runner_cpu)
         if limits.memory is not None and self.memory_file:
-            base.oom_kills, base.cap_hits = self._memory_counters()
             self._reset_peak()
-        if limits.processes is not None and self.pids_file:
-            base.fork_failures = self._forks_refused()
-        if limits.cpu is not None:
-            base.cpu = self._cpu()
-            if base.cpu is None:
-                base.cpu = _tree(self.pid)[0] if self.pid else 0.0
         return base
 
     def sample(self, limits: Limits, base: Baseline, *, final: bool = False) -> Usage:
         """What the attempt's tree used since ``base``. ``final``: it is over (or being
-        killed): every counter is read, and its processes counted."""
+        killed): every counter is read, and its processes counted. The counters read are
+        the slot's last look from then on."""
         usage = Usage()
         memory = limits.memory is not None or final
-        oom, hits = self._memory_counters() if memory else (base.oom_kills, base.cap_hits)
-        forks = self._forks_refused() if limits.processes is not None or final else base.fork_failures
-        if final:
-            self.last = Baseline(oom_kills=oom, cap_hits=hits, fork_failures=forks)
+        oom, hits = self._memory_counters() if memory else (self.last.oom_kills, self.last.cap_hits)
+        forks = self._forks_refused() if limits.processes is not None or final else self.last.fork_failures
+        self.last = Baseline(oom_kills=oom, cap_hits=hits, fork_failures=forks)
         usage.oom_kills, usage.memory_cap_hits = oom - base.oom_kills, hits - base.cap_hits
         usage.fork_failures = forks - base.fork_failures
         need_tree = not self.confined or (limits.memory is not None and not self.memory_file) or (
             limits.processes is not None and not self.pids_file)
         cpu_now = self._cpu() if limits.cpu is not None or final else None
         tree = _tree(self.pid) if (need_tree or (cpu_now is None and limits.cpu is not None)) and self.pid else None
-        if self.memory_file == "v2" and memory:
-            usage.memory = _int(self._pread("v2", "memory.current"))
-            usage.peak_memory = _int(self._pread("v2", "memory.peak"))
-        elif self.memory_file == "memory" and memory:
-            usage.memory = _int(self._pread("memory", "memory.usage_in_bytes"))
-            usage.peak_memory = _int(self._pread("memory", "memory.max_usage_in_bytes"))
-            if limits.memory is not None and usage.peak_memory is not None and usage.peak_memory >= limits.memory:
-                usage.memory_cap_hits = max(usage.memory_cap_hits, 1)  # v1: the peak reached the cap
+        if base.cpu is None and limits.cpu is not None and not final:  # the first look: where the CPU count starts
+            now = cpu_now if cpu_now is not None else (tree[0] if tree is not None else None)
+            runner = _stat(self.pid) if self.pid and base.runner_cpu is not None else None
+            spent = max(0.0, runner[0] - base.runner_cpu) if runner and base.runner_cpu is not None else 0.0
+            base.cpu = None if now is None else now - spent
+        if self.memory_file and memory:
+            usage.memory = _int(self._pread("v2", "memory.current") if self.memory_file == "v2"
+                                else self._pread("memory", "memory.usage_in_bytes"))
+            usage.peak_memory = self._peak()
+            if limits.memory is not None and usage.peak_memory is not None:
+                # the attempt's own evidence: its peak (restarted when it began) reached its cap
+                usage.memory_cap_hits = 1 if usage.peak_memory >= limits.memory else 0
         elif tree is not None:
             usage.memory = tree[1]
             base.peak = max(base.peak, tree[1])
@@ -589,9 +631,12 @@ class Slot:
             usage.cpu = max(0.0, cpu_now - base.cpu)
         if tree is not None:
             usage.processes, usage.tasks = tree[2], tree[3]
-        elif final or limits.processes is not None:  # (forensics: a periodic look need not list the cgroup)
+        elif final or (limits.processes is not None and usage.fork_failures):
             listed = self.procs()
             usage.processes = len(listed) if listed is not None else None
+            if usage.fork_failures and self.caps[1] is not None and self.pids_file:  # at its process cap now?
+                usage.tasks = _int(self._pread(self.pids_file, "pids.current"))
+                usage.at_process_cap = usage.tasks is not None and usage.tasks >= self.caps[1]
         if usage.processes is not None:  # the forensics say the most the tree had
             base.processes = max(base.processes, usage.processes)
             usage.processes = base.processes if final else usage.processes

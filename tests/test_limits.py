@@ -209,12 +209,16 @@ def test_over_limit_and_cause_of_death_decide_from_evidence():
     assert over_limit(caps, Usage(memory=300 * MIB), kernel_memory_cap=True, kernel_process_cap=True) is None
     assert over_limit(caps, Usage(oom_kills=1, memory_cap_hits=3), kernel_memory_cap=True,
                       kernel_process_cap=True) == "memory_limit"
-    assert over_limit(caps, Usage(oom_kills=1), kernel_memory_cap=True, kernel_process_cap=True) == "oom_killed"
+    # an OOM kill without the tree at its own cap is the machine's doing: judged if the tree dies
+    assert over_limit(caps, Usage(oom_kills=1), kernel_memory_cap=True, kernel_process_cap=True) is None
     # sampling decides without a kernel cap
     assert over_limit(caps, Usage(memory=257 * MIB), kernel_memory_cap=False, kernel_process_cap=False) == "memory_limit"
     assert over_limit(caps, Usage(processes=21), kernel_memory_cap=False, kernel_process_cap=False) == "process_limit"
     assert over_limit(caps, Usage(processes=21), kernel_memory_cap=True, kernel_process_cap=True) is None
-    assert over_limit(caps, Usage(fork_failures=1), kernel_memory_cap=True, kernel_process_cap=True) == "process_limit"
+    assert over_limit(caps, Usage(fork_failures=1, at_process_cap=True), kernel_memory_cap=True,
+                      kernel_process_cap=True) == "process_limit"
+    # a refused fork with the tree below its cap now: an earlier attempt's, not this one's
+    assert over_limit(caps, Usage(fork_failures=1), kernel_memory_cap=True, kernel_process_cap=True) is None
     assert over_limit(caps, Usage(cpu=2.0), kernel_memory_cap=True, kernel_process_cap=True) == "cpu_limit"
     # causes of a death nobody here caused
     assert cause_of_death(caps, Usage(), exit_signal=9, killed_for="cpu_limit") == "cpu_limit"
@@ -354,8 +358,16 @@ def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
     usage = slot.sample(caps, start_at)
     assert over_limit(caps, usage, kernel_memory_cap=True, kernel_process_cap=True) == "memory_limit"
     assert death_summary("memory_limit", caps, usage) == "memory_limit 256 MiB, peak 256 MiB"
-    (base / "slot-0" / "pids.events").write_text("max 1\n")
-    assert slot.sample(caps, slot.begin(caps)).fork_failures == 0  # counted from the attempt's start only
+    (base / "slot-0" / "pids.events").write_text("max 1\n")  # a refused fork since the last look...
+    start_at = slot.begin(caps)
+    usage = slot.sample(caps, start_at)
+    assert usage.fork_failures == 1 and not usage.at_process_cap  # ...but the tree is below its cap: not its doing
+    assert over_limit(caps, usage, kernel_memory_cap=True, kernel_process_cap=True) is None
+    (base / "slot-0" / "pids.events").write_text("max 2\n")
+    (base / "slot-0" / "pids.current").write_text("21\n")  # the tree at its cap, a fork refused: this attempt's
+    usage = slot.sample(caps, start_at)
+    assert usage.at_process_cap and over_limit(caps, usage, kernel_memory_cap=True, kernel_process_cap=True) == \
+        "process_limit"
     (base / "slot-0" / "cgroup.procs").write_text("4242\n4243\n")
     (base / "slot-0" / "cgroup.events").write_text("populated 1\nfrozen 1\n")
     assert slot.kill() == [4242, 4243]

@@ -37,7 +37,7 @@ picked AS (
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
-              {limits_expr} AS limits,
+              s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,  -- resource limits (issue 20)
               -- the run's row by primary key, once (its input and kind are read from it):
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
@@ -192,14 +192,6 @@ fail_in AS MATERIALIZED (
     RETURNING r.id
 )
 
--- name: limits_expr
--- (Fragment) a step row's resource limits (issue 20) as one JSON object for process
--- control, NULL when the step has none (most rows: nothing to build).
-CASE WHEN num_nonnulls(s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files) > 0 THEN
-    jsonb_strip_nulls(jsonb_build_object('memory_limit', s.memory_limit, 'cpu_limit', s.cpu_limit,
-                                         'max_processes', s.max_processes, 'max_open_files', s.max_open_files))
-END
-
 -- name: quarantine_error_expr
 -- (Fragment) the poison quarantine (issue 20, decisions.discard_message): the error of a
 -- step discarded by an attempt j that died of a resource cause (its entry has a "cause"),
@@ -232,7 +224,7 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 WITH {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.limits
+       {claimed_big_expr} AS big, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
   FROM claimed c
 
 -- name: settled_ctes
@@ -241,13 +233,14 @@ settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
-           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::jsonb AS limits
+           runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::bigint AS memory_limit,
+           NULL::float8 AS cpu_limit, NULL::integer AS max_processes, NULL::integer AS max_open_files
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
            c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
-           c.limits
+           c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
       FROM claimed c
 )
 
@@ -258,7 +251,7 @@ WITH {settle_ctes}, {fail_ctes}, {claim_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, NULL, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind, NULL,
-       NULL, NULL
+       NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
