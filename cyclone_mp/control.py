@@ -191,7 +191,7 @@ class ProcessControl:
             try:
                 now = self.clock()
                 self._handle_requests(now)
-                if self.draining and not self.attempts and not self.held:
+                if self._drained(now):
                     break
                 self._turn(now)
                 self._wait(self._next_wake(self.clock()))
@@ -199,6 +199,14 @@ class ProcessControl:
                 log.exception("unexpected error in the process-control loop; carrying on")
                 time.sleep(0.1)
         self._send_outcomes()
+
+    def _drained(self, now: float) -> bool:
+        """Draining and nothing left: no attempt, no held step, and no claim on its way
+        (its rows are released once they come back), unless the drain's time is up (a
+        claim that does not come back by then is left to its leases)."""
+        if not self.draining or self.attempts or self.held:
+            return False
+        return not self.claiming or (self.drain_deadline is not None and now >= self.drain_deadline)
 
     def _handle_requests(self, now: float) -> None:
         if self._shutdown_req and not self.draining:
