@@ -53,6 +53,9 @@ ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
 # The prefetch setting measured beside the default (Client(prefetch=...), SPEC 4 keeps 0).
 PREFETCH = 64
 PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
+# --limits (issue 20): B1 and B2 also run with every resource limit set on their steps,
+# each run beside the same run without, so the cost of enforcing them is measured.
+LIMITS = {"memory_limit": "1GiB", "cpu_limit": 60, "max_processes": 64, "max_open_files": 1024}
 
 # Peer numbers from ../shared/peer-bench/results-2026-11-30.md (medians), used for the
 # targets unless --peer-results points at a JSON written by the peer harness.
@@ -286,20 +289,23 @@ def dead_or_zombie(pid: int) -> bool:
 
 
 class Bench:
-    def __init__(self, server: Server, counts: dict[str, int], tmp: str) -> None:
+    def __init__(self, server: Server, counts: dict[str, int], tmp: str, limits: bool = False) -> None:
         self.server = server
         self.n = counts
         self.tmp = tmp
+        self.limits = limits  # also measure B1 and B2 with LIMITS set (issue 20)
 
     # B1 -----------------------------------------------------------------------------------
 
     def throughput(self, dsn: str, n: int, workers: int = 2, prefetch: int = 0, step: cy.Step | None = None,
-                   keys: int = 0) -> dict[str, Any]:
-        """Enqueue ``n`` no-ops with enqueue_many, then start a supervisor and time it.
-        ``step``/``keys`` (B8): another no-op step, its inputs spread over ``keys`` keys."""
+                   keys: int = 0, limits: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Enqueue ``n`` no-ops with enqueue_many (with ``limits``, if given), then start a
+        supervisor and time it. ``step``/``keys`` (B8): another no-op step, its inputs spread
+        over ``keys`` keys."""
         step = step or bench_steps.noop
         client = cy.Client(dsn, mux_of(step), workers=workers, prefetch=prefetch)
-        client.enqueue_many(step, [{"k": f"key-{i % keys}"} for i in range(n)] if keys else [None] * n)
+        client.enqueue_many(step, [{"k": f"key-{i % keys}"} for i in range(n)] if keys else [None] * n,
+                            **(limits or {}))
         wal0 = wal_lsn(dsn)
         sup, children, t0 = run_until_completed(client, n)
         wal = wal_lsn(dsn) - wal0  # the whole server's WAL; nothing else writes to it meanwhile
@@ -348,12 +354,32 @@ class Bench:
             out["batch_size"] = b
         return out
 
+    def paired(self, run: Callable[[dict[str, Any] | None], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``run(None)`` and ``run(LIMITS)`` one right after the other (--limits), the
+        first one alternating between repetitions so neither side always goes first."""
+        self._limits_first = not getattr(self, "_limits_first", True)
+        if self._limits_first:
+            with_limits = run(LIMITS)
+            return run(None), with_limits
+        without = run(None)
+        return without, run(LIMITS)
+
     def b1(self) -> dict[str, Any]:
-        with self.server.fresh() as dsn:
-            row = self.throughput(dsn, self.n["b1_steps"])
-        with self.server.fresh() as dsn:
-            fast = self.throughput(dsn, self.n["b1_steps"], prefetch=PREFETCH)
+        def plain(limits: dict[str, Any] | None, prefetch: int = 0) -> dict[str, Any]:
+            with self.server.fresh() as dsn:
+                return self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch, limits=limits)
+
+        if not self.limits:
+            row, fast = plain(None), plain(None, PREFETCH)
+        else:  # each run right beside the same run with every resource limit set
+            row, lim = self.paired(plain)
+            row.update(suffixed(lim, PREFETCH_KEYS, "_limits"))
+            fast, lim = self.paired(lambda limits: plain(limits, PREFETCH))
+            row.update(suffixed(lim, PREFETCH_KEYS, "_prefetch_limits"))
         row.update(suffixed(fast, PREFETCH_KEYS, "_prefetch"))
+        if self.limits:
+            row["limits_ratio"] = round(row["steps_per_s_limits"] / row["steps_per_s"], 3)
+            row["limits_ratio_prefetch"] = round(row["steps_per_s_prefetch_limits"] / row["steps_per_s_prefetch"], 3)
         row.update(self.enqueue_rates())
         return row
 
@@ -386,13 +412,24 @@ class Bench:
             return time.perf_counter() - t
 
     def b2(self) -> dict[str, Any]:
-        row = self.cpu_bound(prefetch=0)
-        fast = self.cpu_bound(prefetch=PREFETCH)
-        row.update(suffixed(fast, ("efficiency", "steps_per_s", "cores_busy", "efficiency_vs_pool2", "cpu_job_ms",
-                                   "pool2_efficiency"), "_prefetch"))
+        keys = ("efficiency", "steps_per_s", "cores_busy", "efficiency_vs_pool2", "cpu_job_ms", "pool2_efficiency")
+        if not self.limits:
+            row, fast = self.cpu_bound(prefetch=0), self.cpu_bound(prefetch=PREFETCH)
+        else:  # each run right beside the same run with every resource limit set
+            row, lim = self.paired(lambda limits: self.cpu_bound(prefetch=0, limits=limits))
+            row.update(suffixed(lim, keys, "_limits"))
+            fast, lim = self.paired(lambda limits: self.cpu_bound(prefetch=PREFETCH, limits=limits))
+            row.update(suffixed(lim, keys, "_prefetch_limits"))
+        row.update(suffixed(fast, keys, "_prefetch"))
+        if self.limits:
+            for suffix in ("", "_prefetch"):  # against the calibration-free measure and the Pool(2) one
+                row[f"limits_ratio_cores_busy{suffix}"] = round(
+                    row[f"cores_busy{suffix}_limits"] / row[f"cores_busy{suffix}"], 3)
+                row[f"limits_ratio_vs_pool2{suffix}"] = round(
+                    row[f"efficiency_vs_pool2{suffix}_limits"] / row[f"efficiency_vs_pool2{suffix}"], 3)
         return row
 
-    def cpu_bound(self, prefetch: int) -> dict[str, Any]:
+    def cpu_bound(self, prefetch: int, limits: dict[str, Any] | None = None) -> dict[str, Any]:
         """B2 once. The calls are calibrated to 20 ms right before the run; the ideal is
         taken from the call's time right before and right after it; then Pool(2) runs the
         same calls (this VM's CPU speed drifts within minutes)."""
@@ -401,7 +438,7 @@ class Bench:
         before = self.job_ms(iters)
         with self.server.fresh() as dsn:
             client = cy.Client(dsn, mux_of(bench_steps.cpu), workers=2, prefetch=prefetch)
-            client.enqueue_many(bench_steps.cpu, [{"n": iters}] * n)
+            client.enqueue_many(bench_steps.cpu, [{"n": iters}] * n, **(limits or {}))
             sup, children, t0 = run_until_completed(client, n)
             # as of each child's last result, without what it took to start (imports)
             child_cpu = sum(c.cpu_total - c.cpu_at_ready for c in children)
@@ -759,6 +796,23 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B2", "efficiency_vs_pool2_prefetch", f"CPU efficiency vs multiprocessing.Pool(2), prefetch={PREFETCH}",
          "{:.3f}", "", None),
         ("B2", "efficiency_incl_startup", "CPU efficiency incl. supervisor start", "{:.3f}", "", None),
+        # --limits (issue 20): the same runs with every resource limit set, each beside the run without
+        ("B1", "steps_per_s_limits", "no-op steps/s, defaults, with limits (--limits)", "{:,.0f}", "", None),
+        ("B1", "limits_ratio", "B1 with limits / without, defaults (median of the pairs' ratios)", "{:.3f}",
+         ">= 0.95", lambda v, m: v >= 0.95),
+        ("B1", "steps_per_s_prefetch_limits", f"no-op steps/s, prefetch={PREFETCH}, with limits", "{:,.0f}", "",
+         None),
+        ("B1", "limits_ratio_prefetch", f"B1 with limits / without, prefetch={PREFETCH}", "{:.3f}", ">= 0.95",
+         lambda v, m: v >= 0.95),
+        ("B2", "cores_busy_limits", "steps' CPU / (2 cores x wall), defaults, with limits", "{:.3f}", "", None),
+        ("B2", "limits_ratio_cores_busy", "B2 cores busy with limits / without, defaults", "{:.3f}", ">= 0.95",
+         lambda v, m: v >= 0.95),
+        ("B2", "cores_busy_prefetch_limits", f"steps' CPU / (2 cores x wall), prefetch={PREFETCH}, with limits",
+         "{:.3f}", "", None),
+        ("B2", "limits_ratio_cores_busy_prefetch", f"B2 cores busy with limits / without, prefetch={PREFETCH}",
+         "{:.3f}", ">= 0.95", lambda v, m: v >= 0.95),
+        ("B2", "limits_ratio_vs_pool2_prefetch", f"B2 efficiency vs Pool(2) with limits / without, prefetch={PREFETCH}",
+         "{:.3f}", ">= 0.95", lambda v, m: v >= 0.95),
         ("B3", "slot_back_after_s", "wedged C loop: slot back after (s)", "{:.3f}",
          "<= 1.75 (timeout 1 + grace 0.5 + 0.25)", lambda v, m: v <= 1.75),
         ("B3", "wedge_failed_after_s", "wedged step marked failed after (s)", "{:.3f}", "", None),
@@ -909,6 +963,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<timestamp>.json)")
     ap.add_argument("--peer-results", default=None,
                     help="a JSON written by ../shared/peer-bench (S1 of pgqueuer/celery) to take targets from")
+    ap.add_argument("--limits", action="store_true",
+                    help="B1 and B2 also with every resource limit set (issue 20), each beside the run without")
     ap.add_argument("-v", "--verbose", action="store_true", help="engine log at INFO")
     args = ap.parse_args(argv)
     only = [b.strip().upper() for b in args.only.split(",") if b.strip()]
@@ -926,6 +982,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": dt.datetime.now(dt.timezone.utc).isoformat(), "quick": args.quick, "repeat": args.repeat,
         "counts": counts, "python": platform.python_version(), "cpus": os.cpu_count(),
         "cyclone_mp": cy.__version__, "loadavg_start": loadavg(), "peer_reference": peer, **git_state(),
+        "limits": LIMITS if args.limits else None,
         "cyclone_mp_bytecode": ensure_bytecode(),
     }}
     server = None
@@ -936,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(args.dsn)
         results["meta"].update({"postgres": server.version, "postgres_settings": server.settings,
                                 "server": server.source})
-        bench = Bench(server, counts, tmp)
+        bench = Bench(server, counts, tmp, limits=args.limits)
         b6_template = None
         for b in ALL:
             if b not in only:

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, NoReturn
@@ -259,6 +260,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
         signal.signal(sig, after_drain)
     reporter = DrainReporter(client, lambda line: click.echo(line, err=True))  # says what a drain waits for
     reporter.start()
+    threading.Thread(target=_say_limits, args=(client,), name="cyclone-mp-limits-banner", daemon=True).start()
     try:
         client.run(on_signal=reporter.signalled)
     finally:
@@ -273,6 +275,19 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
         click.echo(f"cyclone-mp worker: stopped; {stats['completed']} completed, {stats['failed']} failed, "
                    f"{stats['released'] + stats['prefetch_released']} released, "
                    f"{render.count(stats['killed'], 'child', 'children')} killed", err=True)
+
+
+def _say_limits(client: Any) -> None:
+    """Once the supervisor runs: how it enforces resource limits here (issue 20)."""
+    deadline = time.monotonic() + 60
+    while client.supervisor is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sup = client.supervisor
+    if sup is None or not sup.running.wait(60) or sup.confinement is None:
+        return
+    mech = sup.confinement.mechanism
+    click.echo(f"cyclone-mp worker: resource limits: memory by {mech.memory}, processes by {mech.processes}, "
+               f"cpu by {mech.cpu}, open files by {mech.open_files}, tree kill by {mech.kill}", err=True)
 
 
 @cli.command()
@@ -312,11 +327,19 @@ def migrate() -> None:
               help="At most COUNT starts per SECONDS per (step, key), e.g. 10/1s (overrides the step's).")
 @click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
 @click.option("--wait-timeout", type=SECONDS, default=None, help="With --wait: give up after these seconds (exit 1).")
+@click.option("--memory-limit", type=BYTES, default=None, metavar="SIZE",
+              help="Memory cap of each attempt's whole process tree, e.g. 512M (overrides the step's).")
+@click.option("--cpu-limit", type=SECONDS, default=None, help="CPU seconds of each attempt's tree (overrides the step's).")
+@click.option("--max-processes", type=click.IntRange(1, 1 << 22), default=None,
+              help="Processes of each attempt's tree at once (overrides the step's).")
+@click.option("--max-open-files", type=click.IntRange(1, 1 << 22), default=None,
+              help="Descriptors each process of the tree may open (overrides the step's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the run id, or with --wait the final status).")
 def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None,
             max_reclaims: int | None, queue: str | None, priority: int | None, delay: float | None,
             idempotency_key: str | None, concurrency_key: str | None, concurrency: int | None,
-            rate_limit: tuple[int, float] | None, wait: bool, wait_timeout: float | None, as_json: bool) -> None:
+            rate_limit: tuple[int, float] | None, wait: bool, wait_timeout: float | None, memory_limit: int | None,
+            cpu_limit: float | None, max_processes: int | None, max_open_files: int | None, as_json: bool) -> None:
     """Enqueue a run of step or workflow NAME registered in APP; print its run id."""
     if wait_timeout is not None and not wait:
         raise click.UsageError("--wait-timeout needs --wait")
@@ -328,7 +351,8 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
         run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts,
                                 max_reclaims=max_reclaims, queue=queue, priority=priority, delay=delay,
                                 idempotency_key=idempotency_key, concurrency_key=concurrency_key,
-                                concurrency=concurrency, rate_limit=rate_limit)
+                                concurrency=concurrency, rate_limit=rate_limit, memory_limit=memory_limit,
+                                cpu_limit=cpu_limit, max_processes=max_processes, max_open_files=max_open_files)
         if not wait:
             render.print_json({"run_id": run_id}) if as_json else click.echo(run_id)
             return

@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cyclone_mp import RunStatus, StepStatus
+from cyclone_mp.limits import format_size
 from cyclone_mp.status import exit_text
 
 STATE_STYLES = {
@@ -280,7 +281,45 @@ def _forensics_text(entry: dict[str, Any]) -> str:
     usage = [f"cpu {secs(entry.get('cpu_seconds'), 2)}" if entry.get("cpu_seconds") is not None else "",
              f"peak {mib(entry.get('peak_rss_kb'), unit_kb=True)}" if entry.get("peak_rss_kb") is not None else "",
              f"after {secs(entry.get('elapsed'))}" if entry.get("elapsed") is not None else ""]
+    tree = tree_text(entry)
+    if tree:
+        usage.append(f"tree {tree}")
     return "; ".join(parts + [", ".join(u for u in usage if u)] if any(usage) else parts)
+
+
+def tree_text(entry: dict[str, Any]) -> str:
+    """The whole process tree's numbers of an attempt with limits (issue 20): ``peak 257
+    MiB · 2.04 CPU s · 3 procs``, or ``""``."""
+    tree = entry.get("tree") or {}
+    if not isinstance(tree, dict) or not tree:
+        return ""
+    parts = []
+    if tree.get("peak_memory_kb") is not None:
+        parts.append(f"peak {format_size(tree['peak_memory_kb'] * 1024)}")
+    if tree.get("cpu_seconds") is not None:
+        parts.append(f"{tree['cpu_seconds']:.2f} CPU s")
+    if tree.get("processes") is not None:
+        parts.append(count(int(tree["processes"]), "proc"))
+    return " · ".join(parts)
+
+
+def limits_text(value: Any) -> str:
+    """Resource caps (``{"memory_limit": ..., ...}`` or a StepStatus) in words, or ``""``."""
+    if isinstance(value, StepStatus):
+        value = {"memory_limit": value.memory_limit, "cpu_limit": value.cpu_limit,
+                 "max_processes": value.max_processes, "max_open_files": value.max_open_files}
+    if not isinstance(value, dict):
+        return ""
+    parts = []
+    if value.get("memory_limit") is not None:
+        parts.append(f"memory {format_size(value['memory_limit'])}")
+    if value.get("cpu_limit") is not None:
+        parts.append(f"cpu {value['cpu_limit']:g} s")
+    if value.get("max_processes") is not None:
+        parts.append(f"{value['max_processes']} procs")
+    if value.get("max_open_files") is not None:
+        parts.append(f"{value['max_open_files']} files")
+    return ", ".join(parts)
 
 
 def attempts_table(steps: Iterable[StepStatus], *, compact: bool = False) -> Table | None:
@@ -288,9 +327,11 @@ def attempts_table(steps: Iterable[StepStatus], *, compact: bool = False) -> Tab
     type and message, and what the child used. ``compact``: node, attempt, kind, exit and
     one wrapping column with the rest."""
     table = Table(title="failed and cancelled attempts", title_justify="left")
+    steps = list(steps)
+    trees = any(tree_text(entry) for step in steps for entry in step.errors)
     names = (("node", "attempt", "kind", "exit", "what happened") if compact else
              ("node", "attempt", "kind", "exit", "killed by supervisor", "trigger", "cpu", "peak RSS",
-              "elapsed", "at", "error"))
+              *(("tree",) if trees else ()), "elapsed", "at", "error"))
     for name in names:
         table.add_column(name, no_wrap=name not in ("node", "what happened", "error"),
                          overflow="fold", ratio=1 if name in ("what happened", "error") else None)
@@ -311,6 +352,7 @@ def attempts_table(steps: Iterable[StepStatus], *, compact: bool = False) -> Tab
                 table.add_row(
                     *head, "-" if killed is None else ("yes" if killed else "no"), str(entry.get("trigger") or "-"),
                     secs(entry.get("cpu_seconds"), 3), mib(entry.get("peak_rss_kb"), unit_kb=True),
+                    *((tree_text(entry) or "-",) if trees else ()),
                     secs(entry.get("elapsed")), when(_parse_time(entry.get("at"))),
                     Text(short(error, 120), style="red"),
                 )
@@ -366,6 +408,10 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
     for step in status.steps.values():
         if step.state == "completed" and step.output is not None:
             con.print(Text.assemble((f"output of {step.name}: ", "bold"), short(dumps(step.output, indent=None), 300)))
+    for step in status.steps.values():
+        caps = limits_text(step)
+        if caps:
+            con.print(Text.assemble((f"limits of {step.name}: ", "bold"), caps))
     forensics = attempts_table(status.steps.values(), compact=narrow)
     if forensics is not None:
         put(con, forensics, wide)
@@ -453,6 +499,12 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
             f"  seen {age_s:.1f}s ago  queues {','.join(info.get('queues') or [])}",
             ("  draining" if info.get("draining") else ""),
         ))
+        mech = info.get("limits")
+        if isinstance(mech, dict):
+            con.print(Text(
+                f"  limits: memory {mech.get('memory')} · processes {mech.get('processes')} · "
+                f"cpu {mech.get('cpu')} · open files {mech.get('open_files')} · tree kill {mech.get('kill')}",
+                style="dim"))
         table = Table()
         names = (("pid", "run", "attempt", "step") if narrow else
                  ("pid", "step", "node", "run", "attempt", "elapsed", "CPU %", "RSS", "steps run"))
@@ -466,17 +518,23 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
             elapsed = (float(kid.get("elapsed") or 0.0) + age_s) if busy else None
             cpu = kid.get("cpu_percent")
             cpu_text = "-" if cpu is None else f"{cpu:.0f}"
+            caps = limits_text(kid.get("limits"))
             if narrow:
                 step = Text(str(kid.get("step") or "idle"))
                 if kid.get("node") and kid.get("node") != kid.get("step"):
                     step.append(f" ({kid['node']})")
+                if caps:
+                    step.append(f" [{caps}]", style="dim")
                 usage = [secs(elapsed, 1)] if busy else []
                 usage += [f"CPU {cpu_text}%", mib(kid.get("rss")).replace(" ", "\u00a0")]  # "14.6 MiB" stays whole
                 step.append("\n" + " · ".join(usage), style="dim")
                 table.add_row(str(kid.get("pid")), str(kid.get("run_id") or ""), str(kid.get("attempt") or ""), step)
                 continue
+            step_cell = Text(str(kid.get("step") or "idle"))
+            if caps:
+                step_cell.append(f" [{caps}]", style="dim")
             table.add_row(
-                str(kid.get("pid")), Text(str(kid.get("step") or "idle")), Text(str(kid.get("node") or "")),
+                str(kid.get("pid")), step_cell, Text(str(kid.get("node") or "")),
                 str(kid.get("run_id") or ""), str(kid.get("attempt") or ""), secs(elapsed, 1),
                 cpu_text, mib(kid.get("rss")), str(kid.get("steps_run", 0)),
             )

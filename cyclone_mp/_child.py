@@ -15,6 +15,13 @@ at its first async attempt and reused by the next ones (so a client or a pool a 
 keeps on it lives on); a cancel cancels that task at once, so its ``await`` raises
 ``asyncio.CancelledError``. A loop blocked in C hears nothing: the supervisor's kill
 after ``kill_grace`` ends it as it ends a sync handler.
+
+It is a child subreaper (issue 18): a process its handler started that loses its parent
+(``sh -c '(setsid cmd &)'``) is reparented to it, not to the supervisor or init, so it
+counts as a leftover of its attempt and is swept with it, whatever it did to its
+environment or session. A task with resource limits (issue 20) runs under soft rlimits
+(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, and ``RLIMIT_DATA`` where no
+cgroup holds the memory cap), which what it starts inherits.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from .context import Cancellation, Context
 from .errors import Cancelled, PayloadError, Permanent
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
@@ -55,6 +63,104 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(70)
+
+
+def adopt_orphans() -> None:
+    """Become a child subreaper (Linux): orphans of the handlers' trees become ours."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+class TaskLimits:
+    """The soft rlimits of tasks with resource limits (issue 20), which what a handler
+    starts inherits. They stay set while consecutive tasks have the same limits (a
+    task's check is then one comparison, and one ``getrusage`` for a CPU budget) and are
+    put back before a task with other limits or none:
+
+    - ``max_open_files``: ``RLIMIT_NOFILE`` = the descriptors this runner held when the
+      limit was set + ``max_open_files`` (a new descriptor takes the lowest free number,
+      so the handler can open ``max_open_files`` more; a process it starts, holding
+      fewer, a few more);
+    - ``cpu_limit`` with ``rlimit_cpu`` (no cgroup counts the tree's CPU):
+      ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 2, moved on before
+      a task whose budget it would not leave whole (a backstop: the supervisor kills the
+      tree at the limit; SIGXCPU ends a handler that does not ignore it when the
+      supervisor cannot, frozen);
+    - ``memory_limit`` with ``rlimit_data`` (no cgroup caps the memory):
+      ``RLIMIT_DATA`` = this process's data segment + 1.5 times the limit: a backstop for
+      one allocation too fast for the supervisor's sampling of the tree (which decides at
+      the limit itself, counting resident memory where the data segment counts
+      mappings); past it the allocation fails (``MemoryError``, a ``memory_limit`` death
+      to the supervisor). The result then also says the largest descendant's peak.
+
+    Only soft limits: they can be raised back (and by the handler, which the supervisor's
+    sampling or cgroups cover). A limit the system refuses is left as it was.
+    """
+
+    def __init__(self) -> None:
+        self.applied: dict[str, Any] | None = None
+        self.saved: list[tuple[int, tuple[int, int]]] = []
+        self.cpu_soft: int | None = None
+
+    def apply(self, limits: dict[str, Any] | None) -> None:
+        """Set the rlimits of a task with ``limits`` (None: none), before it runs."""
+        if limits == self.applied:
+            if limits and self.cpu_soft is not None:
+                used = self._cpu_used()
+                if self.cpu_soft - used < float(limits["cpu_limit"]) + 1:
+                    self._lower(resource.RLIMIT_CPU, int(used + float(limits["cpu_limit"])) + 2, save=False)
+            return
+        self.restore()
+        if not limits:
+            return
+        if limits.get("max_open_files"):
+            try:
+                held = len(os.listdir("/proc/self/fd")) - 1  # (without the listing's own descriptor)
+            except OSError:
+                held = 64
+            self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
+        if limits.get("cpu_limit") and limits.get("rlimit_cpu"):
+            self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
+        if limits.get("memory_limit") and limits.get("rlimit_data"):
+            data = 0
+            try:
+                with open("/proc/self/status", "rb") as fh:
+                    for line in fh:
+                        if line.startswith(b"VmData:"):
+                            data = int(line.split()[1]) * 1024
+                            break
+            except (OSError, ValueError, IndexError):
+                pass
+            self._lower(resource.RLIMIT_DATA, data + int(limits["memory_limit"]) * 3 // 2)
+        self.applied = limits
+
+    def restore(self) -> None:
+        """Put back what :meth:`apply` changed."""
+        for which, old in reversed(self.saved):
+            try:
+                resource.setrlimit(which, old)
+            except (OSError, ValueError):
+                pass
+        self.saved, self.applied, self.cpu_soft = [], None, None
+
+    @staticmethod
+    def _cpu_used() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    def _lower(self, which: int, soft: int, save: bool = True) -> None:
+        try:
+            old = resource.getrlimit(which)
+            hard = old[1]
+            if hard != resource.RLIM_INFINITY:
+                soft = min(soft, hard)
+            resource.setrlimit(which, (soft, hard))
+        except (OSError, ValueError):
+            return
+        if save:
+            self.saved.append((which, old))
+        if which == resource.RLIMIT_CPU:
+            self.cpu_soft = soft
 
 
 class Runner:
@@ -75,6 +181,7 @@ class Runner:
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
         self.held = False  # the last attempt left processes: start nothing until "go"
         self.event_loop: Any = None  # the event loop of async handlers: made once, reused
+        self.limits = TaskLimits()  # the rlimits of tasks with resource limits
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -273,7 +380,11 @@ class Runner:
                 self._pending_progress = None
             self.peak.reset()
             started = time.monotonic()
+            limits = message.get("limits")
+            self.limits.apply(limits)
             before = resource.getrusage(resource.RUSAGE_SELF)
+            kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
+            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
             # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
             result = {"t": "result", "task": message["task"], **self.run_task(message)}
             after = resource.getrusage(resource.RUSAGE_SELF)
@@ -285,6 +396,10 @@ class Runner:
                 "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
+            if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
+                kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+                if kids > kids_before:
+                    result["children_maxrss_kb"] = kids
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None
             frame = self.checked(result)
@@ -496,6 +611,7 @@ def batch_scheduling() -> None:
 def main(argv: list[str]) -> None:
     ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent_pid)
+    adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     batch_scheduling()
     ctrl = socket.socket(fileno=ctrl_fd)

@@ -3,7 +3,11 @@
 ``_boot.py _watchdog FD SUPERVISOR_ID``. ``FD`` is a ``SOCK_SEQPACKET`` socket to the
 supervisor (:class:`cyclone_mp.procs.WatchdogLink`). One message per packet:
 
-- ``child PID`` with the child's pidfd attached (``SCM_RIGHTS``): a new child;
+- ``child PID [CGROUP]`` with the child's pidfd attached (``SCM_RIGHTS``): a new child
+  (``CGROUP``: its slot's v2 cgroup, issue 20);
+- ``cgroup v1|v2 PATH``: one of the supervisor's cgroup directories;
+- ``seen PID START``: a handler's descendant (``START``: its start time per psutil), told
+  where no cgroup holds the tree;
 - ``due PID T``: the child must be dead by ``T`` (``time.monotonic()`` seconds, the same
   clock in every process of the machine); ``due PID -``: no bound now (an idle child);
 - ``gone PID``: the supervisor reaped it (its pidfd is closed);
@@ -11,14 +15,17 @@ supervisor (:class:`cyclone_mp.procs.WatchdogLink`). One message per packet:
   strays), so the EOF that follows needs no look for marked processes.
 
 When a child's due time passes, the watchdog SIGKILLs it (through its pidfd, so a
-recycled pid is never hit), its process group and its descendants, and answers
-``killed PID``. Process control sets each due time a little after its own kill (the
+recycled pid is never hit) and its tree (its slot's cgroup with ``cgroup.kill``, and its
+descendants through pidfds), and answers ``killed PID``. Process control sets each due time a little after its own kill (the
 local fence, or a cancel's ``kill_grace``): the watchdog acts only when process control
 could not, because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
 
-EOF means the supervisor is gone (exited or SIGKILLed): the watchdog kills every child
-it was told of, their groups and descendants, and every process carrying the
-supervisor's marker in its environment, then exits.
+EOF means the supervisor is gone (exited or SIGKILLed): the watchdog kills everything in
+the supervisor's cgroups (then removes them), every child it was told of with its tree,
+every descendant it was told of that still runs, and every process carrying the
+supervisor's marker in its environment, then exits. A handler's escapee that scrubbed its
+environment and left its session is killed by the first rule where cgroups are
+available, by the third if the supervisor saw it (issue 18).
 """
 
 from __future__ import annotations
@@ -31,15 +38,23 @@ import sys
 import time
 
 
-def kill_child(pid: int, pidfd: int | None) -> None:
-    """SIGKILL the child ``pid`` (through ``pidfd``), its group and its descendants, if
-    it is still ours: alive or unreaped (then its pid and group id are not reused)."""
+def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
+    """SIGKILL the child ``pid`` (through ``pidfd``) and its tree, if it is still ours:
+    alive or unreaped. Its slot's cgroup is killed whole where there is one; its
+    descendants (orphans of its tree are reparented to it: it is a subreaper) are
+    stopped, then killed, each through a pidfd of its own."""
     if pidfd is None:
         return
     try:
         signal.pidfd_send_signal(pidfd, 0)
     except (ProcessLookupError, OSError):
-        return  # reaped: nothing of it to kill by pid or group
+        return  # reaped: nothing of it to kill
+    if cgroup:
+        try:
+            with open(os.path.join(cgroup, "cgroup.kill"), "w") as fh:
+                fh.write("1")
+        except OSError:
+            pass
     descendants = []
     try:
         import psutil
@@ -47,24 +62,42 @@ def kill_child(pid: int, pidfd: int | None) -> None:
         descendants = psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - psutil missing or the process gone
         pass
-    for target in descendants:  # stop forks first, then kill
-        try:
-            target.suspend()
-        except Exception:  # noqa: BLE001
-            pass
+    from .procs import open_pidfd, send
+
+    fds = [(target, open_pidfd(target)) for target in descendants]
     try:
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    for target in descendants:
+        for target, fd in fds:  # stop forks first, then kill
+            send(target, fd, signal.SIGSTOP)
         try:
-            target.kill()
-        except Exception:  # noqa: BLE001
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except OSError:
             pass
+        for target, fd in fds:
+            send(target, fd, signal.SIGKILL)
+    finally:
+        for _, fd in fds:
+            if fd is not None and fd >= 0:
+                os.close(fd)
+
+
+def kill_seen(seen: dict[int, float]) -> int:
+    """SIGKILL the handler descendants the supervisor told of (``pid -> start time``) that
+    still run as the same process (a pid reused since is left alone); returns how many."""
+    hit = 0
+    try:
+        import psutil
+
+        from .procs import signal_process
+    except Exception:  # noqa: BLE001
+        return 0
+    for pid, started in seen.items():
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - started) < 0.01 and signal_process(proc, signal.SIGKILL):
+                hit += 1
+        except Exception:  # noqa: BLE001 - gone
+            continue
+    return hit
 
 
 def prompt_wakeups() -> None:
@@ -86,6 +119,9 @@ def main(argv: list[str]) -> None:
     prompt_wakeups()
     sock = socket.socket(fileno=fd)
     children: dict[int, int] = {}  # pid -> pidfd
+    groups: dict[int, str] = {}  # pid -> its slot's v2 cgroup
+    cgroups: list[tuple[str, str]] = []  # the supervisor's cgroup directories
+    seen: dict[int, float] = {}  # handler descendants told of: pid -> start time
     due: dict[int, float] = {}
     clean = False
     while True:
@@ -96,20 +132,31 @@ def main(argv: list[str]) -> None:
             continue
         if readable:
             try:
-                data, fds, _, _ = socket.recv_fds(sock, 256, 1)
+                data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
             except InterruptedError:
                 continue
             except OSError:
                 break
             if not data:
                 break
-            words = data.decode().split()
-            kind, pid = words[0], int(words[1])
-            if kind == "child" and fds:
+            words = data.decode().split(" ")
+            kind = words[0]
+            if kind == "cgroup":
+                cgroups.append((words[1], " ".join(words[2:])))
+                continue
+            pid = int(words[1])
+            if kind == "seen":
+                if len(seen) > 100_000:  # bounded: forget the oldest half
+                    for old_pid in list(seen)[:50_000]:
+                        del seen[old_pid]
+                seen[pid] = float(words[2])
+            elif kind == "child" and fds:
                 old = children.pop(pid, None)
                 if old is not None:
                     os.close(old)
                 children[pid] = fds[0]
+                if len(words) > 2:
+                    groups[pid] = " ".join(words[2:])
             elif kind == "due":
                 if words[2] == "-":
                     due.pop(pid, None)
@@ -119,6 +166,7 @@ def main(argv: list[str]) -> None:
                 clean = True
             elif kind == "gone":
                 due.pop(pid, None)
+                groups.pop(pid, None)
                 pidfd = children.pop(pid, None)
                 if pidfd is not None:
                     os.close(pidfd)
@@ -132,10 +180,15 @@ def main(argv: list[str]) -> None:
                     sock.send(f"killed {pid}".encode(), socket.MSG_DONTWAIT)
                 except OSError:
                     pass
-                kill_child(pid, children.get(pid))
+                kill_child(pid, children.get(pid), groups.get(pid))
+    if not clean and cgroups:
+        from .slots import kill_dirs
+
+        kill_dirs(cgroups)  # first: whole cgroups at once, no fork can race it
     for pid, pidfd in children.items():
-        kill_child(pid, pidfd)
+        kill_child(pid, pidfd, groups.get(pid))
     if not clean:
+        kill_seen(seen)
         from .procs import kill_marked
 
         for _ in range(3):  # a fork may race one pass

@@ -183,6 +183,10 @@ class AsyncClient(ClientBase):
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> str:
         """:meth:`Client.enqueue <cyclone_mp.Client.enqueue>`, awaitable. With ``conn`` (an
         ``AsyncConnection`` in an open transaction) the run is written in the caller's
@@ -191,7 +195,8 @@ class AsyncClient(ClientBase):
             target, input, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
             idempotency_key=idempotency_key, concurrency=concurrency, concurrency_key=concurrency_key,
-            rate_limit=rate_limit,
+            rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         )
         with tracing.enqueue_span(name) as trace:
             if conn is not None:
@@ -215,6 +220,10 @@ class AsyncClient(ClientBase):
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> list[str]:
         """:meth:`Client.enqueue_many <cyclone_mp.Client.enqueue_many>`, awaitable; with
         ``conn``, in the caller's open transaction."""
@@ -222,6 +231,8 @@ class AsyncClient(ClientBase):
             target, inputs, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
             concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         )
         if make is None:
             return []

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .limits import NO_LIMITS, Limits, Usage
 from .messages import LeaseKey
 
 FENCE_MARGIN = 0.1  #: fraction of lease_ttl: a handler whose lease could not be renewed is dead this long before it could expire
@@ -68,6 +69,10 @@ class Attempt:
     start_by: float | None = None  # queued in a child: the child never starts it after this (time.monotonic())
     started_wall: float | None = None  # wall-clock epoch seconds it started in its child (None: never started)
     trace: Any = None  # the run's stored trace context (a span per attempt links to it)
+    limits: Limits = NO_LIMITS  # its resource caps (issue 20): sampled while it runs when set
+    base: Any = None  # where its slot's counters stood when it started (slots.Baseline), when limited
+    usage: Usage | None = None  # the last sample of its tree
+    killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
 
     @property
     def step_id(self) -> int:

@@ -129,6 +129,8 @@ class ClientBase:
         delay: Duration | None, scheduled_at: dt.datetime | None, idempotency_key: str | None,
         concurrency: int | None = None, concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None, cpu_limit: Duration | None = None,
+        max_processes: int | None = None, max_open_files: int | None = None,
     ) -> tuple[str, Callable[[Any], Op]]:
         """Check an enqueue's arguments; returns the name enqueued and a maker of its
         operation, ``make(trace)`` (a retried call needs a fresh one; ``trace``: the
@@ -139,6 +141,8 @@ class ClientBase:
         overrides = self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
             backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         )
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
@@ -154,6 +158,8 @@ class ClientBase:
         max_reclaims: int | None, queue: str | None, priority: int | None, backoff: float | Sequence[float] | None,
         delay: Duration | None, scheduled_at: dt.datetime | None, concurrency: int | None = None,
         concurrency_key: str | None = None, rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None, cpu_limit: Duration | None = None,
+        max_processes: int | None = None, max_open_files: int | None = None,
     ) -> tuple[str, Callable[[Any], Op] | None]:
         """Check an enqueue_many's arguments; returns the step's name and a maker of its
         operation, ``make(trace)``, or None when there are no inputs. Raises what
@@ -168,6 +174,8 @@ class ClientBase:
         opts = self._node_options(definition, self._enqueue_options(
             timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
             backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         ))
         keys = [opts.key_for(item) for item in originals] if opts.concurrency_key is not None else None
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
@@ -176,7 +184,7 @@ class ClientBase:
             name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
             delay=delay_s, scheduled_at=scheduled_at, backoff=storable_backoff(opts.backoff), trace=trace,
-            keys=keys, concurrency=opts.concurrency, rate_limit=opts.rate_limit,
+            keys=keys, concurrency=opts.concurrency, rate_limit=opts.rate_limit, limits=opts.limits,
         )
 
     def _plan_signal(self, run_id: str, name: str, payload: Any) -> Callable[[], Op]:
@@ -234,6 +242,12 @@ class Client(ClientBase):
             of seconds per failed attempt; default ``attempt**4`` +-10 %.
         queue: default queue of enqueued steps (``"default"``).
         priority: default priority of enqueued steps; lower runs first (0).
+        memory_limit: default memory cap of the steps this client enqueues: bytes (or
+            ``"512MiB"``) of each attempt's whole process tree; None: no cap. See
+            docs/resource-limits.md.
+        cpu_limit: default CPU seconds of each attempt's whole tree; None: no cap.
+        max_processes: default cap on the processes of each attempt's tree.
+        max_open_files: default cap on the descriptors each process of the tree may open.
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
@@ -276,6 +290,10 @@ class Client(ClientBase):
         backoff: Callable[[int], float] | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int | None = None,
@@ -298,6 +316,8 @@ class Client(ClientBase):
             shutdown_grace=shutdown_grace, queues=queues, max_steps_per_child=max_steps_per_child,
             max_child_rss=max_child_rss, timeout=timeout, max_attempts=max_attempts,
             max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
+            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
             prefetch=prefetch, registry_interval=registry_interval, **extra,
         )
         self.mux = mux if mux is not None else Mux()
@@ -437,6 +457,10 @@ class Client(ClientBase):
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> str:
         """Enqueue one run of a step or workflow; returns the run id (a UUID string).
 
@@ -447,6 +471,8 @@ class Client(ClientBase):
         ``delay`` (seconds) or ``scheduled_at`` (aware datetime) postpone the first
         claim. With ``conn`` the run is written in the caller's open transaction. With
         ``idempotency_key`` an existing run with that key is returned instead.
+        ``memory_limit``, ``cpu_limit``, ``max_processes`` and ``max_open_files`` cap each
+        attempt's process tree (docs/resource-limits.md).
 
         Raises:
             UnknownStep: a name that is not registered.
@@ -458,7 +484,8 @@ class Client(ClientBase):
             target, input, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
             idempotency_key=idempotency_key, concurrency=concurrency, concurrency_key=concurrency_key,
-            rate_limit=rate_limit,
+            rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         )
         with tracing.enqueue_span(name) as trace:  # the trace context kept on the run (issue 24)
             if conn is not None:
@@ -482,12 +509,16 @@ class Client(ClientBase):
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> list[str]:
         """Enqueue one single-step run per input, in one INSERT; returns run ids in order.
         With ``conn`` the runs are written in the caller's open transaction.
 
         Each run's concurrency key is ``concurrency_key`` if given, else the step's
-        ``concurrency_key(input)``.
+        ``concurrency_key(input)``. The resource limits are :meth:`enqueue`'s.
 
         Raises:
             UnknownStep: a name that is not registered.
@@ -499,6 +530,8 @@ class Client(ClientBase):
             target, inputs, timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
             priority=priority, backoff=backoff, delay=delay, scheduled_at=scheduled_at,
             concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+            max_open_files=max_open_files,
         )
         if make is None:
             return []
@@ -652,7 +685,7 @@ class Client(ClientBase):
 
     # -- the supervisor -------------------------------------------------------------------------
 
-    def _make_supervisor(self) -> Any:
+    def _make_supervisor(self, dedicated: bool = False) -> Any:
         from .supervisor import Supervisor
 
         if not self.mux.step_names:
@@ -663,11 +696,14 @@ class Client(ClientBase):
             kwargs["clock"] = self._clock
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
-        self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port, **kwargs)
+        self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port,
+                                      dedicated=dedicated, **kwargs)
         return self._supervisor
 
     def run(self, on_signal: Callable[[str], None] | None = None) -> None:
-        """Run the supervisor in this thread until shut down (blocking).
+        """Run the supervisor in this thread until shut down (blocking). The process is the
+        supervisor's from then on: any process it adopts is taken for a handler's escapee
+        and killed (a program with children of its own should use :meth:`start`).
 
         In the main thread, the first SIGTERM/SIGINT drains (SPEC 5) and a second one
         stops hard; ``on_signal`` (if given) is then called with ``"drain"`` or
@@ -675,7 +711,9 @@ class Client(ClientBase):
         prints what the drain waits for from another thread). Raises
         ConfigurationError, DatabaseError (schema could not be set up).
         """
-        sup = self._make_supervisor()
+        # client.run() makes this process the supervisor's: whatever it adopts from now on is a
+        # handler's (issue 18; client.start() leaves an embedding program's children alone)
+        sup = self._make_supervisor(dedicated=True)
         self.close()  # the supervisor has its own connections; idle API connections would only wait
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -780,6 +818,7 @@ def _task_row(node: str, step: Step, opts: StepOptions, input: Any, after: Seque
         priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
         max_reclaims=opts.max_reclaims, timeout=opts.timeout, backoff=storable_backoff(opts.backoff),
         concurrency_key=opts.key_for(input), concurrency=opts.concurrency, rate_limit=opts.rate_limit,
+        limits=opts.limits,
     )
 
 

@@ -40,8 +40,9 @@ from typing import Any, Callable
 
 import psutil
 
-from . import decisions, procs, protocol
+from . import decisions, procs, protocol, slots
 from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound, startable
+from .limits import NO_LIMITS, Limits, Usage, cause_of_death, death_message, death_summary, format_size, over_limit
 from .config import (
     COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_MAX_WAIT,
     Config,
@@ -56,6 +57,14 @@ from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
 
 RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
+
+
+def row_limits(row: dict[str, Any]) -> Limits:
+    """A claimed row's resource limits (read once, kept in the row)."""
+    limits = row.get("limits")
+    if limits is None:
+        limits = row["limits"] = Limits.of_row(row)
+    return limits
 log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
@@ -77,11 +86,16 @@ class ProcessControl:
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` (and the start
             time of an attempt's span) only.
         observer: told how each attempt ended and of each kill (:mod:`cyclone_mp.telemetry`).
+        confinement: the child slots' cgroups and how limits are enforced
+            (:class:`~cyclone_mp.slots.Confinement`; default: none, rlimits and sampling).
+        dedicated: this process runs only the supervisor (``client.run()``): every
+            process it adopts is a handler's.
     """
 
     def __init__(self, owner: str, mux: Mux, config: Config, *, keeper: Callable[[Any], None], writer: Any,
                  watchdog: procs.WatchdogLink, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, observer: Observer = NO_OBSERVER) -> None:
+                 wall_clock: Callable[[], float] = time.time, observer: Observer = NO_OBSERVER,
+                 confinement: slots.Confinement | None = None, dedicated: bool = False) -> None:
         self.owner = owner
         self.mux = mux
         self.config = config
@@ -97,8 +111,13 @@ class ProcessControl:
         # every child imports the handlers' modules before it is ready (issue 8)
         preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
         self.observer = observer
+        self.confinement = confinement or slots.Confinement.none()
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
-                              selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed)
+                              selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
+                              confinement=self.confinement, dedicated=dedicated)
+        self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled (issue 20)
+        self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
+        self._vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.held: collections.deque[Held] = collections.deque()
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
@@ -113,6 +132,7 @@ class ProcessControl:
         self._next_io_sweep = start
         self._next_stray_check = start
         self._next_sample = start
+        self._next_limit_check = start
         self._next_snapshot = start
         self.draining = False
         self.drain_deadline: float | None = None
@@ -126,9 +146,10 @@ class ProcessControl:
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
         self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues),
-                                         "names": list(mux.step_names), "children": []}
+                                         "names": list(mux.step_names), "children": [],
+                                         "limits": self.confinement.mechanism.as_dict()}
         self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
-                      "lease_lost": 0, "late_completions_dropped": 0}
+                      "lease_lost": 0, "late_completions_dropped": 0, "limit_kills": 0}
 
     @property
     def children(self) -> list[ChildProc]:
@@ -218,6 +239,10 @@ class ProcessControl:
             self._next_stray_check = now + STRAY_CHECK_INTERVAL
             if self.pool.reap_orphans():
                 log.info("killed handler process(es) reparented to the supervisor")
+            self.pool.tell_descendants()
+        if self.limited and now >= self._next_limit_check:
+            self._next_limit_check = now + slots.SAMPLE_INTERVAL
+            self._check_limits()
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
             for att in self.attempts.values():  # a crashed child cannot be read afterwards
@@ -233,9 +258,13 @@ class ProcessControl:
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
             self._publish_snapshot(now)
+            if not self.confinement.mechanism.where:  # an inferred OOM kill must be a recent one
+                self._vm_oom_kills = slots.vm_oom_kills()
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]
+        if self.limited:
+            times.append(self._next_limit_check)
         ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
         for att in self.attempts.values():
             if att.ended:
@@ -410,7 +439,8 @@ class ProcessControl:
                 item = self.held.popleft()
                 if startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
                              timeout=item.row["timeout"]):
-                    self._start(item, child)
+                    if not self._start(item, child):  # the child holds more than the step's memory cap: replaced
+                        self.held.appendleft(item)
                     break
                 self._release_held(item)  # frozen or stalled past half its lease: never start it
         self._send_queued()  # an idle child starts now, before the others' queues are filled
@@ -451,7 +481,9 @@ class ProcessControl:
                     return
                 if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
                         and child.attempt.cancel_reason is None and not child.recycle_due
-                        and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)):
+                        and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)
+                        # the slot's caps are set per attempt: only behind an attempt with the same
+                        and row_limits(self.held[0].row) == child.attempt.limits):
                     self._start(self.held.popleft(), child)
                     self.stats["pipelined"] += 1
                     took = True
@@ -507,10 +539,24 @@ class ProcessControl:
 
     # -- starting an attempt -----------------------------------------------------------------------
 
-    def _start(self, item: Held, child: ChildProc) -> None:
+    def _start(self, item: Held, child: ChildProc) -> bool:
         """Start one claimed step on ``child``. Its timeout counts from the claim (its
-        ``sent`` time), as it does in the database (SPEC 4)."""
+        ``sent`` time), as it does in the database (SPEC 4). Its resource caps are set on
+        the child's slot first (issue 20); False (nothing started) when the child already
+        holds more memory than the step's cap: the child is replaced, the step waits."""
         row = item.row
+        limits = row_limits(row)
+        slot = child.slot
+        fits = True
+        if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
+            fits = slot.configure(limits)
+            if not fits and child.steps_run:
+                log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
+                         format_size(limits.memory), row["step_name"])
+                child.recycle_due = True
+                self.pool.retire(child)
+                self.pool.maintain(self.clock(), self.draining)
+                return False
         now = self.clock()
         step = self.mux.steps[row["step_name"]]
         timeout = row["timeout"]
@@ -520,25 +566,143 @@ class ProcessControl:
             attempt=row["attempt"], timeout=timeout, token=token, child=child,
             workflow=row["run_kind"] == "workflow", started=now,
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
-            backoff_spec=row.get("backoff"), trace=row.get("trace"),
+            backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
         )
         att.cpu_start = child.cpu_total
         self.attempts[att.key] = att
+        if not fits:  # a fresh child alone is over the cap: no handler can run under it
+            self._end(att)
+            self._fail(att, decisions.MEMORY_LIMIT, {
+                "pid": child.pid, "limits": limits.as_json(), "cause": death_summary(decisions.MEMORY_LIMIT, limits, Usage()),
+                "enforced_by": self.confinement.mechanism.memory, "killed_by_supervisor": False,
+                "message": f"memory_limit {format_size(limits.memory)} is below what a fresh child uses before any "
+                           "handler runs (raise the cap)"})
+            return True
         if child.attempt is None:
             child.attempt = att
             att.started_wall = self.wall_clock()
+            self._arm(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
         ref = step.ref
-        child.queue({
+        task = {
             "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
             "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
             "deadline": (self.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
             "input_json": row["input"], "upstream_json": row["upstream"],
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
-        })  # written by the caller, with the other tasks of this round
+        }
+        if limits:  # the child sets its rlimits for the task (inherited by what it starts)
+            # where no cgroup holds the memory (or none counts the tree's CPU), rlimit backstops
+            confined = slot is not None and slot.confined
+            flags = (not (confined and self.confinement.mechanism.kernel_memory_cap), not confined)
+            cached = self._task_limits.get((limits, flags))
+            if cached is None:
+                if len(self._task_limits) > 256:
+                    self._task_limits.clear()
+                cached = self._task_limits[(limits, flags)] = {**limits.as_json(), "rlimit_data": flags[0],
+                                                               "rlimit_cpu": flags[1]}
+            task["limits"] = cached
+        child.queue(task)  # written by the caller, with the other tasks of this round
         self._watch(child)
+        return True
+
+    # -- resource limits (issue 20) -----------------------------------------------------------------
+
+    def _arm(self, att: Attempt) -> None:
+        """An attempt with limits starts running: note where its slot's counters stand and
+        sample it from now on (an attempt without limits costs nothing here)."""
+        if att.limits and att.child.slot is not None:
+            att.base = att.child.slot.begin(att.limits, runner_cpu=att.child.cpu_total)
+            self.limited[att.key] = att
+
+    def _check_limits(self) -> None:
+        """Sample every running attempt with limits; kill the tree of one over a cap."""
+        mech = self.confinement.mechanism
+        for key, att in list(self.limited.items()):
+            if att.ended or att.child.returncode is not None:
+                self.limited.pop(key, None)
+                continue
+            slot = att.child.slot
+            if att.child.attempt is not att or slot is None or att.base is None:
+                continue
+            usage = slot.sample(att.limits, att.base)
+            att.usage = usage
+            confined = slot.confined
+            kind = over_limit(att.limits, usage, kernel_memory_cap=confined and mech.kernel_memory_cap,
+                              kernel_process_cap=confined and mech.kernel_process_cap)
+            if kind is not None and att.cancel_reason is None:
+                self._kill_for_limit(att, kind)
+
+    def _kill_for_limit(self, att: Attempt, kind: str) -> None:
+        child = att.child
+        self._child_io(child)  # it may have ended just now
+        if att.ended or child.attempt is not att:
+            return
+        att.killed_for = att.killed_by = kind
+        self.stats["limit_kills"] += 1
+        if child.slot is not None and att.base is not None:  # the tree as it was, before the kill empties it
+            att.usage = child.slot.sample(att.limits, att.base, final=True)
+        self.pool.kill(child, kind)
+        self._on_child_exit(child)
+
+    def _death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
+               reported_peak: int | None = None) -> tuple[str, Usage] | None:
+        """The cause of death of an attempt (issue 20), from its slot's evidence, or None.
+        ``reported_peak``: bytes, the child's own peak plus its largest waited-for
+        descendant's (what a result says where no cgroup counts the tree)."""
+        slot = att.child.slot
+        usage = att.usage or Usage()
+        if slot is not None and att.base is not None:
+            final = slot.sample(att.limits, att.base, final=True)
+            final.peak_memory = max(final.peak_memory or 0, usage.peak_memory or 0, usage.memory or 0) or None
+            if final.processes in (None, 0) and usage.processes:
+                final.processes = usage.processes
+            if usage.cpu is not None:  # a dead tree's CPU is gone from /proc: the last sample's counts
+                final.cpu = max(final.cpu or 0.0, usage.cpu)
+            usage = final
+        elif slot is not None and slot.confined and exit_signal is not None:  # no limits: the OOM killer's evidence
+            usage = slot.sample(NO_LIMITS, slot.last, final=True)
+        if reported_peak and not (slot is not None and slot.confined and slot.memory_file):
+            usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
+        oom_inferred = False
+        if exit_signal == 9 and att.killed_for is None and not (slot is not None and slot.confined):
+            # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
+            now = slots.vm_oom_kills()
+            oom_inferred = now is not None and self._vm_oom_kills is not None and now > self._vm_oom_kills
+            self._vm_oom_kills = now
+        mech = self.confinement.mechanism
+        kind = cause_of_death(att.limits, usage, exit_signal=exit_signal, killed_for=att.killed_for,
+                              memory_error=memory_error,
+                              memory_by_rlimit=not (mech.kernel_memory_cap and slot is not None and slot.confined),
+                              oom_inferred=oom_inferred)
+        return (kind, usage) if kind is not None else None
+
+    def _death_entry(self, att: Attempt, kind: str, usage: Usage, entry: dict[str, Any]) -> dict[str, Any]:
+        """An error entry with the cause of death: the tree's numbers, the caps, who acted."""
+        mech = self.confinement.mechanism
+        confined = att.child.slot is not None and att.child.slot.confined
+        by = {decisions.MEMORY_LIMIT: mech.memory if confined else f"{slots.RLIMIT} + {slots.SAMPLING}",
+              decisions.PROCESS_LIMIT: mech.processes if confined else slots.SAMPLING,
+              decisions.CPU_LIMIT: mech.cpu if confined else slots.SAMPLING}.get(kind, "the kernel")
+        if entry.get("type") and att.killed_for is None:
+            who = f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
+        elif kind == decisions.CPU_LIMIT and att.killed_for is None:
+            who = "the kernel sent SIGXCPU (RLIMIT_CPU)"
+        elif kind == decisions.MEMORY_LIMIT and usage.oom_kills:
+            who = f"the kernel's OOM killer acted at the cap ({by}), then the supervisor killed the whole tree"
+        elif kind == decisions.PROCESS_LIMIT and usage.fork_failures:
+            who = f"the kernel refused a fork at the cap ({by}), then the supervisor killed the whole tree"
+        elif kind == decisions.OOM_KILLED:
+            who = "the supervisor killed the rest of the tree"
+        else:
+            who = f"the supervisor killed the tree ({by})"
+        entry.update({
+            "tree": usage.forensics(), "limits": att.limits.as_json(), "cause": death_summary(kind, att.limits, usage),
+            "enforced_by": by, "message": death_message(kind, att.limits, usage, by=who),
+        })
+        return entry
 
     # -- the children's messages ------------------------------------------------------------------
 
@@ -637,6 +801,7 @@ class ProcessControl:
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
+            self._arm(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -679,7 +844,16 @@ class ProcessControl:
             entry["cancel_reason"] = reason
             self._settle_cancelled(att, entry)
             return
-        self._fail(att, decisions.reported_kind(result.get("kind")), entry)
+        kind = decisions.reported_kind(result.get("kind"))
+        if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
+            kids = result.get("children_maxrss_kb")
+            death = self._death(att, exit_signal=None, memory_error=kind == decisions.MEMORY_ERROR,
+                                reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
+            if death is not None:
+                kind, usage = death
+                entry["killed_by_supervisor"] = False
+                entry = self._death_entry(att, kind, usage, entry)
+        self._fail(att, kind, entry)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
         """An attempt that ended after a cancel: its reason decides what is written."""
@@ -746,7 +920,17 @@ class ProcessControl:
                 if att.cancel_reason is None:
                     att.cancel_reason, att.fenced = "lease_lost", True
                 entry["killed_by"] = "watchdog"
-            if att.killed_by:
+            signo = procs.exit_description(code).get("signal")
+            # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
+            judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
+            death = self._death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
+            if death is not None:  # a cause of death (issue 20): a cap, or the kernel's OOM killer
+                kind, usage = death
+                entry["killed_by_supervisor"] = att.killed_for is not None
+                if att.killed_for is not None:
+                    entry["trigger"] = att.killed_for
+                self._fail(att, kind, self._death_entry(att, kind, usage, entry))
+            elif att.killed_by:
                 entry["killed_by_supervisor"] = True
                 entry["trigger"] = att.killed_by
                 entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
@@ -869,6 +1053,8 @@ class ProcessControl:
         att.ended = True
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
+        if self.limited.get(att.key) is att:
+            del self.limited[att.key]
 
     def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
         self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,
@@ -935,10 +1121,13 @@ class ProcessControl:
             if att is not None:
                 info.update({"run_id": att.run_id, "node": att.node, "step": att.step_name,
                              "attempt": att.attempt, "elapsed": round(now - att.started, 3)})
+                if att.limits:
+                    info["limits"] = att.limits.as_json()
             kids.append(info)
         self.snapshot = {
             "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
             "draining": self.draining, "children": kids, "prefetched": len(self.held),
+            "limits": self.confinement.mechanism.as_dict(),
         }
 
     # -- teardown -------------------------------------------------------------------------------------

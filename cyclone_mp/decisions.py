@@ -17,10 +17,16 @@ RECLAIM_LIMIT = "reclaim_limit"
 OUTPUT_INVALID = "output_invalid"  # the output or a progress value broke the payload boundary
 MEMORY_ERROR = "memory_error"  # the handler raised MemoryError
 EXIT = "exit"  # the handler raised SystemExit (sys.exit); the message has the code
+# causes of death of a tree (issue 20, cyclone_mp.limits): a cap of the step, or the kernel's OOM killer
+MEMORY_LIMIT = "memory_limit"
+CPU_LIMIT = "cpu_limit"
+PROCESS_LIMIT = "process_limit"
+OOM_KILLED = "oom_killed"
+DEATH_KINDS = (MEMORY_LIMIT, CPU_LIMIT, PROCESS_LIMIT, OOM_KILLED)
 
 #: Kinds a failed attempt may have; each consumes an attempt and is retried after
 #: backoff (discarded when exhausted) except ``permanent``.
-FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED, OUTPUT_INVALID, MEMORY_ERROR, EXIT)
+FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED, OUTPUT_INVALID, MEMORY_ERROR, EXIT, *DEATH_KINDS)
 #: Kinds a child reports in its result frame that are stored as they are; anything
 #: else it reports (besides "cancelled", which the cancel's reason decides) is ``error``.
 CHILD_REPORTED_KINDS = (ERROR, PERMANENT, OUTPUT_INVALID, MEMORY_ERROR, EXIT)
@@ -69,6 +75,27 @@ def end_attempt(*, attempt: int, max_attempts: int, kind: str, timed_out: bool, 
     if effective == PERMANENT or attempt >= max_attempts:
         return AttemptEnd(state="discarded", attempt=attempt, error_kind=effective, delay=0.0)
     return AttemptEnd(state="available", attempt=attempt + 1, error_kind=effective, delay=max(0.0, backoff))
+
+
+def discard_message(kind: str, entry: dict[str, object], earlier_kinds: list[str]) -> str | None:
+    """The poison quarantine (issue 20): the stored error of a step discarded by an attempt
+    that died of a cause in :data:`DEATH_KINDS`, when the attempts before it died of the
+    same cause: ``"killed 3 times: memory_limit 512 MiB, peak 2.1 GiB"`` (the entry's
+    ``cause``), so an operator needs no log. ``earlier_kinds``: the kinds of the step's
+    earlier error entries, oldest first (cancelled attempts, which consumed nothing, are
+    skipped). None: the attempt's own message stands. ``fail_ctes`` in
+    ``sql/queries.sql`` (``quarantine_error_expr``) says the same in SQL."""
+    cause = entry.get("cause")
+    if kind not in DEATH_KINDS or not cause:
+        return None
+    times = 1
+    for earlier in reversed(earlier_kinds):
+        if earlier == "cancelled":
+            continue
+        if earlier != kind:
+            break
+        times += 1
+    return f"killed {times} times: {cause}" if times > 1 else None
 
 
 @dataclasses.dataclass(frozen=True)

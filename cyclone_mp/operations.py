@@ -25,7 +25,8 @@ from psycopg.types.json import Jsonb
 
 from .errors import DatabaseError, InvalidTransition, RunNotFound
 from .schedules import parse_idempotency_key
-from .store import MIGRATION_LOCK, Q, NodeRow, _limit_params, _migrations, nullable_jsonb, to_us
+from .limits import NO_LIMITS, Limits
+from .store import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, node_params, nullable_jsonb, to_us
 
 T = TypeVar("T")
 
@@ -142,7 +143,7 @@ def _insert_step(run_id: str, name: str, input: Any, node: NodeRow, delay: float
         "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
         "backoff": nullable_jsonb(node.backoff),
         "scheduled_at": scheduled_at, "delay_us": to_us(delay), "trace": nullable_jsonb(trace),
-        **_limit_params(node),
+        **node_params(node),
     })).one()
     if row is not None and row["id"] is not None:
         if node.flow:
@@ -212,6 +213,10 @@ def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequenc
         "concurrencies": [n.concurrency for n in nodes],
         "rate_counts": [n.rate_limit[0] if n.rate_limit else None for n in nodes],
         "rate_periods_us": [to_us(n.rate_limit[1]) if n.rate_limit else None for n in nodes],
+        "memory_limits": [n.limits.memory for n in nodes],
+        "cpu_limits": [n.limits.cpu for n in nodes],
+        "max_processes": [n.limits.processes for n in nodes],
+        "max_open_files": [n.limits.open_files for n in nodes],
     })
     yield from _flag_flow([(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
     yield from _ensure_slots([(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit) for n in nodes if n.limited])
@@ -228,14 +233,15 @@ def enqueue_many(
     *, name: str, inputs_json: Sequence[str], queue: str, priority: int, max_attempts: int,
     max_reclaims: int | None, timeout: float | None, delay: float, scheduled_at: dt.datetime | None = None,
     backoff: Any = None, trace: Any = None, keys: Sequence[str] | None = None, concurrency: int | None = None,
-    rate_limit: tuple[int, float] | None = None,
+    rate_limit: tuple[int, float] | None = None, limits: Limits = NO_LIMITS,
 ) -> Steps[list[str]]:
     """Insert many single-step runs in one statement; returns their ids in input order.
 
     ``inputs_json`` are the inputs as JSON texts (already checked by the client, so each
     is encoded once); ``trace`` the enqueue's trace context, kept on every run; ``keys``
     their concurrency keys (None: all ''), ``concurrency`` and ``rate_limit``
-    (``(count, seconds)``) the step's limits (issue 21).
+    (``(count, seconds)``) the step's limits (issue 21), ``limits`` its resource caps
+    (issue 20).
     """
     ids = [uuid.uuid4() for _ in inputs_json]
     keys = list(keys) if keys is not None else [""] * len(ids)
@@ -245,7 +251,7 @@ def enqueue_many(
         "timeout_us": to_us(timeout), "delay_us": to_us(delay), "scheduled_at": scheduled_at,
         "backoff": nullable_jsonb(backoff), "trace": nullable_jsonb(trace), "keys": keys,
         "concurrency": concurrency, "rate_count": rate_limit[0] if rate_limit else None,
-        "rate_period_us": to_us(rate_limit[1]) if rate_limit else None,
+        "rate_period_us": to_us(rate_limit[1]) if rate_limit else None, **limit_params(limits),
     })
     limited = concurrency is not None or rate_limit is not None
     if limited or any(keys):

@@ -2,10 +2,10 @@
 
 A :class:`ChildProc` is a fresh interpreter (``cyclone_mp._child`` started through
 :func:`cyclone_mp.procs.helper_command`), never a
-fork of the grown supervisor. It runs in its own process group, carries the
-supervisor's marker in its environment (so reparented grandchildren can be recognised),
-and is reused for many steps until it is killed or recycled. It imports the handlers'
-modules before it says it is ready.
+fork of the grown supervisor. It runs in its own process group, in its slot's cgroups
+where the host has them (:mod:`cyclone_mp.slots`, issue 20), carries the supervisor's
+marker in its environment, and is reused for many steps until it is killed or
+recycled. It imports the handlers' modules before it says it is ready.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import psutil
 
 from . import procs, protocol
 from .config import PRELOAD_TIMEOUT
+from .slots import Confinement, Slot
 
 
 class ChildProc:
@@ -87,6 +88,7 @@ class ChildProc:
         self.killed = False  # the supervisor SIGKILLed it
         self.unread: list[dict[str, Any]] = []  # what it sent before it died, read once it was reaped
         self.peak_rss_kb: int | None = None
+        self.slot: Slot | None = None  # its slot (cgroups, sampling), set by the pool
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -135,13 +137,16 @@ class ChildProc:
         self.descendants_seen.update({p.pid: p for p in procs.descendants(self.pid)})
 
     def kill(self) -> list[int]:
-        """SIGKILL the child's process group and every descendant, then reap; returns pids hit."""
+        """SIGKILL the child's tree, then reap; returns pids hit. Its slot's cgroup is
+        killed first where there is one (no fork can race that); then its process group
+        and every descendant psutil finds (through pidfds), as without cgroups."""
         self.killed = True
         self.peak_rss_kb = protocol.peak_rss_kb(self.pid)  # wait4's maxrss includes the pre-exec parent
-        hit = procs.kill_tree(self.pid, self.pid, list(self.descendants_seen.values()))
+        hit = self.slot.kill() if self.slot is not None else []
+        hit += procs.kill_tree(self.pid, self.pid, list(self.descendants_seen.values()), pidfd=self.pidfd)
         self.wait(timeout=5.0)
-        procs.reap([p for p in hit if p != self.pid], timeout=2.0)
-        return hit
+        procs.reap([p for p in set(hit) if p != self.pid], timeout=2.0)
+        return sorted(set(hit))
 
     def kill_descendants(self) -> list[int]:
         """Kill whatever a finished task left running under the (reused) child."""
@@ -240,13 +245,18 @@ class ChildPool:
         selector: process control's selector.
         watchdog: the :class:`~cyclone_mp.procs.WatchdogLink`.
         clock: local monotonic clock in seconds.
+        confinement: the slots' cgroups (:class:`~cyclone_mp.slots.Confinement`).
+        dedicated: the process runs only the supervisor (``client.run()``, the CLI), so
+            every process it adopts is a handler's (:func:`~cyclone_mp.procs.strays`).
     """
 
     def __init__(self, owner: str, *, workers: int, limit: int, preload: list[tuple[str, str | None]],
                  selector: Any, watchdog: Any, clock: Any = time.monotonic,
-                 on_kill: Any = None) -> None:
+                 on_kill: Any = None, confinement: Confinement | None = None, dedicated: bool = False) -> None:
         self.owner = owner
         self.on_kill = on_kill or (lambda trigger: None)  # told each SIGKILL's trigger (metrics)
+        self.confinement = confinement or Confinement.none()
+        self.dedicated = dedicated  # this process runs only the supervisor: all it adopts is a handler's
         self.workers = workers
         self.limit = limit
         self.preload = preload
@@ -258,7 +268,9 @@ class ChildPool:
         self.respawn_delay = RESPAWN_BACKOFF[0]
         self.ready_seconds: float | None = None  # moving average of a new child's spawn to ready
         self.descended: set[int] = set()  # pids seen as descendants of our children (their zombies are ours to reap)
-        self._foreign: set[int] = set()  # children of this process that are no handler's
+        # children of this process that are no handler's: those it had before the supervisor
+        # started, and (embedded) the program's own, once looked at
+        self._foreign: set[int] = protocol.child_pids() or set()
         self.stats = {"children_spawned": 0, "killed": 0, "grandchildren_killed": 0}
 
     # -- starting ----------------------------------------------------------------------------
@@ -272,11 +284,14 @@ class ChildPool:
 
             logging.getLogger("cyclone_mp.supervisor").error("cannot start a child process: %s", exc)
             return None
+        used = {c.slot.index for c in self.children if c.slot is not None}
+        child.slot = self.confinement.slot(min(i for i in range(len(self.children) + 1) if i not in used))
+        child.slot.enter(child.pid)  # before it can start anything (it is still importing)
         self.children.append(child)
         self.stats["children_spawned"] += 1
         self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
         child.events = selectors.EVENT_READ
-        self.watchdog.child(child.pid, child.pidfd)
+        self.watchdog.child(child.pid, child.pidfd, child.slot.v2_dir)
         return child
 
     def maintain(self, now: float, draining: bool) -> None:
@@ -352,7 +367,9 @@ class ChildPool:
         hit: list[int] = []
         if child.returncode is None and ended_alone:
             child.note_descendants()
-            hit = procs.kill_tree(child.pid, child.pid, list(child.descendants_seen.values()))
+            if child.slot is not None:  # what it left in its cgroup (an escapee that left its session too)
+                hit += child.slot.kill()
+            hit += procs.kill_tree(child.pid, child.pid, list(child.descendants_seen.values()), pidfd=child.pidfd)
         code = child.wait(timeout=5.0)
         if code is None:  # still alive after SIGKILL (uninterruptible sleep): kill and wait again
             self.kill(child, "protocol_error")
@@ -396,6 +413,15 @@ class ChildPool:
         if child in self.children:
             self.children.remove(child)
         self.watchdog.gone(child.pid)
+        self._clear_slot(child)
+
+    def _clear_slot(self, child: ChildProc) -> None:
+        """Kill what a child that exited left in its slot's cgroup, and reap it."""
+        if child.slot is not None and child.slot.populated():
+            hit = child.slot.kill()
+            procs.reap(hit, timeout=1.0)
+            self.descended.update(hit)
+            self.count_grandchildren(child, hit)
 
     def sweep_leftovers(self, child: ChildProc) -> None:
         """A finished task left processes under the (reused) child: kill them, then let it go on."""
@@ -408,21 +434,41 @@ class ChildPool:
         if len(self.descended) > 10_000:
             self.descended = {pid for pid in self.descended if psutil.pid_exists(pid)}
         self.descended.update(child.descendants_seen)
-        self.stats["grandchildren_killed"] += procs.reap_strays(self.owner, self._known(), self.descended)
+        self.stats["grandchildren_killed"] += self._reap_strays(self._known())
+
+    def _reap_strays(self, known: set[int]) -> int:
+        return procs.reap_strays(self.owner, known | self._foreign, self.descended, dedicated=self.dedicated,
+                                 held=self.confinement.holds if self.confinement.mechanism.where else None)
 
     def reap_orphans(self) -> int:
-        """Kill handler processes reparented to us (we are a subreaper) while their child
-        lives on: a daemonised leftover (``sh -c 'cmd &'``) whose parent exited during the
-        handler. The child's own leftover check cannot see those. Returns how many."""
+        """Kill handler processes reparented to us (we are a subreaper): those of a child
+        that died on its own, or that escaped its tree while the child was killed. Each
+        child is a subreaper too, so while it lives its tree's orphans are its own (and
+        swept with its attempt's leftovers). Returns how many."""
         pids = protocol.child_pids()
         known = self._known()
         if pids is not None and not pids - known - self._foreign:
             return 0
-        n = procs.reap_strays(self.owner, known, self.descended)
+        n = self._reap_strays(known)
         self.stats["grandchildren_killed"] += n
         left = protocol.child_pids()
         self._foreign = (left or set()) - known  # not ours (the embedding program's): not looked at again
         return n
+
+    def tell_descendants(self) -> None:
+        """Without cgroups, tell the watchdog of the busy children's descendants, so it can
+        kill them if this supervisor is SIGKILLed (their children die with it, and what
+        they adopted is reparented away, out of reach of any other rule)."""
+        if self.confinement.mechanism.where:
+            return
+        for child in self.children:
+            if child.attempt is None or not protocol.has_children(child.pid):
+                continue
+            for proc in procs.descendants(child.pid):
+                if proc.pid not in child.descendants_seen:
+                    child.descendants_seen[proc.pid] = proc
+                    with contextlib.suppress(psutil.Error):
+                        self.watchdog.seen(proc.pid, proc.create_time())
 
     def _known(self) -> set[int]:
         return {c.pid for c in self.children} | {self.watchdog.pid}
@@ -441,4 +487,5 @@ class ChildPool:
                 self.on_kill("teardown")
             self.watchdog.gone(child.pid)
         self.children.clear()
-        procs.reap_strays(self.owner, {self.watchdog.pid}, self.descended)
+        self.confinement.close()  # anything left in the slots' cgroups dies; the cgroups go
+        self._reap_strays({self.watchdog.pid})

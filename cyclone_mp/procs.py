@@ -3,9 +3,24 @@
 Killing (SPEC 4): the child runs in its own process group; a kill is SIGKILL to the
 group and to every descendant psutil still finds (a grandchild that left the group
 with ``setsid()`` included), then reaping, so no zombie and no grandchild survives.
-The supervisor is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) so escapees
-whose parent died are reparented to it, found by the marker in their environment,
-killed and reaped. Only processes this supervisor started are ever signalled.
+Where the child's slot has a cgroup, the cgroup is killed first
+(:meth:`cyclone_mp.slots.Slot.kill`: no fork can race it).
+
+Every signal to a process the supervisor did not just reap goes through a pidfd
+(``os.pidfd_open`` + ``signal.pidfd_send_signal``) opened for the very process psutil
+saw (its start time is checked after the pidfd is open), so a recycled pid is never
+hit (issue 20). A process group is signalled by id only while its leader, our child,
+is not reaped (its id cannot be reused before).
+
+Adopted processes (issue 18): the supervisor is a child subreaper (Linux
+``PR_SET_CHILD_SUBREAPER``), and so is each child, so an escapee whose parent died is
+reparented to the child while the child lives (and swept with its attempt's
+leftovers), else to the supervisor. The supervisor starts nothing but its children and
+its watchdog, so what it adopts is a handler's (:func:`strays`): found by its cgroup,
+its marker in the environment, or its pid seen as a handler's descendant; and, in a
+process that runs only the supervisor (``client.run()``, ``cyclone-mp worker``),
+anything else it adopts. Only processes this supervisor's children started are ever
+signalled.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import psutil
 
@@ -56,35 +72,103 @@ def descendants(pid: int) -> list[psutil.Process]:
     return []
 
 
-def kill_tree(pid: int, pgid: int | None, extra: list[psutil.Process] | None = None) -> list[int]:
+def open_pidfd(proc: psutil.Process) -> int | None:
+    """A pidfd for the process ``proc`` names, or None when that process is gone (or its
+    pid now belongs to another: its start time differs from the one psutil saw). The
+    start time is checked after the pidfd is open, so the pidfd is the one process."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+    except (AttributeError, OSError):  # no pidfds here (an old kernel): psutil's own check then
+        return -1 if _is_running(proc) else None
+    if _is_running(proc):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _is_running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running()
+    except psutil.Error:
+        return False
+
+
+def send(proc: psutil.Process, fd: int | None, sig: int) -> bool:
+    """Send ``sig`` through ``fd`` (from :func:`open_pidfd`; -1: psutil's checked send)."""
+    if fd is None:
+        return False
+    try:
+        if fd < 0:
+            proc.send_signal(sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+        return True
+    except (ProcessLookupError, psutil.Error, OSError):
+        return False
+
+
+def signal_process(proc: psutil.Process, sig: int) -> bool:
+    """Send ``sig`` to the process ``proc`` names, through a pidfd (never to a recycled pid)."""
+    fd = open_pidfd(proc)
+    try:
+        return send(proc, fd, sig)
+    finally:
+        if fd is not None and fd >= 0:
+            os.close(fd)
+
+
+def pidfd_kill(pid: int) -> bool:
+    """SIGKILL ``pid`` through a pidfd; for a process just listed (a cgroup's)."""
+    with contextlib.suppress(psutil.Error):
+        return signal_process(psutil.Process(pid), signal.SIGKILL)
+    return False
+
+
+def kill_tree(pid: int, pgid: int | None, extra: list[psutil.Process] | None = None, *,
+              pidfd: int | None = None) -> list[int]:
     """SIGKILL the process group ``pgid``, ``pid`` and every descendant; returns the pids hit.
 
-    Descendants are listed before and after the group kill (a fork may race the first
-    listing); processes are signalled by pid, never by name.
+    ``pid`` is signalled through ``pidfd`` when given (our child's, kept since it
+    started), descendants through pidfds of their own (:func:`open_pidfd`), the group
+    only while its leader is unreaped (the caller's promise). The tree is stopped
+    (SIGSTOP) before it is killed, and descendants are listed again after the kill (a
+    fork may race the first listing).
     """
     hit: list[int] = []
     seen: dict[int, psutil.Process] = {p.pid: p for p in (extra or [])}
-    for _ in range(3):
-        for proc in descendants(pid):
-            seen.setdefault(proc.pid, proc)
-        # Freeze the tree first so nobody forks between our listing and our kill.
-        for proc in seen.values():
-            with contextlib.suppress(psutil.Error):
-                proc.suspend()
-        if pgid is not None and pgid > 1:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        try:
-            os.kill(pid, signal.SIGKILL)
-            hit.append(pid)  # the root counts as hit too (a leftover of a finished task is one)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for proc in list(seen.values()):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-                hit.append(proc.pid)
-        if not any(p.pid not in seen for p in descendants(pid)):
-            break
+    fds: dict[int, int | None] = {}
+    try:
+        for _ in range(3):
+            for proc in descendants(pid):
+                seen.setdefault(proc.pid, proc)
+            for child_pid, proc in seen.items():
+                if child_pid not in fds:
+                    fds[child_pid] = open_pidfd(proc)
+            # Freeze the tree first so nobody forks between our listing and our kill.
+            for child_pid, proc in seen.items():
+                send(proc, fds[child_pid], signal.SIGSTOP)
+            if pgid is not None and pgid > 1:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, signal.SIGKILL)
+            try:
+                if pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)  # our unreaped child (its pid cannot be reused before we reap it)
+                hit.append(pid)  # the root counts as hit too (a leftover of a finished task is one)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+            for child_pid, proc in seen.items():
+                if send(proc, fds[child_pid], signal.SIGKILL):
+                    hit.append(child_pid)
+            if not any(p.pid not in seen for p in descendants(pid)):
+                break
+    finally:
+        for fd in fds.values():
+            if fd is not None and fd >= 0:
+                os.close(fd)
     return sorted(set(hit))
 
 
@@ -114,39 +198,46 @@ def _is_zombie_of_other(pid: int) -> bool:
     return True
 
 
-def marked_strays(supervisor_id: str, known: set[int], descended: set[int]) -> list[psutil.Process]:
-    """Our direct children that are not pool children but came from a handler.
+def strays(supervisor_id: str, known: set[int], descended: set[int], *, dedicated: bool = False,
+           held: Any = None) -> list[psutil.Process]:
+    """Our direct children that are not pool children (nor the watchdog, ``known``) but
+    came from a handler: handler descendants reparented to us (subreaper) after their
+    parent died.
 
-    These are handler descendants reparented to us (subreaper) after their parent died:
-    live ones carry our marker in their environment; zombies count only when their pid
-    was seen earlier as a handler's descendant (``descended``).
+    A process is one when ``dedicated`` (this process runs only the supervisor: it
+    starts nothing else, so whatever it adopts is a handler's), when it is in one of our
+    cgroups (``held(pid)``: exact, whatever it did to its environment, session or group),
+    when its pid was seen as a handler's descendant (``descended``), or when it carries
+    our marker in its environment (a handler can scrub that: the other rules are why it
+    need not be relied on). In a program that embeds the supervisor (``client.start()``)
+    the program's own children are none of these, and are left alone.
     """
-    strays = []
+    found = []
     with contextlib.suppress(psutil.Error):
         for proc in psutil.Process().children(recursive=False):
             if proc.pid in known:
                 continue
             with contextlib.suppress(psutil.Error):
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    if proc.pid in descended:
-                        strays.append(proc)
-                elif proc.environ().get(MARKER_ENV) == supervisor_id:
-                    strays.append(proc)
-    return strays
+                if dedicated or proc.pid in descended or (held is not None and held(proc.pid)):
+                    found.append(proc)
+                elif proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(MARKER_ENV) == supervisor_id:
+                    found.append(proc)
+    return found
 
 
-def reap_strays(supervisor_id: str, known: set[int], descended: set[int]) -> int:
-    """Kill and reap handler descendants reparented to us; returns how many."""
-    strays = marked_strays(supervisor_id, known, descended)
+def reap_strays(supervisor_id: str, known: set[int], descended: set[int], *, dedicated: bool = False,
+                held: Any = None) -> int:
+    """Kill and reap handler descendants reparented to us (:func:`strays`); returns how many."""
+    found = strays(supervisor_id, known, descended, dedicated=dedicated, held=held)
     pids = []
-    for proc in strays:
+    for proc in found:
         with contextlib.suppress(psutil.Error):
             if proc.status() != psutil.STATUS_ZOMBIE:
-                pids.extend(kill_tree(proc.pid, None))
+                pids.extend(kill_tree(proc.pid, None, [proc]))
             pids.append(proc.pid)
     if pids:
         reap(sorted(set(pids)), timeout=1.0)
-    return len(strays)
+    return len(found)
 
 
 def kill_marked(supervisor_id: str, exclude: set[int] | None = None) -> int:
@@ -160,8 +251,7 @@ def kill_marked(supervisor_id: str, exclude: set[int] | None = None) -> int:
         if exclude and proc.pid in exclude:
             continue
         with contextlib.suppress(psutil.Error):
-            if proc.environ().get(MARKER_ENV) == supervisor_id:
-                proc.kill()
+            if proc.environ().get(MARKER_ENV) == supervisor_id and signal_process(proc, signal.SIGKILL):
                 hit += 1
     return hit
 
@@ -290,10 +380,23 @@ class WatchdogLink:
 
                 logging.getLogger("cyclone_mp.supervisor").warning("the watchdog does not listen (%s)", exc)
 
-    def child(self, pid: int, pidfd: int | None) -> None:
-        """A new child (its pidfd, so the watchdog never hits a recycled pid)."""
+    def child(self, pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
+        """A new child (its pidfd, so the watchdog never hits a recycled pid; ``cgroup``:
+        its slot's v2 cgroup, killed whole with ``cgroup.kill``)."""
         if pidfd is not None:
-            self._send(f"child {pid}".encode(), [pidfd])
+            self._send(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
+
+    def cgroups(self, dirs: list[tuple[str, str]]) -> None:
+        """The supervisor's cgroup directories (``(hierarchy, path)``): once the supervisor
+        is gone, the watchdog kills everything in them, whatever it did to its environment
+        (issue 18), and removes them."""
+        for hierarchy, path in dirs:
+            self._send(f"cgroup {hierarchy} {path}".encode())
+
+    def seen(self, pid: int, started: float) -> None:
+        """A handler's descendant (``pid``, its start time per psutil): killed by the watchdog
+        once the supervisor is gone, if the same process still runs (no cgroups here)."""
+        self._send(f"seen {pid} {started!r}".encode())
 
     def due(self, pid: int, when: float | None) -> None:
         """The child must be dead by ``when`` (``time.monotonic()``; None: no bound)."""

@@ -23,10 +23,14 @@ class StepStatus:
         max_attempts, reclaims, max_reclaims: the bounds stored at enqueue.
         error, error_kind: the last error (``timeout``, ``error``, ``permanent``,
             ``child_exited``, ``output_invalid``, ``memory_error``, ``exit``,
-            ``reclaim_limit``) or None.
+            ``reclaim_limit``; the causes of death ``memory_limit``, ``cpu_limit``,
+            ``process_limit``, ``oom_killed``) or None.
         errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,
             ``message``, ``traceback``, ``exit_code``/``signal``, ``killed_by_supervisor``,
             ``trigger``, ``cpu_seconds``, ``peak_rss_kb``, ``elapsed`` (seconds), ``at``;
+            for an attempt with resource limits or killed by a cause of death also
+            ``limits``, ``tree`` (``peak_memory_kb``, ``cpu_seconds``, ``processes`` of the
+            whole process tree), ``cause`` and ``enforced_by``;
             and one per attempt cancelled while it ran (``kind="cancelled"``, with its
             ``started_at``; no attempt consumed, ``error`` unchanged: issue 19).
         started_at, finished_at, scheduled_at, heartbeat_at, lease_expiry: DB-clock
@@ -39,6 +43,8 @@ class StepStatus:
         waiting_on: ``"concurrency"`` or ``"rate_limit"`` while that limit holds the
             (due, available) step back, else None; running_in_group and
             starts_in_period: what the limits count now.
+        memory_limit, cpu_limit, max_processes, max_open_files: the resource caps stored
+            at enqueue (bytes, CPU seconds, processes, descriptors) or None.
     """
 
     name: str
@@ -74,6 +80,10 @@ class StepStatus:
     waiting_on: str | None = None
     running_in_group: int | None = None
     starts_in_period: int | None = None
+    memory_limit: int | None = None
+    cpu_limit: float | None = None
+    max_processes: int | None = None
+    max_open_files: int | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -92,6 +102,8 @@ class StepStatus:
             rate_limit=(row["rate_count"], row["rate_seconds"]) if row.get("rate_count") is not None else None,
             waiting_on=row.get("waiting_on"), running_in_group=row.get("running_in_group"),
             starts_in_period=row.get("starts_in_period"),
+            memory_limit=row.get("memory_limit"), cpu_limit=row.get("cpu_limit"),
+            max_processes=row.get("max_processes"), max_open_files=row.get("max_open_files"),
         )
 
     @property

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .backoff import Backoff, check_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError, UnknownStep
+from .limits import Limits, check_count, parse_size
 
 if TYPE_CHECKING:
     from .schedules import Schedule
@@ -125,6 +126,11 @@ class StepOptions:
             round-robin; ``concurrency`` and ``rate_limit`` count per (step, key).
         rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per
             key, on the database clock (None: no limit). Stored on the row at enqueue.
+        memory_limit: bytes of memory the attempt's whole process tree may use (an int,
+            or a size such as ``"512MiB"``); None: no cap (issue 20). Stored on the row.
+        cpu_limit: CPU seconds the tree may use in one attempt (seconds or timedelta).
+        max_processes: processes the tree may have at once, the child included.
+        max_open_files: descriptors each process of the tree may open.
     """
 
     timeout: float | None = None
@@ -136,6 +142,10 @@ class StepOptions:
     concurrency: int | None = None
     concurrency_key: ConcurrencyKey | None = None
     rate_limit: tuple[int, float] | None = None
+    memory_limit: int | None = None
+    cpu_limit: float | None = None
+    max_processes: int | None = None
+    max_open_files: int | None = None
 
     @classmethod
     def build(
@@ -150,6 +160,10 @@ class StepOptions:
         concurrency: int | None = None,
         concurrency_key: ConcurrencyKey | None = None,
         rate_limit: tuple[int, Duration] | None = None,
+        memory_limit: int | str | None = None,
+        cpu_limit: Duration | None = None,
+        max_processes: int | None = None,
+        max_open_files: int | None = None,
     ) -> "StepOptions":
         """Validate and normalise raw option values.
 
@@ -178,6 +192,10 @@ class StepOptions:
             concurrency=concurrency,
             concurrency_key=concurrency_key,
             rate_limit=check_rate_limit(rate_limit),
+            memory_limit=parse_size(memory_limit, "memory_limit"),
+            cpu_limit=seconds(cpu_limit, "cpu_limit"),
+            max_processes=check_count(max_processes, "max_processes"),
+            max_open_files=check_count(max_open_files, "max_open_files"),
         )
 
     def key_for(self, input: Any) -> str:
@@ -195,6 +213,12 @@ class StepOptions:
             except Exception as exc:  # noqa: BLE001 - the user's callable: say which and why
                 raise ConfigurationError(f"concurrency_key({input!r:.80}) raised {type(exc).__name__}: {exc}") from exc
         return check_key(key)
+
+    @property
+    def limits(self) -> Limits:
+        """The resource caps of these options (:mod:`cyclone_mp.limits`)."""
+        return Limits(memory=self.memory_limit, cpu=self.cpu_limit, processes=self.max_processes,
+                      open_files=self.max_open_files)
 
     def over(self, base: "StepOptions") -> "StepOptions":
         """Return these options with unset fields taken from ``base``."""
@@ -273,6 +297,10 @@ def step(
     concurrency: int | None = None,
     concurrency_key: Callable[[Any], str] | None = None,
     rate_limit: tuple[int, Duration] | None = None,
+    memory_limit: int | str | None = None,
+    cpu_limit: Duration | None = None,
+    max_processes: int | None = None,
+    max_open_files: int | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
     """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
 
@@ -287,6 +315,10 @@ def step(
         concurrency: at most this many running at once per key, across all supervisors.
         concurrency_key: ``key(input) -> str``: the step's key (fairness and limits).
         rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per key.
+        memory_limit: bytes (or ``"512MiB"``) of memory for the attempt's whole process
+            tree; cpu_limit: its CPU seconds; max_processes: its processes at once;
+            max_open_files: descriptors per process. Killed past a cap, the attempt fails
+            as ``memory_limit``, ``cpu_limit`` or ``process_limit`` (docs/resource-limits.md).
 
     Raises:
         ConfigurationError: an invalid option.
@@ -296,7 +328,8 @@ def step(
     options = StepOptions.build(
         timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims,
         backoff=backoff, queue=queue, priority=priority, concurrency=concurrency,
-        concurrency_key=concurrency_key, rate_limit=rate_limit,
+        concurrency_key=concurrency_key, rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit,
+        max_processes=max_processes, max_open_files=max_open_files,
     )
 
     def decorate(fn: Callable[..., Any]) -> Step:

@@ -26,11 +26,12 @@ from psycopg.types.json import Jsonb
 from . import decisions
 from .backoff import delay_after
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, QueryRejected
+from .limits import NO_LIMITS, Limits
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
-    "cpu_seconds", "peak_rss_kb", "elapsed", "worker",
+    "cpu_seconds", "peak_rss_kb", "elapsed", "worker", "tree", "limits", "cause", "enforced_by",
 })
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the
@@ -204,12 +205,20 @@ def nullable_jsonb(value: Any) -> Jsonb | None:
     return None if value is None else Jsonb(value)
 
 
-def _limit_params(node: "NodeRow") -> dict[str, Any]:
+def node_params(node: "NodeRow") -> dict[str, Any]:
+    """A step row's key, flow limits (issue 21) and resource limits (issue 20) as query parameters."""
     return {
         "key": node.concurrency_key, "concurrency": node.concurrency,
         "rate_count": node.rate_limit[0] if node.rate_limit else None,
         "rate_period_us": to_us(node.rate_limit[1]) if node.rate_limit else None,
+        **limit_params(node.limits),
     }
+
+
+def limit_params(limits: Limits) -> dict[str, Any]:
+    """A step row's resource-limit columns as query parameters (issue 20)."""
+    return {"memory_limit": limits.memory, "cpu_limit": limits.cpu, "max_processes": limits.processes,
+            "max_open_files": limits.open_files}
 
 
 def to_us(seconds: float | None) -> int | None:
@@ -345,6 +354,7 @@ class NodeRow:
     timer_delay: float | None = None
     due_at: dt.datetime | None = None
     backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
+    limits: Limits = NO_LIMITS  # resource caps of each attempt (issue 20)
     concurrency_key: str = ""  # its fairness and limit group ('' for none)
     concurrency: int | None = None  # at most this many running per (step, key)
     rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
@@ -778,9 +788,11 @@ class Store:
         entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
         if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
             entry["reported_kind"] = kind
+        quarantined = (decisions.discard_message(end.error_kind, entry, list(row.get("error_kinds") or []))
+                       if end.state == "discarded" else None)
         cur.execute(Q["end_attempt"], {
             "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
-            "error": entry.get("message") or end.error_kind, "error_kind": end.error_kind,
+            "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
             "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
         })
         self._advance(cur, self._run_of(cur, id))

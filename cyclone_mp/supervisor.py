@@ -43,7 +43,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
-from . import procs
+from . import procs, slots
 from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
@@ -70,6 +70,9 @@ class Supervisor:
         observer: what the parts report to (default: :func:`~cyclone_mp.telemetry.supervisor_observer`).
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
+        dedicated: this process runs only the supervisor (``client.run()``, ``cyclone-mp
+            worker``): every process it adopts is then a handler's (issue 18); False in a
+            program that embeds it (``client.start()``), whose own children are left alone.
 
     Raises:
         ConfigurationError: a registered handler cannot be imported by a child, or this
@@ -78,7 +81,8 @@ class Supervisor:
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
                  metrics_port: int | None = None, observer: Observer | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 dedicated: bool = False) -> None:
         if os.environ.get(procs.MARKER_ENV):
             # We are a handler's child (or its descendant): a supervisor here would spawn
             # children that import the same module and start supervisors again, without end.
@@ -99,7 +103,9 @@ class Supervisor:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
+        self.dedicated = dedicated
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.confinement: slots.Confinement | None = None
         self.running = threading.Event()
         self.stopped = threading.Event()
         self.control: ProcessControl | None = None
@@ -139,6 +145,10 @@ class Supervisor:
         was_subreaper = procs.set_subreaper(True)
         watchdog = procs.WatchdogLink(self.id)
         try:
+            # The child slots' cgroups (issue 20): the watchdog kills them if we die.
+            self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
+            watchdog.cgroups(confinement.dirs)
+            log.info("resource limits: %s", confinement.mechanism.describe())
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
                                       listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
@@ -149,7 +159,8 @@ class Supervisor:
                                         clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,
                                      writer=self.writer, watchdog=watchdog, clock=self.clock,
-                                     wall_clock=self.wall_clock, observer=self.observer)
+                                     wall_clock=self.wall_clock, observer=self.observer, confinement=confinement,
+                                     dedicated=self.dedicated)
             self.control = control
             maintenance = Maintenance(self.dsn, self.config,
                                       sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written),
@@ -185,6 +196,8 @@ class Supervisor:
                 self.control.close()
             except Exception:  # noqa: BLE001 - the rest must still stop
                 log.exception("stopping the children failed")
+        elif self.confinement is not None:
+            self.confinement.close()
         parts = [p for p in (self.writer, self.keeper, self.maintenance) if p is not None]
         for part in parts:
             part.request_stop()
@@ -267,7 +280,8 @@ class Supervisor:
 
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
              "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
-             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled")
+             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled",
+             "limit_kills")
 
 
 class Stats(Mapping[str, int]):

@@ -153,7 +153,7 @@ def sc03_spawner(ctx: cy.Context, inp: dict) -> dict:
         listed = json.loads(prev.read_text())["all"]
         record["prev_alive"] = [p for p in listed if _alive(p)]
     # 1. a double-forked, setsid'd escapee: its parent exits at once, so it is reparented
-    #    (to the supervisor, a child subreaper) and is no descendant of this child.
+    #    (to this child, a child subreaper: it stays a descendant of this child).
     esc = subprocess.Popen([sys.executable, "-c", _ESCAPE], stdout=subprocess.PIPE)
     assert esc.stdout is not None
     escapee = int(esc.stdout.readline())

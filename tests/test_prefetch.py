@@ -370,7 +370,10 @@ class FakeWatchdog:
     def fileno(self) -> int:
         return self.r
 
-    def child(self, pid: int, pidfd: Any) -> None:
+    def child(self, pid: int, pidfd: Any, cgroup: Any = None) -> None:
+        pass
+
+    def seen(self, pid: int, started: float) -> None:
         pass
 
     def due(self, pid: int, when: Any) -> None:

@@ -281,6 +281,7 @@ claimed AS (
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM now() - s.scheduled_at)::float8 AS pickup,  -- claimable to claimed (metrics)
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
+              s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,  -- resource limits (issue 20)
               -- the run's row by primary key, once (its input and kind are read from it):
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
@@ -433,7 +434,8 @@ fail_in AS MATERIALIZED (
            finished_at = CASE WHEN j.d THEN now() ELSE NULL END,
            lease_owner = CASE WHEN j.d THEN s.lease_owner ELSE NULL END,
            lease_expiry = NULL,
-           error = coalesce(nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
+           error = coalesce(CASE WHEN j.d AND NOT j.t THEN {quarantine_error_expr} END,
+                            nullif(j.entry ->> 'message', ''), CASE WHEN j.t THEN 'timeout' ELSE j.kind END),
            error_kind = CASE WHEN j.t THEN 'timeout' ELSE j.kind END,
            errors = s.errors || jsonb_build_array(
                j.entry
@@ -459,6 +461,22 @@ fail_in AS MATERIALIZED (
     RETURNING r.id, {run_ended_expr}
 )
 
+-- name: quarantine_error_expr
+-- (Fragment) the poison quarantine (issue 20, decisions.discard_message): the error of a
+-- step discarded by an attempt j that died of a resource cause (its entry has a "cause"),
+-- when the attempts before it died of the same cause: "killed 3 times: memory_limit
+-- 512 MiB, peak 2.1 GiB". NULL otherwise. Earlier entries of cancelled attempts are skipped.
+CASE WHEN j.kind IN ('memory_limit', 'cpu_limit', 'process_limit', 'oom_killed') AND j.entry ? 'cause' THEN
+    (SELECT 'killed ' || (n.same + 1) || ' times: ' || (j.entry ->> 'cause')
+       FROM (SELECT count(*) AS same
+               FROM jsonb_array_elements(s.errors) WITH ORDINALITY AS e(v, i)
+              WHERE e.v ->> 'kind' = j.kind
+                AND e.i > coalesce((SELECT max(f.i)
+                                      FROM jsonb_array_elements(s.errors) WITH ORDINALITY AS f(v, i)
+                                     WHERE f.v ->> 'kind' NOT IN (j.kind, 'cancelled')), 0)) n
+      WHERE n.same > 0)
+END
+
 -- name: claimed_input_expr
 -- (Fragment) a claimed row's input as JSON text, unless its stored size is over
 -- %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
@@ -479,10 +497,10 @@ WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generatio
 {claim_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_concurrency
@@ -492,10 +510,10 @@ WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generatio
 {claim_concurrency_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_fair
@@ -503,10 +521,10 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 WITH RECURSIVE {claim_fair_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: claim_plain
@@ -515,10 +533,10 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 WITH {claim_plain_ctes}
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
@@ -527,13 +545,14 @@ settled_completed AS (
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
            runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup,
-           NULL::jsonb AS trace
+           NULL::jsonb AS trace, NULL::bigint AS memory_limit, NULL::float8 AS cpu_limit, NULL::integer AS max_processes,
+           NULL::integer AS max_open_files
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
            c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
-           c.pickup, (c.run).trace
+           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
       FROM claimed c
 )
 
@@ -549,12 +568,12 @@ finished AS (SELECT id, lease_generation AS generation FROM done
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_concurrency
@@ -566,12 +585,12 @@ finished AS (SELECT id, lease_generation AS generation FROM done
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_fair
@@ -582,12 +601,12 @@ WITH RECURSIVE {settle_ctes}, {fail_ctes}, {claim_fair_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_plain
@@ -596,12 +615,12 @@ WITH {settle_ctes}, {fail_ctes}, {claim_plain_ctes}, {settled_ctes}
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: settle_completions
 -- The hot path of a tick without failures (most ticks): its completions and the next
@@ -612,7 +631,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_concurrency
@@ -623,7 +642,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_fair
@@ -634,7 +653,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_plain
@@ -644,7 +663,7 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
@@ -660,7 +679,8 @@ SELECT r.id::text AS id, r.kind, r.state
 -- name: lock_attempt
 -- Under the run lock: the step row of one attempt, if still running under that lease.
 SELECT attempt, max_attempts, reclaims, max_reclaims, step_name, backoff,
-       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
+       (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out,
+       ARRAY(SELECT e ->> 'kind' FROM jsonb_array_elements(errors) AS e) AS error_kinds  -- the poison quarantine's
   FROM cyclone_steps
  WHERE id = %(id)s
    AND state = 'running'
@@ -864,7 +884,7 @@ RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr};
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
-'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit'
+'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit', 'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed'
 
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
@@ -936,11 +956,13 @@ WITH run AS (
 ), step AS (
     INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
                                max_reclaims, timeout, backoff, scheduled_at,
-                               concurrency_key, concurrency, rate_count, rate_period)
+                               concurrency_key, concurrency, rate_count, rate_period,
+                               memory_limit, cpu_limit, max_processes, max_open_files)
     SELECT run.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
            %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
            coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
-           %(key)s, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond'
+           %(key)s, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond',
+           %(memory_limit)s::bigint, %(cpu_limit)s::float8, %(max_processes)s::int, %(max_open_files)s::int
       FROM run
     RETURNING run_id
 )
@@ -955,21 +977,25 @@ SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s;
 -- The step rows of one run (one per node), from parallel arrays.
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
                            max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at,
-                           concurrency_key, concurrency, rate_count, rate_period)
+                           concurrency_key, concurrency, rate_count, rate_period,
+                           memory_limit, cpu_limit, max_processes, max_open_files)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
        t.timeout_us * interval '1 microsecond', t.timer_delay_us * interval '1 microsecond', t.due_at,
        t.backoff,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
-       t.key, t.concurrency, t.rate_count, t.rate_period_us * interval '1 microsecond'
+       t.key, t.concurrency, t.rate_count, t.rate_period_us * interval '1 microsecond',
+       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
               %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[], %(keys)s::text[], %(concurrencies)s::int[],
-              %(rate_counts)s::int[], %(rate_periods_us)s::bigint[])
+              %(rate_counts)s::int[], %(rate_periods_us)s::bigint[], %(memory_limits)s::bigint[],
+              %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
-         timeout_us, timer_delay_us, due_at, backoff, key, concurrency, rate_count, rate_period_us);
+         timeout_us, timer_delay_us, due_at, backoff, key, concurrency, rate_count, rate_period_us,
+         memory_limit, cpu_limit, max_processes, max_open_files);
 
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load), each with its concurrency key.
@@ -981,11 +1007,13 @@ WITH runs AS (
 )
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
                            max_reclaims, timeout, backoff, scheduled_at,
-                           concurrency_key, concurrency, rate_count, rate_period)
+                           concurrency_key, concurrency, rate_count, rate_period,
+                           memory_limit, cpu_limit, max_processes, max_open_files)
 SELECT runs.id, %(name)s, %(name)s, 'task', %(queue)s, %(priority)s, 'available', %(max_attempts)s,
        %(max_reclaims)s, %(timeout_us)s::bigint * interval '1 microsecond', %(backoff)s::jsonb,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
-       k.key, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond'
+       k.key, %(concurrency)s, %(rate_count)s, %(rate_period_us)s::bigint * interval '1 microsecond',
+       %(memory_limit)s::bigint, %(cpu_limit)s::float8, %(max_processes)s::int, %(max_open_files)s::int
   FROM runs
   JOIN unnest(%(ids)b::uuid[], %(keys)s::text[]) AS k(id, key) ON k.id = runs.id;
 
@@ -1034,6 +1062,7 @@ s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float
 s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
 s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
+s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
 g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
 
 -- name: step_limits_expr
@@ -1266,11 +1295,13 @@ SELECT s.step_name AS step, count(*)::bigint AS n,
  LIMIT %(limit)s;
 
 -- name: dash_recent_kills
--- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit), newest entry first.
+-- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit, a resource
+-- cause of issue 20), newest entry first.
 SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
        s.reclaims, s.max_reclaims, s.errors -> -1 AS entry
   FROM cyclone_steps s
- WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit')
+ WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit',
+                                       'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
  ORDER BY (s.errors -> -1 ->> 'at') DESC, s.id DESC
  LIMIT %(limit)s;
 

@@ -1,0 +1,787 @@
+"""Confining each child slot's process tree (issue 20): its caps, its evidence, its kill.
+
+A supervisor detects once, when it starts (:meth:`Confinement.detect`), the best
+mechanism the host offers for each job, and keeps one :class:`Slot` per child slot (a
+new child takes the slot of the one it replaces):
+
+========================  ===============================================  ==========================
+job                       best first                                       fallback
+========================  ===============================================  ==========================
+kill the whole tree       cgroup v2: freeze, list, ``cgroup.kill``          SIGSTOP, then SIGKILL to the
+                          (no fork can race it)                            group and every descendant
+memory (``memory_limit``) cgroup v2 ``memory.max``; cgroup v1              ``RLIMIT_DATA`` in the child,
+                          ``memory.limit_in_bytes`` (the kernel holds      and the tree's RSS sampled
+                          the cap; an OOM kill inside is the evidence)     here every 50 ms
+processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     the tree's processes sampled
+(``max_processes``)       is the evidence)
+CPU (``cpu_limit``)       cgroup v2 ``cpu.stat`` sampled every 50 ms       the tree's ``/proc`` times
+                                                                           sampled, ``RLIMIT_CPU`` in the child
+open files                ``RLIMIT_NOFILE`` in the child (no cgroup        the same
+(``max_open_files``)      counts descriptors)
+========================  ===============================================  ==========================
+
+cgroups are used where the supervisor can create them: as root, or in a delegated
+subtree (systemd's ``Delegate=yes``). Each supervisor makes one directory per
+hierarchy, ``cyclone-mp-<pid>-<tag>`` under its own cgroup, and in it ``slot-N`` per
+child slot; a child is moved into its slot's cgroups right after it starts (before it
+can have started anything). v2 controllers are enabled in the supervisor's own cgroup
+when they are available there but not yet enabled; a non-root cgroup holding the
+supervisor cannot enable them (no internal processes), so the supervisor first moves
+itself into a leaf of its own (``cyclone-mp-supervisor-<pid>``), as systemd advises
+for delegated units. ``CYCLONE_MP_CGROUPS=off`` turns cgroups off (the fallbacks).
+
+Sampling happens only while an attempt with a limit runs (process control's loop,
+every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import time
+from typing import Any
+
+from .limits import Limits, Usage
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+CGROUPS_ENV = "CYCLONE_MP_CGROUPS"  #: "off" (or 0, no, false): never use cgroups
+SAMPLE_INTERVAL = 0.05  #: seconds between two looks at a running attempt with limits
+FREEZE_WAIT = 0.05  #: seconds a tree kill waits for a cgroup to be frozen before it kills anyway
+PREFIX = "cyclone-mp-"
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+CGROUP_V2, CGROUP_V1 = "cgroup v2", "cgroup v1"
+SAMPLING, RLIMIT, SIGNALS = "sampling", "rlimit", "signals"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """How each job is done on this host (see the module docstring); what ``cyclone-mp
+    workers`` and the start-up log show."""
+
+    kill: str = SIGNALS  #: "cgroup v2" or "signals"
+    memory: str = f"{RLIMIT} + {SAMPLING}"  #: "cgroup v2", "cgroup v1" or "rlimit + sampling"
+    processes: str = SAMPLING  #: "cgroup v2", "cgroup v1" or "sampling"
+    cpu: str = SAMPLING  #: "cgroup v2" (cpu.stat, sampled) or "sampling" (/proc)
+    open_files: str = RLIMIT
+    where: tuple[str, ...] = ()  #: the supervisor's cgroup directories
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kill": self.kill, "memory": self.memory, "processes": self.processes, "cpu": self.cpu,
+                "open_files": self.open_files, "cgroups": list(self.where)}
+
+    def describe(self) -> str:
+        """One line for the logs."""
+        return (f"tree kill by {self.kill}; memory_limit by {self.memory}; max_processes by {self.processes}; "
+                f"cpu_limit by {self.cpu} (sampled); max_open_files by {self.open_files}"
+                + (f"; cgroups {', '.join(self.where)}" if self.where else ""))
+
+    @property
+    def kernel_memory_cap(self) -> bool:
+        return self.memory in (CGROUP_V2, CGROUP_V1)
+
+    @property
+    def kernel_process_cap(self) -> bool:
+        return self.processes in (CGROUP_V2, CGROUP_V1)
+
+
+# -- reading the host -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchies:
+    """This process's own cgroup directory in each hierarchy found (None: not mounted or
+    not reachable)."""
+
+    v2: str | None = None
+    memory_v1: str | None = None
+    pids_v1: str | None = None
+
+
+def find_hierarchies(mountinfo: str, proc_cgroup: str) -> Hierarchies:
+    """Where this process's cgroups are, from ``/proc/self/mountinfo`` and
+    ``/proc/self/cgroup`` (their texts: pure, for tests)."""
+    own: dict[str, str] = {}
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, controllers, path = parts
+        if hier == "0" and controllers == "":
+            own["v2"] = path
+        for name in controllers.split(","):
+            if name:
+                own[name] = path
+    found: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        root, point, fstype, options = fields[3], fields[4], tail[0], tail[2].split(",")
+        if fstype == "cgroup2":
+            key = "v2"
+        elif fstype == "cgroup" and ("memory" in options or "pids" in options):
+            key = "memory" if "memory" in options else "pids"
+        else:
+            continue
+        path = own.get(key)
+        if path is None or key in found:
+            continue
+        if root != "/" and not (path == root or path.startswith(root.rstrip("/") + "/")):
+            continue  # our cgroup is outside what this mount shows
+        rel = path[len(root):] if root != "/" else path
+        found[key] = os.path.join(point, rel.lstrip("/")).rstrip("/") or point
+    return Hierarchies(v2=found.get("v2"), memory_v1=found.get("memory"), pids_v1=found.get("pids"))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode()
+    except OSError:
+        return None
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def _fields(text: str | None) -> dict[str, int]:
+    """``key value`` lines (memory.events, cpu.stat, memory.oom_control, pids.events)."""
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[key] = int(value)
+    return out
+
+
+def _value_after(data: bytes | None, key: bytes, default: Any = 0) -> Any:
+    """The integer after ``key`` in a counter file's bytes (``default`` if absent)."""
+    if not data:
+        return default
+    at = data.find(key)
+    if at < 0 or (at and data[at - 1:at] != b"\n"):
+        return default
+    at += len(key)
+    end = data.find(b"\n", at)
+    try:
+        return int(data[at:end if end >= 0 else None])
+    except ValueError:
+        return default
+
+
+def _int(text: str | None) -> int | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return int((text or "").strip())
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # existence only: no signal is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(parent: str) -> None:
+    """Remove what dead supervisors left under ``parent``: empty ``cyclone-mp-<pid>-*``
+    directories whose supervisor pid is gone (a supervisor and its watchdog both
+    SIGKILLed). Never touches a directory with a process in it."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith(PREFIX) or name.startswith(PREFIX + "supervisor-"):
+                continue
+            pid = _int(name[len(PREFIX):].split("-", 1)[0])
+            if pid is None or _pid_alive(pid):
+                continue
+            remove_tree(os.path.join(parent, name))
+
+
+def remove_tree(base: str) -> bool:
+    """rmdir a supervisor's directory and its slot directories (only empty cgroups can go)."""
+    ok = True
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            sub = os.path.join(base, name)
+            if os.path.isdir(sub):
+                try:
+                    os.rmdir(sub)
+                except OSError:
+                    ok = False
+    try:
+        os.rmdir(base)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        ok = False
+    return ok
+
+
+# -- the supervisor's cgroups -----------------------------------------------------------------------
+
+
+class Confinement:
+    """A supervisor's confinement: the mechanism, and its slots (see the module docstring).
+
+    Attributes:
+        mechanism: the :class:`Mechanism` chosen.
+        v2, memory_v1, pids_v1: this supervisor's directory in each hierarchy used, or None.
+        v2_controllers: the v2 controllers enabled for the slots (``memory``, ``pids``).
+    """
+
+    def __init__(self, *, v2: str | None = None, v2_controllers: frozenset[str] = frozenset(),
+                 memory_v1: str | None = None, pids_v1: str | None = None, kill: bool = False) -> None:
+        self.v2, self.v2_controllers = v2, v2_controllers
+        self.memory_v1, self.pids_v1 = memory_v1, pids_v1
+        self.v2_kill = kill
+        memory = (CGROUP_V2 if "memory" in v2_controllers else CGROUP_V1 if memory_v1 else f"{RLIMIT} + {SAMPLING}")
+        processes = CGROUP_V2 if "pids" in v2_controllers else CGROUP_V1 if pids_v1 else SAMPLING
+        self.mechanism = Mechanism(
+            kill=CGROUP_V2 if v2 and kill else SIGNALS, memory=memory, processes=processes,
+            cpu=CGROUP_V2 if v2 else SAMPLING, where=tuple(d for d in (v2, memory_v1, pids_v1) if d))
+        self._slots: dict[int, Slot] = {}
+
+    @classmethod
+    def none(cls) -> "Confinement":
+        """No cgroups: rlimits in the child, sampling here, signals to kill."""
+        return cls()
+
+    @classmethod
+    def detect(cls, tag: str, *, environ: Any = None, mountinfo: str = "/proc/self/mountinfo",
+               proc_cgroup: str = "/proc/self/cgroup") -> "Confinement":
+        """Find and set up the best mechanism here (see the module docstring); never raises:
+        what cannot be used is left to the fallbacks, and said in the log."""
+        environ = os.environ if environ is None else environ
+        if str(environ.get(CGROUPS_ENV, "")).strip().lower() in ("0", "off", "no", "false"):
+            return cls.none()
+        info, own = _read(mountinfo), _read(proc_cgroup)
+        if not info or not own:
+            return cls.none()
+        found = find_hierarchies(info, own)
+        name = f"{PREFIX}{os.getpid()}-{tag}"
+        v2 = controllers = None
+        kill = False
+        if found.v2:
+            v2, controllers = _setup_v2(found.v2, name)
+            kill = bool(v2) and os.path.exists(os.path.join(v2, "cgroup.kill"))
+        controllers = controllers or frozenset()
+        memory_v1 = None if "memory" in controllers else _setup_v1(found.memory_v1, name, "memory.limit_in_bytes")
+        pids_v1 = None if "pids" in controllers else _setup_v1(found.pids_v1, name, "pids.max")
+        return cls(v2=v2, v2_controllers=controllers, memory_v1=memory_v1, pids_v1=pids_v1, kill=kill)
+
+    @property
+    def dirs(self) -> list[tuple[str, str]]:
+        """``(hierarchy, directory)`` of this supervisor's cgroups (for the watchdog)."""
+        return [(h, d) for h, d in (("v2", self.v2), ("v1", self.memory_v1), ("v1", self.pids_v1)) if d]
+
+    def slot(self, index: int) -> "Slot":
+        """Slot ``index`` (created on first use)."""
+        slot = self._slots.get(index)
+        if slot is None:
+            slot = self._slots[index] = Slot(self, index)
+        return slot
+
+    def holds(self, pid: int) -> bool:
+        """True when process ``pid`` is in one of this supervisor's cgroups (a handler's,
+        whatever it did to its environment, session or process group)."""
+        if not self.mechanism.where:
+            return False
+        text = _read(f"/proc/{pid}/cgroup") or ""
+        names = {os.path.basename(d) for d in self.mechanism.where}
+        return any(f"/{name}/" in line or line.endswith(f"/{name}") for line in text.splitlines() for name in names)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Kill whatever is left in this supervisor's cgroups and remove them."""
+        for slot in self._slots.values():
+            slot.kill()
+            slot.close_fds()
+        deadline = time.monotonic() + timeout
+        for _, base in self.dirs:
+            while not remove_tree(base) and time.monotonic() < deadline:
+                for slot in self._slots.values():
+                    slot.kill()
+                time.sleep(0.01)
+
+
+def _setup_v2(own: str, name: str) -> tuple[str | None, frozenset[str] | None]:
+    """Make this supervisor's v2 directory under ``own`` (our cgroup), with the memory
+    and pids controllers enabled for its slots where this cgroup offers them."""
+    remove_stale(own)
+    base = os.path.join(own, name)
+    try:
+        os.mkdir(base)
+    except OSError as exc:
+        log.info("cgroup v2 at %s cannot be used (%s); tree kills use signals", own, exc.strerror or exc)
+        return None, None
+    offered = set((_read(os.path.join(own, "cgroup.controllers")) or "").split())
+    want = {"memory", "pids"} & offered
+    enabled = set((_read(os.path.join(own, "cgroup.subtree_control")) or "").split())
+    if want - enabled and not _enable(own, want - enabled):
+        want &= enabled
+    if want:
+        try:
+            _write(os.path.join(base, "cgroup.subtree_control"), " ".join(f"+{c}" for c in sorted(want)))
+        except OSError as exc:
+            log.info("cannot enable %s in %s (%s)", ", ".join(sorted(want)), base, exc.strerror or exc)
+            want = set()
+    return base, frozenset(want)
+
+
+def _enable(own: str, controllers: set[str]) -> bool:
+    """Enable ``controllers`` for the children of our cgroup ``own``. A non-root cgroup with
+    processes cannot (EBUSY): if we are its only process we move into a leaf of our own
+    first (the "no internal processes" rule), else we leave it."""
+    control = os.path.join(own, "cgroup.subtree_control")
+    text = " ".join(f"+{c}" for c in sorted(controllers))
+    try:
+        _write(control, text)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            log.info("cannot enable %s in %s (%s)", ", ".join(sorted(controllers)), own, exc.strerror or exc)
+            return False
+    procs = (_read(os.path.join(own, "cgroup.procs")) or "").split()
+    if procs != [str(os.getpid())]:
+        log.info("cgroup v2 controllers %s not enabled: %s holds other processes than the supervisor",
+                 ", ".join(sorted(controllers)), own)
+        return False
+    leaf = os.path.join(own, f"{PREFIX}supervisor-{os.getpid()}")
+    try:
+        os.makedirs(leaf, exist_ok=True)
+        _write(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
+        _write(control, text)
+        log.info("moved the supervisor into %s to enable %s for its slots", leaf, ", ".join(sorted(controllers)))
+        return True
+    except OSError as exc:
+        log.info("cannot enable %s in %s (%s)", ", ".join(sorted(controllers)), own, exc.strerror or exc)
+        with contextlib.suppress(OSError):
+            _write(os.path.join(own, "cgroup.procs"), str(os.getpid()))
+            os.rmdir(leaf)
+        return False
+
+
+def _setup_v1(own: str | None, name: str, probe: str) -> str | None:
+    """This supervisor's directory in a v1 hierarchy (memory or pids), or None."""
+    if not own:
+        return None
+    remove_stale(own)
+    base = os.path.join(own, name)
+    try:
+        os.mkdir(base)
+    except OSError as exc:
+        log.info("cgroup v1 at %s cannot be used (%s)", own, exc.strerror or exc)
+        return None
+    if not os.path.exists(os.path.join(base, probe)):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        return None
+    return base
+
+
+@dataclasses.dataclass
+class Baseline:
+    """A limited attempt's starting point in its slot: CPU seconds used so far, the
+    counters of OOM kills, memory cap hits and refused forks."""
+
+    cpu: float | None = None
+    oom_kills: int = 0
+    cap_hits: int = 0
+    fork_failures: int = 0
+    runner_cpu: float | None = None  # the child's own CPU seconds when the attempt started
+    peak: int = 0  # sampled peak memory (fallback)
+    processes: int = 0  # the most processes seen in the tree  # sampled peak (fallback)
+
+
+class Slot:
+    """One child slot: its cgroups (if any) and the child now in it (see the module
+    docstring). Process control's thread only."""
+
+    def __init__(self, confinement: Confinement, index: int) -> None:
+        self.confinement = confinement
+        self.index = index
+        self.pid: int | None = None
+        self.dirs: dict[str, str] = {}  # "v2", "memory", "pids" -> this slot's directory
+        self.confined = False  # the child now in the slot is in every cgroup of it
+        self._fds: dict[str, int] = {}
+        self.caps: tuple[int | None, int | None] = (None, None)  # (memory, pids.max) written now
+        self.last = Baseline()  # the counters when last looked at (an attempt without limits is judged against it)
+        self.runner_tasks: int | None = None  # the child runner's threads (its tasks under a pids cap)
+        mech = confinement.mechanism
+        for key, base in (("v2", confinement.v2), ("memory", confinement.memory_v1), ("pids", confinement.pids_v1)):
+            if base:
+                path = os.path.join(base, f"slot-{index}")
+                try:
+                    os.makedirs(path, exist_ok=True)
+                    self.dirs[key] = path
+                except OSError as exc:
+                    log.error("cannot create the cgroup %s (%s); this slot's child is not confined", path, exc)
+        self.memory_file = ("memory" if "memory" in self.dirs else "v2" if mech.memory == CGROUP_V2 else None)
+        self.pids_file = ("pids" if "pids" in self.dirs else "v2" if mech.processes == CGROUP_V2 else None)
+
+    @property
+    def v2_dir(self) -> str | None:
+        """This slot's v2 cgroup (the watchdog kills through it)."""
+        return self.dirs.get("v2") if self.confined else None
+
+    # -- a child in the slot ---------------------------------------------------------------------
+
+    def enter(self, pid: int) -> bool:
+        """Move a new child into the slot's cgroups (before it can start anything). False
+        when it could not be (it is then killed with signals and sampled)."""
+        self.pid = pid
+        if not self.dirs:
+            self.confined = False
+            return False
+        try:
+            if self.caps != (None, None):  # a fresh child starts uncapped (it imports its handlers first)
+                self.confined = True
+                self.configure(Limits())
+            for path in self.dirs.values():
+                _write(os.path.join(path, "cgroup.procs"), str(pid))
+            self.confined = True
+            self.last = Baseline()
+            self.last.oom_kills, self.last.cap_hits = self._memory_counters()
+            self.last.fork_failures = self._forks_refused()
+            self.runner_tasks = None
+        except OSError as exc:
+            log.error("cannot move child %d into its cgroup (%s); it is killed with signals", pid, exc)
+            self.confined = False
+        return self.confined
+
+    def _file(self, key: str, name: str) -> str | None:
+        path = self.dirs.get(key)
+        return os.path.join(path, name) if path and self.confined else None
+
+    def _pread_bytes(self, key: str, name: str) -> bytes | None:
+        """Read a file of this slot through a descriptor kept open (about 2 us)."""
+        cache = f"{key}/{name}"
+        fd = self._fds.get(cache)
+        if fd is None:
+            path = self._file(key, name)
+            if path is None:
+                return None
+            try:
+                fd = self._fds[cache] = os.open(path, os.O_RDONLY)
+            except OSError:
+                return None
+        try:
+            return os.pread(fd, 4096, 0)
+        except OSError:
+            return None
+
+    def _pread(self, key: str, name: str) -> str | None:
+        data = self._pread_bytes(key, name)
+        return None if data is None else data.decode()
+
+    def configure(self, limits: Limits) -> bool:
+        """Set the kernel's caps for the next attempt (written only when they change).
+        False when the memory cap is below what the (reused) child uses already: it must
+        be replaced by a fresh one first."""
+        if not self.confined:
+            return True
+        memory = limits.memory if self.memory_file else None
+        tasks = None
+        if limits.processes is not None and self.pids_file:
+            if self.runner_tasks is None:  # its threads, once (read each time, it cost more than the rest)
+                stat = _stat(self.pid) if self.pid else None
+                self.runner_tasks = stat[1] if stat else 2
+            tasks = limits.processes + max(0, self.runner_tasks - 1)  # the runner counts as one process, whatever its threads
+        if (memory, tasks) == self.caps:
+            return True
+        try:
+            if memory != self.caps[0] and self.memory_file:
+                if self.memory_file == "v2":
+                    used = _int(self._pread("v2", "memory.current"))
+                    if memory is not None and used is not None and used > memory:
+                        return False  # v2 would reclaim, then OOM-kill the idle child: replace it instead
+                    _write(self._file("v2", "memory.max") or "", "max" if memory is None else str(memory))
+                else:
+                    try:
+                        _write(self._file("memory", "memory.limit_in_bytes") or "", "-1" if memory is None else str(memory))
+                    except OSError as exc:
+                        if exc.errno == errno.EBUSY:
+                            return False  # cannot reclaim below the cap: the child holds more already
+                        raise
+            if tasks != self.caps[1] and self.pids_file:
+                _write(self._file(self.pids_file, "pids.max") or "", "max" if tasks is None else str(tasks))
+        except OSError as exc:
+            log.error("cannot set the caps of slot %d (%s); its attempt runs with sampling only", self.index, exc)
+            self.caps = (None, None)
+            return True
+        self.caps = (memory, tasks)
+        return True
+
+    def _memory_counters(self) -> tuple[int, int]:
+        """(OOM kills, memory cap hits) in this slot so far (v1: the hits are judged from
+        the peak instead, see :meth:`sample`)."""
+        if self.memory_file == "v2":
+            events = _fields(self._pread("v2", "memory.events"))
+            return events.get("oom_kill", 0), events.get("oom", 0) + events.get("max", 0)
+        if self.memory_file == "memory":  # "oom_kill_disable 0\nunder_oom 0\noom_kill N\n"
+            return _value_after(self._pread_bytes("memory", "memory.oom_control"), b"oom_kill "), 0
+        return 0, 0
+
+    def _forks_refused(self) -> int:
+        return _value_after(self._pread_bytes(self.pids_file, "pids.events"), b"max ") if self.pids_file else 0
+
+    def _cpu(self) -> float | None:
+        if self.confined and "v2" in self.dirs:
+            usec = _value_after(self._pread_bytes("v2", "cpu.stat"), b"usage_usec ", None)
+            if usec is not None:
+                return usec / 1e6
+        return None
+
+    def _peak_fd(self) -> int | None:
+        """One descriptor for the memory peak: v2's ``memory.peak`` resets per open file,
+        so it is written and read through the same one."""
+        key, name = ("v2", "memory.peak") if self.memory_file == "v2" else ("memory", "memory.max_usage_in_bytes")
+        cache = f"{key}/{name}/rw"
+        fd = self._fds.get(cache)
+        if fd is None:
+            path = self._file(key, name)
+            if path is None:
+                return None
+            try:
+                fd = self._fds[cache] = os.open(path, os.O_RDWR)
+            except OSError:
+                return None
+        return fd
+
+    def _reset_peak(self) -> None:
+        """The memory peak restarts from now (a v2 kernel before 6.12: it counts since creation)."""
+        fd = self._peak_fd()
+        if fd is not None:
+            try:
+                os.pwrite(fd, b"reset" if self.memory_file == "v2" else b"0", 0)
+            except OSError:
+                pass
+
+    def _peak(self) -> int | None:
+        fd = self._peak_fd()
+        if fd is None:
+            return None
+        try:
+            return _int(os.pread(fd, 64, 0).decode())
+        except OSError:
+            return None
+
+    def begin(self, limits: Limits, runner_cpu: float | None = None) -> Baseline:
+        """An attempt with ``limits`` starts now in this slot: where its counters start.
+
+        Nothing is read here (this is every limited attempt's cost: about a microsecond):
+        the counters start from the slot's last look, and a memory cap only restarts the
+        peak. So an OOM kill or a refused fork is blamed on this attempt only with its
+        own evidence beside it: its peak reached its memory cap, its tree is at its
+        process cap (:meth:`sample`). The CPU counter is read at the first look (most
+        attempts end before it), less what the child itself used since it started the
+        attempt (``runner_cpu``: its CPU seconds then)."""
+        last = self.last
+        base = Baseline(oom_kills=last.oom_kills, cap_hits=last.cap_hits, fork_failures=last.fork_failures,
+                        runner_cpu=runner_cpu)
+        if limits.memory is not None and self.memory_file:
+            self._reset_peak()
+        return base
+
+    def sample(self, limits: Limits, base: Baseline, *, final: bool = False) -> Usage:
+        """What the attempt's tree used since ``base``. ``final``: it is over (or being
+        killed): every counter is read, and its processes counted. The counters read are
+        the slot's last look from then on."""
+        usage = Usage()
+        memory = limits.memory is not None or final
+        oom, hits = self._memory_counters() if memory else (self.last.oom_kills, self.last.cap_hits)
+        forks = self._forks_refused() if limits.processes is not None or final else self.last.fork_failures
+        self.last = Baseline(oom_kills=oom, cap_hits=hits, fork_failures=forks)
+        usage.oom_kills, usage.memory_cap_hits = oom - base.oom_kills, hits - base.cap_hits
+        usage.fork_failures = forks - base.fork_failures
+        need_tree = not self.confined or (limits.memory is not None and not self.memory_file) or (
+            limits.processes is not None and not self.pids_file)
+        cpu_now = self._cpu() if limits.cpu is not None or final else None
+        tree = _tree(self.pid) if (need_tree or (cpu_now is None and limits.cpu is not None)) and self.pid else None
+        if base.cpu is None and limits.cpu is not None and not final:  # the first look: where the CPU count starts
+            now = cpu_now if cpu_now is not None else (tree[0] if tree is not None else None)
+            runner = _stat(self.pid) if self.pid and base.runner_cpu is not None else None
+            spent = max(0.0, runner[0] - base.runner_cpu) if runner and base.runner_cpu is not None else 0.0
+            base.cpu = None if now is None else now - spent
+        if self.memory_file and memory:
+            usage.memory = _int(self._pread("v2", "memory.current") if self.memory_file == "v2"
+                                else self._pread("memory", "memory.usage_in_bytes"))
+            usage.peak_memory = self._peak()
+            if limits.memory is not None and usage.peak_memory is not None:
+                # the attempt's own evidence: its peak (restarted when it began) reached its cap
+                usage.memory_cap_hits = 1 if usage.peak_memory >= limits.memory else 0
+        elif tree is not None:
+            usage.memory = tree[1]
+            base.peak = max(base.peak, tree[1])
+            usage.peak_memory = base.peak
+        if cpu_now is None and tree is not None:
+            cpu_now = tree[0]
+        if cpu_now is not None and base.cpu is not None:
+            usage.cpu = max(0.0, cpu_now - base.cpu)
+        if tree is not None:
+            usage.processes, usage.tasks = tree[2], tree[3]
+        elif final or (limits.processes is not None and usage.fork_failures):
+            listed = self.procs()
+            usage.processes = len(listed) if listed is not None else None
+            if usage.fork_failures and self.caps[1] is not None and self.pids_file:  # at its process cap now?
+                usage.tasks = _int(self._pread(self.pids_file, "pids.current"))
+                usage.at_process_cap = usage.tasks is not None and usage.tasks >= self.caps[1]
+        if usage.processes is not None:  # the forensics say the most the tree had
+            base.processes = max(base.processes, usage.processes)
+            usage.processes = base.processes if final else usage.processes
+        return usage
+
+    def procs(self) -> list[int] | None:
+        """The processes in this slot's cgroup now (None: no cgroup)."""
+        for key in ("v2", "pids", "memory"):
+            path = self._file(key, "cgroup.procs")
+            if path:
+                text = _read(path)
+                if text is not None:
+                    return [int(p) for p in text.split()]
+        return None
+
+    def populated(self) -> bool:
+        """Something still runs in this slot's cgroups (False without cgroups)."""
+        listed = self.procs()
+        return bool(listed)
+
+    def kill(self) -> list[int]:
+        """Kill every process in the slot's cgroups; returns their pids (to reap). With
+        cgroup v2 the cgroup is frozen, listed and killed with ``cgroup.kill`` (no fork
+        can race it); with v1 only, each listed process is killed through a pidfd until
+        none is left. Empty without cgroups (the caller kills with signals)."""
+        if not self.confined:
+            return []
+        v2 = self.dirs.get("v2")
+        if v2 and self.confinement.v2_kill:
+            frozen = False
+            with contextlib.suppress(OSError):
+                _write(os.path.join(v2, "cgroup.freeze"), "1")
+                frozen = True
+            if frozen:
+                deadline = time.monotonic() + FREEZE_WAIT
+                while "frozen 1" not in (_read(os.path.join(v2, "cgroup.events")) or "frozen 1"):
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.001)
+            pids = self.procs() or []
+            with contextlib.suppress(OSError):
+                _write(os.path.join(v2, "cgroup.kill"), "1")
+            if frozen:
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(v2, "cgroup.freeze"), "0")
+            return pids
+        from .procs import pidfd_kill
+
+        hit: set[int] = set()
+        for _ in range(50):  # a v1 cgroup cannot be killed at once: until nothing is left (pids.max bounds forks)
+            listed = [p for p in (self.procs() or []) if p not in hit or _pid_alive(p)]
+            if not listed:
+                break
+            for pid in listed:
+                pidfd_kill(pid)
+                hit.add(pid)
+            time.sleep(0.001)
+        return sorted(hit)
+
+    def close_fds(self) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+
+# -- the fallback: the tree from /proc --------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[float, int, int, float] | None:
+    """``(CPU seconds, threads, RSS bytes, CPU seconds of waited-for children)`` of a process."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text:
+        return None
+    rest = text[text.rfind(")") + 2:].split()
+    try:
+        return ((int(rest[11]) + int(rest[12])) / _CLK_TCK, int(rest[17]), int(rest[21]) * _PAGE,
+                (int(rest[13]) + int(rest[14])) / _CLK_TCK)
+    except (IndexError, ValueError):
+        return None
+
+
+def _tree(root: int | None) -> tuple[float, int, int, int]:
+    """``(CPU seconds, RSS bytes, processes, tasks)`` of ``root`` and its live descendants
+    (plus the CPU of the children ``root`` waited for)."""
+    from .protocol import child_pids
+
+    if root is None:
+        return 0.0, 0, 0, 0
+    cpu = 0.0
+    rss = procs = tasks = 0
+    todo, seen = [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        stat = _stat(pid)
+        if stat is None:
+            continue
+        cpu += stat[0] + (stat[3] if pid == root else 0.0)
+        tasks += stat[1]
+        rss += stat[2]
+        procs += 1
+        todo.extend(child_pids(pid) or ())
+    return cpu, rss, procs, tasks
+
+
+def vm_oom_kills() -> int | None:
+    """The machine's count of OOM kills (``/proc/vmstat``), to infer an ``oom_killed``
+    death where no cgroup tells."""
+    return _fields(_read("/proc/vmstat")).get("oom_kill")
+
+
+# -- used by the watchdog once the supervisor is gone -------------------------------------------------
+
+
+def kill_dirs(dirs: list[tuple[str, str]], timeout: float = 2.0) -> int:
+    """Kill every process in a supervisor's cgroups (``(hierarchy, directory)``), then
+    remove them; returns how many processes were listed. v2: ``cgroup.kill`` of the
+    supervisor's directory kills every slot at once."""
+    from .procs import pidfd_kill
+
+    listed = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        left = False
+        for hierarchy, base in dirs:
+            if hierarchy == "v2" and os.path.exists(os.path.join(base, "cgroup.kill")):
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(base, "cgroup.kill"), "1")
+            for sub in _subdirs(base) + [base]:
+                pids = (_read(os.path.join(sub, "cgroup.procs")) or "").split()
+                for pid in pids:
+                    listed += 1
+                    left = True
+                    pidfd_kill(int(pid))
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    while time.monotonic() < deadline and not all(remove_tree(base) for _, base in dirs):
+        time.sleep(0.01)
+    return listed
+
+
+def _subdirs(base: str) -> list[str]:
+    with contextlib.suppress(OSError):
+        return [os.path.join(base, n) for n in os.listdir(base) if os.path.isdir(os.path.join(base, n))]
+    return []
