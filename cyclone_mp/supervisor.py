@@ -21,10 +21,9 @@ transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) ki
 child whose fence passed while this process was frozen, and everything it started once
 it is gone.
 
-Which file owns what: SPEC 4's claim is :mod:`cyclone_mp.outcomes` and its renewal
-:mod:`cyclone_mp.leases`; "a
-renewal matched nothing" is found there and acted on in
-:meth:`cyclone_mp.control.ProcessControl.on_lease_lost`; the worker-clock deadline, the
+Which file owns what: SPEC 4's claim is :mod:`cyclone_mp.outcomes`, its renewal
+:mod:`cyclone_mp.leases` ("a renewal matched nothing" is acted on in
+:meth:`cyclone_mp.control.ProcessControl.on_lease_lost`); the worker-clock deadline, the
 fence, the cancel and the kill are :meth:`cyclone_mp.control.ProcessControl._enforce`;
 the completion CAS is :mod:`cyclone_mp.outcomes` (its SQL in ``sql/queries.sql``); the
 sweep is :class:`cyclone_mp.sweep.Sweeper`; what a failure does to a row is
@@ -40,8 +39,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from . import procs, slots
 from .backoff import compute_backoff
@@ -52,7 +50,7 @@ from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
 from .sweep import Maintenance, Sweeper
-from .telemetry import Observer, supervisor_observer
+from .telemetry import Observer, Stats, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -218,11 +216,11 @@ class Supervisor:
         return self.observer.find("Metrics")
 
     @property
-    def stats(self) -> "Stats":
+    def stats(self) -> Stats:
         """Counters of every part, summed by name, read live (claimed, completed, failed,
         released, prefetch_released, killed, grandchildren_killed, lease_lost, reclaimed,
         swept_timeouts, fence_kills, watchdog_kills, ...)."""
-        return Stats(self)
+        return Stats(self.counters)
 
     def counters(self) -> list[dict[str, int]]:
         """Each part's own counters."""
@@ -276,36 +274,3 @@ class Supervisor:
     def db_ok(self) -> bool:
         """The lease keeper is connected."""
         return self.keeper is not None and self.keeper.db_ok
-
-
-STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
-             "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
-             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled",
-             "limit_kills")
-
-
-class Stats(Mapping[str, int]):
-    """A live, read-only view of a supervisor's counters: each read sums the parts' own
-    counters by name (every part counts on its own thread)."""
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self._supervisor = supervisor
-
-    def _totals(self) -> dict[str, int]:
-        totals = dict.fromkeys(STAT_KEYS, 0)
-        for counts in self._supervisor.counters():
-            for key, value in list(counts.items()):
-                totals[key] = totals.get(key, 0) + value
-        return totals
-
-    def __getitem__(self, key: str) -> int:
-        return self._totals()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._totals())
-
-    def __len__(self) -> int:
-        return len(self._totals())
-
-    def __repr__(self) -> str:
-        return repr(self._totals())

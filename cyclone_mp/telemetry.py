@@ -10,12 +10,14 @@ costs a database call of its own.
 
 Every method is called from a part's thread (several at once): an observer must be
 thread-safe, cheap, and must never raise (:class:`Observers` guards each call).
+:class:`Stats` sums the parts' own counters.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Sequence
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -128,3 +130,37 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
     if tracing.available():
         observers.append(tracing.Tracer())
     return Observers(observers) if observers else NO_OBSERVER
+
+
+#: The supervisor's counters (:attr:`cyclone_mp.supervisor.Supervisor.stats`), 0 until counted.
+STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
+             "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
+             "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled",
+             "limit_kills")
+
+
+class Stats(Mapping[str, int]):
+    """A live, read-only view of a supervisor's counters: each read sums the parts' own
+    counters by name (every part counts on its own thread)."""
+
+    def __init__(self, counters: Callable[[], list[dict[str, int]]]) -> None:
+        self._counters = counters  # each part's own counters (Supervisor.counters)
+
+    def _totals(self) -> dict[str, int]:
+        totals = dict.fromkeys(STAT_KEYS, 0)
+        for counts in self._counters():
+            for key, value in list(counts.items()):
+                totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def __getitem__(self, key: str) -> int:
+        return self._totals()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._totals())
+
+    def __len__(self) -> int:
+        return len(self._totals())
+
+    def __repr__(self) -> str:
+        return repr(self._totals())
