@@ -15,6 +15,7 @@ import datetime as dt
 import functools
 import importlib.resources
 import json
+import logging
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,6 +28,8 @@ from . import decisions
 from .backoff import delay_after
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, QueryRejected
 from .limits import NO_LIMITS, Limits
+
+log = logging.getLogger("cyclone_mp.store")
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -123,6 +126,10 @@ def redact(text: str) -> str:
                   r"\1***", text, flags=re.I)
 
 
+#: What a connection logs when it drops its prepared statements after a stale_plan error.
+STALE_PLAN_LOG = "prepared statements dropped, their plan went stale (a migration changed a column's type?): %s"
+
+
 def stale_plan(exc: BaseException | None) -> bool:
     """True for the errors of a prepared statement that a schema change invalidated:
     "cached plan must not change result type" (0A000) or a statement the server no
@@ -192,7 +199,7 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
             store = args[0] if args and isinstance(args[0], Store) else None
             error = classify(exc, broken=store is not None and store.broken)
             if store is not None and not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
-                store.forget_prepared()
+                store.forget_prepared(error)
             raise error from exc
         except UnicodeEncodeError as exc:  # a value psycopg cannot send (a lone surrogate)
             raise QueryRejected(f"value rejected: {exc}") from exc
@@ -424,10 +431,11 @@ class Store:
             raise DatabaseUnavailable(f"cannot configure the connection: {redact(str(exc))}") from exc
         return cls(conn)
 
-    def forget_prepared(self) -> None:
-        """Drop this connection's prepared statements (``DEALLOCATE ALL``, which psycopg
-        sees and clears its own cache for); a no-op inside a transaction, whose ROLLBACK
-        does the same."""
+    def forget_prepared(self, error: DatabaseError) -> None:
+        """After ``error`` (a :func:`stale_plan` one): drop this connection's prepared
+        statements (``DEALLOCATE ALL``, which psycopg sees and clears its own cache for);
+        a no-op inside a transaction, whose ROLLBACK does the same."""
+        log.warning(STALE_PLAN_LOG, error)
         with contextlib.suppress(psycopg.Error):
             if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                 self.conn.execute("DEALLOCATE ALL", prepare=False)
@@ -486,7 +494,7 @@ class Store:
     def _translated(self, exc: psycopg.Error) -> DatabaseError:
         error = classify(exc, broken=self.broken)
         if not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
-            self.forget_prepared()
+            self.forget_prepared(error)
         return error
 
     def migrate(self) -> list[str]:
@@ -1147,6 +1155,7 @@ class AsyncStore:
         except psycopg.Error as exc:
             error = classify(exc, broken=self.broken)
             if not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
+                log.warning(STALE_PLAN_LOG, error)
                 with contextlib.suppress(psycopg.Error):
                     if self.conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                         await self.conn.execute("DEALLOCATE ALL", prepare=False)

@@ -128,24 +128,27 @@ def test_a_wedged_child_dies_at_its_own_deadline_with_the_default_settings(cyclo
         watch.close()
 
 
-@pytest.mark.parametrize("graces", [
-    pytest.param((0.5, 5.0), id="kill_grace 0.5 and 5"),
-    pytest.param((30.0,), id="kill_grace 30", marks=pytest.mark.slow),
+@pytest.mark.parametrize("graces, backoffs", [
+    pytest.param((0.5, 5.0), (0, 1), id="kill_grace 0.5 and 5, backoff 0 and 1"),
+    pytest.param((0.5, 5.0), (10,), id="kill_grace 0.5 and 5, backoff 10", marks=pytest.mark.slow),
+    pytest.param((30.0,), (0, 1, 10), id="kill_grace 30", marks=pytest.mark.slow),
 ])
-def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_factory, tmp_path, graces):
+def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_factory, tmp_path, graces, backoffs):
     """Each kill_grace with backoffs of 0, 1 and 10 s (three attempts each, so a retry
-    is often claimed while the attempt before it waits for its kill): one supervisor per
-    kill_grace, each serving its own queue, all at once. The handlers ignore the cancel."""
+    is often claimed while the attempt before it waits for its kill: backoffs under the
+    grace are the fault's case, 10 s the plain one, slow): one supervisor per kill_grace,
+    each serving its own queue, all at once. The handlers ignore the cancel."""
     env = cyclone_env_factory(workers=9, lease_ttl=30, poll_interval=(0.05, 0.5))
     log = tmp_path / "log"
     watch = DeathWatch(log)
     runs: dict[str, tuple[float, Any]] = {}
     try:
-        for step in (fh.wedge_b0, fh.wedge_b1, fh.wedge_b10):
+        steps = [{0: fh.wedge_b0, 1: fh.wedge_b1, 10: fh.wedge_b10}[b] for b in backoffs]
+        for step in steps:
             env.mux().register(step)
         for grace in graces:
             env.start_worker(kill_grace=grace, queues=[f"grace-{grace}"])
-            for step in (fh.wedge_b0, fh.wedge_b1, fh.wedge_b10):
+            for step in steps:
                 runs[env.client().enqueue(step, {"log": str(log)}, queue=f"grace-{grace}")] = (grace, step)
         for r in runs:
             env.run_until_complete(r, timeout=120)
@@ -203,7 +206,7 @@ def active_since(dsn: str, owner: str, since: float) -> list[str]:
 @pytest.mark.parametrize("fault, seconds", [
     pytest.param("proxy", 10, id="black hole (proxy)"),
     pytest.param("netns", 10, id="black hole (network namespace)"),
-    pytest.param("sigstop", 10, id="SIGSTOP"),
+    pytest.param("sigstop", 10, id="SIGSTOP", marks=pytest.mark.slow),  # the watchdog's case; slow for time
     pytest.param("proxy", 20, id="black hole (proxy), 20 s handler", marks=pytest.mark.slow),
     pytest.param("netns", 20, id="black hole (network namespace), 20 s handler", marks=pytest.mark.slow),
     pytest.param("sigstop", 20, id="SIGSTOP, 20 s handler", marks=pytest.mark.slow),
@@ -295,7 +298,7 @@ def test_a_locked_row_stalls_neither_kills_nor_claims(cyclone_env_factory, tmp_p
 # -- 3. latency: no claim/release livelock ---------------------------------------------------
 
 
-@pytest.mark.parametrize("rtt", [0.1, 0.25])
+@pytest.mark.parametrize("rtt", [pytest.param(0.1, marks=pytest.mark.slow), 0.25])  # 0.25 s is the harder
 def test_claims_tolerate_latency(cyclone_env_factory, rtt):
     """100 ms and 250 ms of added round trip: 50 steps of 0.5 s all complete, none is
     released unstarted more than once, no attempt is used (a claim slower than 0.05 s

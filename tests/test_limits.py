@@ -462,8 +462,9 @@ def run_hog(env, tmp_path: Path, name: str, *, total: int, chunk: int, cap: str,
                              memory_limit=cap)
         run = env.run_until_complete(run_id, timeout=timeout)
         # every process of the handler's tree dies (the runner may live on: it is the slot's)
-        wait_for(lambda: watch.seen and not watch.seen - set(watch.died) - set(env.child_pids()), 5,
-                 "the tree's death")
+        # (a runner still listed but dead, the holder itself, must be seen dying by the watch)
+        wait_for(lambda: watch.seen and not watch.seen - set(watch.died) - {p for p in env.child_pids() if not dead(p)},
+                 5, "the tree's death")
     finally:
         died = watch.stop()
     return run, died, log

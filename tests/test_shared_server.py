@@ -193,6 +193,7 @@ def test_demo_on_a_given_dsn_removes_its_runs_unless_kept(dsn: str) -> None:  # 
     assert _runs_in(dsn) == 7  # 4 CPU steps and the three bad ones
 
 
+@pytest.mark.slow  # a third demo on the shared server (--keep); the cleanup is tested without it
 def test_demo_keep_keeps_its_own_database(default_dir: pathlib.Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "cyclone_mp_cli.main", "demo", "--keep", "--cpu-steps", "4"],
                           cwd=REPO, env=_default_env(default_dir), capture_output=True, text=True, timeout=120)
