@@ -67,14 +67,18 @@ def _load_queries() -> dict[str, str]:
         body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
         queries[name.strip()] = body.strip().rstrip(";")
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
-    # them, fragments cited by fragments first.
+    # them, and into the fragments that cite them, until none is left.
     fragments = {name: sql for name, sql in queries.items() if name.endswith(("_ctes", "_expr"))}
 
     def splice(body: str) -> str:
-        for frag, frag_sql in fragments.items():
-            body = body.replace("{" + frag + "}", frag_sql)
+        for _ in range(10):
+            spliced = re.sub(r"\{(\w+_(?:ctes|expr))\}", lambda m: fragments.get(m[1], m[0]), body)
+            if spliced == body:
+                break
+            body = spliced
+        if left := re.findall(r"\{\w+_(?:ctes|expr)\}", body):
+            raise RuntimeError(f"queries.sql: unknown or circular fragments {left}")
         return body
-    fragments = {name: splice(sql) for name, sql in fragments.items()}
     return {name: splice(body) for name, body in queries.items()}
 
 

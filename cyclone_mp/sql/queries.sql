@@ -321,7 +321,9 @@ picked AS (
            ) c
      ORDER BY c.priority, c.scheduled_at, c.id
      LIMIT %(limit)s
-), {claimed_ctes}
+), {claimed_ctes}, claim_meta AS (
+    SELECT NULL::jsonb AS cursors, NULL::float8 AS wait  -- no walk, no rate limit: nothing to say
+)
 
 -- name: heartbeat
 -- Renew one step's lease, addressed by id, with exactly the seed's WHERE clause.
@@ -495,48 +497,25 @@ CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::te
 -- (flow_marks_expr; JSON texts: columns whose types the claimed rows fix).
 WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
 {claim_ctes}
-SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
-  FROM claimed c
-UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{claim_rows_expr}
 
 -- name: claim_concurrency
 -- claim with the concurrency claim (queues with concurrency limits, no rate limit); the
 -- same rows and meta row.
 WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
 {claim_concurrency_ctes}
-SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
-  FROM claimed c
-UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{claim_rows_expr}
 
 -- name: claim_fair
 -- claim with the fair claim (queues with keys, no limited step); the same rows and meta row.
 WITH RECURSIVE {claim_fair_ctes}
-SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
-  FROM claimed c
-UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{claim_rows_expr}
 
 -- name: claim_plain
 -- The claim of queues without keys or limits (claim_plain_ctes); its meta row carries the
 -- queues' marks only.
 WITH {claim_plain_ctes}
-SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
-  FROM claimed c
-UNION ALL
-SELECT NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+{claim_rows_expr}
 
 -- name: settled_ctes
 -- (Fragment) the rows a settle statement returns: completed, then claimed.
@@ -556,6 +535,40 @@ settled_completed AS (
       FROM claimed c
 )
 
+-- name: claim_rows_expr
+-- (Fragment) what a claim statement returns: the claimed rows, then the claim's meta row
+-- (id NULL; see claim).
+SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
+       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
+  FROM claimed c
+UNION ALL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_rows_expr
+-- (Fragment) what a settle statement returns: completed, failed (node: the error kind
+-- stored), claimed, then the claim's meta row (what = 'meta').
+SELECT * FROM settled_completed
+UNION ALL
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM ended e
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
+-- name: settle_completions_rows_expr
+-- (Fragment) settle_rows_expr without failed rows (the settle_completions statements).
+SELECT * FROM settled_completed
+UNION ALL
+SELECT * FROM settled_claimed
+UNION ALL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+  FROM claim_meta m
+
 -- name: settle
 -- The hot path: a tick's completions, its failed attempts and the next claim (up to
 -- %(limit)s, which may be 0) in one statement and one commit; the last row is the
@@ -565,16 +578,7 @@ WITH RECURSIVE {settle_ctes}, {fail_ctes},
 finished AS (SELECT id, lease_generation AS generation FROM done
              UNION ALL SELECT id, lease_generation FROM ended),
 {claim_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM ended e
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{settle_rows_expr}
 
 -- name: settle_concurrency
 -- settle with the concurrency claim (queues with concurrency limits, no rate limit).
@@ -582,88 +586,40 @@ WITH RECURSIVE {settle_ctes}, {fail_ctes},
 finished AS (SELECT id, lease_generation AS generation FROM done
              UNION ALL SELECT id, lease_generation FROM ended),
 {claim_concurrency_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM ended e
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{settle_rows_expr}
 
 -- name: settle_fair
--- The hot path: a tick's completions, its failed attempts and the next claim (up to
--- %(limit)s, which may be 0) in one statement and one commit; the last row is the
--- claim's meta row (what = 'meta', see claim).
+-- settle with the fair claim (queues with keys, no limited step).
 WITH RECURSIVE {settle_ctes}, {fail_ctes}, {claim_fair_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM ended e
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{settle_rows_expr}
 
 -- name: settle_plain
 -- settle with the plain claim (queues without keys or limits: claim_plain_ctes).
 WITH {settle_ctes}, {fail_ctes}, {claim_plain_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM ended e
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+{settle_rows_expr}
 
 -- name: settle_completions
 -- The hot path of a tick without failures (most ticks): its completions and the next
 -- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
 WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
 {claim_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{settle_completions_rows_expr}
 
 -- name: settle_completions_concurrency
 -- settle_completions with the concurrency claim (queues with concurrency limits, no rate limit).
 WITH RECURSIVE {settle_ctes}, finished AS (SELECT id, lease_generation AS generation FROM done),
 {claim_concurrency_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{settle_completions_rows_expr}
 
 -- name: settle_completions_fair
--- The hot path of a tick without failures (most ticks): its completions and the next
--- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
+-- settle_completions with the fair claim (queues with keys, no limited step).
 WITH RECURSIVE {settle_ctes}, {claim_fair_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
-  FROM claim_meta m
+{settle_completions_rows_expr}
 
 -- name: settle_completions_plain
 -- settle_completions with the plain claim (queues without keys or limits).
 WITH {settle_ctes}, {claim_plain_ctes}, {settled_ctes}
-SELECT * FROM settled_completed
-UNION ALL
-SELECT * FROM settled_claimed
-UNION ALL
-SELECT 'meta', NULL, NULL, NULL, {flow_marks_expr}, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+{settle_completions_rows_expr}
 
 -- name: lock_run
 -- Take the run row lock (always before any step row lock of that run).
