@@ -463,18 +463,25 @@ class Slot:
         path = self.dirs.get(key)
         return os.path.join(path, name) if path and self.confined else None
 
-    def _pread_bytes(self, key: str, name: str) -> bytes | None:
-        """Read a file of this slot through a descriptor kept open (about 2 us)."""
-        cache = f"{key}/{name}"
+    def _fd(self, key: str, name: str, flags: int = os.O_RDONLY) -> int | None:
+        """A descriptor of a file of this slot, opened once and kept (None: no such file)."""
+        cache = f"{key}/{name}/{flags}"
         fd = self._fds.get(cache)
         if fd is None:
             path = self._file(key, name)
             if path is None:
                 return None
             try:
-                fd = self._fds[cache] = os.open(path, os.O_RDONLY)
+                fd = self._fds[cache] = os.open(path, flags)
             except OSError:
                 return None
+        return fd
+
+    def _pread_bytes(self, key: str, name: str) -> bytes | None:
+        """Read a file of this slot through a descriptor kept open (about 2 us)."""
+        fd = self._fd(key, name)
+        if fd is None:
+            return None
         try:
             return os.pread(fd, 4096, 0)
         except OSError:
@@ -546,17 +553,7 @@ class Slot:
         """One descriptor for the memory peak: v2's ``memory.peak`` resets per open file,
         so it is written and read through the same one."""
         key, name = ("v2", "memory.peak") if self.memory_file == "v2" else ("memory", "memory.max_usage_in_bytes")
-        cache = f"{key}/{name}/rw"
-        fd = self._fds.get(cache)
-        if fd is None:
-            path = self._file(key, name)
-            if path is None:
-                return None
-            try:
-                fd = self._fds[cache] = os.open(path, os.O_RDWR)
-            except OSError:
-                return None
-        return fd
+        return self._fd(key, name, os.O_RDWR)
 
     def _reset_peak(self) -> None:
         """The memory peak restarts from now (a v2 kernel before 6.12: it counts since creation)."""
