@@ -105,6 +105,7 @@ class PgBouncer:
         self.binary = binary or find_pgbouncer(PREPARED_SINCE if max_prepared_statements else (1, 0))
         self.version = version_of(self.binary)
         self.upstream_dsn = upstream_dsn
+        self.max_prepared_statements = max_prepared_statements
         self.upstream = conninfo_to_dict(upstream_dsn)
         self.port = free_port()
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="cyclone-pgbouncer-"))
