@@ -10,6 +10,10 @@ engine suite's: the SPEC 3 table, cancel, crash reclaim and workflows.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,3 +185,22 @@ def test_settings_are_per_transaction_and_never_leak(bouncer, cyclone_dsn):
         finally:
             store.close()
             other.close()
+
+
+def test_the_cli_goes_through_pgbouncer_with_its_global_option(bouncer, cyclone_dsn):
+    """``cyclone-mp --pgbouncer`` (and CYCLONE_PGBOUNCER) reach every command's client."""
+    mode, pgb = bouncer
+    if mode != "prepared-off":
+        pytest.skip("the option's wiring does not depend on the mode")
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CYCLONE_PGBOUNCER": "1"}
+    env.pop("CYCLONE_DSN", None)
+    base = [sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", pgb.dsn(cyclone_dsn)]
+    made = subprocess.run([*base, "enqueue", "tests/cli_app.py:mux", "echo", "--input", '{"a": 1}', "--json"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    run_id = json.loads(made.stdout)["run_id"] if made.stdout.strip().startswith("{") else made.stdout.strip()
+    shown = subprocess.run([*base, "--no-prepared-statements", "status", run_id, "--json"], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["state"] == "running"
