@@ -10,6 +10,7 @@ steps complete, none runs twice, and completions stop for less than ``lease_ttl`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -24,7 +25,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from cyclone_mp.embedded import EmbeddedServer
 from cyclone_mp.errors import DatabaseReadOnly
-from cyclone_mp.store import Store, connect, create_database, database_dsn
+from cyclone_mp.store import Store, classify, connect, create_database, database_dsn
 from cyclone_mp.testing import Env
 
 import handlers as h
@@ -49,7 +50,7 @@ def _socket_dir(server: EmbeddedServer) -> str:
 def _wait(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
-        with __import__("contextlib").suppress(psycopg.Error):
+        with contextlib.suppress(psycopg.Error):
             value = check()
             if value:
                 return value
@@ -135,6 +136,7 @@ def run_failover(pair: Pair, tmp_path: Path, *, steps: int, supervisors: int, wo
 
 
 def test_failover_to_a_promoted_standby_short(pair, tmp_path, capsys):
+    assert_a_standby_is_refused_as_read_only(pair)  # on the same pair: one cluster setup less
     numbers = run_failover(pair, tmp_path, steps=60, supervisors=3, workers=1, seconds=0.05, kill_after=15)
     with capsys.disabled():
         print(f"\nfailover (60 steps, 3 supervisors): {numbers}")
@@ -147,14 +149,12 @@ def test_failover_of_300_steps_on_3_supervisors(pair, tmp_path, capsys):
         print(f"\nfailover (300 steps, 3 supervisors x 2 children): {numbers}")
 
 
-def test_a_standby_is_refused_as_read_only(pair):
+def assert_a_standby_is_refused_as_read_only(pair: Pair) -> None:
     """A connection that reaches a standby (a DSN without target_session_attrs) is a
     read-only outage at once, and a write there is too: never a bug-level error."""
     with pytest.raises(DatabaseReadOnly):
         connect(pair.standby_dsn)
     with psycopg.connect(pair.standby_dsn, autocommit=True) as conn:
-        from cyclone_mp.store import classify
-
         with pytest.raises(psycopg.Error) as info:
             conn.execute("UPDATE cyclone_steps SET priority = 0 WHERE false")
         assert isinstance(classify(info.value), DatabaseReadOnly)
@@ -184,7 +184,7 @@ def test_a_host_that_connects_then_refuses_every_write_backs_off():
     class Part(DatabaseThread):
         def turn(self, now: float) -> float:
             if self.db_ok:
-                with __import__("contextlib").suppress(DatabaseError):
+                with contextlib.suppress(DatabaseError):
                     self.call(1.0, lambda store: store.refuse())
             return now + 0.01
 

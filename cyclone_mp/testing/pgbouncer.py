@@ -17,7 +17,6 @@ import contextlib
 import glob
 import os
 import pathlib
-import pwd
 import re
 import shutil
 import signal
@@ -144,7 +143,6 @@ class PgBouncer:
             for path in self.dir.iterdir():
                 os.chown(path, account.pw_uid, account.pw_gid)
             args[1:1] = ["-u", SERVER_USER]
-            assert pwd.getpwnam(SERVER_USER)
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 15
