@@ -4,6 +4,7 @@
     python benchmarks/run.py                      # everything, 3 repetitions, own embedded server
     python benchmarks/run.py --quick --repeat 1   # smoke run (small counts)
     python benchmarks/run.py --only B1,B3 --dsn postgresql://...
+    python benchmarks/run.py --only B1 --pgbouncer  # B1 direct beside B1 through PgBouncer
 
 Every measurement runs against a fresh database (created on the server, migrated,
 dropped afterwards). The table shows the median of the repetitions beside issue 8's
@@ -289,21 +290,30 @@ def dead_or_zombie(pid: int) -> bool:
 
 
 class Bench:
-    def __init__(self, server: Server, counts: dict[str, int], tmp: str, limits: bool = False) -> None:
+    def __init__(self, server: Server, counts: dict[str, int], tmp: str, limits: bool = False,
+                 bouncers: dict[str, Any] | None = None) -> None:
         self.server = server
         self.n = counts
         self.tmp = tmp
         self.limits = limits  # also measure B1 and B2 with LIMITS set (issue 20)
+        #: --pgbouncer (issue 22): B1 also through these PgBouncers in transaction mode, by
+        #: suffix: "_pgbouncer" (max_prepared_statements off) and "_pgbouncer_prepared" (on)
+        self.bouncers = bouncers or {}
 
     # B1 -----------------------------------------------------------------------------------
 
     def throughput(self, dsn: str, n: int, workers: int = 2, prefetch: int = 0, step: cy.Step | None = None,
-                   keys: int = 0, limits: dict[str, Any] | None = None) -> dict[str, Any]:
+                   keys: int = 0, limits: dict[str, Any] | None = None, via: Any = None) -> dict[str, Any]:
         """Enqueue ``n`` no-ops with enqueue_many (with ``limits``, if given), then start a
         supervisor and time it. ``step``/``keys`` (B8): another no-op step, its inputs spread
-        over ``keys`` keys."""
+        over ``keys`` keys. ``via``: a PgBouncer the client and supervisor go through
+        (``pgbouncer=True``; prepared statements when it has ``max_prepared_statements``)."""
         step = step or bench_steps.noop
-        client = cy.Client(dsn, mux_of(step), workers=workers, prefetch=prefetch)
+        if via is None:
+            client = cy.Client(dsn, mux_of(step), workers=workers, prefetch=prefetch)
+        else:
+            client = cy.Client(via.dsn(dsn), mux_of(step), workers=workers, prefetch=prefetch, pgbouncer=True,
+                               prepared_statements=via.max_prepared_statements > 0)
         client.enqueue_many(step, [{"k": f"key-{i % keys}"} for i in range(n)] if keys else [None] * n,
                             **(limits or {}))
         wal0 = wal_lsn(dsn)
@@ -380,6 +390,12 @@ class Bench:
         if self.limits:
             row["limits_ratio"] = round(row["steps_per_s_limits"] / row["steps_per_s"], 3)
             row["limits_ratio_prefetch"] = round(row["steps_per_s_prefetch_limits"] / row["steps_per_s_prefetch"], 3)
+        for suffix, pgb in self.bouncers.items():  # right after the direct runs of this repetition
+            for prefetch, tail in ((0, ""), (PREFETCH, "_prefetch")):
+                with self.server.fresh() as dsn:
+                    via = self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch, via=pgb)
+                row[f"steps_per_s{tail}{suffix}"] = via["steps_per_s"]
+                row[f"ratio{tail}{suffix}"] = round(via["steps_per_s"] / row[f"steps_per_s{tail}"], 3)
         row.update(self.enqueue_rates())
         return row
 
@@ -837,6 +853,16 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B6", "ratio_to_b1_prefetch", f"B6 / B1, prefetch={PREFETCH} (median of the pairs' ratios)", "{:.2f}",
          ">= 0.80", lambda v, m: v >= 0.8),
         ("B6", "wal_kb_per_step", "WAL written per step, B6 (KiB)", "{:.2f}", "", None),
+        ("B1", "steps_per_s_pgbouncer", "B1 steps/s through PgBouncer, transaction mode, no prepared statements",
+         "{:,.0f}", "(beside B1 direct)", None),
+        ("B1", "ratio_pgbouncer", "  ... / B1 direct (same repetition)", "{:.2f}", "", None),
+        ("B1", "steps_per_s_pgbouncer_prepared", "B1 steps/s through PgBouncer, max_prepared_statements=100",
+         "{:,.0f}", "(beside B1 direct)", None),
+        ("B1", "ratio_pgbouncer_prepared", "  ... / B1 direct (same repetition)", "{:.2f}", "", None),
+        ("B1", "steps_per_s_prefetch_pgbouncer", f"B1 steps/s through PgBouncer, no prepared statements, prefetch={PREFETCH}",
+         "{:,.0f}", "", None),
+        ("B1", "steps_per_s_prefetch_pgbouncer_prepared",
+         f"B1 steps/s through PgBouncer, max_prepared_statements=100, prefetch={PREFETCH}", "{:,.0f}", "", None),
         ("B7", "supervisor_rss_start_mb", "supervisor RSS start (MiB)", "{:.1f}", "", None),
         ("B7", "supervisor_rss_max_mb", f"supervisor RSS max over {n['b7_steps']:,} steps (MiB)", "{:.1f}", "", None),
         ("B7", "supervisor_rss_end_mb", "supervisor RSS end (MiB)", "{:.1f}", "", None),
@@ -878,6 +904,8 @@ def summarize(results: dict[str, Any], peer: dict[str, float], counts: dict[str,
             continue
         v = medians.get((b, key))
         each = [s.get(key) for s in results[b]["samples"]]
+        if v is None and "pgbouncer" in key:  # measured with --pgbouncer only
+            continue
         ok = None if v is None or check is None else bool(check(v, medians))
         rows.append({"bench": b, "metric": key, "label": label, "median": v, "each": each, "target": target,
                      "met": ok, "fmt": fmt})
@@ -954,6 +982,23 @@ def git_state(root: str | None = None) -> dict[str, Any]:
         return {"commit": None}
 
 
+def start_bouncers(upstream_dsn: str) -> dict[str, Any]:
+    """The PgBouncers of --pgbouncer, by result-key suffix: transaction mode with
+    ``max_prepared_statements`` off, and on (100) when a PgBouncer >= 1.21 is installed.
+    Raises PgBouncerMissing (none installed)."""
+    from cyclone_mp.testing.pgbouncer import PREPARED_SINCE, PgBouncer, PgBouncerMissing, find_pgbouncer
+
+    found: dict[str, Any] = {}
+    found["_pgbouncer"] = PgBouncer(upstream_dsn, pool_size=4)
+    try:
+        binary = find_pgbouncer(PREPARED_SINCE)
+    except PgBouncerMissing as exc:
+        console.print(f"[yellow]B1 through PgBouncer with prepared statements skipped:[/] {exc}")
+        return found
+    found["_pgbouncer_prepared"] = PgBouncer(upstream_dsn, pool_size=4, max_prepared_statements=100, binary=binary)
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
@@ -965,6 +1010,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a JSON written by ../shared/peer-bench (S1 of pgqueuer/celery) to take targets from")
     ap.add_argument("--limits", action="store_true",
                     help="B1 and B2 also with every resource limit set (issue 20), each beside the run without")
+    ap.add_argument("--pgbouncer", action="store_true",
+                    help="B1 also through PgBouncer in transaction mode (issue 22): max_prepared_statements "
+                         "off, and on when a PgBouncer >= 1.21 is installed; printed beside B1 direct")
     ap.add_argument("-v", "--verbose", action="store_true", help="engine log at INFO")
     args = ap.parse_args(argv)
     only = [b.strip().upper() for b in args.only.split(",") if b.strip()]
@@ -986,6 +1034,7 @@ def main(argv: list[str] | None = None) -> int:
         "cyclone_mp_bytecode": ensure_bytecode(),
     }}
     server = None
+    bouncers: dict[str, Any] = {}
     t_all = time.time()
     try:
         console.print(f"cyclone_mp bytecode: {results['meta']['cyclone_mp_bytecode']}")
@@ -993,7 +1042,12 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(args.dsn)
         results["meta"].update({"postgres": server.version, "postgres_settings": server.settings,
                                 "server": server.source})
-        bench = Bench(server, counts, tmp, limits=args.limits)
+        if args.pgbouncer:
+            bouncers = start_bouncers(server.admin_dsn)
+            results["meta"]["pgbouncer"] = {suffix: {"version": ".".join(map(str, pgb.version)),
+                                                     "max_prepared_statements": pgb.max_prepared_statements}
+                                            for suffix, pgb in bouncers.items()}
+        bench = Bench(server, counts, tmp, limits=args.limits, bouncers=bouncers)
         b6_template = None
         for b in ALL:
             if b not in only:
@@ -1021,6 +1075,8 @@ def main(argv: list[str] | None = None) -> int:
                 server.drop(b6_template)
                 b6_template = None
     finally:
+        for pgb in bouncers.values():
+            pgb.close()
         if server is not None:
             server.close()
         shutil.rmtree(tmp, ignore_errors=True)

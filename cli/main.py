@@ -46,6 +46,7 @@ class Settings:
 
     dsn: str | None
     verbose: int
+    connection: dict[str, Any] = dataclasses.field(default_factory=dict)  # pgbouncer, prepared_statements, listen_dsn
 
 
 class LibraryUsageError(click.UsageError):
@@ -77,7 +78,8 @@ def _client(mux: Any = None, **options: Any) -> Any:
     """A Client on the global ``--dsn`` (None: the embedded default server)."""
     from cyclone_mp.client import Client
 
-    return Client(_settings().dsn, mux, **options)
+    settings = _settings()
+    return Client(settings.dsn, mux, **settings.connection, **options)
 
 
 def _load(app: str) -> Any:
@@ -105,10 +107,19 @@ def _out() -> Any:
 @click.option("--dsn-file", envvar="CYCLONE_DSN_FILE", metavar="PATH", default=None,
               type=click.Path(exists=True, dir_okay=False),
               help="Read the connection string from this file (its first line) [env CYCLONE_DSN_FILE].")
+@click.option("--pgbouncer", is_flag=True, envvar="CYCLONE_PGBOUNCER", default=False,
+              help="The DSN goes through PgBouncer in transaction mode: no session state, no LISTEN "
+                   "there (give --listen-dsn, else polling) [env CYCLONE_PGBOUNCER].")
+@click.option("--prepared-statements/--no-prepared-statements", default=None, envvar="CYCLONE_PREPARED_STATEMENTS",
+              help="Named prepared statements [default: on, off with --pgbouncer; on there only for "
+                   "PgBouncer >= 1.21 with max_prepared_statements > 0].")
+@click.option("--listen-dsn", envvar="CYCLONE_LISTEN_DSN", metavar="DSN", default=None,
+              help="A direct connection string (past PgBouncer) for LISTEN [env CYCLONE_LISTEN_DSN].")
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(package_name="cyclone-mp", prog_name="cyclone-mp")
 @click.pass_context
-def cli(ctx: click.Context, dsn: str | None, dsn_file: str | None, verbose: int) -> None:
+def cli(ctx: click.Context, dsn: str | None, dsn_file: str | None, pgbouncer: bool,
+        prepared_statements: bool | None, listen_dsn: str | None, verbose: int) -> None:
     """cyclone-mp: a PostgreSQL-backed durable step engine whose worker is a
     multiprocess supervisor that can kill wedged handlers.
 
@@ -119,7 +130,14 @@ def cli(ctx: click.Context, dsn: str | None, dsn_file: str | None, verbose: int)
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
     if verbose < 2:
         logging.getLogger("psycopg").setLevel(logging.ERROR)  # pool chatter; our errors say it once
-    ctx.obj = Settings(dsn=_choose_dsn(ctx, dsn, dsn_file), verbose=verbose)
+    connection: dict[str, Any] = {}
+    if pgbouncer:
+        connection["pgbouncer"] = True
+    if prepared_statements is not None:
+        connection["prepared_statements"] = prepared_statements
+    if listen_dsn:
+        connection["listen_dsn"] = listen_dsn
+    ctx.obj = Settings(dsn=_choose_dsn(ctx, dsn, dsn_file), verbose=verbose, connection=connection)
 
 
 LONG_LIVED = ("worker", "dashboard")  # commands whose process line others see for a long time

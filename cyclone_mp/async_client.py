@@ -28,11 +28,11 @@ from . import operations, tracing
 from .client import POOL_PROBE_EVERY, POOL_TIMEOUT, ClientBase
 from .config import Config
 from .durations import Duration
-from .errors import ConfigurationError, DatabaseError, DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable
 from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step
-from .store import AsyncStore, aconfigure_session, classify, redact, tcp_bounds
+from .store import AsyncStore, PooledAsyncConnection, aconfigure_session, classify, redact, tcp_bounds
 from .waiting import AsyncWaiter, result_of
 from .workflow import Workflow
 
@@ -46,7 +46,9 @@ class AsyncClient(ClientBase):
         pool_size: most connections its pool opens (default 4; waits use one more).
         **options: the enqueue defaults :class:`~cyclone_mp.Client` takes (``timeout``,
             ``max_attempts``, ``max_reclaims``, ``backoff``, ``queue``, ``priority``,
-            ``max_payload``), and its supervisor options, which only a supervisor uses.
+            ``max_payload``), its connection options (``pgbouncer``,
+            ``prepared_statements``, ``listen_dsn``: docs/operating.md), and its
+            supervisor options, which only a supervisor uses.
 
     Raises:
         ConfigurationError: an invalid option.
@@ -63,6 +65,10 @@ class AsyncClient(ClientBase):
             raise ConfigurationError(f"pool_size must be an int >= 1, got {pool_size!r}")
         for supervisor_only in ("clock", "wall_clock", "metrics_port"):
             options.pop(supervisor_only, None)
+        listen_dsn = options.pop("listen_dsn", None)
+        if listen_dsn is not None and not isinstance(listen_dsn, str):
+            raise ConfigurationError(f"listen_dsn must be a connection string or None, not {type(listen_dsn).__name__}")
+        self.listen_dsn: str | None = listen_dsn
         self.config = Config.build(**options)
         self.mux = mux if mux is not None else Mux()
         self._dsn = dsn
@@ -88,7 +94,11 @@ class AsyncClient(ClientBase):
                         f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}")) from exc
                 limit = self.config.idle_in_transaction_limit
 
+                prepared, pgbouncer = self.config.prepared_statements, self.config.pgbouncer
+
                 async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
+                    if not prepared:
+                        conn.prepare_threshold = None
                     # a client frozen inside cancel/retry/... must not stall the supervisors
                     await aconfigure_session(conn, idle_in_transaction=limit)
 
@@ -96,6 +106,7 @@ class AsyncClient(ClientBase):
                     dsn, min_size=0, max_size=self._pool_size, open=False, timeout=POOL_TIMEOUT, max_idle=60.0,
                     kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp async client",
                             **tcp_bounds(max(5.0, self.config.lease_ttl))}, name="cyclone-mp-async-client",
+                    connection_class=PooledAsyncConnection if pgbouncer else psycopg.AsyncConnection,
                     check=AsyncConnectionPool.check_connection, configure=configure,
                 )
                 await pool.open(wait=False)
@@ -130,6 +141,10 @@ class AsyncClient(ClientBase):
                     try:
                         store = AsyncStore(conn)
                         return await store.run(plan())
+                    except DatabaseReadOnly:  # a failover: no pooled connection is worth keeping
+                        await conn.close()
+                        await pool.drain()
+                        raise
                     finally:
                         await pool.putconn(conn)
                 except DatabaseError as exc:
@@ -253,7 +268,8 @@ class AsyncClient(ClientBase):
         limit = self._wait_timeout(timeout)
         rid = await self._run(lambda: operations.resolve_run(run_id))
         if self._waiting is None:
-            self._waiting = AsyncWaiter(lambda: self.dsn, self.status)
+            self._waiting = AsyncWaiter(lambda: self.dsn, self.status, listen_dsn=self.listen_dsn,
+                                        pgbouncer=self.config.pgbouncer, prepare=self.config.prepared_statements)
         return await self._waiting.wait(rid, limit)
 
     async def result(self, run_id: str, timeout: Duration | None = None) -> Any:

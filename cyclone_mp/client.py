@@ -23,11 +23,14 @@ from .config import Config
 from .backoff import storable_backoff
 from .protocol import check_value
 from .durations import Duration, seconds
-from .errors import ConfigurationError, CycloneError, DatabaseError, DatabaseUnavailable, UnknownStep
+from .errors import ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
 from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
-from .store import NodeRow, Store, classify, configure_session, connect, redact, stale_plan, tcp_bounds
+from .store import (
+    NodeRow, PooledConnection, PooledCursor, Store, classify, configure_session, connect, redact, stale_plan,
+    tcp_bounds,
+)
 from .waiting import Waiter, result_of
 from .workflow import Workflow
 
@@ -81,12 +84,15 @@ class ClientBase:
     def _retryable(exc: DatabaseError, store: Any, tries_left: int) -> bool:
         """Once more, on another connection, when the call surely did nothing: a schema
         change invalidated a prepared statement (it did not run, and the connection
-        dropped its prepared statements), or the connection was lost inside the call's
+        dropped its prepared statements), the connection was lost inside the call's
         only transaction, before its COMMIT (the server ends a session left idle in a
-        transaction: a frozen process)."""
+        transaction: a frozen process), or the server refused a write because it is
+        read-only (a failover: the pool was emptied, the next connection goes to the
+        new primary)."""
         lost_uncommitted = (isinstance(exc, DatabaseUnavailable) and store is not None
                             and store.failed_before_commit and store.commits == 0)
-        return bool(tries_left) and (stale_plan(exc.__cause__) or lost_uncommitted)
+        return bool(tries_left) and (stale_plan(exc.__cause__) or lost_uncommitted
+                                     or isinstance(exc, DatabaseReadOnly))
 
     # -- planning (pure) -------------------------------------------------------------------------
 
@@ -266,8 +272,21 @@ class Client(ClientBase):
             (``/metrics``; 0 picks a free one: ``client.supervisor.metrics.port``); None
             (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
             :mod:`cyclone_mp.metrics`.
+        pgbouncer: ``dsn`` goes through PgBouncer in transaction mode (issue 22): every
+            connection keeps no session state (its settings are set per transaction),
+            and LISTEN happens only on ``listen_dsn`` (without it, the supervisor and
+            :meth:`wait` poll). See docs/operating.md#pgbouncer-in-transaction-mode.
+        prepared_statements: named prepared statements; default True directly, False
+            with ``pgbouncer``: say True there only for PgBouncer 1.21 or later with
+            ``max_prepared_statements`` above 0.
+        listen_dsn: a direct connection string (past PgBouncer) for LISTEN, of the
+            supervisor and of :meth:`wait`; default ``dsn``, or none with ``pgbouncer``.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
+
+    ``dsn`` may name several hosts with ``target_session_attrs=read-write`` (a primary
+    and its standbys): after a failover every connection is opened again on the new
+    primary (docs/operating.md#failover).
 
     Raises:
         ConfigurationError: an invalid option.
@@ -300,6 +319,9 @@ class Client(ClientBase):
         prefetch: int = 0,
         registry_interval: Duration = 2.0,
         metrics_port: int | None = None,
+        pgbouncer: bool = False,
+        prepared_statements: bool | None = None,
+        listen_dsn: str | None = None,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -318,8 +340,12 @@ class Client(ClientBase):
             max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
             memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
             max_open_files=max_open_files,
-            prefetch=prefetch, registry_interval=registry_interval, **extra,
+            prefetch=prefetch, registry_interval=registry_interval, pgbouncer=pgbouncer,
+            prepared_statements=prepared_statements, **extra,
         )
+        if listen_dsn is not None and not isinstance(listen_dsn, str):
+            raise ConfigurationError(f"listen_dsn must be a connection string or None, not {type(listen_dsn).__name__}")
+        self.listen_dsn = listen_dsn
         self.mux = mux if mux is not None else Mux()
         self._dsn = dsn
         self._pool: ConnectionPool | None = None
@@ -344,16 +370,24 @@ class Client(ClientBase):
                     connect(dsn).close()  # fail fast, with a clear message, when unreachable
                 except DatabaseUnavailable as exc:
                     raise self._explain(exc) from exc.__cause__
-                limit = self.config.idle_in_transaction_limit
+                limit, config = self.config.idle_in_transaction_limit, self.config
+
+                def configure(conn: psycopg.Connection[Any]) -> None:
+                    if not config.prepared_statements:
+                        conn.prepare_threshold = None
+                    # a client frozen inside cancel/retry/... must not stall the supervisors
+                    configure_session(conn, idle_in_transaction=limit)
+
                 self._pool = ConnectionPool(
                     dsn, min_size=0, max_size=4, open=True, timeout=POOL_TIMEOUT, max_idle=60.0,
                     # a dead or black-holed server is an error within about lease_ttl, not a hang (issue 17)
                     kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp client",
-                            **tcp_bounds(max(5.0, self.config.lease_ttl))},
+                            **tcp_bounds(max(5.0, self.config.lease_ttl)),
+                            **({"cursor_factory": PooledCursor} if config.pgbouncer else {})},
+                    connection_class=PooledConnection if config.pgbouncer else psycopg.Connection,
                     name="cyclone-mp-client",
                     check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
-                    # a client frozen inside cancel/retry/... must not stall the supervisors
-                    configure=lambda conn: configure_session(conn, idle_in_transaction=limit),
+                    configure=configure,
                 )
             return self._pool
 
@@ -395,7 +429,12 @@ class Client(ClientBase):
                 try:
                     with self._connection(pool) as conn:
                         store = Store(conn)
-                        return fn(store)
+                        try:
+                            return fn(store)
+                        except DatabaseReadOnly:  # a failover: no pooled connection is worth keeping
+                            conn.close()  # the pool discards it when it comes back
+                            pool.drain()
+                            raise
                 except DatabaseError as exc:
                     if not self._retryable(exc, store, tries_left):
                         raise
@@ -580,7 +619,8 @@ class Client(ClientBase):
     def _waiter(self) -> Waiter:
         with self._lock:
             if self._waiting is None:
-                self._waiting = Waiter(lambda: self.dsn, self.status)
+                self._waiting = Waiter(lambda: self.dsn, self.status, listen_dsn=self.listen_dsn,
+                                       pgbouncer=self.config.pgbouncer, prepare=self.config.prepared_statements)
             return self._waiting
 
     def schedules(self) -> list[dict[str, Any]]:
@@ -697,7 +737,7 @@ class Client(ClientBase):
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
         self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port,
-                                      dedicated=dedicated, **kwargs)
+                                      listen_dsn=self.listen_dsn, dedicated=dedicated, **kwargs)
         return self._supervisor
 
     def run(self, on_signal: Callable[[str], None] | None = None) -> None:

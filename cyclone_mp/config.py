@@ -53,6 +53,12 @@ class Config:
             next held step queued.
         registry_interval: seconds between refreshes of the informational
             ``cyclone_workers`` row (what ``cyclone-mp workers`` shows).
+        pgbouncer: the DSN goes through PgBouncer in transaction mode (issue 22): no
+            session state (every setting is set per transaction), no LISTEN on that DSN
+            (a direct ``listen_dsn``, else polling only). See docs/operating.md.
+        prepared_statements: named prepared statements (psycopg's); default True, and
+            False with ``pgbouncer`` unless asked for (PgBouncer 1.21 or later with
+            ``max_prepared_statements`` above 0 keeps them per server connection).
     """
 
     workers: int = 4
@@ -67,6 +73,8 @@ class Config:
     max_payload: int = DEFAULT_MAX_PAYLOAD
     prefetch: int = 0
     registry_interval: float = 2.0
+    pgbouncer: bool = False
+    prepared_statements: bool = True
 
     @classmethod
     def build(
@@ -83,6 +91,8 @@ class Config:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         prefetch: int = 0,
         registry_interval: Duration = 2.0,
+        pgbouncer: bool = False,
+        prepared_statements: bool | None = None,
         **step_defaults: object,
     ) -> "Config":
         """Validate raw options (SPEC 2's ``Client(...)`` keywords).
@@ -116,6 +126,10 @@ class Config:
                 or not 1024 <= max_payload <= MAX_PAYLOAD_LIMIT):
             raise ConfigurationError(
                 f"max_payload must be an int from 1024 to {MAX_PAYLOAD_LIMIT} bytes (jsonb's limit), got {max_payload!r}")
+        if not isinstance(pgbouncer, bool):
+            raise ConfigurationError(f"pgbouncer must be True or False, got {pgbouncer!r}")
+        if prepared_statements is not None and not isinstance(prepared_statements, bool):
+            raise ConfigurationError(f"prepared_statements must be True, False or None, got {prepared_statements!r}")
         unknown = set(step_defaults) - {f.name for f in dataclasses.fields(StepOptions)}
         if unknown:
             raise ConfigurationError(f"unknown option(s): {', '.join(sorted(unknown))}")
@@ -135,6 +149,8 @@ class Config:
             max_payload=max_payload,
             prefetch=prefetch,
             registry_interval=seconds(registry_interval, "registry_interval", allow_none=False),  # type: ignore[arg-type]
+            pgbouncer=pgbouncer,
+            prepared_statements=not pgbouncer if prepared_statements is None else prepared_statements,
         )
 
     @property

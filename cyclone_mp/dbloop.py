@@ -137,7 +137,8 @@ class DatabaseThread:
         def open_store() -> Store:
             return Store.open(dsn, generic_plans=generic_plans, idle_in_transaction=config.idle_in_transaction_limit,
                               lock_timeout=config.lock_timeout, statement_timeout=bound, dead_after=bound,
-                              connect_timeout=max(2.0, bound), application_name=f"cyclone_mp {part} {owner}")
+                              connect_timeout=max(2.0, bound), application_name=f"cyclone_mp {part} {owner}",
+                              pgbouncer=config.pgbouncer, prepare=config.prepared_statements)
 
         self._open_store = open_store
         self.store: Store | None = None
@@ -230,8 +231,7 @@ class DatabaseThread:
             return
         finally:
             self.call_started = None
-        self.db_ok = True
-        self._reconnect_delay = RECONNECT_FIRST
+        self.db_ok = True  # the backoff starts again from RECONNECT_FIRST once a call succeeds
         try:
             self.connected()
         except DatabaseError as exc:
@@ -246,7 +246,13 @@ class DatabaseThread:
     def down(self, exc: Exception) -> bool:
         """React to a failed call; True when it was an outage (the connection is dropped and
         reopened after a backoff). Any other error leaves the connection alone and the
-        caller handles that one call."""
+        caller handles that one call.
+
+        A read-only error (:class:`~cyclone_mp.errors.DatabaseReadOnly`: a failover) is an
+        outage too: the next connection goes to the new primary when the DSN names every
+        host with ``target_session_attrs=read-write``. The backoff doubles up to the cap
+        until a call succeeds, not merely a connect, so a connection that opens and then
+        fails at once (a host still in recovery) never makes a tight loop (issue 22)."""
         if not isinstance(exc, DatabaseUnavailable) and self.store is not None and not self.store.broken:
             return False
         if self.db_ok:
@@ -279,7 +285,9 @@ class DatabaseThread:
         self.call_started = self.clock()
         try:
             with CALL_TIMER.bound(store, seconds):
-                return fn(store)
+                value = fn(store)
+            self._reconnect_delay = RECONNECT_FIRST
+            return value
         except DatabaseError as exc:
             self.down(exc)
             raise

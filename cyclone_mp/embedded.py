@@ -182,7 +182,7 @@ class EmbeddedServer:
                     self._initdb(deadline)
                 self._start_server(deadline)
                 started = True
-            while (self._pidfile_lines() + [""] * 8)[7].strip() != "ready":  # 8th line: status
+            while (self._pidfile_lines() + [""] * 8)[7].strip() not in ("ready", "standby"):  # 8th line: status
                 if time.monotonic() > deadline:  # a server started by someone else
                     raise EmbeddedError(f"the server in {self.data_dir} is not ready after {timeout}s")
                 time.sleep(0.05)
@@ -212,6 +212,35 @@ class EmbeddedServer:
             if not _gone(proc, 5.0):
                 raise EmbeddedError(f"postmaster {pid} survived SIGKILL")
             return True
+
+    def init_standby(self, primary: "EmbeddedServer", timeout: float = 120.0) -> None:
+        """Make this (not yet existing) data directory a streaming standby of ``primary``
+        (running): ``pg_basebackup -R -X stream`` over its Unix socket, as the server
+        user when root. :meth:`start` then runs it as a hot standby (issue 22: failover
+        tests). Raises EmbeddedError (this directory holds a cluster, or the copy failed)."""
+        if (self.data_dir / "PG_VERSION").exists():
+            raise EmbeddedError(f"{self.data_dir} already holds a cluster")
+        self._make_parents()
+        host = primary._socket_dir()
+        with self._lock(timeout):
+            tmp = self._initdb_dir()
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(mode=0o700)
+            if self._root:
+                os.chown(tmp, _server_user().pw_uid, _server_user().pw_gid)
+            self._run("pg_basebackup", ["-D", str(tmp), "-R", "-X", "stream", "-c", "fast", "-h", str(host),
+                                        "-p", str(PORT), "-U", "postgres", "--no-password"], timeout)
+            for name in (f".s.PGSQL.{PORT}.lock", "log"):  # the primary's socket lock and log, copied along
+                (tmp / name).unlink(missing_ok=True)
+            os.rename(tmp, self.data_dir)
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """Promote this standby to a primary (``pg_ctl promote -w``); returns once it accepts
+        writes. Raises EmbeddedError (not running, not a standby, or too slow)."""
+        if self.pid() is None:
+            raise EmbeddedError(f"no server runs on {self.data_dir}")
+        self._run("pg_ctl", ["-D", str(self.data_dir), "-w", "-t", str(max(1, round(timeout))), "promote"],
+                  timeout + 5)
 
     def destroy(self) -> None:
         """Stop the server and delete its data directory and socket directory."""

@@ -17,7 +17,10 @@ It never decides what happens to a handler: process control does.
 
 It also listens for ``NOTIFY`` (on ``listen_dsn`` when given: a direct connection past
 PgBouncer) and tells process control to claim at once
-(:class:`~cyclone_mp.messages.Poll`).
+(:class:`~cyclone_mp.messages.Poll`). Through PgBouncer in transaction mode
+(``Config.pgbouncer``) without a ``listen_dsn`` it does not listen at all: a LISTEN there
+lands on a server connection that other clients share, and its notifications reach
+nobody (the supervisor then claims on its poll interval alone).
 
 Which file owns "a step's lease was lost": this one finds it out
 (:meth:`LeaseKeeper._lost`); what it does to the handler is
@@ -64,7 +67,7 @@ class LeaseKeeper(DatabaseThread):
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         owner: the supervisor's id (``lease_owner``).
         tell: posts a message to process control.
-        listen_dsn: where to LISTEN (default ``dsn``).
+        listen_dsn: where to LISTEN (default ``dsn``, or nowhere when ``config.pgbouncer``).
         observer: told of the heartbeat lag (:mod:`cyclone_mp.telemetry`).
         clock: local monotonic clock in seconds.
     """
@@ -77,7 +80,7 @@ class LeaseKeeper(DatabaseThread):
         self.config = config
         self.owner = owner
         self.tell = tell
-        self.listen_dsn = listen_dsn or dsn
+        self.listen_dsn: str | None = listen_dsn or (None if config.pgbouncer else dsn)
         self.leases: dict[LeaseKey, Lease] = {}
         self.listen_conn: Any = None
 
@@ -192,6 +195,8 @@ class LeaseKeeper(DatabaseThread):
 
     def _listen(self) -> None:
         self._unlisten()
+        if self.listen_dsn is None:  # PgBouncer in transaction mode and no direct listen_dsn: poll only
+            return
         self.call_started = self.clock()
         try:
             conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound,

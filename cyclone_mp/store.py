@@ -26,7 +26,7 @@ from psycopg.types.json import Jsonb
 
 from . import decisions
 from .backoff import delay_after
-from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable, QueryRejected
+from .errors import DatabaseBusy, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, QueryRejected
 from .limits import NO_LIMITS, Limits
 
 log = logging.getLogger("cyclone_mp.store")
@@ -151,6 +151,9 @@ OUTAGE_PREFIXES = ("08", "57P")
 #: 54 program limit exceeded (jsonb over 256 MB, an index row too large, nesting too
 #: deep), 22 data exception (bad value, out of range), 23 integrity constraint.
 REJECTED_CLASSES = ("54", "22", "23")
+#: A write refused because the server is a standby or the session read-only (a failover:
+#: a host that was the primary came back as a replica, or the DSN reached the wrong one).
+READ_ONLY_STATES = frozenset({"25006"})
 BUSY_STATES = ("55P03", "57014")  # lock_not_available, query_canceled (lock_timeout, statement_timeout)
 REJECTED_WHAT = {"54": "it is over a database limit", "22": "a value is invalid for its column",
                  "23": "it breaks a constraint"}
@@ -161,6 +164,9 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     psycopg's exception class: ``OperationalError`` covers both a lost connection and a
     jsonb value over 256 MB):
 
+    * :class:`DatabaseReadOnly` (a failover, issue 22): 25006, a write refused by a
+      standby or a read-only session ("cannot execute ... in a read-only transaction",
+      "... during recovery"): the connection must be opened again, to the new primary;
     * :class:`DatabaseUnavailable` (an outage): the connection is broken or closed
       (``broken``), a client-side error without SQLSTATE (connection lost, refused),
       class 08, 57P01-57P03, 25P03, or another ``OperationalError`` whose class is not
@@ -176,6 +182,8 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     state = getattr(exc, "sqlstate", None) or None
     text = redact(str(exc).strip()) or type(exc).__name__
     first = text.splitlines()[0]
+    if state in READ_ONLY_STATES:
+        return DatabaseReadOnly(f"database read-only (a standby, or a failover under way): {first} (SQLSTATE {state})")
     if state in BUSY_STATES and not broken:
         return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})")
     if state and state[:2] in REJECTED_CLASSES and not broken:
@@ -247,39 +255,122 @@ def tcp_bounds(dead_after: float) -> dict[str, int]:
             "tcp_user_timeout": max(1000, int(dead_after * 1000))}
 
 
+class PooledConnection(psycopg.Connection):  # type: ignore[type-arg]
+    """A connection through PgBouncer in transaction mode (issue 22): it keeps no session
+    state. Each server connection serves other clients between two transactions, so what
+    a plain connection sets once for its session (:func:`configure_session`) is set here
+    inside every transaction instead (``set_config(name, value, true)``, as ``SET LOCAL``):
+
+    * an explicit transaction (:meth:`transaction`) sets :attr:`tx_settings` first;
+    * a statement outside one (autocommit) is sent in a pipeline after
+      :attr:`statement_settings` (:class:`PooledCursor`): the two share the pipeline's
+      implicit transaction and one round trip, and PgBouncer keeps them on one server
+      connection (it hands the connection back only at the pipeline's single Sync).
+
+    Attributes:
+        tx_settings: ``(sql, params)`` run first in each explicit transaction, or None.
+        statement_settings: ``(sql, params)`` run before each autocommit statement, or None.
+    """
+
+    tx_settings: tuple[str, list[str]] | None = None
+    statement_settings: tuple[str, list[str]] | None = None
+
+    @contextlib.contextmanager
+    def transaction(self, savepoint_name: str | None = None, force_rollback: bool = False) -> Iterator[Any]:
+        """psycopg's ``transaction()``; the outermost one starts with :attr:`tx_settings`."""
+        outermost = self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost and self.tx_settings is not None:
+                psycopg.Cursor(self).execute(*self.tx_settings, prepare=False)
+            yield tx
+
+
+class PooledCursor(psycopg.Cursor):  # type: ignore[type-arg]
+    """The cursor of a :class:`PooledConnection` (see there)."""
+
+    def _settings(self) -> tuple[str, list[str]] | None:
+        conn = self.connection
+        if (conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+                or conn.info.pipeline_status != psycopg.pq.PipelineStatus.OFF):
+            return None  # inside a transaction (it set them) or a pipeline of the caller's
+        return getattr(conn, "statement_settings", None)
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> "PooledCursor":
+        settings = self._settings()
+        if settings is None or (params is None and ";" in str(query)):  # a script: simple protocol, no pipeline
+            super().execute(query, params, prepare=prepare, binary=binary)
+            return self
+        with self.connection.pipeline():
+            psycopg.Cursor(self.connection).execute(*settings, prepare=False)
+            super().execute(query, params, prepare=prepare, binary=binary)
+        return self
+
+    def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
+        settings = self._settings()
+        if settings is None:
+            return super().executemany(query, params_seq, returning=returning)
+        with self.connection.pipeline():
+            psycopg.Cursor(self.connection).execute(*settings, prepare=False)
+            super().executemany(query, params_seq, returning=returning)
+        return None
+
+
+class PooledAsyncConnection(psycopg.AsyncConnection):  # type: ignore[type-arg]
+    """:class:`PooledConnection` for the :class:`~cyclone_mp.AsyncClient`: its explicit
+    transactions start with :attr:`tx_settings` (its autocommit statements need none)."""
+
+    tx_settings: tuple[str, list[str]] | None = None
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, savepoint_name: str | None = None, force_rollback: bool = False) -> Any:
+        """psycopg's ``transaction()``; the outermost one starts with :attr:`tx_settings`."""
+        outermost = self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        async with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost and self.tx_settings is not None:
+                await psycopg.AsyncCursor(self).execute(*self.tx_settings, prepare=False)
+            yield tx
+
+
 def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0, dead_after: float = 30.0,
-            application_name: str | None = None) -> psycopg.Connection:
+            application_name: str | None = None, pgbouncer: bool = False, prepare: bool = True) -> psycopg.Connection:
     """Open one connection with dict rows; ``timeout``: seconds to connect;
     ``dead_after``: seconds after which a silent TCP peer is an error (:func:`tcp_bounds`);
     ``application_name``: what ``pg_stat_activity`` shows for it (at most 63 bytes kept).
+    ``pgbouncer``: the DSN goes through PgBouncer in transaction mode: a
+    :class:`PooledConnection`, whose settings are per transaction. ``prepare``: False
+    turns psycopg's named prepared statements off (``prepare_threshold=None``): PgBouncer
+    in transaction mode without ``max_prepared_statements`` cannot keep them.
 
     Raises:
-        DatabaseError: the server cannot be reached (message without the password).
+        DatabaseReadOnly: the server reached is a standby (``in_hot_standby``), and
+            ``target_session_attrs=read-write`` was not in the DSN to skip it.
+        DatabaseUnavailable: the server cannot be reached (message without the password).
     """
     extra: dict[str, Any] = {}
     if application_name:
         extra["application_name"] = application_name[:63]
+    if pgbouncer:
+        extra["cursor_factory"] = PooledCursor
+    cls = PooledConnection if pgbouncer else psycopg.Connection
     try:
-        return psycopg.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(2, int(timeout)),
-                               **tcp_bounds(dead_after), **extra)
+        conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(2, int(timeout)),
+                           **tcp_bounds(dead_after), **extra)
     except psycopg.Error as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
+    if not prepare:
+        conn.prepare_threshold = None
+    if conn.info.parameter_status("in_hot_standby") == "on":  # reported by PostgreSQL 14 and later
+        conn.close()
+        raise DatabaseReadOnly("connected to a standby (in recovery): a failover under way, or the DSN "
+                               "lacks target_session_attrs=read-write")
+    return conn
 
 
-def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
-                      idle_in_transaction: float | None = None, lock_timeout: float | None = None,
-                      statement_timeout: float | None = None) -> None:
-    """Session settings of a cyclone_mp connection, in one round trip (``SET``, so a proxy
-    that refuses startup options still works).
-
-    ``generic_plans``: ``plan_cache_mode = force_generic_plan`` (see :meth:`Store.open`).
-    ``idle_in_transaction`` (seconds): ``idle_in_transaction_session_timeout``, so a
-    process frozen inside one of its transactions does not hold row locks that other
-    supervisors wait on (the server ends that session; the process reconnects and
-    writes again). ``lock_timeout`` and ``statement_timeout`` (seconds) bound what a call
-    may wait for on the server (the supervisor's connections, issue 17). Raises psycopg.Error.
-    """
+def session_settings(*, generic_plans: bool = False, idle_in_transaction: float | None = None,
+                     lock_timeout: float | None = None, statement_timeout: float | None = None) -> dict[str, str]:
+    """The server settings of a cyclone_mp connection, by name (see :func:`configure_session`)."""
     settings = {}
     if lock_timeout is not None:
         settings["lock_timeout"] = f"{max(1, int(lock_timeout * 1000))}ms"
@@ -289,20 +380,49 @@ def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
         settings["plan_cache_mode"] = "force_generic_plan"
     if idle_in_transaction is not None:
         settings["idle_in_transaction_session_timeout"] = f"{max(1, int(idle_in_transaction * 1000))}ms"
+    return settings
+
+
+def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
+                      idle_in_transaction: float | None = None, lock_timeout: float | None = None,
+                      statement_timeout: float | None = None) -> None:
+    """Session settings of a cyclone_mp connection, in one round trip (``SET``, so a proxy
+    that refuses startup options still works); on a :class:`PooledConnection` (PgBouncer
+    in transaction mode), no round trip: they are kept on it and set in each transaction.
+
+    ``generic_plans``: ``plan_cache_mode = force_generic_plan`` (see :meth:`Store.open`).
+    ``idle_in_transaction`` (seconds): ``idle_in_transaction_session_timeout``, so a
+    process frozen inside one of its transactions does not hold row locks that other
+    supervisors wait on (the server ends that session; the process reconnects and
+    writes again). ``lock_timeout`` and ``statement_timeout`` (seconds) bound what a call
+    may wait for on the server (the supervisor's connections, issue 17). Raises psycopg.Error.
+    """
+    settings = session_settings(generic_plans=generic_plans, idle_in_transaction=idle_in_transaction,
+                                lock_timeout=lock_timeout, statement_timeout=statement_timeout)
+    if isinstance(conn, (PooledConnection, PooledAsyncConnection)):
+        conn.tx_settings = _set_config(settings, local=True) if settings else None
+        if isinstance(conn, PooledConnection):
+            # idle_in_transaction_session_timeout means nothing outside a transaction
+            per_statement = {k: v for k, v in settings.items() if k != "idle_in_transaction_session_timeout"}
+            conn.statement_settings = _set_config(per_statement, local=True) if per_statement else None
+        return
     if settings:
         conn.execute(*_set_config(settings))
 
 
-def _set_config(settings: dict[str, str]) -> tuple[str, list[str]]:
-    return ("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
-            [v for kv in settings.items() for v in kv])
+def _set_config(settings: dict[str, str], local: bool = False) -> tuple[str, list[str]]:
+    call = "set_config(%s, %s, true)" if local else "set_config(%s, %s, false)"
+    return ("SELECT " + ", ".join(call for _ in settings), [v for kv in settings.items() for v in kv])
 
 
 async def aconfigure_session(conn: psycopg.AsyncConnection[Any], *, idle_in_transaction: float) -> None:
     """:func:`configure_session` of an async client's connection (its
     ``idle_in_transaction``, in seconds). Raises psycopg.Error."""
-    await conn.execute(*_set_config(
-        {"idle_in_transaction_session_timeout": f"{max(1, int(idle_in_transaction * 1000))}ms"}))
+    settings = session_settings(idle_in_transaction=idle_in_transaction)
+    if isinstance(conn, PooledAsyncConnection):
+        conn.tx_settings = _set_config(settings, local=True)
+        return
+    await conn.execute(*_set_config(settings))
 
 
 def database_dsn(dsn: str, name: str) -> str:
@@ -410,7 +530,8 @@ class Store:
     @classmethod
     def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None,
              lock_timeout: float | None = None, statement_timeout: float | None = None,
-             dead_after: float = 30.0, connect_timeout: float = 10.0, application_name: str | None = None) -> "Store":
+             dead_after: float = 30.0, connect_timeout: float = 10.0, application_name: str | None = None,
+             pgbouncer: bool = False, prepare: bool = True) -> "Store":
         """Connect to ``dsn``; raises DatabaseError.
 
         ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
@@ -419,10 +540,13 @@ class Store:
         them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
         ``idle_in_transaction``, ``lock_timeout``, ``statement_timeout`` (seconds): see
-        :func:`configure_session`; ``dead_after``, ``connect_timeout``, ``application_name``:
-        see :func:`connect`.
+        :func:`configure_session`; ``dead_after``, ``connect_timeout``, ``application_name``,
+        ``pgbouncer``, ``prepare``: see :func:`connect` (without prepared statements,
+        ``generic_plans`` has nothing to act on).
         """
-        conn = connect(dsn, timeout=connect_timeout, dead_after=dead_after, application_name=application_name)
+        conn = connect(dsn, timeout=connect_timeout, dead_after=dead_after, application_name=application_name,
+                       pgbouncer=pgbouncer, prepare=prepare)
+        generic_plans = generic_plans and prepare
         if generic_plans:
             # Prepared (and planned) at the first call, not the fifth: the first calls
             # of a start planned each many-CTE statement again, about 2 ms each.

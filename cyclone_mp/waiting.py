@@ -14,6 +14,11 @@ two statements on that same connection, and hands each waiter its
 every :data:`POLL_FALLBACK` seconds when LISTEN cannot be had, and at once after a
 reconnect. With nobody waiting for :data:`IDLE_CLOSE` seconds it closes its connection.
 
+Through PgBouncer in transaction mode (``pgbouncer=True``) a LISTEN would land on a
+server connection other clients share: the listener then LISTENs on ``listen_dsn`` (a
+direct connection) when one is given, and otherwise polls every :data:`POLL_FALLBACK`
+seconds through PgBouncer (issue 22).
+
 A waiter subscribes before it looks: once the connection listens, it registers and reads
 the run's state once itself; a run that ends after that read notifies the listener.
 """
@@ -133,11 +138,22 @@ class _Slot:
         self.event.set()
 
 
+def listener_target(dsn: str, listen_dsn: str | None, pgbouncer: bool) -> tuple[str, bool]:
+    """Where a waiter connects, and whether it LISTENs there: ``listen_dsn`` (listening)
+    when given, else ``dsn``, listening unless it goes through PgBouncer in transaction mode."""
+    if listen_dsn:
+        return listen_dsn, True
+    return dsn, not pgbouncer
+
+
 class Waiter:
     """One listening connection and thread for every wait of a sync client (see the module
-    docstring). ``read_status(run_id) -> RunStatus`` is the waiter's own first look."""
+    docstring). ``read_status(run_id) -> RunStatus`` is the waiter's own first look;
+    ``listen_dsn``, ``pgbouncer``, ``prepare``: the client's options (:class:`~cyclone_mp.Client`)."""
 
-    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], RunStatus]) -> None:
+    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], RunStatus], *,
+                 listen_dsn: str | None = None, pgbouncer: bool = False, prepare: bool = True) -> None:
+        self._listen_dsn, self._pgbouncer, self._prepare = listen_dsn, pgbouncer, prepare
         self._dsn = dsn
         self._read_status = read_status
         self._lock = threading.Lock()
@@ -243,11 +259,16 @@ class Waiter:
                     conn.close()
 
     def _connect(self) -> tuple[psycopg.Connection[Any] | None, bool]:
+        dsn, listen = listener_target(self._dsn(), self._listen_dsn, self._pgbouncer)
+        pooled = self._pgbouncer and dsn != self._listen_dsn
         try:
-            conn = connect(self._dsn(), application_name="cyclone_mp waiting")
+            conn = connect(dsn, application_name="cyclone_mp waiting", pgbouncer=pooled,
+                           prepare=self._prepare or not pooled)
         except CycloneError as exc:
             log.info("waiting: cannot connect (%s); polling", exc)
             return None, False
+        if not listen:
+            return conn, False
         try:
             conn.execute(f"LISTEN {RUNS_CHANNEL}")
         except psycopg.Error as exc:
@@ -277,7 +298,9 @@ class AsyncWaiter:
     """:class:`Waiter` for an :class:`~cyclone_mp.AsyncClient`: one listening connection
     and one task of its event loop for every wait."""
 
-    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], Any]) -> None:
+    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], Any], *,
+                 listen_dsn: str | None = None, pgbouncer: bool = False, prepare: bool = True) -> None:
+        self._listen_dsn, self._pgbouncer, self._prepare = listen_dsn, pgbouncer, prepare
         self._dsn = dsn
         self._read_status = read_status
         self.book = WaitBook()
@@ -385,13 +408,18 @@ class AsyncWaiter:
     async def _connect(self) -> tuple[psycopg.AsyncConnection[Any] | None, bool]:
         from psycopg.rows import dict_row
 
+        dsn, listen = listener_target(self._dsn(), self._listen_dsn, self._pgbouncer)
         try:
-            conn = await psycopg.AsyncConnection.connect(self._dsn(), autocommit=True, row_factory=dict_row,
+            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row,
                                                           application_name="cyclone_mp waiting", connect_timeout=10,
                                                           **tcp_bounds(30.0))
         except psycopg.Error as exc:
             log.info("waiting: cannot connect (%s); polling", exc)
             return None, False
+        if not (self._prepare or dsn == self._listen_dsn):
+            conn.prepare_threshold = None
+        if not listen:
+            return conn, False
         try:
             await conn.execute(f"LISTEN {RUNS_CHANNEL}")
         except psycopg.Error as exc:

@@ -195,3 +195,16 @@ def leaves_zombie(ctx: cy.Context, inp: dict) -> dict:
     proc = subprocess.Popen(["sleep", "300"])
     _kept.append(proc)
     return {"pid": proc.pid}
+
+
+@cy.step("logged", max_attempts=3)
+def logged(ctx: cy.Context, inp: dict) -> dict:
+    """Sleeps ``seconds``, then appends ``<run id> <pid> <attempt>`` to ``log`` (one line
+    per execution that ran to its end, O_APPEND: lines of several children never mix)."""
+    time.sleep(inp.get("seconds", 0.05))
+    fd = os.open(inp["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{ctx.run_id} {os.getpid()} {ctx.attempt}\n".encode())
+    finally:
+        os.close(fd)
+    return {"n": inp.get("n")}
