@@ -241,6 +241,20 @@ class HandlerRef:
         return "<" not in self.qualname
 
 
+def _check_signature(name: str, fn: Callable[..., Any]) -> None:
+    """Raise ConfigurationError unless ``fn`` can be called as ``fn(ctx, input)`` (SPEC 2):
+    a wrong signature fails at registration, not at every attempt of every run."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or a C callable without one: left to the call
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        raise ConfigurationError(f"step {name!r}: a handler is called as fn(ctx, input); "
+                                 f"{getattr(fn, '__qualname__', fn)}{signature} cannot be ({exc})") from None
+
+
 def _handler_ref(fn: Callable[..., Any]) -> HandlerRef:
     module = getattr(fn, "__module__", None) or "__main__"
     qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "<unknown>")
@@ -266,6 +280,7 @@ class Step:
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             raise ConfigurationError(f"step {name!r}: a handler returns its output; a generator "
                                      "(a function that yields) cannot be a step")
+        _check_signature(name, fn)
         self.name = name
         self.fn = fn
         self.options = options

@@ -140,6 +140,13 @@ class Supervisor:
     def run(self) -> None:
         """Run until shut down, on this thread (children are created from it: PDEATHSIG
         follows the thread that creates a child)."""
+        # Metrics first: a port in use is a ConfigurationError before any child or lease exists.
+        try:
+            self.observer.start(lambda: len(self.control.pool.children) if self.control is not None else 0)
+        except BaseException:
+            self.observer.close()
+            self.stopped.set()
+            raise
         was_subreaper = procs.set_subreaper(True)
         watchdog = procs.WatchdogLink(self.id)
         try:
@@ -168,8 +175,6 @@ class Supervisor:
             self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
-            pool = control.pool
-            self.observer.start(lambda: len(pool.children))  # serves the metrics from now on
             for part in (self.keeper, self.writer, self.maintenance):
                 part.start()
             control.run(self.running)

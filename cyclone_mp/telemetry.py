@@ -56,7 +56,8 @@ class Observer:
         oldest has been claimable, or None)."""
 
     def start(self, children_alive: Callable[[], int]) -> None:
-        """The supervisor runs; ``children_alive()`` counts its live child processes."""
+        """The supervisor starts; ``children_alive()`` counts its live child processes.
+        Raises ConfigurationError when the observer cannot work (a metrics port in use)."""
 
     def close(self) -> None:
         """The supervisor stopped."""
@@ -100,7 +101,10 @@ class Observers(Observer):
         self._each("queue_depths", rows)
 
     def start(self, children_alive: Callable[[], int]) -> None:
-        self._each("start", children_alive)
+        """Start each observer; unlike an event, a failure here is raised (a metrics port
+        in use must stop the supervisor with a clear error, not leave it unobserved)."""
+        for observer in self.observers:
+            observer.start(children_alive)
 
     def close(self) -> None:
         self._each("close")

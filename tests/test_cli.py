@@ -21,6 +21,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -628,3 +629,20 @@ def test_prune_deletes_only_old_finished_runs(dsn: str) -> None:
         assert steps == [(waiting_id,)]
     finally:
         client.close()
+
+
+def test_a_metrics_port_in_use_stops_the_worker_with_one_error_line(dsn: str) -> None:
+    """Found by a new user: the worker logged a traceback and ran on without metrics (a
+    scrape then reached the other process on that port)."""
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli("worker", APP, "--metrics-port", str(port), dsn=dsn, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"Error: cannot serve metrics on port {port}: Address already in use"
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "cyclone_mp._child" in " ".join(p.info["cmdline"] or [])
+                and p.ppid() == proc.pid]  # it started no child
+

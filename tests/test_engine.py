@@ -193,12 +193,11 @@ def test_retry_raises_max_attempts_and_clears_the_error(api_env):
     api_env.run_until_complete(run_id)
     assert api_env.client().retry(run_id) == 1
     step = api_env.status(run_id).step
-    assert step.state in ("available", "running")  # the live worker may claim it at once
-    assert (step.attempt, step.max_attempts) == (4, 4)
-    assert step.error is None and step.error_kind is None and len(step.errors) == 3
-    status = api_env.status(run_id)
-    if status.state != "running":  # the live worker has already run attempt 4 of the reopened run
-        assert (status.state, status.step.attempt, len(status.step.errors)) == ("discarded", 4, 4)
+    assert step.max_attempts == 4
+    if step.state in ("available", "running"):  # the live worker may claim it at once...
+        assert step.attempt == 4 and step.error is None and step.error_kind is None and len(step.errors) == 3
+    else:  # ...and may have run attempt 4 of the reopened run already (seen in CI)
+        assert (step.state, step.attempt, len(step.errors)) == ("discarded", 4, 4), step
     run = api_env.run_until_complete(run_id)
     assert (run.step.state, run.step.attempt, len(run.step.errors)) == ("discarded", 4, 4)
 

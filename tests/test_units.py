@@ -107,3 +107,23 @@ def test_a_script_that_fails_to_load_raises_its_error_again(tmp_path):
             import_ref(ref, {})
     script.write_text("def handler(ctx, inp):\n    return 1\n")  # mended: it loads
     assert import_ref(ref, {})(None, None) == 1
+
+
+def test_a_handler_that_cannot_take_ctx_and_input_is_refused_at_registration() -> None:
+    """Found by a new user: ``def x(ctx)`` was accepted, then every attempt of every run
+    failed with a TypeError and was retried 25 times."""
+    import cyclone_mp as cy
+
+    with pytest.raises(cy.ConfigurationError, match=r"called as fn\(ctx, input\); \S*x\(ctx\) cannot be"):
+        @cy.step("one_argument")
+        def x(ctx):  # noqa: ANN001 - the wrong signature on purpose
+            return {}
+    with pytest.raises(cy.ConfigurationError, match="cannot be"):
+        cy.step("keyword_only")(lambda ctx, *, inp: {})
+
+    @cy.step("extras_are_fine")
+    def fine(ctx, inp, *more, option=1):  # noqa: ANN001
+        return {}
+
+    assert cy.step("varargs")(lambda *args: {}).name == "varargs"
+
