@@ -403,7 +403,8 @@ def _warn_unserved(client: Any, status: Any, app: str) -> None:
         by_queue.setdefault(step.queue, []).append(step.step_name or step.name)
     for queue, names in by_queue.items():
         option = "" if queue == "default" else f" --queue {queue}"
-        click.echo(f"Warning: no live supervisor serves queue {queue!r} (step {', '.join(sorted(set(names)))}); "
+        steps = ", ".join(sorted(set(names)))
+        click.echo(f"Warning: no live supervisor serves queue {queue!r} with step {steps} (none runs it there); "
                    f"the run waits until one starts: cyclone-mp worker {app}{option}", err=True)
 
 

@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Iterable
 
 from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
@@ -38,6 +39,7 @@ STATE_STYLES = {
 }
 WIDE = 160  #: table width when the output is not a terminal (pipes, logs, tests) and COLUMNS is unset
 NARROW = 100  #: below this many columns tables are compact (issue 19)
+MAX_WIDE = 400  #: the widest a --wide table is drawn
 
 
 def console(stderr: bool = False) -> Console:
@@ -56,10 +58,14 @@ def compact(con: Console, wide: bool = False) -> bool:
 
 
 def put(con: Console, renderable: Any, wide: bool = False) -> None:
-    """Print a table; with ``wide`` on a console narrower than WIDE, at WIDE columns and
-    uncropped (every column whole: the terminal wraps the lines, or ``less -S`` scrolls)."""
-    if wide and con.width < WIDE:
-        narrow, con.width = con.width, WIDE  # print(width=...) cannot exceed the console's width
+    """Print a table; with ``wide``, as wide as its columns need (at least WIDE, at most
+    MAX_WIDE) and uncropped: every column whole (the terminal wraps the lines, or
+    ``less -S`` scrolls). A new user saw --wide squeeze the error column to nothing."""
+    need = WIDE
+    if wide:
+        need = max(WIDE, min(MAX_WIDE, Measurement.get(con, con.options.update_width(MAX_WIDE), renderable).maximum))
+    if wide and con.width < need:
+        narrow, con.width = con.width, need  # print(width=...) cannot exceed the console's width
         try:
             con.print(renderable, crop=False)
         finally:

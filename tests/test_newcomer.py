@@ -324,3 +324,22 @@ def test_worker_stop_summary_counts_children_in_english(dsn: str) -> None:  # no
     w.wait_ready(1)
     assert w.stop() == 0
     assert "0 children killed" in w.stderr, w.stderr  # "1 child killed": the drain tests above
+
+
+def test_wide_keeps_every_column_whole_however_many_there_are() -> None:
+    """Found by a new user: with --wide (or piped), a forensics table wider than 160
+    columns squeezed its wrappable columns (node, error) to nothing."""
+    from rich.table import Table
+
+    table = Table()
+    for name in ("node", "attempt", "kind", "exit", "killed by supervisor", "trigger", "tree", "at", "error"):
+        table.add_column(name, no_wrap=name not in ("node", "error"))
+    message = "killed 2 times: memory_limit 64 MiB, peak 64 MiB; and a message long enough to need room"
+    table.add_row("spin", "1", "memory_limit", "SIGKILL", "yes", "memory_limit",
+                  "1.04 CPU s · 1 process · peak 64 MiB", "2026-12-01T23:48:02.820000+00:00", message)
+    con = _console()  # 80 columns
+    render.put(con, table, wide=True)
+    text = con.export_text()
+    assert "┃ node ┃" in text and "┃ error " in text, text
+    assert message in text  # whole, on one line
+    assert con.width == 80  # the console is given back its width
