@@ -508,10 +508,9 @@ class Slot:
             return True
         try:
             if memory != self.caps[0] and self.memory_file:
+                if memory is not None and self._runner_memory() > memory:
+                    return False  # the kernel would reclaim, then OOM-kill the idle child: replace it instead
                 if self.memory_file == "v2":
-                    used = _int(self._pread("v2", "memory.current"))
-                    if memory is not None and used is not None and used > memory:
-                        return False  # v2 would reclaim, then OOM-kill the idle child: replace it instead
                     _write(self._file("v2", "memory.max") or "", "max" if memory is None else str(memory))
                 else:
                     try:
@@ -528,6 +527,14 @@ class Slot:
             return True
         self.caps = (memory, tasks)
         return True
+
+    def _runner_memory(self) -> int:
+        """What the slot's child holds now, in bytes: the larger of its cgroup's charge and
+        its own RSS (on v1, pages it touched before it joined the slot stay charged
+        elsewhere: the charge alone let a 1 MiB cap pass)."""
+        charged = _int(self._pread("v2", "memory.current")) if self.memory_file == "v2" else None
+        stat = _stat(self.pid) if self.pid else None
+        return max(charged or 0, stat[2] if stat else 0)
 
     def _memory_counters(self) -> tuple[int, int]:
         """(OOM kills, memory cap hits) in this slot so far (v1: the hits are judged from

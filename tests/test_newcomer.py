@@ -254,7 +254,7 @@ def test_enqueue_wait_warns_at_once_when_no_supervisor_serves_the_queue(
                                 cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         err = Lines(proc.stderr)
         at, line = err.first("Warning: no live supervisor serves queue 'nowhere'", 5)
-        assert at - started < 5 and "--queue nowhere" in line and "(step echo)" in line, line
+        assert at - started < 5 and "--queue nowhere" in line and "with step echo" in line, line
         proc.wait(timeout=30)
         proc.stdout.close()
         text = err.text()
