@@ -11,9 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # the benchmark script end to end (a minute of CPU on 2 cores)
 def test_quick_benchmark_run(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), "--quick", "--only", "B1,B3,B5",

@@ -279,7 +279,10 @@ def _run_script(block: Block, where: Path, request: pytest.FixtureRequest, names
         _forget([*names, name])
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+# A block that is a test file runs a whole pytest session of the user's (16 s for
+# testing.md's): slow; tests/test_plugin.py runs the plugin in the default suite.
+@pytest.mark.parametrize("block", [pytest.param(b, marks=pytest.mark.slow) if b.is_test_file else b for b in BLOCKS],
+                         ids=[b.id for b in BLOCKS])
 def test_doc_example(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if block.skip:
         pytest.skip(f"{block.id} is marked {NO_RUN}")

@@ -205,8 +205,8 @@ def active_since(dsn: str, owner: str, since: float) -> list[str]:
 
 @pytest.mark.parametrize("fault, seconds", [
     pytest.param("proxy", 10, id="black hole (proxy)"),
-    pytest.param("netns", 10, id="black hole (network namespace)"),
-    pytest.param("sigstop", 10, id="SIGSTOP", marks=pytest.mark.slow),  # the watchdog's case; slow for time
+    pytest.param("netns", 10, id="black hole (network namespace)", marks=pytest.mark.slow),  # the proxy's twin
+    pytest.param("sigstop", 10, id="SIGSTOP"),  # the watchdog's case
     pytest.param("proxy", 20, id="black hole (proxy), 20 s handler", marks=pytest.mark.slow),
     pytest.param("netns", 20, id="black hole (network namespace), 20 s handler", marks=pytest.mark.slow),
     pytest.param("sigstop", 20, id="SIGSTOP, 20 s handler", marks=pytest.mark.slow),

@@ -182,6 +182,7 @@ def _runs_in(dsn: str) -> int:
         return conn.execute("SELECT count(*) FROM cyclone_runs").fetchone()[0]
 
 
+@pytest.mark.slow  # test_cli runs the demo on a given DSN and on the default server
 def test_demo_on_a_given_dsn_removes_its_runs_unless_kept(dsn: str) -> None:  # noqa: F811
     proc = run_cli("demo", "--json", "--cpu-steps", "4", dsn=dsn, timeout=90)
     report = json.loads(proc.stdout)
