@@ -40,7 +40,8 @@ def overlaps(log, skip: set[str]) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("prefetch", [0, pytest.param(8, marks=pytest.mark.slow)])  # both paths soak in slow
+@pytest.mark.slow  # a soak (three supervisors, 300 steps, 10 s of faults): both prefetch paths
+@pytest.mark.parametrize("prefetch", [0, 8])
 def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn, cyclone_server, tmp_path, prefetch):
     with connect(cyclone_dsn) as conn:
         conn.execute("CREATE TABLE chaos_effects (run_id uuid PRIMARY KEY, attempt int, pid int)")

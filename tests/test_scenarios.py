@@ -567,6 +567,7 @@ def test_sc05_recovery_never_depends_on_worker_bookkeeping(cyclone_env_factory, 
 # -- SC-06 ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a soak: every core saturated for several lease periods
 def test_sc06_heartbeats_hold_under_cpu_saturation(cyclone_env_factory, tmp_path):
     """SC-06: ``lease_ttl=3`` (a renewal every 1 s); eight children busy-loop for 10 s
     on this 2-core machine while a second supervisor polls the same database. No
