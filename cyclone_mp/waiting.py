@@ -86,6 +86,14 @@ def statuses(runs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[st
     return {run["id"]: RunStatus.from_rows(run, by_run.get(run["id"], [])) for run in runs}
 
 
+
+def _say_lost(exc: Exception) -> None:
+    """Log why a listener starts over: a lost connection (info) or anything else (with its traceback)."""
+    if isinstance(exc, (psycopg.Error, DatabaseError)):
+        log.info("the waiting connection was lost (%s); listening again", exc)
+    else:
+        log.exception("waiting: unexpected error; listening again")
+
 class WaitBook:
     """Who waits for which run (the pure part, shared by both listeners): ``slots`` maps a
     run id to the waiters' slots (an object with ``deliver(status)``)."""
@@ -242,10 +250,7 @@ class Waiter:
                         with self._lock:
                             self.book.deliver(found)
                 except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
-                    if isinstance(exc, (psycopg.Error, DatabaseError)):
-                        log.info("the waiting connection was lost (%s); listening again", exc)
-                    else:
-                        log.exception("waiting: unexpected error; listening again")
+                    _say_lost(exc)
                     with contextlib.suppress(Exception):
                         assert conn is not None
                         conn.close()
@@ -387,10 +392,7 @@ class AsyncWaiter:
                     if wanted and conn is not None:
                         self.book.deliver(statuses(*await AsyncStore(conn).run(operations.finished_runs(wanted))))
                 except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
-                    if isinstance(exc, (psycopg.Error, DatabaseError)):
-                        log.info("the waiting connection was lost (%s); listening again", exc)
-                    else:
-                        log.exception("waiting: unexpected error; listening again")
+                    _say_lost(exc)
                     with contextlib.suppress(Exception):
                         assert conn is not None
                         await conn.close()
