@@ -91,12 +91,13 @@ def test_second_sigterm_goes_straight_to_the_hard_stop(cyclone_env_factory, tmp_
     assert (step.state, step.attempt, step.reclaims, step.errors) == ("available", 1, 0, [])
 
 
-def test_shutdown_writes_completed_work_before_exit(cyclone_env_factory):
+def test_shutdown_writes_completed_work_before_exit(cyclone_env_factory, tmp_path):
     env = cyclone_env_factory(workers=2, shutdown_grace=10, worker="thread")
-    ids = [env.enqueue(h.sleeper, {"seconds": 0.8}) for _ in range(2)]
+    log = tmp_path / "log"
+    ids = [env.enqueue(h.sleeper, {"seconds": 0.8, "log": str(log)}) for _ in range(2)]
     handle = env.start_worker()
-    for run_id in ids:
-        env.wait_for_state(run_id, None, "running")
+    # both handlers run (a claimed step whose child is not ready yet is released by the drain)
+    wait_for(lambda: sum(count_lines(log, "start").values()) == 2, 30, "both handlers to start")
     stopper = threading.Thread(target=handle.client.shutdown)
     stopper.start()
     stopper.join(timeout=15)
