@@ -49,7 +49,7 @@ from .config import (
 )
 from .mailbox import Inbox
 from .messages import (
-    COMPLETE, FAIL, RELEASE, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll,
+    COMPLETE, FAIL, RELEASE, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Written,
     Progress, Renewed,
 )
 from .pool import ChildPool, ChildProc
@@ -69,6 +69,7 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
+WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close (WatchdogLink.due)
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 
 
@@ -124,6 +125,8 @@ class ProcessControl:
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
+        self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
+        self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
         start = clock()
@@ -198,6 +201,7 @@ class ProcessControl:
                 if self._drained(now):
                     break
                 self._turn(now)
+                self._tell_watchdog()
                 self._wait(self._next_wake(self.clock()))
             except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
                 log.exception("unexpected error in the process-control loop; carrying on")
@@ -231,6 +235,8 @@ class ProcessControl:
             self._take_held()
         self._check_children_io()
         self._read_watchdog()
+        self._tell_watchdog()
+        self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK)
         for child in self.pool.stuck_preloads(self.clock()):
             self._on_child_exit(child)
         self.pool.maintain(self.clock(), self.draining)
@@ -289,6 +295,9 @@ class ProcessControl:
         flush_at = self._flush_at()
         if flush_at is not None:
             times.append(flush_at)
+        refresh_at = self.watchdog.next_refresh(ttl * WATCHDOG_HOLD_BACK)
+        if refresh_at is not None:
+            times.append(now + refresh_at - mono)
         return max(0.0, min(times) - now)
 
     def _wait(self, timeout: float) -> None:
@@ -305,6 +314,8 @@ class ProcessControl:
                 self.on_renewed(message)
             elif isinstance(message, Claimed):
                 self.on_claimed(message)
+            elif isinstance(message, Written):
+                self.batches_out = max(0, self.batches_out - message.batches)
             elif isinstance(message, LeaseLost):
                 self.on_lease_lost(message)
             elif isinstance(message, Poll):
@@ -402,6 +413,7 @@ class ProcessControl:
             self.next_poll = now + self.poll_delay
             return
         self.claiming += limit
+        self.batches_out += 1
         self.writer.post_batch((), limit)
 
     def prefetch_room(self) -> int:
@@ -454,6 +466,7 @@ class ProcessControl:
                                  item.row["run_kind"] == "workflow", held=True))
 
     def _send_queued(self) -> None:
+        self._tell_watchdog()  # the watchdog knows a task's due time before the child has the task
         for child in self.pool.children:
             if child.outbox:
                 child.flush()
@@ -498,7 +511,7 @@ class ProcessControl:
         keep: collections.deque[Held] = collections.deque()
         for item in self.held:
             if now >= item.lease_sent + ttl - fence_margin(ttl):
-                self.keeper(LeaseDone(item.key))
+                self.keeper(LeaseDone((item.key,)))
                 continue
             if self.draining or now >= item.release_at:
                 if not self.draining:
@@ -833,7 +846,7 @@ class ProcessControl:
             if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
                 self.stats["late_completions_dropped"] += 1
                 self._observe_end(att, "late", entry)
-                self.keeper(LeaseDone(att.key))
+                self.keeper(LeaseDone((att.key,)))
                 return
             self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
                                        att.backoff_spec, output=result.get("output"), progress=att.progress,
@@ -875,7 +888,7 @@ class ProcessControl:
             # max_reclaims). Either way nothing is written and the lease is not renewed.
             self.stats["cancelled_attempts"] += 1
             self._observe_end(att, reason, entry)
-            self.keeper(LeaseDone(att.key))
+            self.keeper(LeaseDone((att.key,)))
         else:  # killed for breaking the pipe protocol: a failed attempt like any error
             self._fail(att, decisions.ERROR, entry)
 
@@ -1029,22 +1042,36 @@ class ProcessControl:
             self._on_child_exit(child)
 
     def _watch(self, child: ChildProc) -> None:
-        """Tell the watchdog when ``child`` must be dead at the latest: a little after the
-        kill of its cancel, or three quarters of the fence's margin before the fence
-        (None: idle)."""
-        if child.returncode is not None:
+        """``child``'s attempts changed: the watchdog hears its due time before this turn
+        ends (:meth:`_tell_watchdog`), and before the child is sent another task."""
+        self._watch_due.add(child)
+
+    def _tell_watchdog(self) -> None:
+        """Tell the watchdog when each child marked by :meth:`_watch` must be dead at the
+        latest: a little after the kill of its cancel, or three quarters of the fence's
+        margin before the fence (None: idle). Once per child and turn: pipelined steps
+        change a child's attempts thousands of times a second (issue 17)."""
+        if not self._watch_due:
             return
         ttl = self.config.lease_ttl
-        times = []
-        for att in [child.attempt, *child.queued]:
-            if att is None or att.ended:
+        margin = fence_margin(ttl)
+        after_kill = max(WATCHDOG_SLACK, margin)
+        mono = time.monotonic()
+        offset = 0.0 if self.clock is time.monotonic else mono - self.clock()
+        for child in self._watch_due:
+            if child.returncode is not None:
                 continue
-            if att.guards_lease():  # a quarter of the margin after process control's own kill
-                times.append(att.fence(ttl) - fence_margin(ttl) * 0.75)
-            if att.kill_at is not None:
-                times.append(att.kill_at + max(WATCHDOG_SLACK, fence_margin(ttl)))
-        due = min(times) - self.clock() + time.monotonic() if times else None
-        self.watchdog.due(child.pid, due)
+            times = []
+            for att in (child.attempt, *child.queued):
+                if att is None or att.ended:
+                    continue
+                if att.guards_lease():  # a quarter of the margin after process control's own kill
+                    times.append(att.fence(ttl) - margin * 0.75)
+                if att.kill_at is not None:
+                    times.append(att.kill_at + after_kill)
+            self.watchdog.due(child.pid, min(times) + offset if times else None, now=mono,
+                              horizon=ttl * WATCHDOG_HOLD_BACK)
+        self._watch_due.clear()
 
     # -- outcomes ----------------------------------------------------------------------------------
 
@@ -1088,12 +1115,17 @@ class ProcessControl:
         if not self.outcomes:
             return None
         since = self._outcomes_since if self._outcomes_since is not None else self.clock()
+        due = [d - COALESCE_MAX for _, d in self.outcomes if d is not None]
+        if self.config.prefetch and self.batches_out and not self.draining:
+            # One statement in flight: these go in the next one, with all that ends meanwhile
+            # and a claim for all the room there is (Written says when; the writer could not
+            # start another statement before then anyway).
+            return min([since + self.config.write_bound, *due])
         workers = self.config.workers
         if (not self.config.prefetch or self.draining or len(self.outcomes) >= COALESCE_PER_WORKER * workers
                 or len(self.held) < workers):
             return since
-        due = [d for _, d in self.outcomes if d is not None]
-        return min([since + COALESCE_MAX] + [d - COALESCE_MAX for d in due])
+        return min([since + COALESCE_MAX, *due])
 
     def _send_outcomes(self, force: bool = False) -> None:
         flush_at = self._flush_at()
@@ -1102,6 +1134,7 @@ class ProcessControl:
         outcomes, self.outcomes, self._outcomes_since = self.outcomes, [], None
         claim = self._claim_limit(standalone=False)  # the freed slots' next steps ride along (one statement)
         self.claiming += claim
+        self.batches_out += 1
         self.writer.post_batch(tuple(o for o, _ in outcomes), claim)
 
     # -- the registry snapshot -----------------------------------------------------------------------

@@ -93,7 +93,8 @@ class LeaseKeeper(DatabaseThread):
                 if lease is not None:
                     lease.progress, lease.progress_dirty = message.value, True
             elif isinstance(message, LeaseDone):
-                self.leases.pop(message.key, None)
+                for key in message.keys:
+                    self.leases.pop(key, None)
             elif isinstance(message, Track):  # claimed by the outcome writer with a batch
                 for key in message.keys:
                     self.leases[key] = Lease(key, message.sent + random.uniform(0, self.config.heartbeat_interval),

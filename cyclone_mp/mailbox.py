@@ -32,12 +32,13 @@ class Inbox:
         return self._r
 
     def post(self, message: Any) -> None:
-        """Add ``message`` and wake the reader (never blocks; a closed inbox drops it)."""
+        """Add ``message`` and wake the reader (never blocks; a closed inbox drops it). A
+        message whose class says ``wakes = False`` waits for the reader's next turn."""
         with self._lock:
             if self.closed:
                 return
             self._items.append(message)
-            if self._signalled:
+            if self._signalled or not getattr(message, "wakes", True):
                 return
             self._signalled = True
         self.wake()

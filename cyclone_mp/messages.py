@@ -20,7 +20,7 @@ Times are the local monotonic clock, in seconds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 LeaseKey = tuple[int, int]  #: ``(step id, lease generation)``
 
@@ -33,6 +33,7 @@ COMPLETE, FAIL, RELEASE = "complete", "fail", "release"  #: kinds of :class:`Out
 class Progress:
     """The latest ``{done, total, message}`` of an attempt: stored with its next renewal (SPEC 2)."""
 
+    wakes: ClassVar[bool] = False  # read on the keeper's next turn (see Track)
     key: LeaseKey
     value: Any
 
@@ -42,20 +43,39 @@ class Progress:
 @dataclasses.dataclass(frozen=True)
 class Track:
     """Renew these leases from now on: the outcome writer claimed them along with a batch
-    of outcomes (one statement for both), at ``sent``."""
+    of outcomes (one statement for both), at ``sent``.
 
+    It does not wake the keeper (:meth:`~cyclone_mp.mailbox.Inbox.post`): the keeper reads
+    it on its next turn, at most a heartbeat interval away, so a new lease's first renewal
+    comes at most ``lease_ttl / 3`` after its claim was sent, long before the fence's cancel
+    at three quarters of a lease. Waking the keeper for every batch cost the supervisor's
+    loop a tenth of B1's throughput in thread switches (issue 17)."""
+
+    wakes: ClassVar[bool] = False
     keys: tuple[LeaseKey, ...]
     sent: float
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseDone:
-    """Stop renewing this lease: its outcome was written (or is moot), or it was released."""
+    """Stop renewing these leases: their outcomes were written (or are moot), or they were
+    released. Read on the keeper's next turn, before it renews anything (see Track)."""
 
-    key: LeaseKey
+    wakes: ClassVar[bool] = False
+    keys: tuple[LeaseKey, ...]
 
 
 # -- lease keeper, outcome writer, maintenance -> process control ---------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """The outcome writer is done with ``batches`` of the :class:`Batch` messages posted to
+    it (written in one statement, or kept to write again). With prefetch, process control
+    keeps one statement in flight: what ends meanwhile waits for this, then goes in the
+    next statement together, with a claim for all the room there is (issue 17)."""
+
+    batches: int
+
 
 @dataclasses.dataclass(frozen=True)
 class Claimed:

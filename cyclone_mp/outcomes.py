@@ -30,7 +30,7 @@ from .backoff import delay_after
 from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
-from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track
+from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track, Written
 from .protocol import storable
 from .store import FORENSIC_KEYS, FailedAttempt, stale_plan
 from .telemetry import NO_OBSERVER, Observer
@@ -81,6 +81,8 @@ class OutcomeWriter(DatabaseThread):
         self.batch: list[Outcome] = []
         self.claim = 0  # the claim to make with the next batch
         self.pending: list[PendingWrite] = []
+        self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
+        self._taken = 0  # Batch messages read since process control was last told (Written)
         self._lock = threading.Lock()
         self._outstanding = 0  # posted and not yet done (read by process control)
 
@@ -108,6 +110,7 @@ class OutcomeWriter(DatabaseThread):
         for message in self.inbox.take():
             self.batch.extend(message.outcomes)
             self.claim += message.claim
+            self._taken += 1
 
     def turn(self, now: float) -> float:
         self._read_inbox()
@@ -118,15 +121,25 @@ class OutcomeWriter(DatabaseThread):
             self._write_batch()
         if self.db_ok and self.pending:
             self._retry_pending(self.clock())
+        self._tell_finished()
+        if self._taken:
+            self.tell_control(Written(self._taken))
+            self._taken = 0
         if self.pending:
             return min(p.retry_at for p in self.pending)
         return self.clock() + 1.0
 
     def _done(self, outcome: Outcome) -> None:
-        """The outcome's write is over: stop renewing its lease."""
-        self.tell_keeper(LeaseDone(outcome.key))
+        """The outcome's write is over: its lease is no longer renewed (the keeper hears of
+        it at the end of this turn, with the others of the batch)."""
+        self._finished.append(outcome.key)
         with self._lock:
             self._outstanding -= 1
+
+    def _tell_finished(self) -> None:
+        if self._finished:
+            self.tell_keeper(LeaseDone(tuple(self._finished)))
+            self._finished = []
 
     def _write_batch(self) -> None:
         batch, self.batch = self.batch, []
@@ -342,7 +355,12 @@ class OutcomeWriter(DatabaseThread):
         """Write what is left, for at most :data:`FINAL_FLUSH` seconds and only while the
         database answers (SPEC 5: completed work is written before exit; an unfinished
         write leaves its lease to expire, and another supervisor reclaims the step)."""
-        deadline = self.clock() + FINAL_FLUSH
+        try:
+            self._finish(self.clock() + FINAL_FLUSH)
+        finally:
+            self._tell_finished()
+
+    def _finish(self, deadline: float) -> None:
         while self.clock() < deadline:
             self._read_inbox()
             self.claim = 0  # stopping: claim nothing more

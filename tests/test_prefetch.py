@@ -376,8 +376,14 @@ class FakeWatchdog:
     def seen(self, pid: int, started: float) -> None:
         pass
 
-    def due(self, pid: int, when: Any) -> None:
+    def due(self, pid: int, when: Any, *, now: float, horizon: float) -> None:
         self.dues[pid] = when
+
+    def refresh(self, now: float, horizon: float) -> None:
+        pass
+
+    def next_refresh(self, horizon: float) -> None:
+        return None
 
     def gone(self, pid: int) -> None:
         self.dues.pop(pid, None)
