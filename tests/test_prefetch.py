@@ -446,6 +446,45 @@ def test_a_held_back_outcome_is_written_before_its_attempts_deadline():
         watchdog.close()
 
 
+def test_with_prefetch_one_outcome_statement_is_in_flight():
+    """While a statement is in flight, what ends waits for it (Written), then goes in one
+    statement with a claim for all the room (issue 17: two statements in flight split the
+    prefetch budget between them and carried a third fewer rows each)."""
+    from types import SimpleNamespace
+
+    from cyclone_mp.config import COALESCE_MAX, Config
+    from cyclone_mp.messages import Written
+
+    now = [100.0]
+    config = Config.build(workers=2, prefetch=16)
+    control, watchdog, _ = control_alone(config, clock=lambda: now[0])
+    try:
+        control.batches_out = 1  # a statement in flight
+        control._outcome(SimpleNamespace(deadline=None), None)
+        assert control._flush_at() == pytest.approx(100.0 + config.write_bound)  # waits for Written
+        control._outcome(SimpleNamespace(deadline=100.5), None)
+        assert control._flush_at() == pytest.approx(100.5 - COALESCE_MAX)  # never into a deadline's margin
+        control.inbox.post(Written(1))
+        control._read_inbox()
+        assert control.batches_out == 0 and control._flush_at() == pytest.approx(100.0)  # nothing held: now
+    finally:
+        control.close()
+        watchdog.close()
+
+
+def test_short_steps_with_prefetch_share_statements(cyclone_env_factory):
+    """2,000 no-op steps with prefetch=64 on two children take at most 50 statements (about
+    40 with one statement in flight; the split budget took about 63)."""
+    env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=30, prefetch=64)
+    env.mux().register(h.ok)
+    env.client().enqueue_many(h.ok, [{"i": i} for i in range(2000)])
+    sup = env.start_worker().client.supervisor
+    wait_for(lambda: sup.stats["completed"] == 2000, 120, "2,000 completions")
+    assert sup.stats["batches"] <= 50, sup.stats["batches"]
+    rows = rows_of(env.dsn, "ok")
+    assert {(r["state"], r["attempt"], r["lease_generation"]) for r in rows} == {("completed", 1, 1)}
+
+
 def test_a_child_due_for_recycling_whose_next_step_was_dropped_is_retired_not_reused():
     """Its queued step came back unstarted (dropped), so it is idle: it must be recycled
     then, never handed another step (it went one over max_child_rss or the step cap)."""

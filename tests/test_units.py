@@ -127,3 +127,32 @@ def test_a_handler_that_cannot_take_ctx_and_input_is_refused_at_registration() -
 
     assert cy.step("varargs")(lambda *args: {}).name == "varargs"
 
+
+
+def test_the_watchdog_hears_an_earlier_due_at_once_and_a_later_one_before_the_earlier_comes_near():
+    """WatchdogLink.due (issue 17): a message per pipelined step cost the supervisor a third
+    of its CPU. The time the watchdog holds is never later than the child's real due; a
+    later one (or None: idle) is sent once the earlier one is ``horizon`` away."""
+    from cyclone_mp.procs import WatchdogLink
+
+    link = WatchdogLink.__new__(WatchdogLink)  # its bookkeeping alone: no watchdog process
+    link._due, link._held, link._warned = {}, {}, False
+    sent: list[str] = []
+    link._send = lambda data, fds=None: sent.append(data.decode())  # type: ignore[method-assign]
+
+    link.due(7, 130.0, now=100.0, horizon=15.0)
+    assert sent == ["due 7 130.0"]  # the first one goes
+    link.due(7, 130.5, now=100.1, horizon=15.0)
+    link.due(7, None, now=100.2, horizon=15.0)  # idle: held back, the watchdog keeps 130
+    assert sent == ["due 7 130.0"] and link.next_refresh(15.0) == 115.0
+    link.due(7, 129.0, now=100.3, horizon=15.0)  # earlier than what the watchdog has: at once
+    assert sent[-1] == "due 7 129.0" and link.next_refresh(15.0) is None
+    link.due(7, 140.0, now=100.4, horizon=15.0)
+    link.refresh(113.0, 15.0)  # 129 is 16 s away: not yet
+    assert sent[-1] == "due 7 129.0"
+    link.refresh(114.5, 15.0)  # within the horizon: the later time goes
+    assert sent[-1] == "due 7 140.0" and link.next_refresh(15.0) is None
+    link.due(7, 150.0, now=130.0, horizon=15.0)  # the one sent is 10 s away: a later one goes at once
+    assert sent[-1] == "due 7 150.0"
+    link.gone(7)
+    assert link._held == {} and link._due == {}
