@@ -126,6 +126,7 @@ class ProcessControl:
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
+        self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
@@ -316,6 +317,9 @@ class ProcessControl:
                 self.on_claimed(message)
             elif isinstance(message, Written):
                 self.batches_out = max(0, self.batches_out - message.batches)
+                if self._claim_after_written and not self.batches_out:  # a claim waited for it
+                    self._claim_after_written = False
+                    self.next_poll = min(self.next_poll, self.clock())
             elif isinstance(message, LeaseLost):
                 self.on_lease_lost(message)
             elif isinstance(message, Poll):
@@ -358,6 +362,7 @@ class ProcessControl:
         comes after the poll interval's backoff, and no later than the claim's ``wait``
         (a rate-limited step's next free slot) when it has one."""
         self.claiming = max(0, self.claiming - message.limit)
+        self._claim_after_written = False  # this claim's result says when to claim again
         now = self.clock()
         rows = list(message.rows)
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
@@ -403,6 +408,9 @@ class ProcessControl:
         and room); one on its own waits until every outcome sent is written."""
         if self.draining or not self.db_ok or (standalone and not self.writer.idle):
             return 0
+        if standalone and self.config.prefetch and self.batches_out:
+            self._claim_after_written = True
+            return 0  # with prefetch one statement is in flight at a time (see _flush_at)
         return max(0, len(self.pool.idle()) + self.prefetch_room() - len(self.held) - self.claiming)
 
     def _request_claim(self, now: float) -> None:
@@ -411,6 +419,9 @@ class ProcessControl:
         limit = self._claim_limit(standalone=True)
         if limit <= 0:
             self.next_poll = now + self.poll_delay
+            return
+        if self.outcomes:  # what ended goes with it, in the same statement
+            self._send_outcomes(force=True)
             return
         self.claiming += limit
         self.batches_out += 1

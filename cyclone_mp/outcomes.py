@@ -162,6 +162,7 @@ class OutcomeWriter(DatabaseThread):
 
     def _claim_alone(self, limit: int) -> None:
         """A claim with no outcome to write (the poll, or a NOTIFY, found slots free)."""
+        self.count("claim_statements")
         sent = self.clock()
         try:
             rows, wait = self.call(self.config.write_bound, lambda store: (store.claim(
