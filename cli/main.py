@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 import click
 
+from cyclone_mp.config import PREFETCH_DEFAULT
 from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep, WaitTimeout
 from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
@@ -239,9 +240,10 @@ def describe_dsn(dsn: str) -> str:
               help="Recycle a child after this many steps [default: never].")
 @click.option("--max-child-rss", type=BYTES, default=None,
               help="Recycle a child whose RSS exceeds this size, e.g. 500M [default: never].")
-@click.option("--prefetch", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Steps to claim beyond the idle children and hold until one frees up (for "
-                   "floods of short steps); 0 claims only for idle children.")
+@click.option("--prefetch", type=click.IntRange(min=0), default=PREFETCH_DEFAULT, show_default=True,
+              help="Steps to claim beyond the idle children and hold until one frees up, at "
+                   "most what they can start within about 0.25 s (short steps only); 0 claims "
+                   "only for idle children.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,

@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import operations, tracing
-from .config import Config
+from .config import PREFETCH_DEFAULT, Config
 from .backoff import storable_backoff
 from .protocol import check_value
 from .durations import Duration, seconds
@@ -260,8 +260,11 @@ class Client(ClientBase):
             are rejected with a clear error.
         prefetch: steps the supervisor may claim beyond its idle children and hold
             until a child frees up, so a child never waits for the database between
-            short steps (Celery's prefetch). Default 0: claim only for idle children
-            (SPEC 4). A prefetched step shows ``running`` from its claim, its timeout
+            short steps (Celery's prefetch). Default 64 (issue 23), an upper bound: the
+            supervisor holds only what its children can start within about 0.25 s (so
+            steps of half a second or more on two children get none), and nothing until
+            it has seen a step end. 0 claims only for idle children (SPEC 4's rule to the
+            letter). A prefetched step shows ``running`` from its claim, its timeout
             counts from the claim, and it is released (available at once, no attempt
             used) if no child takes it within min(0.5 s, lease_ttl/4, timeout/10).
             While attempts are short (under 10 ms on average) one held step is also
@@ -316,7 +319,7 @@ class Client(ClientBase):
         max_steps_per_child: int | None = None,
         max_child_rss: int | None = None,
         max_payload: int | None = None,
-        prefetch: int = 0,
+        prefetch: int = PREFETCH_DEFAULT,
         registry_interval: Duration = 2.0,
         metrics_port: int | None = None,
         pgbouncer: bool = False,
