@@ -735,6 +735,8 @@ def dashboard(host: str, port: int, token: str | None) -> None:
         serve(client, host=host, port=port, token=token or None,
               on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {describe_dsn(client.dsn)}; "
                                               "Ctrl-C stops)", err=True))
+    except KeyboardInterrupt:  # how a dashboard is meant to stop: exit 0
+        click.echo("cyclone-mp dashboard: stopped", err=True)
     finally:
         client.close()
 
@@ -765,8 +767,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         _fail(exc.format_message() + hint, exc.exit_code)
     except click.ClickException as exc:
         _fail(exc.format_message(), exc.exit_code)
-    except (click.Abort, KeyboardInterrupt):
-        _fail("interrupted", 130)
+    except (click.Abort, KeyboardInterrupt):  # Ctrl-C: not an error, but not a success either
+        click.echo("cyclone-mp: interrupted", err=True)
+        sys.exit(130)
     except CycloneError as exc:  # raised outside a command (should not happen)
         _fail(str(exc).split("\n")[0], 1)
     except Exception as exc:  # noqa: BLE001 - never a traceback for the user, unless -v

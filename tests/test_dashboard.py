@@ -23,6 +23,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -686,3 +687,26 @@ def test_schedules_and_limits_are_shown(fresh: tuple[cy.Client, TestClient]) -> 
     assert waiting[0]["limits"] == "key acme, 2/2 running, waiting on concurrency"
     waiting_id = ids[[v["state"] for v in views].index("available")]
     assert "waiting on concurrency" in tc.get(f"/runs/{waiting_id}").text
+
+
+def test_ctrl_c_stops_the_dashboard_quietly_with_exit_0(cyclone_dsn: str) -> None:
+    """Ctrl-C is how a dashboard stops: one line, exit 0, no "Error:" (a newcomer's report)."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", cyclone_dsn, "dashboard",
+                                 "--port", "0"], cwd=REPO, env=_cli_env(), stdout=subprocess.DEVNULL, stderr=err,
+                                stdin=subprocess.DEVNULL, text=True)
+        try:
+            def listening() -> bool:
+                err.seek(0)
+                return "cyclone-mp dashboard: http://" in err.read()
+
+            wait_for(listening, 30, "the dashboard to listen")
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=15) == 0
+            err.seek(0)
+            text = err.read()
+            assert "cyclone-mp dashboard: stopped" in text and "Error" not in text and "Traceback" not in text, text
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
