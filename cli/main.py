@@ -30,6 +30,7 @@ from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, Un
 from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
+from cyclone_mp.waiting import timeout_message
 
 from . import render
 from .drain import DrainReporter
@@ -444,7 +445,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
             if not con.is_terminal:
                 con.line()  # a non-terminal Live leaves its last frame without a newline
     if not status.terminal:
-        raise click.ClickException(f"run {run_id} is still {status.state} after {timeout:g}s")
+        raise click.ClickException(timeout_message(run_id, status, timeout))
     return status
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 import threading
 import time
@@ -85,6 +86,23 @@ def statuses(runs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[st
         by_run.setdefault(row["run_id"], []).append(row)
     return {run["id"]: RunStatus.from_rows(run, by_run.get(run["id"], [])) for run in runs}
 
+
+
+def timeout_message(run_id: str, status: RunStatus, timeout: float) -> str:
+    """What :class:`~cyclone_mp.errors.WaitTimeout` says: the run's state now, and for a
+    run none of whose steps has started, where it waits (a newcomer's report: "still
+    running" for a run no supervisor had touched)."""
+    steps = list(status.steps.values())
+    if status.state == "running" and steps and all(s.started_at is None and s.state == "available" for s in steps):
+        now = dt.datetime.now(dt.timezone.utc)
+        later = [s.scheduled_at for s in steps if s.scheduled_at is not None and s.scheduled_at > now]
+        if later:
+            return (f"run {run_id} has not started after {timeout:g}s: it is scheduled for "
+                    f"{min(later).isoformat(timespec='seconds')}")
+        queues = ", ".join(sorted({repr(s.queue) for s in steps}))
+        return (f"run {run_id} has not started after {timeout:g}s: it waits in queue {queues} "
+                f"(is a supervisor serving it? see 'cyclone-mp workers')")
+    return f"run {run_id} is still {status.state} after {timeout:g}s"
 
 
 def _say_lost(exc: Exception) -> None:
@@ -190,7 +208,7 @@ class Waiter:
                 return status
             while not slot.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeout(f"run {run_id} is still {status.state} after {timeout:g}s")
+                    raise WaitTimeout(timeout_message(run_id, self._read_status(run_id), timeout))
             assert slot.status is not None
             return slot.status
         finally:
@@ -336,7 +354,7 @@ class AsyncWaiter:
                 return await asyncio.wait_for(asyncio.shield(slot.future),
                                               None if deadline is None else max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise WaitTimeout(f"run {run_id} is still {status.state} after {timeout:g}s") from None
+                raise WaitTimeout(timeout_message(run_id, await self._read_status(run_id), timeout)) from None
         finally:
             self.book.remove(run_id, slot)
 

@@ -258,7 +258,7 @@ def test_enqueue_wait_warns_at_once_when_no_supervisor_serves_the_queue(
         proc.wait(timeout=30)
         proc.stdout.close()
         text = err.text()
-        assert proc.returncode == 1 and "still running after 6s" in text
+        assert proc.returncode == 1 and "has not started after 6s: it waits in queue 'nowhere'" in text, text
         frame = [line for line in text.splitlines() if "│ echo" in line]
         assert frame and "0/3" in frame[-1] and "1/3" not in text, text  # it never ran
     finally:
