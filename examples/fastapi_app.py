@@ -6,8 +6,11 @@ either both exist or neither does. Once committed, the request awaits the run's 
 (``await client.result(run_id, timeout=...)``: woken by LISTEN/NOTIFY, no polling loop)
 and answers with it, or with ``202`` and the run id when the step takes longer.
 
-Run it (from the repository root, with a PostgreSQL in ``CYCLONE_DSN``)::
+Run it from the repository root. It needs FastAPI and uvicorn (``pip install fastapi
+uvicorn``) and uses the PostgreSQL in ``CYCLONE_DSN``, or else the embedded default
+server that ``cyclone-mp demo`` uses (started if it is not running)::
 
+    pip install fastapi uvicorn
     cyclone-mp migrate
     cyclone-mp worker examples.fastapi_app:mux          # the supervisor, in one terminal
     uvicorn examples.fastapi_app:app                     # the web app, in another
@@ -29,6 +32,7 @@ from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel
 
 import cyclone_mp as cy
+from cyclone_mp.embedded import ensure_default_dsn
 
 
 @cy.step("thumbnail", timeout=30, max_attempts=3)
@@ -50,7 +54,7 @@ class ThumbnailRequest(BaseModel):
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    dsn = os.environ["CYCLONE_DSN"]
+    dsn = os.environ.get("CYCLONE_DSN") or ensure_default_dsn()  # as the CLI does
     async with AsyncConnectionPool(dsn, open=False) as pool, cy.AsyncClient(dsn, mux) as client:
         async with pool.connection() as conn:
             await conn.execute("CREATE TABLE IF NOT EXISTS example_uploads (path text PRIMARY KEY, run_id uuid)")
