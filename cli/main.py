@@ -26,7 +26,9 @@ from typing import Any, NoReturn
 import click
 
 from cyclone_mp.config import PREFETCH_DEFAULT
-from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep, WaitTimeout
+from cyclone_mp.errors import (
+    ConfigurationError, CycloneError, InvalidTransition, PayloadError, UnknownStep, WaitTimeout,
+)
 from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.store import redact
@@ -497,11 +499,21 @@ def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
 @cli.command()
 @click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def schedules(wide: bool, as_json: bool) -> None:
+@click.option("--delete", "delete", metavar="NAME", default=None,
+              help="Forget the row of schedule NAME, one no supervisor defines any more (not active); "
+                   "the runs it enqueued stay.")
+def schedules(wide: bool, as_json: bool, delete: str | None) -> None:
     """Periodic schedules (mux.schedule) and their next fire times (database clock)."""
     client = _client()
     try:
         client.migrate()
+        if delete is not None:
+            try:
+                client.delete_schedule(delete)
+            except (LookupError, InvalidTransition) as exc:
+                raise click.ClickException(str(exc)) from None
+            click.echo(f"deleted schedule {delete!r}")
+            return
         rows = client.schedules()
     finally:
         client.close()

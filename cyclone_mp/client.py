@@ -23,7 +23,9 @@ from .config import PREFETCH_DEFAULT, Config
 from .backoff import storable_backoff
 from .protocol import check_value
 from .durations import Duration, seconds
-from .errors import ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
+from .errors import (
+    ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, InvalidTransition, UnknownStep,
+)
 from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
@@ -37,6 +39,7 @@ from .workflow import Workflow
 log = logging.getLogger("cyclone_mp.client")
 
 POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API pool
+SCHEDULE_ACTIVE_S = 60.0  #: seconds: a schedule a supervisor ticked this recently is active (not deletable)
 #: Seconds between checks, while a call waits for a connection, that the server is still
 #: there: a server that went away fails the call at once, not after POOL_TIMEOUT (issue 19).
 POOL_PROBE_EVERY = 1.0
@@ -632,7 +635,24 @@ class Client(ClientBase):
         ``last_run_id``, ``runs``, ``skipped``, ``seen_at`` and ``active`` (a live
         supervisor defines it: seen within the last minute)."""
         rows = self._call(lambda store: store.list_schedules())
-        return [{**row, "active": row["age"] is not None and row["age"] < 60.0} for row in rows]
+        return [{**row, "active": row["age"] is not None and row["age"] < SCHEDULE_ACTIVE_S} for row in rows]
+
+    def delete_schedule(self, name: str) -> None:
+        """Forget a schedule's row (one no supervisor defines any more: a renamed or removed
+        ``mux.schedule``). The runs it enqueued stay.
+
+        Raises:
+            LookupError: no schedule has that name.
+            InvalidTransition: it is active (a supervisor ticked it within the last
+                minute): it would be made again; remove it from the mux first.
+        """
+        row = self._call(lambda store: store.delete_schedule(name, SCHEDULE_ACTIVE_S))
+        if row is None:
+            raise LookupError(f"no schedule named {name!r}")
+        if not row["deleted"]:
+            raise InvalidTransition(
+                f"schedule {name!r} is active (a supervisor ticked it {row['age']:.0f}s ago) and would be made "
+                "again: remove it from the app's mux and restart its supervisors, then delete it")
 
     def cancel(self, run_id: str) -> int:
         """Cancel the run and all its non-terminal steps in one transaction (seed).

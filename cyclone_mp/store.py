@@ -1058,6 +1058,13 @@ class Store:
             cur.execute(Q["list_schedules"])
             return cur.fetchall()
 
+    def delete_schedule(self, name: str, active_s: float) -> dict[str, Any] | None:
+        """Delete the schedule row ``name`` unless a supervisor ticked it within ``active_s``
+        seconds: ``{"age", "deleted"}``, or None when there is no such row."""
+        with self._tx() as cur:
+            cur.execute(Q["delete_schedule"], {"name": name, "active_s": active_s})
+            return cur.fetchone()
+
     # -- operator actions (cyclone_mp.operations) -----------------------------------------
 
     def cancel_run(self, run_id: str) -> int:

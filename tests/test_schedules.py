@@ -292,6 +292,33 @@ def test_cli_schedules_lists_next_fire_times(cyclone_dsn):
     client.close()
 
 
+def test_cli_deletes_a_stale_schedule_row_and_refuses_an_active_one(cyclone_dsn):
+    """``schedules --delete NAME`` forgets a row no supervisor defines any more (a renamed
+    or removed ``mux.schedule``); an active one would be made again, so it is refused."""
+    from cyclone_mp.store import connect
+    from cyclone_mp_cli.main import cli
+
+    client = cy.Client(cyclone_dsn)
+    mux = cy.Mux()
+    mux.schedule(fh.tick, every=60, name="old_name", input={"a": 1})
+    clock = FixedClock(cyclone_dsn)
+    schedules.run_once(clock.at(utc("2026-06-01T12:00:30")), mux, client.config)
+    runs = slots_enqueued(cyclone_dsn, "old_name")
+    with connect(cyclone_dsn) as conn:  # a supervisor ticked it just now (the fixed clock wrote June's)
+        conn.execute("UPDATE cyclone_schedules SET seen_at = now() WHERE name = 'old_name'")
+    refused = CliRunner().invoke(cli, ["--dsn", cyclone_dsn, "schedules", "--delete", "old_name"])
+    assert refused.exit_code == 1 and "is active" in refused.output, refused.output
+    with connect(cyclone_dsn) as conn:  # no supervisor has ticked it for two minutes
+        conn.execute("UPDATE cyclone_schedules SET seen_at = now() - interval '2 minutes' WHERE name = 'old_name'")
+    done = CliRunner().invoke(cli, ["--dsn", cyclone_dsn, "schedules", "--delete", "old_name"])
+    assert done.exit_code == 0 and "deleted schedule 'old_name'" in done.output, done.output
+    assert client.schedules() == [] and slots_enqueued(cyclone_dsn, "old_name") == runs  # its runs stay
+    missing = CliRunner().invoke(cli, ["--dsn", cyclone_dsn, "schedules", "--delete", "old_name"])
+    assert missing.exit_code == 1 and "no schedule named 'old_name'" in missing.output, missing.output
+    clock.store.close()
+    client.close()
+
+
 def test_a_schedule_enqueues_a_workflow_run(cyclone_dsn):
     import workflow_handlers as wh
 

@@ -807,6 +807,17 @@ UPDATE cyclone_schedules
 -- One schedule row (a scheduled run's status shows its next slot).
 SELECT name, target, spec, last_slot, next_at, runs, skipped, seen_at FROM cyclone_schedules WHERE name = %(name)s;
 
+-- name: delete_schedule
+-- cyclone-mp schedules --delete: forget a schedule's row unless a supervisor ticked it in the
+-- last %(active_s)s seconds (the runs it enqueued stay). Returns the row's age, whether deleted.
+WITH s AS (
+    SELECT name, extract(epoch FROM now() - seen_at)::float8 AS age
+      FROM cyclone_schedules WHERE name = %(name)s FOR UPDATE
+), gone AS (
+    DELETE FROM cyclone_schedules c USING s WHERE c.name = s.name AND s.age >= %(active_s)s RETURNING c.name
+)
+SELECT s.age, EXISTS (SELECT 1 FROM gone) AS deleted FROM s;
+
 -- name: list_schedules
 -- Every schedule with the database clock: the CLI's and the dashboard's table.
 SELECT name, target, spec, last_slot, last_run_id::text AS last_run_id, next_at, runs, skipped,
