@@ -281,6 +281,15 @@ class Client(ClientBase):
             ``max_prepared_statements`` above 0.
         listen_dsn: a direct connection string (past PgBouncer) for LISTEN, of the
             supervisor and of :meth:`wait`; default ``dsn``, or none with ``pgbouncer``.
+        archive_after: seconds (or a duration as text, ``"10m"``) a finished run stays in
+            the hot tables before the supervisors' maintenance moves it, with its steps
+            and signals, to the archive tables; None: never. Default 600. Archived runs
+            are still found by :meth:`status`, :meth:`wait`, :meth:`result`,
+            :meth:`retry` and the dashboard (issue 22; docs/operating.md#history-and-retention).
+        retain_completed, retain_discarded, retain_cancelled: seconds (or ``"7d"``) a run
+            finished in that state is kept, hot or archived, before the supervisors'
+            maintenance deletes it (a whole archive partition at a time where it can);
+            None (the default): forever.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -322,6 +331,10 @@ class Client(ClientBase):
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
         listen_dsn: str | None = None,
+        archive_after: Duration | str | None = 600.0,
+        retain_completed: Duration | str | None = None,
+        retain_discarded: Duration | str | None = None,
+        retain_cancelled: Duration | str | None = None,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -341,7 +354,9 @@ class Client(ClientBase):
             memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
             max_open_files=max_open_files,
             prefetch=prefetch, registry_interval=registry_interval, pgbouncer=pgbouncer,
-            prepared_statements=prepared_statements, **extra,
+            prepared_statements=prepared_statements, archive_after=archive_after,
+            retain_completed=retain_completed, retain_discarded=retain_discarded,
+            retain_cancelled=retain_cancelled, **extra,
         )
         if listen_dsn is not None and not isinstance(listen_dsn, str):
             raise ConfigurationError(f"listen_dsn must be a connection string or None, not {type(listen_dsn).__name__}")
