@@ -1,4 +1,5 @@
-"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits.
+"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits,
+and the history settings (a duration or never).
 
 Each converts one option value and fails with ``click.BadParameter`` (exit code 2, one
 line naming the option) on malformed input.
@@ -57,6 +58,24 @@ class Seconds(click.ParamType):
         parsed = parse_duration(str(value))
         if parsed is None:
             self.fail(f"{value!r} is not a duration (seconds, e.g. 2.5, 500ms, 30s, 5m, 1h, 7d)", param, ctx)
+        return parsed
+
+
+class DurationOrNever(click.ParamType):
+    """A duration as :class:`Seconds` takes it (``7d``, ``12h``, ``30m``), or ``never``
+    (also ``forever``, ``off``): None. The history settings (issue 22)."""
+
+    name = "DURATION|never"
+    NEVER = ("never", "forever", "off", "none")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | None:
+        if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in self.NEVER:
+            return None
+        parsed = parse_duration(str(value))
+        if parsed is None:
+            self.fail(f"{value!r} is not a duration (e.g. 7d, 12h, 30m, 90s) or 'never'", param, ctx)
         return parsed
 
 
@@ -119,3 +138,4 @@ SECONDS = Seconds()
 BYTES = ByteSize()
 POLL = PollInterval()
 RATE = RateLimit()
+DURATION_OR_NEVER = DurationOrNever()
