@@ -588,7 +588,9 @@ def resume(run_id: str) -> None:
 @click.option("--older-than", type=SECONDS, required=True, metavar="DURATION",
               help="Delete runs that finished more than this long ago (seconds, or e.g. 7d, 12h, 30m).")
 def prune(older_than: float) -> None:
-    """Delete finished runs (completed, discarded, cancelled) and their steps."""
+    """Delete finished runs (completed, discarded, cancelled) and their steps, hot or
+    archived (whole archive partitions when their day is older). Supervisors apply a
+    retention by themselves with worker --retain-completed and friends."""
     client = _client()
     try:
         client.migrate()

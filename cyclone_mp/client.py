@@ -711,13 +711,17 @@ class Client(ClientBase):
 
     def prune(self, older_than: Duration) -> int:
         """Delete runs that finished (completed, discarded or cancelled) more than
-        ``older_than`` seconds ago, with their steps; returns how many runs were deleted.
+        ``older_than`` seconds ago, with their steps, hot or archived; returns how many
+        runs were deleted.
 
-        Running and paused runs are never touched. Deletes in batches, so it is safe to
-        run while supervisors work (issue 8: pruning of finished runs).
+        Running and paused runs are never touched. Deletes in batches, and drops whole
+        archive partitions whose day is older (issue 22), so it is safe to run while
+        supervisors work (issue 8: pruning of finished runs). The supervisors apply a
+        retention by themselves with ``retain_completed`` and friends.
 
         Raises:
             ConfigurationError: ``older_than`` is negative.
+            DatabaseBusy: an archive partition's lock could not be had within 5 s.
             DatabaseError: the database failed or cannot be reached.
         """
         return self._run(self._plan_prune(older_than))
