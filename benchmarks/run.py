@@ -733,12 +733,13 @@ class Bench:
                            LATERAL (SELECT (current_date - %(days)s)::timestamptz
                                            + (g::float8 / (%(n)s + 1)) * %(days)s * interval '1 day' AS f) x
                     RETURNING id, state, finished_at)
-                INSERT INTO cyclone_steps_archive (id, run_id, node, step_name, kind, queue, state, attempt,
-                                                   scheduled_at, started_at, finished_at, lease_generation,
-                                                   output, run_state, run_finished_at)
+                INSERT INTO cyclone_steps_archive (id, run_id, node, step_name, kind, depends_on, queue, priority,
+                                                   state, attempt, max_attempts, reclaims, scheduled_at, started_at,
+                                                   finished_at, lease_generation, errors, output, concurrency_key,
+                                                   run_state, run_finished_at)
                 SELECT nextval(pg_get_serial_sequence('cyclone_steps', 'id')), id, 'bench_noop', 'bench_noop',
-                       'task', 'default', state, 1, finished_at, finished_at, finished_at, 1, 'null',
-                       state, finished_at
+                       'task', '{}', 'default', 0, state, 1, 25, 0, finished_at, finished_at, finished_at, 1, '[]',
+                       'null', '', state, finished_at
                   FROM r""", {"n": n, "days": days})
             conn.execute("VACUUM ANALYZE cyclone_runs_archive")
             conn.execute("VACUUM ANALYZE cyclone_steps_archive")

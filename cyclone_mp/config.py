@@ -31,6 +31,7 @@ HISTORY_INTERVAL = 5.0  # seconds between two history passes of a supervisor's m
 HISTORY_BUSY_INTERVAL = 0.5  # seconds until the next pass when the last one left work behind (its budget ran out)
 HISTORY_BUDGET = 1.0  # seconds of history work per pass at most (its batches; the sweep waits for it)
 HISTORY_BATCH = 1000  # finished step rows a history statement looks at, at most (their runs move together)
+HISTORY_WALK_RESTART = 60.0  # seconds between two walks of the finished steps from the oldest (history.py)
 HISTORY_DDL_LOCK_TIMEOUT = 0.2  # seconds a partition's CREATE or DROP may wait for its lock before it gives up
 PIPELINE_ONE_MAX_STEP = 0.1  # seconds: with attempts shorter than this, one (B2's 20 ms steps: a core no longer idles between two)
 

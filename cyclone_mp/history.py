@@ -26,7 +26,13 @@ Candidates are found through ``cyclone_steps_finished_idx`` (steps by ``finished
 ``cyclone_runs`` keeps no index on ``finished_at``, so that a run's completion stays a HOT
 update (migration 0004). A pass walks that index with a cursor, so the finished steps of
 runs that are still going (a workflow's first nodes) are looked at once per walk, not
-once per batch.
+once per batch; a walk that reached the present goes on from there at the next pass, and
+starts again from the oldest finished step only every
+:data:`~cyclone_mp.config.HISTORY_WALK_RESTART` seconds (for the runs it passed over: one
+locked by an operator, one not old enough yet for its state). Behind a long transaction
+every step archived since it began is still in that index (vacuum may not remove it):
+walking it from the start at every pass would cost a scan of all of them every few
+seconds, just when the database has the least to spare.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import Any, Callable
 import psycopg
 
 from . import operations
-from .config import HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, Config
+from .config import HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, HISTORY_WALK_RESTART, Config
 from .errors import DatabaseBusy, DatabaseError
 from .operations import FINISHED_STATES, day_end
 from .store import Store, to_us
@@ -115,22 +121,27 @@ class History:
         batch: finished step rows one statement looks at, at most.
         budget: seconds of work per :meth:`run_once`, at most (checked between batches).
         ddl_lock_timeout: seconds a partition's CREATE or DROP may wait for its lock.
+        restart_every: seconds between two walks from the oldest finished step (see the
+            module docstring).
         lock: take the history advisory lock in every transaction (one supervisor at a
             time); tests may turn it off.
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, policy: Policy, *, batch: int = HISTORY_BATCH, budget: float = HISTORY_BUDGET,
-                 ddl_lock_timeout: float = HISTORY_DDL_LOCK_TIMEOUT, lock: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 ddl_lock_timeout: float = HISTORY_DDL_LOCK_TIMEOUT, restart_every: float = HISTORY_WALK_RESTART,
+                 lock: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
         self.batch = batch
         self.budget = budget
         self.ddl_lock_timeout = ddl_lock_timeout
+        self.restart_every = restart_every
         self.lock = lock
         self.clock = clock
         #: where the walk over finished steps goes on: (finished_at, look at that instant again)
         self.cursor: tuple[dt.datetime, bool] = (WALK_START, True)
+        self.walk_started = clock()  # when the walk last started from WALK_START (local monotonic)
+        self.caught_up = False  # the walk reached the present (it may start again from WALK_START)
 
     def run_once(self, store: Store) -> dict[str, int]:
         """One pass: make the archive partitions needed, move or delete the runs whose time
@@ -189,6 +200,8 @@ class History:
               counts: dict[str, int]) -> bool:
         """Batches of archive_runs until the walk reaches the present or the budget runs
         out; False when the pass must stop."""
+        if self.caught_up and self.clock() - self.walk_started >= self.restart_every:
+            self.cursor, self.walk_started = (WALK_START, True), self.clock()
         while True:
             after, inclusive = self.cursor
             params = self.policy.params(after, inclusive, self.batch)
@@ -207,8 +220,10 @@ class History:
             counts["archived"] += row["archived"]
             counts["deleted"] += row["deleted"]
             counts["batches"] += bool(row["archived"] or row["deleted"])
-            if row["scanned"] < self.batch:  # the walk reached the present: start over next pass
-                self.cursor = (WALK_START, True)
+            self.caught_up = row["scanned"] < self.batch
+            if self.caught_up:  # the walk reached the present: the next pass goes on from here
+                if row["last"] is not None:
+                    self.cursor = (row["last"], True)
                 return True
             # go on after the last row looked at (again at that instant, unless every row
             # of the batch shared it: then past it, and the next walk picks up the rest)

@@ -462,3 +462,25 @@ def test_history_options() -> None:
         assert option in shown
     bad = CliRunner().invoke(cli_main.cli, ["worker", "x:mux", "--retain-completed", "7 weeks"])
     assert bad.exit_code == 2 and "not a duration" in bad.output
+
+
+def test_a_run_passed_over_is_archived_when_the_walk_starts_again(cyclone_env_factory) -> None:
+    """A run an operator holds locked is skipped (SKIP LOCKED), and the walk goes on from
+    where it reached, not from the oldest finished step, until HISTORY_WALK_RESTART has
+    passed (a long transaction keeps every archived step in the index it walks)."""
+    env = cyclone_env_factory(worker="thread")
+    client, dsn = env.client(), env.dsn
+    held, other = cancelled_runs(client, 2)
+    now = [0.0]
+    work = History(Policy(0.0, FOREVER), restart_every=60.0, clock=lambda: now[0])
+    with store_on(dsn) as store, psycopg.connect(dsn) as operator:
+        operator.execute("SELECT 1 FROM cyclone_runs WHERE id = %s FOR UPDATE", (held,))
+        assert work.run_once(store)["archived"] == 1
+        operator.rollback()
+        assert where(dsn, held) == "hot" and where(dsn, other) == "archive"
+        later = cancelled_runs(client, 1)[0]
+        assert work.run_once(store)["archived"] == 1  # the new one, past the cursor
+        assert where(dsn, later) == "archive" and where(dsn, held) == "hot"
+        now[0] = 61.0  # the walk starts again from the oldest finished step
+        assert work.run_once(store)["archived"] == 1
+    assert where(dsn, held) == "archive"
