@@ -286,10 +286,11 @@ class Client(ClientBase):
             and signals, to the archive tables; None: never. Default 600. Archived runs
             are still found by :meth:`status`, :meth:`wait`, :meth:`result`,
             :meth:`retry` and the dashboard (issue 22; docs/operating.md#history-and-retention).
-        retain_completed, retain_discarded, retain_cancelled: seconds (or ``"7d"``) a run
-            finished in that state is kept, hot or archived, before the supervisors'
-            maintenance deletes it (a whole archive partition at a time where it can);
-            None (the default): forever.
+        retain_completed: seconds (or ``"7d"``) a completed run is kept, hot or archived,
+            before the supervisors' maintenance deletes it (a whole archive partition at a
+            time where it can); None (the default): forever.
+        retain_discarded: the same for discarded runs (keep them longer: they can be retried).
+        retain_cancelled: the same for cancelled runs.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
