@@ -45,7 +45,7 @@ if HERE not in sys.path:
 import psutil
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from rich.console import Console
 from rich.table import Table
 
@@ -74,7 +74,7 @@ FULL = {
     "b7_steps": 20000, "b7_child_starts": 10, "b8_pairs": 3, "b8_keys": 100, "b8_claims": 200,
     "b8_queued": 100_000, "b8_claim_keys": 1000,
     "b10_archived": 1_000_000, "b10_days": 10,
-    "b11_warmup_s": 20, "b11_base_s": 30, "b11_hold_s": 60, "b11_after_s": 60,
+    "b11_warmup_s": 40, "b11_base_s": 30, "b11_hold_s": 60, "b11_after_s": 60,
 }
 QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
@@ -82,13 +82,13 @@ QUICK = {
     "b7_steps": 2000, "b7_child_starts": 3, "b8_pairs": 1, "b8_keys": 20, "b8_claims": 50,
     "b8_queued": 10_000, "b8_claim_keys": 100,
     "b10_archived": 100_000, "b10_days": 10,
-    "b11_warmup_s": 10, "b11_base_s": 10, "b11_hold_s": 20, "b11_after_s": 20,
+    "b11_warmup_s": 20, "b11_base_s": 10, "b11_hold_s": 20, "b11_after_s": 20,
 }
 #: B11's window (seconds): throughput is sampled once per window.
 B11_WINDOW = 10
 #: B11: the supervisor archives finished runs after this many seconds (the hot tables then
 #: hold the live backlog and a short tail, as in production; the default is 600 s).
-B11_ARCHIVE_AFTER = 30
+B11_ARCHIVE_AFTER = 10
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -210,6 +210,43 @@ def step_times(dsn: str, step_name: str, owner: str) -> dict[str, Any]:
             "FROM cyclone_steps WHERE step_name = %s AND lease_owner = %s", (step_name, owner)).fetchone()
     return {"first_start": epoch(row[0]), "last_finish": epoch(row[1]), "completed": row[2], "total": row[3],
             "max_generation": row[4], "reclaims": int(row[5] or 0), "step_s_p50": row[6]}
+
+
+class CpuMeter:
+    """CPU seconds used since the last :meth:`take`: by the PostgreSQL processes of one
+    database (its backends and autovacuum workers, found by their process titles:
+    ``postgres: user DB ...``, ``postgres: autovacuum worker DB``), or without
+    ``database`` by this process and its children (the supervisor, its threads and its
+    handler children). On a shared machine CPU per step is steadier than steps/s: it
+    does not depend on what else runs (B11)."""
+
+    def __init__(self, database: str | None = None) -> None:
+        self.database = database
+        self.seen: dict[int, float] = {}
+        self.take()
+
+    def _now(self) -> dict[int, float]:
+        procs: list[psutil.Process] = []
+        if self.database is None:
+            me = psutil.Process()
+            procs = [me] + me.children(recursive=True)
+        else:
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if cmd.startswith("postgres: ") and f" {self.database} " in f"{cmd} ":
+                    procs.append(p)
+        out = {}
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+        return out
+
+    def take(self) -> float:
+        now = self._now()
+        used = sum(v - self.seen.get(pid, 0.0) for pid, v in now.items())
+        self.seen = now
+        return used
 
 
 def wal_lsn(dsn: str) -> int:
@@ -750,7 +787,8 @@ class Bench:
 
     def b10(self, template: str) -> dict[str, Any]:
         """B1's two throughput runs on clones of the archive template, each paired with the
-        same run on an empty database just before it (the ratios are judged, as B6's), then
+        same run on an empty database right before or after it (the order alternates
+        between repetitions: the VM's speed drifts; the ratios are judged, as B6's), then
         retention on the last clone: every archived day but the last two dropped by one
         history pass (:class:`cyclone_mp.history.History`, as a supervisor runs it) while a
         reader looks up archived runs by id every 2 ms and a client enqueues and cancels a
@@ -759,15 +797,27 @@ class Bench:
         from cyclone_mp.history import History, Policy
 
         row: dict[str, Any] = {}
+        self._b10_empty_first = not getattr(self, "_b10_empty_first", False)  # alternates between repetitions
         for prefetch, suffix in ((0, ""), (PREFETCH, "_prefetch")):
-            with self.server.fresh() as dsn:
-                ref = self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch)
-            with self.server.fresh(template, file_copy=True) as dsn:
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    conn.execute("CHECKPOINT")  # the clone's copy is not charged to the run
-                big = self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch)
-                if suffix:
-                    row.update(self.retention(dsn, History, Policy))
+            def empty() -> dict[str, Any]:
+                with self.server.fresh() as dsn:
+                    return self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch)
+
+            def archived() -> dict[str, Any]:
+                with self.server.fresh(template, file_copy=True) as dsn:
+                    with psycopg.connect(dsn, autocommit=True) as conn:
+                        conn.execute("CHECKPOINT")  # the clone's copy is not charged to the run
+                    got = self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch)
+                    if suffix:
+                        row.update(self.retention(dsn, History, Policy))
+                    return got
+
+            if self._b10_empty_first:
+                ref = empty()
+                big = archived()
+            else:
+                big = archived()
+                ref = empty()
             row.update(suffixed(big, PREFETCH_KEYS, suffix))
             row[f"b1_paired_steps_per_s{suffix}"] = ref["steps_per_s"]
             row[f"ratio_to_b1{suffix}"] = round(big["steps_per_s"] / ref["steps_per_s"], 3)
@@ -832,14 +882,23 @@ class Bench:
     # B11 ----------------------------------------------------------------------------------
 
     def b11(self) -> dict[str, Any]:
-        """B1 under a long transaction (issue 22): throughput per window, defaults and prefetch."""
+        """B1 under a long transaction (issue 22): throughput per window, defaults and
+        prefetch, each beside a control run without the holder (the same phases; the
+        order alternates between repetitions): how much the windows after the hold vary
+        without one."""
         row: dict[str, Any] = {}
+        self._b11_control_first = not getattr(self, "_b11_control_first", False)
         for prefetch, suffix in ((0, ""), (PREFETCH, "_prefetch")):
-            one = self.long_transaction(prefetch)
-            row.update({f"{k}{suffix}": v for k, v in one.items()})
+            runs = {}
+            for hold in ((False, True) if self._b11_control_first else (True, False)):
+                runs[hold] = self.long_transaction(prefetch, hold=hold)
+            row.update({f"{k}{suffix}": v for k, v in runs[True].items()})
+            row.update({f"{k}{suffix}_control": v for k, v in runs[False].items()
+                        if k in ("base_steps_per_s", "hold_median_ratio", "after_first_ratio", "recovered_after_s",
+                                 "after_last_ratio", "after_steps_per_s", "hold_steps_per_s")})
         return row
 
-    def long_transaction(self, prefetch: int) -> dict[str, Any]:
+    def long_transaction(self, prefetch: int, hold: bool = True) -> dict[str, Any]:
         """A supervisor (``workers=2``, ``prefetch``, finished runs archived after
         B11_ARCHIVE_AFTER s) kept busy with no-ops (a producer tops the backlog up to
         4,000-8,000 available steps with ``enqueue_many``); completions are counted per
@@ -848,7 +907,8 @@ class Bench:
         and sits idle in it for b11_hold_s (vacuum can remove no row version newer than it),
         then ends it, and the windows after it over b11_after_s. Recovered: the first
         window after the holder ended at or above 90 % of the baseline; its end is the time
-        to recover. The hot tables' dead tuples and sizes are recorded per window."""
+        to recover. The hot tables' dead tuples and sizes are recorded per window. Without
+        ``hold`` (the control) nothing holds a transaction; the phases are the same."""
         win, n = B11_WINDOW, self.n
         with self.server.fresh() as dsn:
             client = cy.Client(dsn, mux_of(bench_steps.noop), workers=2, prefetch=prefetch,
@@ -874,23 +934,30 @@ class Bench:
                 feeder.start()
                 bounds = list(itertools.accumulate(n[f"b11_{p}_s"] for p in ("warmup", "base", "hold", "after")))
                 phase, last_done, t0, k = "warmup", sup.stats["completed"], time.monotonic(), 0
+                db_cpu, engine_cpu = CpuMeter(database=conninfo_to_dict(dsn)["dbname"]), CpuMeter()
                 while k * win < bounds[-1]:
                     k += 1
                     time.sleep(max(0.0, t0 + k * win - time.monotonic()))
                     done = sup.stats["completed"]
+                    db_s, engine_s = db_cpu.take(), engine_cpu.take()
                     stats = monitor.execute(
                         "SELECT sum(n_dead_tup)::bigint, sum(n_live_tup)::bigint, "
                         "pg_relation_size('cyclone_steps') / 8192, pg_relation_size('cyclone_steps_claim_key_idx') / 8192 "
                         "FROM pg_stat_user_tables WHERE relname IN ('cyclone_steps', 'cyclone_runs')").fetchone()
+                    steps = max(1, done - last_done)
                     windows.append({"phase": phase, "at_s": k * win, "steps_per_s": round((done - last_done) / win, 1),
+                                    "db_cpu_ms_per_step": round(db_s * 1000 / steps, 3),
+                                    "engine_cpu_ms_per_step": round(engine_s * 1000 / steps, 3),
                                     "dead": stats[0], "live": stats[1], "steps_pages": stats[2],
                                     "claim_idx_pages": stats[3]})
                     last_done = done
-                    console.print(f"  B11 prefetch={prefetch} {windows[-1]}", highlight=False)
+                    console.print(f"  B11 prefetch={prefetch}{'' if hold else ' (control)'} {windows[-1]}",
+                                  highlight=False)
                     if k * win == bounds[0]:
                         phase = "base"
                     elif k * win == bounds[1]:
-                        holder.execute("SELECT pg_current_xact_id()")  # an xid, idle in transaction from now
+                        if hold:
+                            holder.execute("SELECT pg_current_xact_id()")  # an xid, idle in transaction from now
                         phase = "hold"
                     elif k * win == bounds[2]:
                         holder.rollback()
@@ -909,7 +976,15 @@ class Bench:
         during = [w["steps_per_s"] for w in windows if w["phase"] == "hold"]
         after = [w["steps_per_s"] for w in windows if w["phase"] == "after"]
         first_ok = next((i for i, v in enumerate(after) if v >= 0.9 * base), None)  # None: not within the windows
+        cost = {p: [w["db_cpu_ms_per_step"] for w in windows if w["phase"] == p] for p in ("base", "hold", "after")}
+        base_cost = statistics.median(cost["base"])
+        cost_ok = next((i for i, v in enumerate(cost["after"]) if v <= 1.1 * base_cost), None)
         return {
+            "base_db_cpu_ms_per_step": base_cost,
+            "hold_db_cpu_ratio": round(statistics.median(cost["hold"]) / base_cost, 3),
+            "after_first_db_cpu_ratio": round(cost["after"][0] / base_cost, 3),
+            "after_median_db_cpu_ratio": round(statistics.median(cost["after"]) / base_cost, 3),
+            "cost_recovered_after_s": (len(after) + 1) * win if cost_ok is None else (cost_ok + 1) * win,
             "base_steps_per_s": base, "hold_steps_per_s": during, "after_steps_per_s": after,
             "hold_min_ratio": round(min(during) / base, 3), "hold_median_ratio": round(statistics.median(during) / base, 3),
             "after_first_ratio": round(after[0] / base, 3),
@@ -1118,7 +1193,7 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          lambda v, m: v <= 1.5),
         ("B10", "steps_per_s", f"B1 with {n['b10_archived']:,} finished runs archived, defaults, from start",
          "{:,.0f}", "", None),
-        ("B10", "b1_paired_steps_per_s", "the same on an empty database, just before (the pair's B1)", "{:,.0f}",
+        ("B10", "b1_paired_steps_per_s", "the same on an empty database, right before or after (the pair's B1)", "{:,.0f}",
          "", None),
         ("B10", "ratio_to_b1", "B10 / B1, defaults (median of the pairs' ratios)", "{:.3f}", ">= 0.90 (issue 22)",
          lambda v, m: v >= 0.9),
@@ -1143,6 +1218,15 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B11", "after_first_ratio", f"  first {B11_WINDOW} s after it ended / baseline", "{:.2f}", "", None),
         ("B11", "recovered_after_s", "  back to >= 90 % of baseline after (s)", "{:.0f}", "<= 60 (issue 22)",
          lambda v, m: v <= 60),
+        ("B11", "after_first_ratio_control", "  control run (no holder): the same window / its baseline", "{:.2f}", "",
+         None),
+        ("B11", "base_db_cpu_ms_per_step", "  PostgreSQL CPU per step, baseline (ms; steadier than steps/s here)",
+         "{:.3f}", "", None),
+        ("B11", "hold_db_cpu_ratio", "  ... while the transaction is held / baseline", "{:.2f}", "", None),
+        ("B11", "after_first_db_cpu_ratio", f"  ... first {B11_WINDOW} s after it ended / baseline", "{:.2f}", "", None),
+        ("B11", "cost_recovered_after_s", "  PostgreSQL CPU per step back to <= 110 % of baseline after (s)", "{:.0f}",
+         "<= 60", lambda v, m: v <= 60),
+        ("B11", "hold_median_ratio_control", "  control run: the hold's windows / its baseline", "{:.2f}", "", None),
         ("B11", "base_steps_per_s_prefetch", f"B1 sustained, prefetch={PREFETCH}: baseline steps/s", "{:,.0f}", "",
          None),
         ("B11", "hold_median_ratio_prefetch", "  while a transaction holds an xid / baseline", "{:.2f}", "", None),
@@ -1150,6 +1234,16 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          None),
         ("B11", "recovered_after_s_prefetch", "  back to >= 90 % of baseline after (s)", "{:.0f}",
          "<= 60 (issue 22)", lambda v, m: v <= 60),
+        ("B11", "after_first_ratio_prefetch_control", "  control run (no holder): the same window / its baseline",
+         "{:.2f}", "", None),
+        ("B11", "base_db_cpu_ms_per_step_prefetch", "  PostgreSQL CPU per step, baseline (ms)", "{:.3f}", "", None),
+        ("B11", "hold_db_cpu_ratio_prefetch", "  ... while the transaction is held / baseline", "{:.2f}", "", None),
+        ("B11", "after_first_db_cpu_ratio_prefetch", f"  ... first {B11_WINDOW} s after it ended / baseline", "{:.2f}",
+         "", None),
+        ("B11", "cost_recovered_after_s_prefetch", "  PostgreSQL CPU per step back to <= 110 % of baseline after (s)",
+         "{:.0f}", "<= 60", lambda v, m: v <= 60),
+        ("B11", "hold_median_ratio_prefetch_control", "  control run: the hold's windows / its baseline", "{:.2f}", "",
+         None),
     ]
 
 
