@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""cyclone_mp benchmarks B1-B7 (issue 8). See benchmarks/README.md.
+"""cyclone_mp benchmarks B1-B8, B10, and B11 on request (issues 8, 22). See benchmarks/README.md.
 
-    python benchmarks/run.py                      # everything, 3 repetitions, own embedded server
+    python benchmarks/run.py                      # B1-B10, 3 repetitions, own embedded server
     python benchmarks/run.py --quick --repeat 1   # smoke run (small counts)
     python benchmarks/run.py --only B1,B3 --dsn postgresql://...
     python benchmarks/run.py --only B1 --pgbouncer  # B1 direct beside B1 through PgBouncer
+    python benchmarks/run.py --only B10 --archived 1000000  # B1 beside B1 with 1,000,000 archived runs
+    python benchmarks/run.py --only B11 --repeat 1  # B1 through a 60 s idle-in-transaction holder
 
 Every measurement runs against a fresh database (created on the server, migrated,
 dropped afterwards). The table shows the median of the repetitions beside issue 8's
@@ -18,6 +20,7 @@ import compileall
 import contextlib
 import datetime as dt
 import importlib.util
+import itertools
 import json
 import logging
 import multiprocessing
@@ -29,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -41,7 +45,7 @@ if HERE not in sys.path:
 import psutil
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from rich.console import Console
 from rich.table import Table
 
@@ -50,7 +54,8 @@ import cyclone_mp as cy
 from cyclone_mp.store import Store
 
 console = Console(width=None if sys.stdout.isatty() else 160)
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B10", "B11")
+ON_REQUEST = ("B11",)  # minutes long: run with --only
 # The default prefetch (issue 23), measured beside prefetch=0 (claims only for idle children, SPEC 4).
 PREFETCH = 64
 PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
@@ -68,13 +73,22 @@ FULL = {
     "b2_steps": 200, "b5_samples": 50, "b6_queued": 100_000, "b6_finished": 1_000_000,
     "b7_steps": 20000, "b7_child_starts": 10, "b8_pairs": 3, "b8_keys": 100, "b8_claims": 200,
     "b8_queued": 100_000, "b8_claim_keys": 1000,
+    "b10_archived": 1_000_000, "b10_days": 10,
+    "b11_warmup_s": 40, "b11_base_s": 30, "b11_hold_s": 60, "b11_after_s": 60,
 }
 QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
     "b2_steps": 40, "b5_samples": 10, "b6_queued": 10_000, "b6_finished": 100_000,
     "b7_steps": 2000, "b7_child_starts": 3, "b8_pairs": 1, "b8_keys": 20, "b8_claims": 50,
     "b8_queued": 10_000, "b8_claim_keys": 100,
+    "b10_archived": 100_000, "b10_days": 10,
+    "b11_warmup_s": 20, "b11_base_s": 10, "b11_hold_s": 20, "b11_after_s": 20,
 }
+#: B11's window (seconds): throughput is sampled once per window.
+B11_WINDOW = 10
+#: B11: the supervisor archives finished runs after this many seconds (the hot tables then
+#: hold the live backlog and a short tail, as in production; the default is 600 s).
+B11_ARCHIVE_AFTER = 10
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -196,6 +210,43 @@ def step_times(dsn: str, step_name: str, owner: str) -> dict[str, Any]:
             "FROM cyclone_steps WHERE step_name = %s AND lease_owner = %s", (step_name, owner)).fetchone()
     return {"first_start": epoch(row[0]), "last_finish": epoch(row[1]), "completed": row[2], "total": row[3],
             "max_generation": row[4], "reclaims": int(row[5] or 0), "step_s_p50": row[6]}
+
+
+class CpuMeter:
+    """CPU seconds used since the last :meth:`take`: by the PostgreSQL processes of one
+    database (its backends and autovacuum workers, found by their process titles:
+    ``postgres: user DB ...``, ``postgres: autovacuum worker DB``), or without
+    ``database`` by this process and its children (the supervisor, its threads and its
+    handler children). On a shared machine CPU per step is steadier than steps/s: it
+    does not depend on what else runs (B11)."""
+
+    def __init__(self, database: str | None = None) -> None:
+        self.database = database
+        self.seen: dict[int, float] = {}
+        self.take()
+
+    def _now(self) -> dict[int, float]:
+        procs: list[psutil.Process] = []
+        if self.database is None:
+            me = psutil.Process()
+            procs = [me] + me.children(recursive=True)
+        else:
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if cmd.startswith("postgres: ") and f" {self.database} " in f"{cmd} ":
+                    procs.append(p)
+        out = {}
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+        return out
+
+    def take(self) -> float:
+        now = self._now()
+        used = sum(v - self.seen.get(pid, 0.0) for pid, v in now.items())
+        self.seen = now
+        return used
 
 
 def wal_lsn(dsn: str) -> int:
@@ -688,6 +739,261 @@ class Bench:
         row["claim_big_over_small"] = round(row["claim_ms_big"] / row["claim_ms_small"], 2)
         return row
 
+    # B10 ----------------------------------------------------------------------------------
+
+    def seed_b10_template(self) -> tuple[str, dict[str, Any]]:
+        """A migrated database holding b10_archived finished runs in the archive (issue 22):
+        their partitions made, then one ``INSERT ... SELECT ... FROM generate_series`` for
+        the runs and their steps (98 % completed, 1 % discarded, 1 % cancelled, finished
+        over the b10_days days before today), then ``VACUUM ANALYZE``. Cloned for each
+        repetition."""
+        name = f"cyclone_bench_b10_{uuid.uuid4().hex[:8]}"
+        self.server.create(name, self.server.template)
+        dsn = self.server.dsn_for(name)
+        n, days = self.n["b10_archived"], self.n["b10_days"]
+        t = time.perf_counter()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("""
+                SELECT cyclone_archive_partition(st, d::date)
+                  FROM unnest(ARRAY['completed', 'discarded', 'cancelled']) AS st,
+                       generate_series(current_date - %(days)s, current_date - 1, interval '1 day') AS d""",
+                         {"days": days})
+            conn.execute("""
+                WITH r AS (
+                    INSERT INTO cyclone_runs_archive (id, name, kind, state, input, created_at, updated_at,
+                                                      finished_at, signals)
+                    SELECT gen_random_uuid(), 'bench_noop', 'step',
+                           CASE WHEN g %% 100 = 0 THEN 'discarded' WHEN g %% 100 = 1 THEN 'cancelled'
+                                ELSE 'completed' END,
+                           'null', f - interval '1 second', f, f, '[]'
+                      FROM generate_series(1, %(n)s) AS g,
+                           LATERAL (SELECT (current_date - %(days)s)::timestamptz
+                                           + (g::float8 / (%(n)s + 1)) * %(days)s * interval '1 day' AS f) x
+                    RETURNING id, state, finished_at)
+                INSERT INTO cyclone_steps_archive (id, run_id, node, step_name, kind, depends_on, queue, priority,
+                                                   state, attempt, max_attempts, reclaims, scheduled_at, started_at,
+                                                   finished_at, lease_generation, errors, output, concurrency_key,
+                                                   run_state, run_finished_at)
+                SELECT nextval(pg_get_serial_sequence('cyclone_steps', 'id')), id, 'bench_noop', 'bench_noop',
+                       'task', '{}', 'default', 0, state, 1, 25, 0, finished_at, finished_at, finished_at, 1, '[]',
+                       'null', '', state, finished_at
+                  FROM r""", {"n": n, "days": days})
+            conn.execute("VACUUM ANALYZE cyclone_runs_archive")
+            conn.execute("VACUUM ANALYZE cyclone_steps_archive")
+            size = conn.execute("SELECT pg_database_size(current_database())").fetchone()[0]
+            parts = conn.execute("SELECT count(*) FROM pg_inherits "
+                                 "WHERE inhparent = 'cyclone_runs_archive'::regclass").fetchone()[0]
+        return name, {"seed_s": round(time.perf_counter() - t, 1), "db_mb": round(size / 2**20), "partitions": parts}
+
+    def b10(self, template: str) -> dict[str, Any]:
+        """B1's two throughput runs on clones of the archive template, each paired with the
+        same run on an empty database right before or after it (the order alternates
+        between repetitions: the VM's speed drifts; the ratios are judged, as B6's), then
+        retention on the last clone: every archived day but the last two dropped by one
+        history pass (:class:`cyclone_mp.history.History`, as a supervisor runs it) while a
+        reader looks up archived runs by id every 2 ms and a client enqueues and cancels a
+        run every 10 ms: the pass's time, and the longest wait of each (the archive's locks
+        are taken for a moment per partition; the hot tables never wait)."""
+        from cyclone_mp.history import History, Policy
+
+        row: dict[str, Any] = {}
+        self._b10_empty_first = not getattr(self, "_b10_empty_first", False)  # alternates between repetitions
+        for prefetch, suffix in ((0, ""), (PREFETCH, "_prefetch")):
+            def empty() -> dict[str, Any]:
+                with self.server.fresh() as dsn:
+                    return self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch)
+
+            def archived() -> dict[str, Any]:
+                with self.server.fresh(template, file_copy=True) as dsn:
+                    with psycopg.connect(dsn, autocommit=True) as conn:
+                        conn.execute("CHECKPOINT")  # the clone's copy is not charged to the run
+                    got = self.throughput(dsn, self.n["b1_steps"], prefetch=prefetch)
+                    if suffix:
+                        row.update(self.retention(dsn, History, Policy))
+                    return got
+
+            if self._b10_empty_first:
+                ref = empty()
+                big = archived()
+            else:
+                big = archived()
+                ref = empty()
+            row.update(suffixed(big, PREFETCH_KEYS, suffix))
+            row[f"b1_paired_steps_per_s{suffix}"] = ref["steps_per_s"]
+            row[f"ratio_to_b1{suffix}"] = round(big["steps_per_s"] / ref["steps_per_s"], 3)
+        return row
+
+    def retention(self, dsn: str, history_cls: Any, policy_cls: Any) -> dict[str, Any]:
+        """Drop every archived day of the B10 clone ``dsn`` but the last two (see :meth:`b10`)."""
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            ids = [r[0] for r in conn.execute(
+                "SELECT id FROM cyclone_runs_archive TABLESAMPLE SYSTEM (1) LIMIT 2000").fetchall()]
+            before = conn.execute("SELECT count(*) FROM cyclone_runs_archive").fetchone()[0]
+        stop = threading.Event()
+        waits: dict[str, list[float]] = {"reader": [], "hot": []}
+
+        def reader() -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                i = 0
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    conn.execute("SELECT 1 FROM cyclone_runs_archive WHERE id = %s", (ids[i % len(ids)],))
+                    waits["reader"].append(time.perf_counter() - t)
+                    i += 1
+                    time.sleep(0.002)
+
+        def hot() -> None:
+            with cy.Client(dsn, mux_of(bench_steps.noop)) as client:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    client.cancel(client.enqueue(bench_steps.noop, None, delay=3600))
+                    waits["hot"].append(time.perf_counter() - t)
+                    time.sleep(0.01)
+
+        threads = [threading.Thread(target=fn, daemon=True) for fn in (reader, hot)]
+        for th in threads:
+            th.start()
+        time.sleep(0.5)
+        keep = 2 * 86400.0
+        work = history_cls(policy_cls(None, {"completed": keep, "discarded": keep, "cancelled": keep}), budget=600.0)
+        store = Store.open(dsn)
+        try:
+            t = time.perf_counter()
+            counts = work.run_once(store)
+            took = time.perf_counter() - t
+        finally:
+            store.close()
+        time.sleep(0.5)
+        stop.set()
+        for th in threads:
+            th.join(30)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            after = conn.execute("SELECT count(*) FROM cyclone_runs_archive").fetchone()[0]
+        return {
+            "retention_s": round(took, 3), "partitions_dropped": counts["partitions_dropped"],
+            "runs_dropped": counts["dropped_runs"], "runs_expired_by_row": counts["expired"],
+            "archived_before": before, "archived_after": after,
+            "archive_read_max_ms": round(max(waits["reader"]) * 1000, 1),
+            "archive_read_p99_ms": round(percentile(waits["reader"], 99) * 1000, 2),
+            "hot_enqueue_cancel_max_ms": round(max(waits["hot"]) * 1000, 1),
+            "hot_enqueue_cancel_p99_ms": round(percentile(waits["hot"], 99) * 1000, 2),
+        }
+
+    # B11 ----------------------------------------------------------------------------------
+
+    def b11(self) -> dict[str, Any]:
+        """B1 under a long transaction (issue 22): throughput per window, defaults and
+        prefetch, each beside a control run without the holder (the same phases; the
+        order alternates between repetitions): how much the windows after the hold vary
+        without one."""
+        row: dict[str, Any] = {}
+        self._b11_control_first = not getattr(self, "_b11_control_first", False)
+        for prefetch, suffix in ((0, ""), (PREFETCH, "_prefetch")):
+            runs = {}
+            for hold in ((False, True) if self._b11_control_first else (True, False)):
+                runs[hold] = self.long_transaction(prefetch, hold=hold)
+            row.update({f"{k}{suffix}": v for k, v in runs[True].items()})
+            row.update({f"{k}{suffix}_control": v for k, v in runs[False].items()
+                        if k in ("base_steps_per_s", "hold_median_ratio", "after_first_ratio", "recovered_after_s",
+                                 "after_last_ratio", "after_steps_per_s", "hold_steps_per_s")})
+        return row
+
+    def long_transaction(self, prefetch: int, hold: bool = True) -> dict[str, Any]:
+        """A supervisor (``workers=2``, ``prefetch``, finished runs archived after
+        B11_ARCHIVE_AFTER s) kept busy with no-ops (a producer tops the backlog up to
+        4,000-8,000 available steps with ``enqueue_many``); completions are counted per
+        B11_WINDOW-second window: b11_warmup_s unmeasured, the baseline over b11_base_s,
+        then another session opens a transaction, takes an xid (``pg_current_xact_id()``)
+        and sits idle in it for b11_hold_s (vacuum can remove no row version newer than it),
+        then ends it, and the windows after it over b11_after_s. Recovered: the first
+        window after the holder ended at or above 90 % of the baseline; its end is the time
+        to recover. The hot tables' dead tuples and sizes are recorded per window. Without
+        ``hold`` (the control) nothing holds a transaction; the phases are the same."""
+        win, n = B11_WINDOW, self.n
+        with self.server.fresh() as dsn:
+            client = cy.Client(dsn, mux_of(bench_steps.noop), workers=2, prefetch=prefetch,
+                               archive_after=B11_ARCHIVE_AFTER)
+            client.enqueue_many(bench_steps.noop, [None] * 8000)
+            stop = threading.Event()
+
+            def producer() -> None:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    while not stop.is_set():
+                        left = conn.execute("SELECT count(*) FROM cyclone_steps WHERE state = 'available'").fetchone()[0]
+                        if left < 4000:
+                            client.enqueue_many(bench_steps.noop, [None] * 4000)
+                        stop.wait(0.2)
+
+            feeder = threading.Thread(target=producer, daemon=True)
+            holder = psycopg.connect(dsn)  # not autocommit: its first statement opens the transaction
+            monitor = psycopg.connect(dsn, autocommit=True)
+            windows: list[dict[str, Any]] = []
+            try:
+                client.start()
+                sup = client.supervisor
+                feeder.start()
+                bounds = list(itertools.accumulate(n[f"b11_{p}_s"] for p in ("warmup", "base", "hold", "after")))
+                phase, last_done, t0, k = "warmup", sup.stats["completed"], time.monotonic(), 0
+                db_cpu, engine_cpu = CpuMeter(database=conninfo_to_dict(dsn)["dbname"]), CpuMeter()
+                while k * win < bounds[-1]:
+                    k += 1
+                    time.sleep(max(0.0, t0 + k * win - time.monotonic()))
+                    done = sup.stats["completed"]
+                    db_s, engine_s = db_cpu.take(), engine_cpu.take()
+                    stats = monitor.execute(
+                        "SELECT sum(n_dead_tup)::bigint, sum(n_live_tup)::bigint, "
+                        "pg_relation_size('cyclone_steps') / 8192, pg_relation_size('cyclone_steps_claim_key_idx') / 8192 "
+                        "FROM pg_stat_user_tables WHERE relname IN ('cyclone_steps', 'cyclone_runs')").fetchone()
+                    steps = max(1, done - last_done)
+                    windows.append({"phase": phase, "at_s": k * win, "steps_per_s": round((done - last_done) / win, 1),
+                                    "db_cpu_ms_per_step": round(db_s * 1000 / steps, 3),
+                                    "engine_cpu_ms_per_step": round(engine_s * 1000 / steps, 3),
+                                    "dead": stats[0], "live": stats[1], "steps_pages": stats[2],
+                                    "claim_idx_pages": stats[3]})
+                    last_done = done
+                    console.print(f"  B11 prefetch={prefetch}{'' if hold else ' (control)'} {windows[-1]}",
+                                  highlight=False)
+                    if k * win == bounds[0]:
+                        phase = "base"
+                    elif k * win == bounds[1]:
+                        if hold:
+                            holder.execute("SELECT pg_current_xact_id()")  # an xid, idle in transaction from now
+                        phase = "hold"
+                    elif k * win == bounds[2]:
+                        holder.rollback()
+                        phase = "after"
+            finally:
+                stop.set()
+                feeder.join(10)
+                with contextlib.suppress(Exception):
+                    holder.close()
+                monitor.close()
+                client.shutdown()
+                with contextlib.suppress(Exception):
+                    client.stop()
+                client.close()
+        base = statistics.median([w["steps_per_s"] for w in windows if w["phase"] == "base"])
+        during = [w["steps_per_s"] for w in windows if w["phase"] == "hold"]
+        after = [w["steps_per_s"] for w in windows if w["phase"] == "after"]
+        first_ok = next((i for i, v in enumerate(after) if v >= 0.9 * base), None)  # None: not within the windows
+        cost = {p: [w["db_cpu_ms_per_step"] for w in windows if w["phase"] == p] for p in ("base", "hold", "after")}
+        base_cost = statistics.median(cost["base"])
+        cost_ok = next((i for i, v in enumerate(cost["after"]) if v <= 1.1 * base_cost), None)
+        return {
+            "base_db_cpu_ms_per_step": base_cost,
+            "hold_db_cpu_ratio": round(statistics.median(cost["hold"]) / base_cost, 3),
+            "after_first_db_cpu_ratio": round(cost["after"][0] / base_cost, 3),
+            "after_median_db_cpu_ratio": round(statistics.median(cost["after"]) / base_cost, 3),
+            "cost_recovered_after_s": (len(after) + 1) * win if cost_ok is None else (cost_ok + 1) * win,
+            "base_steps_per_s": base, "hold_steps_per_s": during, "after_steps_per_s": after,
+            "hold_min_ratio": round(min(during) / base, 3), "hold_median_ratio": round(statistics.median(during) / base, 3),
+            "after_first_ratio": round(after[0] / base, 3),
+            # not recovered within the windows measured: one window more than they cover (judged as missed)
+            "recovered_after_s": (len(after) + 1) * win if first_ok is None else (first_ok + 1) * win,
+            "recovered": first_ok is not None,
+            "after_last_ratio": round(after[-1] / base, 3), "windows": windows,
+        }
+
     # B7 -----------------------------------------------------------------------------------
 
     def child_starts(self) -> dict[str, Any]:
@@ -885,6 +1191,59 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          "{:.2f}", "", None),
         ("B8", "claim_big_over_small", "claim time, big backlog / small", "{:.2f}", "flat (<= 1.5)",
          lambda v, m: v <= 1.5),
+        ("B10", "steps_per_s", f"B1 with {n['b10_archived']:,} finished runs archived, defaults, from start",
+         "{:,.0f}", "", None),
+        ("B10", "b1_paired_steps_per_s", "the same on an empty database, right before or after (the pair's B1)", "{:,.0f}",
+         "", None),
+        ("B10", "ratio_to_b1", "B10 / B1, defaults (median of the pairs' ratios)", "{:.3f}", ">= 0.90 (issue 22)",
+         lambda v, m: v >= 0.9),
+        ("B10", "steps_per_s_prefetch", f"B10 with prefetch={PREFETCH}, from start", "{:,.0f}", "", None),
+        ("B10", "b1_paired_steps_per_s_prefetch", f"the same on an empty database (prefetch={PREFETCH})", "{:,.0f}",
+         "", None),
+        ("B10", "ratio_to_b1_prefetch", f"B10 / B1, prefetch={PREFETCH} (median of the pairs' ratios)", "{:.3f}",
+         ">= 0.90 (issue 22)", lambda v, m: v >= 0.9),
+        ("B10", "retention_s", "retention: one history pass dropping all archived days but two (s)", "{:.2f}", "",
+         None),
+        ("B10", "partitions_dropped", "  partitions dropped", "{:,.0f}", "", None),
+        ("B10", "runs_dropped", "  runs they held", "{:,.0f}", "", None),
+        ("B10", "runs_expired_by_row", "  runs deleted row by row", "{:,.0f}", "", None),
+        ("B10", "archive_read_max_ms", "  longest archive read by id meanwhile (ms; every 2 ms)", "{:.1f}",
+         "no long lock (< 1,000)", lambda v, m: v < 1000),
+        ("B10", "hot_enqueue_cancel_max_ms", "  longest enqueue + cancel meanwhile (ms; every 10 ms)", "{:.1f}",
+         "no long lock (< 1,000)", lambda v, m: v < 1000),
+        ("B11", "base_steps_per_s", f"B1 sustained, defaults: baseline steps/s (median of {B11_WINDOW} s windows)",
+         "{:,.0f}", "", None),
+        ("B11", "hold_median_ratio", "  while a transaction holds an xid (idle in transaction) / baseline",
+         "{:.2f}", "", None),
+        ("B11", "after_first_ratio", f"  first {B11_WINDOW} s after it ended / baseline", "{:.2f}", "", None),
+        ("B11", "recovered_after_s", "  back to >= 90 % of baseline after (s)", "{:.0f}", "<= 60 (issue 22)",
+         lambda v, m: v <= 60),
+        ("B11", "after_first_ratio_control", "  control run (no holder): the same window / its baseline", "{:.2f}", "",
+         None),
+        ("B11", "base_db_cpu_ms_per_step", "  PostgreSQL CPU per step, baseline (ms; steadier than steps/s here)",
+         "{:.3f}", "", None),
+        ("B11", "hold_db_cpu_ratio", "  ... while the transaction is held / baseline", "{:.2f}", "", None),
+        ("B11", "after_first_db_cpu_ratio", f"  ... first {B11_WINDOW} s after it ended / baseline", "{:.2f}", "", None),
+        ("B11", "cost_recovered_after_s", "  PostgreSQL CPU per step back to <= 110 % of baseline after (s)", "{:.0f}",
+         "<= 60", lambda v, m: v <= 60),
+        ("B11", "hold_median_ratio_control", "  control run: the hold's windows / its baseline", "{:.2f}", "", None),
+        ("B11", "base_steps_per_s_prefetch", f"B1 sustained, prefetch={PREFETCH}: baseline steps/s", "{:,.0f}", "",
+         None),
+        ("B11", "hold_median_ratio_prefetch", "  while a transaction holds an xid / baseline", "{:.2f}", "", None),
+        ("B11", "after_first_ratio_prefetch", f"  first {B11_WINDOW} s after it ended / baseline", "{:.2f}", "",
+         None),
+        ("B11", "recovered_after_s_prefetch", "  back to >= 90 % of baseline after (s)", "{:.0f}",
+         "<= 60 (issue 22)", lambda v, m: v <= 60),
+        ("B11", "after_first_ratio_prefetch_control", "  control run (no holder): the same window / its baseline",
+         "{:.2f}", "", None),
+        ("B11", "base_db_cpu_ms_per_step_prefetch", "  PostgreSQL CPU per step, baseline (ms)", "{:.3f}", "", None),
+        ("B11", "hold_db_cpu_ratio_prefetch", "  ... while the transaction is held / baseline", "{:.2f}", "", None),
+        ("B11", "after_first_db_cpu_ratio_prefetch", f"  ... first {B11_WINDOW} s after it ended / baseline", "{:.2f}",
+         "", None),
+        ("B11", "cost_recovered_after_s_prefetch", "  PostgreSQL CPU per step back to <= 110 % of baseline after (s)",
+         "{:.0f}", "<= 60", lambda v, m: v <= 60),
+        ("B11", "hold_median_ratio_prefetch_control", "  control run: the hold's windows / its baseline", "{:.2f}", "",
+         None),
     ]
 
 
@@ -1003,7 +1362,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions of each benchmark (median reported)")
-    ap.add_argument("--only", default=",".join(ALL), help="comma-separated subset, e.g. B1,B3")
+    ap.add_argument("--only", default=",".join(b for b in ALL if b not in ON_REQUEST),
+                    help="comma-separated subset, e.g. B1,B3 (default: all but " + ", ".join(ON_REQUEST) + ")")
+    ap.add_argument("--archived", type=int, default=None, metavar="N",
+                    help="B10: archived runs in its template (default 1,000,000; --quick 100,000)")
     ap.add_argument("--dsn", default=None, help="PostgreSQL server to use (default: an embedded one in a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<timestamp>.json)")
     ap.add_argument("--peer-results", default=None,
@@ -1021,7 +1383,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown benchmark(s) {bad}" if bad else "--repeat must be >= 1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL,
                         format="%(asctime)s %(name)s: %(message)s")
-    counts = QUICK if args.quick else FULL
+    counts = dict(QUICK if args.quick else FULL)
+    if args.archived is not None:
+        if args.archived < 1:
+            ap.error("--archived must be >= 1")
+        counts["b10_archived"] = args.archived
     peer = load_peer(args.peer_results)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or os.path.join(HERE, "results", f"{stamp}.json")
@@ -1048,7 +1414,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "max_prepared_statements": pgb.max_prepared_statements}
                                             for suffix, pgb in bouncers.items()}
         bench = Bench(server, counts, tmp, limits=args.limits, bouncers=bouncers)
-        b6_template = None
+        b6_template = b10_template = None
         for b in ALL:
             if b not in only:
                 continue
@@ -1057,12 +1423,17 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"[bold]B6[/] seeding {counts['b6_finished']:,} finished + "
                               f"{counts['b6_queued']:,} queued rows ...")
                 b6_template, res["seed"] = bench.seed_b6_template()
+            if b == "B10":
+                console.print(f"[bold]B10[/] seeding {counts['b10_archived']:,} archived runs over "
+                              f"{counts['b10_days']} days ...")
+                b10_template, res["seed"] = bench.seed_b10_template()
+                console.print(f"  {res['seed']}", highlight=False)
             for rep in range(args.repeat):
                 la = loadavg()
                 t = time.time()
                 try:
                     fn = getattr(bench, b.lower())
-                    sample = fn(b6_template) if b == "B6" else fn()
+                    sample = fn(b6_template) if b == "B6" else fn(b10_template) if b == "B10" else fn()
                 except Exception:  # noqa: BLE001 - one failed benchmark must not hide the others
                     res["errors"].append(traceback.format_exc())
                     console.print(f"[red]{b} rep {rep + 1} failed:[/]\n{traceback.format_exc()}")
@@ -1071,9 +1442,10 @@ def main(argv: list[str] | None = None) -> int:
                 res["samples"].append(sample)
                 shown = {k: v for k, v in sample.items() if not isinstance(v, list)}
                 console.print(f"[bold]{b}[/] rep {rep + 1}: {shown}")
-            if b6_template:
-                server.drop(b6_template)
-                b6_template = None
+            for template in (b6_template, b10_template):
+                if template:
+                    server.drop(template)
+            b6_template = b10_template = None
     finally:
         for pgb in bouncers.values():
             pgb.close()

@@ -36,7 +36,7 @@ from cyclone_mp.waiting import timeout_message
 
 from . import render
 from .drain import DrainReporter
-from .params import BYTES, JSON, POLL, RATE, SECONDS
+from .params import BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS
 
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
@@ -249,10 +249,22 @@ def describe_dsn(dsn: str) -> str:
                    "only for idle children.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")
+@click.option("--archive-after", type=DURATION_OR_NEVER, default="10m", show_default=True,
+              help="Move a finished run, with its steps, from the hot tables to the archive this long "
+                   "after it finished ('never': keep it in the hot tables). Archived runs are still "
+                   "found by status, runs and the dashboard.")
+@click.option("--retain-completed", type=DURATION_OR_NEVER, default=None,
+              help="Delete completed runs (hot or archived) this long after they finished, e.g. 7d "
+                   "[default: never].")
+@click.option("--retain-discarded", type=DURATION_OR_NEVER, default=None,
+              help="Delete discarded runs this long after they finished, e.g. 30d [default: never].")
+@click.option("--retain-cancelled", type=DURATION_OR_NEVER, default=None,
+              help="Delete cancelled runs this long after they finished [default: never].")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
            max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int,
-           metrics_port: int | None) -> None:
+           metrics_port: int | None, archive_after: float | None, retain_completed: float | None,
+           retain_discarded: float | None, retain_cancelled: float | None) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
@@ -263,7 +275,9 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                      shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
-                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port)
+                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
+                     archive_after=archive_after, retain_completed=retain_completed,
+                     retain_discarded=retain_discarded, retain_cancelled=retain_cancelled)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(
@@ -589,7 +603,9 @@ def resume(run_id: str) -> None:
 @click.option("--older-than", type=SECONDS, required=True, metavar="DURATION",
               help="Delete runs that finished more than this long ago (seconds, or e.g. 7d, 12h, 30m).")
 def prune(older_than: float) -> None:
-    """Delete finished runs (completed, discarded, cancelled) and their steps."""
+    """Delete finished runs (completed, discarded, cancelled) and their steps, hot or
+    archived (whole archive partitions when their day is older). Supervisors apply a
+    retention by themselves with worker --retain-completed and friends."""
     client = _client()
     try:
         client.migrate()

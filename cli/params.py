@@ -1,4 +1,5 @@
-"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits.
+"""Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits,
+and the history settings (a duration or never).
 
 Each converts one option value and fails with ``click.BadParameter`` (exit code 2, one
 line naming the option) on malformed input.
@@ -13,12 +14,11 @@ from typing import Any
 
 import click
 
+from cyclone_mp.durations import parse_duration
 from cyclone_mp.errors import PayloadError
 from cyclone_mp.protocol import load_value
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.I)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
-_DURATION_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
@@ -55,11 +55,28 @@ class Seconds(click.ParamType):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        match = _DURATION_RE.match(str(value))
-        if not match:
+        parsed = parse_duration(str(value))
+        if parsed is None:
             self.fail(f"{value!r} is not a duration (seconds, e.g. 2.5, 500ms, 30s, 5m, 1h, 7d)", param, ctx)
-        unit = match.group(2).lower() if match.group(2) else None
-        return float(match.group(1)) * _DURATION_UNITS[unit]
+        return parsed
+
+
+class DurationOrNever(click.ParamType):
+    """A duration as :class:`Seconds` takes it (``7d``, ``12h``, ``30m``), or ``never``
+    (also ``forever``, ``off``): None. The history settings (issue 22)."""
+
+    name = "DURATION|never"
+    NEVER = ("never", "forever", "off", "none")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | None:
+        if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in self.NEVER:
+            return None
+        parsed = parse_duration(str(value))
+        if parsed is None:
+            self.fail(f"{value!r} is not a duration (e.g. 7d, 12h, 30m, 90s) or 'never'", param, ctx)
+        return parsed
 
 
 class ByteSize(click.ParamType):
@@ -121,3 +138,4 @@ SECONDS = Seconds()
 BYTES = ByteSize()
 POLL = PollInterval()
 RATE = RateLimit()
+DURATION_OR_NEVER = DurationOrNever()

@@ -405,6 +405,7 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
     con.print(Text.assemble(
         ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", state_text(status.state),
         f"  created {when(status.created_at)}  finished {when(status.finished_at)}",
+        ("  (archived)", "dim") if status.archived else "",
     ))
     con.print(Text(f"input: {short(dumps(status.input, indent=None), 150)}"))
     if status.schedule:

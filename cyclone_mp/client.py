@@ -287,6 +287,16 @@ class Client(ClientBase):
             ``max_prepared_statements`` above 0.
         listen_dsn: a direct connection string (past PgBouncer) for LISTEN, of the
             supervisor and of :meth:`wait`; default ``dsn``, or none with ``pgbouncer``.
+        archive_after: seconds (or a duration as text, ``"10m"``) a finished run stays in
+            the hot tables before the supervisors' maintenance moves it, with its steps
+            and signals, to the archive tables; None: never. Default 600. Archived runs
+            are still found by :meth:`status`, :meth:`wait`, :meth:`result`,
+            :meth:`retry` and the dashboard (issue 22; docs/operating.md#history-and-retention).
+        retain_completed: seconds (or ``"7d"``) a completed run is kept, hot or archived,
+            before the supervisors' maintenance deletes it (a whole archive partition at a
+            time where it can); None (the default): forever.
+        retain_discarded: the same for discarded runs (keep them longer: they can be retried).
+        retain_cancelled: the same for cancelled runs.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -328,6 +338,10 @@ class Client(ClientBase):
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
         listen_dsn: str | None = None,
+        archive_after: Duration | str | None = 600.0,
+        retain_completed: Duration | str | None = None,
+        retain_discarded: Duration | str | None = None,
+        retain_cancelled: Duration | str | None = None,
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -347,7 +361,9 @@ class Client(ClientBase):
             memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
             max_open_files=max_open_files,
             prefetch=prefetch, registry_interval=registry_interval, pgbouncer=pgbouncer,
-            prepared_statements=prepared_statements, **extra,
+            prepared_statements=prepared_statements, archive_after=archive_after,
+            retain_completed=retain_completed, retain_discarded=retain_discarded,
+            retain_cancelled=retain_cancelled, **extra,
         )
         if listen_dsn is not None and not isinstance(listen_dsn, str):
             raise ConfigurationError(f"listen_dsn must be a connection string or None, not {type(listen_dsn).__name__}")
@@ -719,13 +735,17 @@ class Client(ClientBase):
 
     def prune(self, older_than: Duration) -> int:
         """Delete runs that finished (completed, discarded or cancelled) more than
-        ``older_than`` seconds ago, with their steps; returns how many runs were deleted.
+        ``older_than`` seconds ago, with their steps, hot or archived; returns how many
+        runs were deleted.
 
-        Running and paused runs are never touched. Deletes in batches, so it is safe to
-        run while supervisors work (issue 8: pruning of finished runs).
+        Running and paused runs are never touched. Deletes in batches, and drops whole
+        archive partitions whose day is older (issue 22), so it is safe to run while
+        supervisors work (issue 8: pruning of finished runs). The supervisors apply a
+        retention by themselves with ``retain_completed`` and friends.
 
         Raises:
             ConfigurationError: ``older_than`` is negative.
+            DatabaseBusy: an archive partition's lock could not be had within 5 s.
             DatabaseError: the database failed or cannot be reached.
         """
         return self._run(self._plan_prune(older_than))

@@ -27,6 +27,13 @@ COALESCE_PER_WORKER = 4  # outcomes per child that go at once, without waiting C
 PIPELINE_DEPTH = 16  # steps queued in a busy child, at most (a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
 PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed and the module is left to its steps
 PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets up to PIPELINE_DEPTH queued
+ARCHIVE_AFTER_DEFAULT = 600.0  # seconds a finished run stays in the hot tables before maintenance archives it (issue 22)
+HISTORY_INTERVAL = 5.0  # seconds between two history passes of a supervisor's maintenance (archive, retention)
+HISTORY_BUSY_INTERVAL = 0.5  # seconds until the next pass when the last one left work behind (its budget ran out)
+HISTORY_BUDGET = 1.0  # seconds of history work per pass at most (its batches; the sweep waits for it)
+HISTORY_BATCH = 1000  # finished step rows a history statement looks at, at most (their runs move together)
+HISTORY_WALK_RESTART = 60.0  # seconds between two walks of the finished steps from the oldest (history.py)
+HISTORY_DDL_LOCK_TIMEOUT = 0.2  # seconds a partition's CREATE or DROP may wait for its lock before it gives up
 PIPELINE_ONE_MAX_STEP = 0.1  # seconds: with attempts shorter than this, one (B2's 20 ms steps: a core no longer idles between two)
 
 
@@ -61,6 +68,13 @@ class Config:
         prepared_statements: named prepared statements (psycopg's); default True, and
             False with ``pgbouncer`` unless asked for (PgBouncer 1.21 or later with
             ``max_prepared_statements`` above 0 keeps them per server connection).
+        archive_after: seconds a finished (completed, discarded, cancelled) run stays in
+            the hot tables before the supervisors' maintenance moves it, with its steps
+            and signals, to the archive tables (issue 22); None: never (the hot tables
+            keep everything). Default 600.
+        retain_completed, retain_discarded, retain_cancelled: seconds a run finished in
+            that state is kept (hot or archived) before maintenance deletes it, dropping
+            whole archive partitions where it can; None (the default): forever.
     """
 
     workers: int = 4
@@ -77,6 +91,10 @@ class Config:
     registry_interval: float = 2.0
     pgbouncer: bool = False
     prepared_statements: bool = True
+    archive_after: float | None = ARCHIVE_AFTER_DEFAULT
+    retain_completed: float | None = None
+    retain_discarded: float | None = None
+    retain_cancelled: float | None = None
 
     @classmethod
     def build(
@@ -95,9 +113,14 @@ class Config:
         registry_interval: Duration = 2.0,
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
+        archive_after: Duration | str | None = ARCHIVE_AFTER_DEFAULT,
+        retain_completed: Duration | str | None = None,
+        retain_discarded: Duration | str | None = None,
+        retain_cancelled: Duration | str | None = None,
         **step_defaults: object,
     ) -> "Config":
-        """Validate raw options (SPEC 2's ``Client(...)`` keywords).
+        """Validate raw options (SPEC 2's ``Client(...)`` keywords). The history options
+        (``archive_after``, ``retain_*``) also take a duration as text: ``"7d"``, ``"12h"``.
 
         Raises:
             ConfigurationError: a value is out of range or of the wrong type.
@@ -153,7 +176,18 @@ class Config:
             registry_interval=seconds(registry_interval, "registry_interval", allow_none=False),  # type: ignore[arg-type]
             pgbouncer=pgbouncer,
             prepared_statements=not pgbouncer if prepared_statements is None else prepared_statements,
+            archive_after=seconds(archive_after, "archive_after", allow_zero=True, allow_text=True),
+            retain_completed=seconds(retain_completed, "retain_completed", allow_zero=True, allow_text=True),
+            retain_discarded=seconds(retain_discarded, "retain_discarded", allow_zero=True, allow_text=True),
+            retain_cancelled=seconds(retain_cancelled, "retain_cancelled", allow_zero=True, allow_text=True),
         )
+
+    @property
+    def retention(self) -> dict[str, float | None]:
+        """Seconds each finished state is kept (None: forever): ``{"completed": ...,
+        "discarded": ..., "cancelled": ...}`` (issue 22)."""
+        return {"completed": self.retain_completed, "discarded": self.retain_discarded,
+                "cancelled": self.retain_cancelled}
 
     @property
     def heartbeat_interval(self) -> float:

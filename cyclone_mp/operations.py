@@ -129,8 +129,9 @@ def enqueue_run(
     """
     run_id = str(uuid.uuid4())
     if kind == "step" and len(nodes) == 1:
-        # a step with a key or a limit also marks its queue and makes its slots: one transaction
-        make = _enqueue_flow_step if nodes[0].flow else _enqueue_step
+        # a step with a key or a limit also marks its queue and makes its slots, a step with an
+        # idempotency key is checked against the archive: one transaction
+        make = _enqueue_step_tx if nodes[0].flow or idempotency_key is not None else _enqueue_step
         return make(run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key, trace)
     return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key, trace)
 
@@ -146,6 +147,9 @@ def _insert_step(run_id: str, name: str, input: Any, node: NodeRow, delay: float
         **node_params(node),
     })).one()
     if row is not None and row["id"] is not None:
+        archived = yield from _archived_holder(idempotency_key, row["id"])
+        if archived is not None:
+            return archived, False
         if node.flow:
             yield from _flag_flow([(node.queue, node.limited, node.rate_limit is not None)])
             yield from _ensure_slots([(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)]
@@ -155,7 +159,24 @@ def _insert_step(run_id: str, name: str, input: Any, node: NodeRow, delay: float
 
 
 _enqueue_step = operation(transaction=False)(_insert_step)  # one statement
-_enqueue_flow_step = operation(transaction=True)(_insert_step)  # the step, its queue's mark, its slots
+# the step, then its queue's mark and its slots, or the archive's check of its idempotency key
+_enqueue_step_tx = operation(transaction=True)(_insert_step)
+
+
+def _archived_holder(idempotency_key: str | None, inserted: str) -> Steps[str | None]:
+    """After a run with ``idempotency_key`` was inserted (uncommitted, id ``inserted``): the
+    id of an archived run that holds the key already, or None (issue 22). When there is
+    one, the inserted run is deleted again (its steps go with it), so the enqueue returns
+    the archived run, as the hot table's unique index makes it do for a hot one. Read in a
+    statement after the insert: a holder archived before the insert committed first (the
+    insert waited for it, or it saw the key free only because the holder had moved)."""
+    if idempotency_key is None:
+        return None
+    row = (yield q("archived_run_by_key", {"key": idempotency_key})).one()
+    if row is None:
+        return None
+    yield q("delete_runs", {"ids": [inserted]})
+    return row["id"]
 
 
 def _flag_flow(marks: Sequence[tuple[str, bool, bool]]) -> Steps[None]:
@@ -192,6 +213,9 @@ def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequenc
     })).one()
     if inserted is None:
         return (yield from _existing(idempotency_key)), False
+    archived = yield from _archived_holder(idempotency_key, run_id)
+    if archived is not None:
+        return archived, False
     yield q("insert_steps", {
         "run_id": run_id,
         "delay_us": to_us(delay),
@@ -279,9 +303,27 @@ def advance(run_id: str) -> Steps[None]:
         yield q("notify", {"queue": row["queue"]})
 
 
-def _locked_run(run_id: str) -> Steps[dict[str, Any]]:
+def _locked_run(run_id: str, restore: Callable[[dict[str, Any]], bool] = lambda archived: False,
+                ) -> Steps[dict[str, Any]]:
+    """The run's row (``id``, ``kind``, ``state``), locked. A run that is not in the hot
+    table may be archived (issue 22): when ``restore(archived row)`` says so it is moved
+    back first and locked there; otherwise the archived row is returned unlocked (a
+    finished run: the action finds nothing to change and says why).
+
+    Raises:
+        RunNotFound: neither table holds it.
+    """
     row = (yield q("lock_run", {"run_id": run_id})).one()
-    if row is None:
+    if row is not None:
+        return row
+    archived = (yield q("archived_run", {"run_id": run_id})).one()
+    if archived is None:
+        raise RunNotFound(f"no run with id {run_id}")
+    if not restore(archived):
+        return archived
+    yield q("restore_run", {"run_id": run_id})
+    row = (yield q("lock_run", {"run_id": run_id})).one()
+    if row is None:  # archived again, or deleted by retention, between the two statements
         raise RunNotFound(f"no run with id {run_id}")
     return row
 
@@ -366,7 +408,9 @@ def retry_run(run_id: str) -> Steps[int]:
         RunNotFound, InvalidTransition: nothing to retry.
     """
     rid = yield from resolve(run_id)
-    run = yield from _locked_run(rid)
+    # an archived run is moved back when it has something to retry
+    run = yield from _locked_run(rid, lambda archived: archived["state"] == "discarded" or (
+        archived["state"] == "cancelled" and archived["kind"] == "step"))
     count = 0
     if run["state"] in ("discarded", "running"):
         count = (yield q("retry_run", {"run_id": rid, "from_state": "discarded"})).rowcount
@@ -410,7 +454,7 @@ def signal(run_id: str, name: str, payload: Any) -> Steps[bool]:
         RunNotFound.
     """
     rid = yield from resolve(run_id)
-    yield from _locked_run(rid)
+    yield from _locked_run(rid, lambda archived: True)  # kept with the run, as for a finished hot run
     kept = (yield q("put_signal", {"run_id": rid, "name": name, "payload": Jsonb(payload)})).one() is not None
     yield from advance(rid)
     return kept
@@ -453,16 +497,129 @@ def list_runs(*, state: str | None = None, limit: int = 50) -> Steps[list[dict[s
 
 
 @operation(transaction=False)
-def prune(*, older_than: float, batch: int = 1000) -> Steps[int]:
+def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0) -> Steps[int]:
     """Delete finished runs (completed, discarded, cancelled) that finished more than
-    ``older_than`` seconds ago, ``batch`` per statement (each its own transaction);
-    returns how many were deleted."""
+    ``older_than`` seconds ago, hot or archived (issue 22): ``batch`` per statement (each
+    its own transaction), and whole archive partitions (one UTC day of one state) when
+    every run of theirs is that old (a DROP that waits at most ``lock_timeout`` seconds
+    for its lock); returns how many runs were deleted.
+
+    Raises:
+        DatabaseBusy: a partition's lock could not be had in time (nothing of it was lost).
+    """
     total = 0
     while True:
         deleted = (yield q("prune_runs", {"older_us": to_us(older_than), "limit": batch})).rowcount
         total += deleted
         if deleted < batch:
-            return total
+            break
+    now, partitions = yield from archive_partitions()
+    cutoff = now - dt.timedelta(seconds=older_than)
+    for state, day in sorted(partitions):
+        if day_end(day) <= cutoff:
+            total += (yield q("drop_archive_partition", {"state": state, "day": day,
+                                                         "lock_timeout": f"{int(lock_timeout * 1000)}ms"})).one()["runs"]
+    for state in FINISHED_STATES:
+        while True:
+            row = (yield q("retain_archived", {"state": state, "drop_us": to_us(older_than), "limit": batch})).one()
+            total += row["runs"]
+            if row["runs"] < batch:
+                break
+    return total
+
+
+# -- history (issue 22): the archive and retention --------------------------------------------------
+
+FINISHED_STATES = ("completed", "discarded", "cancelled")
+HISTORY_LOCK = 0x63796869737479  # "cyhisty": pg_try_advisory_xact_lock key of history work
+
+
+def day_end(day: dt.date) -> dt.datetime:
+    """The end of a UTC day (the upper bound of its archive partitions)."""
+    return dt.datetime.combine(day, dt.time(), dt.timezone.utc) + dt.timedelta(days=1)
+
+
+def archive_partitions() -> Steps[tuple[dt.datetime, set[tuple[str, dt.date]]]]:
+    """The database clock and the archive's partitions as ``(state, UTC day)``."""
+    rows = (yield q("archive_partitions")).rows
+    return rows[0]["now"], {(r["state"], r["day"]) for r in rows if r["state"] is not None}
+
+
+@operation(transaction=False)
+def read_archive_partitions() -> Steps[tuple[dt.datetime, set[tuple[str, dt.date]]]]:
+    """:func:`archive_partitions` as an operation of its own."""
+    return (yield from archive_partitions())
+
+
+def _history_lock(lock: bool) -> Steps[bool]:
+    """Take the history lock for this transaction (``lock``); False when another holds it."""
+    if not lock:
+        return True
+    return bool((yield q("history_lock", {"key": HISTORY_LOCK})).one()["got"])
+
+
+@operation(transaction=True)
+def archive_batch(params: dict[str, Any], *, lock: bool = True) -> Steps[dict[str, Any] | None]:
+    """One history batch (``archive_runs``, params from
+    :meth:`cyclone_mp.history.Policy.params`); None when another supervisor holds the
+    history lock.
+
+    Raises:
+        DatabaseError: its cause a ``CheckViolation`` when an archive partition it needs is
+            missing (see :func:`archive_days`).
+    """
+    if not (yield from _history_lock(lock)):
+        return None
+    return (yield q("archive_runs", params)).one()
+
+
+@operation(transaction=False)
+def archive_days(params: dict[str, Any]) -> Steps[set[tuple[str, dt.date]]]:
+    """The ``(state, UTC day)`` partitions :func:`archive_batch` with ``params`` would need."""
+    return {(r["state"], r["day"]) for r in (yield q("archive_days", params)).rows}
+
+
+@operation(transaction=True)
+def make_archive_partitions(days: Sequence[tuple[str, dt.date]], *, lock_timeout: float,
+                            lock: bool = True) -> Steps[int | None]:
+    """Make the missing archive partitions of ``days`` (``(state, UTC day)``), in one
+    transaction whose DDL waits at most ``lock_timeout`` seconds for each lock; returns
+    how many were made, or None when another supervisor holds the history lock.
+
+    Raises:
+        DatabaseBusy: a lock could not be had in time (nothing was made).
+    """
+    if not (yield from _history_lock(lock)):
+        return None
+    made = 0
+    for state, day in sorted(days):
+        made += bool((yield q("make_archive_partition", {"state": state, "day": day,
+                                                          "lock_timeout": f"{int(lock_timeout * 1000)}ms"})).one()["made"])
+    return made
+
+
+@operation(transaction=True)
+def drop_archive_partition(state: str, day: dt.date, *, lock_timeout: float, lock: bool = True) -> Steps[int | None]:
+    """Drop the archive partitions of ``(state, day)``; returns how many runs they held, or
+    None when another supervisor holds the history lock.
+
+    Raises:
+        DatabaseBusy: the lock could not be had within ``lock_timeout`` seconds.
+    """
+    if not (yield from _history_lock(lock)):
+        return None
+    return (yield q("drop_archive_partition", {"state": state, "day": day,
+                                               "lock_timeout": f"{int(lock_timeout * 1000)}ms"})).one()["runs"]
+
+
+@operation(transaction=True)
+def retain_archived(state: str, older_than: float, limit: int, *, lock: bool = True) -> Steps[dict[str, Any] | None]:
+    """Delete up to ``limit`` archived runs of ``state`` finished more than ``older_than``
+    seconds ago, with their steps; returns ``{"runs", "steps"}`` deleted, or None when
+    another supervisor holds the history lock."""
+    if not (yield from _history_lock(lock)):
+        return None
+    return (yield q("retain_archived", {"state": state, "drop_us": to_us(older_than), "limit": limit})).one()
 
 
 @operation(transaction=False)

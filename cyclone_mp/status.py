@@ -133,6 +133,9 @@ class RunStatus:
     #: For a run a schedule enqueued: ``{"name", "slot", "next_at"}`` (its slot, and the
     #: schedule's next one on the database clock), else None.
     schedule: dict[str, Any] | None = None
+    #: True when the run was read from the archive tables (finished, moved out of the hot
+    #: tables by the supervisors' maintenance after ``archive_after``; issue 22).
+    archived: bool = False
 
     @classmethod
     def from_rows(cls, run: dict[str, Any], steps: list[dict[str, Any]]) -> "RunStatus":
@@ -142,6 +145,7 @@ class RunStatus:
             id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
             created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
             steps={row["node"]: StepStatus.from_row(row) for row in steps}, schedule=run.get("schedule"),
+            archived=bool(run.get("archived", False)),
         )
 
     @property

@@ -1155,6 +1155,11 @@ class Store:
         return {row["state"]: int(row["n"]) for row in self._dash_rows("dash_run_counts", {})}
 
     @translate
+    def dashboard_archived_counts(self) -> dict[str, int]:
+        """Archived runs by state, estimated from each partition's statistics (issue 22)."""
+        return {row["state"]: int(row["n"]) for row in self._dash_rows("dash_archived_counts", {})}
+
+    @translate
     def dashboard_step_counts(self) -> list[dict[str, Any]]:
         """Rows of ``name`` (step name, or ``(signal)``/``(timer)``), ``queue``, ``state``, ``n``."""
         return self._dash_rows("dash_step_counts", {})

@@ -17,6 +17,12 @@ On every sweep tick it also fires the due slots of the mux's schedules
 (:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its own: a schedule the
 database refuses never costs a sweep, and neither ever waits in process control's loop.
 
+Every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds it does the history work of
+issue 22 (:class:`cyclone_mp.history.History`): finished runs leave the hot tables for
+the archive, retention drops old archive partitions. A pass is bounded
+(:data:`~cyclone_mp.config.HISTORY_BUDGET`), a call of its own (a failure costs no
+sweep), and done by one supervisor at a time (an advisory lock each transaction tries).
+
 It also reads, alone and with a bound of their own, the inputs and upstream outputs
 that were too big to come with their claim (:class:`~cyclone_mp.messages.Load`): a fan-in
 of hundreds of megabytes takes seconds, which a claim (bounded by ``lease_ttl / 3``)
@@ -33,9 +39,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from .config import SWEEP_LIMIT, Config
+from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, Config
 from .dbloop import DatabaseThread
 from . import decisions, schedules
+from .history import History, Policy
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
 from .steps import Mux
@@ -95,13 +102,16 @@ class Maintenance(DatabaseThread):
         post_outcome: hands an :class:`~cyclone_mp.messages.Outcome` to the writer.
         started: set once process control runs (its children started): the first
             registry row waits for it, so it lists them.
+        history: the history work (archive, retention; issue 22); default one from the
+            config's ``archive_after`` and ``retain_*``.
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, mux: Mux, owner: str,
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
                  post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
-                 observer: Observer = NO_OBSERVER, clock: Callable[[], float] = time.monotonic) -> None:
+                 observer: Observer = NO_OBSERVER, history: History | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("maintenance", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
                          clock=clock)
         self.config = config
@@ -118,6 +128,9 @@ class Maintenance(DatabaseThread):
         self.next_sweep = now
         self.next_registry = now
         self.next_depths = now if observer.queue_depth_interval is not None else None
+        self.history = history if history is not None else History(Policy.from_config(config), clock=clock)
+        # a random first pass: supervisors started together do not all try at once
+        self.next_history = now + random.uniform(0.0, HISTORY_INTERVAL) if self.history.policy.active else None
 
     def turn(self, now: float) -> float:
         self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
@@ -140,7 +153,29 @@ class Maintenance(DatabaseThread):
         if self.db_ok and self.next_depths is not None and now >= self.next_depths:
             self.next_depths = now + (self.observer.queue_depth_interval or 5.0)
             self.read_queue_depths()
-        return min(self.next_sweep, self.next_registry, *([self.next_depths] if self.next_depths is not None else []))
+        if self.db_ok and self.next_history is not None and now >= self.next_history:
+            counts = self.keep_history()
+            self.next_history = self.clock() + (HISTORY_BUSY_INTERVAL if counts.get("more") else HISTORY_INTERVAL)
+        return min(self.next_sweep, self.next_registry,
+                   *(t for t in (self.next_depths, self.next_history) if t is not None))
+
+    def keep_history(self) -> dict[str, int]:
+        """One history pass now (:meth:`cyclone_mp.history.History.run_once`), counted as
+        ``archived``, ``history_deleted``, ``partitions_dropped`` and ``expired``."""
+        try:
+            counts = self.call(self.config.write_bound, self.history.run_once)
+        except DatabaseBusy as exc:  # a lock wait or a slow statement: the next pass tries again
+            log.warning("history: %s", exc)
+            return {}
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("history: %s", exc)
+            return {}
+        self.count("archived", counts["archived"])
+        self.count("history_deleted", counts["deleted"])
+        self.count("partitions_dropped", counts["partitions_dropped"])
+        self.count("expired", counts["expired"] + counts["dropped_runs"])
+        return counts
 
     def read_queue_depths(self) -> None:
         """Read how many steps wait in each queue served, and since when, for the metrics:

@@ -15,7 +15,7 @@ import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import PayloadError
-from ..status import StepStatus, exit_text
+from ..status import TERMINAL_RUN_STATES, StepStatus, exit_text
 from ..store import Store
 from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
 
@@ -52,11 +52,12 @@ class Dashboard:
     # -- overview ----------------------------------------------------------------------------
 
     def overview(self, minutes: int = 30) -> dict[str, Any]:
-        """Counts by state, name and queue; throughput; live supervisors; recent kills;
-        schedules and their next slots; pickup latency, kills by trigger and run times over
-        the last hour."""
-        now, runs, steps, per_minute, kills, workers, schedules, hour = self._read(lambda s: (
-            s.dashboard_now(), s.dashboard_run_counts(), s.dashboard_step_counts(),
+        """Counts by state, name and queue (the hot tables: live work and recent history;
+        archived runs by state as the planner's estimate); throughput; live supervisors;
+        recent kills; schedules and their next slots; pickup latency, kills by trigger and
+        run times over the last hour."""
+        now, runs, archived, steps, per_minute, kills, workers, schedules, hour = self._read(lambda s: (
+            s.dashboard_now(), s.dashboard_run_counts(), s.dashboard_archived_counts(), s.dashboard_step_counts(),
             s.dashboard_throughput(minutes), s.dashboard_recent_kills(KILLS_SHOWN), s.list_workers(WORKERS_WITHIN),
             s.list_schedules(),
             (s.dashboard_pickup(HOUR), s.dashboard_kills_by_trigger(HOUR), s.dashboard_durations(HOUR, DURATIONS_SHOWN)),
@@ -64,6 +65,8 @@ class Dashboard:
         return {
             "now": iso(now),
             "runs": {"by_state": {state: runs.get(state, 0) for state in RUN_STATES}, "total": sum(runs.values())},
+            "archived": {"by_state": {state: archived.get(state, 0) for state in TERMINAL_RUN_STATES},
+                         "total": sum(archived.values())},
             "steps": step_counts(steps),
             "throughput": throughput(per_minute, minutes),
             "workers": [worker_view(row) for row in workers],

@@ -937,8 +937,20 @@ SELECT (SELECT id::text FROM run) AS id,
        (SELECT count(pg_notify('cyclone_mp', %(queue)s)) FROM step) AS notified
 
 -- name: run_by_key
--- The run that holds an idempotency key.
-SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s;
+-- The run that holds an idempotency key, hot or archived (issue 22).
+SELECT * FROM (
+    (SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s)
+    UNION ALL
+    (SELECT id::text FROM cyclone_runs_archive WHERE idempotency_key = %(key)s)
+) x
+LIMIT 1;
+
+-- name: archived_run_by_key
+-- The archived run that holds an idempotency key: an enqueue that inserted a run with
+-- that key looks here before it commits (the hot table's unique index does not cover the
+-- archive). Read after the insert, in a statement of its own: an archiving that moved the
+-- key's holder before that insert committed first (the insert waited for it), so it is seen.
+SELECT id::text AS id FROM cyclone_runs_archive WHERE idempotency_key = %(key)s LIMIT 1;
 
 -- name: insert_steps
 -- The step rows of one run (one per node), from parallel arrays.
@@ -1015,9 +1027,18 @@ ON CONFLICT DO NOTHING;
 SELECT pg_notify('cyclone_mp', %(queue)s);
 
 -- name: get_run
--- The run row of client.status.
-SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
-  FROM cyclone_runs WHERE id = %(run_id)s;
+-- The run row of client.status, from the hot table or else from the archive (issue 22):
+-- one statement, so a run moved meanwhile is found in one or the other, and the archive
+-- is read only when the hot table has no such run (the Append stops at the first row).
+SELECT * FROM (
+    (SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at,
+            false AS archived
+       FROM cyclone_runs WHERE id = %(run_id)s)
+    UNION ALL
+    (SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, true
+       FROM cyclone_runs_archive WHERE id = %(run_id)s)
+) x
+LIMIT 1;
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
@@ -1032,6 +1053,17 @@ s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period
 s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
 g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
 
+-- name: archived_step_columns_expr
+-- (Fragment) step_columns_expr of an archived step row s (cyclone_steps_archive): its
+-- limits hold nothing back any more (running_in_group, starts_in_period, waiting_on NULL).
+s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
+s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float8 AS timeout,
+s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
+s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
+s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
+s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
+NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text AS waiting_on
+
 -- name: step_limits_expr
 -- (Fragment) the join of step_columns_expr's group counts, for a step row s.
 LEFT JOIN LATERAL (
@@ -1045,40 +1077,80 @@ LEFT JOIN LATERAL (
        WHERE s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL) g ON true
 
 -- name: get_steps
--- Every step row of a run, in definition order.
+-- Every step row of a run, in definition order: from the hot table, or from the archive
+-- when the hot table has none (one statement: a run's steps are all in one table).
 SELECT {step_columns_expr}
   FROM cyclone_steps s {step_limits_expr}
- WHERE s.run_id = %(run_id)s ORDER BY s.id;
+ WHERE s.run_id = %(run_id)s
+UNION ALL
+SELECT {archived_step_columns_expr}
+  FROM cyclone_steps_archive s
+ WHERE s.run_id = %(run_id)s
+   AND NOT EXISTS (SELECT 1 FROM cyclone_steps h WHERE h.run_id = %(run_id)s)
+ ORDER BY id;
 
 -- name: finished_runs
 -- The runs among some ids that are completed, discarded or cancelled (what a waiter reads
--- when woken: the notification says which runs ended).
-SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at
+-- when woken: the notification says which runs ended); the archive is read for the ids
+-- the hot table does not hold (archived runs are all finished).
+SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at,
+       false AS archived
   FROM cyclone_runs
- WHERE id = ANY(%(ids)s::uuid[]) AND state IN ('completed', 'discarded', 'cancelled');
+ WHERE id = ANY(%(ids)s::uuid[]) AND state IN ('completed', 'discarded', 'cancelled')
+UNION ALL
+SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, true
+  FROM cyclone_runs_archive
+ WHERE id = ANY(ARRAY(SELECT unnest(%(ids)s::uuid[])
+                      EXCEPT SELECT r.id FROM cyclone_runs r WHERE r.id = ANY(%(ids)s::uuid[])));
 
 -- name: steps_of_runs
--- Every step row of some runs, by run then in definition order.
+-- Every step row of some runs, by run then in definition order (of an archived run, its
+-- archived rows, as get_steps).
 SELECT s.run_id::text AS run_id, {step_columns_expr}
   FROM cyclone_steps s {step_limits_expr}
- WHERE s.run_id = ANY(%(ids)s::uuid[]) ORDER BY s.run_id, s.id;
+ WHERE s.run_id = ANY(%(ids)s::uuid[])
+UNION ALL
+SELECT s.run_id::text, {archived_step_columns_expr}
+  FROM cyclone_steps_archive s
+ WHERE s.run_id = ANY(ARRAY(SELECT unnest(%(ids)s::uuid[])
+                            EXCEPT SELECT h.run_id FROM cyclone_steps h WHERE h.run_id = ANY(%(ids)s::uuid[])))
+ ORDER BY run_id, id;
 
 -- name: list_runs
 -- Recent runs, optionally by state, newest first.
 -- key: the concurrency keys of its steps (NULL: none); waiting_on: the limit that holds
 -- one of its steps back (see waiting_on_expr); schedule: the schedule that enqueued it.
-SELECT r.id::text AS id, r.name, r.kind, r.state, r.created_at, r.finished_at,
-       (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = r.id) AS steps,
-       (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps s
-         WHERE s.run_id = r.id AND s.concurrency_key <> '') AS key,
-       (SELECT {waiting_on_expr} FROM cyclone_steps s
-         WHERE s.run_id = r.id AND s.state = 'available' AND s.scheduled_at <= now()
-           AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL)
-         ORDER BY 1 NULLS LAST LIMIT 1) AS waiting_on,
-       substring(r.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') AS schedule
-  FROM cyclone_runs r
- WHERE (%(state)s::text IS NULL OR r.state = %(state)s)
- ORDER BY r.created_at DESC, r.id
+-- Archived runs (issue 22) are listed too: the newest of each table, merged.
+SELECT * FROM (
+    (SELECT r.id::text AS id, r.name, r.kind, r.state, r.created_at, r.finished_at,
+            (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = r.id) AS steps,
+            (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps s
+              WHERE s.run_id = r.id AND s.concurrency_key <> '') AS key,
+            (SELECT {waiting_on_expr} FROM cyclone_steps s
+              WHERE s.run_id = r.id AND s.state = 'available' AND s.scheduled_at <= now()
+                AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL)
+              ORDER BY 1 NULLS LAST LIMIT 1) AS waiting_on,
+            substring(r.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') AS schedule
+       FROM cyclone_runs r
+      WHERE (%(state)s::text IS NULL OR r.state = %(state)s)
+      ORDER BY r.created_at DESC, r.id
+      LIMIT %(limit)s)
+    UNION ALL
+    (SELECT a.id::text, a.name, a.kind, a.state, a.created_at, a.finished_at,
+            -- (the run's own partition: its state and finished_at)
+            (SELECT count(*) FROM cyclone_steps_archive s
+              WHERE s.run_id = a.id AND s.run_state = a.state AND s.run_finished_at = a.finished_at),
+            (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps_archive s
+              WHERE s.run_id = a.id AND s.run_state = a.state AND s.run_finished_at = a.finished_at
+                AND s.concurrency_key <> ''),
+            NULL::text,
+            substring(a.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$')
+       FROM cyclone_runs_archive a
+      WHERE (%(state)s::text IS NULL OR a.state = %(state)s)
+      ORDER BY a.created_at DESC, a.id
+      LIMIT %(limit)s)
+) x
+ ORDER BY created_at DESC, id
  LIMIT %(limit)s;
 
 -- name: register_worker
@@ -1160,17 +1232,41 @@ UPDATE cyclone_steps s
 SELECT now() AS now;
 
 -- name: dash_run_counts
--- Runs by state.
+-- Runs by state in the hot table (the live work and the last archive_after seconds).
 SELECT state, count(*)::bigint AS n
   FROM cyclone_runs
  GROUP BY state;
 
+-- name: dash_archived_counts
+-- Archived runs by state, estimated from the planner's statistics of each partition
+-- (pg_class.reltuples, kept by autovacuum's ANALYZE; 0 before the first): counting a big
+-- archive row by row at every refresh would cost a scan of it (issue 22).
+SELECT substring(c.relname FROM '^cyclone_runs_archive_([a-z]+)_') AS state,
+       sum(greatest(c.reltuples, 0))::bigint AS n
+  FROM pg_inherits i
+  JOIN pg_class c ON c.oid = i.inhrelid
+ WHERE i.inhparent = 'cyclone_runs_archive'::regclass
+ GROUP BY 1;
+
 -- name: dash_step_counts
--- Steps by step name (signal and timer nodes by their kind), queue and state.
+-- Steps by step name (signal and timer nodes by their kind), queue and state, in the hot
+-- table (archived steps: see dash_archived_counts).
 SELECT coalesce(step_name, '(' || kind || ')') AS name, queue, state, count(*)::bigint AS n
   FROM cyclone_steps
  GROUP BY 1, 2, 3
  ORDER BY 1, 2, 3;
+
+-- name: recent_steps_expr
+-- (Fragment) the step rows finished since bounds.first, hot and archived (issue 22): an
+-- archived step's run finished no earlier than it did, so its partitions are pruned by
+-- run_finished_at; rows keep the columns the charts read.
+(SELECT s.finished_at, s.state, s.kind, s.step_name, s.started_at, s.scheduled_at
+   FROM cyclone_steps s, bounds
+  WHERE s.finished_at >= bounds.first
+ UNION ALL
+ SELECT s.finished_at, s.state, s.kind, s.step_name, s.started_at, s.scheduled_at
+   FROM cyclone_steps_archive s, bounds
+  WHERE s.run_finished_at >= bounds.first AND s.finished_at >= bounds.first)
 
 -- name: dash_throughput
 -- Task steps finished per minute (finished_at, DB clock) over the last %(minutes)s minutes, oldest first.
@@ -1181,9 +1277,8 @@ WITH bounds AS (
     SELECT date_trunc('minute', s.finished_at) AS minute,
            count(*) FILTER (WHERE s.state = 'completed') AS completed,
            count(*) FILTER (WHERE s.state = 'discarded') AS discarded
-      FROM cyclone_steps s, bounds
-     WHERE s.finished_at >= bounds.first
-       AND s.kind = 'task'
+      FROM {recent_steps_expr} s
+     WHERE s.kind = 'task'
      GROUP BY 1
 )
 SELECT m.minute, coalesce(f.completed, 0)::bigint AS completed, coalesce(f.discarded, 0)::bigint AS discarded
@@ -1205,9 +1300,8 @@ WITH bounds AS (
                AS p50,
            percentile_cont(0.95) WITHIN GROUP (ORDER BY greatest(0, extract(epoch FROM s.started_at - s.scheduled_at)))
                AS p95
-      FROM cyclone_steps s, bounds
-     WHERE s.finished_at >= bounds.first
-       AND s.kind = 'task'
+      FROM {recent_steps_expr} s
+     WHERE s.kind = 'task'
        AND s.started_at IS NOT NULL
      GROUP BY 1
 )
@@ -1225,13 +1319,18 @@ WITH bounds AS (
            date_trunc('minute', now()) - (%(minutes)s::int - 1) * interval '1 minute' AS first
 ), since AS (
     SELECT to_char(bounds.first AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"') AS at FROM bounds
+), errored AS (
+    -- the steps whose latest error entry is recent, hot and archived (migrations 0016, 0017)
+    SELECT s.errors FROM since, cyclone_steps s
+     WHERE s.errors <> '[]'::jsonb AND (s.errors -> -1 ->> 'at') >= since.at
+    UNION ALL
+    SELECT s.errors FROM since, bounds, cyclone_steps_archive s
+     WHERE s.errors <> '[]'::jsonb AND (s.errors -> -1 ->> 'at') >= since.at AND s.run_finished_at >= bounds.first
 ), kills AS (
     SELECT date_trunc('minute', (e ->> 'at')::timestamptz) AS minute, coalesce(e ->> 'trigger', 'kill') AS trigger
-      FROM since, cyclone_steps s
+      FROM since, errored s
      CROSS JOIN LATERAL jsonb_array_elements(s.errors) AS e
-     WHERE s.errors <> '[]'::jsonb
-       AND (s.errors -> -1 ->> 'at') >= since.at  -- migration 0016's index
-       AND (e ->> 'at') >= since.at
+     WHERE (e ->> 'at') >= since.at
        AND e ->> 'killed_by_supervisor' = 'true'
 ), per_minute AS (
     SELECT x.minute, jsonb_object_agg(x.trigger, x.n) AS triggers
@@ -1247,14 +1346,16 @@ SELECT m.minute, coalesce(p.triggers, '{}'::jsonb) AS triggers
 -- name: dash_durations
 -- Per step: the task steps completed in the last %(minutes)s minutes and the percentiles
 -- of their run time (finished_at - started_at of the attempt that completed), in seconds.
+WITH bounds AS (
+    SELECT now() - %(minutes)s::int * interval '1 minute' AS first
+)
 SELECT s.step_name AS step, count(*)::bigint AS n,
        percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p50,
        percentile_cont(0.95) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p95,
        percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM s.finished_at - s.started_at))::float8 AS p99,
        max(extract(epoch FROM s.finished_at - s.started_at))::float8 AS max
-  FROM cyclone_steps s
- WHERE s.finished_at >= now() - %(minutes)s::int * interval '1 minute'
-   AND s.kind = 'task'
+  FROM {recent_steps_expr} s
+ WHERE s.kind = 'task'
    AND s.state = 'completed'
    AND s.started_at IS NOT NULL
  GROUP BY s.step_name
@@ -1264,63 +1365,125 @@ SELECT s.step_name AS step, count(*)::bigint AS n,
 -- name: dash_recent_kills
 -- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit, a resource
 -- cause of issue 20), newest entry first.
-SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
-       s.reclaims, s.max_reclaims, s.errors -> -1 AS entry
-  FROM cyclone_steps s
- WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit',
-                                       'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
- ORDER BY (s.errors -> -1 ->> 'at') DESC, s.id DESC
+-- Hot and archived (issue 22): the newest of each, merged.
+SELECT * FROM (
+    (SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
+            s.reclaims, s.max_reclaims, s.errors -> -1 AS entry, (s.errors -> -1 ->> 'at') AS at
+       FROM cyclone_steps s
+      WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit',
+                                            'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
+      ORDER BY (s.errors -> -1 ->> 'at') DESC, s.id DESC
+      LIMIT %(limit)s)
+    UNION ALL
+    (SELECT s.id, s.run_id::text, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
+            s.reclaims, s.max_reclaims, s.errors -> -1, (s.errors -> -1 ->> 'at')
+       FROM cyclone_steps_archive s
+      WHERE (s.errors -> -1 ->> 'kind') IN ('timeout', 'child_exited', 'reclaim_limit',
+                                            'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
+      ORDER BY (s.errors -> -1 ->> 'at') DESC, s.id DESC
+      LIMIT %(limit)s)
+) x
+ ORDER BY at DESC, id DESC
  LIMIT %(limit)s;
 
 -- name: dash_runs
 -- One page of runs, newest first: optional state, name and created_at filters, a keyset
 -- cursor (created_at, id) of the last row seen, and an offset. The page is chosen first,
 -- so the step counts are computed for its rows only (not for every row an offset skips).
+-- Archived runs (issue 22) are listed too: each table's first rows of the page, merged.
 SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.finished_at,
-       (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
-          FROM (SELECT s.state, count(*) AS n
-                  FROM cyclone_steps s
-                 WHERE s.run_id = p.id
-                 GROUP BY s.state) x) AS steps
-  FROM (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at
-          FROM cyclone_runs r
-         WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
+       CASE WHEN p.archived THEN
+           (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
+              FROM (SELECT s.state, count(*) AS n
+                      FROM cyclone_steps_archive s  -- (the run's own partition)
+                     WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at
+                     GROUP BY s.state) x)
+       ELSE
+           (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
+              FROM (SELECT s.state, count(*) AS n
+                      FROM cyclone_steps s
+                     WHERE s.run_id = p.id
+                     GROUP BY s.state) x)
+       END AS steps
+  FROM (SELECT u.*
+          FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, false AS archived
+                   FROM cyclone_runs r
+                  WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
            AND (%(name)s::text IS NULL OR r.name = %(name)s::text)
            AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s::timestamptz)
            AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
-           AND (%(after_at)s::timestamptz IS NULL
-                OR (r.created_at, r.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
-         ORDER BY r.created_at DESC, r.id DESC
+                    AND (%(after_at)s::timestamptz IS NULL
+                         OR (r.created_at, r.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+                  ORDER BY r.created_at DESC, r.id DESC
+                  LIMIT %(limit)s + %(offset)s)
+                UNION ALL
+                (SELECT a.id, a.name, a.kind, a.state, a.created_at, a.updated_at, a.finished_at, true
+                   FROM cyclone_runs_archive a
+                  WHERE (%(state)s::text IS NULL OR a.state = %(state)s::text)
+           AND (%(name)s::text IS NULL OR a.name = %(name)s::text)
+           AND (%(since)s::timestamptz IS NULL OR a.created_at >= %(since)s::timestamptz)
+           AND (%(until)s::timestamptz IS NULL OR a.created_at < %(until)s::timestamptz)
+                    AND (%(after_at)s::timestamptz IS NULL
+                         OR (a.created_at, a.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+                  ORDER BY a.created_at DESC, a.id DESC
+                  LIMIT %(limit)s + %(offset)s)) u
+         ORDER BY u.created_at DESC, u.id DESC
          LIMIT %(limit)s OFFSET %(offset)s) p
  ORDER BY p.created_at DESC, p.id DESC;
 
 -- name: dash_count_runs
--- How many runs match the filters of dash_runs, counted up to %(cap)s (a page never counts more).
-SELECT count(*)::bigint AS n
-  FROM (SELECT 1
-          FROM cyclone_runs r
-         WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
+-- How many runs match the filters of dash_runs, hot and archived, counted up to %(cap)s
+-- (a page never counts more).
+SELECT least(count(*), %(cap)s)::bigint AS n
+  FROM ((SELECT 1
+           FROM cyclone_runs r
+          WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
            AND (%(name)s::text IS NULL OR r.name = %(name)s::text)
            AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s::timestamptz)
            AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
-         LIMIT %(cap)s) x;
+          LIMIT %(cap)s)
+        UNION ALL
+        (SELECT 1
+           FROM cyclone_runs_archive a
+          WHERE (%(state)s::text IS NULL OR a.state = %(state)s::text)
+           AND (%(name)s::text IS NULL OR a.name = %(name)s::text)
+           AND (%(since)s::timestamptz IS NULL OR a.created_at >= %(since)s::timestamptz)
+           AND (%(until)s::timestamptz IS NULL OR a.created_at < %(until)s::timestamptz)
+          LIMIT %(cap)s)) x;
 
 -- name: dash_run_names
--- Distinct run names in order, at most %(limit)s (a loose index scan: one index probe per name).
+-- Distinct run names in order, hot and archived, at most %(limit)s (a loose index scan of
+-- each table: one index probe per name).
 WITH RECURSIVE names AS (
     (SELECT name FROM cyclone_runs ORDER BY name LIMIT 1)
     UNION ALL
     SELECT (SELECT r.name FROM cyclone_runs r WHERE r.name > n.name ORDER BY r.name LIMIT 1)
       FROM names n
      WHERE n.name IS NOT NULL
+), archived_names AS (
+    (SELECT name FROM cyclone_runs_archive ORDER BY name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT a.name FROM cyclone_runs_archive a WHERE a.name > n.name ORDER BY a.name LIMIT 1)
+      FROM archived_names n
+     WHERE n.name IS NOT NULL
 )
-SELECT name FROM names WHERE name IS NOT NULL LIMIT %(limit)s;
+SELECT name
+  FROM ((SELECT name FROM names WHERE name IS NOT NULL LIMIT %(limit)s)
+        UNION
+        (SELECT name FROM archived_names WHERE name IS NOT NULL LIMIT %(limit)s)) x
+ ORDER BY name
+ LIMIT %(limit)s;
 
 -- name: dash_run_signals
--- The signals a run received (the first of each name is kept).
+-- The signals a run received (the first of each name is kept); an archived run's are kept
+-- on its archive row (issue 22).
 SELECT name, payload, created_at
   FROM cyclone_signals
  WHERE run_id = %(run_id)s
+UNION ALL
+SELECT g ->> 'name', g -> 'payload', (g ->> 'created_at')::timestamptz
+  FROM cyclone_runs_archive a, jsonb_array_elements(a.signals) AS g
+ WHERE a.id = %(run_id)s
  ORDER BY created_at, name;
 
 -- name: prune_runs
@@ -1342,9 +1505,191 @@ DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
 DELETE FROM cyclone_runs WHERE id = ANY(%(ids)s::uuid[]);
 
 -- name: runs_by_prefix
--- Up to two runs whose id starts with a prefix (so a short id from a table is usable).
-SELECT id::text AS id
-  FROM cyclone_runs
- WHERE id >= %(low)s::uuid AND id <= %(high)s::uuid
+-- Up to two runs whose id starts with a prefix (so a short id from a table is usable),
+-- hot or archived.
+SELECT DISTINCT id FROM (
+    (SELECT id::text AS id FROM cyclone_runs
+      WHERE id >= %(low)s::uuid AND id <= %(high)s::uuid ORDER BY id LIMIT 2)
+    UNION ALL
+    (SELECT id::text FROM cyclone_runs_archive
+      WHERE id >= %(low)s::uuid AND id <= %(high)s::uuid ORDER BY id LIMIT 2)
+) x
  ORDER BY id
  LIMIT 2;
+
+
+-- History (issue 22): finished runs move from the hot tables to the archive, retention
+-- deletes them; see migrations/0017_history.sql and cyclone_mp/history.py.
+
+-- name: run_row_columns_expr
+-- (Fragment) the stored columns of a run row (cyclone_runs and cyclone_runs_archive).
+id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace
+
+-- name: step_row_columns_expr
+-- (Fragment) the stored columns of a step row (cyclone_steps and cyclone_steps_archive).
+id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt, max_attempts,
+reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
+lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
+concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files
+
+-- name: history_lock
+-- One supervisor at a time does history work: each of its transactions first takes this
+-- transaction-level advisory lock (PgBouncer-safe), and skips its work when another holds it.
+SELECT pg_try_advisory_xact_lock(%(key)s::bigint) AS got;
+
+-- name: history_scan_ctes
+-- (Fragment) where a history batch looks (issue 22): policy, per finished state, the age
+-- in microseconds after which a run leaves the hot tables (move_us: NULL, never) and after
+-- which it is deleted rather than archived (drop_us: NULL, kept); scanned, up to %(limit)s
+-- finished step rows older than %(scan_us)s, from the cursor %(after)s on (finished_at
+-- order, by cyclone_steps_finished_idx; rows at the cursor again when %(inclusive)s): the
+-- runs of finished steps are the candidates (cyclone_runs has no index on finished_at,
+-- so that a run's completion stays a HOT update, migration 0004).
+policy AS (
+    SELECT p.state, p.move_us, p.drop_us
+      FROM unnest(%(states)s::text[], %(move_us)s::bigint[], %(drop_us)s::bigint[]) AS p(state, move_us, drop_us)
+     WHERE p.move_us IS NOT NULL
+), scanned AS MATERIALIZED (
+    SELECT s.run_id, s.finished_at
+      FROM cyclone_steps s
+     WHERE s.finished_at IS NOT NULL
+       AND s.finished_at >= %(after)s::timestamptz
+       AND (%(inclusive)s OR s.finished_at > %(after)s::timestamptz)
+       AND s.finished_at < now() - (%(scan_us)s::bigint * interval '1 microsecond')
+     ORDER BY s.finished_at
+     LIMIT %(limit)s
+)
+
+-- name: archive_runs
+-- One history batch: the finished runs among the scanned candidates that are past their
+-- state's move_us (locked SKIP LOCKED: a run an operator acts on waits for the next
+-- pass) leave the hot tables with their steps and signals; those past drop_us are deleted,
+-- the others inserted into the archive (its partition must exist: archive_days). Steps go
+-- by their run (the delete trigger of 0006 then finds none left). Returns what it did and
+-- where the scan ended (first, last: the scanned rows' finished_at range).
+WITH {history_scan_ctes}, doomed AS MATERIALIZED (
+    SELECT r.id, r.state, r.finished_at,
+           coalesce(r.finished_at < now() - (p.drop_us * interval '1 microsecond'), false) AS drop
+      FROM cyclone_runs r
+      JOIN policy p ON p.state = r.state
+     WHERE r.id = ANY(ARRAY(SELECT DISTINCT run_id FROM scanned))
+       AND r.finished_at < now() - (p.move_us * interval '1 microsecond')
+       FOR UPDATE OF r SKIP LOCKED
+), moved_steps AS (
+    DELETE FROM cyclone_steps s
+     USING doomed d
+     WHERE s.run_id = d.id
+    RETURNING s.*, d.state AS run_state, d.finished_at AS run_finished_at, d.drop
+), moved_runs AS (
+    DELETE FROM cyclone_runs r
+     USING doomed d
+     WHERE r.id = d.id
+    RETURNING r.*, d.drop,
+              (SELECT coalesce(jsonb_agg(jsonb_build_object('name', g.name, 'payload', g.payload,
+                                                            'created_at', g.created_at)
+                                         ORDER BY g.created_at, g.name), '[]'::jsonb)
+                 FROM cyclone_signals g WHERE g.run_id = r.id) AS signals
+), archived_runs AS (
+    INSERT INTO cyclone_runs_archive ({run_row_columns_expr}, signals)
+    SELECT {run_row_columns_expr}, signals FROM moved_runs WHERE NOT drop
+    RETURNING 1
+), archived_steps AS (
+    INSERT INTO cyclone_steps_archive ({step_row_columns_expr}, run_state, run_finished_at)
+    SELECT {step_row_columns_expr}, run_state, run_finished_at FROM moved_steps WHERE NOT drop
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM scanned) AS scanned,
+       (SELECT min(finished_at) FROM scanned) AS first,
+       (SELECT max(finished_at) FROM scanned) AS last,
+       (SELECT count(*) FROM archived_runs) AS archived,
+       (SELECT count(*) FROM moved_runs WHERE drop) AS deleted,
+       (SELECT count(*) FROM archived_steps) AS archived_steps;
+
+-- name: archive_days
+-- The archive partitions (state, UTC day) that archive_runs would need for the same
+-- candidates (read without locks; maintenance makes the missing ones, then moves).
+WITH {history_scan_ctes}
+SELECT DISTINCT r.state, (r.finished_at AT TIME ZONE 'UTC')::date AS day
+  FROM cyclone_runs r
+  JOIN policy p ON p.state = r.state
+ WHERE r.id = ANY(ARRAY(SELECT DISTINCT run_id FROM scanned))
+   AND r.finished_at < now() - (p.move_us * interval '1 microsecond')
+   AND NOT coalesce(r.finished_at < now() - (p.drop_us * interval '1 microsecond'), false)
+ ORDER BY 1, 2;
+
+-- name: archive_partitions
+-- The archive's partitions, as (state, UTC day), and the database clock.
+SELECT substring(c.relname FROM '^cyclone_runs_archive_([a-z]+)_[0-9]{8}$') AS state,
+       to_date(substring(c.relname FROM '_([0-9]{8})$'), 'YYYYMMDD') AS day,
+       now() AS now
+  FROM pg_inherits i
+  JOIN pg_class c ON c.oid = i.inhrelid
+ WHERE i.inhparent = 'cyclone_runs_archive'::regclass
+UNION ALL
+SELECT NULL, NULL, now()
+ ORDER BY 1, 2;
+
+-- name: make_archive_partition
+-- The partitions of one (state, UTC day), when missing (migration 0017), waiting at most
+-- %(lock_timeout)s for their lock; made: true when they were made now.
+SELECT cyclone_archive_partition(%(state)s, %(day)s::date, %(lock_timeout)s) AS made;
+
+-- name: drop_archive_partition
+-- Drop the partitions of one (state, UTC day) (migration 0017), waiting at most
+-- %(lock_timeout)s for their lock; runs: how many runs they held.
+SELECT cyclone_drop_archive_partition(%(state)s, %(day)s::date, %(lock_timeout)s) AS runs;
+
+-- name: retain_archived
+-- Retention's row deletes, in the archive partition that a state's cut-off falls in (a
+-- whole older day is a dropped partition): up to %(limit)s runs of %(state)s that
+-- finished more than %(drop_us)s ago, with their steps.
+WITH doomed AS (
+    SELECT a.id, a.finished_at
+      FROM cyclone_runs_archive a
+     WHERE a.state = %(state)s
+       AND a.finished_at < now() - (%(drop_us)s::bigint * interval '1 microsecond')
+     LIMIT %(limit)s
+), runs AS (
+    DELETE FROM cyclone_runs_archive a
+     USING doomed d
+     WHERE a.state = %(state)s AND a.id = d.id AND a.finished_at = d.finished_at
+    RETURNING a.id, a.finished_at
+), steps AS (
+    DELETE FROM cyclone_steps_archive s
+     USING runs r
+     WHERE s.run_state = %(state)s AND s.run_id = r.id AND s.run_finished_at = r.finished_at
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM runs) AS runs, (SELECT count(*) FROM steps) AS steps;
+
+-- name: archived_run
+-- An archived run's id, kind and state (an operator action on a finished run).
+SELECT id::text AS id, kind, state FROM cyclone_runs_archive WHERE id = %(run_id)s LIMIT 1;
+
+-- name: restore_run
+-- Move an archived run back to the hot tables, with its steps and signals (client.retry
+-- or client.signal of an archived run); the caller then locks it there as usual. A run
+-- another caller restored meanwhile is not found here (nothing happens).
+WITH run AS (
+    DELETE FROM cyclone_runs_archive WHERE id = %(run_id)s
+    RETURNING *
+), steps AS (
+    DELETE FROM cyclone_steps_archive s USING run r
+     WHERE s.run_id = r.id AND s.run_state = r.state AND s.run_finished_at = r.finished_at
+    RETURNING s.*
+), hot_run AS (
+    INSERT INTO cyclone_runs ({run_row_columns_expr})
+    SELECT {run_row_columns_expr} FROM run
+    RETURNING id
+), hot_steps AS (
+    INSERT INTO cyclone_steps ({step_row_columns_expr}) OVERRIDING SYSTEM VALUE
+    SELECT {step_row_columns_expr} FROM steps
+    RETURNING 1
+), hot_signals AS (
+    INSERT INTO cyclone_signals (run_id, name, payload, created_at)
+    SELECT h.id, g ->> 'name', g -> 'payload', (g ->> 'created_at')::timestamptz
+      FROM hot_run h, run r, jsonb_array_elements(r.signals) AS g
+    ON CONFLICT (run_id, name) DO NOTHING
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM hot_run) AS runs, (SELECT count(*) FROM hot_steps) AS steps;

@@ -171,6 +171,8 @@
   function overview(d) {
     RUN_STATES.forEach(function (st) { setText('[data-count="runs.' + st + '"]', d.runs.by_state[st]); });
     setText('[data-count="runs.total"]', d.runs.total);
+    setText('[data-count="archived.total"]', d.archived.total);
+    Object.keys(d.archived.by_state).forEach(function (st) { setText('[data-count="archived.' + st + '"]', d.archived.by_state[st]); });
     STEP_STATES.forEach(function (st) { setText('[data-count="steps.' + st + '"]', d.steps.by_state[st]); });
     setText('[data-count="steps.total"]', d.steps.total);
     setText('[data-count="throughput.completed"]', d.throughput.completed);

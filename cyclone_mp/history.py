@@ -1,0 +1,271 @@
+"""History that stays small (issue 22): finished runs leave the hot tables, retention deletes them.
+
+The claim, the renewals and the completions touch ``cyclone_runs`` and ``cyclone_steps``.
+A run that finished (completed, discarded, cancelled) more than ``archive_after`` seconds
+ago is moved, with its steps and signals, to ``cyclone_runs_archive`` and
+``cyclone_steps_archive`` (migration 0017), so the hot tables hold the live work and the
+last minutes of history whatever the volume of the days before. The archive is
+partitioned by (state, UTC day of ``finished_at``); ``retain_completed``,
+``retain_discarded`` and ``retain_cancelled`` are how long each state is kept: a
+partition whose whole day is past it is dropped (no row deleted, no bloat, no vacuum);
+rows are deleted only in the partition its cut-off falls in, and in the hot tables when
+a retention is shorter than ``archive_after`` (or archiving is off).
+
+:class:`History` is the supervisors' maintenance work (STYLE pattern 4: a
+:meth:`~History.run_once` that returns counts; :class:`cyclone_mp.sweep.Maintenance`
+calls it every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds). Every pass is
+bounded: at most :data:`~cyclone_mp.config.HISTORY_BUDGET` seconds of batches, each
+batch one short transaction over at most :data:`~cyclone_mp.config.HISTORY_BATCH` step
+rows, each partition CREATE or DROP waiting at most
+:data:`~cyclone_mp.config.HISTORY_DDL_LOCK_TIMEOUT` seconds for its lock (it gives up and
+tries at the next pass). Each transaction first takes a transaction-level advisory lock
+(PgBouncer-safe) and does nothing when another supervisor holds it: one supervisor at a
+time does history work, and the others' sweeps never wait for it.
+
+Candidates are found through ``cyclone_steps_finished_idx`` (steps by ``finished_at``):
+``cyclone_runs`` keeps no index on ``finished_at``, so that a run's completion stays a HOT
+update (migration 0004). A pass walks that index with a cursor, so the finished steps of
+runs that are still going (a workflow's first nodes) are looked at once per walk, not
+once per batch; a walk that reached the present goes on from there at the next pass, and
+starts again from the oldest finished step only every
+:data:`~cyclone_mp.config.HISTORY_WALK_RESTART` seconds (for the runs it passed over: one
+locked by an operator, one not old enough yet for its state). Behind a long transaction
+every step archived since it began is still in that index (vacuum may not remove it):
+walking it from the start at every pass would cost a scan of all of them every few
+seconds, just when the database has the least to spare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import logging
+import time
+from typing import Any, Callable
+
+import psycopg
+
+from . import operations
+from .config import HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, HISTORY_WALK_RESTART, Config
+from .errors import DatabaseBusy, DatabaseError
+from .operations import FINISHED_STATES, day_end
+from .store import Store, to_us
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+#: The cursor's start: before every finished step.
+WALK_START = dt.datetime(1, 1, 1, tzinfo=dt.timezone.utc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """When finished runs leave the hot tables and when they are deleted (seconds; None:
+    never). ``retain`` maps each finished state to its retention."""
+
+    archive_after: float | None
+    retain: dict[str, float | None]
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Policy":
+        """The policy of a supervisor's :class:`~cyclone_mp.config.Config`."""
+        return cls(config.archive_after, dict(config.retention))
+
+    def move_after(self, state: str) -> float | None:
+        """Seconds after which a run finished in ``state`` leaves the hot tables (archived,
+        or deleted when its retention is that short), or None: it stays."""
+        ages = [a for a in (self.archive_after, self.retain.get(state)) if a is not None]
+        return min(ages) if ages else None
+
+    def archives(self, state: str) -> bool:
+        """True when runs finished in ``state`` are kept in the archive for a while."""
+        keep = self.retain.get(state)
+        return self.archive_after is not None and (keep is None or keep > self.archive_after)
+
+    @property
+    def active(self) -> bool:
+        """True when runs of some finished state ever leave the hot tables."""
+        return any(self.move_after(s) is not None for s in FINISHED_STATES)
+
+    def params(self, after: dt.datetime, inclusive: bool, limit: int) -> dict[str, Any]:
+        """The parameters of ``archive_runs`` and ``archive_days`` (queries.sql)."""
+        moves = [self.move_after(s) for s in FINISHED_STATES]
+        return {
+            "states": list(FINISHED_STATES),
+            "move_us": [to_us(m) for m in moves],
+            "drop_us": [to_us(self.retain.get(s)) for s in FINISHED_STATES],
+            "scan_us": to_us(min(m for m in moves if m is not None)),
+            "after": after, "inclusive": inclusive, "limit": limit,
+        }
+
+    def droppable(self, partitions: set[tuple[str, dt.date]], now: dt.datetime) -> list[tuple[str, dt.date]]:
+        """The archive partitions whose whole day is past their state's retention at ``now``."""
+        out = []
+        for state, day in sorted(partitions, key=lambda p: (p[1], p[0])):
+            keep = self.retain.get(state)
+            if keep is not None and day_end(day) <= now - dt.timedelta(seconds=keep):
+                out.append((state, day))
+        return out
+
+
+def missing_partition(exc: DatabaseError) -> bool:
+    """True when ``exc`` is an insert into the archive that found no partition for a row."""
+    cause = exc.__cause__
+    return isinstance(cause, psycopg.errors.CheckViolation) and "no partition" in str(cause)
+
+
+class History:
+    """One supervisor's history work (see the module docstring).
+
+    Args:
+        policy: when runs leave the hot tables and when they are deleted.
+        batch: finished step rows one statement looks at, at most.
+        budget: seconds of work per :meth:`run_once`, at most (checked between batches).
+        ddl_lock_timeout: seconds a partition's CREATE or DROP may wait for its lock.
+        restart_every: seconds between two walks from the oldest finished step (see the
+            module docstring).
+        lock: take the history advisory lock in every transaction (one supervisor at a
+            time); tests may turn it off.
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, policy: Policy, *, batch: int = HISTORY_BATCH, budget: float = HISTORY_BUDGET,
+                 ddl_lock_timeout: float = HISTORY_DDL_LOCK_TIMEOUT, restart_every: float = HISTORY_WALK_RESTART,
+                 lock: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self.batch = batch
+        self.budget = budget
+        self.ddl_lock_timeout = ddl_lock_timeout
+        self.restart_every = restart_every
+        self.lock = lock
+        self.clock = clock
+        #: where the walk over finished steps goes on: (finished_at, look at that instant again)
+        self.cursor: tuple[dt.datetime, bool] = (WALK_START, True)
+        self.walk_started = clock()  # when the walk last started from WALK_START (local monotonic)
+        self.caught_up = False  # the walk reached the present (it may start again from WALK_START)
+
+    def run_once(self, store: Store) -> dict[str, int]:
+        """One pass: make the archive partitions needed, move or delete the runs whose time
+        has come (batches), then apply retention to the archive (partitions dropped,
+        rows deleted in the partitions a cut-off falls in).
+
+        Returns counts: ``archived`` and ``deleted`` (runs moved to the archive, and runs
+        deleted from the hot tables), ``partitions_made``, ``partitions_dropped``,
+        ``dropped_runs`` (runs those partitions held), ``expired`` (archived runs deleted
+        row by row), ``batches`` (statements that moved or deleted), ``busy`` (1: another
+        supervisor was doing history work, this pass stopped) and ``more`` (1: the budget
+        ran out with work left; the next pass comes sooner).
+
+        Raises:
+            DatabaseError: the database failed (what was committed stays done; the next
+                pass goes on from there).
+        """
+        counts = dict.fromkeys(("archived", "deleted", "partitions_made", "partitions_dropped", "dropped_runs",
+                                "expired", "batches", "busy", "more"), 0)
+        if not self.policy.active:
+            return counts
+        deadline = self.clock() + self.budget
+        now, partitions = store.run(operations.read_archive_partitions())
+        today = now.astimezone(dt.timezone.utc).date()
+        ahead = {(s, d) for s in FINISHED_STATES if self.policy.archives(s)
+                 for d in (today, today + dt.timedelta(days=1))}
+        if not self._make(store, ahead - partitions, partitions, counts):
+            return counts
+        if not self._move(store, partitions, deadline, counts):
+            return counts
+        self._retain(store, partitions, now, deadline, counts)
+        return counts
+
+    # -- the parts -----------------------------------------------------------------------------
+
+    def _make(self, store: Store, days: set[tuple[str, dt.date]], partitions: set[tuple[str, dt.date]],
+              counts: dict[str, int]) -> bool:
+        """Make the partitions of ``days``; False when the pass must stop (busy)."""
+        if not days:
+            return True
+        try:
+            made = store.run(operations.make_archive_partitions(sorted(days), lock_timeout=self.ddl_lock_timeout,
+                                                                lock=self.lock))
+        except DatabaseBusy as exc:  # a reader of the archive held its lock: next pass
+            log.info("history: archive partitions not made now (%s); trying again at the next pass", exc)
+            counts["more"] = 1
+            return False
+        if made is None:
+            counts["busy"] = 1
+            return False
+        counts["partitions_made"] += made
+        partitions |= days
+        return True
+
+    def _move(self, store: Store, partitions: set[tuple[str, dt.date]], deadline: float,
+              counts: dict[str, int]) -> bool:
+        """Batches of archive_runs until the walk reaches the present or the budget runs
+        out; False when the pass must stop."""
+        if self.caught_up and self.clock() - self.walk_started >= self.restart_every:
+            self.cursor, self.walk_started = (WALK_START, True), self.clock()
+        while True:
+            after, inclusive = self.cursor
+            params = self.policy.params(after, inclusive, self.batch)
+            try:
+                row = store.run(operations.archive_batch(params, lock=self.lock))
+            except DatabaseError as exc:
+                if not missing_partition(exc):
+                    raise
+                needed = store.run(operations.archive_days(params)) - partitions
+                if not self._make(store, needed, partitions, counts):
+                    return False
+                row = store.run(operations.archive_batch(params, lock=self.lock))
+            if row is None:
+                counts["busy"] = 1
+                return False
+            counts["archived"] += row["archived"]
+            counts["deleted"] += row["deleted"]
+            counts["batches"] += bool(row["archived"] or row["deleted"])
+            self.caught_up = row["scanned"] < self.batch
+            if self.caught_up:  # the walk reached the present: the next pass goes on from here
+                if row["last"] is not None:
+                    self.cursor = (row["last"], True)
+                return True
+            # go on after the last row looked at (again at that instant, unless every row
+            # of the batch shared it: then past it, and the next walk picks up the rest)
+            self.cursor = (row["last"], row["first"] != row["last"])
+            if self.clock() >= deadline:
+                counts["more"] = 1
+                return True
+
+    def _retain(self, store: Store, partitions: set[tuple[str, dt.date]], now: dt.datetime, deadline: float,
+                counts: dict[str, int]) -> None:
+        """Drop the partitions past their retention, then delete the archived rows past it
+        in the partitions a cut-off falls in (batches), within the budget."""
+        for state, day in self.policy.droppable(partitions, now):
+            if self.clock() >= deadline:
+                counts["more"] = 1
+                return
+            try:
+                runs = store.run(operations.drop_archive_partition(state, day, lock_timeout=self.ddl_lock_timeout,
+                                                                   lock=self.lock))
+            except DatabaseBusy as exc:
+                log.info("history: archive partition %s %s not dropped now (%s); trying again at the next pass",
+                         state, day, exc)
+                counts["more"] = 1
+                return
+            if runs is None:
+                counts["busy"] = 1
+                return
+            partitions.discard((state, day))
+            counts["partitions_dropped"] += 1
+            counts["dropped_runs"] += runs
+        for state in FINISHED_STATES:
+            keep = self.policy.retain.get(state)
+            if keep is None or not any(s == state for s, _ in partitions):
+                continue
+            while True:
+                if self.clock() >= deadline:
+                    counts["more"] = 1
+                    return
+                row = store.run(operations.retain_archived(state, keep, self.batch, lock=self.lock))
+                if row is None:
+                    counts["busy"] = 1
+                    return
+                counts["expired"] += row["runs"]
+                if row["runs"] < self.batch:
+                    break
