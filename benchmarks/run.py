@@ -999,6 +999,56 @@ def start_bouncers(upstream_dsn: str) -> dict[str, Any]:
     return found
 
 
+def run_peers(args: argparse.Namespace) -> int:
+    """``--peers`` (issue 23): the peer harness's S1 and S2, then the comparison table
+    (benchmarks/peers.py). Exit status 2 with one message when the harness or pgqueuer
+    is missing, 1 when the harness failed."""
+    import peers
+
+    try:
+        harness = peers.find_harness(args.peer_bench)
+        python = os.path.abspath(args.peer_python or os.environ.get(peers.PYTHON_ENV) or sys.executable)
+        found = peers.check_python(python, harness)
+    except peers.PeerBenchUnavailable as exc:
+        console.print(f"[red]benchmarks --peers:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    mine = os.path.join(os.path.dirname(HERE), "cyclone_mp")
+    if os.path.realpath(found.get("cyclone_mp_path", "")) != os.path.realpath(mine):
+        console.print(f"[yellow]note:[/] {python} imports cyclone_mp from {found.get('cyclone_mp_path')}, "
+                      f"not this checkout's {mine}: that one is measured")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(HERE, "results", f"peers-{stamp}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    logdir = tempfile.mkdtemp(prefix="cyclone-mp-peers-")
+    meta: dict[str, Any] = {"started": dt.datetime.now(dt.timezone.utc).isoformat(), "quick": args.quick,
+                            "repeat": args.repeat, "harness": harness, "python": python, "imports": found,
+                            "loadavg_start": loadavg(), **git_state()}
+    if os.path.realpath(found.get("cyclone_mp_path", "")) == os.path.realpath(mine):
+        meta["cyclone_mp_bytecode"] = ensure_bytecode()  # as an installed package has (see ensure_bytecode)
+    console.print(f"peer harness {harness}; interpreter {python}; cyclone-mp {found['versions'].get('cyclone-mp')}, "
+                  f"pgqueuer {found['versions'].get('pgqueuer')}; load average {meta['loadavg_start']}")
+    harness_out = (out[:-len(".json")] if out.endswith(".json") else out) + "-harness.json"
+    t = time.time()
+    try:
+        data = peers.run_harness(harness, python, quick=args.quick, repeat=args.repeat, out=harness_out,
+                                 logdir=logdir, echo=lambda line: console.print(line, highlight=False, markup=False))
+    except RuntimeError as exc:
+        console.print(f"[red]benchmarks --peers:[/] {exc}")
+        return 1
+    meta.update({"loadavg_end": loadavg(), "seconds": round(time.time() - t, 1)})
+    rows = peers.summarize(data)
+    with open(out, "w") as fh:
+        json.dump({"meta": meta, "summary": rows, "harness": data}, fh, indent=2, default=str)
+    peers.print_summary(rows, data, console, args.quick)
+    if data.get("errors"):
+        console.print(f"worker logs kept in {logdir}")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
+    console.print(f"load average: start {meta['loadavg_start']}, end {meta['loadavg_end']}; {meta['seconds']} s; "
+                  f"JSON: {out} (the harness's own: {harness_out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
@@ -1013,8 +1063,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pgbouncer", action="store_true",
                     help="B1 also through PgBouncer in transaction mode (issue 22): max_prepared_statements "
                          "off, and on when a PgBouncer >= 1.21 is installed; printed beside B1 direct")
+    ap.add_argument("--peers", action="store_true",
+                    help="instead of B1-B8: the peer harness's S1 and S2 (issue 23) for cyclone_mp (defaults and "
+                         "prefetch=64) and pgqueuer in one sitting, with the ratios (see benchmarks/peers.py)")
+    ap.add_argument("--peer-bench", default=None,
+                    help="the peer harness's directory (default $CYCLONE_PEER_BENCH, else ../shared/peer-bench)")
+    ap.add_argument("--peer-python", default=None,
+                    help="the interpreter that runs the harness (default $CYCLONE_PEER_PYTHON, else this one)")
     ap.add_argument("-v", "--verbose", action="store_true", help="engine log at INFO")
     args = ap.parse_args(argv)
+    if args.peers:
+        if args.repeat < 1:
+            ap.error("--repeat must be >= 1")
+        return run_peers(args)
     only = [b.strip().upper() for b in args.only.split(",") if b.strip()]
     bad = [b for b in only if b not in ALL]
     if bad or args.repeat < 1:
