@@ -914,10 +914,11 @@ RETURNING id::text AS id;
 
 -- name: enqueue_step
 -- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
--- With an idempotency key already used, nothing is written and id is NULL.
+-- With an idempotency key already used, nothing is written and id is NULL. %(input)s is
+-- the input as JSON text (the client's payload check encoded it: it is not encoded twice).
 WITH run AS (
     INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
-    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s, %(trace)s)
+    VALUES (%(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id
 ), step AS (
