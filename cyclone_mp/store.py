@@ -1004,6 +1004,21 @@ class Store:
     # -- recovery sweep -----------------------------------------------------------------
 
     @translate
+    def sweep_turn(self, owner: str, every: float) -> tuple[bool, float]:
+        """Take the recovery sweep's turn for all supervisors when the last one is at least
+        ``every`` seconds old (one statement, a row lock for its length; migration 0018).
+
+        Returns ``(mine, wait)``: True when ``owner`` took it (it sweeps now; the next
+        turn is ``every`` seconds away), else False and the seconds until the turn it
+        saw ends (0 or more)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sweep_turn"], {"owner": owner, "every_us": to_us(every)})
+            row = cur.fetchone()
+        if row["mine"]:
+            return True, every
+        return False, max(0.0, float(row["due_in"] if row["due_in"] is not None else every))
+
+    @translate
     def sweep_candidates(self, limit: int = 100) -> list[dict[str, Any]]:
         """Running rows whose lease expired or whose DB deadline passed (one page)."""
         with self.conn.cursor() as cur:

@@ -140,7 +140,7 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
              "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
              "prefetch_released", "batches", "claim_statements", "pipelined", "fence_kills", "watchdog_kills", "scheduled",
-             "limit_kills")
+             "limit_kills", "sweeps", "sweep_turns_skipped")
 
 
 class Stats(Mapping[str, int]):
