@@ -50,12 +50,12 @@ import cyclone_mp as cy
 from cyclone_mp.store import Store
 
 console = Console(width=None if sys.stdout.isatty() else 160)
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9")
-DEFAULT = ALL[:-1]  # B9 (many supervisors, minutes) runs when asked: --only B9
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B12")
+DEFAULT = ALL[:-1]  # B12 (many supervisors, minutes) runs when asked: --only B12
 # The default prefetch (issue 23), measured beside prefetch=0 (claims only for idle children, SPEC 4).
 PREFETCH = 64
 #: Connections one supervisor holds (docs/operating.md#connections): lease keeper, its
-#: LISTEN, outcome writer, maintenance. B9 judges what pg_stat_activity shows against it.
+#: LISTEN, outcome writer, maintenance. B12 judges what pg_stat_activity shows against it.
 SUPERVISOR_CONNECTIONS = 4
 PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
 # --limits (issue 20): B1 and B2 also run with every resource limit set on their steps,
@@ -72,14 +72,14 @@ FULL = {
     "b2_steps": 200, "b5_samples": 50, "b6_queued": 100_000, "b6_finished": 1_000_000,
     "b7_steps": 20000, "b7_child_starts": 10, "b8_pairs": 3, "b8_keys": 100, "b8_claims": 200,
     "b8_queued": 100_000, "b8_claim_keys": 1000,
-    "b9_sizes": (1, 2, 4, 8, 16), "b9_steps": 20000, "b9_idle_s": 5.0,
+    "b12_sizes": (1, 2, 4, 8, 16), "b12_steps": 20000, "b12_idle_s": 5.0, "b12_prefetch": 64,
 }
 QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
     "b2_steps": 40, "b5_samples": 10, "b6_queued": 10_000, "b6_finished": 100_000,
     "b7_steps": 2000, "b7_child_starts": 3, "b8_pairs": 1, "b8_keys": 20, "b8_claims": 50,
     "b8_queued": 10_000, "b8_claim_keys": 100,
-    "b9_sizes": (1, 2, 4), "b9_steps": 2000, "b9_idle_s": 2.0,
+    "b12_sizes": (1, 2, 4), "b12_steps": 2000, "b12_idle_s": 2.0, "b12_prefetch": 64,
 }
 
 
@@ -694,25 +694,27 @@ class Bench:
         row["claim_big_over_small"] = round(row["claim_ms_big"] / row["claim_ms_small"], 2)
         return row
 
-    # B9 -----------------------------------------------------------------------------------
+    # B12 ----------------------------------------------------------------------------------
 
-    def b9(self) -> dict[str, Any]:
+    def b12(self) -> dict[str, Any]:
         """Many supervisors on one PostgreSQL (benchmarks/scale.py): each count in
-        ``b9_sizes`` on a fresh database, ``prefetch=64``, in one repetition."""
+        ``b12_sizes`` on a fresh database, ``prefetch`` as ``--scale-prefetch`` (64 by
+        default: issue 23's scaling row), in one repetition."""
         import scale
 
         if not hasattr(self, "_pgss"):
             self._pgss = scale.enable_pgss(self.server)
         row: dict[str, Any] = {"pg_stat_statements": self._pgss}
-        for k in self.n["b9_sizes"]:
+        for k in self.n["b12_sizes"]:
             with self.server.fresh() as dsn:
                 dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
                 one = scale.scale_once(admin_dsn=self.server.admin_dsn, dsn=dsn, dbname=dbname, k=k,
-                                       n=self.n["b9_steps"], prefetch=PREFETCH, idle_s=self.n["b9_idle_s"],
+                                       n=self.n["b12_steps"], prefetch=self.n["b12_prefetch"],
+                                       idle_s=self.n["b12_idle_s"],
                                        tmp=self.tmp, start=SupervisorProcess, use_pgss=self._pgss)
-            console.print(f"  B9 {k} supervisor(s): {one}", highlight=False)
+            console.print(f"  B12 {k} supervisor(s): {one}", highlight=False)
             row.update({f"{key}_k{k}": v for key, v in one.items() if key != "supervisors"})
-        sizes = self.n["b9_sizes"]
+        sizes = self.n["b12_sizes"]
         for k in sizes:
             if k > 4 and 4 in sizes:
                 row[f"ratio_{k}_to_4"] = round(row[f"steps_per_s_k{k}"] / row["steps_per_s_k4"], 3)
@@ -915,32 +917,34 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          "{:.2f}", "", None),
         ("B8", "claim_big_over_small", "claim time, big backlog / small", "{:.2f}", "flat (<= 1.5)",
          lambda v, m: v <= 1.5),
-        *b9_rows(n),
+        *b12_rows(n),
     ]
 
 
-def b9_rows(n: dict[str, Any]) -> list[tuple]:
-    """B9's rows, one group per supervisor count (benchmarks/scale.py)."""
+def b12_rows(n: dict[str, Any]) -> list[tuple]:
+    """B12's rows, one group per supervisor count (benchmarks/scale.py)."""
     rows: list[tuple] = []
-    for k in n["b9_sizes"]:
+    for k in n["b12_sizes"]:
         rows += [
-            ("B9", f"steps_per_s_k{k}", f"{k} supervisor(s) x 2 children, prefetch={PREFETCH}: steps/s "
-             f"({n['b9_steps']:,} no-ops, first start to last finish)", "{:,.0f}", "", None),
-            ("B9", f"conns_per_supervisor_max_k{k}", f"  connections per supervisor (most seen, pg_stat_activity)",
+            ("B12", f"steps_per_s_k{k}", f"{k} supervisor(s) x 2 children, prefetch={n['b12_prefetch']}: steps/s "
+             f"({n['b12_steps']:,} no-ops, first start to last finish)", "{:,.0f}", "", None),
+            ("B12", f"conns_per_supervisor_max_k{k}", f"  connections per supervisor (most seen, pg_stat_activity)",
              "{:.0f}", "= docs/operating.md (4)", lambda v, m: v == SUPERVISOR_CONNECTIONS),
-            ("B9", f"sweep_statements_per_s_idle_k{k}", "  sweep statements/s, idle (pg_stat_statements)", "{:.1f}",
+            ("B12", f"sweep_statements_per_s_idle_k{k}", "  sweep statements/s, idle (pg_stat_statements)", "{:.1f}",
              "bounded (<= 3)", lambda v, m: v <= 3),
-            ("B9", f"sweep_statements_per_s_run_k{k}", "  sweep statements/s, running", "{:.1f}", "bounded (<= 3)",
+            ("B12", f"sweep_statements_per_s_run_k{k}", "  sweep statements/s, running", "{:.1f}", "bounded (<= 3)",
              lambda v, m: v <= 3),
-            ("B9", f"engine_sweeps_per_s_k{k}", "  sweep passes/s (the supervisors' own count)", "{:.2f}", "", None),
-            ("B9", f"db_cpu_share_k{k}", "  database CPU / (2 cores x run wall)", "{:.2f}", "", None),
-            ("B9", f"db_cpu_ms_per_step_k{k}", "  database CPU ms per step", "{:.3f}", "", None),
-            ("B9", f"supervisors_cpu_ms_per_step_k{k}", "  supervisors' CPU ms per step (with their children)",
+            ("B12", f"sweep_turn_statements_per_s_idle_k{k}", "  sweep turn checks/s, idle (one small statement each)",
+             "{:.1f}", "", None),
+            ("B12", f"engine_sweeps_per_s_k{k}", "  sweep passes/s (the supervisors' own count)", "{:.2f}", "", None),
+            ("B12", f"db_cpu_share_k{k}", "  database CPU / (2 cores x run wall)", "{:.2f}", "", None),
+            ("B12", f"db_cpu_ms_per_step_k{k}", "  database CPU ms per step", "{:.3f}", "", None),
+            ("B12", f"supervisors_cpu_ms_per_step_k{k}", "  supervisors' CPU ms per step (with their children)",
              "{:.3f}", "", None),
         ]
-    for k in n["b9_sizes"]:
-        if k > 4 and 4 in n["b9_sizes"]:
-            rows.append(("B9", f"ratio_{k}_to_4", f"steps/s with {k} supervisors / with 4", "{:.2f}",
+    for k in n["b12_sizes"]:
+        if k > 4 and 4 in n["b12_sizes"]:
+            rows.append(("B12", f"ratio_{k}_to_4", f"steps/s with {k} supervisors / with 4", "{:.2f}",
                          ">= 1.0 (issue 23 target 5)" if k == 8 else ">= 0.9 (no collapse)",
                          (lambda v, m: v >= 1.0) if k == 8 else (lambda v, m: v >= 0.9)))
     return rows
@@ -1112,9 +1116,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
     ap.add_argument("--repeat", type=int, default=3, help="repetitions of each benchmark (median reported)")
     ap.add_argument("--only", default=",".join(DEFAULT),
-                    help="comma-separated subset, e.g. B1,B3 (default B1-B8; B9 runs only when named)")
+                    help="comma-separated subset, e.g. B1,B3 (default B1-B8; B12 runs only when named)")
     ap.add_argument("--scale", default=None,
-                    help="B9's supervisor counts, e.g. 1,4,8 (default 1,2,4,8,16; --quick 1,2,4)")
+                    help="B12's supervisor counts, e.g. 1,4,8 (default 1,2,4,8,16; --quick 1,2,4)")
+    ap.add_argument("--scale-prefetch", type=int, default=None,
+                    help="B12's prefetch per supervisor (default 64; 0: the engine's default)")
     ap.add_argument("--dsn", default=None, help="PostgreSQL server to use (default: an embedded one in a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<timestamp>.json)")
     ap.add_argument("--peer-results", default=None,
@@ -1146,11 +1152,15 @@ def main(argv: list[str] | None = None) -> int:
     counts = dict(QUICK if args.quick else FULL)
     if args.scale:
         try:
-            counts["b9_sizes"] = tuple(int(x) for x in args.scale.split(",") if x.strip())
+            counts["b12_sizes"] = tuple(int(x) for x in args.scale.split(",") if x.strip())
         except ValueError:
             ap.error(f"--scale takes supervisor counts, e.g. 1,4,8; got {args.scale!r}")
-        if not counts["b9_sizes"] or min(counts["b9_sizes"]) < 1:
+        if not counts["b12_sizes"] or min(counts["b12_sizes"]) < 1:
             ap.error("--scale takes counts >= 1")
+    if args.scale_prefetch is not None:
+        if args.scale_prefetch < 0:
+            ap.error("--scale-prefetch must be >= 0")
+        counts["b12_prefetch"] = args.scale_prefetch
     peer = load_peer(args.peer_results)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or os.path.join(HERE, "results", f"{stamp}.json")

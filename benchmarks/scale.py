@@ -1,4 +1,4 @@
-"""B9, many supervisors on one PostgreSQL (issue 22 acceptance 3, issue 23 target 5).
+"""B12, many supervisors on one PostgreSQL (issue 22 acceptance 3, issue 23 target 5).
 
 For each count k (1, 2, 4, 8, 16): k supervisor processes (``python -m
 cyclone_mp.testing.worker``, ``workers=2`` each, ``prefetch`` as asked) on one fresh
@@ -12,7 +12,7 @@ and timed until all are completed. Measured:
   (``cyclone_mp <part> <supervisor id>``): the most any supervisor had, and the parts;
 * **statements per second** by kind (sweep, registry, claim and settle, renewal,
   other), idle and while running: ``pg_stat_statements`` when the server has it loaded
-  (the benchmark's own embedded server is restarted with it for B9), else only the
+  (the benchmark's own embedded server is restarted with it for B12), else only the
   engine's own count of sweep passes (each supervisor's ``stats``, published in its
   registry row);
 * **database CPU**: CPU seconds of the postmaster and every process under it (psutil)
@@ -38,10 +38,11 @@ import bench_steps
 from cyclone_mp.store import Q
 
 PARTS_PREFIX = "cyclone_mp "
+REGISTRY_INTERVAL = 2.0  # seconds: the supervisors' default registry_interval
 #: statement kinds of the report, by the names of sql/queries.sql they come from
 KINDS = {
-    "sweep": ("sweep_candidates", "due_timer_runs", "sweep_recheck", "reclaim", "discard_reclaim_limit",
-              "sweep_turn"),
+    "sweep": ("sweep_candidates", "due_timer_runs", "sweep_recheck", "reclaim", "discard_reclaim_limit"),
+    "sweep_turn": ("sweep_turn",),
     "registry": ("register_worker", "unregister_worker", "queue_depths", "prune_workers"),
     "claim_settle": ("claim", "claim_concurrency", "claim_fair", "claim_plain", "settle", "settle_concurrency",
                      "settle_fair", "settle_plain", "settle_completions", "settle_completions_concurrency",
@@ -206,9 +207,18 @@ def engine_sweeps(conn: psycopg.Connection) -> int:
     return int(row[0])
 
 
+def supervisor_stats(conn: psycopg.Connection, keys: tuple[str, ...]) -> dict[str, int]:
+    """The supervisors' counters summed, as their registry rows last published them."""
+    rows = conn.execute(BENCH_MARK + " SELECT info -> 'stats' AS stats FROM cyclone_workers").fetchall()
+    return {key: sum(int((r[0] or {}).get(key, 0)) for r in rows) for key in keys}
+
+
+STATS = ("claimed", "completed", "prefetch_released", "released", "batches", "pipelined", "sweeps")
+
+
 def scale_once(*, admin_dsn: str, dsn: str, dbname: str, k: int, n: int, prefetch: int, idle_s: float, tmp: str,
                start: Callable[..., Any], use_pgss: bool) -> dict[str, Any]:
-    """One count ``k`` of B9 (see the module docstring); ``start(dsn, steps, options, tmp)``
+    """One count ``k`` of B12 (see the module docstring); ``start(dsn, steps, options, tmp)``
     starts one supervisor process (``SupervisorProcess``)."""
     import cyclone_mp as cy
 
@@ -229,11 +239,13 @@ def scale_once(*, admin_dsn: str, dsn: str, dbname: str, k: int, n: int, prefetc
             s0 = statement_counts(admin, dbname) if pgss else {}
             sw0 = engine_sweeps(db)
             c0 = tree_cpu(pm)
+            idle_sup0 = {s.pid: tree_cpu(s.pid) for s in sups}
             t0 = time.monotonic()
             time.sleep(idle_s)
             idle_wall = time.monotonic() - t0
             s1 = statement_counts(admin, dbname) if pgss else {}
             idle_db_cpu = cpu_delta(c0, tree_cpu(pm))
+            idle_sup_cpu = sum(cpu_delta(idle_sup0[s.pid], tree_cpu(s.pid)) for s in sups)
             # the run
             sup_cpu0 = {s.pid: tree_cpu(s.pid) for s in sups}
             c1 = tree_cpu(pm)
@@ -252,6 +264,8 @@ def scale_once(*, admin_dsn: str, dsn: str, dbname: str, k: int, n: int, prefetc
             sup_cpu = sum(cpu_delta(sup_cpu0[s.pid], tree_cpu(s.pid)) for s in sups)
             s2 = statement_counts(admin, dbname) if pgss else {}
             sw1 = engine_sweeps(db)
+            time.sleep(REGISTRY_INTERVAL + 0.3)  # every registry row refreshed once more
+            counters = supervisor_stats(db, STATS)
             first, last, reclaims, gens = db.execute(
                 BENCH_MARK + " SELECT extract(epoch FROM min(started_at)), extract(epoch FROM max(finished_at)), sum(reclaims),"
                 " max(lease_generation) FROM cyclone_steps").fetchone()
@@ -268,17 +282,20 @@ def scale_once(*, admin_dsn: str, dsn: str, dbname: str, k: int, n: int, prefetc
             "db_cpu_share": round(db_cpu / (2 * run_wall), 3) if db_cpu is not None else None,
             "db_cpu_ms_per_step": round(db_cpu * 1000 / n, 3) if db_cpu is not None else None,
             "idle_db_cpu_share": round(idle_db_cpu / (2 * idle_wall), 3) if pm else None,
+            "idle_supervisors_cpu_share": round(idle_sup_cpu / (2 * idle_wall), 3),
             "supervisors_cpu_ms_per_step": round(sup_cpu * 1000 / n, 3),
             "reclaims": int(reclaims or 0), "max_lease_generation": int(gens or 0),
             "top_waits": dict(sampler.waits.most_common(5)), "active_sessions_avg": round(
                 sampler.active_samples / max(1, sampler.samples), 2),
             "engine_sweeps_per_s": round((sw1 - sw0) / (idle_wall + run_wall), 2),
+            **{f"sup_{key}": v for key, v in counters.items()},
         }
         if pgss:
             row["idle_statements_per_s"] = per_second(s0, s1, idle_wall)
             row["run_statements_per_s"] = per_second(s1, s2, run_wall)
             row["sweep_statements_per_s_idle"] = row["idle_statements_per_s"].get("sweep", 0.0)
             row["sweep_statements_per_s_run"] = row["run_statements_per_s"].get("sweep", 0.0)
+            row["sweep_turn_statements_per_s_idle"] = row["idle_statements_per_s"].get("sweep_turn", 0.0)
             row["statements_per_step"] = round((sum(s2.values()) - sum(s1.values())) / n, 3)
             row["top_statements_run"] = dict(collections.Counter(
                 {name: s2[name] - s1.get(name, 0) for name in s2}).most_common(8))
