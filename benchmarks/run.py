@@ -54,10 +54,13 @@ import cyclone_mp as cy
 from cyclone_mp.store import Store
 
 console = Console(width=None if sys.stdout.isatty() else 160)
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B10", "B11")
-ON_REQUEST = ("B11",)  # minutes long: run with --only
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B10", "B11", "B12")
+ON_REQUEST = ("B11", "B12")  # minutes long: run with --only
 # The default prefetch (issue 23), measured beside prefetch=0 (claims only for idle children, SPEC 4).
 PREFETCH = 64
+#: Connections one supervisor holds (docs/operating.md#connections): lease keeper, its
+#: LISTEN, outcome writer, maintenance. B12 judges what pg_stat_activity shows against it.
+SUPERVISOR_CONNECTIONS = 4
 PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
 # --limits (issue 20): B1 and B2 also run with every resource limit set on their steps,
 # each run beside the same run without, so the cost of enforcing them is measured.
@@ -75,6 +78,7 @@ FULL = {
     "b8_queued": 100_000, "b8_claim_keys": 1000,
     "b10_archived": 1_000_000, "b10_days": 10,
     "b11_warmup_s": 40, "b11_base_s": 30, "b11_hold_s": 60, "b11_after_s": 60,
+    "b12_sizes": (1, 2, 4, 8, 16), "b12_steps": 20000, "b12_idle_s": 5.0, "b12_prefetch": 64,
 }
 QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
@@ -83,6 +87,7 @@ QUICK = {
     "b8_queued": 10_000, "b8_claim_keys": 100,
     "b10_archived": 100_000, "b10_days": 10,
     "b11_warmup_s": 20, "b11_base_s": 10, "b11_hold_s": 20, "b11_after_s": 20,
+    "b12_sizes": (1, 2, 4), "b12_steps": 2000, "b12_idle_s": 2.0, "b12_prefetch": 64,
 }
 #: B11's window (seconds): throughput is sampled once per window.
 B11_WINDOW = 10
@@ -994,6 +999,32 @@ class Bench:
             "after_last_ratio": round(after[-1] / base, 3), "windows": windows,
         }
 
+    # B12 ----------------------------------------------------------------------------------
+
+    def b12(self) -> dict[str, Any]:
+        """Many supervisors on one PostgreSQL (benchmarks/scale.py): each count in
+        ``b12_sizes`` on a fresh database, ``prefetch`` as ``--scale-prefetch`` (64 by
+        default: issue 23's scaling row), in one repetition."""
+        import scale
+
+        if not hasattr(self, "_pgss"):
+            self._pgss = scale.enable_pgss(self.server)
+        row: dict[str, Any] = {"pg_stat_statements": self._pgss}
+        for k in self.n["b12_sizes"]:
+            with self.server.fresh() as dsn:
+                dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+                one = scale.scale_once(admin_dsn=self.server.admin_dsn, dsn=dsn, dbname=dbname, k=k,
+                                       n=self.n["b12_steps"], prefetch=self.n["b12_prefetch"],
+                                       idle_s=self.n["b12_idle_s"],
+                                       tmp=self.tmp, start=SupervisorProcess, use_pgss=self._pgss)
+            console.print(f"  B12 {k} supervisor(s): {one}", highlight=False)
+            row.update({f"{key}_k{k}": v for key, v in one.items() if key != "supervisors"})
+        sizes = self.n["b12_sizes"]
+        for k in sizes:
+            if k > 4 and 4 in sizes:
+                row[f"ratio_{k}_to_4"] = round(row[f"steps_per_s_k{k}"] / row["steps_per_s_k4"], 3)
+        return row
+
     # B7 -----------------------------------------------------------------------------------
 
     def child_starts(self) -> dict[str, Any]:
@@ -1244,7 +1275,37 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          "{:.0f}", "<= 60", lambda v, m: v <= 60),
         ("B11", "hold_median_ratio_prefetch_control", "  control run: the hold's windows / its baseline", "{:.2f}", "",
          None),
+        *b12_rows(n),
     ]
+
+
+def b12_rows(n: dict[str, Any]) -> list[tuple]:
+    """B12's rows, one group per supervisor count (benchmarks/scale.py)."""
+    rows: list[tuple] = []
+    for k in n["b12_sizes"]:
+        rows += [
+            ("B12", f"steps_per_s_k{k}", f"{k} supervisor(s) x 2 children, prefetch={n['b12_prefetch']}: steps/s "
+             f"({n['b12_steps']:,} no-ops, first start to last finish)", "{:,.0f}", "", None),
+            ("B12", f"conns_per_supervisor_max_k{k}", "  connections per supervisor (most seen, pg_stat_activity)",
+             "{:.0f}", "= docs/operating.md (4)", lambda v, m: v == SUPERVISOR_CONNECTIONS),
+            ("B12", f"sweep_statements_per_s_idle_k{k}", "  sweep statements/s, idle (pg_stat_statements)", "{:.1f}",
+             "bounded (<= 3)", lambda v, m: v <= 3),
+            ("B12", f"sweep_statements_per_s_run_k{k}", "  sweep statements/s, running", "{:.1f}", "bounded (<= 3)",
+             lambda v, m: v <= 3),
+            ("B12", f"sweep_turn_statements_per_s_idle_k{k}", "  sweep turn checks/s, idle (one small statement each)",
+             "{:.1f}", "", None),
+            ("B12", f"engine_sweeps_per_s_k{k}", "  sweep passes/s (the supervisors' own count)", "{:.2f}", "", None),
+            ("B12", f"db_cpu_share_k{k}", "  database CPU / (2 cores x run wall)", "{:.2f}", "", None),
+            ("B12", f"db_cpu_ms_per_step_k{k}", "  database CPU ms per step", "{:.3f}", "", None),
+            ("B12", f"supervisors_cpu_ms_per_step_k{k}", "  supervisors' CPU ms per step (with their children)",
+             "{:.3f}", "", None),
+        ]
+    for k in n["b12_sizes"]:
+        if k > 4 and 4 in n["b12_sizes"]:
+            rows.append(("B12", f"ratio_{k}_to_4", f"steps/s with {k} supervisors / with 4", "{:.2f}",
+                         ">= 1.0 (issue 23 target 5)" if k == 8 else ">= 0.9 (no collapse)",
+                         (lambda v, m: v >= 1.0) if k == 8 else (lambda v, m: v >= 0.9)))
+    return rows
 
 
 def summarize(results: dict[str, Any], peer: dict[str, float], counts: dict[str, int]) -> list[dict[str, Any]]:
@@ -1358,6 +1419,56 @@ def start_bouncers(upstream_dsn: str) -> dict[str, Any]:
     return found
 
 
+def run_peers(args: argparse.Namespace) -> int:
+    """``--peers`` (issue 23): the peer harness's S1 and S2, then the comparison table
+    (benchmarks/peers.py). Exit status 2 with one message when the harness or pgqueuer
+    is missing, 1 when the harness failed."""
+    import peers
+
+    try:
+        harness = peers.find_harness(args.peer_bench)
+        python = os.path.abspath(args.peer_python or os.environ.get(peers.PYTHON_ENV) or sys.executable)
+        found = peers.check_python(python, harness)
+    except peers.PeerBenchUnavailable as exc:
+        console.print(f"[red]benchmarks --peers:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    mine = os.path.join(os.path.dirname(HERE), "cyclone_mp")
+    if os.path.realpath(found.get("cyclone_mp_path", "")) != os.path.realpath(mine):
+        console.print(f"[yellow]note:[/] {python} imports cyclone_mp from {found.get('cyclone_mp_path')}, "
+                      f"not this checkout's {mine}: that one is measured")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(HERE, "results", f"peers-{stamp}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    logdir = tempfile.mkdtemp(prefix="cyclone-mp-peers-")
+    meta: dict[str, Any] = {"started": dt.datetime.now(dt.timezone.utc).isoformat(), "quick": args.quick,
+                            "repeat": args.repeat, "harness": harness, "python": python, "imports": found,
+                            "loadavg_start": loadavg(), **git_state()}
+    if os.path.realpath(found.get("cyclone_mp_path", "")) == os.path.realpath(mine):
+        meta["cyclone_mp_bytecode"] = ensure_bytecode()  # as an installed package has (see ensure_bytecode)
+    console.print(f"peer harness {harness}; interpreter {python}; cyclone-mp {found['versions'].get('cyclone-mp')}, "
+                  f"pgqueuer {found['versions'].get('pgqueuer')}; load average {meta['loadavg_start']}")
+    harness_out = (out[:-len(".json")] if out.endswith(".json") else out) + "-harness.json"
+    t = time.time()
+    try:
+        data = peers.run_harness(harness, python, quick=args.quick, repeat=args.repeat, out=harness_out,
+                                 logdir=logdir, echo=lambda line: console.print(line, highlight=False, markup=False))
+    except RuntimeError as exc:
+        console.print(f"[red]benchmarks --peers:[/] {exc}")
+        return 1
+    meta.update({"loadavg_end": loadavg(), "seconds": round(time.time() - t, 1)})
+    rows = peers.summarize(data)
+    with open(out, "w") as fh:
+        json.dump({"meta": meta, "summary": rows, "harness": data}, fh, indent=2, default=str)
+    peers.print_summary(rows, data, console, args.quick)
+    if data.get("errors"):
+        console.print(f"worker logs kept in {logdir}")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
+    console.print(f"load average: start {meta['loadavg_start']}, end {meta['loadavg_end']}; {meta['seconds']} s; "
+                  f"JSON: {out} (the harness's own: {harness_out})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
@@ -1366,6 +1477,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset, e.g. B1,B3 (default: all but " + ", ".join(ON_REQUEST) + ")")
     ap.add_argument("--archived", type=int, default=None, metavar="N",
                     help="B10: archived runs in its template (default 1,000,000; --quick 100,000)")
+    ap.add_argument("--scale", default=None,
+                    help="B12's supervisor counts, e.g. 1,4,8 (default 1,2,4,8,16; --quick 1,2,4)")
+    ap.add_argument("--scale-prefetch", type=int, default=None,
+                    help="B12's prefetch per supervisor (default 64; 0: the engine's default)")
     ap.add_argument("--dsn", default=None, help="PostgreSQL server to use (default: an embedded one in a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<timestamp>.json)")
     ap.add_argument("--peer-results", default=None,
@@ -1375,8 +1490,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pgbouncer", action="store_true",
                     help="B1 also through PgBouncer in transaction mode (issue 22): max_prepared_statements "
                          "off, and on when a PgBouncer >= 1.21 is installed; printed beside B1 direct")
+    ap.add_argument("--peers", action="store_true",
+                    help="instead of B1-B8: the peer harness's S1 and S2 (issue 23) for cyclone_mp (defaults and "
+                         "prefetch=64) and pgqueuer in one sitting, with the ratios (see benchmarks/peers.py)")
+    ap.add_argument("--peer-bench", default=None,
+                    help="the peer harness's directory (default $CYCLONE_PEER_BENCH, else ../shared/peer-bench)")
+    ap.add_argument("--peer-python", default=None,
+                    help="the interpreter that runs the harness (default $CYCLONE_PEER_PYTHON, else this one)")
     ap.add_argument("-v", "--verbose", action="store_true", help="engine log at INFO")
     args = ap.parse_args(argv)
+    if args.peers:
+        if args.repeat < 1:
+            ap.error("--repeat must be >= 1")
+        return run_peers(args)
     only = [b.strip().upper() for b in args.only.split(",") if b.strip()]
     bad = [b for b in only if b not in ALL]
     if bad or args.repeat < 1:
@@ -1388,6 +1514,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.archived < 1:
             ap.error("--archived must be >= 1")
         counts["b10_archived"] = args.archived
+    if args.scale:
+        try:
+            counts["b12_sizes"] = tuple(int(x) for x in args.scale.split(",") if x.strip())
+        except ValueError:
+            ap.error(f"--scale takes supervisor counts, e.g. 1,4,8; got {args.scale!r}")
+        if not counts["b12_sizes"] or min(counts["b12_sizes"]) < 1:
+            ap.error("--scale takes counts >= 1")
+    if args.scale_prefetch is not None:
+        if args.scale_prefetch < 0:
+            ap.error("--scale-prefetch must be >= 0")
+        counts["b12_prefetch"] = args.scale_prefetch
     peer = load_peer(args.peer_results)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or os.path.join(HERE, "results", f"{stamp}.json")

@@ -32,7 +32,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, Databas
 from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step
-from .store import AsyncStore, PooledAsyncConnection, aconfigure_session, classify, redact, tcp_bounds
+from .store import AsyncStore, PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
 from .waiting import AsyncWaiter, result_of
 from .workflow import Workflow
 
@@ -80,6 +80,8 @@ class AsyncClient(ClientBase):
     # -- connection -------------------------------------------------------------------------
 
     async def _store_pool(self) -> AsyncConnectionPool:
+        if self._pool is not None:  # the common case: no lock to take
+            return self._pool
         if self._pool_lock is None:
             self._pool_lock = asyncio.Lock()
         async with self._pool_lock:
@@ -107,7 +109,7 @@ class AsyncClient(ClientBase):
                     kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp async client",
                             **tcp_bounds(max(5.0, self.config.lease_ttl))}, name="cyclone-mp-async-client",
                     connection_class=PooledAsyncConnection if pgbouncer else psycopg.AsyncConnection,
-                    check=AsyncConnectionPool.check_connection, configure=configure,
+                    check=acheck_pooled, configure=configure,
                 )
                 await pool.open(wait=False)
                 self._pool = pool
@@ -118,12 +120,14 @@ class AsyncClient(ClientBase):
         POOL_PROBE_EVERY seconds (as :meth:`Client._connection` does)."""
         from .embedded import server_for_dsn
 
-        server = server_for_dsn(self.dsn)
         deadline = time.monotonic() + POOL_TIMEOUT
+        server: Any = False  # looked up once a wait is long (it reads files: not on every call)
         while True:
             try:
                 return await pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
             except PoolTimeout:
+                if server is False:
+                    server = server_for_dsn(self.dsn)
                 if server is not None and server.stopping():
                     raise DatabaseUnavailable(server.not_running_message()) from None
                 if time.monotonic() >= deadline:

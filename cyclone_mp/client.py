@@ -30,8 +30,8 @@ from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
 from .store import (
-    NodeRow, PooledConnection, PooledCursor, Store, classify, configure_session, connect, redact, stale_plan,
-    tcp_bounds,
+    NodeRow, PooledConnection, PooledCursor, Store, check_pooled, classify, configure_session, connect, redact,
+    stale_plan, tcp_bounds,
 )
 from .waiting import Waiter, result_of
 from .workflow import Workflow
@@ -146,21 +146,47 @@ class ClientBase:
         enqueue's trace context or None). Raises what :meth:`Client.enqueue` documents,
         before any I/O."""
         definition = self._resolve(target)
-        self._check_payload(input, "input")
-        overrides = self._enqueue_options(
-            timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-            backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
-            memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
-            max_open_files=max_open_files,
-        )
-        delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
+        text = self._check_payload(input, "input")
+        if isinstance(definition, Step) and all(v is None for v in (
+                timeout, max_attempts, max_reclaims, queue, priority, backoff, concurrency, concurrency_key,
+                rate_limit, memory_limit, cpu_limit, max_processes, max_open_files)):
+            kind, nodes = "step", [self._step_row(definition, input)]  # the common case: nothing to compose
+        else:
+            overrides = self._enqueue_options(
+                timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
+                backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
+                memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
+                max_open_files=max_open_files,
+            )
+            kind, nodes = None, None
+        delay_s = 0.0 if delay is None else seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
         check_idempotency_key(idempotency_key)
-        kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
+        if nodes is None:
+            kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
         return definition.name, lambda trace: operations.enqueue_run(
             name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
-            scheduled_at=scheduled_at, idempotency_key=idempotency_key, trace=trace,
+            scheduled_at=scheduled_at, idempotency_key=idempotency_key, trace=trace, input_json=text,
         )
+
+    def _step_row(self, step: Step, input: Any) -> NodeRow:
+        """The row of a single-step run of ``step`` with no per-enqueue option: the step's
+        options over the client's, composed once per step and kept (issue 23: a single
+        enqueue composes nothing), with ``input``'s concurrency key when the step's key
+        is a callable of the input.
+
+        Raises:
+            ConfigurationError: the key callable failed.
+        """
+        cache: dict[int, tuple[Step, StepOptions, StepOptions, NodeRow | None]] = \
+            self.__dict__.setdefault("_step_rows", {})
+        kept = cache.get(id(step))
+        if kept is None or kept[0] is not step or kept[1] is not step.options:  # composed afresh when changed
+            opts = step.options.over(self.config.defaults)
+            row = None if callable(opts.concurrency_key) else _task_row(step.name, step, opts, None, (), "available")
+            kept = cache[id(step)] = (step, step.options, opts, row)
+        _, _, opts, row = kept
+        return row if row is not None else _task_row(step.name, step, opts, input, (), "available")
 
     def _plan_enqueue_many(
         self, target: Step | str, inputs: Iterable[Any], *, timeout: Duration | None, max_attempts: int | None,
@@ -408,7 +434,7 @@ class Client(ClientBase):
                             **({"cursor_factory": PooledCursor} if config.pgbouncer else {})},
                     connection_class=PooledConnection if config.pgbouncer else psycopg.Connection,
                     name="cyclone-mp-client",
-                    check=ConnectionPool.check_connection,  # a restarted server leaves dead connections
+                    check=check_pooled,  # a restarted server leaves dead connections (a round trip only then)
                     configure=configure,
                 )
             return self._pool
@@ -422,13 +448,15 @@ class Client(ClientBase):
         POOL_TIMEOUT as before, then fails with why a fresh connection fails."""
         from .embedded import server_for_dsn
 
-        server = server_for_dsn(self.dsn)
         deadline = time.monotonic() + POOL_TIMEOUT
+        server: Any = False  # looked up once a wait is long (it reads files: not on every call)
         while True:
             try:
                 conn = pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
                 break
             except PoolTimeout:
+                if server is False:
+                    server = server_for_dsn(self.dsn)
                 if server is not None and server.stopping():
                     raise DatabaseUnavailable(server.not_running_message()) from None
                 if time.monotonic() >= deadline:

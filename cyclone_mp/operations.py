@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import functools
+import json
 import uuid
 from typing import Any, Callable, Generator, Sequence, TypeVar
 
@@ -26,7 +27,7 @@ from psycopg.types.json import Jsonb
 from .errors import DatabaseError, InvalidTransition, RunNotFound
 from .schedules import parse_idempotency_key
 from .limits import NO_LIMITS, Limits
-from .store import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, node_params, nullable_jsonb, to_us
+from .store import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, nullable_jsonb, to_us
 
 T = TypeVar("T")
 
@@ -119,32 +120,33 @@ def migrate() -> Steps[list[str]]:
 def enqueue_run(
     *, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
     scheduled_at: dt.datetime | None = None, idempotency_key: str | None, trace: Any = None,
+    input_json: str | None = None,
 ) -> Op:
     """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``. With an
     ``idempotency_key`` already used, returns the existing run's id and ``created=False``.
 
     A single-step run is one statement; a workflow's rows are a transaction (which, on a
     caller's connection, is the caller's). ``trace``: the enqueue's trace context (a dict
-    of W3C headers, :mod:`cyclone_mp.tracing`), kept on the run, or None.
+    of W3C headers, :mod:`cyclone_mp.tracing`), kept on the run, or None. ``input_json``:
+    ``input`` as JSON text when the caller has it already (the client's payload check
+    made it: it is not encoded twice).
     """
     run_id = str(uuid.uuid4())
     if kind == "step" and len(nodes) == 1:
         # a step with a key or a limit also marks its queue and makes its slots, a step with an
         # idempotency key is checked against the archive: one transaction
         make = _enqueue_step_tx if nodes[0].flow or idempotency_key is not None else _enqueue_step
-        return make(run_id, name, input, nodes[0], delay, scheduled_at, idempotency_key, trace)
+        text = input_json if input_json is not None else json.dumps(input)
+        return make(run_id, name, text, nodes[0], delay, scheduled_at, idempotency_key, trace)
     return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key, trace)
 
 
-def _insert_step(run_id: str, name: str, input: Any, node: NodeRow, delay: float,
+def _insert_step(run_id: str, name: str, input_json: str, node: NodeRow, delay: float,
                  scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
     row = (yield q("enqueue_step", {
-        "id": run_id, "name": name, "input": Jsonb(input), "idempotency_key": idempotency_key,
-        "queue": node.queue, "priority": node.priority, "max_attempts": node.max_attempts,
-        "max_reclaims": node.max_reclaims, "timeout_us": to_us(node.timeout),
-        "backoff": nullable_jsonb(node.backoff),
-        "scheduled_at": scheduled_at, "delay_us": to_us(delay), "trace": nullable_jsonb(trace),
-        **node_params(node),
+        **node.enqueue_params, "id": run_id, "name": name, "input": input_json, "idempotency_key": idempotency_key,
+        "scheduled_at": scheduled_at, "delay_us": to_us(delay),
+        "trace": nullable_jsonb(trace),
     })).one()
     if row is not None and row["id"] is not None:
         archived = yield from _archived_holder(idempotency_key, row["id"])

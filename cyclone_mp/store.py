@@ -17,6 +17,7 @@ import importlib.resources
 import json
 import logging
 import re
+import select
 from typing import Any, Callable, Iterator, Sequence
 
 import psycopg
@@ -368,6 +369,44 @@ def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0, dead_af
     return conn
 
 
+def server_spoke(conn: Any) -> bool:
+    """True when something arrived on an idle connection's socket since its last call (an
+    idle client connection receives nothing unless the server ends it: a restart sends
+    FATAL and closes; a hung-up socket reads as EOF), or it is closed already. Asks the
+    kernel (``poll`` with no wait), not the server: no round trip.
+
+    The API pools' ``check`` (issue 23): a pooled connection is checked with a round trip
+    (psycopg_pool's ``check_connection``) only when this says the server spoke; a warm
+    connection costs its call nothing more. A server gone without a word (a host
+    powered off) is found by the call itself, within the connection's TCP bounds."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.Error:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+def check_pooled(conn: psycopg.Connection) -> None:
+    """A client pool's ``check``: raises when a pooled connection is no longer usable,
+    with a round trip only if :func:`server_spoke` (else none)."""
+    if server_spoke(conn):
+        from psycopg_pool import ConnectionPool
+
+        ConnectionPool.check_connection(conn)
+
+
+async def acheck_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`check_pooled` for the async client's pool."""
+    if server_spoke(conn):
+        from psycopg_pool import AsyncConnectionPool
+
+        await AsyncConnectionPool.check_connection(conn)
+
+
 def session_settings(*, generic_plans: bool = False, idle_in_transaction: float | None = None,
                      lock_timeout: float | None = None, statement_timeout: float | None = None) -> dict[str, str]:
     """The server settings of a cyclone_mp connection, by name (see :func:`configure_session`)."""
@@ -489,6 +528,16 @@ class NodeRow:
     concurrency_key: str = ""  # its fairness and limit group ('' for none)
     concurrency: int | None = None  # at most this many running per (step, key)
     rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
+
+    @functools.cached_property
+    def enqueue_params(self) -> dict[str, Any]:
+        """The parameters of ``enqueue_step`` that come from this row alone (its queue,
+        priority, attempts, timeout, backoff, key, flow and resource limits), computed once
+        per row: a client reuses a step's row for every enqueue without per-enqueue
+        options (issue 23). Callers copy it, never change it."""
+        return {"queue": self.queue, "priority": self.priority, "max_attempts": self.max_attempts,
+                "max_reclaims": self.max_reclaims, "timeout_us": to_us(self.timeout),
+                "backoff": nullable_jsonb(self.backoff), **node_params(self)}
 
     @property
     def flow(self) -> bool:
@@ -953,6 +1002,21 @@ class Store:
             return released
 
     # -- recovery sweep -----------------------------------------------------------------
+
+    @translate
+    def sweep_turn(self, owner: str, every: float) -> tuple[bool, float]:
+        """Take the recovery sweep's turn for all supervisors when the last one is at least
+        ``every`` seconds old (one statement, a row lock for its length; migration 0018).
+
+        Returns ``(mine, wait)``: True when ``owner`` took it (it sweeps now; the next
+        turn is ``every`` seconds away), else False and the seconds until the turn it
+        saw ends (0 or more)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sweep_turn"], {"owner": owner, "every_us": to_us(every)})
+            row = cur.fetchone()
+        if row["mine"]:
+            return True, every
+        return False, max(0.0, float(row["due_in"] if row["due_in"] is not None else every))
 
     @translate
     def sweep_candidates(self, limit: int = 100) -> list[dict[str, Any]]:

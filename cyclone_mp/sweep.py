@@ -8,14 +8,22 @@ which asks :func:`cyclone_mp.decisions.expiry`), fires due timers, and returns c
 Tests call it directly.
 
 :class:`Maintenance` is the thin loop around it, on a thread and a connection of its
-own: it sweeps at a random point of every ``poll_interval``, refreshes the
-informational ``cyclone_workers`` row every ``registry_interval`` (from a snapshot that
-process control publishes), and tells process control to claim at once when the sweep
-made something claimable. Recovery never reads the registry (scenario SC-05).
+own. The sweep is one supervisor's at a time (issue 22): before a pass it takes the
+sweep's turn for all (:meth:`cyclone_mp.store.Store.sweep_turn`, a row of
+``cyclone_maintenance`` whose ``ran_at`` moves forward at most once per interval; a row
+lock for one statement, nothing a session holds, so it works through PgBouncer in
+transaction mode), and when another supervisor has it, asks again once that turn is
+over. So the database sees one pass per ``poll_interval`` maximum (default 1 s) however
+many supervisors run, and each supervisor one small statement per interval. It also
+refreshes the informational ``cyclone_workers`` row every ``registry_interval`` (from a
+snapshot that process control publishes), and tells process control to claim at once
+when the sweep made something claimable. Recovery never reads the registry (scenario
+SC-05).
 
-On every sweep tick it also fires the due slots of the mux's schedules
-(:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its own: a schedule the
-database refuses never costs a sweep, and neither ever waits in process control's loop.
+At a random point of every ``poll_interval`` it also fires the due slots of the mux's
+schedules (:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its own: a
+schedule the database refuses never costs a sweep, and neither ever waits in process
+control's loop. (Schedules stay every supervisor's: each one's mux has its own.)
 
 Every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds it does the history work of
 issue 22 (:class:`cyclone_mp.history.History`): finished runs leave the hot tables for
@@ -126,11 +134,19 @@ class Maintenance(DatabaseThread):
         self.observer = observer
         now = clock()
         self.next_sweep = now
+        self.next_schedules = now
         self.next_registry = now
         self.next_depths = now if observer.queue_depth_interval is not None else None
         self.history = history if history is not None else History(Policy.from_config(config), clock=clock)
         # a random first pass: supervisors started together do not all try at once
         self.next_history = now + random.uniform(0.0, HISTORY_INTERVAL) if self.history.policy.active else None
+        self.sweeping = False  # the last pass settled a full page: go on with this turn
+
+    @property
+    def sweep_every(self) -> float:
+        """Seconds between two sweep passes across every supervisor of the database: the
+        poll interval's maximum (default 1 s), whatever the number of supervisors."""
+        return self.config.poll_interval[1]
 
     def turn(self, now: float) -> float:
         self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
@@ -138,12 +154,12 @@ class Maintenance(DatabaseThread):
             load = self.loads.pop(0)
             for row in load.rows:
                 self._load(row, load.sent)
+        lo, hi = self.config.poll_interval
         if self.db_ok and now >= self.next_sweep:
-            lo, hi = self.config.poll_interval
-            self.next_sweep = now + random.uniform(lo, hi)
-            self.sweep()
-            if self.db_ok:
-                self.fire_schedules()
+            self.next_sweep = self.sweep_tick(now)
+        if self.db_ok and now >= self.next_schedules:
+            self.next_schedules = now + random.uniform(lo, hi)
+            self.fire_schedules()
         if self.db_ok and now >= self.next_registry:
             if self.started is not None and not self.started.is_set():
                 self.next_registry = now + 0.05  # process control has not started its children yet
@@ -156,7 +172,7 @@ class Maintenance(DatabaseThread):
         if self.db_ok and self.next_history is not None and now >= self.next_history:
             counts = self.keep_history()
             self.next_history = self.clock() + (HISTORY_BUSY_INTERVAL if counts.get("more") else HISTORY_INTERVAL)
-        return min(self.next_sweep, self.next_registry,
+        return min(self.next_sweep, self.next_registry, self.next_schedules,
                    *(t for t in (self.next_depths, self.next_history) if t is not None))
 
     def keep_history(self) -> dict[str, int]:
@@ -176,6 +192,42 @@ class Maintenance(DatabaseThread):
         self.count("partitions_dropped", counts["partitions_dropped"])
         self.count("expired", counts["expired"] + counts["dropped_runs"])
         return counts
+
+    def sweep_tick(self, now: float) -> float:
+        """Sweep when it is this supervisor's turn (:meth:`take_turn`), and return when to
+        look again (local monotonic seconds): when the turn another took ends, or one
+        interval after this one's pass, with a little jitter (the poll interval's
+        minimum) so that supervisors do not all ask at the same instant. A pass that
+        settled a full page (:data:`~cyclone_mp.config.SWEEP_LIMIT` candidates or due
+        timers: a mass expiry) goes on at once, without asking again: recovery is not
+        held to one page per interval (others join in once the interval is over)."""
+        lo, _ = self.config.poll_interval
+        if not self.sweeping:
+            wait = self.take_turn()
+            if wait is None:  # the database failed: as before the turn, a poll interval
+                return now + random.uniform(lo, self.sweep_every)
+            if wait > 0:
+                return now + wait + random.uniform(0, lo)
+        counts = self.sweep()
+        settled = sum(counts.get(k, 0) for k in ("timeout", "reclaim", "reclaim_limit", "none"))
+        self.sweeping = settled >= SWEEP_LIMIT or counts.get("timers", 0) >= SWEEP_LIMIT
+        return now if self.sweeping else now + self.sweep_every + random.uniform(0, lo)
+
+    def take_turn(self) -> float | None:
+        """Ask for the sweep's turn (:meth:`cyclone_mp.store.Store.sweep_turn`): 0 when it
+        is ours (sweep now), else the seconds until the turn another supervisor took ends
+        (counted as ``sweep_turns_skipped``); None when the database failed."""
+        try:
+            mine, wait = self.call(self.config.write_bound,
+                                   lambda store: store.sweep_turn(self.owner, self.sweep_every))
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("sweep turn: %s", exc)
+            return None
+        if mine:
+            return 0.0
+        self.count("sweep_turns_skipped")
+        return max(wait, 0.001)  # (a turn just taken, seen from an older snapshot: ask again soon)
 
     def read_queue_depths(self) -> None:
         """Read how many steps wait in each queue served, and since when, for the metrics:
@@ -225,6 +277,7 @@ class Maintenance(DatabaseThread):
             return {}
         if counts["reclaim"] or counts["timeout"] or counts["timers"]:
             self.tell_control(Poll())  # something may be claimable now: do not wait a poll
+        self.count("sweeps")
         self.count("reclaimed", counts["reclaim"])
         self.count("swept_timeouts", counts["timeout"])
         self.count("reclaim_limits", counts["reclaim_limit"])

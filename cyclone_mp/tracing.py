@@ -41,15 +41,44 @@ def available() -> bool:
     return _available
 
 
-@contextlib.contextmanager
-def enqueue_span(name: str) -> Iterator[dict[str, str] | None]:
-    """Around an enqueue: a PRODUCER span; yields its context as a carrier dict to store
-    on the run(s), or None without OpenTelemetry (or when the span is not sampled)."""
-    if not available():
-        yield None
-        return
-    from opentelemetry import propagate, trace
+_modules: tuple[Any, Any] | None = None
 
+
+def _api() -> tuple[Any, Any]:
+    """``opentelemetry.propagate`` and ``opentelemetry.trace``, imported on first use."""
+    global _modules
+    if _modules is None:
+        from opentelemetry import propagate, trace
+
+        _modules = (propagate, trace)
+    return _modules
+
+
+def tracing_enqueue() -> bool:
+    """False when :func:`enqueue_span` would record nothing: no OpenTelemetry, or no SDK
+    configured (the API's proxy or no-op provider) and no current trace to continue (the
+    span would be the invalid one, its carrier empty). Cheap: the single enqueue asks it
+    on its hot path and skips the span altogether (issue 23)."""
+    if not available():
+        return False
+    _, trace = _api()
+    return not (isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+                and not trace.get_current_span().get_span_context().is_valid)
+
+
+_NO_SPAN = contextlib.nullcontext(None)
+
+
+def enqueue_span(name: str) -> contextlib.AbstractContextManager[dict[str, str] | None]:
+    """Around an enqueue: a PRODUCER span; yields its context as a carrier dict to store
+    on the run(s), or None without OpenTelemetry (or when the span is not sampled, or
+    would record nothing: :func:`tracing_enqueue`)."""
+    return _span(name) if tracing_enqueue() else _NO_SPAN
+
+
+@contextlib.contextmanager
+def _span(name: str) -> Iterator[dict[str, str] | None]:
+    propagate, trace = _api()
     tracer = trace.get_tracer(INSTRUMENTATION)
     with tracer.start_as_current_span(f"cyclone_mp enqueue {name}", kind=trace.SpanKind.PRODUCER,
                                       attributes={"cyclone_mp.name": name}) as span:

@@ -671,6 +671,27 @@ UPDATE cyclone_steps
    AND lease_generation = %(generation)s
    AND (timeout IS NULL OR started_at + timeout > now());
 
+-- name: sweep_turn
+-- Take the recovery sweep's turn for every supervisor (issue 22; migration 0018): move the
+-- task's ran_at to now when it is at least %(every_us)s old. mine: this caller took it
+-- (and sweeps now); due_in: seconds from now until the turn it saw ends (the others ask
+-- again then). No write unless the turn is taken; a missing row is made, and taken.
+WITH took AS (
+    UPDATE cyclone_maintenance
+       SET holder = %(owner)s, ran_at = now()
+     WHERE task = 'sweep' AND ran_at <= now() - %(every_us)s::bigint * interval '1 microsecond'
+    RETURNING ran_at
+), made AS (
+    INSERT INTO cyclone_maintenance (task, holder, ran_at)
+    SELECT 'sweep', %(owner)s, now()
+     WHERE NOT EXISTS (SELECT 1 FROM cyclone_maintenance WHERE task = 'sweep')
+    ON CONFLICT (task) DO NOTHING
+    RETURNING ran_at
+)
+SELECT EXISTS (SELECT 1 FROM took UNION ALL SELECT 1 FROM made) AS mine,
+       (SELECT extract(epoch FROM m.ran_at + %(every_us)s::bigint * interval '1 microsecond' - now())::float8
+          FROM cyclone_maintenance m WHERE m.task = 'sweep') AS due_in;
+
 -- name: sweep_candidates
 -- Recovery sweep page: running rows whose lease expired or whose DB deadline passed.
 SELECT id, run_id::text AS run_id
@@ -914,10 +935,11 @@ RETURNING id::text AS id;
 
 -- name: enqueue_step
 -- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
--- With an idempotency key already used, nothing is written and id is NULL.
+-- With an idempotency key already used, nothing is written and id is NULL. %(input)s is
+-- the input as JSON text (the client's payload check encoded it: it is not encoded twice).
 WITH run AS (
     INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
-    VALUES (%(id)s, %(name)s, 'step', %(input)s, %(idempotency_key)s, %(trace)s)
+    VALUES (%(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s)
     ON CONFLICT (idempotency_key) DO NOTHING
     RETURNING id
 ), step AS (
