@@ -244,10 +244,13 @@ def describe_dsn(dsn: str) -> str:
                    "floods of short steps); 0 claims only for idle children.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")
+@click.option("--start-method", type=click.Choice(["zygote", "spawn"]), default="zygote", show_default=True,
+              help="How children start: forked from a zygote that imported the app once (milliseconds), "
+                   "or a fresh interpreter each (spawn).")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
            max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int,
-           metrics_port: int | None) -> None:
+           metrics_port: int | None, start_method: str) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
@@ -258,7 +261,8 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                      shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
-                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port)
+                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
+                     start_method=start_method)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(

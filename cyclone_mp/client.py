@@ -281,6 +281,10 @@ class Client(ClientBase):
             ``max_prepared_statements`` above 0.
         listen_dsn: a direct connection string (past PgBouncer) for LISTEN, of the
             supervisor and of :meth:`wait`; default ``dsn``, or none with ``pgbouncer``.
+        start_method: how the supervisor starts children (issue 23): ``"zygote"``
+            (default: forked in milliseconds from a process that imported the runner and
+            the handlers' modules once) or ``"spawn"`` (a fresh interpreter each, tens of
+            milliseconds). See docs/operating.md#how-children-start.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -322,6 +326,7 @@ class Client(ClientBase):
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
         listen_dsn: str | None = None,
+        start_method: str = "zygote",
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -341,7 +346,7 @@ class Client(ClientBase):
             memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
             max_open_files=max_open_files,
             prefetch=prefetch, registry_interval=registry_interval, pgbouncer=pgbouncer,
-            prepared_statements=prepared_statements, **extra,
+            prepared_statements=prepared_statements, start_method=start_method, **extra,
         )
         if listen_dsn is not None and not isinstance(listen_dsn, str):
             raise ConfigurationError(f"listen_dsn must be a connection string or None, not {type(listen_dsn).__name__}")

@@ -26,6 +26,7 @@ COALESCE_PER_WORKER = 4  # outcomes per child that go at once, without waiting C
 PIPELINE_DEPTH = 16  # steps queued in a busy child, at most (a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
 PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed and the module is left to its steps
 PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets up to PIPELINE_DEPTH queued
+START_METHODS = ("zygote", "spawn")  # how children start (issue 23); the first is the default
 PIPELINE_ONE_MAX_STEP = 0.1  # seconds: with attempts shorter than this, one (B2's 20 ms steps: a core no longer idles between two)
 
 
@@ -59,6 +60,11 @@ class Config:
         prepared_statements: named prepared statements (psycopg's); default True, and
             False with ``pgbouncer`` unless asked for (PgBouncer 1.21 or later with
             ``max_prepared_statements`` above 0 keeps them per server connection).
+        start_method: how children start (issue 23): ``"zygote"`` (default: forked from a
+            process that imported the runner and the handlers' modules once, a few
+            milliseconds each) or ``"spawn"`` (a fresh interpreter each, tens of
+            milliseconds). Both keep every guarantee of SPEC 1; see
+            docs/operating.md#how-children-start.
     """
 
     workers: int = 4
@@ -75,6 +81,7 @@ class Config:
     registry_interval: float = 2.0
     pgbouncer: bool = False
     prepared_statements: bool = True
+    start_method: str = START_METHODS[0]
 
     @classmethod
     def build(
@@ -93,6 +100,7 @@ class Config:
         registry_interval: Duration = 2.0,
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
+        start_method: str = START_METHODS[0],
         **step_defaults: object,
     ) -> "Config":
         """Validate raw options (SPEC 2's ``Client(...)`` keywords).
@@ -130,6 +138,9 @@ class Config:
             raise ConfigurationError(f"pgbouncer must be True or False, got {pgbouncer!r}")
         if prepared_statements is not None and not isinstance(prepared_statements, bool):
             raise ConfigurationError(f"prepared_statements must be True, False or None, got {prepared_statements!r}")
+        if start_method not in START_METHODS:
+            raise ConfigurationError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}, "
+                                     f"got {start_method!r}")
         unknown = set(step_defaults) - {f.name for f in dataclasses.fields(StepOptions)}
         if unknown:
             raise ConfigurationError(f"unknown option(s): {', '.join(sorted(unknown))}")
@@ -151,6 +162,7 @@ class Config:
             registry_interval=seconds(registry_interval, "registry_interval", allow_none=False),  # type: ignore[arg-type]
             pgbouncer=pgbouncer,
             prepared_statements=not pgbouncer if prepared_statements is None else prepared_statements,
+            start_method=start_method,
         )
 
     @property

@@ -114,7 +114,7 @@ class ProcessControl:
         self.confinement = confinement or slots.Confinement.none()
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
-                              confinement=self.confinement, dedicated=dedicated)
+                              confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
         self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled (issue 20)
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self._vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
