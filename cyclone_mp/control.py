@@ -69,6 +69,7 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
+ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 
 
@@ -186,8 +187,13 @@ class ProcessControl:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self, running: threading.Event | None = None) -> None:
-        """Run until drained or stopped (on the thread that owns the children)."""
+        """Run until drained or stopped (on the thread that owns the children). With a
+        zygote, the first children are forked once it has imported the handlers (waited
+        for here, at most ``ZYGOTE_START_WAIT``), so they exist when ``running`` is set,
+        as spawned ones do."""
         self.pool.maintain(self.clock(), draining=False)
+        if self.pool.await_zygote(ZYGOTE_START_WAIT, stop=lambda: self._shutdown_req):
+            self.pool.maintain(self.clock(), draining=False)
         self._publish_snapshot(self.clock())  # before maintenance's first registry row
         if running is not None:
             running.set()

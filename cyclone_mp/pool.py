@@ -318,8 +318,8 @@ class ChildPool:
         self._foreign: set[int] = protocol.child_pids() or set()
         self.stats = {"children_spawned": 0, "children_forked": 0, "killed": 0, "grandchildren_killed": 0}
         # issue 23: children forked from a zygote that imported the runner and the handlers once
-        self.zygote = Zygote(owner, limit, self.preload, selector=selector, clock=clock) \
-            if start_method == "zygote" else None
+        self.zygote = Zygote(owner, limit, self.preload, selector=selector, clock=clock,
+                             preload_timeout=PRELOAD_TIMEOUT) if start_method == "zygote" else None
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -346,7 +346,9 @@ class ChildPool:
         child.slot = slot
         slot.enter(child.pid, born_in_v2=child.in_cgroup)  # before it runs anything of the handlers
         self.children.append(child)
-        self.stats["children_forked" if child.forked else "children_spawned"] += 1
+        self.stats["children_spawned"] += 1  # every child started, however
+        if child.forked:
+            self.stats["children_forked"] += 1  # ... of which forked from the zygote
         self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
         child.events = selectors.EVENT_READ
         self.watchdog.child(child.pid, child.pidfd, child.slot.v2_dir)
@@ -371,6 +373,18 @@ class ChildPool:
             if self.spawn() is None:
                 self.respawn_at = now + self.respawn_delay
                 return
+
+    def await_zygote(self, timeout: float, stop: Any = lambda: False) -> bool:
+        """Wait up to ``timeout`` seconds (or until ``stop()``) for a starting zygote to be
+        ready or given up; True when it is ready."""
+        zygote = self.zygote
+        deadline = time.monotonic() + timeout
+        while zygote is not None and zygote.state == "starting" and time.monotonic() < deadline and not stop():
+            if zygote.sock is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([zygote.sock], [], [], 0.05)
+            zygote.poll()
+        return zygote is not None and zygote.ready
 
     def idle(self) -> list[ChildProc]:
         """Ready children with no attempt, not due for recycling."""

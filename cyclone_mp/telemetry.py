@@ -138,7 +138,8 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
 
 #: The supervisor's counters (:attr:`cyclone_mp.supervisor.Supervisor.stats`), 0 until counted.
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
-             "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
+             "swept_timeouts", "reclaim_limits", "children_spawned", "children_forked", "late_completions_dropped",
+             "cancelled_attempts",
              "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled",
              "limit_kills")
 

@@ -74,6 +74,8 @@ class Zygote:
             data ``("zygote", None)``: readiness wakes the loop, which calls :meth:`poll`).
         clock: local monotonic clock in seconds.
         on_lost_module: called with a module whose import killed or hung the zygote.
+        preload_timeout: seconds one module's import may take before the zygote is killed
+            and the module left out (the children's :data:`~cyclone_mp.config.PRELOAD_TIMEOUT`).
 
     Attributes:
         state: ``"starting"`` (importing), ``"ready"`` (forks children), or ``"off"``
@@ -85,13 +87,15 @@ class Zygote:
 
     def __init__(self, owner: str, limit: int, preload: list[Module], *, selector: Any,
                  clock: Callable[[], float] = time.monotonic,
-                 on_lost_module: Callable[[Module], None] | None = None) -> None:
+                 on_lost_module: Callable[[Module], None] | None = None,
+                 preload_timeout: float = PRELOAD_TIMEOUT) -> None:
         self.owner = owner
         self.limit = limit
         self.preload = preload
         self.selector = selector
         self.clock = clock
         self.on_lost_module = on_lost_module or (lambda module: None)
+        self.preload_timeout = preload_timeout
         self.state = "off"
         self.gave_up: str | None = None
         self.imported: set[Module] = set()
@@ -154,7 +158,7 @@ class Zygote:
 
     def poll(self) -> None:
         """Handle what the zygote said (non-blocking); notice its death and an import that
-        hangs it (:data:`~cyclone_mp.config.PRELOAD_TIMEOUT`), and start another."""
+        hangs it (``preload_timeout``), and start another."""
         if self.sock is None:
             return
         while self.sock is not None:
@@ -168,7 +172,7 @@ class Zygote:
                 self._died()
                 return
             self._on_message(data)
-        if self.state == "starting" and self.clock() - self.since > PRELOAD_TIMEOUT:
+        if self.state == "starting" and self.clock() - self.since > self.preload_timeout:
             module = self.preloading
             log.error("the zygote hung %s; killing it", f"importing {module[0]}" if module else "starting")
             self._kill()
