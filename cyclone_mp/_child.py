@@ -359,6 +359,9 @@ class Runner:
         self.preload(preload)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
+        # After "ready": under SCHED_BATCH a woken process waits for its turn on a busy
+        # CPU, which delayed every step of the start (the watcher's, the imports').
+        batch_scheduling()
         held: list[dict[str, Any]] = []  # tasks received while self.held
         while True:
             while not inbox:
@@ -630,11 +633,10 @@ def batch_scheduling() -> None:
 def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
           modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None) -> None:
     """Run as a child whose death with its parent is already arranged: become a child
-    subreaper, ignore Ctrl-C, run under ``SCHED_BATCH``, and serve tasks (``modules``:
+    subreaper, ignore Ctrl-C, serve tasks (under ``SCHED_BATCH`` once ready; ``modules``:
     those imported already, a zygote's; ``preload``: see :meth:`Runner.loop`). Then exit."""
     adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
-    batch_scheduling()
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
         Runner(ctrl, cancel_fd, limit, modules).loop(preload)
