@@ -646,3 +646,23 @@ def test_a_metrics_port_in_use_stops_the_worker_with_one_error_line(dsn: str) ->
     assert not [p for p in psutil.process_iter(["cmdline"]) if "cyclone_mp._child" in " ".join(p.info["cmdline"] or [])
                 and p.ppid() == proc.pid]  # it started no child
 
+
+
+def test_worker_start_method_spawn_and_a_bad_one(dsn: str, worker: Callable[..., Worker]) -> None:
+    """``--start-method spawn`` starts children as fresh interpreters (no zygote among the
+    worker's children); an unknown method is bad usage: one line, exit 2 (issue 23)."""
+    bad = run_cli("worker", APP, "--start-method", "fork", dsn=dsn)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "'fork' is not one of 'zygote', 'spawn'" in bad.stderr
+    w = worker(APP, "--start-method", "spawn")
+    client = cy.Client(dsn, load_app(str(REPO / APP)))
+    try:
+        run_id = client.enqueue("echo", {"i": 1})
+        wait_for(lambda: client.status(run_id).state == "completed", 30, "the echo run")
+    finally:
+        client.close()
+    kids = [psutil.Process(p) for p in w.children()]
+    cmdlines = [" ".join(p.cmdline()) for p in kids if p.is_running()]
+    assert any("cyclone_mp._child" in c for c in cmdlines), cmdlines
+    assert not any(" zygote " in c or " forked " in c for c in cmdlines), cmdlines
+    assert w.stop() == 0
