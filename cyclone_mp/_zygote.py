@@ -60,10 +60,12 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-# Standard modules a child imports at its first attempt (the deadline, a failure's
-# traceback, the input's annotation, an async handler's loop): imported here once, so no
-# child pays for them.
-WARM = ("datetime", "traceback", "inspect", "importlib.util", "asyncio")
+# Standard modules every child imports at its first attempt (the deadline, the input's
+# annotation, a script's loader): imported here once, so no child pays for them. Not
+# asyncio or traceback (only some children need them): a forked child's RSS counts the
+# zygote's pages it maps (6.6 MB more with those two), and a memory_limit below a fresh
+# child's RSS refuses the attempt.
+WARM = ("datetime", "inspect", "importlib.util")
 
 
 def fork_hazard(baseline: set[int]) -> str | None:
