@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 # zygote's pages it maps (6.6 MB more with those two), and a memory_limit below a fresh
 # child's RSS refuses the attempt.
 WARM = ("datetime", "inspect", "importlib.util")
+MESSAGE_MAX = 1 << 18  # bytes of one message on the zygote's socket (a fork names the modules a child imports itself)
 
 
 def fork_hazard(baseline: set[int]) -> str | None:
@@ -173,7 +174,7 @@ class Zygote:
     def loop(self) -> None:
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(self.sock, 4096, 3)
+                data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE_MAX, 3)
             except InterruptedError:
                 continue
             except OSError:

@@ -163,7 +163,7 @@ class Zygote:
             return
         while self.sock is not None:
             try:
-                data = self.sock.recv(65536)
+                data = self.sock.recv(1 << 18)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -305,7 +305,7 @@ class Zygote:
             if not readable:
                 continue
             try:
-                data = self.sock.recv(65536)
+                data = self.sock.recv(1 << 18)
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError:
