@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""cyclone_mp benchmarks B1-B8, B10, and B11 on request (issues 8, 22). See benchmarks/README.md.
+"""cyclone_mp benchmarks B1-B10, and B11 and B12 on request (issues 8, 22, 23). See benchmarks/README.md.
 
     python benchmarks/run.py                      # B1-B10, 3 repetitions, own embedded server
     python benchmarks/run.py --quick --repeat 1   # smoke run (small counts)
@@ -54,7 +54,7 @@ import cyclone_mp as cy
 from cyclone_mp.store import Store
 
 console = Console(width=None if sys.stdout.isatty() else 160)
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B10", "B11", "B12")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12")
 ON_REQUEST = ("B11", "B12")  # minutes long: run with --only
 # The default prefetch (issue 23), measured beside prefetch=0 (claims only for idle children, SPEC 4).
 PREFETCH = 64
@@ -75,7 +75,7 @@ FULL = {
     "b1_steps": 2000, "b1_single": 1000, "b1_bulk": 20000, "b1_batch": 1000,
     "b2_steps": 200, "b5_samples": 50, "b6_queued": 100_000, "b6_finished": 1_000_000,
     "b7_steps": 20000, "b7_child_starts": 10, "b8_pairs": 3, "b8_keys": 100, "b8_claims": 200,
-    "b8_queued": 100_000, "b8_claim_keys": 1000,
+    "b8_queued": 100_000, "b8_claim_keys": 1000, "b9_kills": 10,
     "b10_archived": 1_000_000, "b10_days": 10,
     "b11_warmup_s": 40, "b11_base_s": 30, "b11_hold_s": 60, "b11_after_s": 60,
     "b12_sizes": (1, 2, 4, 8, 16), "b12_steps": 20000, "b12_idle_s": 5.0, "b12_prefetch": 64,
@@ -84,7 +84,7 @@ QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
     "b2_steps": 40, "b5_samples": 10, "b6_queued": 10_000, "b6_finished": 100_000,
     "b7_steps": 2000, "b7_child_starts": 3, "b8_pairs": 1, "b8_keys": 20, "b8_claims": 50,
-    "b8_queued": 10_000, "b8_claim_keys": 100,
+    "b8_queued": 10_000, "b8_claim_keys": 100, "b9_kills": 3,
     "b10_archived": 100_000, "b10_days": 10,
     "b11_warmup_s": 20, "b11_base_s": 10, "b11_hold_s": 20, "b11_after_s": 20,
     "b12_sizes": (1, 2, 4), "b12_steps": 2000, "b12_idle_s": 2.0, "b12_prefetch": 64,
@@ -334,6 +334,12 @@ def suffixed(row: dict[str, Any], keys: tuple[str, ...], suffix: str) -> dict[st
     return {f"{k}{suffix}": v for k, v in row.items() if k in keys}
 
 
+def all_ready(sup: Any, workers: int) -> bool:
+    """The in-process supervisor ``sup`` has ``workers`` children, all ready."""
+    children = list(sup.children)
+    return len(children) == workers and all(c.ready for c in children)
+
+
 def dead_or_zombie(pid: int) -> bool:
     if not psutil.pid_exists(pid):
         return True
@@ -541,7 +547,7 @@ class Bench:
             client = cy.Client(dsn, mux_of(bench_steps.wedge, bench_steps.noop), workers=1, kill_grace=grace)
             try:
                 client.start()
-                wait_until(lambda: all(c.ready for c in client.supervisor.children), 30, 0.005, "child ready")
+                wait_until(lambda: all_ready(client.supervisor, 1), 30, 0.005, "child ready")
                 wedge_id = client.enqueue(bench_steps.wedge, None, timeout=timeout, max_attempts=1)
                 wait_until(lambda: client.status(wedge_id).step.state != "available", 30, 0.005, "wedge started")
                 noop_id = client.enqueue(bench_steps.noop, None)
@@ -617,7 +623,7 @@ class Bench:
             try:
                 client.start()
                 sup = client.supervisor
-                wait_until(lambda: all(c.ready for c in sup.children), 30, 0.005, "children ready")
+                wait_until(lambda: all_ready(sup, 2), 30, 0.005, "children ready")
                 time.sleep(1.5)  # idle: the poll backoff has grown to its maximum
                 t0 = time.monotonic()
                 for i in range(n):
@@ -1104,6 +1110,81 @@ class Bench:
         return row
 
 
+    # B9 -----------------------------------------------------------------------------------
+
+    START_METHODS = ("spawn", "zygote")
+
+    def b9(self) -> dict[str, Any]:
+        """Children in milliseconds (issue 23), ``start_method="spawn"`` against
+        ``"zygote"``, one right after the other, the first alternating between
+        repetitions. Each: a supervisor in this process (``workers=2``, its handlers'
+        module ``bench_steps`` preloaded), started on a fresh database; then
+        ``b9_kills`` times an idle child is SIGKILLed and its replacement awaited.
+
+        - child ready: a new child's ``ChildProc.ready_after``, the supervisor's own
+          clock from asking for it (the zygote's fork, or ``Popen``) to its ``ready``
+          message (handlers imported): every child, the first two and each replacement;
+        - replaced after: from the SIGKILL (this thread, ``time.monotonic``) to the
+          replacement's ``ready`` (``spawned + ready_after``, the same clock);
+        - all ready after start: from ``client.start()`` to both children ready.
+
+        This thread looks every 20 ms (the times are the supervisor's; a tighter poll
+        would take the GIL from it)."""
+        order = self.START_METHODS if self._b9_rep % 2 == 0 else tuple(reversed(self.START_METHODS))
+        self._b9_rep += 1
+        row: dict[str, Any] = {"order": list(order)}
+        for method in order:
+            got = self.child_replacements(method)
+            row.update({f"{k}_{method}": v for k, v in got.items()})
+        for key in ("child_ready_ms", "replaced_ms"):
+            if row.get(f"{key}_spawn") and row.get(f"{key}_zygote"):
+                row[f"{key}_zygote_over_spawn"] = round(row[f"{key}_zygote"] / row[f"{key}_spawn"], 3)
+        return row
+
+    _b9_rep = 0
+
+    def child_replacements(self, method: str) -> dict[str, Any]:
+        kills = self.n["b9_kills"]
+        ready_ms: list[float] = []
+        replaced_ms: list[float] = []
+        with self.server.fresh() as dsn:
+            client = cy.Client(dsn, mux_of(bench_steps.noop), workers=2, start_method=method)
+            try:
+                t0 = time.monotonic()
+                client.start()
+                sup = client.supervisor
+                wait_until(lambda: all_ready(sup, 2), 60, 0.02, "children ready")
+                first = list(sup.children)
+                all_ready_ms = (max(c.spawned + c.ready_after for c in first) - t0) * 1000
+                ready_ms += [c.ready_after * 1000 for c in first]
+                for _ in range(kills):
+                    time.sleep(0.1)  # the supervisor settles (its strays check, its registry row)
+                    before = {c.pid for c in sup.children}
+                    victim = next(c for c in sup.children if c.ready and c.attempt is None)
+                    t_kill = time.monotonic()
+                    os.kill(victim.pid, signal.SIGKILL)  # our own unreaped child (the supervisor runs here)
+                    wait_until(lambda: all_ready(sup, 2) and {c.pid for c in sup.children} != before, 30, 0.02,
+                               "a replacement ready")
+                    new = next(c for c in sup.children if c.pid not in before)
+                    ready_ms.append(new.ready_after * 1000)
+                    replaced_ms.append((new.spawned + new.ready_after - t_kill) * 1000)
+                stats = sup.stats
+                client.shutdown()
+            finally:
+                with contextlib.suppress(Exception):
+                    client.stop()
+                client.close()
+        return {
+            "child_ready_ms": round(statistics.median(ready_ms), 2),
+            "replaced_ms": round(statistics.median(replaced_ms), 2),
+            "replaced_ms_max": round(max(replaced_ms), 2),
+            "all_ready_after_start_ms": round(all_ready_ms, 1),
+            "children_forked": stats["children_forked"], "children_spawned": stats["children_spawned"],
+            "child_ready_ms_each": [round(x, 2) for x in ready_ms],
+            "replaced_ms_each": [round(x, 2) for x in replaced_ms],
+        }
+
+
 # -- the report -------------------------------------------------------------------------------
 
 # (benchmark, metric key, label, format, target text, check(median, medians) -> bool | None)
@@ -1222,6 +1303,19 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          "{:.2f}", "", None),
         ("B8", "claim_big_over_small", "claim time, big backlog / small", "{:.2f}", "flat (<= 1.5)",
          lambda v, m: v <= 1.5),
+        ("B9", "child_ready_ms_spawn", "fresh child ready, start_method=spawn (ms, its handlers' module imported)",
+         "{:.2f}", "", None),
+        ("B9", "child_ready_ms_zygote", "fresh child ready, start_method=zygote (ms)", "{:.2f}", "< 10 (issue 23)",
+         lambda v, m: v < 10),
+        ("B9", "replaced_ms_spawn", f"SIGKILLed child replaced (ready) after, spawn (ms, median of {n['b9_kills']})",
+         "{:.2f}", "", None),
+        ("B9", "replaced_ms_zygote", f"SIGKILLed child replaced (ready) after, zygote (ms, median of {n['b9_kills']})",
+         "{:.2f}", "<= 20 (issue 23)", lambda v, m: v <= 20),
+        ("B9", "replaced_ms_max_zygote", "  ... slowest replacement, zygote (ms)", "{:.2f}", "", None),
+        ("B9", "all_ready_after_start_ms_spawn", "supervisor start to 2 children ready, spawn (ms)", "{:.1f}", "",
+         None),
+        ("B9", "all_ready_after_start_ms_zygote", "supervisor start to 2 children ready, zygote (ms)", "{:.1f}", "",
+         None),
         ("B10", "steps_per_s", f"B1 with {n['b10_archived']:,} finished runs archived, defaults, from start",
          "{:,.0f}", "", None),
         ("B10", "b1_paired_steps_per_s", "the same on an empty database, right before or after (the pair's B1)", "{:,.0f}",

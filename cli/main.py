@@ -260,11 +260,14 @@ def describe_dsn(dsn: str) -> str:
               help="Delete discarded runs this long after they finished, e.g. 30d [default: never].")
 @click.option("--retain-cancelled", type=DURATION_OR_NEVER, default=None,
               help="Delete cancelled runs this long after they finished [default: never].")
+@click.option("--start-method", type=click.Choice(["zygote", "spawn"]), default="zygote", show_default=True,
+              help="How children start: forked from a zygote that imported the app once (milliseconds), "
+                   "or a fresh interpreter each (spawn).")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
            max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int,
            metrics_port: int | None, archive_after: float | None, retain_completed: float | None,
-           retain_discarded: float | None, retain_cancelled: float | None) -> None:
+           retain_discarded: float | None, retain_cancelled: float | None, start_method: str) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
     Blocks until SIGTERM or SIGINT: the first one drains (claim nothing more, let
@@ -277,7 +280,8 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
                      max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
                      archive_after=archive_after, retain_completed=retain_completed,
-                     retain_discarded=retain_discarded, retain_cancelled=retain_cancelled)
+                     retain_discarded=retain_discarded, retain_cancelled=retain_cancelled,
+                     start_method=start_method)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(

@@ -1,7 +1,8 @@
 """The child runner: runs handlers, one at a time, for the supervisor that started it.
 
 Started by the supervisor as ``_boot.py _child CTRL_FD CANCEL_FD PARENT_PID LIMIT``
-in its own process group. It owns only the handler call and the pipe (STYLE pattern 9):
+in its own process group, or forked from the zygote (:mod:`cyclone_mp._zygote`, issue
+23), which imported this module and the handlers' once. It owns only the handler call and the pipe (STYLE pattern 9):
 it never touches the database. It dies with its parent (``PR_SET_PDEATHSIG``), reads
 tasks from the control socket, reads cancels from the cancellation pipe on a watcher
 thread, and sends back progress and one result per task, as JSON. Tasks run in the
@@ -166,14 +167,15 @@ class TaskLimits:
 class Runner:
     """The child's main loop; see the module docstring."""
 
-    def __init__(self, ctrl: socket.socket, cancel_fd: int, limit: int) -> None:
+    def __init__(self, ctrl: socket.socket, cancel_fd: int, limit: int,
+                 modules: dict[tuple[str, str | None], Any] | None = None) -> None:
         self.ctrl = ctrl
         self.limit = limit
         self.cancel_file = os.fdopen(cancel_fd, "r", buffering=1)
         self.lock = threading.Lock()
         self.task: str | None = None
         self.cancellation = Cancellation()
-        self.modules: dict[tuple[str, str | None], Any] = {}
+        self.modules: dict[tuple[str, str | None], Any] = modules if modules is not None else {}
         self._last_progress = 0.0
         self._pending_progress: dict[str, Any] | None = None
         self.peak = protocol.PeakRss()
@@ -333,13 +335,33 @@ class Runner:
             except BaseException:  # noqa: BLE001 - its step's attempt reports it
                 pass
 
-    def loop(self) -> None:
+    def loop(self, preload: list[list[Any]] | None = None) -> None:
+        """Run tasks until told to exit. ``preload``: the handlers' modules to import
+        before saying ready; None: a spawned child's, from its environment. A child forked
+        from the zygote gets those the zygote had not imported, and imports them only
+        after the supervisor's ``start`` (it is then in its slot's cgroups)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
-        self.preload(json.loads(os.environ.pop(protocol.PRELOAD_ENV, None) or "[]"))
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
         reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
+        if preload is None:
+            preload = json.loads(os.environ.pop(protocol.PRELOAD_ENV, None) or "[]")
+        elif preload:
+            while not inbox or inbox[0].get("t") != "start":
+                if inbox:
+                    if inbox.pop(0).get("t") == "exit":  # retired before it started
+                        return
+                    continue
+                data = self.ctrl.recv(1 << 20)
+                if not data:
+                    return
+                inbox.extend(reader.feed(data))
+            inbox.pop(0)
+        self.preload(preload)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
+        # After "ready": under SCHED_BATCH a woken process waits for its turn on a busy
+        # CPU, which delayed every step of the start (the watcher's, the imports').
+        batch_scheduling()
         held: list[dict[str, Any]] = []  # tasks received while self.held
         while True:
             while not inbox:
@@ -608,18 +630,33 @@ def batch_scheduling() -> None:
         pass
 
 
-def main(argv: list[str]) -> None:
-    ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
-    die_with_parent(parent_pid)
+def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
+          modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None) -> None:
+    """Run as a child whose death with its parent is already arranged: become a child
+    subreaper, ignore Ctrl-C, serve tasks (under ``SCHED_BATCH`` once ready; ``modules``:
+    those imported already, a zygote's; ``preload``: see :meth:`Runner.loop`). Then exit."""
     adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
-    batch_scheduling()
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
-        Runner(ctrl, cancel_fd, limit).loop()
+        Runner(ctrl, cancel_fd, limit, modules).loop(preload)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the supervisor went away (or recycled us): nothing left to report to
     os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """``CTRL_FD CANCEL_FD PARENT_PID LIMIT`` (a spawned child), or ``zygote FD
+    SUPERVISOR_PID LIMIT`` (the zygote, :mod:`cyclone_mp._zygote`: its children show
+    ``forked`` there instead)."""
+    if argv and argv[0] == "zygote":
+        from . import _zygote
+
+        _zygote.main(argv[1:])
+        return
+    ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
+    die_with_parent(parent_pid)
+    serve(ctrl_fd, cancel_fd, limit)
 
 
 if __name__ == "__main__":

@@ -323,6 +323,10 @@ class Client(ClientBase):
             time where it can); None (the default): forever.
         retain_discarded: the same for discarded runs (keep them longer: they can be retried).
         retain_cancelled: the same for cancelled runs.
+        start_method: how the supervisor starts children (issue 23): ``"zygote"``
+            (default: forked in milliseconds from a process that imported the runner and
+            the handlers' modules once) or ``"spawn"`` (a fresh interpreter each, tens of
+            milliseconds). See docs/operating.md#how-children-start.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -368,6 +372,7 @@ class Client(ClientBase):
         retain_completed: Duration | str | None = None,
         retain_discarded: Duration | str | None = None,
         retain_cancelled: Duration | str | None = None,
+        start_method: str = "zygote",
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -389,7 +394,7 @@ class Client(ClientBase):
             prefetch=prefetch, registry_interval=registry_interval, pgbouncer=pgbouncer,
             prepared_statements=prepared_statements, archive_after=archive_after,
             retain_completed=retain_completed, retain_discarded=retain_discarded,
-            retain_cancelled=retain_cancelled, **extra,
+            retain_cancelled=retain_cancelled, start_method=start_method, **extra,
         )
         if listen_dsn is not None and not isinstance(listen_dsn, str):
             raise ConfigurationError(f"listen_dsn must be a connection string or None, not {type(listen_dsn).__name__}")

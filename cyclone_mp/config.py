@@ -34,6 +34,7 @@ HISTORY_BUDGET = 1.0  # seconds of history work per pass at most (its batches; t
 HISTORY_BATCH = 1000  # finished step rows a history statement looks at, at most (their runs move together)
 HISTORY_WALK_RESTART = 60.0  # seconds between two walks of the finished steps from the oldest (history.py)
 HISTORY_DDL_LOCK_TIMEOUT = 0.2  # seconds a partition's CREATE or DROP may wait for its lock before it gives up
+START_METHODS = ("zygote", "spawn")  # how children start (issue 23); the first is the default
 PIPELINE_ONE_MAX_STEP = 0.1  # seconds: with attempts shorter than this, one (B2's 20 ms steps: a core no longer idles between two)
 
 
@@ -75,6 +76,11 @@ class Config:
         retain_completed, retain_discarded, retain_cancelled: seconds a run finished in
             that state is kept (hot or archived) before maintenance deletes it, dropping
             whole archive partitions where it can; None (the default): forever.
+        start_method: how children start (issue 23): ``"zygote"`` (default: forked from a
+            process that imported the runner and the handlers' modules once, a few
+            milliseconds each) or ``"spawn"`` (a fresh interpreter each, tens of
+            milliseconds). Both keep every guarantee of SPEC 1; see
+            docs/operating.md#how-children-start.
     """
 
     workers: int = 4
@@ -95,6 +101,7 @@ class Config:
     retain_completed: float | None = None
     retain_discarded: float | None = None
     retain_cancelled: float | None = None
+    start_method: str = START_METHODS[0]
 
     @classmethod
     def build(
@@ -117,6 +124,7 @@ class Config:
         retain_completed: Duration | str | None = None,
         retain_discarded: Duration | str | None = None,
         retain_cancelled: Duration | str | None = None,
+        start_method: str = START_METHODS[0],
         **step_defaults: object,
     ) -> "Config":
         """Validate raw options (SPEC 2's ``Client(...)`` keywords). The history options
@@ -155,6 +163,9 @@ class Config:
             raise ConfigurationError(f"pgbouncer must be True or False, got {pgbouncer!r}")
         if prepared_statements is not None and not isinstance(prepared_statements, bool):
             raise ConfigurationError(f"prepared_statements must be True, False or None, got {prepared_statements!r}")
+        if start_method not in START_METHODS:
+            raise ConfigurationError(f"start_method must be one of {', '.join(map(repr, START_METHODS))}, "
+                                     f"got {start_method!r}")
         unknown = set(step_defaults) - {f.name for f in dataclasses.fields(StepOptions)}
         if unknown:
             raise ConfigurationError(f"unknown option(s): {', '.join(sorted(unknown))}")
@@ -180,6 +191,7 @@ class Config:
             retain_completed=seconds(retain_completed, "retain_completed", allow_zero=True, allow_text=True),
             retain_discarded=seconds(retain_discarded, "retain_discarded", allow_zero=True, allow_text=True),
             retain_cancelled=seconds(retain_cancelled, "retain_cancelled", allow_zero=True, allow_text=True),
+            start_method=start_method,
         )
 
     @property

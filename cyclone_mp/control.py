@@ -70,6 +70,7 @@ log = logging.getLogger("cyclone_mp.supervisor")
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
 WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close (WatchdogLink.due)
+ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 
 
@@ -115,7 +116,7 @@ class ProcessControl:
         self.confinement = confinement or slots.Confinement.none()
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
-                              confinement=self.confinement, dedicated=dedicated)
+                              confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
         self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled (issue 20)
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self._vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
@@ -190,8 +191,13 @@ class ProcessControl:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self, running: threading.Event | None = None) -> None:
-        """Run until drained or stopped (on the thread that owns the children)."""
+        """Run until drained or stopped (on the thread that owns the children). With a
+        zygote, the first children are forked once it has imported the handlers (waited
+        for here, at most ``ZYGOTE_START_WAIT``), so they exist when ``running`` is set,
+        as spawned ones do."""
         self.pool.maintain(self.clock(), draining=False)
+        if self.pool.await_zygote(ZYGOTE_START_WAIT, stop=lambda: self._shutdown_req):
+            self.pool.maintain(self.clock(), draining=False)
         self._publish_snapshot(self.clock())  # before maintenance's first registry row
         if running is not None:
             running.set()

@@ -1,11 +1,14 @@
-"""The supervisor's side of one child process: spawn, pipes, kill, reap.
+"""The supervisor's side of one child process: spawn or fork, pipes, kill, reap.
 
-A :class:`ChildProc` is a fresh interpreter (``cyclone_mp._child`` started through
-:func:`cyclone_mp.procs.helper_command`), never a
-fork of the grown supervisor. It runs in its own process group, in its slot's cgroups
-where the host has them (:mod:`cyclone_mp.slots`, issue 20), carries the supervisor's
-marker in its environment, and is reused for many steps until it is killed or
-recycled. It imports the handlers' modules before it says it is ready.
+A :class:`ChildProc` is forked from the zygote (:mod:`cyclone_mp.zygote`, issue 23: a
+process that imported the runner and the handlers' modules once; the default
+``start_method="zygote"``) or is a fresh interpreter (``cyclone_mp._child`` started through
+:func:`cyclone_mp.procs.helper_command`, ``start_method="spawn"``), never a fork of the
+grown supervisor. Either way it is this process's own child (a forked one is reparented
+to it), runs in its own process group, in its slot's cgroups where the host has them
+(:mod:`cyclone_mp.slots`, issue 20), carries the supervisor's marker in its environment,
+and is reused for many steps until it is killed or recycled. It has imported the
+handlers' modules before it says it is ready.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import collections
 import contextlib
 import json
 import os
+import select
 import selectors
 import socket
 import subprocess
@@ -25,6 +29,7 @@ import psutil
 from . import procs, protocol
 from .config import PRELOAD_TIMEOUT
 from .slots import Confinement, Slot
+from .zygote import Zygote, ZygoteError
 
 
 class ChildProc:
@@ -37,26 +42,53 @@ class ChildProc:
         steps_run: tasks finished by this child (for ``max_steps_per_child``).
     """
 
-    def __init__(self, supervisor_id: str, limit: int, preload: Sequence[tuple[str, str | None]] = ()) -> None:
+    def __init__(self, supervisor_id: str, limit: int, preload: Sequence[tuple[str, str | None]] = (), *,
+                 zygote: Zygote | None = None, cgroup_fd: int | None = None) -> None:
         """Start a child. ``limit``: the largest message in bytes; ``preload``: the
-        ``(module, script path or None)`` of the handlers, imported before it is ready."""
+        ``(module, script path or None)`` of the handlers, imported before it is ready;
+        ``zygote``: fork it from this ready zygote (issue 23) instead of spawning a fresh
+        interpreter. A forked child imports the modules of ``preload`` the zygote had not,
+        once it gets ``start`` (:meth:`start`); it is created in the cgroup v2 directory
+        ``cgroup_fd`` names where the kernel can (:attr:`in_cgroup`).
+
+        Raises:
+            OSError: the system refused a process or a descriptor.
+            ZygoteError: the zygote could not fork it (the caller spawns it instead).
+        """
+        self.spawned = time.monotonic()
         parent_sock, child_sock = socket.socketpair()
         cancel_r, cancel_w = os.pipe()
-        env = procs.helper_env({procs.MARKER_ENV: supervisor_id,
-                                protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload])})
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.leftover: list[list[Any]] = []  # forked: the handlers' modules it imports itself, after "start"
+        self.in_cgroup = False  # forked into its slot's cgroup v2 directory (CLONE_INTO_CGROUP)
         try:
-            self.popen = subprocess.Popen(
-                procs.helper_command("_child", str(child_sock.fileno()), str(cancel_r), str(os.getpid()), str(limit)),
-                pass_fds=(child_sock.fileno(), cancel_r),
-                process_group=0,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                close_fds=True,
-            )
+            if zygote is not None:
+                self.leftover = [list(m) for m in preload if tuple(m) not in zygote.imported]
+                self.pid, self.in_cgroup = zygote.fork(child_sock.fileno(), cancel_r, self.leftover, cgroup_fd)
+            else:
+                env = procs.helper_env({procs.MARKER_ENV: supervisor_id,
+                                        protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload])})
+                self.popen = subprocess.Popen(
+                    procs.helper_command("_child", str(child_sock.fileno()), str(cancel_r), str(os.getpid()),
+                                         str(limit)),
+                    pass_fds=(child_sock.fileno(), cancel_r),
+                    process_group=0,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    close_fds=True,
+                )
+                self.pid = self.popen.pid
+        except BaseException:
+            parent_sock.close()
+            os.close(cancel_w)
+            raise
         finally:
             child_sock.close()
             os.close(cancel_r)
-        self.pid = self.popen.pid
+        self.forked = zygote is not None
+        if self.forked:  # it takes its own group at once; so it has when this returns
+            with contextlib.suppress(OSError):
+                os.setpgid(self.pid, self.pid)
         self.pidfd: int | None = None  # for the watchdog: a handle no recycled pid can alias
         with contextlib.suppress(AttributeError, OSError):
             self.pidfd = os.pidfd_open(self.pid)
@@ -75,7 +107,6 @@ class ChildProc:
         self.cpu_at_ready = 0.0  # the CPU seconds it took to start (imports), before any step
         self.preloading: tuple[str, str | None] | None = None  # the handler module it imports before it is ready
         self.preloading_since = 0.0
-        self.spawned = time.monotonic()
         self.ready_after: float | None = None
         self.returncode: int | None = None
         self.rusage: Any = None
@@ -124,6 +155,12 @@ class ChildProc:
             if len(data) < 1 << 20:
                 return messages, False  # drained for now (saves a recv that would block)
 
+    def start(self) -> None:
+        """Let a child forked from the zygote with :attr:`leftover` modules go on (it is in
+        its slot now): it imports them, then says ready."""
+        self.queue({"t": "start"})
+        self.flush()
+
     def cancel(self, token: str, reason: str) -> None:
         """Send a cancel line over the cancellation pipe (never blocks the parent)."""
         with contextlib.suppress(OSError):
@@ -168,17 +205,24 @@ class ChildProc:
             try:
                 pid, status, rusage = os.wait4(self.pid, os.WNOHANG)
             except ChildProcessError:
-                self.returncode = self.popen.poll() if self.popen.returncode is None else self.popen.returncode
+                if self.popen is not None:
+                    self.returncode = self.popen.poll() if self.popen.returncode is None else self.popen.returncode
                 if self.returncode is None:
                     self.returncode = -9
                 break
             if pid == self.pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
                 self.rusage = rusage
-                self.popen.returncode = self.returncode
+                if self.popen is not None:
+                    self.popen.returncode = self.returncode
                 break
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return None
+            if self.pidfd is not None:  # readable once it has exited: no polling delay
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([self.pidfd], [], [], min(left, 0.05))
+                    continue
             time.sleep(0.002)
         # What it sent before it died (a result that crossed our kill) is still in the
         # socket: the supervisor handles it before deciding what the death means.
@@ -252,7 +296,8 @@ class ChildPool:
 
     def __init__(self, owner: str, *, workers: int, limit: int, preload: list[tuple[str, str | None]],
                  selector: Any, watchdog: Any, clock: Any = time.monotonic,
-                 on_kill: Any = None, confinement: Confinement | None = None, dedicated: bool = False) -> None:
+                 on_kill: Any = None, confinement: Confinement | None = None, dedicated: bool = False,
+                 start_method: str = "spawn") -> None:
         self.owner = owner
         self.on_kill = on_kill or (lambda trigger: None)  # told each SIGKILL's trigger (metrics)
         self.confinement = confinement or Confinement.none()
@@ -271,37 +316,75 @@ class ChildPool:
         # children of this process that are no handler's: those it had before the supervisor
         # started, and (embedded) the program's own, once looked at
         self._foreign: set[int] = protocol.child_pids() or set()
-        self.stats = {"children_spawned": 0, "killed": 0, "grandchildren_killed": 0}
+        self.stats = {"children_spawned": 0, "children_forked": 0, "killed": 0, "grandchildren_killed": 0}
+        # issue 23: children forked from a zygote that imported the runner and the handlers once
+        self.zygote = Zygote(owner, limit, self.preload, selector=selector, clock=clock,
+                             preload_timeout=PRELOAD_TIMEOUT) if start_method == "zygote" else None
 
     # -- starting ----------------------------------------------------------------------------
 
     def spawn(self) -> ChildProc | None:
-        """Start one child (None when the system refuses: tried again after a backoff)."""
-        try:
-            child = ChildProc(self.owner, self.limit, self.preload)
-        except OSError as exc:
-            import logging
+        """Start one child, forked from the zygote when it is ready, else spawned (None
+        when the system refuses: tried again after a backoff)."""
+        import logging
 
-            logging.getLogger("cyclone_mp.supervisor").error("cannot start a child process: %s", exc)
-            return None
+        log = logging.getLogger("cyclone_mp.supervisor")
+        zygote = self.zygote if self.zygote is not None and self.zygote.ready else None
         used = {c.slot.index for c in self.children if c.slot is not None}
-        child.slot = self.confinement.slot(min(i for i in range(len(self.children) + 1) if i not in used))
-        child.slot.enter(child.pid)  # before it can start anything (it is still importing)
+        slot = self.confinement.slot(min(i for i in range(len(self.children) + 1) if i not in used))
+        try:
+            try:
+                # a forked child is born in its slot's v2 cgroup (its caps reset first)
+                child = ChildProc(self.owner, self.limit, self.preload, zygote=zygote,
+                                  cgroup_fd=slot.prepare() if zygote is not None else None)
+            except ZygoteError as exc:
+                log.warning("the zygote could not fork a child (%s); spawning one", exc)
+                child = ChildProc(self.owner, self.limit, self.preload)
+        except OSError as exc:
+            log.error("cannot start a child process: %s", exc)
+            return None
+        child.slot = slot
+        slot.enter(child.pid, born_in_v2=child.in_cgroup)  # before it runs anything of the handlers
         self.children.append(child)
-        self.stats["children_spawned"] += 1
+        self.stats["children_spawned"] += 1  # every child started, however
+        if child.forked:
+            self.stats["children_forked"] += 1  # ... of which forked from the zygote
         self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
         child.events = selectors.EVENT_READ
         self.watchdog.child(child.pid, child.pidfd, child.slot.v2_dir)
+        if child.forked and child.leftover:
+            child.start()
         return child
 
     def maintain(self, now: float, draining: bool) -> None:
-        """Keep ``workers`` children alive (a killed or recycled one is replaced at once)."""
+        """Keep ``workers`` children alive (a killed or recycled one is replaced at once).
+        With a zygote, its messages are read here; while it starts (it imports what a
+        spawned child would), children wait for it."""
+        zygote = self.zygote
+        if zygote is not None:
+            if zygote.state == "off" and zygote.gave_up is None and not draining:
+                zygote.start()
+            zygote.poll()
         if draining or now < self.respawn_at:
+            return
+        if zygote is not None and zygote.state == "starting":
             return
         while len(self.children) < self.workers:
             if self.spawn() is None:
                 self.respawn_at = now + self.respawn_delay
                 return
+
+    def await_zygote(self, timeout: float, stop: Any = lambda: False) -> bool:
+        """Wait up to ``timeout`` seconds (or until ``stop()``) for a starting zygote to be
+        ready or given up; True when it is ready."""
+        zygote = self.zygote
+        deadline = time.monotonic() + timeout
+        while zygote is not None and zygote.state == "starting" and time.monotonic() < deadline and not stop():
+            if zygote.sock is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([zygote.sock], [], [], 0.05)
+            zygote.poll()
+        return zygote is not None and zygote.ready
 
     def idle(self) -> list[ChildProc]:
         """Ready children with no attempt, not due for recycling."""
@@ -437,6 +520,9 @@ class ChildPool:
         self.stats["grandchildren_killed"] += self._reap_strays(self._known())
 
     def _reap_strays(self, known: set[int]) -> int:
+        pids = protocol.child_pids()  # cheap: a look at every process (psutil) only when one is unknown
+        if pids is not None and not pids - known - self._foreign:
+            return 0
         return procs.reap_strays(self.owner, known | self._foreign, self.descended, dedicated=self.dedicated,
                                  held=self.confinement.holds if self.confinement.mechanism.where else None)
 
@@ -471,10 +557,14 @@ class ChildPool:
                         self.watchdog.seen(proc.pid, proc.create_time())
 
     def _known(self) -> set[int]:
-        return {c.pid for c in self.children} | {self.watchdog.pid}
+        zygote = self.zygote.pid if self.zygote is not None else None
+        return {c.pid for c in self.children} | {self.watchdog.pid} | ({zygote} if zygote else set())
 
     def teardown(self) -> None:
-        """Stop every child: idle ones are asked to exit, busy ones (or slow ones) killed."""
+        """Stop every child: idle ones are asked to exit, busy ones (or slow ones) killed.
+        The zygote goes first (no child is forked after this)."""
+        if self.zygote is not None:
+            self.zygote.close()
         for child in list(self.children):
             self.unregister(child)
             if child.attempt is None:

@@ -63,6 +63,13 @@ def set_subreaper(on: bool) -> bool | None:
     return bool(previous.value)
 
 
+def is_zygote(proc: psutil.Process) -> bool:
+    """True for a supervisor's zygote (issue 23): ``_boot.py cyclone_mp._child zygote ...``
+    (a child forked from it shows ``forked`` there). Raises psutil.Error when it is gone."""
+    cmdline = proc.cmdline()
+    return "cyclone_mp._child" in cmdline and "zygote" in cmdline
+
+
 def descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of ``pid`` (empty when it is gone)."""
     if not has_children(pid):

@@ -436,9 +436,32 @@ class Slot:
 
     # -- a child in the slot ---------------------------------------------------------------------
 
-    def enter(self, pid: int) -> bool:
-        """Move a new child into the slot's cgroups (before it can start anything). False
-        when it could not be (it is then killed with signals and sampled)."""
+    def prepare(self) -> int | None:
+        """Before a new child is created in the slot: lift the last attempt's caps (a
+        fresh child starts uncapped: it imports its handlers first). Returns a descriptor
+        of the slot's cgroup v2 directory to create it in (``CLONE_INTO_CGROUP``) when no
+        child was ever in it, else None (it is moved in). Only a new cgroup: on Linux 6.18
+        a process created in a cgroup that ``cgroup.kill`` once emptied is killed at
+        birth (seen here), and a kill may also come from the watchdog."""
+        if self.caps != (None, None):
+            self.confined = True
+            self.configure(Limits())
+        path = self.dirs.get("v2")
+        if path is None or self.pid is not None:
+            return None
+        fd = self._fds.get("v2-dir")
+        if fd is None:
+            try:
+                fd = self._fds["v2-dir"] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                return None
+        return fd
+
+    def enter(self, pid: int, *, born_in_v2: bool = False) -> bool:
+        """Move a new child into the slot's cgroups (before it can start anything), but the
+        v2 one if it was created there (``born_in_v2``: a move would cost a kernel RCU
+        grace period for nothing). False when it could not be (it is then killed with
+        signals and sampled)."""
         self.pid = pid
         if not self.dirs:
             self.confined = False
@@ -447,7 +470,9 @@ class Slot:
             if self.caps != (None, None):  # a fresh child starts uncapped (it imports its handlers first)
                 self.confined = True
                 self.configure(Limits())
-            for path in self.dirs.values():
+            for key, path in self.dirs.items():
+                if key == "v2" and born_in_v2:
+                    continue
                 _write(os.path.join(path, "cgroup.procs"), str(pid))
             self.confined = True
             self.last = Baseline()

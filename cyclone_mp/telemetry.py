@@ -138,10 +138,10 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
 
 #: The supervisor's counters (:attr:`cyclone_mp.supervisor.Supervisor.stats`), 0 until counted.
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
-             "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
-             "prefetch_released", "batches", "claim_statements", "pipelined", "fence_kills", "watchdog_kills",
-             "scheduled", "limit_kills", "archived", "history_deleted", "partitions_dropped", "expired", "sweeps",
-             "sweep_turns_skipped")
+             "swept_timeouts", "reclaim_limits", "children_spawned", "children_forked", "late_completions_dropped",
+             "cancelled_attempts", "prefetch_released", "batches", "claim_statements", "pipelined", "fence_kills",
+             "watchdog_kills", "scheduled", "limit_kills", "archived", "history_deleted", "partitions_dropped",
+             "expired", "sweeps", "sweep_turns_skipped")
 
 
 class Stats(Mapping[str, int]):

@@ -639,10 +639,38 @@ def test_a_metrics_port_in_use_stops_the_worker_with_one_error_line(dsn: str) ->
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = run_cli("worker", APP, "--metrics-port", str(port), dsn=dsn, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"Error: cannot serve metrics on port {port}: Address already in use"
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "cyclone_mp._child" in " ".join(p.info["cmdline"] or [])
-                and p.ppid() == proc.pid]  # it started no child
+        cmd = [sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", dsn, "worker", APP, "--metrics-port", str(port)]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        marked = []  # processes carrying its supervisor's marker (host:PID:...): a child or the zygote
+        while proc.poll() is None:
+            for p in psutil.process_iter():
+                with contextlib.suppress(psutil.Error):
+                    if f":{proc.pid}:" in p.environ().get("CYCLONE_MP_SUPERVISOR", ""):
+                        marked.append(p.pid)
+            time.sleep(0.01)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == f"Error: cannot serve metrics on port {port}: Address already in use"
+    assert not marked  # it started no child (and no zygote)
 
+
+
+def test_worker_start_method_spawn_and_a_bad_one(dsn: str, worker: Callable[..., Worker]) -> None:
+    """``--start-method spawn`` starts children as fresh interpreters (no zygote among the
+    worker's children); an unknown method is bad usage: one line, exit 2 (issue 23)."""
+    bad = run_cli("worker", APP, "--start-method", "fork", dsn=dsn)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "'fork' is not one of 'zygote', 'spawn'" in bad.stderr
+    w = worker(APP, "--start-method", "spawn")
+    client = cy.Client(dsn, load_app(str(REPO / APP)))
+    try:
+        run_id = client.enqueue("echo", {"i": 1})
+        wait_for(lambda: client.status(run_id).state == "completed", 30, "the echo run")
+    finally:
+        client.close()
+    kids = [psutil.Process(p) for p in w.children()]
+    cmdlines = [" ".join(p.cmdline()) for p in kids if p.is_running()]
+    assert any("cyclone_mp._child" in c for c in cmdlines), cmdlines
+    assert not any(" zygote " in c or " forked " in c for c in cmdlines), cmdlines
+    assert w.stop() == 0

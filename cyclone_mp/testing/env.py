@@ -289,13 +289,26 @@ class Env:
         raise TimeoutError(f"no child is running {run_id}/{node}")
 
     def child_pids(self) -> list[int]:
-        """Pids of every child process of every live supervisor."""
+        """Pids of every child process (handler runner) of every live supervisor; not its
+        zygote (issue 23), which carries the supervisor's marker too."""
         pids: list[int] = []
         for handle in self.workers:
             if handle.alive():
                 for proc in psutil.Process(handle.pid).children():
                     with contextlib.suppress(psutil.Error):
-                        if proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id:
+                        if proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id and not procs.is_zygote(proc):
+                            pids.append(proc.pid)
+        return pids
+
+    def zygote_pids(self) -> list[int]:
+        """Pids of the zygotes (issue 23) of every live supervisor (none with
+        ``start_method="spawn"``)."""
+        pids: list[int] = []
+        for handle in self.workers:
+            if handle.alive():
+                for proc in psutil.Process(handle.pid).children():
+                    with contextlib.suppress(psutil.Error):
+                        if proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id and procs.is_zygote(proc):
                             pids.append(proc.pid)
         return pids
 

@@ -1,0 +1,216 @@
+"""Children forked from a zygote (issue 23) keep every guarantee of SPEC 1.
+
+The zygote imports the runner and the handlers' modules once and forks each child with
+``clone(CLONE_PARENT)``. These tests check what a user or an operator can observe: who
+imported a module, whose child a child is, what it holds, and that the zygote's death,
+and the supervisor's, leave nothing running. The rest of the suite runs with the
+zygote too (it is the default); ``start_method="spawn"`` is the contrast where it shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+
+import cyclone_mp as cy
+import handlers as h
+import zygote_handlers as zh
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} not within {timeout} s")
+
+
+def imports(path) -> list[int]:
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_a_handler_module_is_imported_once_and_children_are_the_supervisors_own(
+        cyclone_env_factory, monkeypatch, tmp_path, start_method):
+    """The module's import side effect runs once, in the zygote, however many children
+    start (two, then two replacements of SIGKILLed ones); with ``spawn`` once per child.
+    Either way a child's parent is the supervisor, in its own process group."""
+    counter = tmp_path / "imports"
+    monkeypatch.setenv("ZYGOTE_IMPORTS", str(counter))
+    env = cyclone_env_factory(worker="thread", workers=2, start_method=start_method)
+    env.mux().register(zh.whoami)
+    handle = env.start_worker()
+    seen = [env.run_until_complete(env.enqueue(zh.whoami, {"sleep": 0.2})).step.output for _ in range(2)]
+    first = set(wait_for(lambda: len(env.child_pids()) == 2 and env.child_pids(), 10, "two children"))
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: len(env.child_pids()) == 2 and not set(env.child_pids()) & first, 10, "two replacements")
+    seen += [env.run_until_complete(env.enqueue(zh.whoami, {"sleep": 0.2})).step.output for _ in range(2)]
+    stats = handle.client.supervisor.stats
+    assert stats["children_spawned"] >= 4
+    for out in seen:
+        assert out["ppid"] == os.getpid()  # the supervisor (a thread of this process), not the zygote
+        assert out["pgid"] == out["pid"]  # its own process group
+        assert out["sid"] == os.getsid(0)
+    handler_pids = {out["pid"] for out in seen}
+    if start_method == "zygote":
+        zygotes = env.zygote_pids()
+        assert len(zygotes) == 1
+        assert imports(counter) == zygotes  # once, by the zygote
+        assert not handler_pids & set(zygotes)
+        assert stats["children_forked"] == stats["children_spawned"]
+    else:
+        assert env.zygote_pids() == []
+        assert stats["children_forked"] == 0
+        assert len(imports(counter)) == stats["children_spawned"]  # once per child
+        assert handler_pids <= set(imports(counter))
+
+
+def test_a_forked_child_holds_no_connection_no_extra_thread_and_no_password(cyclone_env_factory, monkeypatch):
+    """The supervisor here is a thread of this test process, which holds database
+    connections and threads; a child (and the zygote) hold only their own socket to the
+    supervisor, one thread (a child: plus its cancel watcher), and no password anywhere
+    in their environment (issue 18's scrubbing holds through the zygote)."""
+    secret = "pw-" + secrets.token_hex(8)
+    monkeypatch.setenv("CYCLONE_DSN", f"postgresql://someone:{secret}@db.invalid/app")
+    monkeypatch.setenv("PGPASSWORD", secret)
+    monkeypatch.setenv("APP_DB", f"host=db.invalid password={secret}")
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(zh.holdings)
+    env.start_worker()
+    out = env.run_until_complete(env.enqueue(zh.holdings, {})).step.output
+    assert [s["family"] for s in out["sockets"]] == [int(socket.AF_UNIX)], out["sockets"]  # its control socket only
+    assert out["threads"] == 2  # the runner and its cancel watcher
+    assert secret not in json.dumps(out)
+    assert not {"CYCLONE_DSN", "PGPASSWORD", "APP_DB"} & set(out["environ"])
+    (zygote,) = env.zygote_pids()
+    assert len(os.listdir(f"/proc/{zygote}/task")) == 1  # single-threaded when it forks
+    with open(f"/proc/{zygote}/environ", "rb") as fh:
+        assert secret.encode() not in fh.read()
+    zsockets = [fd for fd in os.listdir(f"/proc/{zygote}/fd") if os.readlink(f"/proc/{zygote}/fd/{fd}").startswith("socket:")]
+    assert len(zsockets) == 1  # its socket to the supervisor, no connection
+
+
+def test_the_zygote_dies_and_the_supervisor_goes_on_then_dies_with_everything(cyclone_env_factory, tmp_path):
+    """SIGKILL the zygote while a child runs a step: the child and its step go on, a new
+    zygote starts, a killed child is replaced from it, steps complete. Then the
+    supervisor is SIGKILLed: the new zygote and every child (forked before and after the
+    zygote's death) die within about a second (SPEC 1)."""
+    env = cyclone_env_factory(worker="process", workers=2, lease_ttl=2.0)
+    env.mux().register(zh.block)
+    env.mux().register(zh.whoami)
+    pids_file = tmp_path / "pids"
+    env.start_worker()
+    long_run = env.enqueue(zh.block, {"pids": str(pids_file), "seconds": 300})
+    env.wait_for_state(long_run, None, "running")
+    runner = int(wait_for(lambda: pids_file.exists() and pids_file.read_text().split(), 10, "the step's pid")[0])
+    (old_zygote,) = wait_for(env.zygote_pids, 10, "a zygote")
+    os.kill(old_zygote, signal.SIGKILL)
+    new_zygote = wait_for(lambda: [z for z in env.zygote_pids() if z != old_zygote], 10, "a new zygote")[0]
+    assert alive(runner) and env.status(long_run).step.state == "running"
+    idle = wait_for(lambda: [p for p in env.child_pids() if p != runner], 10, "the idle child")[0]
+    os.kill(idle, signal.SIGKILL)
+    replacement = wait_for(lambda: [p for p in env.child_pids() if p not in (runner, idle)], 10, "a replacement")[0]
+    assert psutil.Process(replacement).ppid() == env.workers[-1].pid
+    out = env.run_until_complete(env.enqueue(zh.whoami, {}), timeout=20).step.output
+    assert out["pid"] == replacement and out["ppid"] == env.workers[-1].pid
+    assert alive(runner) and env.status(long_run).step.state == "running"
+    everything = [runner, replacement, new_zygote]
+    env.crash_worker()
+    deadline = time.monotonic() + 1.5
+    while any(alive(p) for p in everything) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [p for p in everything if alive(p)], "a child or the zygote outlived the SIGKILLed supervisor"
+
+
+def test_a_sigkilled_supervisor_takes_its_forked_children_and_their_trees_within_a_second(
+        cyclone_env_factory, tmp_path):
+    """Two children forked from the zygote run steps that started grandchildren (one in
+    the child's group, one in a session of its own); the supervisor is SIGKILLed: the
+    children, the grandchildren and the zygote are gone within about a second."""
+    env = cyclone_env_factory(worker="process", workers=2, lease_ttl=2.0)
+    env.mux().register(h.spawner)
+    files = [tmp_path / f"pids-{i}" for i in range(2)]
+    env.start_worker()
+    for f in files:
+        env.enqueue(h.spawner, {"pids": str(f)})
+    pids = [int(p) for f in files for p in wait_for(lambda f=f: f.exists() and f.read_text().endswith("\n")
+                                                     and f.read_text().split(), 20, "the step's pids")]
+    zygotes = env.zygote_pids()
+    assert len(zygotes) == 1
+    env.crash_worker()
+    everything = pids + zygotes
+    deadline = time.monotonic() + 1.5
+    while any(alive(p) for p in everything) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [p for p in everything if alive(p)], "outlived the SIGKILLed supervisor"
+
+
+def test_a_module_that_starts_a_thread_at_import_is_imported_after_the_fork(cyclone_env_factory, monkeypatch,
+                                                                           tmp_path, caplog):
+    """A zygote that a module leaves with a thread cannot fork safely (a lock the thread
+    holds would stay held in every child): the module is left to the children, which
+    import it after the fork, and the zygote runs single-threaded without it."""
+    counter = tmp_path / "imports"
+    monkeypatch.setenv("ZYGOTE_IMPORTS", str(counter))
+    monkeypatch.setenv("ZYGOTE_THREAD_AT_IMPORT", "1")
+    caplog.set_level(logging.WARNING, logger="cyclone_mp.supervisor")
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(zh.holdings)
+    handle = env.start_worker()
+    out = env.run_until_complete(env.enqueue(zh.holdings, {})).step.output
+    assert out["threads"] == 3  # the runner, its cancel watcher and the module's own thread
+    (zygote,) = env.zygote_pids()
+    assert len(os.listdir(f"/proc/{zygote}/task")) == 1
+    assert out["pid"] in imports(counter)  # the child imported it itself
+    assert zygote not in imports(counter)  # the running zygote did not (the first one did, and stopped)
+    assert handle.client.supervisor.stats["children_forked"] >= 1
+    assert any("cannot be imported before the fork" in r.getMessage() for r in caplog.records)
+
+
+def test_a_zygote_that_keeps_dying_is_given_up_and_children_are_spawned(cyclone_env_factory, caplog):
+    """Three deaths of the zygote within a minute: the supervisor says so once and spawns
+    its children as with ``start_method="spawn"``; steps run on."""
+    caplog.set_level(logging.WARNING, logger="cyclone_mp.supervisor")
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(zh.whoami)
+    handle = env.start_worker()
+    seen = set()
+    for _ in range(3):
+        zygote = wait_for(lambda: [z for z in env.zygote_pids() if z not in seen], 10, "a zygote")[0]
+        seen.add(zygote)
+        os.kill(zygote, signal.SIGKILL)
+    wait_for(lambda: any("from now on" in r.getMessage() for r in caplog.records), 10, "the warning")
+    assert env.zygote_pids() == []
+    stats = handle.client.supervisor.stats
+    forked = stats["children_forked"]
+    (child,) = env.child_pids()
+    os.kill(child, signal.SIGKILL)
+    out = env.run_until_complete(env.enqueue(zh.whoami, {}), timeout=20).step.output
+    assert out["pid"] != child and out["ppid"] == os.getpid()
+    assert stats["children_forked"] == forked and stats["children_spawned"] >= 2
+    assert env.zygote_pids() == []
+
+
+def test_start_method_is_checked():
+    with pytest.raises(cy.ConfigurationError, match="start_method"):
+        cy.Client("postgresql://localhost/x", start_method="fork")
+    assert cy.Client("postgresql://localhost/x", start_method="spawn").config.start_method == "spawn"
+    assert cy.Client("postgresql://localhost/x").config.start_method == "zygote"
