@@ -140,7 +140,7 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
 STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed", "released", "lease_lost", "reclaimed",
              "swept_timeouts", "reclaim_limits", "children_spawned", "late_completions_dropped", "cancelled_attempts",
              "prefetch_released", "batches", "pipelined", "fence_kills", "watchdog_kills", "scheduled",
-             "limit_kills", "archived", "history_deleted", "partitions_dropped", "expired")
+             "limit_kills", "archived", "history_deleted", "partitions_dropped", "expired", "vacuums")
 
 
 class Stats(Mapping[str, int]):
