@@ -157,7 +157,7 @@ class Server:
             self.version = conn.execute("SHOW server_version").fetchone()[0]
             self.settings = dict(conn.execute(
                 "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', "
-                "'shared_buffers', 'max_connections', 'wal_level')").fetchall())
+                "'shared_buffers', 'max_connections', 'wal_level', 'autovacuum_naptime')").fetchall())
 
     def admin(self) -> psycopg.Connection:
         return psycopg.connect(self.admin_dsn, autocommit=True)
@@ -1591,6 +1591,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the peer harness's directory (default $CYCLONE_PEER_BENCH, else ../shared/peer-bench)")
     ap.add_argument("--peer-python", default=None,
                     help="the interpreter that runs the harness (default $CYCLONE_PEER_PYTHON, else this one)")
+    ap.add_argument("--autovacuum-naptime", default=None, metavar="SECONDS",
+                    help="the embedded server's autovacuum_naptime (default 10s, the engine's; PostgreSQL's own "
+                         "default is 60s): B11 shows what a long transaction costs with either")
+    ap.add_argument("--no-vacuum-watch", action="store_true",
+                    help="turn the supervisors' VACUUM after a long transaction off (B11's comparison)")
     ap.add_argument("-v", "--verbose", action="store_true", help="engine log at INFO")
     args = ap.parse_args(argv)
     if args.peers:
@@ -1603,6 +1608,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown benchmark(s) {bad}" if bad else "--repeat must be >= 1")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL,
                         format="%(asctime)s %(name)s: %(message)s")
+    if args.autovacuum_naptime:
+        if args.dsn:
+            ap.error("--autovacuum-naptime sets the embedded server's setting: not with --dsn")
+        from cyclone_mp import embedded
+
+        embedded.SERVER_SETTINGS["autovacuum_naptime"] = args.autovacuum_naptime
+    if args.no_vacuum_watch:
+        from cyclone_mp.history import VacuumWatch
+
+        VacuumWatch.decide = lambda self, xmin, dead: False  # type: ignore[method-assign]
     counts = dict(QUICK if args.quick else FULL)
     if args.archived is not None:
         if args.archived < 1:
@@ -1628,6 +1643,7 @@ def main(argv: list[str] | None = None) -> int:
         "counts": counts, "python": platform.python_version(), "cpus": os.cpu_count(),
         "cyclone_mp": cy.__version__, "loadavg_start": loadavg(), "peer_reference": peer, **git_state(),
         "limits": LIMITS if args.limits else None,
+        "autovacuum_naptime": args.autovacuum_naptime, "vacuum_watch": not args.no_vacuum_watch,
         "cyclone_mp_bytecode": ensure_bytecode(),
     }}
     server = None

@@ -35,6 +35,10 @@ HISTORY_BATCH = 1000  # finished step rows a history statement looks at, at most
 HISTORY_WALK_RESTART = 60.0  # seconds between two walks of the finished steps from the oldest (history.py)
 HISTORY_DDL_LOCK_TIMEOUT = 0.2  # seconds a partition's CREATE or DROP may wait for its lock before it gives up
 START_METHODS = ("zygote", "spawn")  # how children start (issue 23); the first is the default
+VACUUM_WATCH_INTERVAL = 5.0  # seconds between two looks of a supervisor's maintenance at the xmin horizon (history.VacuumWatch)
+VACUUM_HELD_FOR = 10.0  # seconds the same transaction must stay the oldest one running to count as holding vacuum back
+VACUUM_MIN_DEAD = 10_000  # dead row versions in the hot tables worth a VACUUM of them when such a transaction ends
+VACUUM_BOUND = 300.0  # seconds that VACUUM may take before its connection is abandoned
 PIPELINE_ONE_MAX_STEP = 0.1  # seconds: with attempts shorter than this, one (B2's 20 ms steps: a core no longer idles between two)
 
 

@@ -1,4 +1,5 @@
-"""History that stays small (issue 22): finished runs leave the hot tables, retention deletes them.
+"""History that stays small (issue 22): finished runs leave the hot tables, retention deletes them,
+and the hot tables are vacuumed as soon as a long transaction ends (:class:`VacuumWatch`).
 
 The claim, the renewals and the completions touch ``cyclone_runs`` and ``cyclone_steps``.
 A run that finished (completed, discarded, cancelled) more than ``archive_after`` seconds
@@ -40,13 +41,17 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import threading
 import time
 from typing import Any, Callable
 
 import psycopg
 
 from . import operations
-from .config import HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, HISTORY_WALK_RESTART, Config
+from .config import (
+    HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, HISTORY_WALK_RESTART, VACUUM_HELD_FOR, VACUUM_MIN_DEAD,
+    Config,
+)
 from .errors import DatabaseBusy, DatabaseError
 from .operations import FINISHED_STATES, day_end
 from .store import Store, to_us
@@ -269,3 +274,88 @@ class History:
                 counts["expired"] += row["runs"]
                 if row["runs"] < self.batch:
                     break
+
+
+class VacuumWatch:
+    """Vacuum the hot tables as soon as a long transaction ends (issue 22).
+
+    While any transaction of the cluster stays open, no row version newer than it can be
+    removed: every claim, completion and archived run leaves dead versions in
+    ``cyclone_steps`` and its indexes, and each claim walks past more of them (the claim
+    index is in queue order, and the steps claimed during the hold come first). Once it
+    ends, autovacuum cleans up at its next round for the database, up to
+    ``autovacuum_naptime`` (60 s by default) later, and throttled; until then every claim
+    still reads the dead part of the index. This watch looks every
+    :data:`~cyclone_mp.config.VACUUM_WATCH_INTERVAL` seconds at the oldest transaction id
+    still running (``xmin`` of a fresh snapshot): when the same one was the oldest for at
+    least ``held_for`` seconds and then ends, with at least ``min_dead`` dead versions in
+    the hot tables, it runs ``VACUUM cyclone_steps, cyclone_runs`` at once, on a thread and
+    a connection of its own (:func:`cyclone_mp.store.vacuum_hot_tables`: one supervisor at
+    a time; an autovacuum worker in its way, started while the transaction was still open
+    and unable to remove anything, is cancelled by the server).
+
+    A snapshot without a transaction id (a long read-only query) holds vacuum back too but
+    has no id to watch; autovacuum cleans up after it as usual.
+
+    Args:
+        vacuum: runs the VACUUM; returns the seconds it took, or None when another
+            supervisor was doing it. Raises DatabaseError.
+        held_for: seconds the same oldest transaction must stay open to count as holding
+            vacuum back.
+        min_dead: dead row versions in the hot tables worth a VACUUM.
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, vacuum: Callable[[], float | None], *, held_for: float = VACUUM_HELD_FOR,
+                 min_dead: int = VACUUM_MIN_DEAD, clock: Callable[[], float] = time.monotonic) -> None:
+        self.vacuum = vacuum
+        self.held_for = held_for
+        self.min_dead = min_dead
+        self.clock = clock
+        self.oldest: int | None = None  # the oldest transaction id still running, as last seen
+        self.since = 0.0  # when it was first seen the oldest (local monotonic)
+        self.thread: threading.Thread | None = None
+        self.done: list[float | None] = []  # what each VACUUM returned (seconds, or None: another did it)
+        self.failed = 0
+
+    @property
+    def held(self) -> bool:
+        """True while the oldest transaction seen has been the oldest for ``held_for`` seconds."""
+        return self.oldest is not None and self.clock() - self.since >= self.held_for
+
+    def decide(self, xmin: int, dead: int) -> bool:
+        """Pure but for the clock: given the oldest transaction id still running (``xmin``)
+        and the hot tables' ``dead`` versions now, whether to vacuum them now (the
+        transaction that held vacuum back ended)."""
+        if xmin == self.oldest:
+            return False
+        ended = self.held
+        self.oldest, self.since = xmin, self.clock()
+        return ended and dead >= self.min_dead
+
+    def run_once(self, store: Store) -> bool:
+        """Look at the horizon; start the VACUUM (on its own thread) when :meth:`decide`
+        says so and none is running. Returns True when one was started.
+
+        Raises:
+            DatabaseError: the look failed.
+        """
+        row = store.run(operations.xmin_horizon())
+        if not self.decide(int(row["xmin"]), int(row["dead"])):
+            return False
+        if self.thread is not None and self.thread.is_alive():
+            return False
+        self.thread = threading.Thread(target=self._vacuum, name="cyclone-vacuum", daemon=True)
+        self.thread.start()
+        return True
+
+    def _vacuum(self) -> None:
+        try:
+            took = self.vacuum()
+        except DatabaseError as exc:
+            self.failed += 1
+            log.warning("vacuum of the hot tables after a long transaction: %s", exc)
+            return
+        self.done.append(took)
+        if took is not None:
+            log.info("vacuumed the hot tables after a long transaction ended (%.1fs)", took)

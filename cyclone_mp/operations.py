@@ -548,6 +548,13 @@ def archive_partitions() -> Steps[tuple[dt.datetime, set[tuple[str, dt.date]]]]:
 
 
 @operation(transaction=False)
+def xmin_horizon() -> Steps[dict[str, Any]]:
+    """``{"xmin", "dead"}``: the oldest transaction id still running, and the hot tables'
+    dead row versions (see :class:`cyclone_mp.history.VacuumWatch`)."""
+    return (yield q("xmin_horizon")).one()
+
+
+@operation(transaction=False)
 def read_archive_partitions() -> Steps[tuple[dt.datetime, set[tuple[str, dt.date]]]]:
     """:func:`archive_partitions` as an operation of its own."""
     return (yield from archive_partitions())

@@ -464,6 +464,34 @@ async def aconfigure_session(conn: psycopg.AsyncConnection[Any], *, idle_in_tran
     await conn.execute(*_set_config(settings))
 
 
+#: pg_try_advisory_lock key of a VACUUM of the hot tables (one supervisor at a time)
+VACUUM_LOCK = 0x637976616375756D  # "cyvacuum"
+
+
+@translate
+def vacuum_hot_tables(dsn: str, *, pgbouncer: bool = False, application_name: str | None = None,
+                      lock_timeout: float = 10.0, statement_timeout: float = 300.0) -> float | None:
+    """``VACUUM cyclone_steps, cyclone_runs`` on a connection of its own (VACUUM cannot run
+    in a transaction, nor in a pipeline); returns the seconds it took, or None when another
+    supervisor is vacuuming them (a session advisory lock). It waits at most
+    ``lock_timeout`` seconds for its table locks (an autovacuum worker in its way is
+    cancelled by the server after ``deadlock_timeout``) and runs at most
+    ``statement_timeout``. Through PgBouncer in transaction mode (``pgbouncer``) it sends
+    the VACUUM alone: no session setting, no session lock. A role that does not own the
+    tables gets PostgreSQL's warning and nothing is vacuumed. Raises DatabaseError."""
+    import time
+
+    with connect(dsn, application_name=application_name, prepare=False) as conn:
+        if not pgbouncer:
+            if not conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (VACUUM_LOCK,)).fetchone()["got"]:
+                return None
+            conn.execute(*_set_config({"lock_timeout": f"{int(lock_timeout * 1000)}ms",
+                                        "statement_timeout": f"{int(statement_timeout * 1000)}ms"}))
+        started = time.monotonic()
+        conn.execute("VACUUM cyclone_steps, cyclone_runs")
+        return time.monotonic() - started
+
+
 def database_dsn(dsn: str, name: str) -> str:
     """``dsn`` pointed at database ``name`` (every other parameter kept)."""
     return psycopg.conninfo.make_conninfo(dsn, dbname=name)

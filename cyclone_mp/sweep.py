@@ -30,6 +30,9 @@ issue 22 (:class:`cyclone_mp.history.History`): finished runs leave the hot tabl
 the archive, retention drops old archive partitions. A pass is bounded
 (:data:`~cyclone_mp.config.HISTORY_BUDGET`), a call of its own (a failure costs no
 sweep), and done by one supervisor at a time (an advisory lock each transaction tries).
+Every :data:`~cyclone_mp.config.VACUUM_WATCH_INTERVAL` seconds it also looks at the xmin
+horizon (:class:`cyclone_mp.history.VacuumWatch`): when a long transaction that held
+vacuum back ends, the hot tables are vacuumed at once, on a thread of their own.
 
 It also reads, alone and with a bound of their own, the inputs and upstream outputs
 that were too big to come with their claim (:class:`~cyclone_mp.messages.Load`): a fan-in
@@ -47,14 +50,14 @@ import threading
 import time
 from typing import Any, Callable
 
-from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, Config
+from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
 from .dbloop import DatabaseThread
 from . import decisions, schedules
-from .history import History, Policy
+from .history import History, Policy, VacuumWatch
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
 from .steps import Mux
-from .store import Store
+from .store import Store, vacuum_hot_tables
 from .telemetry import NO_OBSERVER, Observer
 
 LOAD_BOUND = 120.0  # seconds a big payload may take to read
@@ -112,6 +115,8 @@ class Maintenance(DatabaseThread):
             registry row waits for it, so it lists them.
         history: the history work (archive, retention; issue 22); default one from the
             config's ``archive_after`` and ``retain_*``.
+        vacuum_watch: the :class:`~cyclone_mp.history.VacuumWatch` (default: one that
+            vacuums over a connection of its own to ``dsn``).
         clock: local monotonic clock in seconds.
     """
 
@@ -119,7 +124,7 @@ class Maintenance(DatabaseThread):
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
                  post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
                  observer: Observer = NO_OBSERVER, history: History | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 vacuum_watch: VacuumWatch | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("maintenance", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
                          clock=clock)
         self.config = config
@@ -147,6 +152,10 @@ class Maintenance(DatabaseThread):
         """Seconds between two sweep passes across every supervisor of the database: the
         poll interval's maximum (default 1 s), whatever the number of supervisors."""
         return self.config.poll_interval[1]
+        self.vacuum_watch = vacuum_watch if vacuum_watch is not None else VacuumWatch(
+            lambda: vacuum_hot_tables(dsn, pgbouncer=config.pgbouncer, application_name=f"cyclone_mp vacuum {owner}",
+                                      statement_timeout=VACUUM_BOUND))
+        self.next_vacuum_watch = now + random.uniform(0.0, VACUUM_WATCH_INTERVAL)
 
     def turn(self, now: float) -> float:
         self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
@@ -172,8 +181,23 @@ class Maintenance(DatabaseThread):
         if self.db_ok and self.next_history is not None and now >= self.next_history:
             counts = self.keep_history()
             self.next_history = self.clock() + (HISTORY_BUSY_INTERVAL if counts.get("more") else HISTORY_INTERVAL)
-        return min(self.next_sweep, self.next_registry, self.next_schedules,
+        if self.db_ok and now >= self.next_vacuum_watch:
+            self.next_vacuum_watch = now + VACUUM_WATCH_INTERVAL
+            self.watch_vacuum()
+        return min(self.next_sweep, self.next_registry, self.next_schedules, self.next_vacuum_watch,
                    *(t for t in (self.next_depths, self.next_history) if t is not None))
+
+    def watch_vacuum(self) -> None:
+        """One look at the xmin horizon (:meth:`cyclone_mp.history.VacuumWatch.run_once`);
+        a VACUUM it starts is counted as ``vacuums``."""
+        try:
+            started = self.call(self.config.write_bound, self.vacuum_watch.run_once)
+        except DatabaseError as exc:
+            if not self.down(exc):
+                log.error("vacuum watch: %s", exc)
+            return
+        if started:
+            self.count("vacuums")
 
     def keep_history(self) -> dict[str, int]:
         """One history pass now (:meth:`cyclone_mp.history.History.run_once`), counted as

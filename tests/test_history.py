@@ -30,9 +30,9 @@ import cyclone_mp as cy
 from cyclone_mp import sweep
 from cyclone_mp.dashboard.params import RunQuery
 from cyclone_mp.dashboard.views import Dashboard
-from cyclone_mp.history import History, Policy
+from cyclone_mp.history import History, Policy, VacuumWatch
 from cyclone_mp.operations import HISTORY_LOCK
-from cyclone_mp.store import Q, Store, connect
+from cyclone_mp.store import Q, Store, connect, vacuum_hot_tables
 
 import handlers as h
 import workflow_handlers as wh
@@ -488,3 +488,51 @@ def test_a_run_passed_over_is_archived_when_the_walk_starts_again(cyclone_env_fa
         now[0] = 61.0  # the walk starts again from the oldest finished step
         assert work.run_once(store)["archived"] == 1
     assert where(dsn, held) == "archive"
+
+
+# -- long transactions: the hot tables are vacuumed once one ends ------------------------------------
+
+
+def test_the_vacuum_watch_decides_when_a_long_transaction_ended() -> None:
+    now = [0.0]
+    watch = VacuumWatch(lambda: 0.0, held_for=10.0, min_dead=100, clock=lambda: now[0])
+    seen = []
+    for t, xmin in ((0, 100), (5, 180), (10, 260), (15, 260), (20, 260), (25, 260), (30, 900), (35, 901)):
+        now[0] = t
+        seen.append(watch.decide(xmin, 500))
+    # short transactions come and go; 260 stays the oldest from 10 s to 25 s: it held vacuum
+    # back, and its end (at 30 s) is when to vacuum, once
+    assert seen == [False, False, False, False, False, False, True, False]
+    for t, xmin in ((40, 950), (45, 950), (55, 950), (60, 990)):
+        now[0] = t
+        last = watch.decide(xmin, 50)
+    assert last is False  # held and ended, but too little to clean up
+
+
+def test_the_hot_tables_are_vacuumed_when_a_long_transaction_ends(cyclone_env_factory) -> None:
+    env = cyclone_env_factory(worker="thread")
+    client, dsn = env.client(), env.dsn
+    client.enqueue_many(h.ok, [{}] * 20, delay=3600)
+
+    def vacuums() -> int:
+        return sql(dsn, "SELECT vacuum_count AS n FROM pg_stat_user_tables WHERE relname = 'cyclone_steps'")[0]["n"]
+
+    before = vacuums()
+    now = [0.0]
+    watch = VacuumWatch(lambda: vacuum_hot_tables(dsn), held_for=10.0, min_dead=10, clock=lambda: now[0])
+    with store_on(dsn) as store, psycopg.connect(dsn) as holder:
+        holder.execute("SELECT pg_current_xact_id()")  # idle in transaction, with an xid
+        with psycopg.connect(dsn, autocommit=True) as writer:
+            for _ in range(60):  # others go on: transaction ids and dead row versions pile up
+                writer.execute("UPDATE cyclone_steps SET priority = priority")
+        wait_for(lambda: sql(dsn, "SELECT n_dead_tup AS n FROM pg_stat_user_tables "
+                                  "WHERE relname = 'cyclone_steps'")[0]["n"] >= 10, timeout=10, what="dead tuples counted")
+        assert watch.run_once(store) is False  # the holder is the oldest transaction running
+        now[0] = 11.0
+        assert watch.run_once(store) is False and watch.held  # held back: vacuuming now would remove nothing
+        holder.rollback()
+        assert watch.run_once(store) is True
+        watch.thread.join(30)
+    assert watch.done == [pytest.approx(watch.done[0])] and watch.done[0] is not None
+    assert vacuums() == before + 1
+    assert sql(dsn, "SELECT n_dead_tup AS n FROM pg_stat_user_tables WHERE relname = 'cyclone_steps'")[0]["n"] == 0

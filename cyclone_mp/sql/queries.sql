@@ -1543,6 +1543,14 @@ SELECT DISTINCT id FROM (
 -- History (issue 22): finished runs move from the hot tables to the archive, retention
 -- deletes them; see migrations/0017_history.sql and cyclone_mp/history.py.
 
+-- name: xmin_horizon
+-- What holds vacuum back (history.VacuumWatch): xmin, the oldest transaction id still
+-- running in the cluster (the next one to be given out when none runs), and dead, the
+-- dead row versions of the hot tables (the statistics' count).
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin,
+       (SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables
+         WHERE relid IN ('cyclone_steps'::regclass, 'cyclone_runs'::regclass)) AS dead;
+
 -- name: run_row_columns_expr
 -- (Fragment) the stored columns of a run row (cyclone_runs and cyclone_runs_archive).
 id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace
