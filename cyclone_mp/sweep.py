@@ -220,6 +220,9 @@ class Maintenance(DatabaseThread):
         try:
             mine, wait = self.call(self.config.write_bound,
                                    lambda store: store.sweep_turn(self.owner, self.sweep_every))
+        except DatabaseBusy as exc:  # the turn's row waited past lock_timeout: ask again next tick
+            log.info("sweep turn: %s", exc)
+            return None
         except DatabaseError as exc:
             if not self.down(exc):
                 log.error("sweep turn: %s", exc)
