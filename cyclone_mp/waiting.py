@@ -21,6 +21,13 @@ seconds through PgBouncer (issue 22).
 
 A waiter subscribes before it looks: once the connection listens, it registers and reads
 the run's state once itself; a run that ends after that read notifies the listener.
+
+Runs that end notify only while a listener is connected to their database (a session
+named :data:`LISTENER_NAME`; ``waiting_expr`` in ``sql/queries.sql``): a NOTIFY makes
+its commit wait for every other notifying commit of the server, so with no one waiting
+the supervisors' writes commit side by side (issue 23). A statement that looked for a
+listener just before one connected, and commits after the waiter's own look, notifies
+nobody: the listener polls once more :data:`CATCH_UP` seconds after it starts listening.
 """
 
 from __future__ import annotations
@@ -43,6 +50,12 @@ from .store import AsyncStore, Store, connect, tcp_bounds
 log = logging.getLogger("cyclone_mp.client")
 
 RUNS_CHANNEL = "cyclone_mp_runs"  #: the NOTIFY channel of runs that ended (queries.sql: run_ended_expr)
+#: The listener's application_name: runs that end notify only while a session of that name
+#: is connected to their database (queries.sql: waiting_expr).
+LISTENER_NAME = "cyclone_mp waiting"
+#: Seconds after a listener starts listening at which it polls once more: a statement that
+#: ended runs and looked for a listener just before this one connected notifies nobody.
+CATCH_UP = 0.5
 POLL_LISTENING = 5.0  #: seconds between polls of every waited run while LISTEN works
 POLL_FALLBACK = 0.5  #: seconds between polls when LISTEN cannot be had
 IDLE_CLOSE = 30.0  #: seconds without a waiter after which the listening connection is closed
@@ -230,6 +243,7 @@ class Waiter:
         conn: psycopg.Connection[Any] | None = None
         listening = False
         next_poll = reconnect_at = time.monotonic()
+        catch_up = False
         try:
             while not self._closed:
                 now = time.monotonic()
@@ -240,6 +254,7 @@ class Waiter:
                 if conn is None and now >= reconnect_at:
                     conn, listening = self._connect()
                     next_poll = time.monotonic()  # whatever ended meanwhile
+                    catch_up = listening  # and once more CATCH_UP later (see the module docstring)
                     reconnect_at = next_poll + POLL_FALLBACK
                     self._listening.set()
                 if conn is None:  # the server cannot be reached: try again later
@@ -257,7 +272,9 @@ class Waiter:
                     else:
                         time.sleep(wait)
                     if time.monotonic() >= next_poll:
-                        next_poll = time.monotonic() + (POLL_LISTENING if listening else POLL_FALLBACK)
+                        next_poll = time.monotonic() + (CATCH_UP if catch_up else POLL_LISTENING if listening
+                                                        else POLL_FALLBACK)
+                        catch_up = False
                         with self._lock:
                             wanted = self.book.wanted()
                     else:
@@ -285,7 +302,7 @@ class Waiter:
         dsn, listen = listener_target(self._dsn(), self._listen_dsn, self._pgbouncer)
         pooled = self._pgbouncer and dsn != self._listen_dsn
         try:
-            conn = connect(dsn, application_name="cyclone_mp waiting", pgbouncer=pooled,
+            conn = connect(dsn, application_name=LISTENER_NAME, pgbouncer=pooled,
                            prepare=self._prepare or not pooled)
         except CycloneError as exc:
             log.info("waiting: cannot connect (%s); polling", exc)
@@ -377,6 +394,7 @@ class AsyncWaiter:
         conn: psycopg.AsyncConnection[Any] | None = None
         listening = False
         next_poll = reconnect_at = time.monotonic()
+        catch_up = False
         assert self._listening is not None
         try:
             while not self._closed:
@@ -386,6 +404,7 @@ class AsyncWaiter:
                 if conn is None and now >= reconnect_at:
                     conn, listening = await self._connect()
                     next_poll = time.monotonic()  # whatever ended meanwhile
+                    catch_up = listening  # and once more CATCH_UP later (see the module docstring)
                     reconnect_at = next_poll + POLL_FALLBACK
                     self._listening.set()
                 if conn is None:  # the server cannot be reached: try again later
@@ -403,7 +422,9 @@ class AsyncWaiter:
                     else:
                         await asyncio.sleep(wait)
                     if time.monotonic() >= next_poll:
-                        next_poll = time.monotonic() + (POLL_LISTENING if listening else POLL_FALLBACK)
+                        next_poll = time.monotonic() + (CATCH_UP if catch_up else POLL_LISTENING if listening
+                                                        else POLL_FALLBACK)
+                        catch_up = False
                         wanted = self.book.wanted()
                     else:
                         wanted = self.book.wanted(ids)
@@ -431,7 +452,7 @@ class AsyncWaiter:
         dsn, listen = listener_target(self._dsn(), self._listen_dsn, self._pgbouncer)
         try:
             conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row,
-                                                          application_name="cyclone_mp waiting", connect_timeout=10,
+                                                          application_name=LISTENER_NAME, connect_timeout=10,
                                                           **tcp_bounds(30.0))
         except psycopg.Error as exc:
             log.info("waiting: cannot connect (%s); polling", exc)

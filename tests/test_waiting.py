@@ -82,7 +82,8 @@ def test_every_way_a_run_ends_notifies(cyclone_env, tmp_path):
     CAS), a discard, a cancel, a workflow's refresh; none for a pause."""
     client = cyclone_env.client()
     cyclone_env.mux().register(h.ok, h.permanent, wh.diamond)
-    listener = psycopg.connect(cyclone_env.dsn, autocommit=True)
+    # named as the waiters' listener: runs notify only while one is connected (issue 23)
+    listener = psycopg.connect(cyclone_env.dsn, autocommit=True, application_name=waiting.LISTENER_NAME)
     try:
         listener.execute(f"LISTEN {waiting.RUNS_CHANNEL}")
         paused = client.enqueue(h.ok, {}, delay=3600)
@@ -102,6 +103,58 @@ def test_every_way_a_run_ends_notifies(cyclone_env, tmp_path):
         assert sorted(named) == sorted([cancelled, ok, bad, flow])  # each once, the paused run never
     finally:
         listener.close()
+
+
+def test_runs_notify_only_while_a_waiting_listener_is_connected(cyclone_env):
+    """A NOTIFY makes its commit wait for every other notifying commit (issue 23): a run
+    that ends while no waiting listener (application_name 'cyclone_mp waiting') is
+    connected to its database notifies nobody; one that ends while one is, notifies."""
+    client = cyclone_env.client()
+    cyclone_env.mux().register(h.ok)
+    other = psycopg.connect(cyclone_env.dsn, autocommit=True, application_name="someone else")
+    try:
+        other.execute(f"LISTEN {waiting.RUNS_CHANNEL}")
+        cyclone_env.start_worker()
+        quiet = client.enqueue(h.ok, {"n": 1})
+        assert cyclone_env.run_until_complete(quiet).state == "completed"
+        assert [n.payload for n in other.notifies(timeout=1.0, stop_after=1)] == []
+        named = psycopg.connect(cyclone_env.dsn, autocommit=True, application_name=waiting.LISTENER_NAME)
+        try:
+            heard = client.enqueue(h.ok, {"n": 2})
+            assert cyclone_env.run_until_complete(heard).state == "completed"
+            assert [n.payload for n in other.notifies(timeout=5.0, stop_after=1)] == [heard]
+        finally:
+            named.close()
+    finally:
+        other.close()
+
+
+def test_a_run_that_ended_unheard_as_the_listener_connected_is_found_by_the_catch_up(api_env, monkeypatch):
+    """A statement that ends a run looked for a listener before the waiter's connected (so
+    it notifies nobody) and commits after the waiter's own look: the listener's poll
+    CATCH_UP seconds after it starts listening ends the wait (POLL_LISTENING made 60 s)."""
+    from cyclone_mp.store import Q
+
+    monkeypatch.setattr(waiting, "POLL_LISTENING", 60.0)
+    client = api_env.client()
+    run_id = api_env.enqueue(h.ok, {})
+    ender = psycopg.connect(api_env.dsn)  # one transaction, not committed yet
+    try:
+        ender.execute("UPDATE cyclone_steps SET state = 'completed', finished_at = now() WHERE run_id = %s", (run_id,))
+        ender.execute(f"UPDATE cyclone_runs r SET state = 'completed', finished_at = now() WHERE r.id = %s"
+                      f" RETURNING {Q['run_ended_expr']}", (run_id,))  # no listener yet: no NOTIFY
+        result: dict = {}
+        waiter = threading.Thread(target=lambda: result.update(status=client.wait(run_id, timeout=30)))
+        waiter.start()
+        wait_for(lambda: sessions(api_env.dsn, waiting.LISTENER_NAME) == 1, 10, "the listener")
+        time.sleep(0.3)  # the waiter's own look sees the run running
+        ender.commit()
+        committed = time.monotonic()
+        waiter.join(30)
+        assert result["status"].state == "completed"
+        assert time.monotonic() - committed < 5  # the catch-up, not the 60 s poll
+    finally:
+        ender.close()
 
 
 def test_a_thousand_async_waits_share_one_listening_connection(cyclone_env_factory):
