@@ -1419,6 +1419,16 @@ SELECT * FROM (
  ORDER BY at DESC, id DESC
  LIMIT %(limit)s;
 
+-- name: dash_runs_page_expr
+-- (Fragment) dash_runs: one table's (``r``) first rows of the page: the filters, the keyset cursor, newest first
+WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
+  AND (%(name)s::text IS NULL OR r.name = %(name)s::text)
+  AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s::timestamptz)
+  AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
+  AND (%(after_at)s::timestamptz IS NULL OR (r.created_at, r.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+ORDER BY r.created_at DESC, r.id DESC
+LIMIT %(limit)s + %(offset)s
+
 -- name: dash_runs
 -- One page of runs, newest first: optional state, name and created_at filters, a keyset
 -- cursor (created_at, id) of the last row seen, and an offset. The page is chosen first,
@@ -1441,25 +1451,11 @@ SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.
   FROM (SELECT u.*
           FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, false AS archived
                    FROM cyclone_runs r
-                  WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
-           AND (%(name)s::text IS NULL OR r.name = %(name)s::text)
-           AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s::timestamptz)
-           AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
-                    AND (%(after_at)s::timestamptz IS NULL
-                         OR (r.created_at, r.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
-                  ORDER BY r.created_at DESC, r.id DESC
-                  LIMIT %(limit)s + %(offset)s)
+                 {dash_runs_page_expr})
                 UNION ALL
-                (SELECT a.id, a.name, a.kind, a.state, a.created_at, a.updated_at, a.finished_at, true
-                   FROM cyclone_runs_archive a
-                  WHERE (%(state)s::text IS NULL OR a.state = %(state)s::text)
-           AND (%(name)s::text IS NULL OR a.name = %(name)s::text)
-           AND (%(since)s::timestamptz IS NULL OR a.created_at >= %(since)s::timestamptz)
-           AND (%(until)s::timestamptz IS NULL OR a.created_at < %(until)s::timestamptz)
-                    AND (%(after_at)s::timestamptz IS NULL
-                         OR (a.created_at, a.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
-                  ORDER BY a.created_at DESC, a.id DESC
-                  LIMIT %(limit)s + %(offset)s)) u
+                (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, true
+                   FROM cyclone_runs_archive r
+                 {dash_runs_page_expr})) u
          ORDER BY u.created_at DESC, u.id DESC
          LIMIT %(limit)s OFFSET %(offset)s) p
  ORDER BY p.created_at DESC, p.id DESC;
