@@ -1032,15 +1032,16 @@ class Store:
     # -- recovery sweep -----------------------------------------------------------------
 
     @translate
-    def sweep_turn(self, owner: str, every: float) -> tuple[bool, float]:
-        """Take the recovery sweep's turn for all supervisors when the last one is at least
-        ``every`` seconds old (one statement, a row lock for its length; migration 0018).
+    def sweep_turn(self, owner: str, every: float, task: str = "sweep") -> tuple[bool, float]:
+        """Take the recovery sweep's turn (or another maintenance ``task``'s: ``"history"``)
+        for all supervisors when the last one is at least ``every`` seconds old (one
+        statement, a row lock for its length; migration 0018).
 
         Returns ``(mine, wait)``: True when ``owner`` took it (it sweeps now; the next
         turn is ``every`` seconds away), else False and the seconds until the turn it
         saw ends (0 or more)."""
         with self.conn.cursor() as cur:
-            cur.execute(Q["sweep_turn"], {"owner": owner, "every_us": to_us(every)})
+            cur.execute(Q["sweep_turn"], {"owner": owner, "every_us": to_us(every), "task": task})
             row = cur.fetchone()
         if row["mine"]:
             return True, every

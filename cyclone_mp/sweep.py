@@ -25,11 +25,13 @@ schedules (:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its ow
 schedule the database refuses never costs a sweep, and neither ever waits in process
 control's loop. (Schedules stay every supervisor's: each one's mux has its own.)
 
-Every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds it does the history work of
-issue 22 (:class:`cyclone_mp.history.History`): finished runs leave the hot tables for
-the archive, retention drops old archive partitions. A pass is bounded
+Every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds one supervisor (the one that
+takes the ``history`` turn, as for the sweep) does the history work of issue 22
+(:class:`cyclone_mp.history.History`): finished runs leave the hot tables for the
+archive, retention drops old archive partitions. A pass is bounded
 (:data:`~cyclone_mp.config.HISTORY_BUDGET`), a call of its own (a failure costs no
-sweep), and done by one supervisor at a time (an advisory lock each transaction tries).
+sweep), and its transactions also take an advisory lock each (a pass that ran past its
+turn never overlaps the next one's).
 Every :data:`~cyclone_mp.config.VACUUM_WATCH_INTERVAL` seconds it also looks at the xmin
 horizon (:class:`cyclone_mp.history.VacuumWatch`): when a long transaction that held
 vacuum back ends, the hot tables are vacuumed at once, on a thread of their own.
@@ -146,6 +148,7 @@ class Maintenance(DatabaseThread):
         # a random first pass: supervisors started together do not all try at once
         self.next_history = now + random.uniform(0.0, HISTORY_INTERVAL) if self.history.policy.active else None
         self.sweeping = False  # the last pass settled a full page: go on with this turn
+        self.history_more = False  # the last history pass left work behind: go on with this turn
         self.vacuum_watch = vacuum_watch if vacuum_watch is not None else VacuumWatch(
             lambda: vacuum_hot_tables(dsn, pgbouncer=config.pgbouncer, application_name=f"cyclone_mp vacuum {owner}",
                                       statement_timeout=VACUUM_BOUND))
@@ -179,8 +182,7 @@ class Maintenance(DatabaseThread):
             self.next_depths = now + (self.observer.queue_depth_interval or 5.0)
             self.read_queue_depths()
         if self.db_ok and self.next_history is not None and now >= self.next_history:
-            counts = self.keep_history()
-            self.next_history = self.clock() + (HISTORY_BUSY_INTERVAL if counts.get("more") else HISTORY_INTERVAL)
+            self.next_history = self.history_tick(now)
         if self.db_ok and now >= self.next_vacuum_watch:
             self.next_vacuum_watch = now + VACUUM_WATCH_INTERVAL
             self.watch_vacuum()
@@ -198,6 +200,22 @@ class Maintenance(DatabaseThread):
             return
         if started:
             self.count("vacuums")
+
+    def history_tick(self, now: float) -> float:
+        """Do a history pass when it is this supervisor's turn (the task ``history`` of
+        :meth:`take_turn`, every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds for all
+        supervisors), and return when to look again: a pass that left work behind (its
+        budget ran out) goes on after :data:`~cyclone_mp.config.HISTORY_BUSY_INTERVAL`
+        without asking again."""
+        if not self.history_more:
+            wait = self.take_turn("history", HISTORY_INTERVAL)
+            if wait is None:
+                return now + HISTORY_INTERVAL
+            if wait > 0:
+                return now + wait + random.uniform(0, self.config.poll_interval[0])
+        counts = self.keep_history()
+        self.history_more = bool(counts.get("more"))
+        return self.clock() + (HISTORY_BUSY_INTERVAL if self.history_more else HISTORY_INTERVAL)
 
     def keep_history(self) -> dict[str, int]:
         """One history pass now (:meth:`cyclone_mp.history.History.run_once`), counted as
@@ -237,23 +255,26 @@ class Maintenance(DatabaseThread):
         self.sweeping = settled >= SWEEP_LIMIT or counts.get("timers", 0) >= SWEEP_LIMIT
         return now if self.sweeping else now + self.sweep_every + random.uniform(0, lo)
 
-    def take_turn(self) -> float | None:
-        """Ask for the sweep's turn (:meth:`cyclone_mp.store.Store.sweep_turn`): 0 when it
-        is ours (sweep now), else the seconds until the turn another supervisor took ends
-        (counted as ``sweep_turns_skipped``); None when the database failed."""
+    def take_turn(self, task: str = "sweep", every: float | None = None) -> float | None:
+        """Ask for the turn of a maintenance task (:meth:`cyclone_mp.store.Store.sweep_turn`;
+        ``"sweep"`` every :attr:`sweep_every`, ``"history"`` every ``every`` seconds): 0 when
+        it is ours (do it now), else the seconds until the turn another supervisor took ends
+        (counted as ``sweep_turns_skipped`` or ``history_turns_skipped``); None when the
+        database failed."""
+        period = self.sweep_every if every is None else every
         try:
             mine, wait = self.call(self.config.write_bound,
-                                   lambda store: store.sweep_turn(self.owner, self.sweep_every))
+                                   lambda store: store.sweep_turn(self.owner, period, task))
         except DatabaseBusy as exc:  # the turn's row waited past lock_timeout: ask again next tick
-            log.info("sweep turn: %s", exc)
+            log.info("%s turn: %s", task, exc)
             return None
         except DatabaseError as exc:
             if not self.down(exc):
-                log.error("sweep turn: %s", exc)
+                log.error("%s turn: %s", task, exc)
             return None
         if mine:
             return 0.0
-        self.count("sweep_turns_skipped")
+        self.count(f"{task}_turns_skipped")
         return max(wait, 0.001)  # (a turn just taken, seen from an older snapshot: ask again soon)
 
     def read_queue_depths(self) -> None:

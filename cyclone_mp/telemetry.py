@@ -141,7 +141,7 @@ STAT_KEYS = ("claimed", "completed", "failed", "killed", "grandchildren_killed",
              "swept_timeouts", "reclaim_limits", "children_spawned", "children_forked", "late_completions_dropped",
              "cancelled_attempts", "prefetch_released", "batches", "claim_statements", "pipelined", "fence_kills",
              "watchdog_kills", "scheduled", "limit_kills", "archived", "history_deleted", "partitions_dropped",
-             "expired", "sweeps", "sweep_turns_skipped", "vacuums")
+             "expired", "sweeps", "sweep_turns_skipped", "history_turns_skipped", "vacuums")
 
 
 class Stats(Mapping[str, int]):

@@ -536,3 +536,16 @@ def test_the_hot_tables_are_vacuumed_when_a_long_transaction_ends(cyclone_env_fa
     assert watch.done == [pytest.approx(watch.done[0])] and watch.done[0] is not None
     assert vacuums() == before + 1
     assert sql(dsn, "SELECT n_dead_tup AS n FROM pg_stat_user_tables WHERE relname = 'cyclone_steps'")[0]["n"] == 0
+
+
+def test_the_history_pass_is_one_supervisors_turn_per_interval(cyclone_dsn: str) -> None:
+    """Many supervisors, one history pass per interval for all (the maintenance turn of
+    migration 0018, as the sweep's): the first to ask takes it, the others are told when
+    it ends."""
+    with store_on(cyclone_dsn) as a, store_on(cyclone_dsn) as b:
+        mine, _ = a.sweep_turn("supervisor-a", 5.0, "history")
+        theirs, wait = b.sweep_turn("supervisor-b", 5.0, "history")
+        assert mine and not theirs and 4.0 < wait <= 5.0
+        assert b.sweep_turn("supervisor-b", 5.0, "sweep")[0]  # each task has its own turn
+    rows = sql(cyclone_dsn, "SELECT task, holder FROM cyclone_maintenance ORDER BY task")
+    assert [(r["task"], r["holder"]) for r in rows] == [("history", "supervisor-a"), ("sweep", "supervisor-b")]

@@ -683,25 +683,26 @@ UPDATE cyclone_steps
    AND (timeout IS NULL OR started_at + timeout > now());
 
 -- name: sweep_turn
--- Take the recovery sweep's turn for every supervisor (issue 22; migration 0018): move the
--- task's ran_at to now when it is at least %(every_us)s old. mine: this caller took it
--- (and sweeps now); due_in: seconds from now until the turn it saw ends (the others ask
--- again then). No write unless the turn is taken; a missing row is made, and taken.
+-- Take the turn of a maintenance task %(task)s ('sweep': the recovery sweep; 'history': the
+-- history pass) for every supervisor (issue 22; migration 0018): move the task's ran_at to
+-- now when it is at least %(every_us)s old. mine: this caller took it (and does the task
+-- now); due_in: seconds from now until the turn it saw ends (the others ask again then).
+-- No write unless the turn is taken; a missing row is made, and taken.
 WITH took AS (
     UPDATE cyclone_maintenance
        SET holder = %(owner)s, ran_at = now()
-     WHERE task = 'sweep' AND ran_at <= now() - %(every_us)s::bigint * interval '1 microsecond'
+     WHERE task = %(task)s AND ran_at <= now() - %(every_us)s::bigint * interval '1 microsecond'
     RETURNING ran_at
 ), made AS (
     INSERT INTO cyclone_maintenance (task, holder, ran_at)
-    SELECT 'sweep', %(owner)s, now()
-     WHERE NOT EXISTS (SELECT 1 FROM cyclone_maintenance WHERE task = 'sweep')
+    SELECT %(task)s, %(owner)s, now()
+     WHERE NOT EXISTS (SELECT 1 FROM cyclone_maintenance WHERE task = %(task)s)
     ON CONFLICT (task) DO NOTHING
     RETURNING ran_at
 )
 SELECT EXISTS (SELECT 1 FROM took UNION ALL SELECT 1 FROM made) AS mine,
        (SELECT extract(epoch FROM m.ran_at + %(every_us)s::bigint * interval '1 microsecond' - now())::float8
-          FROM cyclone_maintenance m WHERE m.task = 'sweep') AS due_in;
+          FROM cyclone_maintenance m WHERE m.task = %(task)s) AS due_in;
 
 -- name: sweep_candidates
 -- Recovery sweep page: running rows whose lease expired or whose DB deadline passed.
