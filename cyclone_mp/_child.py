@@ -418,6 +418,8 @@ class Runner:
                 "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
                 "children": protocol.has_own_children(),  # the parent scans for leftovers only then
             })
+            if message.get("rss"):  # max_child_rss: judged on the RSS between tasks, not during the next one
+                result["rss"] = _current_rss()
             if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
                 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 if kids > kids_before:
@@ -643,6 +645,15 @@ def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
     except (BrokenPipeError, ConnectionResetError):
         pass  # the supervisor went away (or recycled us): nothing left to report to
     os._exit(0)
+
+
+def _current_rss() -> int | None:
+    """This process's resident set now, in bytes (``/proc/self/statm``), or None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def main(argv: list[str]) -> None:

@@ -284,7 +284,9 @@ class Client(ClientBase):
         max_processes: default cap on the processes of each attempt's tree.
         max_open_files: default cap on the descriptors each process of the tree may open.
         max_steps_per_child: recycle a child after this many steps (None: never).
-        max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
+        max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never),
+            judged on the RSS the child reports as each step ends (with pipelining, a
+            sample taken then would include the next step's working memory).
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
             are rejected with a clear error.
         prefetch: steps the supervisor may claim beyond its idle children and hold

@@ -623,6 +623,8 @@ class ProcessControl:
             "input_json": row["input"], "upstream_json": row["upstream"],
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
         }
+        if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
+            task["rss"] = True
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
             # where no cgroup holds the memory (or none counts the tree's CPU), rlimit backstops
             confined = slot is not None and slot.confined
@@ -824,6 +826,7 @@ class ProcessControl:
         dropped = bool(result.get("dropped"))  # a queued step the child never started
         child.steps_run += not dropped
         child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
+        child.last_rss = result.get("rss") if isinstance(result.get("rss"), int) else None
         self._end(att)
         if not dropped:
             self._note_duration(self.clock() - att.started)
@@ -992,7 +995,9 @@ class ProcessControl:
             return  # dead already (a result read after its kill): its exit is being handled
         if not child.recycle_due:
             too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
-            rss = child.rss() if cfg.max_child_rss is not None else None
+            # the RSS the child reported as its last task ended: sampled now, with pipelining
+            # it would include the next task's working memory (issue 23's default prefetch)
+            rss = (child.last_rss if child.last_rss is not None else child.rss()) if cfg.max_child_rss is not None else None
             too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
             child.recycle_due = too_many or too_big  # then nothing more is queued in it
         if not child.recycle_due:

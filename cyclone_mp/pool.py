@@ -120,6 +120,7 @@ class ChildProc:
         self.unread: list[dict[str, Any]] = []  # what it sent before it died, read once it was reaped
         self.peak_rss_kb: int | None = None
         self.slot: Slot | None = None  # its slot (cgroups, sampling), set by the pool
+        self.last_rss: int | None = None  # bytes, as the child reported when its last task ended (max_child_rss)
 
     # -- I/O ------------------------------------------------------------------------------
 

@@ -894,13 +894,7 @@ def test_sc11_memory_does_not_creep(cyclone_env_factory, count, recycle):
 
     The default run uses 100 steps; the full 2,000 are behind ``@pytest.mark.slow``."""
     per_child, workers = 10, 2
-    # The RSS bound is judged on spawned children. In one run of four, children forked from
-    # the zygote (issue 23) were retired by the 8.5 MB margin after 1-3 steps of a 1 MB leak:
-    # their RSS grew faster than the leak (probably pages inherited from the zygote, counted
-    # once first touched; not confirmed). Left open in issue 23's note; max_steps_per_child
-    # runs on the default zygote.
-    options = {"start_method": "spawn"} if recycle == "max_child_rss" else {}
-    env = cyclone_env_factory(workers=workers, lease_ttl=2.0, poll_interval=(0.01, 0.05), **options)
+    env = cyclone_env_factory(workers=workers, lease_ttl=2.0, poll_interval=(0.01, 0.05))
     for s in (sh.sc_ok, sh.sc11_churn):
         env.mux().register(s)
     if recycle == "max_child_rss":
