@@ -401,7 +401,8 @@ def test_schedules_fire_in_maintenance_and_a_locked_schedule_table_delays_no_ste
         assert env.wait_for_state(wedged, None, ("available", "discarded"), timeout=5).error_kind == "timeout"
         while sup.stats["killed"] == 0 and time.monotonic() - t0 < 2.5:
             time.sleep(0.01)
-        assert sup.stats["killed"] == 1  # 0.5 s timeout + 0.2 s grace, with room; never the lock's 3 s
+        # 0.5 s timeout + 0.2 s grace, with room; never the lock's 3 s (its retry may be killed too by now)
+        assert sup.stats["killed"] >= 1
         assert sup.stats["scheduled"] == fired  # the schedule pass waits on the lock meanwhile
         time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
     finally:

@@ -130,7 +130,7 @@ def test_the_zygote_dies_and_the_supervisor_goes_on_then_dies_with_everything(cy
     replacement = wait_for(lambda: [p for p in env.child_pids() if p not in (runner, idle)], 10, "a replacement")[0]
     assert psutil.Process(replacement).ppid() == env.workers[-1].pid
     out = env.run_until_complete(env.enqueue(zh.whoami, {}), timeout=20).step.output
-    assert out["pid"] == replacement and out["ppid"] == env.workers[-1].pid
+    assert out["pid"] not in (runner, idle) and out["ppid"] == env.workers[-1].pid  # a child made since (another may have come and gone)
     assert alive(runner) and env.status(long_run).step.state == "running"
     everything = [runner, replacement, new_zygote]
     env.crash_worker()
