@@ -66,6 +66,8 @@ def _load_queries() -> dict[str, str]:
         name, _, body = block.partition("\n")
         # without comments and indentation (none of our literals spans lines)
         body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
+        if name.strip() in queries:  # a second block of one name would silently replace the first
+            raise RuntimeError(f"queries.sql: two blocks named {name.strip()!r}")
         queries[name.strip()] = body.strip().rstrip(";")
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
     # them, and into the fragments that cite them, until none is left.

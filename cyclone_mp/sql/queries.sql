@@ -1074,7 +1074,7 @@ SELECT * FROM (
 ) x
 LIMIT 1;
 
--- name: step_row_columns_expr
+-- name: step_status_columns_expr
 -- (Fragment) the columns a step row s (hot or archived) gives to step_columns_expr and
 -- archived_step_columns_expr
 s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
@@ -1089,13 +1089,13 @@ s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files
 -- with its key and limits (issue 21): running_in_group counts the group's attempts that
 -- hold a concurrency slot, starts_in_period the starts of the last rate period (both from
 -- step_limits_expr, which the query joins).
-{step_row_columns_expr},
+{step_status_columns_expr},
 g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
 
 -- name: archived_step_columns_expr
 -- (Fragment) step_columns_expr of an archived step row s (cyclone_steps_archive): its
 -- limits hold nothing back any more (running_in_group, starts_in_period, waiting_on NULL).
-{step_row_columns_expr},
+{step_status_columns_expr},
 NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text AS waiting_on
 
 -- name: step_limits_expr
