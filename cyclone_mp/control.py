@@ -242,7 +242,6 @@ class ProcessControl:
             self._take_held()
         self._check_children_io()
         self._read_watchdog()
-        self._tell_watchdog()
         self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK)
         for child in self.pool.stuck_preloads(self.clock()):
             self._on_child_exit(child)
@@ -414,14 +413,17 @@ class ProcessControl:
         and room); one on its own waits until every outcome sent is written."""
         if self.draining or not self.db_ok or (standalone and not self.writer.idle):
             return 0
-        if standalone and self.config.prefetch and self.batches_out:
-            self._claim_after_written = True
-            return 0  # with prefetch one statement is in flight at a time (see _flush_at)
         return max(0, len(self.pool.idle()) + self.prefetch_room() - len(self.held) - self.claiming)
 
     def _request_claim(self, now: float) -> None:
         """A claim on its own (on the poll interval, or when woken), through the outcome
-        writer, which makes every claim: the lease keeper only renews."""
+        writer, which makes every claim: the lease keeper only renews. With prefetch one
+        statement is in flight at a time (see :meth:`_flush_at`): the claim waits for it
+        (``Written``)."""
+        if self.config.prefetch and self.batches_out:
+            self._claim_after_written = True
+            self.next_poll = now + self.poll_delay
+            return
         limit = self._claim_limit(standalone=True)
         if limit <= 0:
             self.next_poll = now + self.poll_delay
