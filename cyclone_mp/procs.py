@@ -429,8 +429,7 @@ class WatchdogLink:
             self._held[pid] = when
             return
         self._held.pop(pid, None)
-        self._due[pid] = when
-        self._send(f"due {pid} {'-' if when is None else repr(when)}".encode())
+        self._send_due(pid, when)
 
     def refresh(self, now: float, horizon: float) -> None:
         """Send the due times held back whose earlier time sent is ``horizon`` seconds away or less."""
@@ -438,8 +437,11 @@ class WatchdogLink:
             sent = self._due.get(pid)
             if sent is None or sent - now <= horizon:
                 del self._held[pid]
-                self._due[pid] = when
-                self._send(f"due {pid} {'-' if when is None else repr(when)}".encode())
+                self._send_due(pid, when)
+
+    def _send_due(self, pid: int, when: float | None) -> None:
+        self._due[pid] = when
+        self._send(f"due {pid} {'-' if when is None else repr(when)}".encode())
 
     def next_refresh(self, horizon: float) -> float | None:
         """When :meth:`refresh` has something to send (``time.monotonic()``), or None."""
