@@ -26,12 +26,12 @@ from typing import Any, NoReturn
 import click
 
 from cyclone_mp.config import PREFETCH_DEFAULT
+from cyclone_mp.connections import redact
 from cyclone_mp.errors import (
     ConfigurationError, CycloneError, InvalidTransition, PayloadError, UnknownStep, WaitTimeout,
 )
 from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
-from cyclone_mp.store import redact
 from cyclone_mp.waiting import timeout_message
 
 from . import render

@@ -27,12 +27,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from . import operations, tracing
 from .client import POOL_PROBE_EVERY, POOL_TIMEOUT, ClientBase
 from .config import Config
+from .connections import PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
 from .durations import Duration
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable
 from .operations import Op
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step
-from .store import AsyncStore, PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
+from .store import AsyncStore
 from .waiting import AsyncWaiter, result_of
 from .workflow import Workflow
 

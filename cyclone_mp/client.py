@@ -19,20 +19,20 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import operations, tracing
-from .config import PREFETCH_DEFAULT, Config
 from .backoff import storable_backoff
-from .protocol import check_value
+from .config import PREFETCH_DEFAULT, Config
+from .connections import (
+    PooledConnection, PooledCursor, check_pooled, classify, configure_session, connect, redact, stale_plan, tcp_bounds,
+)
 from .durations import Duration, seconds
 from .errors import (
     ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, InvalidTransition, UnknownStep,
 )
 from .operations import Op
+from .protocol import check_value
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
-from .store import (
-    NodeRow, PooledConnection, PooledCursor, Store, check_pooled, classify, configure_session, connect, redact,
-    stale_plan, tcp_bounds,
-)
+from .store import NodeRow, Store
 from .waiting import Waiter, result_of
 from .workflow import Workflow
 

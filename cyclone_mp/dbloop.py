@@ -8,7 +8,7 @@ block process control, which runs on another thread and never calls the database
 Every call is bounded (SPEC 9, "every database call has a client-side bound"):
 
 - on the server, by the session's ``lock_timeout`` and ``statement_timeout``;
-- on the wire, by TCP keepalives and ``tcp_user_timeout`` (:func:`cyclone_mp.store.tcp_bounds`);
+- on the wire, by TCP keepalives and ``tcp_user_timeout`` (:func:`cyclone_mp.connections.tcp_bounds`);
 - on this side, by :class:`CallTimer`: a call still waiting after its bound has its socket
   shut down, so the waiting thread gets an error at once (a black-holed connection
   answers nothing, and keepalives work in whole seconds); the connection is then

@@ -325,7 +325,7 @@ DEMO_DB_PREFIX = "cyclone_demo_"  #: databases the demo makes on the embedded se
 def _drop_stale_demo_databases(admin_dsn: str) -> None:
     """Drop demo databases whose demo process is gone (``cyclone_demo_<pid>_<hex>``: the
     embedded server takes Unix-socket connections only, so every demo ran on this host)."""
-    from .store import drop_database, list_databases
+    from .connections import drop_database, list_databases
 
     import psutil
 
@@ -368,7 +368,7 @@ def run_demo(
     """
     from .client import Client
     from .embedded import default_server
-    from .store import create_database, drop_database, redact
+    from .connections import create_database, drop_database, redact
 
     if not isinstance(cpu_steps, int) or cpu_steps < 1:
         raise cy.ConfigurationError(f"cpu_steps must be an int >= 1, got {cpu_steps!r}")

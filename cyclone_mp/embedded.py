@@ -141,7 +141,7 @@ class EmbeddedServer:
     def sessions(self) -> int | None:
         """How many client sessions are connected now (other than this call's own), or
         None when the server is not running or does not answer."""
-        from .store import client_sessions
+        from .connections import client_sessions
 
         try:
             return len(client_sessions(self.uri()))

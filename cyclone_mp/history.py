@@ -290,7 +290,7 @@ class VacuumWatch:
     still running (``xmin`` of a fresh snapshot): when the same one was the oldest for at
     least ``held_for`` seconds and then ends, with at least ``min_dead`` dead versions in
     the hot tables, it runs ``VACUUM cyclone_steps, cyclone_runs`` at once, on a thread and
-    a connection of its own (:func:`cyclone_mp.store.vacuum_hot_tables`: one supervisor at
+    a connection of its own (:func:`cyclone_mp.connections.vacuum_hot_tables`: one supervisor at
     a time; an autovacuum worker in its way, started while the transaction was still open
     and unable to remove anything, is cancelled by the server).
 

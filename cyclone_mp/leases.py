@@ -38,12 +38,13 @@ from typing import Any, Callable
 
 from . import decisions
 from .config import Config
+from .connections import connect
 from .dbloop import DatabaseThread
 from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
     DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
 )
-from .store import NOTIFY_CHANNEL, connect
+from .store import NOTIFY_CHANNEL
 from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")

@@ -28,11 +28,12 @@ from typing import Any, Callable
 from . import decisions
 from .backoff import delay_after
 from .config import Config
+from .connections import stale_plan
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track, Written
 from .protocol import storable
-from .store import FORENSIC_KEYS, FailedAttempt, stale_plan
+from .store import FORENSIC_KEYS, FailedAttempt
 from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")

@@ -52,14 +52,15 @@ import threading
 import time
 from typing import Any, Callable
 
-from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
-from .dbloop import DatabaseThread
 from . import decisions, schedules
-from .history import History, Policy, VacuumWatch
+from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
+from .connections import vacuum_hot_tables
+from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
+from .history import History, Policy, VacuumWatch
 from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
 from .steps import Mux
-from .store import Store, vacuum_hot_tables
+from .store import Store
 from .telemetry import NO_OBSERVER, Observer
 
 LOAD_BOUND = 120.0  # seconds a big payload may take to read

@@ -43,9 +43,10 @@ from typing import Any, Callable
 import psycopg
 
 from . import operations
+from .connections import connect, tcp_bounds
 from .errors import CycloneError, DatabaseError, RunCancelled, RunFailed, WaitTimeout
 from .status import TERMINAL_RUN_STATES, RunStatus
-from .store import AsyncStore, Store, connect, tcp_bounds
+from .store import AsyncStore, Store
 
 log = logging.getLogger("cyclone_mp.client")
 

@@ -1,6 +1,6 @@
 """A single enqueue (issue 23): one round trip on a warm pool, and every option still counts.
 
-A pooled connection is checked without a round trip (``cyclone_mp.store.check_pooled``:
+A pooled connection is checked without a round trip (``cyclone_mp.connections.check_pooled``:
 only when the server said something on it while it was idle); a step's options are
 composed once and kept. These tests pin what must not change with that: one statement
 per enqueue, a connection the server ended replaced without an error, and the options

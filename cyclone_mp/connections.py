@@ -1,0 +1,426 @@
+"""Connections to PostgreSQL and what their errors mean (split out of :mod:`cyclone_mp.store`).
+
+- **Errors:** :func:`classify` turns a psycopg error into the engine's
+  :class:`~cyclone_mp.errors.DatabaseError` kinds (an outage, a busy row, a read-only
+  primary, a rejected value), and :func:`translate` does it for every
+  :class:`~cyclone_mp.store.Store` method. :func:`redact` keeps passwords out of messages.
+- **Connections:** :func:`connect` (with TCP bounds, issue 17), the PgBouncer
+  transaction-mode wrappers (``Pooled*``, issue 22), session settings, and the few
+  server-level calls (databases, sessions, the hot tables' VACUUM).
+
+:mod:`cyclone_mp.store` keeps the SQL and the typed methods, and re-exports these names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+import select
+from typing import Any, Callable, Iterator
+
+import psycopg
+import psycopg.sql
+from psycopg.rows import dict_row
+
+from .errors import DatabaseBusy, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, QueryRejected
+
+log = logging.getLogger("cyclone_mp.store")
+
+
+def redact(text: str) -> str:
+    """Return ``text`` (a DSN, or a message quoting one) with every password shown as ``***``.
+
+    Handles URIs (``user:secret@host``, ``?password=secret``) and key=value strings,
+    quoted values with spaces included and unquoted ones with escaped characters
+    (``password=S3cret\\ more``); never print a secret.
+    """
+    text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
+    text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
+    # An unquoted libpq value ends at white space that no backslash escapes ("S3cret\\ more");
+    # an already redacted value (``password=***``, then a space, a colon and space, or the
+    # end) is left alone: the CLI redacts whole messages again, and "password=***: connection
+    # failed" lost its colon.
+    return re.sub(r"(\bpassword\s*=\s*)(?!\*\*\*(?:[\s;,)]|:\s|:?$))('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)",
+                  r"\1***", text, flags=re.I)
+
+
+#: What a connection logs when it drops its prepared statements after a stale_plan error.
+STALE_PLAN_LOG = "prepared statements dropped, their plan went stale (a migration changed a column's type?): %s"
+
+
+def stale_plan(exc: BaseException | None) -> bool:
+    """True for the errors of a prepared statement that a schema change invalidated:
+    "cached plan must not change result type" (0A000) or a statement the server no
+    longer knows (26000). The statement did not run; prepared again, it works."""
+    return isinstance(exc, psycopg.errors.InvalidSqlStatementName) or (
+        isinstance(exc, psycopg.errors.FeatureNotSupported) and "cached plan" in str(exc))
+
+
+#: SQLSTATEs of a session the server ended or cannot serve: an outage (reconnect, write
+#: again), whatever psycopg's exception class. Class 08 (connection exception) and 57P0x
+#: (admin/crash shutdown, cannot connect now) are matched by prefix.
+OUTAGE_STATES = frozenset({"25P03"})  # idle_in_transaction_session_timeout: the process was frozen
+OUTAGE_PREFIXES = ("08", "57P")
+#: SQLSTATE classes of a call whose data the database refused; the connection is fine:
+#: 54 program limit exceeded (jsonb over 256 MB, an index row too large, nesting too
+#: deep), 22 data exception (bad value, out of range), 23 integrity constraint.
+REJECTED_CLASSES = ("54", "22", "23")
+#: A write refused because the server is a standby or the session read-only (a failover:
+#: a host that was the primary came back as a replica, or the DSN reached the wrong one).
+READ_ONLY_STATES = frozenset({"25006"})
+BUSY_STATES = ("55P03", "57014")  # lock_not_available, query_canceled (lock_timeout, statement_timeout)
+REJECTED_WHAT = {"54": "it is over a database limit", "22": "a value is invalid for its column",
+                 "23": "it breaks a constraint"}
+
+
+def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
+    """The :class:`DatabaseError` a psycopg error becomes, decided by its SQLSTATE (not by
+    psycopg's exception class: ``OperationalError`` covers both a lost connection and a
+    jsonb value over 256 MB):
+
+    * :class:`DatabaseReadOnly` (a failover, issue 22): 25006, a write refused by a
+      standby or a read-only session ("cannot execute ... in a read-only transaction",
+      "... during recovery"): the connection must be opened again, to the new primary;
+    * :class:`DatabaseUnavailable` (an outage): the connection is broken or closed
+      (``broken``), a client-side error without SQLSTATE (connection lost, refused),
+      class 08, 57P01-57P03, 25P03, or another ``OperationalError`` whose class is not
+      below (a cancelled statement, a lock timeout: transient);
+    * :class:`QueryRejected` (this one call's data): classes 54, 22 and 23;
+    * :class:`DatabaseBusy` (nothing was done; try again later): a lock wait past
+      ``lock_timeout`` (55P03) or a statement past ``statement_timeout`` (57014) on a
+      connection that is fine (issue 17);
+    * :class:`DatabaseError` otherwise (a bug or a schema problem).
+
+    The message never holds the DSN.
+    """
+    state = getattr(exc, "sqlstate", None) or None
+    text = redact(str(exc).strip()) or type(exc).__name__
+    first = text.splitlines()[0]
+    if state in READ_ONLY_STATES:
+        return DatabaseReadOnly(f"database read-only (a standby, or a failover under way): {first} (SQLSTATE {state})")
+    if state in BUSY_STATES and not broken:
+        return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})")
+    if state and state[:2] in REJECTED_CLASSES and not broken:
+        return QueryRejected(f"the database rejected the call: {REJECTED_WHAT[state[:2]]}: {first} (SQLSTATE {state})",
+                             sqlstate=state)
+    if (broken or state is None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+            or state is not None and (state in OUTAGE_STATES or state.startswith(OUTAGE_PREFIXES))
+            or isinstance(exc, psycopg.OperationalError)):
+        return DatabaseUnavailable(f"database unavailable: {text if str(exc).strip() else 'connection lost'}")
+    return DatabaseError(f"database error: {type(exc).__name__}: {text}")
+
+
+def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: psycopg errors leave as a :class:`DatabaseError` chosen by
+    :func:`classify` (cause kept, no DSN in the text). After a :func:`stale_plan` error
+    the connection's prepared statements are dropped, so the next call prepares them
+    again (a migration that changed a column type used to fail every later call on
+    that connection)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except psycopg.Error as exc:
+            from .store import Store  # (on the error path only: the store imports this module)
+
+            store = args[0] if args and isinstance(args[0], Store) else None
+            error = classify(exc, broken=store is not None and store.broken)
+            if store is not None and not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
+                store.forget_prepared(error)
+            raise error from exc
+        except UnicodeEncodeError as exc:  # a value psycopg cannot send (a lone surrogate)
+            raise QueryRejected(f"value rejected: {exc}") from exc
+
+    return wrapper
+
+
+def tcp_bounds(dead_after: float) -> dict[str, int]:
+    """libpq options that make a dead or black-holed TCP peer an error within about
+    ``dead_after`` seconds (issue 17): keepalive probes on an idle connection
+    (``keepalives_idle``/``_interval`` in whole seconds, 2 probes) and
+    ``tcp_user_timeout`` for data the peer never acknowledges. Unix sockets ignore them."""
+    probe = max(1, int(dead_after / 3))
+    return {"keepalives": 1, "keepalives_idle": probe, "keepalives_interval": probe, "keepalives_count": 2,
+            "tcp_user_timeout": max(1000, int(dead_after * 1000))}
+
+
+class PooledConnection(psycopg.Connection):  # type: ignore[type-arg]
+    """A connection through PgBouncer in transaction mode (issue 22): it keeps no session
+    state. Each server connection serves other clients between two transactions, so what
+    a plain connection sets once for its session (:func:`configure_session`) is set here
+    inside every transaction instead (``set_config(name, value, true)``, as ``SET LOCAL``):
+
+    * an explicit transaction (:meth:`transaction`) sets :attr:`tx_settings` first;
+    * a statement outside one (autocommit) is sent in a pipeline after
+      :attr:`statement_settings` (:class:`PooledCursor`): the two share the pipeline's
+      implicit transaction and one round trip, and PgBouncer keeps them on one server
+      connection (it hands the connection back only at the pipeline's single Sync).
+
+    Attributes:
+        tx_settings: ``(sql, params)`` run first in each explicit transaction, or None.
+        statement_settings: ``(sql, params)`` run before each autocommit statement, or None.
+    """
+
+    tx_settings: tuple[str, list[str]] | None = None
+    statement_settings: tuple[str, list[str]] | None = None
+
+    @contextlib.contextmanager
+    def transaction(self, savepoint_name: str | None = None, force_rollback: bool = False) -> Iterator[Any]:
+        """psycopg's ``transaction()``; the outermost one starts with :attr:`tx_settings`."""
+        outermost = self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost and self.tx_settings is not None:
+                psycopg.Cursor(self).execute(*self.tx_settings, prepare=False)
+            yield tx
+
+
+class PooledCursor(psycopg.Cursor):  # type: ignore[type-arg]
+    """The cursor of a :class:`PooledConnection` (see there)."""
+
+    def _settings(self) -> tuple[str, list[str]] | None:
+        conn = self.connection
+        if (conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+                or conn.info.pipeline_status != psycopg.pq.PipelineStatus.OFF):
+            return None  # inside a transaction (it set them) or a pipeline of the caller's
+        return getattr(conn, "statement_settings", None)
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> "PooledCursor":
+        settings = self._settings()
+        if settings is None or (params is None and ";" in str(query)):  # a script: simple protocol, no pipeline
+            super().execute(query, params, prepare=prepare, binary=binary)
+            return self
+        with self.connection.pipeline():
+            psycopg.Cursor(self.connection).execute(*settings, prepare=False)
+            super().execute(query, params, prepare=prepare, binary=binary)
+        return self
+
+    def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
+        settings = self._settings()
+        if settings is None:
+            return super().executemany(query, params_seq, returning=returning)
+        with self.connection.pipeline():
+            psycopg.Cursor(self.connection).execute(*settings, prepare=False)
+            super().executemany(query, params_seq, returning=returning)
+        return None
+
+
+class PooledAsyncConnection(psycopg.AsyncConnection):  # type: ignore[type-arg]
+    """:class:`PooledConnection` for the :class:`~cyclone_mp.AsyncClient`: its explicit
+    transactions start with :attr:`tx_settings` (its autocommit statements need none)."""
+
+    tx_settings: tuple[str, list[str]] | None = None
+
+    @contextlib.asynccontextmanager
+    async def transaction(self, savepoint_name: str | None = None, force_rollback: bool = False) -> Any:
+        """psycopg's ``transaction()``; the outermost one starts with :attr:`tx_settings`."""
+        outermost = self.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        async with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost and self.tx_settings is not None:
+                await psycopg.AsyncCursor(self).execute(*self.tx_settings, prepare=False)
+            yield tx
+
+
+def connect(dsn: str, *, autocommit: bool = True, timeout: float = 10.0, dead_after: float = 30.0,
+            application_name: str | None = None, pgbouncer: bool = False, prepare: bool = True) -> psycopg.Connection:
+    """Open one connection with dict rows; ``timeout``: seconds to connect;
+    ``dead_after``: seconds after which a silent TCP peer is an error (:func:`tcp_bounds`);
+    ``application_name``: what ``pg_stat_activity`` shows for it (at most 63 bytes kept).
+    ``pgbouncer``: the DSN goes through PgBouncer in transaction mode: a
+    :class:`PooledConnection`, whose settings are per transaction. ``prepare``: False
+    turns psycopg's named prepared statements off (``prepare_threshold=None``): PgBouncer
+    in transaction mode without ``max_prepared_statements`` cannot keep them.
+
+    Raises:
+        DatabaseReadOnly: the server reached is a standby (``in_hot_standby``), and
+            ``target_session_attrs=read-write`` was not in the DSN to skip it.
+        DatabaseUnavailable: the server cannot be reached (message without the password).
+    """
+    extra: dict[str, Any] = {}
+    if application_name:
+        extra["application_name"] = application_name[:63]
+    if pgbouncer:
+        extra["cursor_factory"] = PooledCursor
+    cls = PooledConnection if pgbouncer else psycopg.Connection
+    try:
+        conn = cls.connect(dsn, autocommit=autocommit, row_factory=dict_row, connect_timeout=max(2, int(timeout)),
+                           **tcp_bounds(dead_after), **extra)
+    except psycopg.Error as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DatabaseUnavailable(f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}") from exc
+    if not prepare:
+        conn.prepare_threshold = None
+    if conn.info.parameter_status("in_hot_standby") == "on":  # reported by PostgreSQL 14 and later
+        conn.close()
+        raise DatabaseReadOnly("connected to a standby (in recovery): a failover under way, or the DSN "
+                               "lacks target_session_attrs=read-write")
+    return conn
+
+
+def server_spoke(conn: Any) -> bool:
+    """True when something arrived on an idle connection's socket since its last call (an
+    idle client connection receives nothing unless the server ends it: a restart sends
+    FATAL and closes; a hung-up socket reads as EOF), or it is closed already. Asks the
+    kernel (``poll`` with no wait), not the server: no round trip.
+
+    The API pools' ``check`` (issue 23): a pooled connection is checked with a round trip
+    (psycopg_pool's ``check_connection``) only when this says the server spoke; a warm
+    connection costs its call nothing more. A server gone without a word (a host
+    powered off) is found by the call itself, within the connection's TCP bounds."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.Error:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+def check_pooled(conn: psycopg.Connection) -> None:
+    """A client pool's ``check``: raises when a pooled connection is no longer usable,
+    with a round trip only if :func:`server_spoke` (else none)."""
+    if server_spoke(conn):
+        from psycopg_pool import ConnectionPool
+
+        ConnectionPool.check_connection(conn)
+
+
+async def acheck_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`check_pooled` for the async client's pool."""
+    if server_spoke(conn):
+        from psycopg_pool import AsyncConnectionPool
+
+        await AsyncConnectionPool.check_connection(conn)
+
+
+def session_settings(*, generic_plans: bool = False, idle_in_transaction: float | None = None,
+                     lock_timeout: float | None = None, statement_timeout: float | None = None) -> dict[str, str]:
+    """The server settings of a cyclone_mp connection, by name (see :func:`configure_session`)."""
+    settings = {}
+    if lock_timeout is not None:
+        settings["lock_timeout"] = f"{max(1, int(lock_timeout * 1000))}ms"
+    if statement_timeout is not None:
+        settings["statement_timeout"] = f"{max(1, int(statement_timeout * 1000))}ms"
+    if generic_plans:
+        settings["plan_cache_mode"] = "force_generic_plan"
+    if idle_in_transaction is not None:
+        settings["idle_in_transaction_session_timeout"] = f"{max(1, int(idle_in_transaction * 1000))}ms"
+    return settings
+
+
+def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
+                      idle_in_transaction: float | None = None, lock_timeout: float | None = None,
+                      statement_timeout: float | None = None) -> None:
+    """Session settings of a cyclone_mp connection, in one round trip (``SET``, so a proxy
+    that refuses startup options still works); on a :class:`PooledConnection` (PgBouncer
+    in transaction mode), no round trip: they are kept on it and set in each transaction.
+
+    ``generic_plans``: ``plan_cache_mode = force_generic_plan`` (see :meth:`Store.open`).
+    ``idle_in_transaction`` (seconds): ``idle_in_transaction_session_timeout``, so a
+    process frozen inside one of its transactions does not hold row locks that other
+    supervisors wait on (the server ends that session; the process reconnects and
+    writes again). ``lock_timeout`` and ``statement_timeout`` (seconds) bound what a call
+    may wait for on the server (the supervisor's connections, issue 17). Raises psycopg.Error.
+    """
+    settings = session_settings(generic_plans=generic_plans, idle_in_transaction=idle_in_transaction,
+                                lock_timeout=lock_timeout, statement_timeout=statement_timeout)
+    if isinstance(conn, (PooledConnection, PooledAsyncConnection)):
+        conn.tx_settings = _set_config(settings, local=True) if settings else None
+        if isinstance(conn, PooledConnection):
+            # idle_in_transaction_session_timeout means nothing outside a transaction
+            per_statement = {k: v for k, v in settings.items() if k != "idle_in_transaction_session_timeout"}
+            conn.statement_settings = _set_config(per_statement, local=True) if per_statement else None
+        return
+    if settings:
+        conn.execute(*_set_config(settings))
+
+
+def _set_config(settings: dict[str, str], local: bool = False) -> tuple[str, list[str]]:
+    call = "set_config(%s, %s, true)" if local else "set_config(%s, %s, false)"
+    return ("SELECT " + ", ".join(call for _ in settings), [v for kv in settings.items() for v in kv])
+
+
+async def aconfigure_session(conn: psycopg.AsyncConnection[Any], *, idle_in_transaction: float) -> None:
+    """:func:`configure_session` of an async client's connection (its
+    ``idle_in_transaction``, in seconds). Raises psycopg.Error."""
+    settings = session_settings(idle_in_transaction=idle_in_transaction)
+    if isinstance(conn, PooledAsyncConnection):
+        conn.tx_settings = _set_config(settings, local=True)
+        return
+    await conn.execute(*_set_config(settings))
+
+
+#: pg_try_advisory_lock key of a VACUUM of the hot tables (one supervisor at a time)
+VACUUM_LOCK = 0x637976616375756D  # "cyvacuum"
+
+
+@translate
+def vacuum_hot_tables(dsn: str, *, pgbouncer: bool = False, application_name: str | None = None,
+                      lock_timeout: float = 10.0, statement_timeout: float = 300.0) -> float | None:
+    """``VACUUM cyclone_steps, cyclone_runs`` on a connection of its own (VACUUM cannot run
+    in a transaction, nor in a pipeline); returns the seconds it took, or None when another
+    supervisor is vacuuming them (a session advisory lock). It waits at most
+    ``lock_timeout`` seconds for its table locks (an autovacuum worker in its way is
+    cancelled by the server after ``deadlock_timeout``) and runs at most
+    ``statement_timeout``. Through PgBouncer in transaction mode (``pgbouncer``) it sends
+    the VACUUM alone: no session setting, no session lock. A role that does not own the
+    tables gets PostgreSQL's warning and nothing is vacuumed. Raises DatabaseError."""
+    import time
+
+    with connect(dsn, application_name=application_name, prepare=False) as conn:
+        if not pgbouncer:
+            if not conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (VACUUM_LOCK,)).fetchone()["got"]:
+                return None
+            conn.execute(*_set_config({"lock_timeout": f"{int(lock_timeout * 1000)}ms",
+                                        "statement_timeout": f"{int(statement_timeout * 1000)}ms"}))
+        started = time.monotonic()
+        conn.execute("VACUUM cyclone_steps, cyclone_runs")
+        return time.monotonic() - started
+
+
+def database_dsn(dsn: str, name: str) -> str:
+    """``dsn`` pointed at database ``name`` (every other parameter kept)."""
+    return psycopg.conninfo.make_conninfo(dsn, dbname=name)
+
+
+@translate
+def create_database(dsn: str, name: str) -> str:
+    """``CREATE DATABASE name`` on the server of ``dsn`` (an admin connection); returns
+    the new database's DSN. Raises DatabaseError (e.g. no CREATEDB privilege)."""
+    with connect(dsn) as conn:
+        conn.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(name)))
+    return database_dsn(dsn, name)
+
+
+@translate
+def drop_database(dsn: str, name: str) -> bool:
+    """``DROP DATABASE IF EXISTS name WITH (FORCE)`` (its sessions are ended) on the
+    server of ``dsn``; True if it existed. Raises DatabaseError."""
+    with connect(dsn) as conn:
+        existed = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+        conn.execute(psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name)))
+        return existed
+
+
+@translate
+def list_databases(dsn: str, prefix: str) -> list[str]:
+    """Names of the server's databases that start with ``prefix``. Raises DatabaseError."""
+    with connect(dsn) as conn:
+        rows = conn.execute("SELECT datname FROM pg_database WHERE starts_with(datname, %s) ORDER BY 1",
+                            (prefix,)).fetchall()
+        return [row["datname"] for row in rows]
+
+
+@translate
+def client_sessions(dsn: str) -> list[dict[str, Any]]:
+    """The server's client sessions other than this call's own: ``{"pid", "database",
+    "application", "state"}`` each (from ``pg_stat_activity``). Raises DatabaseError."""
+    with connect(dsn) as conn:
+        return conn.execute(
+            "SELECT pid, datname AS database, application_name AS application, state FROM pg_stat_activity"
+            " WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() ORDER BY pid").fetchall()
