@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import click
 
-from cyclone_mp.config import PREFETCH_DEFAULT
+from cyclone_mp.config import PREFETCH_DEFAULT, START_METHODS
 from cyclone_mp.connections import redact
 from cyclone_mp.errors import (
     ConfigurationError, CycloneError, InvalidTransition, PayloadError, UnknownStep, WaitTimeout,
@@ -260,7 +260,7 @@ def describe_dsn(dsn: str) -> str:
               help="Delete discarded runs this long after they finished, e.g. 30d [default: never].")
 @click.option("--retain-cancelled", type=DURATION_OR_NEVER, default=None,
               help="Delete cancelled runs this long after they finished [default: never].")
-@click.option("--start-method", type=click.Choice(["zygote", "spawn"]), default="zygote", show_default=True,
+@click.option("--start-method", type=click.Choice(START_METHODS), default=START_METHODS[0], show_default=True,
               help="How children start: forked from a zygote that imported the app once (milliseconds), "
                    "or a fresh interpreter each (spawn).")
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,

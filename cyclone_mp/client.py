@@ -20,7 +20,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from . import operations, tracing
 from .backoff import storable_backoff
-from .config import PREFETCH_DEFAULT, Config
+from .config import ARCHIVE_AFTER_DEFAULT, PREFETCH_DEFAULT, START_METHODS, Config
 from .connections import (
     PooledConnection, PooledCursor, check_pooled, classify, configure_session, connect, redact, stale_plan, tcp_bounds,
 )
@@ -30,6 +30,7 @@ from .errors import (
 )
 from .operations import Op
 from .protocol import check_value
+from .schedules import ACTIVE_WITHIN
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
 from .store import NodeRow, Store
@@ -39,7 +40,6 @@ from .workflow import Workflow
 log = logging.getLogger("cyclone_mp.client")
 
 POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API pool
-SCHEDULE_ACTIVE_S = 60.0  #: seconds: a schedule a supervisor ticked this recently is active (not deletable)
 #: Seconds between checks, while a call waits for a connection, that the server is still
 #: there: a server that went away fails the call at once, not after POOL_TIMEOUT (issue 19).
 POOL_PROBE_EVERY = 1.0
@@ -370,11 +370,11 @@ class Client(ClientBase):
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
         listen_dsn: str | None = None,
-        archive_after: Duration | str | None = 600.0,
+        archive_after: Duration | str | None = ARCHIVE_AFTER_DEFAULT,
         retain_completed: Duration | str | None = None,
         retain_discarded: Duration | str | None = None,
         retain_cancelled: Duration | str | None = None,
-        start_method: str = "zygote",
+        start_method: str = START_METHODS[0],
         clock: Callable[[], float] | None = None,
         wall_clock: Callable[[], float] | None = None,
     ) -> None:
@@ -686,7 +686,7 @@ class Client(ClientBase):
         ``last_run_id``, ``runs``, ``skipped``, ``seen_at`` and ``active`` (a live
         supervisor defines it: seen within the last minute)."""
         rows = self._call(lambda store: store.list_schedules())
-        return [{**row, "active": row["age"] is not None and row["age"] < SCHEDULE_ACTIVE_S} for row in rows]
+        return [{**row, "active": row["age"] is not None and row["age"] < ACTIVE_WITHIN} for row in rows]
 
     def delete_schedule(self, name: str) -> None:
         """Forget a schedule's row (one no supervisor defines any more: a renamed or removed
@@ -697,7 +697,7 @@ class Client(ClientBase):
             InvalidTransition: it is active (a supervisor ticked it within the last
                 minute): it would be made again; remove it from the mux first.
         """
-        row = self._call(lambda store: store.delete_schedule(name, SCHEDULE_ACTIVE_S))
+        row = self._call(lambda store: store.delete_schedule(name, ACTIVE_WITHIN))
         if row is None:
             raise LookupError(f"no schedule named {name!r}")
         if not row["deleted"]:

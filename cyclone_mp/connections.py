@@ -18,6 +18,7 @@ import functools
 import logging
 import re
 import select
+import time
 from typing import Any, Callable, Iterator
 
 import psycopg
@@ -370,14 +371,11 @@ def vacuum_hot_tables(dsn: str, *, pgbouncer: bool = False, application_name: st
     ``statement_timeout``. Through PgBouncer in transaction mode (``pgbouncer``) it sends
     the VACUUM alone: no session setting, no session lock. A role that does not own the
     tables gets PostgreSQL's warning and nothing is vacuumed. Raises DatabaseError."""
-    import time
-
     with connect(dsn, application_name=application_name, prepare=False) as conn:
         if not pgbouncer:
             if not conn.execute("SELECT pg_try_advisory_lock(%s) AS got", (VACUUM_LOCK,)).fetchone()["got"]:
                 return None
-            conn.execute(*_set_config({"lock_timeout": f"{int(lock_timeout * 1000)}ms",
-                                        "statement_timeout": f"{int(statement_timeout * 1000)}ms"}))
+            configure_session(conn, lock_timeout=lock_timeout, statement_timeout=statement_timeout)
         started = time.monotonic()
         conn.execute("VACUUM cyclone_steps, cyclone_runs")
         return time.monotonic() - started

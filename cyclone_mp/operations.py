@@ -26,6 +26,7 @@ from psycopg.types.json import Jsonb
 
 from .errors import DatabaseError, InvalidTransition, RunNotFound
 from .schedules import parse_idempotency_key
+from .status import TERMINAL_RUN_STATES
 from .limits import NO_LIMITS, Limits
 from .store import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, nullable_jsonb, to_us
 
@@ -532,7 +533,7 @@ def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0) ->
 
 # -- history (issue 22): the archive and retention --------------------------------------------------
 
-FINISHED_STATES = ("completed", "discarded", "cancelled")
+FINISHED_STATES = TERMINAL_RUN_STATES  # a finished run's (and its steps') states, the archive's partitions
 HISTORY_LOCK = 0x63796869737479  # "cyhisty": pg_try_advisory_xact_lock key of history work
 
 

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 CATCH_UP = ("latest", "all", "none")
 MISFIRE_GRACE = 60.0  # seconds late before a slot counts as missed (catch_up decides then)
+ACTIVE_WITHIN = 60.0  # seconds: a schedule a supervisor ticked this recently is active (listed so; not deletable)
 MAX_SLOTS_PER_TICK = 100  # per schedule; the rest are enqueued by the next ticks
 IDEMPOTENCY_PREFIX = "cyclone-schedule:"
 UTC = dt.timezone.utc

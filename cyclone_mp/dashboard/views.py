@@ -15,6 +15,7 @@ import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import PayloadError
+from ..schedules import ACTIVE_WITHIN
 from ..status import TERMINAL_RUN_STATES, StepStatus, exit_text
 from ..store import Store
 from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
@@ -376,7 +377,7 @@ def schedule_view(row: dict[str, Any]) -> dict[str, Any]:
         "name": row["name"], "target": row["target"], "period": period, "catch_up": spec.get("catch_up"),
         "next_at": iso(row.get("next_at")), "last_slot": iso(row.get("last_slot")),
         "last_run_id": row.get("last_run_id"), "runs": row.get("runs", 0), "skipped": row.get("skipped", 0),
-        "active": row["age"] is not None and row["age"] < 60.0,
+        "active": row["age"] is not None and row["age"] < ACTIVE_WITHIN,
     }
 
 
