@@ -767,6 +767,7 @@ class Store:
             cur.execute(Q["list_schedules"])
             return cur.fetchall()
 
+    @translate
     def delete_schedule(self, name: str, active_s: float) -> dict[str, Any] | None:
         """Delete the schedule row ``name`` unless a supervisor ticked it within ``active_s``
         seconds: ``{"age", "deleted"}``, or None when there is no such row."""
