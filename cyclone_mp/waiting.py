@@ -222,7 +222,11 @@ class Waiter:
                 return status
             while not slot.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeout(timeout_message(run_id, self._read_status(run_id), timeout))
+                    with contextlib.suppress(DatabaseError):  # what it says comes from the latest look
+                        status = self._read_status(run_id)
+                    if status.terminal:  # it ended right at the deadline
+                        return status
+                    raise WaitTimeout(timeout_message(run_id, status, timeout))
             assert slot.status is not None
             return slot.status
         finally:
@@ -372,7 +376,11 @@ class AsyncWaiter:
                 return await asyncio.wait_for(asyncio.shield(slot.future),
                                               None if deadline is None else max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise WaitTimeout(timeout_message(run_id, await self._read_status(run_id), timeout)) from None
+                with contextlib.suppress(DatabaseError):  # what it says comes from the latest look
+                    status = await self._read_status(run_id)
+                if status.terminal:  # it ended right at the deadline
+                    return status
+                raise WaitTimeout(timeout_message(run_id, status, timeout)) from None
         finally:
             self.book.remove(run_id, slot)
 
