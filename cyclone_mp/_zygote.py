@@ -66,7 +66,8 @@ if TYPE_CHECKING:
 # zygote's pages it maps (6.6 MB more with those two), and a memory_limit below a fresh
 # child's RSS refuses the attempt.
 WARM = ("datetime", "inspect", "importlib.util")
-MESSAGE_MAX = 1 << 18  # bytes of one message on the zygote's socket (a fork names the modules a child imports itself)
+MESSAGE_MAX = protocol.ZYGOTE_MESSAGE_MAX
+UNSAFE = "the zygote cannot fork safely"  # how a fork refused for a hazard starts its error (sent as "unsafe")
 
 
 def fork_hazard(baseline: set[int]) -> str | None:
@@ -151,8 +152,9 @@ class Zygote:
             except Exception:  # noqa: BLE001 - a speed-up only
                 pass
         baseline = open_fds()
-        if fork_hazard(baseline):  # the runner itself must never do this
-            self.send({"t": "unsafe", "module": None, "path": None, "why": fork_hazard(baseline)})
+        why = fork_hazard(baseline)
+        if why:  # the runner itself must never do this
+            self.send({"t": "unsafe", "module": None, "path": None, "why": why})
             os._exit(0)
         done = []
         for name, path in modules:
@@ -196,7 +198,8 @@ class Zygote:
             finally:
                 for fd in fds:
                     os.close(fd)
-            self.send({"t": "forked", "n": n, "pid": pid, "in_cgroup": placed, "error": error})
+            self.send({"t": "forked", "n": n, "pid": pid, "in_cgroup": placed, "error": error,
+                       "unsafe": error is not None and error.startswith(UNSAFE)})
 
     def fork(self, ctrl_fd: int, cancel_fd: int, cgroup_fd: int | None,
              leftover: list[list[Any]]) -> tuple[int | None, bool, str | None]:
@@ -205,7 +208,7 @@ class Zygote:
         None)`` or ``(None, False, why)``. ``leftover``: the modules it imports itself."""
         why = fork_hazard(self.baseline | {ctrl_fd, cancel_fd} | ({cgroup_fd} if cgroup_fd is not None else set()))
         if why:
-            return None, False, f"the zygote cannot fork safely: {why}"
+            return None, False, f"{UNSAFE}: {why}"
         flush_std()
         # The child shows "forked" from its first instant (a test or an operator looking
         # at it never takes it for the zygote); the zygote shows it for the clone only.

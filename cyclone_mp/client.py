@@ -26,7 +26,8 @@ from .connections import (
 )
 from .durations import Duration, seconds
 from .errors import (
-    ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, InvalidTransition, UnknownStep,
+    ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, InvalidTransition,
+    UnknownStep,
 )
 from .operations import Op
 from .protocol import check_value

@@ -999,7 +999,9 @@ class ProcessControl:
             too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
             # the RSS the child reported as its last task ended: sampled now, with pipelining
             # it would include the next task's working memory (issue 23's default prefetch)
-            rss = (child.last_rss if child.last_rss is not None else child.rss()) if cfg.max_child_rss is not None else None
+            rss = None
+            if cfg.max_child_rss is not None:
+                rss = child.last_rss if child.last_rss is not None else child.rss()
             too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
             child.recycle_due = too_many or too_big  # then nothing more is queued in it
         if not child.recycle_due:

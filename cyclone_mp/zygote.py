@@ -47,6 +47,15 @@ DEATHS_WINDOW = 60.0  # seconds
 Module = tuple[str, "str | None"]
 
 
+def _decoded(data: bytes) -> dict[str, Any]:
+    """A message from the zygote ({} when it is not one)."""
+    try:
+        message = json.loads(data)
+    except ValueError:
+        return {}
+    return message if isinstance(message, dict) else {}
+
+
 class ZygoteError(Exception):
     """The zygote could not fork a child (it died, hung, or refused); the caller spawns it."""
 
@@ -73,7 +82,6 @@ class Zygote:
         selector: process control's selector (the zygote's socket is registered with the
             data ``("zygote", None)``: readiness wakes the loop, which calls :meth:`poll`).
         clock: local monotonic clock in seconds.
-        on_lost_module: called with a module whose import killed or hung the zygote.
         preload_timeout: seconds one module's import may take before the zygote is killed
             and the module left out (the children's :data:`~cyclone_mp.config.PRELOAD_TIMEOUT`).
 
@@ -87,14 +95,12 @@ class Zygote:
 
     def __init__(self, owner: str, limit: int, preload: list[Module], *, selector: Any,
                  clock: Callable[[], float] = time.monotonic,
-                 on_lost_module: Callable[[Module], None] | None = None,
                  preload_timeout: float = PRELOAD_TIMEOUT) -> None:
         self.owner = owner
         self.limit = limit
         self.preload = preload
         self.selector = selector
         self.clock = clock
-        self.on_lost_module = on_lost_module or (lambda module: None)
         self.preload_timeout = preload_timeout
         self.state = "off"
         self.gave_up: str | None = None
@@ -105,7 +111,6 @@ class Zygote:
         self.preloading: Module | None = None
         self.since = clock()  # when it started, or began importing its current module
         self.deaths: list[float] = []
-        self.forks = 0
         self._unsafe = False  # it said it is unsafe to fork and exits: started again without that module
         self._n = 0
 
@@ -162,27 +167,30 @@ class Zygote:
         if self.sock is None:
             return
         while self.sock is not None:
-            try:
-                data = self.sock.recv(1 << 18)
-            except (BlockingIOError, InterruptedError):
+            data = self._recv()
+            if data is None:
                 break
-            except OSError:
-                data = b""
             if not data:
                 self._died()
                 return
-            self._on_message(data)
+            self._on_message(_decoded(data))
         if self.state == "starting" and self.clock() - self.since > self.preload_timeout:
             module = self.preloading
             log.error("the zygote hung %s; killing it", f"importing {module[0]}" if module else "starting")
             self._kill()
             self._died()
 
-    def _on_message(self, data: bytes) -> None:
+    def _recv(self) -> bytes | None:
+        """One message from the zygote; None: none waiting; b"": the zygote is gone."""
+        assert self.sock is not None
         try:
-            message = json.loads(data)
-        except ValueError:
-            return
+            return self.sock.recv(protocol.ZYGOTE_MESSAGE_MAX)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return b""
+
+    def _on_message(self, message: dict[str, Any]) -> None:
         kind = message.get("t")
         if kind == "preloading":
             self.preloading = (message.get("module"), message.get("path"))
@@ -208,14 +216,12 @@ class Zygote:
         was, module = self.state, self.preloading
         if was == "off":
             return
-        self.state = "starting"  # for the time of the restart below
         if self._unsafe:
             pass  # exited after its report; the next one leaves that module out
         elif was == "starting" and module is not None and module in self.preload:
             log.error("the zygote %s while importing %s (code %s); its steps import it at their first attempt",
                       "hung" if code == -9 else "died", module[0], code)
-            self.preload.remove(module)
-            self.on_lost_module(module)
+            self.preload.remove(module)  # (the pool's own list: its spawned children import it too)
         else:
             now = self.clock()
             self.deaths = [t for t in self.deaths if now - t < DEATHS_WINDOW] + [now]
@@ -304,30 +310,23 @@ class Zygote:
                 continue
             if not readable:
                 continue
-            try:
-                data = self.sock.recv(1 << 18)
-            except (BlockingIOError, InterruptedError):
+            data = self._recv()
+            if data is None:
                 continue
-            except OSError:
-                data = b""
             if not data:
                 self._died()
                 raise ZygoteError("the zygote died while forking")
-            try:
-                message = json.loads(data)
-            except ValueError:
-                continue
+            message = _decoded(data)
             if message.get("t") != "forked" or message.get("n") != n:
-                self._on_message(data)
+                self._on_message(message)
                 continue
             pid = message.get("pid")
             if not isinstance(pid, int):
                 error = str(message.get("error"))
-                if "cannot fork safely" in error:
+                if message.get("unsafe"):
                     self._give_up(error)
                 raise ZygoteError(f"the zygote could not fork: {error}")
             if parent_of(pid) != os.getpid():  # never seen: it exits by itself (its parent is not us)
                 self._give_up("a forked child's parent was not the supervisor")
                 raise ZygoteError("the forked child is not the supervisor's")
-            self.forks += 1
             return pid, bool(message.get("in_cgroup"))

@@ -291,24 +291,21 @@ class Env:
     def child_pids(self) -> list[int]:
         """Pids of every child process (handler runner) of every live supervisor; not its
         zygote (issue 23), which carries the supervisor's marker too."""
-        pids: list[int] = []
-        for handle in self.workers:
-            if handle.alive():
-                for proc in psutil.Process(handle.pid).children():
-                    with contextlib.suppress(psutil.Error):
-                        if proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id and not procs.is_zygote(proc):
-                            pids.append(proc.pid)
-        return pids
+        return self._marked_children(zygote=False)
 
     def zygote_pids(self) -> list[int]:
         """Pids of the zygotes (issue 23) of every live supervisor (none with
         ``start_method="spawn"``)."""
+        return self._marked_children(zygote=True)
+
+    def _marked_children(self, *, zygote: bool) -> list[int]:
         pids: list[int] = []
         for handle in self.workers:
             if handle.alive():
                 for proc in psutil.Process(handle.pid).children():
                     with contextlib.suppress(psutil.Error):
-                        if proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id and procs.is_zygote(proc):
+                        ours = proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id
+                        if ours and procs.is_zygote(proc) == zygote:
                             pids.append(proc.pid)
         return pids
 
