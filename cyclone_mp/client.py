@@ -148,22 +148,18 @@ class ClientBase:
         before any I/O."""
         definition = self._resolve(target)
         text = self._check_payload(input, "input")
-        if isinstance(definition, Step) and all(v is None for v in (
-                timeout, max_attempts, max_reclaims, queue, priority, backoff, concurrency, concurrency_key,
-                rate_limit, memory_limit, cpu_limit, max_processes, max_open_files)):
-            kind, nodes = "step", [self._step_row(definition, input)]  # the common case: nothing to compose
-        else:
-            overrides = self._enqueue_options(
-                timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue, priority=priority,
-                backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key, rate_limit=rate_limit,
-                memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
-                max_open_files=max_open_files,
-            )
-            kind, nodes = None, None
+        options = dict(timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims, queue=queue,
+                       priority=priority, backoff=backoff, concurrency=concurrency, concurrency_key=concurrency_key,
+                       rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit,
+                       max_processes=max_processes, max_open_files=max_open_files)
+        plain = isinstance(definition, Step) and all(v is None for v in options.values())  # the common case
+        overrides = None if plain else self._enqueue_options(**options)
         delay_s = 0.0 if delay is None else seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
         check_idempotency_key(idempotency_key)
-        if nodes is None:
+        if plain:  # nothing to compose: the step's row, kept
+            kind, nodes = "step", [self._step_row(definition, input)]
+        else:
             kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
         return definition.name, lambda trace: operations.enqueue_run(
             name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
@@ -179,14 +175,14 @@ class ClientBase:
         Raises:
             ConfigurationError: the key callable failed.
         """
-        cache: dict[int, tuple[Step, StepOptions, StepOptions, NodeRow | None]] = \
+        cache: dict[Step, tuple[StepOptions, StepOptions, NodeRow | None]] = \
             self.__dict__.setdefault("_step_rows", {})
-        kept = cache.get(id(step))
-        if kept is None or kept[0] is not step or kept[1] is not step.options:  # composed afresh when changed
+        kept = cache.get(step)
+        if kept is None or kept[0] is not step.options:  # composed afresh when its options changed
             opts = step.options.over(self.config.defaults)
             row = None if callable(opts.concurrency_key) else _task_row(step.name, step, opts, None, (), "available")
-            kept = cache[id(step)] = (step, step.options, opts, row)
-        _, _, opts, row = kept
+            kept = cache[step] = (step.options, opts, row)
+        _, opts, row = kept
         return row if row is not None else _task_row(step.name, step, opts, input, (), "available")
 
     def _plan_enqueue_many(
