@@ -34,7 +34,6 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,0 +1,177 @@
+"""B7 (memory and child starts) and B9 (children in milliseconds, issue 23): methods of
+:class:`run.Bench`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import time
+from typing import Any
+
+import psutil
+import psycopg
+
+import bench_steps
+import cyclone_mp as cy
+
+from common import PREFETCH, SupervisorProcess, all_ready, epoch, mux_of, wait_until
+
+
+
+class ChildBenches:
+    """B7 and B9 (the :class:`run.Bench` attributes they use: ``server``, ``n``, ``tmp``)."""
+
+    # B7 -----------------------------------------------------------------------------------
+
+    def child_starts(self) -> dict[str, Any]:
+        """Spawn-to-ready of a fresh child (``python -m cyclone_mp._child``, as the supervisor
+        starts it, via :class:`cyclone_mp.pool.ChildProc`) and its RSS once ready."""
+        import selectors
+
+        from cyclone_mp.pool import ChildProc
+        from cyclone_mp.protocol import DEFAULT_MAX_PAYLOAD
+
+        times, rss = [], []
+        for _ in range(self.n["b7_child_starts"]):
+            t = time.monotonic()
+            child = ChildProc(f"bench:{os.getpid()}", DEFAULT_MAX_PAYLOAD)
+            try:
+                sel = selectors.DefaultSelector()
+                sel.register(child.sock, selectors.EVENT_READ)
+                ready = False
+                while not ready and time.monotonic() - t < 30:
+                    sel.select(1.0)
+                    msgs, eof = child.receive()
+                    ready = any(m.get("t") == "ready" for m in msgs)
+                    if eof:
+                        break
+                sel.close()
+                if not ready:
+                    raise RuntimeError("child did not become ready")
+                times.append(time.monotonic() - t)
+                time.sleep(0.05)
+                rss.append(psutil.Process(child.pid).memory_info().rss)
+            finally:
+                child.retire()
+                if child.wait(timeout=5) is None:
+                    child.kill()
+        return {"child_start_ms_p50": round(statistics.median(times) * 1000, 1),
+                "child_start_ms_each": [round(x * 1000, 1) for x in times],
+                "child_rss_mb": round(statistics.median(rss) / 2**20, 1)}
+
+    def b7(self) -> dict[str, Any]:
+        n = self.n["b7_steps"]
+        with self.server.fresh() as dsn, cy.Client(dsn, mux_of(bench_steps.noop)) as client:
+            sup = SupervisorProcess(dsn, [bench_steps.noop], {"workers": 2, "prefetch": PREFETCH}, self.tmp)
+            try:
+                proc = psutil.Process(sup.pid)
+                time.sleep(1.0)
+                rss_start = proc.memory_info().rss
+                cpu0 = sum(proc.cpu_times()[:2])
+                samples = [rss_start]
+                client.enqueue_many(bench_steps.noop, [None] * n)
+                conn = psycopg.connect(dsn, autocommit=True)
+                done = 0
+                deadline = time.monotonic() + 600
+                while done < n:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{done} of {n} steps completed after 600 s")
+                    time.sleep(0.25)
+                    samples.append(proc.memory_info().rss)
+                    done = conn.execute("SELECT count(*) FROM cyclone_steps WHERE state = 'completed'").fetchone()[0]
+                last = conn.execute("SELECT max(finished_at), min(started_at) FROM cyclone_steps").fetchone()
+                conn.close()
+                cpu_s = sum(proc.cpu_times()[:2]) - cpu0
+                time.sleep(1.0)
+                rss_end = proc.memory_info().rss
+                kids = [k.memory_info().rss for k in sup.children()]
+            finally:
+                sup.stop()
+        row = {
+            "steps": n, "supervisor_rss_start_mb": round(rss_start / 2**20, 1),
+            "supervisor_rss_max_mb": round(max(samples + [rss_end]) / 2**20, 1),
+            "supervisor_rss_end_mb": round(rss_end / 2**20, 1),
+            "supervisor_rss_growth_mb": round((rss_end - rss_start) / 2**20, 1),
+            "supervisor_cpu_ms_per_step": round(cpu_s * 1000 / n, 3),
+            "sustained_steps_per_s": round(n / (epoch(last[0]) - epoch(last[1])), 1),
+            "children_rss_after_mb": [round(k / 2**20, 1) for k in kids],
+        }
+        row.update(self.child_starts())
+        return row
+
+
+    # B9 -----------------------------------------------------------------------------------
+
+    START_METHODS = ("spawn", "zygote")
+
+    def b9(self) -> dict[str, Any]:
+        """Children in milliseconds (issue 23), ``start_method="spawn"`` against
+        ``"zygote"``, one right after the other, the first alternating between
+        repetitions. Each: a supervisor in this process (``workers=2``, its handlers'
+        module ``bench_steps`` preloaded), started on a fresh database; then
+        ``b9_kills`` times an idle child is SIGKILLed and its replacement awaited.
+
+        - child ready: a new child's ``ChildProc.ready_after``, the supervisor's own
+          clock from asking for it (the zygote's fork, or ``Popen``) to its ``ready``
+          message (handlers imported): every child, the first two and each replacement;
+        - replaced after: from the SIGKILL (this thread, ``time.monotonic``) to the
+          replacement's ``ready`` (``spawned + ready_after``, the same clock);
+        - all ready after start: from ``client.start()`` to both children ready.
+
+        This thread looks every 20 ms (the times are the supervisor's; a tighter poll
+        would take the GIL from it)."""
+        order = self.START_METHODS if self._b9_rep % 2 == 0 else tuple(reversed(self.START_METHODS))
+        self._b9_rep += 1
+        row: dict[str, Any] = {"order": list(order)}
+        for method in order:
+            got = self.child_replacements(method)
+            row.update({f"{k}_{method}": v for k, v in got.items()})
+        for key in ("child_ready_ms", "replaced_ms"):
+            if row.get(f"{key}_spawn") and row.get(f"{key}_zygote"):
+                row[f"{key}_zygote_over_spawn"] = round(row[f"{key}_zygote"] / row[f"{key}_spawn"], 3)
+        return row
+
+    _b9_rep = 0
+
+    def child_replacements(self, method: str) -> dict[str, Any]:
+        kills = self.n["b9_kills"]
+        ready_ms: list[float] = []
+        replaced_ms: list[float] = []
+        with self.server.fresh() as dsn:
+            client = cy.Client(dsn, mux_of(bench_steps.noop), workers=2, start_method=method)
+            try:
+                t0 = time.monotonic()
+                client.start()
+                sup = client.supervisor
+                wait_until(lambda: all_ready(sup, 2), 60, 0.02, "children ready")
+                first = list(sup.children)
+                all_ready_ms = (max(c.spawned + c.ready_after for c in first) - t0) * 1000
+                ready_ms += [c.ready_after * 1000 for c in first]
+                for _ in range(kills):
+                    time.sleep(0.1)  # the supervisor settles (its strays check, its registry row)
+                    before = {c.pid for c in sup.children}
+                    victim = next(c for c in sup.children if c.ready and c.attempt is None)
+                    t_kill = time.monotonic()
+                    os.kill(victim.pid, signal.SIGKILL)  # our own unreaped child (the supervisor runs here)
+                    wait_until(lambda: all_ready(sup, 2) and {c.pid for c in sup.children} != before, 30, 0.02,
+                               "a replacement ready")
+                    new = next(c for c in sup.children if c.pid not in before)
+                    ready_ms.append(new.ready_after * 1000)
+                    replaced_ms.append((new.spawned + new.ready_after - t_kill) * 1000)
+                stats = sup.stats
+                client.shutdown()
+            finally:
+                with contextlib.suppress(Exception):
+                    client.stop()
+                client.close()
+        return {
+            "child_ready_ms": round(statistics.median(ready_ms), 2),
+            "replaced_ms": round(statistics.median(replaced_ms), 2),
+            "replaced_ms_max": round(max(replaced_ms), 2),
+            "all_ready_after_start_ms": round(all_ready_ms, 1),
+            "children_forked": stats["children_forked"], "children_spawned": stats["children_spawned"],
+            "child_ready_ms_each": [round(x, 2) for x in ready_ms],
+            "replaced_ms_each": [round(x, 2) for x in replaced_ms],
+        }
