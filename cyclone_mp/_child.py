@@ -335,17 +335,20 @@ class Runner:
             except BaseException:  # noqa: BLE001 - its step's attempt reports it
                 pass
 
-    def loop(self, preload: list[list[Any]] | None = None) -> None:
+    def loop(self, preload: list[list[Any]] | None = None, entered: dict[str, Any] | None = None) -> None:
         """Run tasks until told to exit. ``preload``: the handlers' modules to import
         before saying ready; None: a spawned child's, from its environment. A child forked
-        from the zygote gets those the zygote had not imported, and imports them only
-        after the supervisor's ``start`` (it is then in its slot's cgroups)."""
+        from the zygote gets those the zygote had not imported, and imports them once it
+        is in its slot's cgroups: ``entered`` (it moved itself; sent first) without an
+        error, else after the supervisor's ``start`` (the supervisor moved it)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
         reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
+        if entered is not None:
+            self.send(entered)
         if preload is None:
             preload = json.loads(os.environ.pop(protocol.PRELOAD_ENV, None) or "[]")
-        elif preload:
+        elif preload and (entered is None or entered.get("error")):
             while not inbox or inbox[0].get("t") != "start":
                 if inbox:
                     if inbox.pop(0).get("t") == "exit":  # retired before it started
@@ -633,15 +636,17 @@ def batch_scheduling() -> None:
 
 
 def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
-          modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None) -> None:
+          modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None,
+          entered: dict[str, Any] | None = None) -> None:
     """Run as a child whose death with its parent is already arranged: become a child
     subreaper, ignore Ctrl-C, serve tasks (under ``SCHED_BATCH`` once ready; ``modules``:
-    those imported already, a zygote's; ``preload``: see :meth:`Runner.loop`). Then exit."""
+    those imported already, a zygote's; ``preload``, ``entered``: see :meth:`Runner.loop`).
+    Then exit."""
     adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
-        Runner(ctrl, cancel_fd, limit, modules).loop(preload)
+        Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the supervisor went away (or recycled us): nothing left to report to
     os._exit(0)

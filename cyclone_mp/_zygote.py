@@ -17,9 +17,11 @@ as spawned children do.
 - from the zygote: ``preloading`` (module, path), ``unsafe`` (module, path, why),
   ``ready`` (the modules it imported), ``forked`` (``n``, ``pid`` or an ``error``);
 - from the supervisor: ``fork`` (``n``, ``preload``: the handler modules the child imports
-  itself) with descriptors attached (``SCM_RIGHTS``): the child's control socket, the read
-  end of its cancellation pipe, and maybe its slot's cgroup v2 directory (the child is
-  created in it: ``forked`` then says ``in_cgroup``).
+  itself; ``into``: a directory to create it in follows; ``enter``: the keys of the
+  directories it moves itself into) with descriptors attached (``SCM_RIGHTS``): the
+  child's control socket, the read end of its cancellation pipe, maybe its slot's cgroup
+  v2 directory (the child is created in it: ``forked`` then says ``in_cgroup``), then
+  its slot's cgroup directories.
 
 **Whose child a forked child is.** The zygote forks with ``clone(CLONE_PARENT)``: the
 child's parent is the zygote's parent, the supervisor's process-control thread, exactly as
@@ -32,10 +34,13 @@ and restored as ``os.fork`` does (``PyOS_BeforeFork``, ``PyOS_AfterFork_Child``/
 the import lock, the threads' state, ``os.register_at_fork`` hooks such as ``random``'s
 reseeding); the C library's own ``pthread_atfork`` handlers (of native libraries a
 handler module loaded) do not run, and the child's thread id is set where the C library
-keeps it (``CLONE_CHILD_SETTID``). In the child: its own process group, the death signal
-(then its parent is checked: the supervisor, or it exits), a child subreaper (issue 18),
-the zygote's descriptors closed; it imports the handler modules the zygote had not (after
-the supervisor's ``start``: it is in its slot's cgroups by then, issue 20) and says ready.
+keeps it (``CLONE_CHILD_SETTID``). In the child: first its move into its slot's cgroups
+(:func:`enter_cgroups`: the kernel's grace period is waited for here, not by the
+supervisor), its own process group, the death signal (then its parent is checked: the
+supervisor, or it exits), a child subreaper (issue 18), the zygote's descriptors closed;
+it says ``entered`` (or why it could not: then it waits for the supervisor's ``start``,
+sent once the supervisor moved it), imports the handler modules the zygote had not (in
+its slot's cgroups by then, issue 20) and says ready.
 Rlimits are set per task in the child (:class:`cyclone_mp._child.TaskLimits`).
 
 The zygote dies with the supervisor too (``PR_SET_PDEATHSIG``; it carries the supervisor's
@@ -67,6 +72,7 @@ if TYPE_CHECKING:
 # child's RSS refuses the attempt.
 WARM = ("datetime", "inspect", "importlib.util")
 MESSAGE_MAX = protocol.ZYGOTE_MESSAGE_MAX
+CGROUP_KEYS = ("v2", "memory", "pids")  # a slot's cgroup directories (cyclone_mp.slots.Slot.dirs)
 UNSAFE = "the zygote cannot fork safely"  # how a fork refused for a hazard starts its error (sent as "unsafe")
 
 
@@ -93,6 +99,25 @@ def fork_hazard(baseline: set[int]) -> str | None:
         except OSError:
             continue
     return None
+
+
+def enter_cgroups(dirs: list[tuple[str, int]]) -> str | None:
+    """Move this process into each cgroup directory of ``dirs`` (``(key, descriptor)``:
+    ``0`` written to its ``cgroup.procs``, which moves the writer). Returns None when it
+    is in all of them, else why not (the supervisor then moves it). Run in a forked child
+    before anything else: the kernel's wait for a grace period is the child's, not the
+    supervisor's."""
+    errors = []
+    for key, fd in dirs:
+        try:
+            procs_fd = os.open("cgroup.procs", os.O_WRONLY, dir_fd=fd)
+            try:
+                os.write(procs_fd, b"0")
+            finally:
+                os.close(procs_fd)
+        except OSError as exc:
+            errors.append(f"{key}: {exc.strerror or exc}")
+    return "; ".join(errors) or None
 
 
 def open_fds() -> set[int]:
@@ -176,7 +201,7 @@ class Zygote:
     def loop(self) -> None:
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE_MAX, 3)
+                data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE_MAX, 3 + len(CGROUP_KEYS))
             except InterruptedError:
                 continue
             except OSError:
@@ -187,14 +212,16 @@ class Zygote:
                 message = json.loads(data)
             except ValueError:
                 message = {}
-            if message.get("t") != "fork" or len(fds) not in (2, 3):
+            into = bool(message.get("into"))
+            keys = [k for k in message.get("enter") or [] if k in CGROUP_KEYS]
+            if message.get("t") != "fork" or len(fds) != 2 + into + len(keys):
                 for fd in fds:
                     os.close(fd)
                 continue
             n = message.get("n")
             try:
-                pid, placed, error = self.fork(fds[0], fds[1], fds[2] if len(fds) == 3 else None,
-                                               message.get("preload") or [])
+                pid, placed, error = self.fork(fds[0], fds[1], fds[2] if into else None,
+                                               message.get("preload") or [], list(zip(keys, fds[2 + into:])))
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -202,11 +229,14 @@ class Zygote:
                        "unsafe": error is not None and error.startswith(UNSAFE)})
 
     def fork(self, ctrl_fd: int, cancel_fd: int, cgroup_fd: int | None,
-             leftover: list[list[Any]]) -> tuple[int | None, bool, str | None]:
+             leftover: list[list[Any]], enter: list[tuple[str, int]]) -> tuple[int | None, bool, str | None]:
         """Fork a child that is the supervisor's (``clone(CLONE_PARENT)``), in the cgroup
         ``cgroup_fd`` names if given and the kernel can; returns ``(pid, born_in_cgroup,
-        None)`` or ``(None, False, why)``. ``leftover``: the modules it imports itself."""
-        why = fork_hazard(self.baseline | {ctrl_fd, cancel_fd} | ({cgroup_fd} if cgroup_fd is not None else set()))
+        None)`` or ``(None, False, why)``. ``leftover``: the modules it imports itself;
+        ``enter``: its slot's cgroup directories (key, descriptor), which it moves itself
+        into first (:func:`enter_cgroups`)."""
+        given = {ctrl_fd, cancel_fd} | ({cgroup_fd} if cgroup_fd is not None else set()) | {fd for _, fd in enter}
+        why = fork_hazard(self.baseline | given)
         if why:
             return None, False, f"{UNSAFE}: {why}"
         flush_std()
@@ -221,12 +251,15 @@ class Zygote:
         if pid != 0:
             self.title.set(b"zygote")
         if pid == 0:
-            if cgroup_fd is not None:
-                os.close(cgroup_fd)
-            self.child(ctrl_fd, cancel_fd, leftover)
+            entered = None  # nothing to enter: the supervisor moves it (or it was born in its only cgroup)
+            if enter:
+                entered = {"t": "entered", "error": enter_cgroups([(k, fd) for k, fd in enter if not (placed and k == "v2")])}
+            for fd in given - {ctrl_fd, cancel_fd}:
+                os.close(fd)
+            self.child(ctrl_fd, cancel_fd, leftover, entered)
         return pid, placed, None
 
-    def child(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]]) -> None:
+    def child(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]], entered: dict[str, Any] | None) -> None:
         """In the forked child (see the module docstring): run tasks until told to exit.
         Never returns."""
         code = 0
@@ -237,7 +270,7 @@ class Zygote:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # what a spawned child's sys.argv holds (``_boot.py CTRL_FD CANCEL_FD PARENT_PID LIMIT``)
             sys.argv[1:] = [str(ctrl_fd), str(cancel_fd), str(self.supervisor), str(self.limit)]
-            serve(ctrl_fd, cancel_fd, self.limit, modules=self.modules, preload=leftover)
+            serve(ctrl_fd, cancel_fd, self.limit, modules=self.modules, preload=leftover, entered=entered)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001

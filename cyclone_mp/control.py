@@ -784,6 +784,9 @@ class ProcessControl:
             self.pool.on_ready(child, message)
             self._take_held()
             return
+        if kind == "entered":
+            self.pool.on_entered(child, message)
+            return
         if kind == protocol.UNDECODABLE:
             self._on_undecodable(child, message)
             return

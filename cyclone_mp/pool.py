@@ -43,13 +43,17 @@ class ChildProc:
     """
 
     def __init__(self, supervisor_id: str, limit: int, preload: Sequence[tuple[str, str | None]] = (), *,
-                 zygote: Zygote | None = None, cgroup_fd: int | None = None) -> None:
+                 zygote: Zygote | None = None, cgroup_fd: int | None = None,
+                 enter: Sequence[tuple[str, int]] = ()) -> None:
         """Start a child. ``limit``: the largest message in bytes; ``preload``: the
         ``(module, script path or None)`` of the handlers, imported before it is ready;
         ``zygote``: fork it from this ready zygote (issue 23) instead of spawning a fresh
         interpreter. A forked child imports the modules of ``preload`` the zygote had not,
-        once it gets ``start`` (:meth:`start`); it is created in the cgroup v2 directory
-        ``cgroup_fd`` names where the kernel can (:attr:`in_cgroup`).
+        once it is in its slot's cgroups; it is created in the cgroup v2 directory
+        ``cgroup_fd`` names where the kernel can (:attr:`in_cgroup`), and moves itself
+        into the cgroup directories of ``enter`` (``(key, descriptor)``, the slot's
+        :meth:`~cyclone_mp.slots.Slot.entry`), then says ``entered`` (:attr:`entering`
+        until then). Without ``enter`` the caller moves it, then calls :meth:`start`.
 
         Raises:
             OSError: the system refused a process or a descriptor.
@@ -59,12 +63,14 @@ class ChildProc:
         parent_sock, child_sock = socket.socketpair()
         cancel_r, cancel_w = os.pipe()
         self.popen: subprocess.Popen[bytes] | None = None
-        self.leftover: list[list[Any]] = []  # forked: the handlers' modules it imports itself, after "start"
+        self.leftover: list[list[Any]] = []  # forked: the handlers' modules it imports itself, once in its slot
         self.in_cgroup = False  # forked into its slot's cgroup v2 directory (CLONE_INTO_CGROUP)
+        self.entering = False  # forked and moving itself into its slot's cgroups: "entered" not seen yet
         try:
             if zygote is not None:
                 self.leftover = [list(m) for m in preload if tuple(m) not in zygote.imported]
-                self.pid, self.in_cgroup = zygote.fork(child_sock.fileno(), cancel_r, self.leftover, cgroup_fd)
+                self.pid, self.in_cgroup = zygote.fork(child_sock.fileno(), cancel_r, self.leftover, cgroup_fd, enter)
+                self.entering = bool(enter)
             else:
                 env = procs.helper_env({procs.MARKER_ENV: supervisor_id,
                                         protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload])})
@@ -335,9 +341,11 @@ class ChildPool:
         slot = self.confinement.slot(min(i for i in range(len(self.children) + 1) if i not in used))
         try:
             try:
-                # a forked child is born in its slot's v2 cgroup (its caps reset first)
+                # a forked child is born in its slot's v2 cgroup (its caps reset first) and
+                # moves itself into the others: process control never waits for the kernel
                 child = ChildProc(self.owner, self.limit, self.preload, zygote=zygote,
-                                  cgroup_fd=slot.prepare() if zygote is not None else None)
+                                  cgroup_fd=slot.prepare() if zygote is not None else None,
+                                  enter=slot.entry() if zygote is not None else ())
             except ZygoteError as exc:
                 log.warning("the zygote could not fork a child (%s); spawning one", exc)
                 child = ChildProc(self.owner, self.limit, self.preload)
@@ -345,7 +353,8 @@ class ChildPool:
             log.error("cannot start a child process: %s", exc)
             return None
         child.slot = slot
-        slot.enter(child.pid, born_in_v2=child.in_cgroup)  # before it runs anything of the handlers
+        # before it runs anything of the handlers
+        slot.enter(child.pid, born_in_v2=child.in_cgroup, by_child=child.entering)
         self.children.append(child)
         self.stats["children_spawned"] += 1  # every child started, however
         if child.forked:
@@ -353,9 +362,22 @@ class ChildPool:
         self.selector.register(child.sock, selectors.EVENT_READ, ("child", child))
         child.events = selectors.EVENT_READ
         self.watchdog.child(child.pid, child.pidfd, child.slot.v2_dir)
-        if child.forked and child.leftover:
+        if child.forked and child.leftover and not child.entering:
             child.start()
         return child
+
+    def on_entered(self, child: ChildProc, message: dict[str, Any]) -> None:
+        """A forked child moved itself into its slot's cgroups (or says why it could not:
+        then it is moved from here, and told to go on if it waits for that)."""
+        child.entering = False
+        if child.slot is None:
+            return
+        error = message.get("error")
+        child.slot.entered(child.pid, str(error) if error else None)
+        if error and child.leftover:
+            child.start()
+        if child.slot.v2_dir is not None:  # the watchdog kills it through its cgroup from now on
+            self.watchdog.child(child.pid, child.pidfd, child.slot.v2_dir)
 
     def maintain(self, now: float, draining: bool) -> None:
         """Keep ``workers`` children alive (a killed or recycled one is replaced at once).

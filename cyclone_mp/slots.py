@@ -24,7 +24,11 @@ cgroups are used where the supervisor can create them: as root, or in a delegate
 subtree (systemd's ``Delegate=yes``). Each supervisor makes one directory per
 hierarchy, ``cyclone-mp-<pid>-<tag>`` under its own cgroup, and in it ``slot-N`` per
 child slot; a child is moved into its slot's cgroups right after it starts (before it
-can have started anything). v2 controllers are enabled in the supervisor's own cgroup
+can have started anything). A child forked from the zygote moves itself, first thing
+after the fork (issue 23): the first move into a cgroup after a pause waits for a kernel
+RCU grace period (7-15 ms measured on cgroup v1), which would stall process control's
+thread, and with it every other child's results, if that thread wrote it; a child that
+cannot is moved from here, as a spawned one is. v2 controllers are enabled in the supervisor's own cgroup
 when they are available there but not yet enabled; a non-root cgroup holding the
 supervisor cannot enable them (no internal processes), so the supervisor first moves
 itself into a leaf of its own (``cyclone-mp-supervisor-<pid>``), as systemd advises
@@ -446,22 +450,40 @@ class Slot:
         if self.caps != (None, None):
             self.confined = True
             self.configure(Limits())
-        path = self.dirs.get("v2")
-        if path is None or self.pid is not None:
+        if "v2" not in self.dirs or self.pid is not None:
             return None
-        fd = self._fds.get("v2-dir")
+        return self._dir_fd("v2")
+
+    def entry(self) -> list[tuple[str, int]]:
+        """``(key, descriptor)`` of each of the slot's cgroup directories, for a forked child
+        to move itself into (``cgroup.procs`` there, ``0``: :meth:`enter` with ``by_child``).
+        The descriptors stay the slot's; empty without cgroups or when one cannot be opened
+        (the child is then moved from here)."""
+        out: list[tuple[str, int]] = []
+        for key in self.dirs:
+            fd = self._dir_fd(key)
+            if fd is None:
+                return []
+            out.append((key, fd))
+        return out
+
+    def _dir_fd(self, key: str) -> int | None:
+        """A descriptor of the slot's directory in hierarchy ``key``, opened once and kept."""
+        fd = self._fds.get(f"{key}-dir")
         if fd is None:
             try:
-                fd = self._fds["v2-dir"] = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                fd = self._fds[f"{key}-dir"] = os.open(self.dirs[key], os.O_RDONLY | os.O_DIRECTORY)
             except OSError:
                 return None
         return fd
 
-    def enter(self, pid: int, *, born_in_v2: bool = False) -> bool:
+    def enter(self, pid: int, *, born_in_v2: bool = False, by_child: bool = False) -> bool:
         """Move a new child into the slot's cgroups (before it can start anything), but the
         v2 one if it was created there (``born_in_v2``: a move would cost a kernel RCU
-        grace period for nothing). False when it could not be (it is then killed with
-        signals and sampled)."""
+        grace period for nothing). ``by_child``: it moves itself (it was given
+        :meth:`entry`); only the slot's books are set here, and it counts as confined once
+        :meth:`entered` says it is in. False when it is not confined (yet): it is then
+        killed with signals and sampled."""
         self.pid = pid
         if not self.dirs:
             self.confined = False
@@ -470,11 +492,12 @@ class Slot:
             if self.caps != (None, None):  # a fresh child starts uncapped (it imports its handlers first)
                 self.confined = True
                 self.configure(Limits())
-            for key, path in self.dirs.items():
-                if key == "v2" and born_in_v2:
-                    continue
-                _write(os.path.join(path, "cgroup.procs"), str(pid))
-            self.confined = True
+            if not by_child:
+                for key, path in self.dirs.items():
+                    if key == "v2" and born_in_v2:
+                        continue
+                    _write(os.path.join(path, "cgroup.procs"), str(pid))
+            self.confined = not by_child
             self.last = Baseline()
             self.last.oom_kills, self.last.cap_hits = self._memory_counters()
             self.last.fork_failures = self._forks_refused()
@@ -483,6 +506,18 @@ class Slot:
             log.error("cannot move child %d into its cgroup (%s); it is killed with signals", pid, exc)
             self.confined = False
         return self.confined
+
+    def entered(self, pid: int, error: str | None) -> bool:
+        """Child ``pid``, which was to move itself (:meth:`enter` with ``by_child``), says
+        it is in every cgroup of the slot (``error`` None) or why it is not: then it is
+        moved from here. Returns :attr:`confined`."""
+        if pid != self.pid or not self.dirs:
+            return False
+        if error is None:
+            self.confined = True
+            return True
+        log.warning("child %d could not move itself into its cgroups (%s); moving it", pid, error)
+        return self.enter(pid)
 
     def _file(self, key: str, name: str) -> str | None:
         path = self.dirs.get(key)

@@ -33,7 +33,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import procs, protocol
 from .config import PRELOAD_TIMEOUT
@@ -271,7 +271,7 @@ class Zygote:
     # -- forking ---------------------------------------------------------------------------------
 
     def fork(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]],
-             cgroup_fd: int | None = None) -> tuple[int, bool]:
+             cgroup_fd: int | None = None, enter: Sequence[tuple[str, int]] = ()) -> tuple[int, bool]:
         """Ask the ready zygote for a child that serves ``ctrl_fd`` (its end of the control
         socket) and ``cancel_fd`` (the read end of its cancellation pipe); both are the
         caller's to close. Returns the child's pid: a child of this process (its parent is
@@ -279,7 +279,10 @@ class Zygote:
         ``leftover`` modules to import (those the zygote had not): then it waits for
         ``{"t": "start"}`` first, sent once it is in its slot. ``cgroup_fd``: its slot's
         cgroup v2 directory, to create it in (``CLONE_INTO_CGROUP``: no migration, which
-        costs a kernel RCU grace period). Returns ``(pid, born in that cgroup)``.
+        costs a kernel RCU grace period). ``enter``: ``(key, directory descriptor)`` of the
+        slot's cgroups, which the child moves itself into before anything else (the v2 one
+        unless born in it) and then says ``entered`` (with an ``error`` if it could not); the caller
+        keeps the descriptors. Returns ``(pid, born in that cgroup)``.
 
         Raises:
             ZygoteError: no ready zygote, or it died, hung (:data:`FORK_TIMEOUT`) or could
@@ -290,8 +293,9 @@ class Zygote:
         self._n += 1
         n = self._n
         try:
-            socket.send_fds(self.sock, [json.dumps({"t": "fork", "n": n, "preload": leftover}).encode()],
-                            [ctrl_fd, cancel_fd] + ([cgroup_fd] if cgroup_fd is not None else []))
+            socket.send_fds(self.sock, [json.dumps({"t": "fork", "n": n, "preload": leftover, "into": cgroup_fd is not None,
+                                                    "enter": [key for key, _ in enter]}).encode()],
+                            [ctrl_fd, cancel_fd] + ([cgroup_fd] if cgroup_fd is not None else []) + [fd for _, fd in enter])
         except OSError as exc:
             self._kill()
             self._died()

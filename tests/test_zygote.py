@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 import cyclone_mp as cy
+from cyclone_mp import slots
 import handlers as h
 import zygote_handlers as zh
 
@@ -81,6 +82,60 @@ def test_a_handler_module_is_imported_once_and_children_are_the_supervisors_own(
         assert stats["children_forked"] == 0
         assert len(imports(counter)) == stats["children_spawned"]  # once per child
         assert handler_pids <= set(imports(counter))
+
+
+HOST = slots.Confinement.detect("zygote-probe")  # what this machine offers (removed at once below)
+HOST.close()
+
+
+@pytest.mark.skipif(not HOST.dirs, reason="no cgroups here (the slots are sampled and killed with signals)")
+@pytest.mark.parametrize("can_move_itself", [True, False], ids=["itself", "moved"])
+def test_a_forked_child_moves_itself_into_its_slots_cgroups(cyclone_env_factory, monkeypatch, tmp_path,
+                                                            can_move_itself):
+    """The first move into a cgroup after a pause waits for a kernel RCU grace period
+    (7-15 ms on cgroup v1 here): a forked child makes its move itself, before anything
+    else, so process control's thread writes no ``cgroup.procs`` for it. Its step runs in
+    every cgroup of its slot, and so does a SIGKILLed child's replacement's. A child that
+    cannot move itself (given a directory without ``cgroup.procs``) is moved by the
+    supervisor, as a spawned one is, and runs in its slot just the same."""
+    writes: list[tuple[str, str]] = []
+    real_write = slots._write
+
+    def recording_write(path, text):
+        if path.endswith("cgroup.procs"):
+            writes.append((path, text))
+        real_write(path, text)
+
+    monkeypatch.setattr(slots, "_write", recording_write)
+    decoys: list[int] = []  # directories without cgroup.procs, given instead of the slot's
+    if not can_move_itself:
+        real_entry = slots.Slot.entry
+
+        def decoy_entry(self):
+            decoys.extend(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY) for _ in real_entry(self))
+            return list(zip(self.dirs, decoys[-len(self.dirs):]))
+
+        monkeypatch.setattr(slots.Slot, "entry", decoy_entry)
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(zh.cgroups)
+    handle = env.start_worker()
+    outs = [env.run_until_complete(env.enqueue(zh.cgroups, {})).step.output]
+    (first,) = wait_for(lambda: env.child_pids(), 10, "the child")
+    os.kill(first, signal.SIGKILL)
+    outs.append(wait_for(lambda: (o := env.run_until_complete(env.enqueue(zh.cgroups, {})).step.output)["pid"] != first
+                         and o, 30, "a step in the replacement"))
+    slot_dirs = handle.client.supervisor.control.pool.confinement.slot(0).dirs
+    assert slot_dirs
+    for out in outs:
+        for key, path in slot_dirs.items():
+            hierarchy = "v2" if key == "v2" else key
+            assert any(hierarchy in name.split(",") and path.endswith(where) for name, where in out["cgroups"].items()), \
+                (key, path, out)
+        moved_by_supervisor = [text for _, text in writes if text == str(out["pid"])]
+        assert bool(moved_by_supervisor) == (not can_move_itself), (out["pid"], writes)
+    assert handle.client.supervisor.stats["children_forked"] == 2
+    for fd in decoys:
+        os.close(fd)
 
 
 def test_a_forked_child_holds_no_connection_no_extra_thread_and_no_password(cyclone_env_factory, monkeypatch):

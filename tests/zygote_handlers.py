@@ -27,6 +27,14 @@ def whoami(ctx: cy.Context, inp: dict) -> dict:
     return {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0)}
 
 
+@cy.step("zy_cgroups", max_attempts=1)
+def cgroups(ctx: cy.Context, inp: dict) -> dict:
+    """The handler's pid and its cgroup paths by hierarchy (``/proc/self/cgroup``)."""
+    with open("/proc/self/cgroup") as fh:
+        lines = [line.rstrip("\n").split(":", 2) for line in fh if line.strip()]
+    return {"pid": os.getpid(), "cgroups": {controllers or "v2": path for _, controllers, path in lines}}
+
+
 @cy.step("zy_holdings", max_attempts=1)
 def holdings(ctx: cy.Context, inp: dict) -> dict:
     """What the handler's process holds: its sockets (kind, peer), its threads, and its
