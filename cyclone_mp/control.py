@@ -2,7 +2,7 @@
 
 This is the supervisor's own thread (children are started from it: ``PR_SET_PDEATHSIG``
 follows the thread that creates them). It never calls the database: claims and
-claims and outcomes are the outcome writer's (:mod:`cyclone_mp.outcomes`), renewals the
+outcomes are the outcome writer's (:mod:`cyclone_mp.outcomes`), renewals the
 lease keeper's (:mod:`cyclone_mp.leases`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they
 talk by messages (:mod:`cyclone_mp.messages`). So a slow, locked or partitioned
 database delays durable transitions, never a kill.
@@ -23,8 +23,9 @@ lease keeper's; what
 a lost lease does to the handler is :meth:`ProcessControl.on_lease_lost`; a timeout on
 the worker clock, the fence, the cancel and the kill are :meth:`ProcessControl._enforce`;
 how an attempt ended is :meth:`ProcessControl._on_result` /
-:meth:`ProcessControl._on_child_exit`; the drain and the hard stop are
-:meth:`ProcessControl._handle_requests`.
+:meth:`ProcessControl._on_child_exit`; an attempt's resource limits, sampled, and the
+cause of its death are :class:`~cyclone_mp.limitwatch.LimitWatch`'s; the drain and the
+hard stop are :meth:`ProcessControl._handle_requests`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import psutil
 
 from . import decisions, procs, protocol, slots
 from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound, startable
-from .limits import NO_LIMITS, Limits, Usage, cause_of_death, death_message, death_summary, format_size, over_limit
+from .limits import Limits, format_size
+from .limitwatch import LimitWatch
 from .config import (
     COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_MAX_WAIT,
     Config,
@@ -117,9 +119,8 @@ class ProcessControl:
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
-        self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled (issue 20)
+        self.limits = LimitWatch(self.confinement)  # running attempts with resource limits: sampled (issue 20)
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
-        self._vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.held: collections.deque[Held] = collections.deque()
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
@@ -137,7 +138,7 @@ class ProcessControl:
         self._next_io_sweep = start
         self._next_stray_check = start
         self._next_sample = start
-        self._next_limit_check = start
+        self.limits.next_check = start
         self._next_snapshot = start
         self.draining = False
         self.drain_deadline: float | None = None
@@ -252,9 +253,10 @@ class ProcessControl:
             if self.pool.reap_orphans():
                 log.info("killed handler process(es) reparented to the supervisor")
             self.pool.tell_descendants()
-        if self.limited and now >= self._next_limit_check:
-            self._next_limit_check = now + slots.SAMPLE_INTERVAL
-            self._check_limits()
+        if self.limits and now >= self.limits.next_check:
+            self.limits.next_check = now + slots.SAMPLE_INTERVAL
+            for att, kind in self.limits.over():
+                self._kill_for_limit(att, kind)
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
             for att in self.attempts.values():  # a crashed child cannot be read afterwards
@@ -270,13 +272,12 @@ class ProcessControl:
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
             self._publish_snapshot(now)
-            if not self.confinement.mechanism.where:  # an inferred OOM kill must be a recent one
-                self._vm_oom_kills = slots.vm_oom_kills()
+            self.limits.note_oom_kills()
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]
-        if self.limited:
-            times.append(self._next_limit_check)
+        if self.limits:
+            times.append(self.limits.next_check)
         ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
         for att in self.attempts.values():
             if att.ended:
@@ -604,16 +605,12 @@ class ProcessControl:
         self.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it
             self._end(att)
-            self._fail(att, decisions.MEMORY_LIMIT, {
-                "pid": child.pid, "limits": limits.as_json(), "cause": death_summary(decisions.MEMORY_LIMIT, limits, Usage()),
-                "enforced_by": self.confinement.mechanism.memory, "killed_by_supervisor": False,
-                "message": f"memory_limit {format_size(limits.memory)} is below what a fresh child uses before any "
-                           "handler runs (raise the cap)"})
+            self._fail(att, decisions.MEMORY_LIMIT, self.limits.below_a_fresh_child(child.pid, limits))
             return True
         if child.attempt is None:
             child.attempt = att
             att.started_wall = self.wall_clock()
-            self._arm(att)
+            self.limits.arm(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
@@ -644,99 +641,18 @@ class ProcessControl:
 
     # -- resource limits (issue 20) -----------------------------------------------------------------
 
-    def _arm(self, att: Attempt) -> None:
-        """An attempt with limits starts running: note where its slot's counters stand and
-        sample it from now on (an attempt without limits costs nothing here)."""
-        if att.limits and att.child.slot is not None:
-            att.base = att.child.slot.begin(att.limits, runner_cpu=att.child.cpu_total)
-            self.limited[att.key] = att
-
-    def _check_limits(self) -> None:
-        """Sample every running attempt with limits; kill the tree of one over a cap."""
-        mech = self.confinement.mechanism
-        for key, att in list(self.limited.items()):
-            if att.ended or att.child.returncode is not None:
-                self.limited.pop(key, None)
-                continue
-            slot = att.child.slot
-            if att.child.attempt is not att or slot is None or att.base is None:
-                continue
-            usage = slot.sample(att.limits, att.base)
-            att.usage = usage
-            confined = slot.confined
-            kind = over_limit(att.limits, usage, kernel_memory_cap=confined and mech.kernel_memory_cap,
-                              kernel_process_cap=confined and mech.kernel_process_cap)
-            if kind is not None and att.cancel_reason is None:
-                self._kill_for_limit(att, kind)
-
     def _kill_for_limit(self, att: Attempt, kind: str) -> None:
+        """Kill the tree of an attempt :class:`~cyclone_mp.limitwatch.LimitWatch` found over
+        a cap (unless it ended meanwhile)."""
         child = att.child
         self._child_io(child)  # it may have ended just now
         if att.ended or child.attempt is not att:
             return
         att.killed_for = att.killed_by = kind
         self.stats["limit_kills"] += 1
-        if child.slot is not None and att.base is not None:  # the tree as it was, before the kill empties it
-            att.usage = child.slot.sample(att.limits, att.base, final=True)
+        self.limits.final_sample(att)  # the tree as it was, before the kill empties it
         self.pool.kill(child, kind)
         self._on_child_exit(child)
-
-    def _death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
-               reported_peak: int | None = None) -> tuple[str, Usage] | None:
-        """The cause of death of an attempt (issue 20), from its slot's evidence, or None.
-        ``reported_peak``: bytes, the child's own peak plus its largest waited-for
-        descendant's (what a result says where no cgroup counts the tree)."""
-        slot = att.child.slot
-        usage = att.usage or Usage()
-        if slot is not None and att.base is not None:
-            final = slot.sample(att.limits, att.base, final=True)
-            final.peak_memory = max(final.peak_memory or 0, usage.peak_memory or 0, usage.memory or 0) or None
-            if final.processes in (None, 0) and usage.processes:
-                final.processes = usage.processes
-            if usage.cpu is not None:  # a dead tree's CPU is gone from /proc: the last sample's counts
-                final.cpu = max(final.cpu or 0.0, usage.cpu)
-            usage = final
-        elif slot is not None and slot.confined and exit_signal is not None:  # no limits: the OOM killer's evidence
-            usage = slot.sample(NO_LIMITS, slot.last, final=True)
-        if reported_peak and not (slot is not None and slot.confined and slot.memory_file):
-            usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
-        oom_inferred = False
-        if exit_signal == 9 and att.killed_for is None and not (slot is not None and slot.confined):
-            # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
-            now = slots.vm_oom_kills()
-            oom_inferred = now is not None and self._vm_oom_kills is not None and now > self._vm_oom_kills
-            self._vm_oom_kills = now
-        mech = self.confinement.mechanism
-        kind = cause_of_death(att.limits, usage, exit_signal=exit_signal, killed_for=att.killed_for,
-                              memory_error=memory_error,
-                              memory_by_rlimit=not (mech.kernel_memory_cap and slot is not None and slot.confined),
-                              oom_inferred=oom_inferred)
-        return (kind, usage) if kind is not None else None
-
-    def _death_entry(self, att: Attempt, kind: str, usage: Usage, entry: dict[str, Any]) -> dict[str, Any]:
-        """An error entry with the cause of death: the tree's numbers, the caps, who acted."""
-        mech = self.confinement.mechanism
-        confined = att.child.slot is not None and att.child.slot.confined
-        by = {decisions.MEMORY_LIMIT: mech.memory if confined else f"{slots.RLIMIT} + {slots.SAMPLING}",
-              decisions.PROCESS_LIMIT: mech.processes if confined else slots.SAMPLING,
-              decisions.CPU_LIMIT: mech.cpu if confined else slots.SAMPLING}.get(kind, "the kernel")
-        if entry.get("type") and att.killed_for is None:
-            who = f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
-        elif kind == decisions.CPU_LIMIT and att.killed_for is None:
-            who = "the kernel sent SIGXCPU (RLIMIT_CPU)"
-        elif kind == decisions.MEMORY_LIMIT and usage.oom_kills:
-            who = f"the kernel's OOM killer acted at the cap ({by}), then the supervisor killed the whole tree"
-        elif kind == decisions.PROCESS_LIMIT and usage.fork_failures:
-            who = f"the kernel refused a fork at the cap ({by}), then the supervisor killed the whole tree"
-        elif kind == decisions.OOM_KILLED:
-            who = "the supervisor killed the rest of the tree"
-        else:
-            who = f"the supervisor killed the tree ({by})"
-        entry.update({
-            "tree": usage.forensics(), "limits": att.limits.as_json(), "cause": death_summary(kind, att.limits, usage),
-            "enforced_by": by, "message": death_message(kind, att.limits, usage, by=who),
-        })
-        return entry
 
     # -- the children's messages ------------------------------------------------------------------
 
@@ -839,7 +755,7 @@ class ProcessControl:
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
-            self._arm(nxt)
+            self.limits.arm(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -885,12 +801,12 @@ class ProcessControl:
         kind = decisions.reported_kind(result.get("kind"))
         if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
             kids = result.get("children_maxrss_kb")
-            death = self._death(att, exit_signal=None, memory_error=kind == decisions.MEMORY_ERROR,
+            death = self.limits.death(att, exit_signal=None, memory_error=kind == decisions.MEMORY_ERROR,
                                 reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
             if death is not None:
                 kind, usage = death
                 entry["killed_by_supervisor"] = False
-                entry = self._death_entry(att, kind, usage, entry)
+                entry = self.limits.death_entry(att, kind, usage, entry)
         self._fail(att, kind, entry)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
@@ -961,13 +877,13 @@ class ProcessControl:
             signo = procs.exit_description(code).get("signal")
             # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
             judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
-            death = self._death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
+            death = self.limits.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
             if death is not None:  # a cause of death (issue 20): a cap, or the kernel's OOM killer
                 kind, usage = death
                 entry["killed_by_supervisor"] = att.killed_for is not None
                 if att.killed_for is not None:
                     entry["trigger"] = att.killed_for
-                self._fail(att, kind, self._death_entry(att, kind, usage, entry))
+                self._fail(att, kind, self.limits.death_entry(att, kind, usage, entry))
             elif att.killed_by:
                 entry["killed_by_supervisor"] = True
                 entry["trigger"] = att.killed_by
@@ -1109,8 +1025,7 @@ class ProcessControl:
         att.ended = True
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
-        if self.limited.get(att.key) is att:
-            del self.limited[att.key]
+        self.limits.disarm(att)
 
     def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
         self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,

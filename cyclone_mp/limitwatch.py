@@ -1,0 +1,148 @@
+"""The running attempts with resource limits, and the cause of an attempt's death (issue 20).
+
+Process control keeps one :class:`LimitWatch`. An attempt with limits is armed when it
+starts (its slot's counters are noted) and sampled every
+:data:`~cyclone_mp.slots.SAMPLE_INTERVAL` while it runs; :meth:`LimitWatch.over` says
+which are over a cap, and process control kills their trees. When an attempt ends badly,
+:meth:`LimitWatch.death` reads its slot's evidence (cgroup counters, the sampled tree, the
+machine's OOM kills) and :meth:`LimitWatch.death_entry` writes it into the error entry.
+An attempt without limits costs nothing here. No I/O but the slots' files and
+``/proc/vmstat``; process control's thread only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import decisions, slots
+from .attempts import Attempt
+from .limits import NO_LIMITS, Limits, Usage, cause_of_death, death_message, death_summary, format_size, over_limit
+from .messages import LeaseKey
+
+
+class LimitWatch:
+    """The attempts with limits that run now, and their forensics.
+
+    Args:
+        confinement: the supervisor's :class:`~cyclone_mp.slots.Confinement` (its
+            mechanism says who enforces each cap).
+    """
+
+    def __init__(self, confinement: slots.Confinement) -> None:
+        self.confinement = confinement
+        self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled
+        self.next_check = 0.0  # process control's clock: when to sample them next
+        self.vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
+
+    def __bool__(self) -> bool:
+        return bool(self.limited)
+
+    def arm(self, att: Attempt) -> None:
+        """An attempt with limits starts running: note where its slot's counters stand and
+        sample it from now on (an attempt without limits is not kept)."""
+        if att.limits and att.child.slot is not None:
+            att.base = att.child.slot.begin(att.limits, runner_cpu=att.child.cpu_total)
+            self.limited[att.key] = att
+
+    def disarm(self, att: Attempt) -> None:
+        """The attempt is over: no more samples."""
+        if self.limited.get(att.key) is att:
+            del self.limited[att.key]
+
+    def over(self) -> list[tuple[Attempt, str]]:
+        """Sample every running attempt with limits; ``(attempt, limit kind)`` of each over
+        a cap and not being cancelled (its tree is the caller's to kill)."""
+        mech = self.confinement.mechanism
+        found = []
+        for key, att in list(self.limited.items()):
+            if att.ended or att.child.returncode is not None:
+                self.limited.pop(key, None)
+                continue
+            slot = att.child.slot
+            if att.child.attempt is not att or slot is None or att.base is None:
+                continue
+            usage = slot.sample(att.limits, att.base)
+            att.usage = usage
+            confined = slot.confined
+            kind = over_limit(att.limits, usage, kernel_memory_cap=confined and mech.kernel_memory_cap,
+                              kernel_process_cap=confined and mech.kernel_process_cap)
+            if kind is not None and att.cancel_reason is None:
+                found.append((att, kind))
+        return found
+
+    def final_sample(self, att: Attempt) -> None:
+        """The tree as it is now, before a kill empties it (the attempt's last usage)."""
+        if att.child.slot is not None and att.base is not None:
+            att.usage = att.child.slot.sample(att.limits, att.base, final=True)
+
+    def note_oom_kills(self) -> None:
+        """Look at the machine's OOM kills again (without cgroups an inferred OOM kill must
+        be a recent one; process control calls this every registry interval)."""
+        if not self.confinement.mechanism.where:
+            self.vm_oom_kills = slots.vm_oom_kills()
+
+    def death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
+              reported_peak: int | None = None) -> tuple[str, Usage] | None:
+        """The cause of death of an attempt, from its slot's evidence, or None.
+        ``reported_peak``: bytes, the child's own peak plus its largest waited-for
+        descendant's (what a result says where no cgroup counts the tree)."""
+        slot = att.child.slot
+        usage = att.usage or Usage()
+        if slot is not None and att.base is not None:
+            final = slot.sample(att.limits, att.base, final=True)
+            final.peak_memory = max(final.peak_memory or 0, usage.peak_memory or 0, usage.memory or 0) or None
+            if final.processes in (None, 0) and usage.processes:
+                final.processes = usage.processes
+            if usage.cpu is not None:  # a dead tree's CPU is gone from /proc: the last sample's counts
+                final.cpu = max(final.cpu or 0.0, usage.cpu)
+            usage = final
+        elif slot is not None and slot.confined and exit_signal is not None:  # no limits: the OOM killer's evidence
+            usage = slot.sample(NO_LIMITS, slot.last, final=True)
+        if reported_peak and not (slot is not None and slot.confined and slot.memory_file):
+            usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
+        oom_inferred = False
+        if exit_signal == 9 and att.killed_for is None and not (slot is not None and slot.confined):
+            # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
+            now = slots.vm_oom_kills()
+            oom_inferred = now is not None and self.vm_oom_kills is not None and now > self.vm_oom_kills
+            self.vm_oom_kills = now
+        mech = self.confinement.mechanism
+        kind = cause_of_death(att.limits, usage, exit_signal=exit_signal, killed_for=att.killed_for,
+                              memory_error=memory_error,
+                              memory_by_rlimit=not (mech.kernel_memory_cap and slot is not None and slot.confined),
+                              oom_inferred=oom_inferred)
+        return (kind, usage) if kind is not None else None
+
+    def below_a_fresh_child(self, pid: int, limits: Limits) -> dict[str, Any]:
+        """The error entry of an attempt that never ran: its ``memory_limit`` is below what
+        child ``pid`` holds before any handler runs."""
+        return {
+            "pid": pid, "limits": limits.as_json(), "cause": death_summary(decisions.MEMORY_LIMIT, limits, Usage()),
+            "enforced_by": self.confinement.mechanism.memory, "killed_by_supervisor": False,
+            "message": f"memory_limit {format_size(limits.memory)} is below what a fresh child uses before any "
+                       "handler runs (raise the cap)"}
+
+    def death_entry(self, att: Attempt, kind: str, usage: Usage, entry: dict[str, Any]) -> dict[str, Any]:
+        """An error entry with the cause of death: the tree's numbers, the caps, who acted."""
+        mech = self.confinement.mechanism
+        confined = att.child.slot is not None and att.child.slot.confined
+        by = {decisions.MEMORY_LIMIT: mech.memory if confined else f"{slots.RLIMIT} + {slots.SAMPLING}",
+              decisions.PROCESS_LIMIT: mech.processes if confined else slots.SAMPLING,
+              decisions.CPU_LIMIT: mech.cpu if confined else slots.SAMPLING}.get(kind, "the kernel")
+        if entry.get("type") and att.killed_for is None:
+            who = f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
+        elif kind == decisions.CPU_LIMIT and att.killed_for is None:
+            who = "the kernel sent SIGXCPU (RLIMIT_CPU)"
+        elif kind == decisions.MEMORY_LIMIT and usage.oom_kills:
+            who = f"the kernel's OOM killer acted at the cap ({by}), then the supervisor killed the whole tree"
+        elif kind == decisions.PROCESS_LIMIT and usage.fork_failures:
+            who = f"the kernel refused a fork at the cap ({by}), then the supervisor killed the whole tree"
+        elif kind == decisions.OOM_KILLED:
+            who = "the supervisor killed the rest of the tree"
+        else:
+            who = f"the supervisor killed the tree ({by})"
+        entry.update({
+            "tree": usage.forensics(), "limits": att.limits.as_json(), "cause": death_summary(kind, att.limits, usage),
+            "enforced_by": by, "message": death_message(kind, att.limits, usage, by=who),
+        })
+        return entry
