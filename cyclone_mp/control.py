@@ -312,6 +312,8 @@ class ProcessControl:
             kind, obj = key.data
             if kind == "child":  # read (or written) in _check_children_io on this turn
                 self._io_ready.add(obj)
+            elif kind == "zygote" and self.pool.zygote is not None:  # read in the pool's maintain on this turn
+                self.pool.zygote.readable = True
 
     # -- messages from the other parts ------------------------------------------------------------
 

@@ -113,6 +113,7 @@ class Zygote:
         self.deaths: list[float] = []
         self._unsafe = False  # it said it is unsafe to fork and exits: started again without that module
         self._n = 0
+        self.readable = False  # the selector saw its socket readable since the last poll (process control sets it)
 
     @staticmethod
     def unsupported() -> str | None:
@@ -163,9 +164,12 @@ class Zygote:
 
     def poll(self) -> None:
         """Handle what the zygote said (non-blocking); notice its death and an import that
-        hangs it (``preload_timeout``), and start another."""
-        if self.sock is None:
+        hangs it (``preload_timeout``), and start another. A ready zygote's socket is read
+        only once the selector said it is readable (:attr:`readable`: process control's
+        turn runs this each time, and a ready zygote speaks only when it dies)."""
+        if self.sock is None or not (self.readable or self.state == "starting"):
             return
+        self.readable = False
         while self.sock is not None:
             data = self._recv()
             if data is None:
