@@ -35,6 +35,8 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
+import psutil
+
 from . import procs, protocol
 from .config import PRELOAD_TIMEOUT
 
@@ -60,13 +62,11 @@ class ZygoteError(Exception):
     """The zygote could not fork a child (it died, hung, or refused); the caller spawns it."""
 
 
-def parent_of(pid: int) -> int | None:
-    """The parent pid of ``pid`` (from /proc), or None when it cannot be read."""
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid``, or None when it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            text = fh.read()
-        return int(text[text.rindex(b")") + 2:].split()[1])
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
         return None
 
 
@@ -334,7 +334,7 @@ class Zygote:
                 if message.get("unsafe"):
                     self._give_up(error)
                 raise ZygoteError(f"the zygote could not fork: {error}")
-            if parent_of(pid) != os.getpid():  # never seen: it exits by itself (its parent is not us)
+            if _parent_of(pid) != os.getpid():  # never seen: it exits by itself (its parent is not us)
                 self._give_up("a forked child's parent was not the supervisor")
                 raise ZygoteError("the forked child is not the supervisor's")
             return pid, bool(message.get("in_cgroup"))
