@@ -128,20 +128,17 @@ class History:
         ddl_lock_timeout: seconds a partition's CREATE or DROP may wait for its lock.
         restart_every: seconds between two walks from the oldest finished step (see the
             module docstring).
-        lock: take the history advisory lock in every transaction (one supervisor at a
-            time); tests may turn it off.
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, policy: Policy, *, batch: int = HISTORY_BATCH, budget: float = HISTORY_BUDGET,
                  ddl_lock_timeout: float = HISTORY_DDL_LOCK_TIMEOUT, restart_every: float = HISTORY_WALK_RESTART,
-                 lock: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
         self.batch = batch
         self.budget = budget
         self.ddl_lock_timeout = ddl_lock_timeout
         self.restart_every = restart_every
-        self.lock = lock
         self.clock = clock
         #: where the walk over finished steps goes on: (finished_at, look at that instant again)
         self.cursor: tuple[dt.datetime, bool] = (WALK_START, True)
@@ -188,8 +185,7 @@ class History:
         if not days:
             return True
         try:
-            made = store.run(operations.make_archive_partitions(sorted(days), lock_timeout=self.ddl_lock_timeout,
-                                                                lock=self.lock))
+            made = store.run(operations.make_archive_partitions(sorted(days), lock_timeout=self.ddl_lock_timeout))
         except DatabaseBusy as exc:  # a reader of the archive held its lock: next pass
             log.info("history: archive partitions not made now (%s); trying again at the next pass", exc)
             counts["more"] = 1
@@ -211,14 +207,14 @@ class History:
             after, inclusive = self.cursor
             params = self.policy.params(after, inclusive, self.batch)
             try:
-                row = store.run(operations.archive_batch(params, lock=self.lock))
+                row = store.run(operations.archive_batch(params))
             except DatabaseError as exc:
                 if not missing_partition(exc):
                     raise
                 needed = store.run(operations.archive_days(params)) - partitions
                 if not self._make(store, needed, partitions, counts):
                     return False
-                row = store.run(operations.archive_batch(params, lock=self.lock))
+                row = store.run(operations.archive_batch(params))
             if row is None:
                 counts["busy"] = 1
                 return False
@@ -246,8 +242,7 @@ class History:
                 counts["more"] = 1
                 return
             try:
-                runs = store.run(operations.drop_archive_partition(state, day, lock_timeout=self.ddl_lock_timeout,
-                                                                   lock=self.lock))
+                runs = store.run(operations.drop_archive_partition(state, day, lock_timeout=self.ddl_lock_timeout))
             except DatabaseBusy as exc:
                 log.info("history: archive partition %s %s not dropped now (%s); trying again at the next pass",
                          state, day, exc)
@@ -267,7 +262,7 @@ class History:
                 if self.clock() >= deadline:
                     counts["more"] = 1
                     return
-                row = store.run(operations.retain_archived(state, keep, self.batch, lock=self.lock))
+                row = store.run(operations.retain_archived(state, keep, self.batch))
                 if row is None:
                     counts["busy"] = 1
                     return

@@ -520,11 +520,10 @@ def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0) ->
     cutoff = now - dt.timedelta(seconds=older_than)
     for state, day in sorted(partitions):
         if day_end(day) <= cutoff:
-            total += (yield q("drop_archive_partition", {"state": state, "day": day,
-                                                         "lock_timeout": f"{int(lock_timeout * 1000)}ms"})).one()["runs"]
+            total += yield from _drop_partition(state, day, lock_timeout)
     for state in FINISHED_STATES:
         while True:
-            row = (yield q("retain_archived", {"state": state, "drop_us": to_us(older_than), "limit": batch})).one()
+            row = yield from _retain(state, older_than, batch)
             total += row["runs"]
             if row["runs"] < batch:
                 break
@@ -561,15 +560,13 @@ def read_archive_partitions() -> Steps[tuple[dt.datetime, set[tuple[str, dt.date
     return (yield from archive_partitions())
 
 
-def _history_lock(lock: bool) -> Steps[bool]:
-    """Take the history lock for this transaction (``lock``); False when another holds it."""
-    if not lock:
-        return True
+def _history_lock() -> Steps[bool]:
+    """Take the history lock for this transaction; False when another supervisor holds it."""
     return bool((yield q("history_lock", {"key": HISTORY_LOCK})).one()["got"])
 
 
 @operation(transaction=True)
-def archive_batch(params: dict[str, Any], *, lock: bool = True) -> Steps[dict[str, Any] | None]:
+def archive_batch(params: dict[str, Any]) -> Steps[dict[str, Any] | None]:
     """One history batch (``archive_runs``, params from
     :meth:`cyclone_mp.history.Policy.params`); None when another supervisor holds the
     history lock.
@@ -578,7 +575,7 @@ def archive_batch(params: dict[str, Any], *, lock: bool = True) -> Steps[dict[st
         DatabaseError: its cause a ``CheckViolation`` when an archive partition it needs is
             missing (see :func:`archive_days`).
     """
-    if not (yield from _history_lock(lock)):
+    if not (yield from _history_lock()):
         return None
     return (yield q("archive_runs", params)).one()
 
@@ -590,8 +587,7 @@ def archive_days(params: dict[str, Any]) -> Steps[set[tuple[str, dt.date]]]:
 
 
 @operation(transaction=True)
-def make_archive_partitions(days: Sequence[tuple[str, dt.date]], *, lock_timeout: float,
-                            lock: bool = True) -> Steps[int | None]:
+def make_archive_partitions(days: Sequence[tuple[str, dt.date]], *, lock_timeout: float) -> Steps[int | None]:
     """Make the missing archive partitions of ``days`` (``(state, UTC day)``), in one
     transaction whose DDL waits at most ``lock_timeout`` seconds for each lock; returns
     how many were made, or None when another supervisor holds the history lock.
@@ -599,7 +595,7 @@ def make_archive_partitions(days: Sequence[tuple[str, dt.date]], *, lock_timeout
     Raises:
         DatabaseBusy: a lock could not be had in time (nothing was made).
     """
-    if not (yield from _history_lock(lock)):
+    if not (yield from _history_lock()):
         return None
     made = 0
     for state, day in sorted(days):
@@ -609,26 +605,36 @@ def make_archive_partitions(days: Sequence[tuple[str, dt.date]], *, lock_timeout
 
 
 @operation(transaction=True)
-def drop_archive_partition(state: str, day: dt.date, *, lock_timeout: float, lock: bool = True) -> Steps[int | None]:
+def drop_archive_partition(state: str, day: dt.date, *, lock_timeout: float) -> Steps[int | None]:
     """Drop the archive partitions of ``(state, day)``; returns how many runs they held, or
     None when another supervisor holds the history lock.
 
     Raises:
         DatabaseBusy: the lock could not be had within ``lock_timeout`` seconds.
     """
-    if not (yield from _history_lock(lock)):
+    if not (yield from _history_lock()):
         return None
+    return (yield from _drop_partition(state, day, lock_timeout))
+
+
+def _drop_partition(state: str, day: dt.date, lock_timeout: float) -> Steps[int]:
+    """``DROP`` the archive partitions of ``(state, day)``; how many runs they held."""
     return (yield q("drop_archive_partition", {"state": state, "day": day,
                                                "lock_timeout": f"{int(lock_timeout * 1000)}ms"})).one()["runs"]
 
 
 @operation(transaction=True)
-def retain_archived(state: str, older_than: float, limit: int, *, lock: bool = True) -> Steps[dict[str, Any] | None]:
+def retain_archived(state: str, older_than: float, limit: int) -> Steps[dict[str, Any] | None]:
     """Delete up to ``limit`` archived runs of ``state`` finished more than ``older_than``
     seconds ago, with their steps; returns ``{"runs", "steps"}`` deleted, or None when
     another supervisor holds the history lock."""
-    if not (yield from _history_lock(lock)):
+    if not (yield from _history_lock()):
         return None
+    return (yield from _retain(state, older_than, limit))
+
+
+def _retain(state: str, older_than: float, limit: int) -> Steps[dict[str, Any]]:
+    """Delete up to ``limit`` archived runs of ``state`` older than ``older_than`` seconds."""
     return (yield q("retain_archived", {"state": state, "drop_us": to_us(older_than), "limit": limit})).one()
 
 
