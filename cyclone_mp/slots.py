@@ -447,12 +447,17 @@ class Slot:
         child was ever in it, else None (it is moved in). Only a new cgroup: on Linux 6.18
         a process created in a cgroup that ``cgroup.kill`` once emptied is killed at
         birth (seen here), and a kill may also come from the watchdog."""
-        if self.caps != (None, None):
-            self.confined = True
-            self.configure(Limits())
+        self._lift_caps()
         if "v2" not in self.dirs or self.pid is not None:
             return None
         return self._dir_fd("v2")
+
+    def _lift_caps(self) -> None:
+        """Lift the last attempt's caps: a fresh child starts uncapped (it imports its
+        handlers first)."""
+        if self.caps != (None, None):
+            self.confined = True  # (the files are written only while confined)
+            self.configure(Limits())
 
     def entry(self) -> list[tuple[str, int]]:
         """``(key, descriptor)`` of each of the slot's cgroup directories, for a forked child
@@ -489,9 +494,7 @@ class Slot:
             self.confined = False
             return False
         try:
-            if self.caps != (None, None):  # a fresh child starts uncapped (it imports its handlers first)
-                self.confined = True
-                self.configure(Limits())
+            self._lift_caps()
             if not by_child:
                 for key, path in self.dirs.items():
                     if key == "v2" and born_in_v2:
