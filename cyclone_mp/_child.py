@@ -348,7 +348,7 @@ class Runner:
             self.send(entered)
         if preload is None:
             preload = json.loads(os.environ.pop(protocol.PRELOAD_ENV, None) or "[]")
-        elif preload and (entered is None or entered.get("error")):
+        elif preload and (entered is None or entered.get("failed")):
             while not inbox or inbox[0].get("t") != "start":
                 if inbox:
                     if inbox.pop(0).get("t") == "exit":  # retired before it started

@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 # child's RSS refuses the attempt.
 WARM = ("datetime", "inspect", "importlib.util")
 MESSAGE_MAX = protocol.ZYGOTE_MESSAGE_MAX
-CGROUP_KEYS = ("v2", "memory", "pids")  # a slot's cgroup directories (cyclone_mp.slots.Slot.dirs)
 UNSAFE = "the zygote cannot fork safely"  # how a fork refused for a hazard starts its error (sent as "unsafe")
 
 
@@ -101,13 +100,13 @@ def fork_hazard(baseline: set[int]) -> str | None:
     return None
 
 
-def enter_cgroups(dirs: list[tuple[str, int]]) -> str | None:
+def enter_cgroups(dirs: list[tuple[str, int]]) -> tuple[list[str], str | None]:
     """Move this process into each cgroup directory of ``dirs`` (``(key, descriptor)``:
-    ``0`` written to its ``cgroup.procs``, which moves the writer). Returns None when it
-    is in all of them, else why not (the supervisor then moves it). Run in a forked child
-    before anything else: the kernel's wait for a grace period is the child's, not the
-    supervisor's."""
-    errors = []
+    ``0`` written to its ``cgroup.procs``, which moves the writer). Returns the keys it
+    could not enter (the supervisor then moves it into those) and why, or ``([], None)``.
+    Run in a forked child first thing (after only the interpreter's own fork hooks): the
+    kernel's wait for a grace period is the child's, not the supervisor's."""
+    failed, errors = [], []
     for key, fd in dirs:
         try:
             procs_fd = os.open("cgroup.procs", os.O_WRONLY, dir_fd=fd)
@@ -116,8 +115,9 @@ def enter_cgroups(dirs: list[tuple[str, int]]) -> str | None:
             finally:
                 os.close(procs_fd)
         except OSError as exc:
+            failed.append(key)
             errors.append(f"{key}: {exc.strerror or exc}")
-    return "; ".join(errors) or None
+    return failed, "; ".join(errors) or None
 
 
 def open_fds() -> set[int]:
@@ -201,7 +201,7 @@ class Zygote:
     def loop(self) -> None:
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE_MAX, 3 + len(CGROUP_KEYS))
+                data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE_MAX, 3 + len(protocol.SLOT_CGROUPS))
             except InterruptedError:
                 continue
             except OSError:
@@ -210,13 +210,18 @@ class Zygote:
                 return  # the supervisor closed its end (stopping) or is gone
             try:
                 message = json.loads(data)
-            except ValueError:
-                message = {}
-            into = bool(message.get("into"))
-            keys = [k for k in message.get("enter") or [] if k in CGROUP_KEYS]
-            if message.get("t") != "fork" or len(fds) != 2 + into + len(keys):
+                into = bool(message.get("into"))
+                keys = list(message.get("enter") or [])
+                well_formed = (message.get("t") == "fork" and set(keys) <= set(protocol.SLOT_CGROUPS)
+                               and len(fds) == 2 + into + len(keys))
+            except (ValueError, AttributeError, TypeError):
+                message, well_formed = {}, False
+            if not well_formed:
                 for fd in fds:
                     os.close(fd)
+                if isinstance(message, dict) and message.get("t") == "fork":  # answered: nobody waits a second for it
+                    self.send({"t": "forked", "n": message.get("n"), "pid": None, "in_cgroup": False,
+                               "error": "a malformed fork request", "unsafe": False})
                 continue
             n = message.get("n")
             try:
@@ -253,7 +258,8 @@ class Zygote:
         if pid == 0:
             entered = None  # nothing to enter: the supervisor moves it (or it was born in its only cgroup)
             if enter:
-                entered = {"t": "entered", "error": enter_cgroups([(k, fd) for k, fd in enter if not (placed and k == "v2")])}
+                failed, error = enter_cgroups([(k, fd) for k, fd in enter if not (placed and k == "v2")])
+                entered = {"t": "entered", "failed": failed, "error": error}
             for fd in given - {ctrl_fd, cancel_fd}:
                 os.close(fd)
             self.child(ctrl_fd, cancel_fd, leftover, entered)

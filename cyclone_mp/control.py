@@ -119,7 +119,7 @@ class ProcessControl:
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
-        self.limits = LimitWatch(self.confinement)  # running attempts with resource limits: sampled (issue 20)
+        self.limit_watch = LimitWatch(self.confinement)  # running attempts with resource limits: sampled (issue 20)
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.held: collections.deque[Held] = collections.deque()
@@ -138,7 +138,7 @@ class ProcessControl:
         self._next_io_sweep = start
         self._next_stray_check = start
         self._next_sample = start
-        self.limits.next_check = start
+        self.limit_watch.next_check = start
         self._next_snapshot = start
         self.draining = False
         self.drain_deadline: float | None = None
@@ -253,9 +253,9 @@ class ProcessControl:
             if self.pool.reap_orphans():
                 log.info("killed handler process(es) reparented to the supervisor")
             self.pool.tell_descendants()
-        if self.limits and now >= self.limits.next_check:
-            self.limits.next_check = now + slots.SAMPLE_INTERVAL
-            for att, kind in self.limits.over():
+        if self.limit_watch.limited and now >= self.limit_watch.next_check:
+            self.limit_watch.next_check = now + slots.SAMPLE_INTERVAL
+            for att, kind in self.limit_watch.over():
                 self._kill_for_limit(att, kind)
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
@@ -272,12 +272,12 @@ class ProcessControl:
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
             self._publish_snapshot(now)
-            self.limits.note_oom_kills()
+            self.limit_watch.note_oom_kills()
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]
-        if self.limits:
-            times.append(self.limits.next_check)
+        if self.limit_watch.limited:
+            times.append(self.limit_watch.next_check)
         ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
         for att in self.attempts.values():
             if att.ended:
@@ -607,12 +607,12 @@ class ProcessControl:
         self.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it
             self._end(att)
-            self._fail(att, decisions.MEMORY_LIMIT, self.limits.below_a_fresh_child(child.pid, limits))
+            self._fail(att, decisions.MEMORY_LIMIT, self.limit_watch.below_a_fresh_child(child.pid, limits))
             return True
         if child.attempt is None:
             child.attempt = att
             att.started_wall = self.wall_clock()
-            self.limits.arm(att)
+            self.limit_watch.arm(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
@@ -652,7 +652,7 @@ class ProcessControl:
             return
         att.killed_for = att.killed_by = kind
         self.stats["limit_kills"] += 1
-        self.limits.final_sample(att)  # the tree as it was, before the kill empties it
+        self.limit_watch.final_sample(att)  # the tree as it was, before the kill empties it
         self.pool.kill(child, kind)
         self._on_child_exit(child)
 
@@ -757,7 +757,7 @@ class ProcessControl:
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
-            self.limits.arm(nxt)
+            self.limit_watch.arm(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -803,12 +803,12 @@ class ProcessControl:
         kind = decisions.reported_kind(result.get("kind"))
         if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
             kids = result.get("children_maxrss_kb")
-            death = self.limits.death(att, exit_signal=None, memory_error=kind == decisions.MEMORY_ERROR,
+            death = self.limit_watch.death(att, exit_signal=None, memory_error=kind == decisions.MEMORY_ERROR,
                                 reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
             if death is not None:
                 kind, usage = death
                 entry["killed_by_supervisor"] = False
-                entry = self.limits.death_entry(att, kind, usage, entry)
+                entry = self.limit_watch.death_entry(att, kind, usage, entry)
         self._fail(att, kind, entry)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
@@ -879,13 +879,13 @@ class ProcessControl:
             signo = procs.exit_description(code).get("signal")
             # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
             judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
-            death = self.limits.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
+            death = self.limit_watch.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
             if death is not None:  # a cause of death (issue 20): a cap, or the kernel's OOM killer
                 kind, usage = death
                 entry["killed_by_supervisor"] = att.killed_for is not None
                 if att.killed_for is not None:
                     entry["trigger"] = att.killed_for
-                self._fail(att, kind, self.limits.death_entry(att, kind, usage, entry))
+                self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
             elif att.killed_by:
                 entry["killed_by_supervisor"] = True
                 entry["trigger"] = att.killed_by
@@ -1027,7 +1027,7 @@ class ProcessControl:
         att.ended = True
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
-        self.limits.disarm(att)
+        self.limit_watch.disarm(att)
 
     def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
         self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,

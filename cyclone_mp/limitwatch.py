@@ -34,9 +34,6 @@ class LimitWatch:
         self.next_check = 0.0  # process control's clock: when to sample them next
         self.vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
 
-    def __bool__(self) -> bool:
-        return bool(self.limited)
-
     def arm(self, att: Attempt) -> None:
         """An attempt with limits starts running: note where its slot's counters stand and
         sample it from now on (an attempt without limits is not kept)."""

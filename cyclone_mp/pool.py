@@ -370,11 +370,11 @@ class ChildPool:
         """A forked child moved itself into its slot's cgroups (or says why it could not:
         then it is moved from here, and told to go on if it waits for that)."""
         child.entering = False
-        if child.slot is None:
+        if child.slot is None or child.returncode is not None:  # (read after its death: nothing to do)
             return
-        error = message.get("error")
-        child.slot.entered(child.pid, str(error) if error else None)
-        if error and child.leftover:
+        failed = [str(key) for key in message.get("failed") or []]
+        child.slot.entered(child.pid, failed, str(message.get("error")))
+        if failed and child.leftover:
             child.start()
         if child.slot.v2_dir is not None:  # the watchdog kills it through its cgroup from now on
             self.watchdog.child(child.pid, child.pidfd, child.slot.v2_dir)

@@ -48,6 +48,7 @@ import os
 import time
 from typing import Any
 
+from . import protocol
 from .limits import Limits, Usage
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -417,12 +418,13 @@ class Slot:
         self.pid: int | None = None
         self.dirs: dict[str, str] = {}  # "v2", "memory", "pids" -> this slot's directory
         self.confined = False  # the child now in the slot is in every cgroup of it
+        self.entering = False  # the child now in the slot moves itself in (it may be in some already)
         self._fds: dict[str, int] = {}
         self.caps: tuple[int | None, int | None] = (None, None)  # (memory, pids.max) written now
         self.last = Baseline()  # the counters when last looked at (an attempt without limits is judged against it)
         self.runner_tasks: int | None = None  # the child runner's threads (its tasks under a pids cap)
         mech = confinement.mechanism
-        for key, base in (("v2", confinement.v2), ("memory", confinement.memory_v1), ("pids", confinement.pids_v1)):
+        for key, base in zip(protocol.SLOT_CGROUPS, (confinement.v2, confinement.memory_v1, confinement.pids_v1)):
             if base:
                 path = os.path.join(base, f"slot-{index}")
                 try:
@@ -487,44 +489,55 @@ class Slot:
         v2 one if it was created there (``born_in_v2``: a move would cost a kernel RCU
         grace period for nothing). ``by_child``: it moves itself (it was given
         :meth:`entry`); only the slot's books are set here, and it counts as confined once
-        :meth:`entered` says it is in. False when it is not confined (yet): it is then
+        :meth:`entered` says it is in (meanwhile :attr:`entering`: a kill goes through the
+        slot's cgroups too). False when it is not confined (yet): without cgroups it is
         killed with signals and sampled."""
         self.pid = pid
+        self.confined = self.entering = False
         if not self.dirs:
-            self.confined = False
             return False
         try:
             self._lift_caps()
-            if not by_child:
-                for key, path in self.dirs.items():
-                    if key == "v2" and born_in_v2:
-                        continue
-                    _write(os.path.join(path, "cgroup.procs"), str(pid))
-            self.confined = not by_child
-            self.last = Baseline()
-            self.last.oom_kills, self.last.cap_hits = self._memory_counters()
-            self.last.fork_failures = self._forks_refused()
-            self.runner_tasks = None
+            self.confined = False
+            if by_child:
+                self.entering = True
+                return False
+            self._move(pid, [key for key in self.dirs if not (key == "v2" and born_in_v2)])
         except OSError as exc:
             log.error("cannot move child %d into its cgroup (%s); it is killed with signals", pid, exc)
             self.confined = False
         return self.confined
 
-    def entered(self, pid: int, error: str | None) -> bool:
+    def entered(self, pid: int, failed: list[str], error: str | None = None) -> bool:
         """Child ``pid``, which was to move itself (:meth:`enter` with ``by_child``), says
-        it is in every cgroup of the slot (``error`` None) or why it is not: then it is
-        moved from here. Returns :attr:`confined`."""
-        if pid != self.pid or not self.dirs:
-            return False
-        if error is None:
-            self.confined = True
-            return True
-        log.warning("child %d could not move itself into its cgroups (%s); moving it", pid, error)
-        return self.enter(pid)
+        it is in every cgroup of the slot (``failed`` empty) or which ones it could not
+        enter and why (``error``): it is moved into those from here. Returns
+        :attr:`confined`."""
+        if pid != self.pid or not self.entering:
+            return self.confined
+        try:
+            if failed:
+                log.warning("child %d could not move itself into its cgroups (%s); moving it", pid, error)
+            self._move(pid, [key for key in failed if key in self.dirs])
+        except OSError as exc:
+            log.error("cannot move child %d into its cgroup (%s); it is killed with signals", pid, exc)
+            self.confined = self.entering = False
+        return self.confined
+
+    def _move(self, pid: int, keys: list[str]) -> None:
+        """Write ``pid`` into the ``cgroup.procs`` of the slot's directories ``keys``; then
+        it is confined, and the slot's counters are its baseline. Raises OSError."""
+        for key in keys:
+            _write(os.path.join(self.dirs[key], "cgroup.procs"), str(pid))
+        self.confined, self.entering = True, False
+        self.last = Baseline()
+        self.last.oom_kills, self.last.cap_hits = self._memory_counters()
+        self.last.fork_failures = self._forks_refused()
+        self.runner_tasks = None
 
     def _file(self, key: str, name: str) -> str | None:
         path = self.dirs.get(key)
-        return os.path.join(path, name) if path and self.confined else None
+        return os.path.join(path, name) if path and (self.confined or self.entering) else None
 
     def _fd(self, key: str, name: str, flags: int = os.O_RDONLY) -> int | None:
         """A descriptor of a file of this slot, opened once and kept (None: no such file)."""
@@ -728,7 +741,7 @@ class Slot:
         cgroup v2 the cgroup is frozen, listed and killed with ``cgroup.kill`` (no fork
         can race it); with v1 only, each listed process is killed through a pidfd until
         none is left. Empty without cgroups (the caller kills with signals)."""
-        if not self.confined:
+        if not (self.confined or self.entering):
             return []
         v2 = self.dirs.get("v2")
         if v2 and self.confinement.v2_kill:

@@ -285,7 +285,7 @@ class Zygote:
         cgroup v2 directory, to create it in (``CLONE_INTO_CGROUP``: no migration, which
         costs a kernel RCU grace period). ``enter``: ``(key, directory descriptor)`` of the
         slot's cgroups, which the child moves itself into before anything else (the v2 one
-        unless born in it) and then says ``entered`` (with an ``error`` if it could not); the caller
+        unless born in it) and then says ``entered`` (with the keys it could not enter, ``failed``, and why); the caller
         keeps the descriptors. Returns ``(pid, born in that cgroup)``.
 
         Raises:

@@ -18,7 +18,6 @@ import errno
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -312,10 +311,9 @@ def v2_files(directory: Path) -> None:
             (directory / name).write_text(text)
 
 
-def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
-    """Detection, caps, evidence and the kill of the pure v2 path (memory and pids
-    controllers in v2), on a fake cgroup tree: what a v2-only host (systemd with
-    Delegate=yes, most distributions since 2021) runs."""
+def simulated_v2(tmp_path, monkeypatch) -> tuple[slots.Confinement, Path]:
+    """A confinement detected on a fake cgroup v2 tree (``fake_v2``) whose new
+    directories get the kernel's files; and our own fake cgroup."""
     mountinfo, proc_cgroup, mine = fake_v2(tmp_path)
     real_mkdir = os.mkdir
 
@@ -326,7 +324,14 @@ def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "makedirs", lambda p, exist_ok=False: None if os.path.isdir(p) else mkdir(p))
-    conf = slots.Confinement.detect("sim", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup))
+    return slots.Confinement.detect("sim", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup)), mine
+
+
+def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
+    """Detection, caps, evidence and the kill of the pure v2 path (memory and pids
+    controllers in v2), on a fake cgroup tree: what a v2-only host (systemd with
+    Delegate=yes, most distributions since 2021) runs."""
+    conf, mine = simulated_v2(tmp_path, monkeypatch)
     mech = conf.mechanism
     assert (mech.kill, mech.memory, mech.processes, mech.cpu) == ("cgroup v2", "cgroup v2", "cgroup v2", "cgroup v2")
     assert (mine / "cgroup.subtree_control").read_text() == "+memory +pids"  # our cgroup is the only one holding us
@@ -374,6 +379,36 @@ def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
     assert (base / "slot-0" / "cgroup.kill").read_text() == "1"
     assert (base / "slot-0" / "cgroup.freeze").read_text() == "0"  # frozen for the listing, thawed after the kill
     assert conf.dirs == [("v2", str(base))]
+    slot.close_fds()
+
+
+def test_a_child_that_moves_itself_is_killed_through_its_slot_and_judged_from_its_counters(tmp_path, monkeypatch):
+    """A forked child moves itself into its slot (issue 23). Until it says so, a kill still
+    goes through the slot's cgroup (it may be in it already, with whatever it started);
+    once it says so, the slot's counters as they stand are its baseline (an OOM kill or
+    refused fork of an earlier child is not its doing); a cgroup it could not enter is
+    entered from the supervisor, that one only."""
+    conf, _ = simulated_v2(tmp_path, monkeypatch)
+    slot = conf.slot(0)
+    here = Path(conf.v2) / "slot-0"
+    assert [key for key, _ in slot.entry()] == ["v2"]
+    (here / "memory.events").write_text("low 0\nhigh 0\nmax 1\noom 1\noom_kill 1\n")  # an earlier child's
+    (here / "pids.events").write_text("max 2\n")
+    assert not slot.enter(4242, by_child=True)  # books only: no write from here
+    assert (here / "cgroup.procs").read_text() == "" and slot.entering and not slot.confined
+    (here / "cgroup.procs").write_text("4242\n4243\n")  # it moved, and started something
+    (here / "cgroup.events").write_text("populated 1\nfrozen 1\n")
+    assert slot.kill() == [4242, 4243]  # killed through the slot before it said "entered"
+    (here / "cgroup.procs").write_text("")
+    assert not slot.enter(4343, by_child=True)
+    assert slot.entered(4343, []) and slot.confined and not slot.entering
+    assert (slot.last.oom_kills, slot.last.fork_failures) == (1, 2)
+    assert (here / "cgroup.procs").read_text() == ""  # it moved itself: nothing written here
+    slot.entered(4242, ["v2"], "stale")  # a stale message of another child changes nothing
+    assert (here / "cgroup.procs").read_text() == ""
+    slot.enter(4444, by_child=True)
+    assert slot.entered(4444, ["v2"], "v2: Permission denied") and slot.confined
+    assert (here / "cgroup.procs").read_text() == "4444"  # moved from here, as a spawned child is
     slot.close_fds()
 
 

@@ -116,6 +116,14 @@ def test_a_forked_child_moves_itself_into_its_slots_cgroups(cyclone_env_factory,
             return list(zip(self.dirs, decoys[-len(self.dirs):]))
 
         monkeypatch.setattr(slots.Slot, "entry", decoy_entry)
+    try:
+        moves_checked(cyclone_env_factory, writes, can_move_itself)
+    finally:
+        for fd in decoys:
+            os.close(fd)
+
+
+def moves_checked(cyclone_env_factory, writes: list[tuple[str, str]], can_move_itself: bool) -> None:
     env = cyclone_env_factory(worker="thread", workers=1)
     env.mux().register(zh.cgroups)
     handle = env.start_worker()
@@ -134,8 +142,6 @@ def test_a_forked_child_moves_itself_into_its_slots_cgroups(cyclone_env_factory,
         moved_by_supervisor = [text for _, text in writes if text == str(out["pid"])]
         assert bool(moved_by_supervisor) == (not can_move_itself), (out["pid"], writes)
     assert handle.client.supervisor.stats["children_forked"] == 2
-    for fd in decoys:
-        os.close(fd)
 
 
 def test_a_forked_child_holds_no_connection_no_extra_thread_and_no_password(cyclone_env_factory, monkeypatch):
