@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import statistics
+import subprocess
 import time
 from typing import Any
 
@@ -17,7 +18,6 @@ import bench_steps
 import cyclone_mp as cy
 
 from common import PREFETCH, SupervisorProcess, all_ready, epoch, mux_of, wait_until
-
 
 
 class ChildBenches:
@@ -131,7 +131,37 @@ class ChildBenches:
         for key in ("child_ready_ms", "replaced_ms"):
             if row.get(f"{key}_spawn") and row.get(f"{key}_zygote"):
                 row[f"{key}_zygote_over_spawn"] = round(row[f"{key}_zygote"] / row[f"{key}_spawn"], 3)
+        row.update(self.cgroup_moves())
         return row
+
+    def cgroup_moves(self, times: int = 5, pause: float = 0.2) -> dict[str, Any]:
+        """What one move of a process into a slot's cgroups costs on this host (the
+        supervisor's own :meth:`cyclone_mp.slots.Slot.enter`, timed on a ``sleep``
+        process, ``pause`` seconds after the last move): the first move after a pause
+        waits for a kernel RCU grace period unless a hierarchy is mounted with
+        ``favordynmods`` (docs/operating.md, "How children start"). Empty without cgroups."""
+        from cyclone_mp import slots
+
+        confinement = slots.Confinement.detect("b9-moves")
+        try:
+            if not confinement.dirs:
+                return {"cgroup_mechanism": confinement.mechanism.describe()}
+            slot = confinement.slot(0)
+            took = []
+            sleeper = subprocess.Popen(["sleep", "60"])
+            try:
+                for _ in range(times):
+                    time.sleep(pause)
+                    t0 = time.perf_counter()
+                    slot.enter(sleeper.pid)
+                    took.append((time.perf_counter() - t0) * 1000)
+            finally:
+                sleeper.kill()  # our own child, by its pid
+                sleeper.wait()
+        finally:
+            confinement.close()
+        return {"cgroup_mechanism": confinement.mechanism.describe(),
+                "cgroup_move_ms": round(statistics.median(took), 2), "cgroup_move_ms_each": [round(t, 2) for t in took]}
 
     _b9_rep = 0
 

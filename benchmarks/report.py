@@ -143,6 +143,8 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          None),
         ("B9", "all_ready_after_start_ms_zygote", "supervisor start to 2 children ready, zygote (ms)", "{:.1f}", "",
          None),
+        ("B9", "cgroup_move_ms", "one move of a process into its slot's cgroups, 0.2 s after the last (ms; a kernel "
+         "RCU grace period unless favordynmods)", "{:.2f}", "", None),
         ("B10", "steps_per_s", f"B1 with {n['b10_archived']:,} finished runs archived, prefetch=0, from start",
          "{:,.0f}", "", None),
         ("B10", "b1_paired_steps_per_s", "the same on an empty database, right before or after (the pair's B1)", "{:,.0f}",
