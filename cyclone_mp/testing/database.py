@@ -19,7 +19,7 @@ import queue
 import tempfile
 import threading
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 import psycopg
 from psycopg import sql
@@ -156,6 +156,17 @@ class TestServer:
                 log.debug("no spare test database now (%s)", exc)
                 return
             self._spares.put(name)
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Make no database in the background meanwhile: for a test that watches the whole
+        cluster (its oldest running transaction, every session), in which a clone being
+        made would show."""
+        self._pause_filling()
+        try:
+            yield
+        finally:
+            self._filling.set()
 
     def _pause_filling(self) -> None:
         self._filling.clear()
