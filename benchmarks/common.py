@@ -110,6 +110,12 @@ class Server:
         with self.admin() as conn:
             conn.execute(q)
 
+    def copy_of_template(self, prefix: str) -> tuple[str, str]:
+        """A new database ``<prefix>_<random>`` cloned from the migrated template: ``(name, dsn)``."""
+        name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+        self.create(name, self.template)
+        return name, self.dsn_for(name)
+
     def drop(self, name: str) -> None:
         with contextlib.suppress(psycopg.Error), self.admin() as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

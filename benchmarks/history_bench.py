@@ -8,7 +8,6 @@ import itertools
 import statistics
 import threading
 import time
-import uuid
 from typing import Any
 
 import psycopg
@@ -39,9 +38,7 @@ class HistoryBenches:
         the runs and their steps (98 % completed, 1 % discarded, 1 % cancelled, finished
         over the b10_days days before today), then ``VACUUM ANALYZE``. Cloned for each
         repetition."""
-        name = f"cyclone_bench_b10_{uuid.uuid4().hex[:8]}"
-        self.server.create(name, self.server.template)
-        dsn = self.server.dsn_for(name)
+        name, dsn = self.server.copy_of_template("cyclone_bench_b10")
         n, days = self.n["b10_archived"], self.n["b10_days"]
         t = time.perf_counter()
         with psycopg.connect(dsn, autocommit=True) as conn:

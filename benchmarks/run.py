@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -389,9 +388,7 @@ class Bench(HistoryBenches, ChildBenches):
 
     def seed_b6_template(self) -> tuple[str, dict[str, Any]]:
         """A migrated database holding the B6 ballast; cloned for each repetition."""
-        name = f"cyclone_bench_b6_{uuid.uuid4().hex[:8]}"
-        self.server.create(name, self.server.template)
-        dsn = self.server.dsn_for(name)
+        name, dsn = self.server.copy_of_template("cyclone_bench_b6")
         fin, queued = self.n["b6_finished"], self.n["b6_queued"]
         t = time.perf_counter()
         with psycopg.connect(dsn, autocommit=True) as conn:
