@@ -36,7 +36,7 @@ def cyclone_dsn(cyclone_server: Any) -> Iterator[str]:
     try:
         yield dsn
     finally:
-        cyclone_server.drop_database(dsn)
+        cyclone_server.release(dsn)  # dropped in the background
 
 
 @pytest.fixture
