@@ -803,12 +803,18 @@ class ProcessControl:
         kind = decisions.reported_kind(result.get("kind"))
         if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
             kids = result.get("children_maxrss_kb")
-            death = self.limit_watch.death(att, exit_signal=None, memory_error=kind == decisions.MEMORY_ERROR,
-                                reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
+            memory_error = kind == decisions.MEMORY_ERROR
+            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error,
+                                           reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
             if death is not None:
                 kind, usage = death
                 entry["killed_by_supervisor"] = False
                 entry = self.limit_watch.death_entry(att, kind, usage, entry)
+                if memory_error and kind == decisions.MEMORY_LIMIT:
+                    # the runner itself reached the cap's backstop (RLIMIT_DATA, before the
+                    # sampling saw the tree cross it): it is retired, as a killed tree would be
+                    child.recycle_due = True
+                    self._maybe_recycle(child)
         self._fail(att, kind, entry)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:

@@ -548,6 +548,26 @@ def test_memory_limit_kills_the_tree_within_half_a_second(cyclone_env_factory, t
     assert nxt.step.output["at"] - max(died.values()) < 1.5, nxt.step.output
 
 
+def test_a_runner_that_reaches_the_memory_backstop_is_replaced(cyclone_env_factory, monkeypatch):
+    """Without cgroups a handler that allocates past 1.5 times its memory_limit in one go
+    meets RLIMIT_DATA (a MemoryError) before the 50 ms sampling sees the tree cross the
+    cap: the attempt fails with memory_limit, and the runner that held the memory is
+    retired, as a killed tree would be (it failed one run in eight when the sampling
+    happened to miss); the slot runs the next step in a fresh runner."""
+    monkeypatch.setenv(slots.CGROUPS_ENV, "off")
+    env = cyclone_env_factory(workers=1, lease_ttl=2)
+    env.mux().register(lh.hog, lh.noop)
+    start(env)
+    holder = env.child_pids()
+    run = env.run_until_complete(env.enqueue(lh.hog, {"total": 256 * MIB, "chunk": 256 * MIB, "log": os.devnull},
+                                             memory_limit="64MiB"), timeout=60)
+    assert run.step.error_kind == "memory_limit", run.step.errors[-1]
+    assert "MemoryError" in str(run.step.errors[-1].get("type")), run.step.errors[-1]
+    wait_for(lambda: all(dead(pid) for pid in holder), 5, "the runner's exit")
+    nxt = env.run_until_complete(env.enqueue(lh.noop, {}), timeout=10)
+    assert nxt.state == "completed" and nxt.step.output["pid"] not in holder
+
+
 def test_a_fresh_child_over_the_cap_fails_at_once(cyclone_env_factory):
     """A memory_limit below what a bare child uses: no handler can run under it; the
     attempt fails at once, naming why (never a restart loop)."""
