@@ -35,8 +35,9 @@ PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "w
 SUPERVISOR_CONNECTIONS = 4
 
 
-def median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
+def median(values: list[Any]) -> float | None:
+    """The median of the numbers among ``values`` (None, text and the like left out), or None."""
+    values = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     return statistics.median(values) if values else None
 
 

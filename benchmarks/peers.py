@@ -32,9 +32,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 from typing import Any
+
+from common import median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -171,11 +172,6 @@ def run_harness(harness: str, python: str, *, quick: bool, repeat: int, out: str
         return json.load(fh)
 
 
-def _median(values: list[Any]) -> float | None:
-    values = [v for v in values if isinstance(v, (int, float))]
-    return statistics.median(values) if values else None
-
-
 def _samples(rows: list[dict[str, Any]], peer: str, key: str, variant: str | None = None) -> list[float]:
     return [r.get(key) for r in rows if r.get("peer") == peer and (variant is None or variant in r.get("variant", ""))]
 
@@ -204,7 +200,7 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
         for peer in PEERS:
             samples = _samples(rows, peer, field, pgq_variant if peer == PGQ else None)
             row["samples"][peer] = samples
-            row["median"][peer] = _median(samples)
+            row["median"][peer] = median(samples)
         base = row["median"][PGQ]
         for peer in (DEFAULTS, TUNED):
             mine = row["median"][peer]
@@ -218,7 +214,7 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
     if other:
         out.append({"metric": "s2_pool2_pgq_batch1", "label": f"S2 pgqueuer ({other[0]['variant']}) vs Pool(2)",
                     "samples": {PGQ: [r.get("efficiency_vs_pool2") for r in other]},
-                    "median": {PGQ: _median([r.get("efficiency_vs_pool2") for r in other])}, "ratio": {}, "target": {}})
+                    "median": {PGQ: median([r.get("efficiency_vs_pool2") for r in other])}, "ratio": {}, "target": {}})
     return out
 
 

@@ -656,7 +656,7 @@ def _current_rss() -> int | None:
     """This process's resident set now, in bytes (``/proc/self/statm``), or None."""
     try:
         with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            return int(f.read().split()[1]) * protocol.PAGE_SIZE
     except (OSError, ValueError, IndexError):
         return None
 

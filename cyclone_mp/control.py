@@ -253,10 +253,8 @@ class ProcessControl:
             if self.pool.reap_orphans():
                 log.info("killed handler process(es) reparented to the supervisor")
             self.pool.tell_descendants()
-        if self.limit_watch.limited and now >= self.limit_watch.next_check:
-            self.limit_watch.next_check = now + slots.SAMPLE_INTERVAL
-            for att, kind in self.limit_watch.over():
-                self._kill_for_limit(att, kind)
+        for att, kind in self.limit_watch.due(now):
+            self._kill_for_limit(att, kind)
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
             for att in self.attempts.values():  # a crashed child cannot be read afterwards
@@ -276,8 +274,9 @@ class ProcessControl:
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]
-        if self.limit_watch.limited:
-            times.append(self.limit_watch.next_check)
+        limits_at = self.limit_watch.wake_at()
+        if limits_at is not None:
+            times.append(limits_at)
         ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
         for att in self.attempts.values():
             if att.ended:

@@ -46,6 +46,18 @@ class LimitWatch:
         if self.limited.get(att.key) is att:
             del self.limited[att.key]
 
+    def due(self, now: float) -> list[tuple[Attempt, str]]:
+        """Every :data:`~cyclone_mp.slots.SAMPLE_INTERVAL` seconds of process control's
+        clock (``now``) while attempts with limits run: :meth:`over`; else nothing."""
+        if not self.limited or now < self.next_check:
+            return []
+        self.next_check = now + slots.SAMPLE_INTERVAL
+        return self.over()
+
+    def wake_at(self) -> float | None:
+        """When :meth:`due` samples next (process control's clock), or None: nothing to sample."""
+        return self.next_check if self.limited else None
+
     def over(self) -> list[tuple[Attempt, str]]:
         """Sample every running attempt with limits; ``(attempt, limit kind)`` of each over
         a cap and not being cancelled (its tree is the caller's to kill)."""

@@ -373,7 +373,7 @@ class ChildPool:
         if child.slot is None or child.returncode is not None:  # (read after its death: nothing to do)
             return
         failed = [str(key) for key in message.get("failed") or []]
-        child.slot.entered(child.pid, failed, str(message.get("error")))
+        child.slot.entered(child.pid, failed, message.get("error"))
         if failed and child.leftover:
             child.start()
         if child.slot.v2_dir is not None:  # the watchdog kills it through its cgroup from now on

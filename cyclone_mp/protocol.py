@@ -31,6 +31,7 @@ from .errors import PayloadError
 
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # bytes (/proc counts pages)
 SLOT_CGROUPS = ("v2", "memory", "pids")  # a slot's cgroup directories by hierarchy (slots.Slot.dirs' keys)
 ZYGOTE_MESSAGE_MAX = 1 << 18  # bytes of one message on the zygote's socket (a fork names the modules a child imports itself)
 #: The largest ``max_payload`` allowed: jsonb's own limit on one value (268,435,455 bytes).

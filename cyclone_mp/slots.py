@@ -58,7 +58,6 @@ SAMPLE_INTERVAL = 0.05  #: seconds between two looks at a running attempt with l
 FREEZE_WAIT = 0.05  #: seconds a tree kill waits for a cgroup to be frozen before it kills anyway
 PREFIX = "cyclone-mp-"
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 CGROUP_V2, CGROUP_V1 = "cgroup v2", "cgroup v1"
 SAMPLING, RLIMIT, SIGNALS = "sampling", "rlimit", "signals"
@@ -792,7 +791,7 @@ def _stat(pid: int) -> tuple[float, int, int, float] | None:
         return None
     rest = text[text.rfind(")") + 2:].split()
     try:
-        return ((int(rest[11]) + int(rest[12])) / _CLK_TCK, int(rest[17]), int(rest[21]) * _PAGE,
+        return ((int(rest[11]) + int(rest[12])) / _CLK_TCK, int(rest[17]), int(rest[21]) * protocol.PAGE_SIZE,
                 (int(rest[13]) + int(rest[14])) / _CLK_TCK)
     except (IndexError, ValueError):
         return None

@@ -111,13 +111,10 @@ class TestServer:
 
         if self._embedded is None:
             raise RuntimeError("only an embedded test server can be restarted")
-        self._pause_filling()
-        try:
+        with self.quiet():
             self._embedded.stop(mode="immediate")
             time.sleep(down_for)
             self._embedded.start()
-        finally:
-            self._filling.set()
 
     def dsn_for(self, dbname: str) -> str:
         """The server's DSN pointed at ``dbname``."""
@@ -152,10 +149,11 @@ class TestServer:
         makes clones until :data:`SPARE_DATABASES` are ready)."""
         if self._filler is not None and self._filler.is_alive():
             return
-        self._filler = threading.Thread(target=self._make_spares, name="cyclone-test-databases", daemon=True)
+        self._filler = threading.Thread(target=self._background, name="cyclone-test-databases", daemon=True)
         self._filler.start()
 
-    def _make_spares(self) -> None:
+    def _background(self) -> None:
+        """Drop the released databases, then make clones until enough are ready."""
         while self._filling.is_set() and not self._released.empty():
             self.drop_database(self._released.get_nowait())
         while self._filling.is_set() and self._spares.qsize() < SPARE_DATABASES:
