@@ -209,11 +209,9 @@ class Maintenance(DatabaseThread):
         budget ran out) goes on after :data:`~cyclone_mp.config.HISTORY_BUSY_INTERVAL`
         without asking again."""
         if not self.history_more:
-            wait = self.take_turn("history", HISTORY_INTERVAL)
-            if wait is None:
-                return now + HISTORY_INTERVAL
-            if wait > 0:
-                return now + wait + random.uniform(0, self.config.poll_interval[0])
+            later = self.take_turn("history", HISTORY_INTERVAL, now, failed_at=now + HISTORY_INTERVAL)
+            if later is not None:
+                return later
         counts = self.keep_history()
         self.history_more = bool(counts.get("more"))
         return self.clock() + (HISTORY_BUSY_INTERVAL if self.history_more else HISTORY_INTERVAL)
@@ -245,38 +243,37 @@ class Maintenance(DatabaseThread):
         timers: a mass expiry) goes on at once, without asking again: recovery is not
         held to one page per interval (others join in once the interval is over)."""
         lo, _ = self.config.poll_interval
-        if not self.sweeping:
-            wait = self.take_turn()
-            if wait is None:  # the database failed: as before the turn, a poll interval
-                return now + random.uniform(lo, self.sweep_every)
-            if wait > 0:
-                return now + wait + random.uniform(0, lo)
+        if not self.sweeping:  # the database failed: as before the turn, a poll interval
+            later = self.take_turn("sweep", self.sweep_every, now, failed_at=now + random.uniform(lo, self.sweep_every))
+            if later is not None:
+                return later
         counts = self.sweep()
         settled = sum(counts.get(k, 0) for k in ("timeout", "reclaim", "reclaim_limit", "none"))
         self.sweeping = settled >= SWEEP_LIMIT or counts.get("timers", 0) >= SWEEP_LIMIT
         return now if self.sweeping else now + self.sweep_every + random.uniform(0, lo)
 
-    def take_turn(self, task: str = "sweep", every: float | None = None) -> float | None:
-        """Ask for the turn of a maintenance task (:meth:`cyclone_mp.store.Store.sweep_turn`;
-        ``"sweep"`` every :attr:`sweep_every`, ``"history"`` every ``every`` seconds): 0 when
-        it is ours (do it now), else the seconds until the turn another supervisor took ends
-        (counted as ``sweep_turns_skipped`` or ``history_turns_skipped``); None when the
-        database failed."""
-        period = self.sweep_every if every is None else every
+    def take_turn(self, task: str, every: float, now: float, *, failed_at: float) -> float | None:
+        """Ask for the turn of a maintenance task (``"sweep"`` or ``"history"``, one
+        supervisor's every ``every`` seconds: :meth:`cyclone_mp.store.Store.sweep_turn`).
+        None when it is ours (do it now); else when to look again (local monotonic
+        seconds): when the turn another supervisor took ends, plus a little jitter (the
+        poll interval's minimum; counted as ``sweep_turns_skipped`` or
+        ``history_turns_skipped``), or ``failed_at`` when the database failed."""
         try:
             mine, wait = self.call(self.config.write_bound,
-                                   lambda store: store.sweep_turn(self.owner, period, task))
+                                   lambda store: store.sweep_turn(self.owner, every, task))
         except DatabaseBusy as exc:  # the turn's row waited past lock_timeout: ask again next tick
             log.info("%s turn: %s", task, exc)
-            return None
+            return failed_at
         except DatabaseError as exc:
             if not self.down(exc):
                 log.error("%s turn: %s", task, exc)
-            return None
+            return failed_at
         if mine:
-            return 0.0
+            return None
         self.count(f"{task}_turns_skipped")
-        return max(wait, 0.001)  # (a turn just taken, seen from an older snapshot: ask again soon)
+        # (a turn just taken, seen from an older snapshot: ask again soon)
+        return now + max(wait, 0.001) + random.uniform(0, self.config.poll_interval[0])
 
     def read_queue_depths(self) -> None:
         """Read how many steps wait in each queue served, and since when, for the metrics:
