@@ -27,6 +27,12 @@ def noop(ctx: cy.Context, inp: object) -> None:
     return None
 
 
+@cy.step("bench_noop_capped", max_processes=4096)
+def noop_capped(ctx: cy.Context, inp: Any) -> None:
+    """A no-op that declares a process cap (B9: children then join v1 cgroups at birth)."""
+    return None
+
+
 @cy.step("bench_cpu")
 def cpu(ctx: cy.Context, inp: dict) -> None:
     """B2: ``inp["n"]`` iterations of :func:`cpu_work` (about 20 ms)."""

@@ -105,6 +105,9 @@ class ChildBenches:
     # B9 -----------------------------------------------------------------------------------
 
     START_METHODS = ("spawn", "zygote")
+    # and "zygote_capped": the zygote, handlers that declare a process cap (so each child
+    # joins the slot's v1 cgroups at birth, on a host whose caps live there)
+    VARIANTS = {"spawn": ("spawn", False), "zygote": ("zygote", False), "zygote_capped": ("zygote", True)}
 
     def b9(self) -> dict[str, Any]:
         """Children in milliseconds (issue 23), ``start_method="spawn"`` against
@@ -118,16 +121,25 @@ class ChildBenches:
           message (handlers imported): every child, the first two and each replacement;
         - replaced after: from the SIGKILL (this thread, ``time.monotonic``) to the
           replacement's ``ready`` (``spawned + ready_after``, the same clock);
-        - all ready after start: from ``client.start()`` to both children ready.
+        - all ready after start: from ``client.start()`` to both children ready;
+        - children created in their cgroup (``CLONE_INTO_CGROUP``), and children found in
+          a v1 cgroup of their slot (moved there: each move may wait for a kernel RCU
+          grace period), as ``/proc/<pid>/cgroup`` shows once ready.
+
+        Three variants: ``spawn``, ``zygote``, and ``zygote_capped`` (the zygote, with a
+        handler that declares ``max_processes``: children join the slot's v1 cgroups at
+        birth where the caps live there, docs/operating.md "How children start").
 
         This thread looks every 20 ms (the times are the supervisor's; a tighter poll
         would take the GIL from it)."""
-        order = self.START_METHODS if self._b9_rep % 2 == 0 else tuple(reversed(self.START_METHODS))
+        names = list(self.VARIANTS)
+        order = names if self._b9_rep % 2 == 0 else list(reversed(names))
         self._b9_rep += 1
-        row: dict[str, Any] = {"order": list(order)}
-        for method in order:
-            got = self.child_replacements(method)
-            row.update({f"{k}_{method}": v for k, v in got.items()})
+        row: dict[str, Any] = {"order": order}
+        for name in order:
+            method, capped = self.VARIANTS[name]
+            got = self.child_replacements(method, capped=capped)
+            row.update({f"{k}_{name}": v for k, v in got.items()})
         for key in ("child_ready_ms", "replaced_ms"):
             if row.get(f"{key}_spawn") and row.get(f"{key}_zygote"):
                 row[f"{key}_zygote_over_spawn"] = round(row[f"{key}_zygote"] / row[f"{key}_spawn"], 3)
@@ -165,12 +177,21 @@ class ChildBenches:
 
     _b9_rep = 0
 
-    def child_replacements(self, method: str) -> dict[str, Any]:
+    def child_replacements(self, method: str, *, capped: bool = False) -> dict[str, Any]:
         kills = self.n["b9_kills"]
         ready_ms: list[float] = []
         replaced_ms: list[float] = []
+        steps = (bench_steps.noop, bench_steps.noop_capped) if capped else (bench_steps.noop,)
+        born = in_v1 = 0
+
+        def look(children: list[Any]) -> None:
+            nonlocal born, in_v1
+            for child in children:
+                born += bool(child.in_cgroup)
+                in_v1 += child_in_v1(child)
+
         with self.server.fresh() as dsn:
-            client = cy.Client(dsn, mux_of(bench_steps.noop), workers=2, start_method=method)
+            client = cy.Client(dsn, mux_of(*steps), workers=2, start_method=method)
             try:
                 t0 = time.monotonic()
                 client.start()
@@ -179,6 +200,7 @@ class ChildBenches:
                 first = list(sup.children)
                 all_ready_ms = (max(c.spawned + c.ready_after for c in first) - t0) * 1000
                 ready_ms += [c.ready_after * 1000 for c in first]
+                look(first)
                 for _ in range(kills):
                     time.sleep(0.1)  # the supervisor settles (its strays check, its registry row)
                     before = {c.pid for c in sup.children}
@@ -188,6 +210,7 @@ class ChildBenches:
                     wait_until(lambda: all_ready(sup, 2) and {c.pid for c in sup.children} != before, 30, 0.02,
                                "a replacement ready")
                     new = next(c for c in sup.children if c.pid not in before)
+                    look([new])
                     ready_ms.append(new.ready_after * 1000)
                     replaced_ms.append((new.spawned + new.ready_after - t_kill) * 1000)
                 stats = sup.stats
@@ -202,6 +225,20 @@ class ChildBenches:
             "replaced_ms_max": round(max(replaced_ms), 2),
             "all_ready_after_start_ms": round(all_ready_ms, 1),
             "children_forked": stats["children_forked"], "children_spawned": stats["children_spawned"],
+            "children_created_in_cgroup": born, "children_in_v1_cgroups": in_v1,
             "child_ready_ms_each": [round(x, 2) for x in ready_ms],
             "replaced_ms_each": [round(x, 2) for x in replaced_ms],
         }
+
+
+def child_in_v1(child: Any) -> bool:
+    """The child is in one of its slot's v1 cgroups (``/proc/<pid>/cgroup``)."""
+    slot = child.slot
+    v1 = [path for key, path in (slot.dirs.items() if slot is not None else ()) if key != "v2"]
+    try:
+        with open(f"/proc/{child.pid}/cgroup") as fh:
+            text = fh.read()
+    except OSError:
+        return False
+    return any(line.split(":", 2)[2].strip() and path.endswith(line.split(":", 2)[2].strip())
+               for line in text.splitlines() if line.count(":") >= 2 and not line.startswith("0::") for path in v1)

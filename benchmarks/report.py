@@ -139,6 +139,12 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B9", "replaced_ms_zygote", f"SIGKILLed child replaced (ready) after, zygote (ms, median of {n['b9_kills']})",
          "{:.2f}", "<= 20 (issue 23)", lambda v, m: v <= 20),
         ("B9", "replaced_ms_max_zygote", "  ... slowest replacement, zygote (ms)", "{:.2f}", "", None),
+        ("B9", "children_in_v1_cgroups_zygote", "  ... children of the run moved into a v1 cgroup (no step has a cap)",
+         "{:g}", "0", lambda v, m: v == 0),
+        ("B9", "child_ready_ms_zygote_capped", "fresh child ready, zygote, a step declares max_processes (ms; it "
+         "joins v1 cgroups where the host has them)", "{:.2f}", "", None),
+        ("B9", "replaced_ms_zygote_capped", "SIGKILLed child replaced (ready) after, zygote, a step declares "
+         "max_processes (ms)", "{:.2f}", "", None),
         ("B9", "all_ready_after_start_ms_spawn", "supervisor start to 2 children ready, spawn (ms)", "{:.1f}", "",
          None),
         ("B9", "all_ready_after_start_ms_zygote", "supervisor start to 2 children ready, zygote (ms)", "{:.1f}", "",

@@ -116,6 +116,8 @@ class ProcessControl:
         preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
         self.observer = observer
         self.confinement = confinement or slots.Confinement.none()
+        if any(s.options.memory_limit is not None or s.options.max_processes is not None for s in mux.steps.values()):
+            self.confinement.v1_at_birth = True  # the handlers declare caps held in v1 cgroups (where they are)
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
@@ -583,6 +585,8 @@ class ProcessControl:
         slot = child.slot
         fits = True
         if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
+            if limits and slot.join(limits):  # its caps live in v1 cgroups it was not in: from now on
+                self.confinement.v1_at_birth = True  # ... new children join those at birth
             fits = slot.configure(limits)
             if not fits and child.steps_run:
                 log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
@@ -627,8 +631,7 @@ class ProcessControl:
             task["rss"] = True
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
             # where no cgroup holds the memory (or none counts the tree's CPU), rlimit backstops
-            confined = slot is not None and slot.confined
-            flags = (not (confined and self.confinement.mechanism.kernel_memory_cap), not confined)
+            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined))
             cached = self._task_limits.get((limits, flags))
             if cached is None:
                 if len(self._task_limits) > 256:

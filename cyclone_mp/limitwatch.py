@@ -61,7 +61,6 @@ class LimitWatch:
     def over(self) -> list[tuple[Attempt, str]]:
         """Sample every running attempt with limits; ``(attempt, limit kind)`` of each over
         a cap and not being cancelled (its tree is the caller's to kill)."""
-        mech = self.confinement.mechanism
         found = []
         for key, att in list(self.limited.items()):
             if att.ended or att.child.returncode is not None:
@@ -72,9 +71,8 @@ class LimitWatch:
                 continue
             usage = slot.sample(att.limits, att.base)
             att.usage = usage
-            confined = slot.confined
-            kind = over_limit(att.limits, usage, kernel_memory_cap=confined and mech.kernel_memory_cap,
-                              kernel_process_cap=confined and mech.kernel_process_cap)
+            kind = over_limit(att.limits, usage, kernel_memory_cap=slot.kernel_memory_cap,
+                              kernel_process_cap=slot.kernel_process_cap)
             if kind is not None and att.cancel_reason is None:
                 found.append((att, kind))
         return found
@@ -85,10 +83,10 @@ class LimitWatch:
             att.usage = att.child.slot.sample(att.limits, att.base, final=True)
 
     def note_oom_kills(self) -> None:
-        """Look at the machine's OOM kills again (without cgroups an inferred OOM kill must
-        be a recent one; process control calls this every registry interval)."""
-        if not self.confinement.mechanism.where:
-            self.vm_oom_kills = slots.vm_oom_kills()
+        """Look at the machine's OOM kills again (where no cgroup counts a child's memory,
+        an inferred OOM kill must be a recent one; process control calls this every
+        registry interval)."""
+        self.vm_oom_kills = slots.vm_oom_kills()
 
     def death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
               reported_peak: int | None = None) -> tuple[str, Usage] | None:
@@ -110,15 +108,14 @@ class LimitWatch:
         if reported_peak and not (slot is not None and slot.confined and slot.memory_file):
             usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
         oom_inferred = False
-        if exit_signal == 9 and att.killed_for is None and not (slot is not None and slot.confined):
+        counted = slot is not None and slot.confined and slot.memory_file is not None
+        if exit_signal == 9 and att.killed_for is None and not counted:
             # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
             now = slots.vm_oom_kills()
             oom_inferred = now is not None and self.vm_oom_kills is not None and now > self.vm_oom_kills
             self.vm_oom_kills = now
-        mech = self.confinement.mechanism
         kind = cause_of_death(att.limits, usage, exit_signal=exit_signal, killed_for=att.killed_for,
-                              memory_error=memory_error,
-                              memory_by_rlimit=not (mech.kernel_memory_cap and slot is not None and slot.confined),
+                              memory_error=memory_error, memory_by_rlimit=not counted,
                               oom_inferred=oom_inferred)
         return (kind, usage) if kind is not None else None
 
@@ -134,9 +131,12 @@ class LimitWatch:
     def death_entry(self, att: Attempt, kind: str, usage: Usage, entry: dict[str, Any]) -> dict[str, Any]:
         """An error entry with the cause of death: the tree's numbers, the caps, who acted."""
         mech = self.confinement.mechanism
-        confined = att.child.slot is not None and att.child.slot.confined
-        by = {decisions.MEMORY_LIMIT: mech.memory if confined else f"{slots.RLIMIT} + {slots.SAMPLING}",
-              decisions.PROCESS_LIMIT: mech.processes if confined else slots.SAMPLING,
+        slot = att.child.slot
+        confined = slot is not None and slot.confined
+        by = {decisions.MEMORY_LIMIT: mech.memory if confined and slot.kernel_memory_cap  # type: ignore[union-attr]
+              else f"{slots.RLIMIT} + {slots.SAMPLING}",
+              decisions.PROCESS_LIMIT: mech.processes if confined and slot.kernel_process_cap  # type: ignore[union-attr]
+              else slots.SAMPLING,
               decisions.CPU_LIMIT: mech.cpu if confined else slots.SAMPLING}.get(kind, "the kernel")
         if entry.get("type") and att.killed_for is None:
             who = f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"

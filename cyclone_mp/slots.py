@@ -23,12 +23,23 @@ open files                ``RLIMIT_NOFILE`` in the child (no cgroup        the s
 cgroups are used where the supervisor can create them: as root, or in a delegated
 subtree (systemd's ``Delegate=yes``). Each supervisor makes one directory per
 hierarchy, ``cyclone-mp-<pid>-<tag>`` under its own cgroup, and in it ``slot-N`` per
-child slot; a child is moved into its slot's cgroups right after it starts (before it
-can have started anything). A child forked from the zygote moves itself, first thing
-after the fork (issue 23): the first move into a cgroup after a pause waits for a kernel
-RCU grace period (7-15 ms measured on cgroup v1), which would stall process control's
-thread, and with it every other child's results, if that thread wrote it; a child that
-cannot is moved from here, as a spawned one is. v2 controllers are enabled in the supervisor's own cgroup
+child slot. Moving a process into a cgroup (a ``cgroup.procs`` write) waits, the first
+time after a pause, for a kernel RCU grace period (7-15 ms measured on cgroup v1 here);
+creating it in one does not (issue 23). So:
+
+- a child forked from the zygote is created in a v2 directory of its slot
+  (``CLONE_INTO_CGROUP``); each later child of the slot gets a fresh one,
+  ``slot-N.G`` (:meth:`Slot.prepare`), which no kill of the last child touched;
+- where cgroup v2 kills the tree and only the caps live in v1 (a hybrid host), a child
+  joins its slot's v1 ``memory`` and ``pids`` cgroups only when an attempt with
+  ``memory_limit`` or ``max_processes`` is about to run in it (:meth:`Slot.join`, once
+  per child). Once a step with those caps is seen (or the handlers declare them),
+  every new child joins them at birth (:attr:`Confinement.v1_at_birth`);
+- a moved child moves itself, first thing after the fork, so the grace period is the
+  child's wait, not process control's (whose stall would hold back every other child's
+  results); a child that cannot is moved from here, as a spawned one is.
+
+v2 controllers are enabled in the supervisor's own cgroup
 when they are available there but not yet enabled; a non-root cgroup holding the
 supervisor cannot enable them (no internal processes), so the supervisor first moves
 itself into a leaf of its own (``cyclone-mp-supervisor-<pid>``), as systemd advises
@@ -212,6 +223,17 @@ def remove_stale(parent: str) -> None:
             remove_tree(os.path.join(parent, name))
 
 
+def _rmdir(path: str) -> bool:
+    """Remove an empty cgroup directory; True when it is gone."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
 def remove_tree(base: str) -> bool:
     """rmdir a supervisor's directory and its slot directories (only empty cgroups can go)."""
     ok = True
@@ -255,6 +277,9 @@ class Confinement:
             kill=CGROUP_V2 if v2 and kill else SIGNALS, memory=memory, processes=processes,
             cpu=CGROUP_V2 if v2 else SAMPLING, where=tuple(d for d in (v2, memory_v1, pids_v1) if d))
         self._slots: dict[int, Slot] = {}
+        # Children join the slots' v1 cgroups at birth, not only before an attempt with caps
+        # held there: always where v1 must hold the tree (no v2 kill), else once caps are used.
+        self.v1_at_birth = not (v2 and kill)
 
     @classmethod
     def none(cls) -> "Confinement":
@@ -416,8 +441,11 @@ class Slot:
         self.index = index
         self.pid: int | None = None
         self.dirs: dict[str, str] = {}  # "v2", "memory", "pids" -> this slot's directory
-        self.confined = False  # the child now in the slot is in every cgroup of it
+        self.confined = False  # the child now in the slot is in every cgroup it should be in (wanted)
         self.entering = False  # the child now in the slot moves itself in (it may be in some already)
+        self.joined: set[str] = set()  # the keys of the directories the child now in the slot is in
+        self.generation = 0  # of the v2 directory: a fresh one per child (prepare)
+        self._retired: list[str] = []  # earlier v2 directories not removed yet (a dying process in them)
         self._fds: dict[str, int] = {}
         self.caps: tuple[int | None, int | None] = (None, None)  # (memory, pids.max) written now
         self.last = Baseline()  # the counters when last looked at (an attempt without limits is judged against it)
@@ -431,27 +459,83 @@ class Slot:
                     self.dirs[key] = path
                 except OSError as exc:
                     log.error("cannot create the cgroup %s (%s); this slot's child is not confined", path, exc)
-        self.memory_file = ("memory" if "memory" in self.dirs else "v2" if mech.memory == CGROUP_V2 else None)
-        self.pids_file = ("pids" if "pids" in self.dirs else "v2" if mech.processes == CGROUP_V2 else None)
+        self._memory_v2 = mech.memory == CGROUP_V2
+        self._pids_v2 = mech.processes == CGROUP_V2
 
     @property
     def v2_dir(self) -> str | None:
         """This slot's v2 cgroup (the watchdog kills through it)."""
         return self.dirs.get("v2") if self.confined else None
 
+    @property
+    def memory_file(self) -> str | None:
+        """Where the child's memory is capped and counted: ``"memory"`` (v1, once it joined
+        it), ``"v2"``, or None (the tree is sampled)."""
+        if "memory" in self.dirs:
+            return "memory" if "memory" in self.joined else None
+        return "v2" if self._memory_v2 else None
+
+    @property
+    def pids_file(self) -> str | None:
+        """Where the child's processes are capped and counted: ``"pids"`` (v1, once it
+        joined it), ``"v2"``, or None (sampled)."""
+        if "pids" in self.dirs:
+            return "pids" if "pids" in self.joined else None
+        return "v2" if self._pids_v2 else None
+
+    @property
+    def kernel_memory_cap(self) -> bool:
+        """The kernel holds the memory cap of the child now in the slot (it is in the cgroup)."""
+        return self.confined and self.memory_file is not None
+
+    @property
+    def kernel_process_cap(self) -> bool:
+        """The kernel holds the process cap of the child now in the slot."""
+        return self.confined and self.pids_file is not None
+
+    @property
+    def wanted(self) -> list[str]:
+        """The keys of the directories a new child enters at once: the v2 one, and the v1
+        ones too when :attr:`Confinement.v1_at_birth` (else :meth:`join` adds them)."""
+        return [key for key in self.dirs if key == "v2" or self.confinement.v1_at_birth]
+
     # -- a child in the slot ---------------------------------------------------------------------
 
     def prepare(self) -> int | None:
         """Before a new child is created in the slot: lift the last attempt's caps (a
         fresh child starts uncapped: it imports its handlers first). Returns a descriptor
-        of the slot's cgroup v2 directory to create it in (``CLONE_INTO_CGROUP``) when no
-        child was ever in it, else None (it is moved in). Only a new cgroup: on Linux 6.18
-        a process created in a cgroup that ``cgroup.kill`` once emptied is killed at
-        birth (seen here), and a kill may also come from the watchdog."""
+        of a cgroup v2 directory of the slot that no process was ever in, to create the
+        child in (``CLONE_INTO_CGROUP``: no move, so no grace period), or None (it is
+        moved in). Only a new cgroup: on Linux 6.18 a process created in a cgroup that
+        ``cgroup.kill`` once emptied is killed at birth (seen here), and a kill may also
+        come from the watchdog. So every child after the first gets a fresh directory,
+        ``slot-N.G``; the last one is removed once empty."""
         self._lift_caps()
-        if "v2" not in self.dirs or self.pid is not None:
+        if "v2" not in self.dirs or (self.pid is not None and not self._renew_v2()):
             return None
         return self._dir_fd("v2")
+
+    def _renew_v2(self) -> bool:
+        """Make the next v2 directory of the slot (False: the last one still holds a
+        process, or none can be made: the child is moved into the last one)."""
+        last = self.dirs["v2"]
+        if _read(os.path.join(last, "cgroup.procs")):
+            return False
+        fresh = os.path.join(os.path.dirname(last), f"slot-{self.index}.{self.generation + 1}")
+        try:
+            os.mkdir(fresh)
+        except OSError as exc:
+            log.warning("cannot create the cgroup %s (%s); the next child of slot %d is moved in", fresh, exc,
+                        self.index)
+            return False
+        self.generation += 1
+        self.dirs["v2"] = fresh
+        for name in [name for name in self._fds if name.startswith("v2")]:
+            with contextlib.suppress(OSError):
+                os.close(self._fds.pop(name))
+        self._retired.append(last)
+        self._retired = [path for path in self._retired if not _rmdir(path)]
+        return True
 
     def _lift_caps(self) -> None:
         """Lift the last attempt's caps: a fresh child starts uncapped (it imports its
@@ -461,12 +545,13 @@ class Slot:
             self.configure(Limits())
 
     def entry(self) -> list[tuple[str, int]]:
-        """``(key, descriptor)`` of each of the slot's cgroup directories, for a forked child
-        to move itself into (``cgroup.procs`` there, ``0``: :meth:`enter` with ``by_child``).
+        """``(key, descriptor)`` of each of the slot's cgroup directories a new child enters
+        (:attr:`wanted`), for a forked child to move itself into (``cgroup.procs`` there,
+        ``0``: :meth:`enter` with ``by_child``; it skips the v2 one it was created in).
         The descriptors stay the slot's; empty without cgroups or when one cannot be opened
         (the child is then moved from here)."""
         out: list[tuple[str, int]] = []
-        for key in self.dirs:
+        for key in self.wanted:
             fd = self._dir_fd(key)
             if fd is None:
                 return []
@@ -498,10 +583,11 @@ class Slot:
         try:
             self._lift_caps()
             self.confined = False
+            self.joined = {"v2"} if born_in_v2 and "v2" in self.dirs else set()
             if by_child:
                 self.entering = True
                 return False
-            self._move(pid, [key for key in self.dirs if not (key == "v2" and born_in_v2)])
+            self._move(pid, [key for key in self.wanted if key not in self.joined])
         except OSError as exc:
             log.error("cannot move child %d into its cgroup (%s); it is killed with signals", pid, exc)
             self.confined = False
@@ -514,6 +600,7 @@ class Slot:
         :attr:`confined`."""
         if pid != self.pid or not self.entering:
             return self.confined
+        self.joined.update(key for key in self.wanted if key not in failed)
         try:
             if failed:
                 log.warning("child %d could not move itself into its cgroups (%s); moving it", pid, error)
@@ -528,11 +615,29 @@ class Slot:
         it is confined, and the slot's counters are its baseline. Raises OSError."""
         for key in keys:
             _write(os.path.join(self.dirs[key], "cgroup.procs"), str(pid))
+            self.joined.add(key)
         self.confined, self.entering = True, False
         self.last = Baseline()
         self.last.oom_kills, self.last.cap_hits = self._memory_counters()
         self.last.fork_failures = self._forks_refused()
         self.runner_tasks = None
+
+    def join(self, limits: Limits) -> bool:
+        """Before an attempt with ``limits`` starts in the slot's (idle) child: move the child
+        into the v1 cgroups that hold its caps (``memory`` for ``memory_limit``, ``pids``
+        for ``max_processes``) if it is not in them yet. This thread waits for the move (a
+        kernel RCU grace period, once per child). Returns True when it moved the child
+        now; when the move fails the caps it needed are sampled instead."""
+        keys = [key for key, cap in (("memory", limits.memory), ("pids", limits.processes))
+                if cap is not None and key in self.dirs and key not in self.joined]
+        if not keys or not self.confined or self.pid is None:
+            return False
+        try:
+            self._move(self.pid, keys)
+        except OSError as exc:
+            log.error("cannot move child %d into its %s cgroup (%s); its caps are sampled", self.pid,
+                      " and ".join(keys), exc)
+        return True
 
     def _file(self, key: str, name: str) -> str | None:
         path = self.dirs.get(key)

@@ -35,6 +35,13 @@ def cgroups(ctx: cy.Context, inp: dict) -> dict:
     return {"pid": os.getpid(), "cgroups": {controllers or "v2": path for _, controllers, path in lines}}
 
 
+@cy.step("zy_cgroups_capped", max_attempts=1, memory_limit="4GiB", max_processes=256)
+def cgroups_capped(ctx: cy.Context, inp: dict) -> dict:
+    """:func:`cgroups` of a step that declares caps (its children join the v1 cgroups that
+    hold them at birth, where the host has those)."""
+    return cgroups(ctx, inp)
+
+
 @cy.step("zy_holdings", max_attempts=1)
 def holdings(ctx: cy.Context, inp: dict) -> dict:
     """What the handler's process holds: its sockets (kind, peer), its threads, and its
