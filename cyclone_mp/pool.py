@@ -341,8 +341,9 @@ class ChildPool:
         slot = self.confinement.slot(min(i for i in range(len(self.children) + 1) if i not in used))
         try:
             try:
-                # a forked child is born in its slot's v2 cgroup (its caps reset first) and
-                # moves itself into the others: process control never waits for the kernel
+                # a forked child is born in a fresh v2 cgroup of its slot (its caps reset
+                # first) and moves itself into any v1 one it must join at birth: process
+                # control never waits for the kernel
                 child = ChildProc(self.owner, self.limit, self.preload, zygote=zygote,
                                   cgroup_fd=slot.prepare() if zygote is not None else None,
                                   enter=slot.entry() if zygote is not None else ())
