@@ -585,16 +585,20 @@ class ProcessControl:
         slot = child.slot
         fits = True
         if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
-            if limits and slot.join(limits):  # its caps live in v1 cgroups it was not in: from now on
-                self.confinement.v1_at_birth = True  # ... new children join those at birth
+            joining = slot.unjoined(limits) if limits else []
+            if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)
+                self.confinement.v1_at_birth = True  # from now on new children join those at birth
+                if "memory" in joining and child.steps_run:
+                    log.info("child %d ran steps outside its slot's memory cgroup (what it holds would escape "
+                             "memory_limit %s of step %s): replacing it", child.pid, format_size(limits.memory),
+                             row["step_name"])
+                    return self._replace(child)
+                slot.join(joining)
             fits = slot.configure(limits)
             if not fits and child.steps_run:
                 log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
                          format_size(limits.memory), row["step_name"])
-                child.recycle_due = True
-                self.pool.retire(child)
-                self.pool.maintain(self.clock(), self.draining)
-                return False
+                return self._replace(child)
         now = self.clock()
         step = self.mux.steps[row["step_name"]]
         timeout = row["timeout"]
@@ -642,6 +646,14 @@ class ProcessControl:
         child.queue(task)  # written by the caller, with the other tasks of this round
         self._watch(child)
         return True
+
+    def _replace(self, child: ChildProc) -> bool:
+        """Retire the idle ``child`` for a fresh one before a step with caps (which waits
+        for it: False, nothing started)."""
+        child.recycle_due = True
+        self.pool.retire(child)
+        self.pool.maintain(self.clock(), self.draining)
+        return False
 
     # -- resource limits (issue 20) -----------------------------------------------------------------
 

@@ -33,7 +33,8 @@ creating it in one does not (issue 23). So:
 - where cgroup v2 kills the tree and only the caps live in v1 (a hybrid host), a child
   joins its slot's v1 ``memory`` and ``pids`` cgroups only when an attempt with
   ``memory_limit`` or ``max_processes`` is about to run in it (:meth:`Slot.join`, once
-  per child). Once a step with those caps is seen (or the handlers declare them),
+  per child; one that already ran steps is replaced before a ``memory_limit``: what it
+  holds is charged outside the slot and would escape the cap). Once a step with those caps is seen (or the handlers declare them),
   every new child joins them at birth (:attr:`Confinement.v1_at_birth`);
 - a moved child moves itself, first thing after the fork, so the grace period is the
   child's wait, not process control's (whose stall would hold back every other child's
@@ -622,22 +623,23 @@ class Slot:
         self.last.fork_failures = self._forks_refused()
         self.runner_tasks = None
 
-    def join(self, limits: Limits) -> bool:
-        """Before an attempt with ``limits`` starts in the slot's (idle) child: move the child
-        into the v1 cgroups that hold its caps (``memory`` for ``memory_limit``, ``pids``
-        for ``max_processes``) if it is not in them yet. This thread waits for the move (a
-        kernel RCU grace period, once per child). Returns True when it moved the child
-        now; when the move fails the caps it needed are sampled instead."""
-        keys = [key for key, cap in (("memory", limits.memory), ("pids", limits.processes))
+    def unjoined(self, limits: Limits) -> list[str]:
+        """The keys of the slot's v1 cgroups that hold caps of ``limits`` (``memory`` for
+        ``memory_limit``, ``pids`` for ``max_processes``) and that its child is not in."""
+        if not self.confined or self.pid is None:
+            return []
+        return [key for key, cap in (("memory", limits.memory), ("pids", limits.processes))
                 if cap is not None and key in self.dirs and key not in self.joined]
-        if not keys or not self.confined or self.pid is None:
-            return False
+
+    def join(self, keys: list[str]) -> None:
+        """Move the slot's idle child into its v1 cgroups ``keys`` (:meth:`unjoined`) before
+        an attempt with those caps starts. This thread waits for the move (a kernel RCU
+        grace period, once per child). When the move fails those caps are sampled."""
         try:
-            self._move(self.pid, keys)
+            self._move(self.pid, keys)  # type: ignore[arg-type]
         except OSError as exc:
             log.error("cannot move child %d into its %s cgroup (%s); its caps are sampled", self.pid,
                       " and ".join(keys), exc)
-        return True
 
     def _file(self, key: str, name: str) -> str | None:
         path = self.dirs.get(key)

@@ -190,6 +190,31 @@ def test_an_attempt_with_caps_has_its_child_join_their_v1_cgroups_first(cyclone_
             os.close(fd)
 
 
+@pytest.mark.skipif(not (V1_ON_DEMAND and HOST.memory_v1), reason="no hybrid host with a v1 memory hierarchy")
+def test_a_child_that_ran_steps_is_replaced_before_a_memory_limit_it_would_escape(cyclone_env_factory, monkeypatch):
+    """What a process holds stays charged to its old cgroup when it joins a v1 memory
+    cgroup, so a child that already ran steps outside it would take that beyond the
+    cap: before the first attempt with ``memory_limit`` it is replaced by a fresh child,
+    which joins at birth. ``max_processes`` alone counts the tree as it is: that child
+    joins the pids cgroup in place."""
+    writes = recorded_moves(monkeypatch)
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(zh.cgroups)
+    handle = env.start_worker()
+    slot = handle.client.supervisor.control.pool.confinement.slot(0)
+    plain = env.run_until_complete(env.enqueue(zh.cgroups, {})).step.output
+    if HOST.pids_v1:
+        counted = env.run_until_complete(env.enqueue(zh.cgroups, {}, max_processes=256)).step.output
+        assert counted["pid"] == plain["pid"] and in_slot(counted, slot.dirs, ["v2", "pids"]), (slot.dirs, counted)
+        assert not in_slot(counted, slot.dirs, ["memory"])
+        assert writes == [(os.path.join(slot.dirs["pids"], "cgroup.procs"), str(plain["pid"]))]
+    capped = env.run_until_complete(env.enqueue(zh.cgroups, {}, memory_limit="4GiB")).step.output
+    assert capped["pid"] != plain["pid"] and in_slot(capped, slot.dirs, ["v2", *V1_KEYS]), (slot.dirs, capped)
+    assert not [text for _, text in writes if text == str(capped["pid"])]  # it joined at birth, itself
+    assert not psutil.pid_exists(plain["pid"])  # the old child was retired and reaped
+    assert handle.client.supervisor.stats["children_spawned"] == 2
+
+
 @pytest.mark.skipif(not V1_ON_DEMAND, reason="not a hybrid host (caps in cgroup v1, the tree in v2)")
 def test_children_join_their_v1_cgroups_at_birth_when_the_handlers_declare_caps(cyclone_env_factory, monkeypatch):
     """A mux with a step that declares ``memory_limit`` or ``max_processes``: every child
