@@ -127,7 +127,9 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
         except psycopg.Error as exc:
             from .store import Store  # (on the error path only: the store imports this module)
 
-            store = args[0] if args and isinstance(args[0], Store) else None
+            owner = args[0] if args else None  # a Store, or a reader on one (its ``store``)
+            store = owner if isinstance(owner, Store) else getattr(owner, "store", None)
+            store = store if isinstance(store, Store) else None
             error = classify(exc, broken=store is not None and store.broken)
             if store is not None and not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
                 store.forget_prepared(error)

@@ -853,11 +853,12 @@ def test_the_dashboards_recent_kills_list_causes_of_death(cyclone_env_factory, t
     run_id = env.enqueue(lh.hog, {"total": 512 * MIB, "chunk": 16 * MIB, "log": str(tmp_path / "log")},
                          memory_limit="64MiB")
     env.run_until_complete(run_id, timeout=60)
+    from cyclone_mp.dashboard_queries import DashboardReads
     from cyclone_mp.store import Store
 
     store = Store.open(env.dsn)
     try:
-        kills = store.dashboard_recent_kills(10)
+        kills = DashboardReads(store).recent_kills(10)
     finally:
         store.close()
     assert [k["entry"]["kind"] for k in kills] == ["memory_limit"]

@@ -1,7 +1,7 @@
 """What the dashboard shows: JSON-ready dicts built from the store's reads.
 
 :class:`Dashboard` is the only part of the dashboard that reads the database (through
-the :class:`~cyclone_mp.Client`'s connection pool and the store's "dashboard reads");
+the :class:`~cyclone_mp.Client`'s connection pool and its read-only queries, :mod:`cyclone_mp.dashboard_queries`);
 the pages and the JSON API render the same dicts, so they always show the same
 numbers. The helpers below it are pure functions of rows (tested without a database).
 
@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..errors import PayloadError
 from ..schedules import ACTIVE_WITHIN
 from ..status import TERMINAL_RUN_STATES, StepStatus, exit_text
+from ..dashboard_queries import DashboardReads
 from ..store import Store
 from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
 
@@ -45,10 +46,10 @@ class Dashboard:
     def __init__(self, client: Any) -> None:
         self.client = client
 
-    def _read(self, fn: Callable[[Store], Any]) -> Any:
+    def _read(self, fn: Callable[[Store, DashboardReads], Any]) -> Any:
         # The Client owns the pool and translates database errors; every dashboard read
         # goes through this one call so a page's queries share one pooled connection.
-        return self.client._call(fn)
+        return self.client._call(lambda store: fn(store, DashboardReads(store)))
 
     # -- overview ----------------------------------------------------------------------------
 
@@ -57,11 +58,10 @@ class Dashboard:
         archived runs by state as the planner's estimate); throughput; live supervisors;
         recent kills; schedules and their next slots; pickup latency, kills by trigger and
         run times over the last hour."""
-        now, runs, archived, steps, per_minute, kills, workers, schedules, hour = self._read(lambda s: (
-            s.dashboard_now(), s.dashboard_run_counts(), s.dashboard_archived_counts(), s.dashboard_step_counts(),
-            s.dashboard_throughput(minutes), s.dashboard_recent_kills(KILLS_SHOWN), s.list_workers(WORKERS_WITHIN),
-            s.list_schedules(),
-            (s.dashboard_pickup(HOUR), s.dashboard_kills_by_trigger(HOUR), s.dashboard_durations(HOUR, DURATIONS_SHOWN)),
+        now, runs, archived, steps, per_minute, kills, workers, schedules, hour = self._read(lambda s, d: (
+            d.now(), d.run_counts(), d.archived_counts(), d.step_counts(), d.throughput(minutes),
+            d.recent_kills(KILLS_SHOWN), s.list_workers(WORKERS_WITHIN), s.list_schedules(),
+            (d.pickup(HOUR), d.kills_by_trigger(HOUR), d.durations(HOUR, DURATIONS_SHOWN)),
         ))
         return {
             "now": iso(now),
@@ -83,11 +83,11 @@ class Dashboard:
     def runs(self, query: RunQuery) -> dict[str, Any]:
         """One page of runs with the filters of ``query``, the capped match count and names."""
         filters = {"state": query.state, "name": query.name, "since": query.since, "until": query.until}
-        now, rows, total, names = self._read(lambda s: (
-            s.dashboard_now(),
-            s.dashboard_runs(**filters, after=query.after, limit=query.limit + 1, offset=query.offset),
-            s.dashboard_count_runs(**filters, cap=COUNT_CAP),
-            s.dashboard_run_names(NAMES_SHOWN),
+        now, rows, total, names = self._read(lambda s, d: (
+            d.now(),
+            d.runs(**filters, after=query.after, limit=query.limit + 1, offset=query.offset),
+            d.count_runs(**filters, cap=COUNT_CAP),
+            d.run_names(NAMES_SHOWN),
         ))
         more = len(rows) > query.limit
         rows = rows[: query.limit]
@@ -110,8 +110,8 @@ class Dashboard:
 
     def run(self, run_id: str) -> dict[str, Any]:
         """Everything about one run. Raises RunNotFound."""
-        now, (run, rows), signals = self._read(lambda s: (
-            s.dashboard_now(), s.get_run(run_id), s.dashboard_run_signals(run_id),
+        now, (run, rows), signals = self._read(lambda s, d: (
+            d.now(), s.get_run(run_id), d.run_signals(run_id),
         ))
         steps = [StepStatus.from_row(row) for row in rows]
         received = {row["name"] for row in signals}
