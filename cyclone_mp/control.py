@@ -588,10 +588,12 @@ class ProcessControl:
             joining = slot.unjoined(limits) if limits else []
             if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)
                 self.confinement.v1_at_birth = True  # from now on new children join those at birth
-                if "memory" in joining and child.steps_run:
-                    log.info("child %d ran steps outside its slot's memory cgroup (what it holds would escape "
-                             "memory_limit %s of step %s): replacing it", child.pid, format_size(limits.memory),
-                             row["step_name"])
+                # what a child holds stays charged where it was when it joins (v1): one that ran
+                # steps, was spawned, or imported modules after its birth would take that past the cap
+                if "memory" in joining and (child.steps_run or not child.forked or child.leftover):
+                    log.info("child %d may hold memory charged outside its slot's memory cgroup, which would "
+                             "escape memory_limit %s of step %s: replacing it", child.pid,
+                             format_size(limits.memory), row["step_name"])
                     return self._replace(child)
                 slot.join(joining)
             fits = slot.configure(limits)

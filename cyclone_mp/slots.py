@@ -33,8 +33,9 @@ creating it in one does not (issue 23). So:
 - where cgroup v2 kills the tree and only the caps live in v1 (a hybrid host), a child
   joins its slot's v1 ``memory`` and ``pids`` cgroups only when an attempt with
   ``memory_limit`` or ``max_processes`` is about to run in it (:meth:`Slot.join`, once
-  per child; one that already ran steps is replaced before a ``memory_limit``: what it
-  holds is charged outside the slot and would escape the cap). Once a step with those caps is seen (or the handlers declare them),
+  per child; before a ``memory_limit`` one that may hold memory charged outside the
+  slot, which would escape the cap, is replaced instead: a child that ran steps, a
+  spawned child, one that imported modules after its birth). Once a step with those caps is seen (or the handlers declare them),
   every new child joins them at birth (:attr:`Confinement.v1_at_birth`);
 - a moved child moves itself, first thing after the fork, so the grace period is the
   child's wait, not process control's (whose stall would hold back every other child's
@@ -447,6 +448,7 @@ class Slot:
         self.joined: set[str] = set()  # the keys of the directories the child now in the slot is in
         self.generation = 0  # of the v2 directory: a fresh one per child (prepare)
         self._retired: list[str] = []  # earlier v2 directories not removed yet (a dying process in them)
+        self._given: list[str] = []  # the keys of the last entry(): the directories a forked child enters itself
         self._fds: dict[str, int] = {}
         self.caps: tuple[int | None, int | None] = (None, None)  # (memory, pids.max) written now
         self.last = Baseline()  # the counters when last looked at (an attempt without limits is judged against it)
@@ -498,7 +500,8 @@ class Slot:
     def wanted(self) -> list[str]:
         """The keys of the directories a new child enters at once: the v2 one, and the v1
         ones too when :attr:`Confinement.v1_at_birth` (else :meth:`join` adds them)."""
-        return [key for key in self.dirs if key == "v2" or self.confinement.v1_at_birth]
+        at_birth = self.confinement.v1_at_birth or "v2" not in self.dirs  # (no v2 cgroup of its own: v1 holds it)
+        return [key for key in self.dirs if key == "v2" or at_birth]
 
     # -- a child in the slot ---------------------------------------------------------------------
 
@@ -557,6 +560,7 @@ class Slot:
             if fd is None:
                 return []
             out.append((key, fd))
+        self._given = [key for key, _ in out]  # what it enters (what is wanted may grow meanwhile)
         return out
 
     def _dir_fd(self, key: str) -> int | None:
@@ -601,7 +605,7 @@ class Slot:
         :attr:`confined`."""
         if pid != self.pid or not self.entering:
             return self.confined
-        self.joined.update(key for key in self.wanted if key not in failed)
+        self.joined.update(key for key in self._given if key not in failed)
         try:
             if failed:
                 log.warning("child %d could not move itself into its cgroups (%s); moving it", pid, error)
@@ -618,6 +622,11 @@ class Slot:
             _write(os.path.join(self.dirs[key], "cgroup.procs"), str(pid))
             self.joined.add(key)
         self.confined, self.entering = True, False
+        self._rebase()
+
+    def _rebase(self) -> None:
+        """The slot's counters as they stand are its child's baseline (an OOM kill or a
+        refused fork of an earlier child is not its doing)."""
         self.last = Baseline()
         self.last.oom_kills, self.last.cap_hits = self._memory_counters()
         self.last.fork_failures = self._forks_refused()
@@ -640,6 +649,7 @@ class Slot:
         except OSError as exc:
             log.error("cannot move child %d into its %s cgroup (%s); its caps are sampled", self.pid,
                       " and ".join(keys), exc)
+            self._rebase()  # for the cgroup it did join
 
     def _file(self, key: str, name: str) -> str | None:
         path = self.dirs.get(key)

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import time
 
 import psutil
@@ -22,6 +23,7 @@ import pytest
 
 import cyclone_mp as cy
 from cyclone_mp import slots
+from cyclone_mp.limits import Limits
 import handlers as h
 import zygote_handlers as zh
 
@@ -213,6 +215,70 @@ def test_a_child_that_ran_steps_is_replaced_before_a_memory_limit_it_would_escap
     assert not [text for _, text in writes if text == str(capped["pid"])]  # it joined at birth, itself
     assert not psutil.pid_exists(plain["pid"])  # the old child was retired and reaped
     assert handle.client.supervisor.stats["children_spawned"] == 2
+
+
+@pytest.mark.skipif(not (V1_ON_DEMAND and HOST.memory_v1), reason="no hybrid host with a v1 memory hierarchy")
+def test_a_spawned_child_is_replaced_before_a_memory_limit_and_its_successor_is_moved_at_its_start(
+        cyclone_env_factory, monkeypatch):
+    """A spawned child imports the handlers itself, outside the v1 memory cgroup it has
+    not joined: before the first attempt with ``memory_limit`` it is replaced, and its
+    successor is moved into the slot's v1 cgroups as it starts (before its imports)."""
+    writes = recorded_moves(monkeypatch)
+    env = cyclone_env_factory(worker="thread", workers=1, start_method="spawn")
+    env.mux().register(zh.cgroups)
+    handle = env.start_worker()
+    slot = handle.client.supervisor.control.pool.confinement.slot(0)
+    (first,) = wait_for(lambda: env.child_pids(), 10, "the child")
+    capped = env.run_until_complete(env.enqueue(zh.cgroups, {}, memory_limit="4GiB")).step.output
+    assert capped["pid"] != first and in_slot(capped, slot.dirs, ["v2", *V1_KEYS]), (slot.dirs, capped)
+    assert sorted(path for path, text in writes if text == str(capped["pid"])) == sorted(
+        os.path.join(slot.dirs[key], "cgroup.procs") for key in ["v2", *V1_KEYS])
+
+
+@pytest.mark.skipif(not V1_ON_DEMAND, reason="not a hybrid host (caps in cgroup v1, the tree in v2)")
+def test_a_child_entering_while_caps_come_into_use_is_booked_in_what_it_entered_only():
+    """A forked child is given its slot's v2 cgroup only; before it says ``entered``, an
+    attempt with caps elsewhere makes new children join v1 at birth. The slot books it
+    in v2 only, so its first attempt with caps joins (or replaces) it: a cap written
+    into a v1 cgroup it is not in would hold nothing."""
+    conf = slots.Confinement.detect("entering")
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        slot = conf.slot(0)
+        assert [key for key, _ in slot.entry()] == ["v2"]
+        slot.enter(sleeper.pid, born_in_v2=True, by_child=True)
+        conf.v1_at_birth = True  # meanwhile
+        assert slot.entered(sleeper.pid, [])
+        assert slot.joined == {"v2"} and slot.memory_file is None and not slot.kernel_memory_cap
+        assert slot.unjoined(Limits(memory=1 << 30, processes=64)) == V1_KEYS
+        assert [key for key, _ in slot.entry()] == ["v2", *V1_KEYS]  # the next child joins them at birth
+    finally:
+        sleeper.kill()  # our own child, by its pid
+        sleeper.wait()
+        conf.close()
+
+
+@pytest.mark.skipif(not V1_ON_DEMAND, reason="not a hybrid host (caps in cgroup v1, the tree in v2)")
+def test_a_slot_without_its_own_v2_cgroup_has_children_join_v1_at_birth(monkeypatch):
+    """When a slot's v2 directory cannot be made, its v1 cgroups hold its tree: a new
+    child enters them at once, caps or not (else it would be in no cgroup of its slot
+    and its escaped grandchildren out of every kill's reach)."""
+    conf = slots.Confinement.detect("no-v2-slot")
+    real_makedirs = os.makedirs
+
+    def makedirs(path, *args, **kwargs):
+        if str(path).startswith(conf.v2 + os.sep):
+            raise PermissionError(13, "Permission denied", path)
+        return real_makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    try:
+        slot = conf.slot(0)
+        assert "v2" not in slot.dirs and slot.wanted == V1_KEYS
+        assert [key for key, _ in slot.entry()] == V1_KEYS
+    finally:
+        monkeypatch.undo()
+        conf.close()
 
 
 @pytest.mark.skipif(not V1_ON_DEMAND, reason="not a hybrid host (caps in cgroup v1, the tree in v2)")
