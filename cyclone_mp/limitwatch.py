@@ -33,6 +33,7 @@ class LimitWatch:
         self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled
         self.next_check = 0.0  # process control's clock: when to sample them next
         self.vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
+        self._vm_oom_kills_before = self.vm_oom_kills  # ... and the look before that
 
     def arm(self, att: Attempt) -> None:
         """An attempt with limits starts running: note where its slot's counters stand and
@@ -84,9 +85,10 @@ class LimitWatch:
 
     def note_oom_kills(self) -> None:
         """Look at the machine's OOM kills again (where no cgroup counts a child's memory,
-        an inferred OOM kill must be a recent one; process control calls this every
-        registry interval)."""
-        self.vm_oom_kills = slots.vm_oom_kills()
+        an inferred OOM kill must be a recent one: since the look before the last, so
+        one that a look counted just before its victim's death was handled still is;
+        process control calls this every registry interval)."""
+        self._vm_oom_kills_before, self.vm_oom_kills = self.vm_oom_kills, slots.vm_oom_kills()
 
     def death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
               reported_peak: int | None = None) -> tuple[str, Usage] | None:
@@ -112,8 +114,9 @@ class LimitWatch:
         if exit_signal == 9 and att.killed_for is None and not counted:
             # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
             now = slots.vm_oom_kills()
-            oom_inferred = now is not None and self.vm_oom_kills is not None and now > self.vm_oom_kills
-            self.vm_oom_kills = now
+            looked = [n for n in (self._vm_oom_kills_before, self.vm_oom_kills) if n is not None]
+            oom_inferred = now is not None and bool(looked) and now > min(looked)
+            self.vm_oom_kills = self._vm_oom_kills_before = now
         kind = cause_of_death(att.limits, usage, exit_signal=exit_signal, killed_for=att.killed_for,
                               memory_error=memory_error, memory_by_rlimit=not counted,
                               oom_inferred=oom_inferred)

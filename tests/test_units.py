@@ -156,3 +156,36 @@ def test_the_watchdog_hears_an_earlier_due_at_once_and_a_later_one_before_the_ea
     assert sent[-1] == "due 7 150.0"
     link.gone(7)
     assert link._held == {} and link._due == {}
+
+
+def test_an_oom_kill_counted_just_before_its_victims_death_is_handled_is_still_inferred(monkeypatch):
+    """Where no cgroup counts a child's memory (no cgroups, or a hybrid host's child
+    outside the v1 memory cgroup), a SIGKILL nobody here sent while the machine's OOM
+    killer acted is ``oom_killed``. The registry tick refreshes the machine's count every
+    2 s; a refresh that lands between the kill and the handling of the death must not
+    hide it. One older than the look before the last is not blamed."""
+    from types import SimpleNamespace
+
+    from cyclone_mp import slots
+    from cyclone_mp.limits import NO_LIMITS
+    from cyclone_mp.limitwatch import LimitWatch
+
+    count = [5]
+    monkeypatch.setattr(slots, "vm_oom_kills", lambda: count[0])
+    watch = LimitWatch(slots.Confinement.none())
+
+    def sigkilled():
+        child = SimpleNamespace(slot=None)
+        att = SimpleNamespace(child=child, usage=None, base=None, limits=NO_LIMITS, killed_for=None)
+        found = watch.death(att, exit_signal=9)
+        return found[0] if found else None
+
+    count[0] = 6  # the OOM killer acts...
+    watch.note_oom_kills()  # ... the registry tick looks ...
+    assert sigkilled() == "oom_killed"  # ... then the death is handled
+    assert sigkilled() is None  # a second SIGKILL with no new OOM kill
+    count[0] = 7
+    watch.note_oom_kills()
+    watch.note_oom_kills()
+    watch.note_oom_kills()
+    assert sigkilled() is None  # an OOM kill three looks (4-6 s) ago is not this one's
