@@ -755,7 +755,8 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
 def dashboard(host: str, port: int, token: str | None) -> None:
     """Serve the web dashboard: counts, throughput, supervisors and their children,
     recent kills, runs, each run's attempts and forensics, and operator actions.
-    Its JSON API is under /api/ (OpenAPI at /api/openapi.json). Runs until Ctrl-C."""
+    Its JSON API is under /api/ (OpenAPI at /api/openapi.json). Runs until Ctrl-C or
+    SIGTERM, then says "stopped" and exits 0."""
     try:
         from cyclone_mp.dashboard import check_bind, serve
     except ImportError as exc:
@@ -768,10 +769,11 @@ def dashboard(host: str, port: int, token: str | None) -> None:
         serve(client, host=host, port=port, token=token or None,
               on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {describe_dsn(client.dsn)}; "
                                               "Ctrl-C stops)", err=True))
-    except KeyboardInterrupt:  # how a dashboard is meant to stop: exit 0
-        click.echo("cyclone-mp dashboard: stopped", err=True)
+    except KeyboardInterrupt:  # (a Ctrl-C before the server's start): stopped all the same
+        pass
     finally:
         client.close()
+    click.echo("cyclone-mp dashboard: stopped", err=True)  # how a dashboard is meant to stop: exit 0
 
 
 # -- entry point ------------------------------------------------------------------------------------------

@@ -62,11 +62,20 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(client: Any, *, host: str = "127.0.0.1", port: int = 8777, token: str | None = None,
           on_ready: Callable[[str], None] | None = None, log_level: str = "warning") -> None:
-    """Serve the dashboard until SIGINT/SIGTERM (blocking).
+    """Serve the dashboard until SIGINT/SIGTERM (blocking), then return (``on_ready`` is
+    called with the URL once a signal would stop it cleanly).
+
+    A signal stops it gracefully whenever it comes: this function's own handler (set
+    before ``on_ready``) asks the server to exit, so a Ctrl-C during the server's start
+    is not lost or turned into a cancelled event loop, and one after it (uvicorn's
+    handler, which gives the signal back to ours when it is done) ends the same way.
 
     Raises:
         ConfigurationError: non-loopback ``host`` without ``token``. CycloneError: the port cannot be bound.
     """
+    import signal
+    import threading
+
     import uvicorn
 
     from .app import create_app
@@ -77,9 +86,17 @@ def serve(client: Any, *, host: str = "127.0.0.1", port: int = 8777, token: str 
     config = uvicorn.Config(app, log_level=log_level, access_log=False, server_header=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    if on_ready is not None:
-        on_ready(url_of(sock))
+
+    def stop(signum: int, frame: Any) -> None:
+        server.should_exit = True
+
+    own = threading.current_thread() is threading.main_thread()  # (signals are the main thread's)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)} if own else {}
     try:
+        if on_ready is not None:
+            on_ready(url_of(sock))
         server.run(sockets=[sock])
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
