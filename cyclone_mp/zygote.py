@@ -221,17 +221,21 @@ class Zygote:
         if was == "off":
             return
         if self._unsafe:
-            pass  # exited after its report; the next one leaves that module out
-        elif was == "starting" and module is not None and module in self.preload:
+            self.start()  # exited after its report; the next one leaves that module out
+            return
+        importing = was == "starting" and module is not None and module in self.preload
+        if importing:
             log.error("the zygote %s while importing %s (code %s); its steps import it at their first attempt",
-                      "hung" if code == -9 else "died", module[0], code)
-            self.preload.remove(module)  # (the pool's own list: its spawned children import it too)
-        else:
-            now = self.clock()
-            self.deaths = [t for t in self.deaths if now - t < DEATHS_WINDOW] + [now]
-            if len(self.deaths) >= DEATHS_MAX:
-                self._give_up(f"it died {len(self.deaths)} times within {DEATHS_WINDOW:.0f} s (last code {code})")
-                return
+                      "hung" if code == -9 else "died", module[0], code)  # type: ignore[index]
+            self.preload.remove(module)  # type: ignore[arg-type]  # (the pool's own list: spawned children too)
+        # every death counts, in whatever phase: a zygote killed again and again (from outside,
+        # or by memory) is given up however its deaths fell against its imports
+        now = self.clock()
+        self.deaths = [t for t in self.deaths if now - t < DEATHS_WINDOW] + [now]
+        if len(self.deaths) >= DEATHS_MAX:
+            self._give_up(f"it died {len(self.deaths)} times within {DEATHS_WINDOW:.0f} s (last code {code})")
+            return
+        if not importing:
             log.warning("the zygote died (code %s); starting another (children alive go on)", code)
         self.start()
 

@@ -423,6 +423,29 @@ def test_a_zygote_that_keeps_dying_is_given_up_and_children_are_spawned(cyclone_
     assert env.zygote_pids() == []
 
 
+def test_a_zygote_killed_while_it_imports_counts_toward_giving_it_up(cyclone_env_factory, monkeypatch, caplog):
+    """Every death of the zygote counts toward the three a minute, whatever it was doing:
+    one killed while it imports a handlers' module (which that module is then left out
+    of, as a possible culprit) too. It once did not, and a zygote killed at the wrong
+    moments was never given up."""
+    monkeypatch.setenv("ZYGOTE_SLOW_IMPORT", "2")  # each zygote spends 2 s importing zygote_handlers
+    caplog.set_level(logging.WARNING, logger="cyclone_mp.supervisor")
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(zh.whoami)
+    handle = env.start_worker()  # (waits for the first zygote's imports)
+    pool = handle.client.supervisor.control.pool
+    seen = set()
+    for n in range(3):
+        zygote = wait_for(lambda: [z for z in env.zygote_pids() if z not in seen], 10, "a zygote")[0]
+        seen.add(zygote)
+        if n == 1:  # the second one while it imports
+            wait_for(lambda: pool.zygote.pid == zygote and pool.zygote.preloading is not None, 10, "its import")
+        os.kill(zygote, signal.SIGKILL)
+    wait_for(lambda: any("from now on" in r.getMessage() for r in caplog.records), 10, "the warning")
+    assert any("while importing zygote_handlers" in r.getMessage() for r in caplog.records)
+    assert env.zygote_pids() == []
+
+
 def test_start_method_is_checked():
     with pytest.raises(cy.ConfigurationError, match="start_method"):
         cy.Client("postgresql://localhost/x", start_method="fork")

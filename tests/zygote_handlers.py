@@ -18,6 +18,8 @@ import cyclone_mp as cy
 if os.environ.get("CYCLONE_MP_SUPERVISOR") and os.environ.get("ZYGOTE_IMPORTS"):
     with open(os.environ["ZYGOTE_IMPORTS"], "a") as fh:
         fh.write(f"{os.getpid()}\n")
+if os.environ.get("CYCLONE_MP_SUPERVISOR") and os.environ.get("ZYGOTE_SLOW_IMPORT"):
+    time.sleep(float(os.environ["ZYGOTE_SLOW_IMPORT"]))  # seconds: an import a kill can land in
 
 
 @cy.step("zy_whoami", max_attempts=1)
