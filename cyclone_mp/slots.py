@@ -62,6 +62,12 @@ import time
 from typing import Any
 
 from . import protocol
+from .cgroups import PREFIX, find_hierarchies, remove_tree, setup_v1, setup_v2
+from .cgroups import pid_alive as _pid_alive
+from .cgroups import read_text as _read
+from .cgroups import rmdir_cgroup as _rmdir
+from .cgroups import to_int as _int
+from .cgroups import write_text as _write
 from .limits import Limits, Usage
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -69,7 +75,6 @@ log = logging.getLogger("cyclone_mp.supervisor")
 CGROUPS_ENV = "CYCLONE_MP_CGROUPS"  #: "off" (or 0, no, false): never use cgroups
 SAMPLE_INTERVAL = 0.05  #: seconds between two looks at a running attempt with limits
 FREEZE_WAIT = 0.05  #: seconds a tree kill waits for a cgroup to be frozen before it kills anyway
-PREFIX = "cyclone-mp-"
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 CGROUP_V2, CGROUP_V1 = "cgroup v2", "cgroup v1"
@@ -107,67 +112,7 @@ class Mechanism:
         return self.processes in (CGROUP_V2, CGROUP_V1)
 
 
-# -- reading the host -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Hierarchies:
-    """This process's own cgroup directory in each hierarchy found (None: not mounted or
-    not reachable)."""
-
-    v2: str | None = None
-    memory_v1: str | None = None
-    pids_v1: str | None = None
-
-
-def find_hierarchies(mountinfo: str, proc_cgroup: str) -> Hierarchies:
-    """Where this process's cgroups are, from ``/proc/self/mountinfo`` and
-    ``/proc/self/cgroup`` (their texts: pure, for tests)."""
-    own: dict[str, str] = {}
-    for line in proc_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hier, controllers, path = parts
-        if hier == "0" and controllers == "":
-            own["v2"] = path
-        for name in controllers.split(","):
-            if name:
-                own[name] = path
-    found: dict[str, str] = {}
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        root, point, fstype, options = fields[3], fields[4], tail[0], tail[2].split(",")
-        if fstype == "cgroup2":
-            key = "v2"
-        elif fstype == "cgroup" and ("memory" in options or "pids" in options):
-            key = "memory" if "memory" in options else "pids"
-        else:
-            continue
-        path = own.get(key)
-        if path is None or key in found:
-            continue
-        if root != "/" and not (path == root or path.startswith(root.rstrip("/") + "/")):
-            continue  # our cgroup is outside what this mount shows
-        rel = path[len(root):] if root != "/" else path
-        found[key] = os.path.join(point, rel.lstrip("/")).rstrip("/") or point
-    return Hierarchies(v2=found.get("v2"), memory_v1=found.get("memory"), pids_v1=found.get("pids"))
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read().decode()
-    except OSError:
-        return None
-
-
-def _write(path: str, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
+# -- counter files ---------------------------------------------------------------------------------
 
 
 def _fields(text: str | None) -> dict[str, int]:
@@ -194,66 +139,6 @@ def _value_after(data: bytes | None, key: bytes, default: Any = 0) -> Any:
     except ValueError:
         return default
 
-
-def _int(text: str | None) -> int | None:
-    with contextlib.suppress(TypeError, ValueError):
-        return int((text or "").strip())
-    return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # existence only: no signal is sent
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale(parent: str) -> None:
-    """Remove what dead supervisors left under ``parent``: empty ``cyclone-mp-<pid>-*``
-    directories whose supervisor pid is gone (a supervisor and its watchdog both
-    SIGKILLed). Never touches a directory with a process in it."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(parent):
-            if not name.startswith(PREFIX) or name.startswith(PREFIX + "supervisor-"):
-                continue
-            pid = _int(name[len(PREFIX):].split("-", 1)[0])
-            if pid is None or _pid_alive(pid):
-                continue
-            remove_tree(os.path.join(parent, name))
-
-
-def _rmdir(path: str) -> bool:
-    """Remove an empty cgroup directory; True when it is gone."""
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    return True
-
-
-def remove_tree(base: str) -> bool:
-    """rmdir a supervisor's directory and its slot directories (only empty cgroups can go)."""
-    ok = True
-    with contextlib.suppress(OSError):
-        for name in os.listdir(base):
-            sub = os.path.join(base, name)
-            if os.path.isdir(sub):
-                try:
-                    os.rmdir(sub)
-                except OSError:
-                    ok = False
-    try:
-        os.rmdir(base)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        ok = False
-    return ok
 
 
 # -- the supervisor's cgroups -----------------------------------------------------------------------
@@ -304,11 +189,11 @@ class Confinement:
         v2 = controllers = None
         kill = False
         if found.v2:
-            v2, controllers = _setup_v2(found.v2, name)
+            v2, controllers = setup_v2(found.v2, name)
             kill = bool(v2) and os.path.exists(os.path.join(v2, "cgroup.kill"))
         controllers = controllers or frozenset()
-        memory_v1 = None if "memory" in controllers else _setup_v1(found.memory_v1, name, "memory.limit_in_bytes")
-        pids_v1 = None if "pids" in controllers else _setup_v1(found.pids_v1, name, "pids.max")
+        memory_v1 = None if "memory" in controllers else setup_v1(found.memory_v1, name, "memory.limit_in_bytes")
+        pids_v1 = None if "pids" in controllers else setup_v1(found.pids_v1, name, "pids.max")
         return cls(v2=v2, v2_controllers=controllers, memory_v1=memory_v1, pids_v1=pids_v1, kill=kill)
 
     @property
@@ -343,81 +228,6 @@ class Confinement:
                 for slot in self._slots.values():
                     slot.kill()
                 time.sleep(0.01)
-
-
-def _setup_v2(own: str, name: str) -> tuple[str | None, frozenset[str] | None]:
-    """Make this supervisor's v2 directory under ``own`` (our cgroup), with the memory
-    and pids controllers enabled for its slots where this cgroup offers them."""
-    remove_stale(own)
-    base = os.path.join(own, name)
-    try:
-        os.mkdir(base)
-    except OSError as exc:
-        log.info("cgroup v2 at %s cannot be used (%s); tree kills use signals", own, exc.strerror or exc)
-        return None, None
-    offered = set((_read(os.path.join(own, "cgroup.controllers")) or "").split())
-    want = {"memory", "pids"} & offered
-    enabled = set((_read(os.path.join(own, "cgroup.subtree_control")) or "").split())
-    if want - enabled and not _enable(own, want - enabled):
-        want &= enabled
-    if want:
-        try:
-            _write(os.path.join(base, "cgroup.subtree_control"), " ".join(f"+{c}" for c in sorted(want)))
-        except OSError as exc:
-            log.info("cannot enable %s in %s (%s)", ", ".join(sorted(want)), base, exc.strerror or exc)
-            want = set()
-    return base, frozenset(want)
-
-
-def _enable(own: str, controllers: set[str]) -> bool:
-    """Enable ``controllers`` for the children of our cgroup ``own``. A non-root cgroup with
-    processes cannot (EBUSY): if we are its only process we move into a leaf of our own
-    first (the "no internal processes" rule), else we leave it."""
-    control = os.path.join(own, "cgroup.subtree_control")
-    text = " ".join(f"+{c}" for c in sorted(controllers))
-    try:
-        _write(control, text)
-        return True
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            log.info("cannot enable %s in %s (%s)", ", ".join(sorted(controllers)), own, exc.strerror or exc)
-            return False
-    procs = (_read(os.path.join(own, "cgroup.procs")) or "").split()
-    if procs != [str(os.getpid())]:
-        log.info("cgroup v2 controllers %s not enabled: %s holds other processes than the supervisor",
-                 ", ".join(sorted(controllers)), own)
-        return False
-    leaf = os.path.join(own, f"{PREFIX}supervisor-{os.getpid()}")
-    try:
-        os.makedirs(leaf, exist_ok=True)
-        _write(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
-        _write(control, text)
-        log.info("moved the supervisor into %s to enable %s for its slots", leaf, ", ".join(sorted(controllers)))
-        return True
-    except OSError as exc:
-        log.info("cannot enable %s in %s (%s)", ", ".join(sorted(controllers)), own, exc.strerror or exc)
-        with contextlib.suppress(OSError):
-            _write(os.path.join(own, "cgroup.procs"), str(os.getpid()))
-            os.rmdir(leaf)
-        return False
-
-
-def _setup_v1(own: str | None, name: str, probe: str) -> str | None:
-    """This supervisor's directory in a v1 hierarchy (memory or pids), or None."""
-    if not own:
-        return None
-    remove_stale(own)
-    base = os.path.join(own, name)
-    try:
-        os.mkdir(base)
-    except OSError as exc:
-        log.info("cgroup v1 at %s cannot be used (%s)", own, exc.strerror or exc)
-        return None
-    if not os.path.exists(os.path.join(base, probe)):
-        with contextlib.suppress(OSError):
-            os.rmdir(base)
-        return None
-    return base
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 import cyclone_mp as cy
-from cyclone_mp import decisions, procs, slots
+from cyclone_mp import cgroups, decisions, procs, slots
 from cyclone_mp.errors import ConfigurationError
 from cyclone_mp.limits import (
     GIB, MIB, Limits, Usage, cause_of_death, death_summary, format_size, over_limit, parse_size,
@@ -418,7 +418,7 @@ def test_pure_v2_moves_the_supervisor_into_a_leaf_to_enable_controllers(tmp_path
     of its own first, as systemd advises; with another process there it leaves it."""
     mountinfo, proc_cgroup, mine = fake_v2(tmp_path)
     writes = []
-    real_write = slots._write
+    real_write = cgroups.write_text
 
     def write(path, text):
         writes.append((path, text))
@@ -428,7 +428,7 @@ def test_pure_v2_moves_the_supervisor_into_a_leaf_to_enable_controllers(tmp_path
             (mine / "cgroup.procs").write_text("")  # we left our cgroup
         real_write(path, text)
 
-    monkeypatch.setattr(slots, "_write", write)
+    monkeypatch.setattr(cgroups, "write_text", write)
     conf = slots.Confinement.detect("leaf", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup))
     leaf = mine / f"cyclone-mp-supervisor-{os.getpid()}"
     assert (str(leaf / "cgroup.procs"), str(os.getpid())) in writes
@@ -448,11 +448,11 @@ def test_hierarchies_are_found_from_mountinfo():
             "39 31 0:36 / /sys/fs/cgroup/pids rw - cgroup cgroup rw,pids\n"
             "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
     own = "8:pids:/\n4:memory:/process_api/abc\n1:cpu:/\n0::/\n"
-    found = slots.find_hierarchies(info, own)
-    assert found == slots.Hierarchies(v2="/sys/fs/cgroup/unified", memory_v1="/sys/fs/cgroup/memory/process_api/abc",
+    found = cgroups.find_hierarchies(info, own)
+    assert found == cgroups.Hierarchies(v2="/sys/fs/cgroup/unified", memory_v1="/sys/fs/cgroup/memory/process_api/abc",
                                       pids_v1="/sys/fs/cgroup/pids")
     # a namespaced mount showing only our part of the hierarchy
-    found = slots.find_hierarchies("41 31 0:38 /user.slice /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+    found = cgroups.find_hierarchies("41 31 0:38 /user.slice /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
                                    "0::/user.slice/app\n")
     assert found.v2 == "/sys/fs/cgroup/app"
 

@@ -1,0 +1,215 @@
+"""The host's cgroups as a supervisor finds and prepares them (issue 20): where this
+process's cgroups are in each hierarchy, the supervisor's own directory in each
+(``cyclone-mp-<pid>-<tag>``), the v2 controllers its slots need, and what dead
+supervisors left behind. :mod:`cyclone_mp.slots` builds the slots on top of it. No
+process is moved here but the supervisor itself, when cgroup v2 needs it to enable
+controllers (:func:`enable_controllers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+PREFIX = "cyclone-mp-"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchies:
+    """This process's own cgroup directory in each hierarchy found (None: not mounted or
+    not reachable)."""
+
+    v2: str | None = None
+    memory_v1: str | None = None
+    pids_v1: str | None = None
+
+
+def find_hierarchies(mountinfo: str, proc_cgroup: str) -> Hierarchies:
+    """Where this process's cgroups are, from ``/proc/self/mountinfo`` and
+    ``/proc/self/cgroup`` (their texts: pure, for tests)."""
+    own: dict[str, str] = {}
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, controllers, path = parts
+        if hier == "0" and controllers == "":
+            own["v2"] = path
+        for name in controllers.split(","):
+            if name:
+                own[name] = path
+    found: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        root, point, fstype, options = fields[3], fields[4], tail[0], tail[2].split(",")
+        if fstype == "cgroup2":
+            key = "v2"
+        elif fstype == "cgroup" and ("memory" in options or "pids" in options):
+            key = "memory" if "memory" in options else "pids"
+        else:
+            continue
+        path = own.get(key)
+        if path is None or key in found:
+            continue
+        if root != "/" and not (path == root or path.startswith(root.rstrip("/") + "/")):
+            continue  # our cgroup is outside what this mount shows
+        rel = path[len(root):] if root != "/" else path
+        found[key] = os.path.join(point, rel.lstrip("/")).rstrip("/") or point
+    return Hierarchies(v2=found.get("v2"), memory_v1=found.get("memory"), pids_v1=found.get("pids"))
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read().decode()
+    except OSError:
+        return None
+
+
+def write_text(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def to_int(text: str | None) -> int | None:
+    with contextlib.suppress(TypeError, ValueError):
+        return int((text or "").strip())
+    return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # existence only: no signal is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(parent: str) -> None:
+    """Remove what dead supervisors left under ``parent``: empty ``cyclone-mp-<pid>-*``
+    directories whose supervisor pid is gone (a supervisor and its watchdog both
+    SIGKILLed). Never touches a directory with a process in it."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith(PREFIX) or name.startswith(PREFIX + "supervisor-"):
+                continue
+            pid = to_int(name[len(PREFIX):].split("-", 1)[0])
+            if pid is None or pid_alive(pid):
+                continue
+            remove_tree(os.path.join(parent, name))
+
+
+def rmdir_cgroup(path: str) -> bool:
+    """Remove an empty cgroup directory; True when it is gone."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def remove_tree(base: str) -> bool:
+    """rmdir a supervisor's directory and its slot directories (only empty cgroups can go)."""
+    ok = True
+    with contextlib.suppress(OSError):
+        for name in os.listdir(base):
+            sub = os.path.join(base, name)
+            if os.path.isdir(sub):
+                try:
+                    os.rmdir(sub)
+                except OSError:
+                    ok = False
+    try:
+        os.rmdir(base)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        ok = False
+    return ok
+
+
+def setup_v2(own: str, name: str) -> tuple[str | None, frozenset[str] | None]:
+    """Make this supervisor's v2 directory under ``own`` (our cgroup), with the memory
+    and pids controllers enabled for its slots where this cgroup offers them."""
+    remove_stale(own)
+    base = os.path.join(own, name)
+    try:
+        os.mkdir(base)
+    except OSError as exc:
+        log.info("cgroup v2 at %s cannot be used (%s); tree kills use signals", own, exc.strerror or exc)
+        return None, None
+    offered = set((read_text(os.path.join(own, "cgroup.controllers")) or "").split())
+    want = {"memory", "pids"} & offered
+    enabled = set((read_text(os.path.join(own, "cgroup.subtree_control")) or "").split())
+    if want - enabled and not enable_controllers(own, want - enabled):
+        want &= enabled
+    if want:
+        try:
+            write_text(os.path.join(base, "cgroup.subtree_control"), " ".join(f"+{c}" for c in sorted(want)))
+        except OSError as exc:
+            log.info("cannot enable %s in %s (%s)", ", ".join(sorted(want)), base, exc.strerror or exc)
+            want = set()
+    return base, frozenset(want)
+
+
+def enable_controllers(own: str, controllers: set[str]) -> bool:
+    """Enable ``controllers`` for the children of our cgroup ``own``. A non-root cgroup with
+    processes cannot (EBUSY): if we are its only process we move into a leaf of our own
+    first (the "no internal processes" rule), else we leave it."""
+    control = os.path.join(own, "cgroup.subtree_control")
+    text = " ".join(f"+{c}" for c in sorted(controllers))
+    try:
+        write_text(control, text)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            log.info("cannot enable %s in %s (%s)", ", ".join(sorted(controllers)), own, exc.strerror or exc)
+            return False
+    procs = (read_text(os.path.join(own, "cgroup.procs")) or "").split()
+    if procs != [str(os.getpid())]:
+        log.info("cgroup v2 controllers %s not enabled: %s holds other processes than the supervisor",
+                 ", ".join(sorted(controllers)), own)
+        return False
+    leaf = os.path.join(own, f"{PREFIX}supervisor-{os.getpid()}")
+    try:
+        os.makedirs(leaf, exist_ok=True)
+        write_text(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
+        write_text(control, text)
+        log.info("moved the supervisor into %s to enable %s for its slots", leaf, ", ".join(sorted(controllers)))
+        return True
+    except OSError as exc:
+        log.info("cannot enable %s in %s (%s)", ", ".join(sorted(controllers)), own, exc.strerror or exc)
+        with contextlib.suppress(OSError):
+            write_text(os.path.join(own, "cgroup.procs"), str(os.getpid()))
+            os.rmdir(leaf)
+        return False
+
+
+def setup_v1(own: str | None, name: str, probe: str) -> str | None:
+    """This supervisor's directory in a v1 hierarchy (memory or pids), or None."""
+    if not own:
+        return None
+    remove_stale(own)
+    base = os.path.join(own, name)
+    try:
+        os.mkdir(base)
+    except OSError as exc:
+        log.info("cgroup v1 at %s cannot be used (%s)", own, exc.strerror or exc)
+        return None
+    if not os.path.exists(os.path.join(base, probe)):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        return None
+    return base
