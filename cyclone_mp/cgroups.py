@@ -143,12 +143,8 @@ def remove_tree(base: str) -> bool:
 def setup_v2(own: str, name: str) -> tuple[str | None, frozenset[str] | None]:
     """Make this supervisor's v2 directory under ``own`` (our cgroup), with the memory
     and pids controllers enabled for its slots where this cgroup offers them."""
-    remove_stale(own)
-    base = os.path.join(own, name)
-    try:
-        os.mkdir(base)
-    except OSError as exc:
-        log.info("cgroup v2 at %s cannot be used (%s); tree kills use signals", own, exc.strerror or exc)
+    base = _own_directory(own, name, "cgroup v2 at %s cannot be used (%s); tree kills use signals")
+    if base is None:
         return None, None
     offered = set((read_text(os.path.join(own, "cgroup.controllers")) or "").split())
     want = {"memory", "pids"} & offered
@@ -199,17 +195,24 @@ def enable_controllers(own: str, controllers: set[str]) -> bool:
 
 def setup_v1(own: str | None, name: str, probe: str) -> str | None:
     """This supervisor's directory in a v1 hierarchy (memory or pids), or None."""
-    if not own:
+    base = _own_directory(own, name, "cgroup v1 at %s cannot be used (%s)") if own else None
+    if base is None:
         return None
+    if not os.path.exists(os.path.join(base, probe)):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        return None
+    return base
+
+
+def _own_directory(own: str, name: str, refused: str) -> str | None:
+    """Make this supervisor's directory ``name`` under our cgroup ``own`` (after removing
+    what dead supervisors left there); None, logged with ``refused``, when it cannot."""
     remove_stale(own)
     base = os.path.join(own, name)
     try:
         os.mkdir(base)
     except OSError as exc:
-        log.info("cgroup v1 at %s cannot be used (%s)", own, exc.strerror or exc)
-        return None
-    if not os.path.exists(os.path.join(base, probe)):
-        with contextlib.suppress(OSError):
-            os.rmdir(base)
+        log.info(refused, own, exc.strerror or exc)
         return None
     return base
