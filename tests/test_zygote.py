@@ -428,7 +428,7 @@ def test_a_zygote_killed_while_it_imports_counts_toward_giving_it_up(cyclone_env
     one killed while it imports a handlers' module (which that module is then left out
     of, as a possible culprit) too. It once did not, and a zygote killed at the wrong
     moments was never given up."""
-    monkeypatch.setenv("ZYGOTE_SLOW_IMPORT", "2")  # each zygote spends 2 s importing zygote_handlers
+    monkeypatch.setenv("ZYGOTE_SLOW_IMPORT", "1")  # each zygote spends 1 s importing zygote_handlers
     caplog.set_level(logging.WARNING, logger="cyclone_mp.supervisor")
     env = cyclone_env_factory(worker="thread", workers=1)
     env.mux().register(zh.whoami)
