@@ -240,5 +240,5 @@ def child_in_v1(child: Any) -> bool:
             text = fh.read()
     except OSError:
         return False
-    return any(line.split(":", 2)[2].strip() and path.endswith(line.split(":", 2)[2].strip())
-               for line in text.splitlines() if line.count(":") >= 2 and not line.startswith("0::") for path in v1)
+    where = [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2 and not line.startswith("0::")]
+    return any(path.endswith(place) for place in where if place not in ("", "/") for path in v1)

@@ -107,10 +107,10 @@ class LimitWatch:
             usage = final
         elif slot is not None and slot.confined and exit_signal is not None:  # no limits: the OOM killer's evidence
             usage = slot.sample(NO_LIMITS, slot.last, final=True)
-        if reported_peak and not (slot is not None and slot.confined and slot.memory_file):
+        counted = slot is not None and slot.kernel_memory_cap  # a cgroup counts the tree's memory
+        if reported_peak and not counted:
             usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
         oom_inferred = False
-        counted = slot is not None and slot.confined and slot.memory_file is not None
         if exit_signal == 9 and att.killed_for is None and not counted:
             # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
             now = slots.vm_oom_kills()
@@ -136,9 +136,9 @@ class LimitWatch:
         mech = self.confinement.mechanism
         slot = att.child.slot
         confined = slot is not None and slot.confined
-        by = {decisions.MEMORY_LIMIT: mech.memory if confined and slot.kernel_memory_cap  # type: ignore[union-attr]
+        by = {decisions.MEMORY_LIMIT: mech.memory if slot is not None and slot.kernel_memory_cap
               else f"{slots.RLIMIT} + {slots.SAMPLING}",
-              decisions.PROCESS_LIMIT: mech.processes if confined and slot.kernel_process_cap  # type: ignore[union-attr]
+              decisions.PROCESS_LIMIT: mech.processes if slot is not None and slot.kernel_process_cap
               else slots.SAMPLING,
               decisions.CPU_LIMIT: mech.cpu if confined else slots.SAMPLING}.get(kind, "the kernel")
         if entry.get("type") and att.killed_for is None:
