@@ -8,6 +8,8 @@ references (children and this process import handlers by module path), runs a
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import json
 import logging
@@ -75,6 +77,20 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=announce, daemon=True).start()
     client.run()
     client.close()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 0 without the interpreter's teardown of every module and object: after a
+    clean stop that teardown is all that is left, and it took 120-190 ms of CPU here,
+    paid by every test that stops a supervisor. ``atexit`` functions still run, logging
+    and the standard streams are flushed first."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
