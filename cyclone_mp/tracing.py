@@ -26,6 +26,9 @@ from typing import Any, Iterator
 from .telemetry import Observer
 
 INSTRUMENTATION = "cyclone_mp"
+#: Seconds for which the supervisor takes "no OpenTelemetry SDK is configured" as still
+#: true: an SDK configured while a supervisor runs gets its attempts' spans within this.
+SDK_RECHECK = 1.0
 _available: bool | None = None
 
 
@@ -111,11 +114,19 @@ class Tracer(Observer):
 
         self._trace = trace
         self._tracer = trace.get_tracer(INSTRUMENTATION)
+        self._no_sdk_until = 0.0  # time.monotonic() until which "no SDK" is taken as still true
 
     def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
         trace = self._trace
+        now_mono = time.monotonic()
+        if now_mono < self._no_sdk_until:
+            return
         if isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
-            return  # no SDK configured (yet): a span would record nothing, and costs a tenth of B1's loop
+            # No SDK configured (yet): a span would record nothing, and cost a tenth of B1's
+            # loop. Asking the API (an environment lookup) for every attempt cost 5 % of the
+            # supervisor's loop, so the answer holds for SDK_RECHECK seconds.
+            self._no_sdk_until = now_mono + SDK_RECHECK
+            return
         attributes: dict[str, Any] = {
             "cyclone_mp.run_id": attempt.run_id, "cyclone_mp.node": attempt.node,
             "cyclone_mp.step": attempt.step_name, "cyclone_mp.attempt": attempt.attempt,
