@@ -56,7 +56,10 @@ def test_timeout_cancels_the_task_at_once(cyclone_env, tmp_path):
 
 
 def test_a_loop_blocked_in_c_is_killed_after_kill_grace(cyclone_env_factory, tmp_path):
-    env = cyclone_env_factory(kill_grace=0.5)
+    # A lease of 2 s, not the Env's 0.2 s: this is about the timeout's kill. With 0.2 s, a
+    # renewal late on a loaded machine (one core burnt by the wedge) fenced the attempt and
+    # the reclaimed step rightly ran again (two "started"; a fresh clone's first minutes).
+    env = cyclone_env_factory(kill_grace=0.5, lease_ttl=2.0)
     marker = tmp_path / "marker"
     run_id = env.enqueue(ah.wedge, {"marker": str(marker)})
     env.run_until_complete(run_id)

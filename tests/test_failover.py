@@ -118,6 +118,9 @@ def run_failover(pair: Pair, tmp_path: Path, *, steps: int, supervisors: int, wo
         with psycopg.connect(pair.dsn) as conn:
             rows = conn.execute("SELECT finished_at, lease_owner, reclaims FROM cyclone_steps"
                                 " ORDER BY finished_at").fetchall()
+            # each supervisor's registry row, written on the new primary by that supervisor
+            reconnected = {r[0] for r in conn.execute("SELECT id FROM cyclone_workers WHERE heartbeat_at > %s",
+                                                      (promoted_db,))}
     finally:
         env.close()
     # all complete, no attempt consumed, and every handler ran to its end exactly once
@@ -129,7 +132,11 @@ def run_failover(pair: Pair, tmp_path: Path, *, steps: int, supervisors: int, wo
     gap = max((b - a).total_seconds() for a, b in zip(finished, finished[1:]))
     assert gap < LEASE_TTL + 5.0, f"completions stopped for {gap:.1f} s"
     after = [row for row in rows if row[0] > promoted_db]
-    assert {row[1] for row in after} == {w.supervisor_id for w in handles}  # each one works on the new primary
+    # Each one reconnected to the new primary, and the work went on there. (Not "each one
+    # finished a step there": with prefetch, the first two back could take the ~2 s of
+    # steps left before a third, slower on a loaded machine, was back.)
+    assert reconnected >= {w.supervisor_id for w in handles}, reconnected
+    assert after and {row[1] for row in after} <= {w.supervisor_id for w in handles}
     return {"gap": round(gap, 2), "promote": round(promoted_at - killed_at, 2),
             "first_after_promotion": round((after[0][0] - promoted_db).total_seconds(), 2),
             "reclaims": sum(row[2] for row in rows)}
