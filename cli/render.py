@@ -135,6 +135,16 @@ def state_text(state: str) -> Text:
     return Text(state, style=STATE_STYLES.get(state, ""))
 
 
+def run_state_text(status: RunStatus) -> Text:
+    """The run's state, colored; a ``running`` run none of whose steps has started yet
+    says so (``running (queued: no step started yet)``), as the run row's state is
+    ``running`` from its enqueue on."""
+    text = state_text(status.state)
+    if status.queued:
+        text.append(" (queued: no step started yet)", style="dim")
+    return text
+
+
 def age(value: dt.datetime | None, now: dt.datetime | None = None) -> str:
     """How long ago, compact: ``12s``, ``5m``, ``3h``, ``2d`` (or ``-``)."""
     if value is None:
@@ -403,7 +413,7 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
     name, the failed attempts' forensics and, with ``traceback``, the last traceback."""
     narrow = compact(con, wide)
     con.print(Text.assemble(
-        ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", state_text(status.state),
+        ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", run_state_text(status),
         f"  created {when(status.created_at)}  finished {when(status.finished_at)}",
         ("  (archived)", "dim") if status.archived else "",
     ))
@@ -436,7 +446,7 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
 
 def wait_view(status: RunStatus, elapsed: float, *, compact: bool = False) -> Group:
     """What ``enqueue --wait`` shows while it waits."""
-    head = Text.assemble(("run ", "bold"), status.id, "  ", state_text(status.state), f"  {elapsed:.1f}s")
+    head = Text.assemble(("run ", "bold"), status.id, "  ", run_state_text(status), f"  {elapsed:.1f}s")
     return Group(head, steps_table(status, live=True, compact=compact))
 
 

@@ -158,6 +158,13 @@ class RunStatus:
         """True once the run is completed, discarded or cancelled."""
         return self.state in TERMINAL_RUN_STATES
 
+    @property
+    def queued(self) -> bool:
+        """True while the run is ``running`` but none of its steps has started yet: each is
+        ``pending`` or ``available`` and was never claimed (no supervisor took it so far)."""
+        return self.state == "running" and all(
+            s.state in ("pending", "available") and s.started_at is None and not s.errors for s in self.steps.values())
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO 8601 strings)."""
         data = dataclasses.asdict(self)

@@ -106,6 +106,9 @@ def test_every_table_fits_80_columns_and_shows_state_attempts_and_run_id(
             lines = _lines(con)
             _fits(lines)
             assert run_id in "\n".join(lines)
+            # a run no supervisor has taken yet says so beside its "running" (item 6)
+            header = " ".join(" ".join(lines[:2]).split())  # at 80 columns the run's line may wrap once
+            assert ("(queued: no step started yet)" in header) == (run_id == later), lines[:2]
             for step in status.steps.values():
                 line = _row(lines, f"│ {step.name} ")
                 assert step.state in line and render.attempt_text(step) in line, line
@@ -261,6 +264,7 @@ def test_enqueue_wait_warns_at_once_when_no_supervisor_serves_the_queue(
         assert proc.returncode == 1 and "has not started after 6s: it waits in queue 'nowhere'" in text, text
         frame = [line for line in text.splitlines() if "│ echo" in line]
         assert frame and "0/3" in frame[-1] and "1/3" not in text, text  # it never ran
+        assert "running (queued: no step started yet)" in text, text  # the header says so too, not a bare "running"
     finally:
         w.stop()
 
