@@ -114,17 +114,21 @@ def deque_wedge(ctx: cy.Context, inp: dict) -> dict:
 
 @cy.step("gil_holder")
 def gil_holder(ctx: cy.Context, inp: dict) -> dict:
-    """Holds the GIL in one C loop for about ``seconds`` (no thread of the child runs)."""
-    import collections
-    import itertools
+    """Holds the GIL for ``seconds`` of wall time (no thread of the child runs): libc's
+    nanosleep called through ``ctypes.PyDLL``, which keeps the GIL during the call. A C
+    loop sized by a calibration held it for as long as the CPU allowed: under load the
+    calibration ran slow and the hold came out short."""
+    import ctypes
 
-    n, rate = 10**7, 0.0
-    for _ in range(3):  # the fastest of three: a slow first run would make the hold short
-        started = time.perf_counter()
-        collections.deque(itertools.repeat(None, n), maxlen=0)
-        rate = max(rate, n / max(time.perf_counter() - started, 1e-9))
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    nanosleep = ctypes.PyDLL(None).nanosleep  # PyDLL: the GIL is not released
+    seconds = float(inp["seconds"])
+    want, left = Timespec(int(seconds), int(seconds % 1 * 1e9)), Timespec()
     started = time.perf_counter()
-    collections.deque(itertools.repeat(None, int(rate * inp["seconds"])), maxlen=0)
+    while nanosleep(ctypes.byref(want), ctypes.byref(left)) != 0:  # a signal cut it short: the rest
+        want = Timespec(left.tv_sec, left.tv_nsec)
     return {"held": round(time.perf_counter() - started, 3)}
 
 
