@@ -1,0 +1,350 @@
+"""How an attempt ends: a child's messages and its exit, turned into outcomes (SPEC 1, 3, 4).
+
+Part of process control (:mod:`cyclone_mp.control`), on its thread, with its state:
+:class:`~cyclone_mp.control.ProcessControl` inherits these methods. A child's ``result`` ends its attempt
+(:meth:`AttemptEndings._on_result`): a success becomes a ``complete`` outcome unless a
+cancel already decided the step (a late completion changes nothing), a failure a
+``fail`` outcome whose kind is the child's, or a cap's, or the cancel's
+(:meth:`AttemptEndings._settle_cancelled`: ``timeout``, a shutdown's release, an
+operator's cancel, a lost lease); the step queued behind it starts at once. A child's
+exit (:meth:`AttemptEndings._on_child_exit`: it died, or was killed) reaps it and says
+what its attempt became from the evidence (who killed it and why, its exit code or
+signal, a cause of death of :class:`~cyclone_mp.limitwatch.LimitWatch`), and gives back
+the steps queued behind it unstarted. Every outcome is gathered for the outcome writer
+(:meth:`AttemptEndings._outcome`); a child due for recycling is retired here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import decisions, procs, protocol
+from .attempts import Attempt
+from .messages import COMPLETE, FAIL, RELEASE, LeaseDone, LeaseKey, Outcome, Progress
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .limitwatch import LimitWatch
+    from .pool import ChildPool, ChildProc
+    from .telemetry import Observer
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
+
+
+class AttemptEndings:
+    """The ending of attempts, for :class:`cyclone_mp.control.ProcessControl` (see the
+    module docstring); the attributes below are process control's."""
+
+    config: Config
+    pool: ChildPool
+    limit_watch: LimitWatch
+    observer: Observer
+    keeper: Callable[[Any], None]
+    clock: Callable[[], float]
+    wall_clock: Callable[[], float]
+    attempts: dict[LeaseKey, Attempt]
+    outcomes: list[tuple[Outcome, float | None]]
+    stats: dict[str, int]
+    draining: bool
+    step_seconds: float | None
+    _outcomes_since: float | None
+    _prefetch_hold: bool
+    _watchdog_killed: set[int]
+
+    if TYPE_CHECKING:  # process control's own methods, called here
+        def _take_held(self) -> None: ...
+        def _read_watchdog(self) -> None: ...
+        def _watch(self, child: ChildProc) -> None: ...
+        def _kill_for(self, child: ChildProc, trigger: str) -> None: ...
+        def _cancel(self, att: Attempt, reason: str, now: float) -> None: ...
+
+    # -- a child's messages ---------------------------------------------------------------------------
+
+    def _on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
+        kind = message.get("t")
+        if kind == "preloading":
+            child.preloading, child.preloading_since = (message.get("module"), message.get("path")), self.clock()
+            return
+        if kind == "ready":
+            self.pool.on_ready(child, message)
+            self._take_held()
+            return
+        if kind == "entered":
+            self.pool.on_entered(child, message)
+            return
+        if kind == protocol.UNDECODABLE:
+            self._on_undecodable(child, message)
+            return
+        att = child.attempt
+        if att is None or message.get("task") != att.token:
+            if kind == "result" and message.get("dropped"):  # a step queued behind ``att``, taken back
+                for queued in child.queued:
+                    if queued.token == message.get("task"):
+                        child.queued.remove(queued)
+                        self._settle_dropped(queued, message)
+                        break
+            return
+        if kind == "progress":
+            att.progress = {k: message.get(k) for k in ("done", "total", "message")}
+            self.keeper(Progress(att.key, att.progress))
+        elif kind == "result":
+            self._on_result(att, message)
+
+    def _on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
+        """A frame the child sent that cannot be read (issue 18: decoding is per frame, so
+        nothing around it is lost). A result of the running attempt fails that attempt
+        (``output_invalid``) and the child is recycled; a progress value is dropped;
+        anything else means the child broke the protocol: it is killed."""
+        att = child.attempt
+        if marker.get("of") == "progress":
+            return
+        if marker.get("of") == "result" and att is not None and marker.get("task") == att.token:
+            child.recycle_due = True
+            self._on_result(att, {
+                "t": "result", "task": att.token, "ok": False, "kind": decisions.OUTPUT_INVALID,
+                "type": "cyclone_mp.errors.PayloadError", "children": True,
+                "message": f"the child's result could not be decoded: {marker.get('error')}",
+            })
+            return
+        if child.returncode is None:
+            log.error("child %d sent an undecodable message (%s); killing it", child.pid, marker.get("error"))
+            self._kill_for(child, "protocol_error")
+
+    def _on_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        child = att.child
+        child.attempt = None
+        dropped = bool(result.get("dropped"))  # a queued step the child never started
+        child.steps_run += not dropped
+        child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
+        child.last_rss = result.get("rss") if isinstance(result.get("rss"), int) else None
+        self._end(att)
+        if not dropped:
+            self._note_duration(self.clock() - att.started)
+        self._prefetch_hold = False
+        if child.queued:  # the child starts its queued step now, in the order it was sent
+            nxt = child.attempt = child.queued.popleft()
+            nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
+            self.limit_watch.arm(nxt)
+            if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
+                nxt.cancel_reason = None
+            elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
+                nxt.kill_at = nxt.started + self.config.kill_grace
+        try:
+            self._settle_result(att, result)
+        finally:
+            self._watch(child)
+            self._take_held()  # the freed child starts its next step now, not after a round trip
+
+    def _settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        child = att.child
+        if result.get("dropped"):
+            self._settle_dropped(att, result)
+            self._maybe_recycle(child)  # due for recycling, it takes nothing more (its next step was this one)
+            return
+        if result.get("progress"):
+            att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
+        if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
+            self.pool.sweep_leftovers(child)
+        self._maybe_recycle(child)
+        entry = {
+            "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
+            "elapsed": round(self.clock() - att.started, 3),
+        }
+        att.forensics = entry
+        reason = att.cancel_reason
+        if result.get("ok"):
+            if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
+                self.stats["late_completions_dropped"] += 1
+                self._observe_end(att, "late", entry)
+                self.keeper(LeaseDone((att.key,)))
+                return
+            self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
+                                       att.backoff_spec, output=result.get("output"), progress=att.progress,
+                                       entry=entry))
+            return
+        entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
+        if reason is not None:
+            entry["cancel_reason"] = reason
+            self._settle_cancelled(att, entry)
+            return
+        kind = decisions.reported_kind(result.get("kind"))
+        if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
+            kids = result.get("children_maxrss_kb")
+            memory_error = kind == decisions.MEMORY_ERROR
+            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error,
+                                           reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
+            if death is not None:
+                kind, usage = death
+                entry["killed_by_supervisor"] = False
+                entry = self.limit_watch.death_entry(att, kind, usage, entry)
+                if memory_error and kind == decisions.MEMORY_LIMIT:
+                    # the runner itself reached the cap's backstop (RLIMIT_DATA, before the
+                    # sampling saw the tree cross it): it is retired, as a killed tree would be
+                    child.recycle_due = True
+                    self._maybe_recycle(child)
+        self._fail(att, kind, entry)
+
+    def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
+        """An attempt that ended after a cancel: its reason decides what is written."""
+        reason = att.cancel_reason
+        if reason == "timeout":
+            entry.setdefault("message", "timed out")
+            self._fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
+        elif reason == "shutdown":  # given back: available at once, nothing counted (SPEC 5)
+            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
+        elif reason == "cancelled" and entry.get("killed_by_supervisor"):
+            # An operator's cancel, ended by our kill: the row is cancelled already (its
+            # CAS cannot apply), but the kill's forensics join the attempt's cancel entry.
+            self.stats["cancelled_attempts"] += 1
+            self._fail(att, decisions.ERROR, entry)
+        elif reason in ("cancelled", "lease_lost"):
+            # An operator's cancel or someone else's lease: the row already says what
+            # happened. Killed at the local fence: the lease is left to expire, and the
+            # sweep reclaims the step as after a crash (reclaims + 1, bounded by
+            # max_reclaims). Either way nothing is written and the lease is not renewed.
+            self.stats["cancelled_attempts"] += 1
+            self._observe_end(att, reason, entry)
+            self.keeper(LeaseDone((att.key,)))
+        else:  # killed for breaking the pipe protocol: a failed attempt like any error
+            self._fail(att, decisions.ERROR, entry)
+
+    def _settle_dropped(self, att: Attempt, result: dict[str, Any]) -> None:
+        """The child gave back a queued step unstarted: our cancel reason, else its own."""
+        att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
+        self._settle_unstarted(att)
+
+    def _settle_unstarted(self, att: Attempt) -> None:
+        """A step queued in a child that never started it: nothing ran. It is released
+        (available at once, nothing counted) unless a cancel already decided it."""
+        self._end(att)
+        if att.cancel_reason in (None, "shutdown", RELEASED):
+            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow,
+                                       held=att.cancel_reason == RELEASED))
+        else:
+            self._settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
+                                         "cancel_reason": att.cancel_reason})
+
+    # -- a child's exit -------------------------------------------------------------------------------
+
+    def _on_child_exit(self, child: ChildProc) -> None:
+        """The child's socket closed (it died, or was killed): reap it, then decide what its
+        attempt (and the steps queued behind it) became."""
+        self._read_watchdog()
+        unread, child.unread = child.unread, []
+        for message in unread:  # sent before it died: e.g. the result of the attempt we killed it for
+            self._on_message(child, message)
+        att = child.attempt  # then maybe the queued step it had started since
+        by_watchdog = child.pid in self._watchdog_killed
+        code = self.pool.reap(child, ended_alone=not child.killed and (att is None or not att.killed_by)
+                              and not by_watchdog)
+        self._watchdog_killed.discard(child.pid)
+        child.attempt = None
+        if att is not None and not att.ended:
+            self._end(att)
+            self._note_duration(self.clock() - att.started)
+            entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(since=att.cpu_start),
+                     "elapsed": round(self.clock() - att.started, 3)}
+            if child.peak_rss_kb is None and att.peak_rss_kb is not None:
+                entry["peak_rss_kb"] = att.peak_rss_kb  # wait4's maxrss would include the pre-exec parent
+            if by_watchdog and not att.killed_by:
+                att.killed_by = att.cancel_reason if att.kill_at is not None else "lease_fence"
+                if att.cancel_reason is None:
+                    att.cancel_reason, att.fenced = "lease_lost", True
+                entry["killed_by"] = "watchdog"
+            signo = procs.exit_description(code).get("signal")
+            # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
+            judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
+            death = self.limit_watch.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
+            if death is not None:  # a cause of death (issue 20): a cap, or the kernel's OOM killer
+                kind, usage = death
+                entry["killed_by_supervisor"] = att.killed_for is not None
+                if att.killed_for is not None:
+                    entry["trigger"] = att.killed_for
+                self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
+            elif att.killed_by:
+                entry["killed_by_supervisor"] = True
+                entry["trigger"] = att.killed_by
+                entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
+                self._settle_cancelled(att, entry)
+            elif child.killed and att.cancel_reason is None:  # started as the attempt in front, being killed, ended
+                entry.update(killed_by_supervisor=True, trigger="previous_attempt", message=(
+                    "child killed by the supervisor to end the attempt before this one, "
+                    "which ended as this one started"))
+                self._fail(att, decisions.CHILD_EXITED, entry)
+            else:
+                entry["killed_by_supervisor"] = False
+                desc = procs.exit_description(code)
+                what = f"signal {desc.get('signal_name', desc.get('signal'))}" if "signal" in desc else f"exit code {code}"
+                entry["message"] = f"child process exited unexpectedly ({what})"
+                if att.cancel_reason is not None:
+                    entry["cancel_reason"] = att.cancel_reason
+                    self._settle_cancelled(att, entry)
+                else:
+                    self._fail(att, decisions.CHILD_EXITED, entry)
+        queued, child.queued = list(child.queued), collections.deque()
+        for unstarted in queued:
+            self._settle_unstarted(unstarted)
+        self.pool.after_exit(child, code)
+        self.pool.maintain(self.clock(), self.draining)
+
+    def _maybe_recycle(self, child: ChildProc) -> None:
+        cfg = self.config
+        if child.returncode is not None:
+            return  # dead already (a result read after its kill): its exit is being handled
+        if not child.recycle_due:
+            too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
+            # the RSS the child reported as its last task ended: sampled now, with pipelining
+            # it would include the next task's working memory (issue 23's default prefetch)
+            rss = None
+            if cfg.max_child_rss is not None:
+                rss = child.last_rss if child.last_rss is not None else child.rss()
+            too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
+            child.recycle_due = too_many or too_big  # then nothing more is queued in it
+        if not child.recycle_due:
+            return
+        if child.attempt is not None:  # it finishes the step it runs; the ones queued are taken back
+            for att in child.queued:
+                self._cancel(att, RELEASED, self.clock())
+            return
+        self.pool.retire(child)
+        self.pool.maintain(self.clock(), self.draining)
+
+    def _note_duration(self, seconds: float) -> None:
+        prev = self.step_seconds
+        self.step_seconds = seconds if prev is None else 0.9 * prev + 0.1 * seconds
+
+    # -- the outcome ---------------------------------------------------------------------------------
+
+    def _end(self, att: Attempt) -> None:
+        """The attempt is over in its child: forget it here (its outcome follows)."""
+        att.ended = True
+        if self.attempts.get(att.key) is att:
+            del self.attempts[att.key]
+        self.limit_watch.disarm(att)
+
+    def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
+        self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,
+                                   progress=att.progress, error_kind=kind, entry=entry,
+                                   require_timed_out=require_timed_out))
+
+    def _outcome(self, att: Attempt, outcome: Outcome) -> None:
+        if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended
+            if outcome.kind == COMPLETE:
+                label = "completed"
+            elif outcome.kind == RELEASE:
+                label = "released"
+            else:
+                label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
+            self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
+        self.outcomes.append((outcome, att.deadline))
+        if self._outcomes_since is None:
+            self._outcomes_since = self.clock()
+
+    def _observe_end(self, att: Attempt, outcome: str, entry: dict[str, Any]) -> None:
+        """Tell the observer (metrics, traces) how an attempt that ran ended."""
+        if att.started_wall is not None:
+            self.observer.attempt_ended(att, outcome, entry)
