@@ -57,6 +57,7 @@ from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
 
+
 def row_limits(row: dict[str, Any]) -> Limits:
     """A claimed row's resource limits (read once, kept in the row)."""
     limits = row.get("limits")

@@ -160,10 +160,12 @@ class RunStatus:
 
     @property
     def queued(self) -> bool:
-        """True while the run is ``running`` but none of its steps has started yet: each is
-        ``pending`` or ``available`` and was never claimed (no supervisor took it so far)."""
-        return self.state == "running" and all(
-            s.state in ("pending", "available") and s.started_at is None and not s.errors for s in self.steps.values())
+        """True while the run is ``running`` and no supervisor has claimed any of its task
+        steps yet: each is ``pending`` or ``available`` and was never started (its signal
+        and timer nodes, which no supervisor runs, do not count)."""
+        tasks = [s for s in self.steps.values() if s.kind == "task"]
+        return self.state == "running" and bool(tasks) and all(
+            s.state in ("pending", "available") and s.started_at is None for s in tasks)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO 8601 strings)."""

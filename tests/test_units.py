@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
-from cyclone_mp import backoff, decisions, protocol
+from cyclone_mp import RunStatus, StepStatus, backoff, decisions, protocol
 from cyclone_mp.store import Q, _code, redact
 
 
@@ -189,3 +191,26 @@ def test_an_oom_kill_counted_just_before_its_victims_death_is_handled_is_still_i
     watch.note_oom_kills()
     watch.note_oom_kills()
     assert sigkilled() is None  # an OOM kill three looks (4-6 s) ago is not this one's
+
+
+def _step(name: str, state: str, *, kind: str = "task", started: bool = False) -> StepStatus:
+    at = dt.datetime(2026, 12, 2, tzinfo=dt.timezone.utc) if started else None
+    return StepStatus(name=name, state=state, attempt=1, max_attempts=3, reclaims=0, error=None, error_kind=None,
+                      errors=[], started_at=at, finished_at=None, lease_owner=None, output=None, kind=kind)
+
+
+@pytest.mark.parametrize("state, steps, queued", [
+    ("running", [_step("a", "available")], True),
+    ("running", [_step("a", "available", started=True)], False),  # reclaimed, retried or released: it ran
+    ("running", [_step("a", "running", started=True)], False),
+    ("paused", [_step("a", "available")], False),
+    ("running", [_step("s", "waiting_signal", kind="signal"), _step("a", "pending")], True),
+    ("running", [_step("s", "completed", kind="signal"), _step("a", "available")], True),  # no supervisor runs a signal
+    ("running", [_step("a", "completed", started=True), _step("b", "available")], False),
+    ("running", [_step("t", "waiting_timer", kind="timer")], False),  # no task step at all
+])
+def test_a_run_is_queued_until_a_supervisor_claims_one_of_its_task_steps(state, steps, queued):
+    run = RunStatus(id="r", name="n", kind="workflow", state=state, input=None,
+                    created_at=dt.datetime(2026, 12, 2, tzinfo=dt.timezone.utc), finished_at=None,
+                    steps={s.name: s for s in steps})
+    assert run.queued is queued
