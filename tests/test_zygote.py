@@ -45,6 +45,17 @@ def wait_for(pred, timeout: float, what: str):
     raise TimeoutError(f"{what} not within {timeout} s")
 
 
+def output_in_a_new_child(env, killed: int, timeout: float = 30.0) -> dict:
+    """The output of a ``zy_cgroups`` step that ran in a child other than ``killed`` (just
+    SIGKILLed). A step handed to that child before its death was seen fails as
+    ``child_exited`` (``max_attempts=1``: no output): another is enqueued then."""
+    def ran_elsewhere() -> dict | None:
+        out = env.run_until_complete(env.enqueue(zh.cgroups, {})).step.output
+        return out if out is not None and out["pid"] != killed else None
+
+    return wait_for(ran_elsewhere, timeout, "a step in the replacement")
+
+
 def imports(path) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
@@ -134,8 +145,7 @@ def test_a_forked_child_is_created_in_a_fresh_cgroup_of_its_slot_and_never_moved
     (child,) = pool.children
     assert child.pid == first["pid"] and child.in_cgroup
     os.kill(first["pid"], signal.SIGKILL)  # our own child (the supervisor is a thread here), by its pid
-    second = wait_for(lambda: (o := env.run_until_complete(env.enqueue(zh.cgroups, {})).step.output)["pid"]
-                      != first["pid"] and o, 30, "a step in the replacement")
+    second = output_in_a_new_child(env, first["pid"])
     (child,) = pool.children
     assert child.pid == second["pid"] and child.in_cgroup
     assert dirs_first["v2"].endswith("/slot-0") and slot.dirs["v2"] == dirs_first["v2"] + ".1"
@@ -182,8 +192,7 @@ def test_an_attempt_with_caps_has_its_child_join_their_v1_cgroups_first(cyclone_
         assert env.run_until_complete(env.enqueue(zh.cgroups, {}, **caps)).step.output["pid"] == first["pid"]
         assert len(writes) == len(V1_KEYS)  # in them already
         os.kill(first["pid"], signal.SIGKILL)
-        second = wait_for(lambda: (o := env.run_until_complete(env.enqueue(zh.cgroups, {})).step.output)["pid"]
-                          != first["pid"] and o, 30, "a step in the replacement")
+        second = output_in_a_new_child(env, first["pid"])
         assert in_slot(second, slot.dirs, ["v2", *V1_KEYS]), (slot.dirs, second)  # joined at birth, no caps needed
         moved_by_supervisor = [text for _, text in writes if text == str(second["pid"])]
         assert len(moved_by_supervisor) == (0 if can_move_itself else len(V1_KEYS)), writes
