@@ -426,6 +426,8 @@ def test_a_zygote_that_keeps_dying_is_given_up_and_children_are_spawned(cyclone_
     forked = stats["children_forked"]
     (child,) = env.child_pids()
     os.kill(child, signal.SIGKILL)
+    # its replacement first: a step handed to the dying child would fail (max_attempts=1)
+    wait_for(lambda: [p for p in env.child_pids() if p != child], 20, "a spawned replacement")
     out = env.run_until_complete(env.enqueue(zh.whoami, {}), timeout=20).step.output
     assert out["pid"] != child and out["ppid"] == os.getpid()
     assert stats["children_forked"] == forked and stats["children_spawned"] >= 2
