@@ -354,7 +354,7 @@ class Runner:
                     if inbox.pop(0).get("t") == "exit":  # retired before it started
                         return
                     continue
-                data = self.ctrl.recv(1 << 20)
+                data = self.ctrl.recv(protocol.READ_CHUNK)
                 if not data:
                     return
                 inbox.extend(reader.feed(data))
@@ -368,7 +368,7 @@ class Runner:
         held: list[dict[str, Any]] = []  # tasks received while self.held
         while True:
             while not inbox:
-                data = self.ctrl.recv(1 << 20)
+                data = self.ctrl.recv(protocol.READ_CHUNK)
                 if not data:
                     return
                 inbox.extend(reader.feed(data))

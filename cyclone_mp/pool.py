@@ -151,7 +151,7 @@ class ChildProc:
         messages: list[dict[str, Any]] = []
         while True:
             try:
-                data = self.sock.recv(1 << 20)
+                data = self.sock.recv(protocol.READ_CHUNK)
             except (BlockingIOError, InterruptedError):
                 return messages, False
             except OSError:
@@ -159,7 +159,7 @@ class ChildProc:
             if not data:
                 return messages, True
             messages.extend(self.reader.feed(data))
-            if len(data) < 1 << 20:
+            if len(data) < protocol.READ_CHUNK:
                 return messages, False  # drained for now (saves a recv that would block)
 
     def start(self) -> None:
