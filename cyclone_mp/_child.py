@@ -635,15 +635,22 @@ def batch_scheduling() -> None:
         pass
 
 
+def _ignore_interrupt(signum: int, frame: Any) -> None:
+    """SIGINT in a child does nothing: Ctrl-C is the supervisor's to handle. A handler,
+    not ``SIG_IGN``: an ignored signal stays ignored across ``exec``, so every program a
+    step started (ffmpeg, a script that stops on KeyboardInterrupt) could not be
+    interrupted; a handler is reset to the default there."""
+
+
 def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
           modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None,
           entered: dict[str, Any] | None = None) -> None:
     """Run as a child whose death with its parent is already arranged: become a child
-    subreaper, ignore Ctrl-C, serve tasks (under ``SCHED_BATCH`` once ready; ``modules``:
-    those imported already, a zygote's; ``preload``, ``entered``: see :meth:`Runner.loop`).
-    Then exit."""
+    subreaper, ignore Ctrl-C (the programs its steps start do not), serve tasks (under
+    ``SCHED_BATCH`` once ready; ``modules``: those imported already, a zygote's;
+    ``preload``, ``entered``: see :meth:`Runner.loop`). Then exit."""
     adopt_orphans()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the supervisor's to handle
+    signal.signal(signal.SIGINT, _ignore_interrupt)  # Ctrl-C is the supervisor's to handle
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
         Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered)

@@ -132,6 +132,25 @@ def gil_holder(ctx: cy.Context, inp: dict) -> dict:
     return {"held": round(time.perf_counter() - started, 3)}
 
 
+@cy.step("interrupts_its_program", max_attempts=1)
+def interrupts_its_program(ctx: cy.Context, inp: dict) -> dict:
+    """Starts ``sleep 30``, reads the signals it ignores, sends it SIGINT, and says how it
+    ended (a program a step starts must be interruptible, as it would be from a shell)."""
+    import signal
+
+    proc = subprocess.Popen(["sleep", "30"])
+    with open(f"/proc/{proc.pid}/status") as fh:
+        ignored = int(next(line for line in fh if line.startswith("SigIgn:")).split()[1], 16)
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    return {"sigint_ignored": bool(ignored & (1 << (signal.SIGINT - 1))), "returncode": code}
+
+
 @cy.step("sleeper", max_attempts=3)
 def sleeper(ctx: cy.Context, inp: dict) -> dict:
     """Sleeps ``seconds`` (ignoring ctx); appends a line to ``log`` when it starts and ends."""

@@ -119,6 +119,17 @@ def test_segfault_is_child_exited_with_signal(cyclone_env):
     assert cyclone_env.run_until_complete(cyclone_env.enqueue(h.ok, {})).state == "completed"
 
 
+@pytest.mark.parametrize("start_method", ["zygote", "spawn"])
+def test_a_program_a_step_starts_can_be_interrupted(cyclone_env_factory, start_method):
+    """The child ignores Ctrl-C (the supervisor's to handle) with a handler, not SIG_IGN,
+    which a program it starts would inherit through exec: ``sleep`` under a step ignored
+    SIGINT and ran on (an adversarial helper's find)."""
+    env = cyclone_env_factory(start_method=start_method)
+    step = env.run_until_complete(env.enqueue(h.interrupts_its_program, {}), timeout=30).step
+    assert step.state == "completed", step.errors
+    assert step.output == {"sigint_ignored": False, "returncode": -2}  # died of SIGINT
+
+
 def test_cooperative_timeout_consumes_one_attempt_each(cyclone_env):
     run = cyclone_env.run_until_complete(cyclone_env.enqueue(h.cooperative, {}))
     step = run.step
