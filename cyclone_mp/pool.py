@@ -31,6 +31,8 @@ from .config import PRELOAD_TIMEOUT
 from .slots import Confinement, Slot
 from .zygote import Zygote, ZygoteError
 
+READS_PER_CALL = 16  # reads of protocol.READ_CHUNK bytes (1 MiB) a turn takes from one child at most
+
 
 class ChildProc:
     """One child: its Popen, control socket (non-blocking), cancellation pipe, buffers.
@@ -146,10 +148,15 @@ class ChildProc:
                 return
             del self.outbox[:sent]
 
-    def receive(self) -> tuple[list[dict[str, Any]], bool]:
-        """Read what is available: ``(messages, eof)``. Raises ProtocolError on a bad frame."""
+    def receive(self, max_reads: int | None = READS_PER_CALL) -> tuple[list[dict[str, Any]], bool]:
+        """Read what is available, in at most ``max_reads`` reads of ``READ_CHUNK`` bytes
+        (None: all of it): ``(messages, eof)``. A child streaming a large result does not
+        hold process control: the selector reports the rest on its next turn. Raises
+        ProtocolError on a bad frame."""
         messages: list[dict[str, Any]] = []
-        while True:
+        reads = 0
+        while max_reads is None or reads < max_reads:
+            reads += 1
             try:
                 data = self.sock.recv(protocol.READ_CHUNK)
             except (BlockingIOError, InterruptedError):
@@ -161,6 +168,7 @@ class ChildProc:
             messages.extend(self.reader.feed(data))
             if len(data) < protocol.READ_CHUNK:
                 return messages, False  # drained for now (saves a recv that would block)
+        return messages, False
 
     def start(self) -> None:
         """Let a child forked from the zygote with :attr:`leftover` modules go on (it is in
@@ -234,7 +242,7 @@ class ChildProc:
         # What it sent before it died (a result that crossed our kill) is still in the
         # socket: the supervisor handles it before deciding what the death means.
         with contextlib.suppress(protocol.ProtocolError):
-            self.unread += self.receive()[0]
+            self.unread += self.receive(max_reads=None)[0]
         self.close()
         return self.returncode
 

@@ -124,10 +124,13 @@ def test_a_program_a_step_starts_can_be_interrupted(cyclone_env_factory, start_m
     """The child ignores Ctrl-C (the supervisor's to handle) with a handler, not SIG_IGN,
     which a program it starts would inherit through exec: ``sleep`` under a step ignored
     SIGINT and ran on (an adversarial helper's find)."""
-    env = cyclone_env_factory(start_method=start_method)
+    env = cyclone_env_factory(worker="thread", start_method=start_method)
+    env.mux().register(h.interrupts_its_program)
+    handle = env.start_worker()
     step = env.run_until_complete(env.enqueue(h.interrupts_its_program, {}), timeout=30).step
     assert step.state == "completed", step.errors
     assert step.output == {"sigint_ignored": False, "returncode": -2}  # died of SIGINT
+    assert (handle.client.supervisor.stats["children_forked"] > 0) == (start_method == "zygote")
 
 
 def test_cooperative_timeout_consumes_one_attempt_each(cyclone_env):

@@ -82,6 +82,41 @@ def test_frame_reader_still_refuses_an_oversized_header():
         reader.feed(protocol.HEADER.pack(4096) + b"{}")
 
 
+def test_one_turn_reads_at_most_a_megabyte_of_a_child_and_a_reaped_child_all():
+    """A child streaming a 3 MiB result: each ``receive`` (one turn of process control)
+    takes at most READS_PER_CALL reads of READ_CHUNK bytes and leaves the rest to the
+    next turn, so one child cannot hold the loop. What a dead child left in its socket
+    is read in one call (``max_reads=None``). The socket is a stand-in that always has
+    more to give, so the bound is what stops a call."""
+    import io
+
+    from cyclone_mp.pool import READS_PER_CALL, ChildProc
+
+    class Stream:
+        def __init__(self, data: bytes) -> None:
+            self.data, self.reads = io.BytesIO(data), 0
+
+        def recv(self, size: int) -> bytes:
+            self.reads += 1
+            return self.data.read(size)
+
+    big = {"t": "result", "task": "1", "ok": True, "output": "x" * (3 << 20)}
+    for max_reads in (READS_PER_CALL, None):
+        child = ChildProc.__new__(ChildProc)  # its socket and reader only: no process
+        child.sock, child.reader = Stream(protocol.encode(big)), protocol.FrameReader(1 << 30)
+        got, calls = [], []
+        while not got:
+            before = child.sock.reads
+            messages, eof = child.receive(max_reads=max_reads)
+            got, calls = got + messages, calls + [child.sock.reads - before]
+            assert not eof and len(calls) < 10
+        assert got == [big]
+        if max_reads is None:
+            assert len(calls) == 1  # all of it at once
+        else:
+            assert calls[:3] == [READS_PER_CALL] * 3 and len(calls) == 4, calls  # 3 MiB + a header: 49 reads
+
+
 def _task(token: str, **fields) -> dict:
     return {"t": "task", "task": token, "run_id": "r", "step": "h18_echo", "node": "h18_echo", "attempt": 1,
             "timeout": None, "start_by": None, "deadline": None,
