@@ -5,7 +5,6 @@ raises CancelledError at once; a loop blocked in C is killed after kill_grace.""
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 
 import async_handlers as ah
 from waiting import wait_for

@@ -216,7 +216,7 @@ def test_hour_charts_match_the_database(world: World, api: TestClient) -> None:
         assert abs(d["max"] - max(values)) < 1e-6
     html = api.get("/").text
     assert 'id="pickup-chart"' in html and 'id="kills-chart"' in html
-    assert f'data-step="ok"' in html and "timeout <strong>" in html
+    assert 'data-step="ok"' in html and "timeout <strong>" in html
 
 
 def test_runs_filters_and_both_paginations(world: World, api: TestClient) -> None:

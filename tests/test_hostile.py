@@ -12,8 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
-import pathlib
 import secrets
 import sys
 import time

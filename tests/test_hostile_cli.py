@@ -5,13 +5,10 @@ on a worker's ``ps`` line (fault 7)."""
 
 from __future__ import annotations
 
-import os
-import pathlib
 import secrets
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
