@@ -15,15 +15,24 @@ import time
 import cyclone_mp as cy
 
 
-def note(inp: dict, what: str, ctx: cy.Context) -> None:
+def note(inp: dict, what: str, ctx: cy.Context, at: float | None = None) -> None:
     with open(inp["log"], "a") as fh:
-        fh.write(f"{what} {ctx.run_id} {os.getpid()} {time.time():.6f}\n")
+        fh.write(f"{what} {ctx.run_id} {os.getpid()} {time.time() if at is None else at:.6f}\n")
+
+
+def note_start(inp: dict, ctx: cy.Context) -> None:
+    """A ``start`` line, and a ``deadline`` line with the attempt's worker-clock deadline
+    (epoch seconds), from which its cancel and kill are due: it counts from the claim, so
+    it can come before a slow child's start plus the timeout (SPEC 4)."""
+    note(inp, "start", ctx)
+    if ctx.deadline is not None:
+        note(inp, "deadline", ctx, at=ctx.deadline.timestamp())
 
 
 @cy.step("wedge_native", timeout=1, max_attempts=3)
 def wedge_native(ctx: cy.Context, inp: dict) -> dict:
     """Wedged in a C loop that holds the GIL and never returns (SPEC scenario SC-02)."""
-    note(inp, "start", ctx)
+    note_start(inp, ctx)
     collections.deque(itertools.repeat(None, 10**12), maxlen=0)
     return {}
 
@@ -41,7 +50,7 @@ def _ten_seconds(attempt: int) -> float:
 
 
 def _ignoring(ctx: cy.Context, inp: dict) -> dict:
-    note(inp, "start", ctx)
+    note_start(inp, ctx)
     end = time.monotonic() + inp.get("seconds", 3600)
     while time.monotonic() < end:  # never looks at ctx: only a kill ends it
         time.sleep(0.05)

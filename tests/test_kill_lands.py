@@ -38,11 +38,18 @@ def lines(path: pathlib.Path) -> list[tuple[str, str, int, float]]:
     return out
 
 
+def deadlines(path: pathlib.Path) -> dict[int, float]:
+    """pid -> the worker-clock deadline (epoch seconds) its attempt was given: its cancel
+    is due then and its kill kill_grace later. It counts from the claim, so a child that
+    took a while to start dies sooner after its own start than timeout + kill_grace."""
+    return {pid: t for what, _, pid, t in lines(path) if what == "deadline"}
+
+
 def executions(path: pathlib.Path, run_id: str | None = None) -> dict[int, tuple[float, float]]:
     """pid -> (first, last) time an execution wrote (its last tick is within 50 ms of its death)."""
     spans: dict[int, tuple[float, float]] = {}
     for what, run, pid, t in lines(path):
-        if run_id is not None and run != run_id:
+        if (run_id is not None and run != run_id) or what == "deadline":
             continue
         first, last = spans.get(pid, (t, t))
         spans[pid] = (min(first, t), max(last, t))
@@ -114,10 +121,12 @@ def test_a_wedged_child_dies_at_its_own_deadline_with_the_default_settings(cyclo
         assert [e["kind"] for e in step.errors] == ["timeout"] * 3
         assert all(e.get("killed_by_supervisor") is True and e.get("trigger") == "timeout" for e in step.errors), step.errors
         assert len(watch.starts) == 3
+        due = deadlines(log)
         for pid, start in watch.starts.items():
-            lived = deaths[pid] - start
-            print(f"wedged child {pid} lived {lived:.3f} s (timeout 1 + kill_grace 5)")
-            assert 1 + 5 - 0.3 <= lived <= 1 + 5 + 1.0, f"child {pid} lived {lived:.2f} s (timeout 1 + kill_grace 5)"
+            lived, after = deaths[pid] - start, deaths[pid] - due[pid]
+            print(f"wedged child {pid} lived {lived:.3f} s, died {after:.3f} s after its deadline (kill_grace 5)")
+            assert lived <= 1 + 5 + 1.0, f"child {pid} lived {lived:.2f} s (timeout 1 + kill_grace 5)"
+            assert 5 - 0.3 <= after <= 5 + 1.0, f"child {pid} died {after:.2f} s after its deadline (kill_grace 5)"
         # no child burns a core afterwards, and the supervisor still has its three slots
         children = [psutil.Process(pid) for pid in env.child_pids()]
         assert len(children) == 3
@@ -163,11 +172,13 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
             assert all(e.get("killed_by_supervisor") is True for e in s.errors), s.errors
             pids = {pid for what, run, pid, _ in lines(log) if run == run_id and what == "start"}
             assert len(pids) == 3
+            due = deadlines(log)
             for pid in pids:
-                lived = deaths[pid] - watch.starts[pid]
-                print(f"{step.name} kill_grace {grace}: child {pid} lived {lived:.3f} s")
-                assert 1 + grace - 0.3 <= lived <= 1 + grace + 1.0, (
-                    f"{step.name}: child {pid} lived {lived:.2f} s (timeout 1 + kill_grace {grace})")
+                lived, after = deaths[pid] - watch.starts[pid], deaths[pid] - due[pid]
+                print(f"{step.name} kill_grace {grace}: child {pid} lived {lived:.3f} s, died {after:.3f} s after its deadline")
+                assert lived <= 1 + grace + 1.0, f"{step.name}: child {pid} lived {lived:.2f} s (timeout 1 + kill_grace {grace})"
+                assert grace - 0.3 <= after <= grace + 1.0, (
+                    f"{step.name}: child {pid} died {after:.2f} s after its deadline (kill_grace {grace})")
     finally:
         watch.close()
 
