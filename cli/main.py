@@ -752,7 +752,10 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
 @click.option("--token", envvar="CYCLONE_DASHBOARD_TOKEN", default=None, metavar="TOKEN",
               help="Require this token on every request [env CYCLONE_DASHBOARD_TOKEN]: "
                    "'Authorization: Bearer TOKEN', or open the URL once with ?token=TOKEN.")
-def dashboard(host: str, port: int, token: str | None) -> None:
+@click.option("--refresh", type=click.FloatRange(0, 3600), default=None, metavar="SECONDS",
+              help="Seconds between a page's refreshes from the API (0: pages do not refresh themselves). "
+                   "[default: 2]")
+def dashboard(host: str, port: int, token: str | None, refresh: float | None) -> None:
     """Serve the web dashboard: counts, throughput, supervisors and their children,
     recent kills, runs, each run's attempts and forensics, and operator actions.
     Its JSON API is under /api/ (OpenAPI at /api/openapi.json). Runs until Ctrl-C or
@@ -766,7 +769,7 @@ def dashboard(host: str, port: int, token: str | None) -> None:
     client = _client()
     try:
         client.migrate()
-        serve(client, host=host, port=port, token=token or None,
+        serve(client, host=host, port=port, token=token or None, **({} if refresh is None else {"refresh": refresh}),
               on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {describe_dsn(client.dsn)}; "
                                               "Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # (a Ctrl-C before the server's start): stopped all the same

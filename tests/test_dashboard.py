@@ -568,7 +568,7 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
         env.wait_for_state(sleeper, None, "running", timeout=15)
         wait_for(lambda: any(k.get("run_id") == sleeper for w in env.client().workers()
                              for k in (w["info"] or {}).get("children", [])), 10, "the registry to show the child")
-        with dashboard_process(world.dsn) as url, sync_playwright() as p:
+        with dashboard_process(world.dsn, "--refresh", "0.5") as url, sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 1000})  # issue 19: fits 1,280 px
@@ -576,6 +576,7 @@ def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
                 page.on("console", lambda msg: problems.append(msg.text) if msg.type == "error" else None)
                 page.on("pageerror", lambda exc: problems.append(str(exc)))
                 page.goto(url)
+                expect(page.locator("body")).to_have_attribute("data-refresh", "0.5")  # --refresh 0.5
                 expected = db_counts(world.dsn)
                 assert expected["steps"]["running"] == 1 and expected["runs"]["running"] >= 3
                 for state in RUN_STATES:

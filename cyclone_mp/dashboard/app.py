@@ -39,7 +39,6 @@ log = logging.getLogger("cyclone_mp.dashboard")
 HERE = Path(__file__).resolve().parent
 FLASH_COOKIE = "cyclone_flash"
 MAX_BODY = 256 * 1024
-REFRESH_SECONDS = 2.0
 SCHEMA = SchemaGenerator({
     "openapi": "3.0.3",
     "info": {
@@ -58,7 +57,7 @@ SCHEMA = SchemaGenerator({
 
 
 def create_app(client: Any, token: str | None = None, *, allowed_hosts: list[str] | None = None,
-               refresh: float = REFRESH_SECONDS) -> Starlette:
+               refresh: float = P.REFRESH_SECONDS) -> Starlette:
     """The dashboard app over ``client`` (a :class:`cyclone_mp.Client`).
 
     Args:

@@ -25,6 +25,7 @@ MAX_LIMIT = 500
 MAX_OFFSET = 1_000_000
 MAX_MINUTES = 24 * 60
 MAX_NAME = 200
+REFRESH_SECONDS = 2.0  # seconds between a page's refreshes from its API (cyclone-mp dashboard --refresh)
 
 
 class BadRequest(CycloneError, ValueError):
