@@ -61,13 +61,19 @@ class CallTimer:
             yield
             return
         token = next(self._tokens)
+        due = time.monotonic() + seconds
         with self._lock:
             self._armed[token] = fd
-            heapq.heappush(self._heap, (time.monotonic() + seconds, token, fd))
+            # The timer thread sleeps until the heap's first entry is due (armed or not): it
+            # needs waking only for a call due before that. Bounds are alike, so a call is
+            # almost never due first, and the hot path (a statement per batch) wakes no thread.
+            earlier = not self._heap or due < self._heap[0][0]
+            heapq.heappush(self._heap, (due, token, fd))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cyclone-call-timer", daemon=True)
                 self._thread.start()
-            self._lock.notify()
+            if earlier:
+                self._lock.notify()
         try:
             yield
         finally:

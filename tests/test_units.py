@@ -214,3 +214,43 @@ def test_a_run_is_queued_until_a_supervisor_claims_one_of_its_task_steps(state, 
                     created_at=dt.datetime(2026, 12, 2, tzinfo=dt.timezone.utc), finished_at=None,
                     steps={s.name: s for s in steps})
     assert run.queued is queued
+
+
+def test_the_call_timer_cuts_a_call_due_before_the_one_it_sleeps_for() -> None:
+    """CallTimer (SPEC 9: every database call has a client-side bound) sleeps until the
+    first entry of its heap is due and is woken only for a call due before that. A call
+    bounded to 0.2 s inside one bounded to 30 s has its socket shut down within 0.2 s
+    (not after 30), the outer call's socket is left alone, and a call whose block ended
+    before its bound is never cut."""
+    import socket
+    import time
+    import types
+
+    from cyclone_mp.dbloop import CallTimer
+
+    def store(sock: socket.socket) -> types.SimpleNamespace:
+        return types.SimpleNamespace(conn=types.SimpleNamespace(pgconn=types.SimpleNamespace(socket=sock.fileno())))
+
+    timer = CallTimer()
+    pairs = [socket.socketpair() for _ in range(3)]
+    try:
+        (outer, _), (inner, _), (quick, _) = pairs
+        with timer.bound(store(outer), 30.0):
+            time.sleep(0.05)  # the timer thread now sleeps until the outer call's bound
+            with timer.bound(store(inner), 0.2):
+                inner.settimeout(5.0)
+                started = time.monotonic()
+                assert inner.recv(1) == b""  # shut down: the waiting call ends at once
+                assert time.monotonic() - started < 2.0
+            with timer.bound(store(quick), 0.2):
+                pass  # over before its bound
+            time.sleep(0.4)  # past the quick call's bound
+            for sock in (outer, quick):
+                sock.setblocking(False)
+                with pytest.raises(BlockingIOError):  # still open, nothing to read
+                    sock.recv(1)
+        assert timer.fired == 1
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
