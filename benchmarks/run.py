@@ -43,6 +43,7 @@ import psycopg
 
 import bench_steps
 import cyclone_mp as cy
+from cyclone_mp.config import PREFETCH_DEFAULT
 from cyclone_mp.store import Store
 
 from children_bench import ChildBenches
@@ -71,7 +72,7 @@ FULL = {
     "b8_queued": 100_000, "b8_claim_keys": 1000, "b9_kills": 10,
     "b10_archived": 1_000_000, "b10_days": 10,
     "b11_warmup_s": 40, "b11_base_s": 30, "b11_hold_s": 60, "b11_after_s": 60,
-    "b12_sizes": (1, 2, 4, 8, 16), "b12_steps": 20000, "b12_idle_s": 5.0, "b12_prefetch": 64,
+    "b12_sizes": (1, 2, 4, 8, 16), "b12_steps": 20000, "b12_idle_s": 5.0, "b12_prefetch": PREFETCH_DEFAULT,
 }
 QUICK = {
     "b1_steps": 300, "b1_single": 100, "b1_bulk": 2000, "b1_batch": 200,
@@ -80,7 +81,7 @@ QUICK = {
     "b8_queued": 10_000, "b8_claim_keys": 100, "b9_kills": 3,
     "b10_archived": 100_000, "b10_days": 10,
     "b11_warmup_s": 20, "b11_base_s": 10, "b11_hold_s": 20, "b11_after_s": 20,
-    "b12_sizes": (1, 2, 4), "b12_steps": 2000, "b12_idle_s": 2.0, "b12_prefetch": 64,
+    "b12_sizes": (1, 2, 4), "b12_steps": 2000, "b12_idle_s": 2.0, "b12_prefetch": PREFETCH_DEFAULT,
 }
 #: B11's window (seconds): throughput is sampled once per window.
 B11_WINDOW = 10
@@ -493,8 +494,8 @@ class Bench(HistoryBenches, ChildBenches):
 
     def b12(self) -> dict[str, Any]:
         """Many supervisors on one PostgreSQL (benchmarks/scale.py): each count in
-        ``b12_sizes`` on a fresh database, ``prefetch`` as ``--scale-prefetch`` (64 by
-        default: issue 23's scaling row), in one repetition."""
+        ``b12_sizes`` on a fresh database, ``prefetch`` as ``--scale-prefetch`` (the
+        engine's default by default: what a user runs), in one repetition."""
         import scale
 
         if not hasattr(self, "_pgss"):
@@ -642,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", default=None,
                     help="B12's supervisor counts, e.g. 1,4,8 (default 1,2,4,8,16; --quick 1,2,4)")
     ap.add_argument("--scale-prefetch", type=int, default=None,
-                    help="B12's prefetch per supervisor (default 64; 0: the engine's default)")
+                    help=f"B12's prefetch per supervisor (default: the engine's, {PREFETCH_DEFAULT}; 0: none)")
     ap.add_argument("--dsn", default=None, help="PostgreSQL server to use (default: an embedded one in a temp dir)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/<timestamp>.json)")
     ap.add_argument("--peer-results", default=None,
