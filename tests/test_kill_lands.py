@@ -281,7 +281,7 @@ def test_a_locked_row_stalls_neither_kills_nor_claims(cyclone_env_factory, tmp_p
     watch = DeathWatch(log)
     locker = psycopg.connect(env.dsn)
     try:
-        long_id = env.enqueue(fh.quick, {"seconds": 13})
+        long_id = env.enqueue(fh.quick, {"seconds": 10})  # past the lock's ~6 s (the wedge's 4.5 s, then 5 quick steps)
         env.start_worker()
         env.wait_for_state(long_id, None, "running", timeout=15)
         locker.execute("SELECT id FROM cyclone_steps WHERE run_id = %s FOR UPDATE", (long_id,))
