@@ -29,7 +29,7 @@ from rich.console import Console
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 # The default prefetch (issue 23), measured beside prefetch=0 (claims only for idle children, SPEC 4).
-PREFETCH = PREFETCH_DEFAULT  # the "prefetch" runs measure the engine's default (1,024; 64 until 2026-12-03)
+PREFETCH = PREFETCH_DEFAULT  # the "prefetch" runs measure the engine's default (256; 64 until 2026-12-03)
 PREFETCH_KEYS = ("steps_per_s", "steps_per_s_from_first_start", "statements", "wal_kb_per_step")
 #: Connections one supervisor holds (docs/operating.md#connections): lease keeper, its
 #: LISTEN, outcome writer, maintenance. B12 judges what pg_stat_activity shows against it.

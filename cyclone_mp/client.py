@@ -288,7 +288,7 @@ class Client(ClientBase):
             are rejected with a clear error.
         prefetch: steps the supervisor may claim beyond its idle children and hold
             until a child frees up, so a child never waits for the database between
-            short steps (Celery's prefetch). Default 1,024 (issue 23), an upper bound: the
+            short steps (Celery's prefetch). Default 256 (issue 23), an upper bound: the
             supervisor holds only what its children can start within about 0.25 s (so
             steps of half a second or more on two children get none), and nothing until
             it has seen a step end. 0 claims only for idle children (SPEC 4's rule to the

@@ -21,7 +21,7 @@ SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
-PREFETCH_DEFAULT = 1024  # steps a supervisor may hold beyond its idle children by default (issue 23; bounded by prefetch_room to what its children start within ~0.25 s)
+PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (issue 23; bounded by prefetch_room to what its children start within ~0.25 s)
 COALESCE_MAX = 0.1  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement (pgqueuer: 0.1 s)
 COALESCE_PER_WORKER = 4  # outcomes per child that go at once, without waiting COALESCE_MAX (pgqueuer: 10 in all)
 PIPELINE_DEPTH = 16  # steps queued in a busy child, at most (a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
@@ -60,7 +60,7 @@ class Config:
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest message (input or output, bytes) crossing the pipe.
         prefetch: steps the supervisor may claim beyond its idle children, held until a
-            child frees up (default :data:`PREFETCH_DEFAULT`, 1,024, issue 23; 0: claim only
+            child frees up (default :data:`PREFETCH_DEFAULT`, 256, issue 23; 0: claim only
             for idle children, SPEC 4's rule to the letter). See
             :meth:`cyclone_mp.supervisor.Supervisor.prefetch_room` for the bounds; while
             attempts are shorter than ``PIPELINE_MAX_STEP`` a busy child also gets its
