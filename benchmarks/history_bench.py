@@ -172,7 +172,7 @@ class HistoryBenches:
 
     def b11(self) -> dict[str, Any]:
         """B1 under a long transaction (issue 22): throughput per window, prefetch=0 and
-        prefetch=64, each beside a control run without the holder (the same phases; the
+        the default prefetch, each beside a control run without the holder (the same phases; the
         order alternates between repetitions): how much the windows after the hold vary
         without one."""
         row: dict[str, Any] = {}

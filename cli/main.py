@@ -744,6 +744,12 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
 # -- dashboard ------------------------------------------------------------------------------------------
 
 
+def _at_most(value: float | None, limit: float, param: click.Parameter) -> float | None:
+    if value is not None and value > limit:
+        raise click.BadParameter(f"at most {limit:g} seconds, got {value:g}", param=param)
+    return value
+
+
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Anything but loopback needs --token.")
@@ -752,9 +758,10 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
 @click.option("--token", envvar="CYCLONE_DASHBOARD_TOKEN", default=None, metavar="TOKEN",
               help="Require this token on every request [env CYCLONE_DASHBOARD_TOKEN]: "
                    "'Authorization: Bearer TOKEN', or open the URL once with ?token=TOKEN.")
-@click.option("--refresh", type=click.FloatRange(0, 3600), default=None, metavar="SECONDS",
-              help="Seconds between a page's refreshes from the API (0: pages do not refresh themselves). "
-                   "[default: 2]")
+@click.option("--refresh", type=SECONDS, default=None, metavar="SECONDS",
+              callback=lambda ctx, param, value: _at_most(value, 3600, param),
+              help="Seconds between a page's refreshes from the API, up to an hour (0: pages do not "
+                   "refresh themselves). [default: 2]")
 def dashboard(host: str, port: int, token: str | None, refresh: float | None) -> None:
     """Serve the web dashboard: counts, throughput, supervisors and their children,
     recent kills, runs, each run's attempts and forensics, and operator actions.

@@ -62,7 +62,7 @@ class Config:
         prefetch: steps the supervisor may claim beyond its idle children, held until a
             child frees up (default :data:`PREFETCH_DEFAULT`, 256, issue 23; 0: claim only
             for idle children, SPEC 4's rule to the letter). See
-            :meth:`cyclone_mp.supervisor.Supervisor.prefetch_room` for the bounds; while
+            :meth:`cyclone_mp.control.ProcessControl.prefetch_room` for the bounds; while
             attempts are shorter than ``PIPELINE_MAX_STEP`` a busy child also gets its
             next held step queued.
         registry_interval: seconds between refreshes of the informational

@@ -65,8 +65,10 @@ class CallTimer:
         with self._lock:
             self._armed[token] = fd
             # The timer thread sleeps until the heap's first entry is due (armed or not): it
-            # needs waking only for a call due before that. Bounds are alike, so a call is
-            # almost never due first, and the hot path (a statement per batch) wakes no thread.
+            # needs waking only for a call due before that. A part's calls share one bound,
+            # so on the hot path (a statement per batch) a call is rarely due first and wakes
+            # no thread; finished calls stay in the heap until the first is due (about calls
+            # per second x bound entries), then go in one pass.
             earlier = not self._heap or due < self._heap[0][0]
             heapq.heappush(self._heap, (due, token, fd))
             if self._thread is None:

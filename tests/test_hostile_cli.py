@@ -125,3 +125,12 @@ def test_dashboard_refuses_a_blank_token(dsn):  # noqa: F811
     assert proc.returncode == 2 and "white space" in one_error_line(proc)
     proc = run_cli("dashboard", "--host", "0.0.0.0", "--token", "abc", dsn=dsn)
     assert proc.returncode == 2 and "at least 16" in one_error_line(proc)
+
+
+@pytest.mark.parametrize("value,words", [("2h", "at most 3600 seconds, got 7200"), ("-1", "-1"),
+                                         ("soon", "'soon' is not a duration")])
+def test_dashboard_refuses_a_bad_refresh(dsn, value, words):  # noqa: F811
+    """`dashboard --refresh` takes a duration up to an hour: anything else is one line, exit 2."""
+    proc = run_cli("dashboard", "--refresh", value, dsn=dsn)
+    line = one_error_line(proc)
+    assert proc.returncode == 2 and "--refresh" in line and words in line, line
