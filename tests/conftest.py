@@ -1,11 +1,27 @@
-"""Shared test setup: every test must leave no child, grandchild or zombie behind."""
+"""Shared test setup: bytecode written once for the processes the tests start, and every
+test must leave no child, grandchild or zombie behind."""
 
 from __future__ import annotations
 
+import compileall
+import pathlib
 import time
 
 import psutil
 import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Write the bytecode of the package, the CLI and the tests' modules once, as pip does
+    for an installed package. Where PYTHONDONTWRITEBYTECODE is set (this machine sets it)
+    no import writes it, so every CLI, supervisor and child process the tests start would
+    compile them again: 0.46 s instead of 0.63 s to import the CLI here. Up-to-date files
+    are left as they are."""
+    for name in ("cyclone_mp", "cli", "tests"):
+        if (REPO / name).is_dir():
+            compileall.compile_dir(str(REPO / name), quiet=2)
 
 
 @pytest.fixture(autouse=True)
