@@ -36,7 +36,7 @@ from cyclone_mp.waiting import timeout_message
 
 from . import render
 from .drain import DrainReporter
-from .params import BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS
+from .params import BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS, Seconds
 
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
@@ -744,12 +744,6 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
 # -- dashboard ------------------------------------------------------------------------------------------
 
 
-def _at_most(value: float | None, limit: float, param: click.Parameter) -> float | None:
-    if value is not None and value > limit:
-        raise click.BadParameter(f"at most {limit:g} seconds, got {value:g}", param=param)
-    return value
-
-
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Anything but loopback needs --token.")
@@ -758,8 +752,7 @@ def _at_most(value: float | None, limit: float, param: click.Parameter) -> float
 @click.option("--token", envvar="CYCLONE_DASHBOARD_TOKEN", default=None, metavar="TOKEN",
               help="Require this token on every request [env CYCLONE_DASHBOARD_TOKEN]: "
                    "'Authorization: Bearer TOKEN', or open the URL once with ?token=TOKEN.")
-@click.option("--refresh", type=SECONDS, default=None, metavar="SECONDS",
-              callback=lambda ctx, param, value: _at_most(value, 3600, param),
+@click.option("--refresh", type=Seconds(most=3600), default=None, metavar="SECONDS",
               help="Seconds between a page's refreshes from the API, up to an hour (0: pages do not "
                    "refresh themselves). [default: 2]")
 def dashboard(host: str, port: int, token: str | None, refresh: float | None) -> None:
@@ -776,7 +769,7 @@ def dashboard(host: str, port: int, token: str | None, refresh: float | None) ->
     client = _client()
     try:
         client.migrate()
-        serve(client, host=host, port=port, token=token or None, **({} if refresh is None else {"refresh": refresh}),
+        serve(client, host=host, port=port, token=token or None, refresh=refresh,
               on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {describe_dsn(client.dsn)}; "
                                               "Ctrl-C stops)", err=True))
     except KeyboardInterrupt:  # (a Ctrl-C before the server's start): stopped all the same

@@ -48,16 +48,22 @@ class JsonValue(click.ParamType):
 
 class Seconds(click.ParamType):
     """A duration: seconds as a number (``2.5``) or with a unit (``500ms``, ``30s``,
-    ``5m``, ``1h``, ``7d``). Converts to float seconds (>= 0)."""
+    ``5m``, ``1h``, ``7d``). Converts to float seconds (>= 0, and <= ``most`` when given)."""
 
     name = "SECONDS"
 
+    def __init__(self, most: float | None = None) -> None:
+        self.most = most
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        parsed = parse_duration(str(value))
+            parsed: float | None = float(value)
+        else:
+            parsed = parse_duration(str(value))
         if parsed is None:
             self.fail(f"{value!r} is not a duration (seconds, e.g. 2.5, 500ms, 30s, 5m, 1h, 7d)", param, ctx)
+        if self.most is not None and parsed > self.most:
+            self.fail(f"at most {self.most:g} seconds, got {parsed:g}", param, ctx)
         return parsed
 
 

@@ -165,6 +165,7 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
         wait_for(lambda: all("killed_by_supervisor" in e for r in runs for e in env.status(r).step.errors), 5,
                  "the kills' forensics")
         statuses = {r: env.status(r) for r in runs}
+        due = deadlines(log)
         for run_id, status in statuses.items():
             grace, step = runs[run_id]
             s = status.step
@@ -172,7 +173,6 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
             assert all(e.get("killed_by_supervisor") is True for e in s.errors), s.errors
             pids = {pid for what, run, pid, _ in lines(log) if run == run_id and what == "start"}
             assert len(pids) == 3
-            due = deadlines(log)
             for pid in pids:
                 lived, after = deaths[pid] - watch.starts[pid], deaths[pid] - due[pid]
                 print(f"{step.name} kill_grace {grace}: child {pid} lived {lived:.3f} s, died {after:.3f} s after its deadline")

@@ -63,7 +63,7 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(client: Any, *, host: str = "127.0.0.1", port: int = 8777, token: str | None = None,
           on_ready: Callable[[str], None] | None = None, log_level: str = "warning",
-          refresh: float = REFRESH_SECONDS) -> None:
+          refresh: float | None = None) -> None:
     """Serve the dashboard until SIGINT/SIGTERM (blocking), then return (``on_ready`` is
     called with the URL once a signal would stop it cleanly).
 
@@ -71,7 +71,7 @@ def serve(client: Any, *, host: str = "127.0.0.1", port: int = 8777, token: str 
     before ``on_ready``) asks the server to exit, so a Ctrl-C during the server's start
     is not lost or turned into a cancelled event loop, and one after it (uvicorn's
     handler, which gives the signal back to ours when it is done) ends the same way.
-    ``refresh``: seconds between a page's refreshes from its API (0: none).
+    ``refresh``: seconds between a page's refreshes from its API (0: none; None: 2).
 
     Raises:
         ConfigurationError: non-loopback ``host`` without ``token``. CycloneError: the port cannot be bound.
@@ -85,7 +85,7 @@ def serve(client: Any, *, host: str = "127.0.0.1", port: int = 8777, token: str 
 
     check_bind(host, token)
     sock = listen(host, port)
-    app = create_app(client, token=token, refresh=refresh)
+    app = create_app(client, token=token, refresh=REFRESH_SECONDS if refresh is None else refresh)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, server_header=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
