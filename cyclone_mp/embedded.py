@@ -302,12 +302,19 @@ class EmbeddedServer:
             raise EmbeddedError(f"{self.data_dir} exists and is not a PostgreSQL data directory") from exc
 
     def _start_server(self, deadline: float) -> None:
+        sock = self._socket_dir()
         with contextlib.suppress(IndexError, ValueError):  # stale file (pid() said so) whose
-            if psutil.pid_exists(int(self._pidfile_lines()[0])):  # pid is reused or a zombie:
-                (self.data_dir / "postmaster.pid").unlink()  # PostgreSQL would refuse to start.
+            stale = int(self._pidfile_lines()[0])
+            if psutil.pid_exists(stale):  # pid is reused or a zombie: PostgreSQL would refuse to start.
+                (self.data_dir / "postmaster.pid").unlink()
+                # The socket's lock file names the same pid: a killed postmaster stays a
+                # zombie until init reaps it (1.5 s here), and PostgreSQL refuses that too.
+                lock = sock / f".s.PGSQL.{PORT}.lock"
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    if int(lock.read_text().split()[0]) == stale:
+                        lock.unlink()
         # A dead pid is left for PostgreSQL, which then checks that no old backend still
         # uses the shared memory recorded in the file.
-        sock = self._socket_dir()
         if sock != self.data_dir:
             _private_dir(sock, _server_user().pw_uid if self._root else os.getuid())
             for name in (f".s.PGSQL.{PORT}", f".s.PGSQL.{PORT}.lock"):

@@ -73,15 +73,19 @@ def server(workdir):
 
 
 def _dead(pid: int, wait: float = 5.0) -> bool:
-    """True once ``pid`` has exited. pid 1 reaps an exited daemon only after a while (a
-    container's init may never do it), so a zombie counts as dead after ``wait`` s."""
+    """True once ``pid`` has exited, within ``wait`` seconds. A zombie has exited: pid 1
+    reaps a daemon's zombie only after a while (about 1.5 s here; a container's init may
+    never do it), and waiting for that cost every test of this file its teardown."""
     deadline = time.monotonic() + wait
-    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def _select_1(uri: str) -> int:
