@@ -28,7 +28,7 @@ from .errors import DatabaseError, InvalidTransition, RunNotFound
 from .schedules import parse_idempotency_key
 from .status import TERMINAL_RUN_STATES
 from .limits import NO_LIMITS, Limits
-from .store import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, nullable_jsonb, to_us
+from .store.queries import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, nullable_jsonb, to_us
 
 T = TypeVar("T")
 

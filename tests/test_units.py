@@ -7,7 +7,8 @@ import datetime as dt
 import pytest
 
 from cyclone_mp import RunStatus, StepStatus, backoff, decisions, protocol
-from cyclone_mp.store import Q, _code, redact
+from cyclone_mp.store import Q, redact
+from cyclone_mp.store.queries import _code
 
 
 def test_failed_attempt_retries_until_exhausted():

@@ -1,0 +1,309 @@
+"""The supervisor's hot path: claims, lease renewals and every attempt's CAS write
+(SPEC 1 and 4; the completion CAS is :meth:`LeaseQueries.settle`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Sequence
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from .. import decisions
+from ..backoff import delay_after
+from ..connections import translate
+from .queries import FORENSIC_KEYS, INLINE_MAX, Q, FailedAttempt, Settled, nullable_jsonb, to_us
+
+
+class LeaseQueries:
+    """Claims, renewals, completions, failures and releases (a part of
+    :class:`~cyclone_mp.store.Store`)."""
+
+    #: The claim statements, from the least work to the most: each takes every step the
+    #: ones before it take, and more.
+    CLAIMS = ("_plain", "_fair", "_concurrency", "")
+    _FOR_MARK = {None: "_plain", "keys": "_fair", "limits": "_concurrency", "rates": ""}
+
+    def _claim_statement(self, name: str, queues: Sequence[str], limit: int) -> str:
+        """Which claim a statement of ``name`` uses, from the least to the most work:
+
+        - ``name_plain``, the claim of before: no requested queue was ever entered by a
+          step with a key or a limit (it takes no such step);
+        - ``name_fair``: keyed steps did, no limited one (no slots; it takes no limited step);
+        - ``name_concurrency``: a step with a concurrency limit did, none with a rate limit
+          (concurrency slots only; it takes no rate-limited step);
+        - ``name``, the full limited claim: a rate-limited step did, or the marks of these
+          queues are not known yet (it takes every kind of step).
+
+        The marks (cyclone_flow_queues, written at enqueue, never cleared) come back in
+        every claim statement's meta row (:meth:`_claim_meta`), so they cost no round trip
+        of their own (under 250 ms of latency, a read of its own per claim pushed claims
+        past their bound). A claim chosen from older marks never passes a limit (each
+        claim leaves alone what it is not made for); :meth:`claim` claims again at once
+        when the marks it got back call for a claim that takes more."""
+        if limit <= 0:
+            return name + "_plain"
+        if self.flow_marks is None or not set(queues) <= self._marks_for:
+            return name
+        rank = max((self.CLAIMS.index(self._FOR_MARK[self.flow_marks.get(q)]) for q in queues), default=0)
+        return name + self.CLAIMS[rank]
+
+    @classmethod
+    def _rank(cls, statement: str) -> int:
+        """The place of a claim statement in :data:`CLAIMS` (more: it takes more kinds of steps)."""
+        return next((i for i, suffix in enumerate(cls.CLAIMS[:-1]) if statement.endswith(suffix)), len(cls.CLAIMS) - 1)
+
+    def _claim_params(self, queues: Sequence[str], statement: str) -> dict[str, Any]:
+        """The fairness cursors of a claim (per queue, the key its last walk ended at) and
+        which limited steps it may take: ``limits``, any (the limited claims); ``rates``,
+        rate-limited ones too (the full claim only)."""
+        return {"queues": list(queues), "cursors": [self.fair_cursors.get(q) for q in queues],
+                "limits": not statement.endswith(("_fair", "_plain")),
+                "rates": not statement.endswith(("_fair", "_plain", "_concurrency"))}
+
+    def _claim_meta(self, meta: dict[str, Any] | None, queues: Sequence[str]) -> None:
+        """Keep what a claim's meta row says: the queues' marks, where each queue's walk
+        ended, and the rate-limit wait (:attr:`claim_wait`)."""
+        self.claim_wait = None
+        if meta is None:
+            return
+        if meta.get("step_name") is not None:
+            self.flow_marks = json.loads(meta["step_name"])
+            self._marks_for = frozenset(queues)
+        if meta.get("node"):
+            self.fair_cursors.update(json.loads(meta["node"]))
+        wait = meta.get("timeout")
+        self.claim_wait = None if wait is None else float(wait)
+
+    @translate
+    def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float) -> list[dict[str, Any]]:
+        """Claim up to ``limit`` available steps (SKIP LOCKED), one statement.
+
+        Fair by key (round-robin within each queue) and within the steps' concurrency
+        and rate limits (issue 21); afterwards :attr:`claim_wait` is the seconds until a
+        rate-limited step held back by this claim may start, or None. When the marks
+        that came back call for a claim that takes more kinds of steps than the one just
+        made (a queue's first keyed or limited step), and it took fewer than ``limit``,
+        the rest is claimed at once with that one (a second statement, once per change of
+        a queue's marks).
+        """
+        if limit <= 0 or not names:
+            self.claim_wait = None
+            return []
+        claimed: list[dict[str, Any]] = []
+        while True:
+            statement = self._claim_statement("claim", queues, limit - len(claimed))
+            with self.conn.cursor() as cur:
+                cur.execute(Q[statement], {
+                    "owner": owner, "names": list(names), "limit": limit - len(claimed), "ttl_us": to_us(ttl),
+                    "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
+                })
+                rows = cur.fetchall()
+            self._claim_meta(next((r for r in rows if r["id"] is None), None), queues)
+            claimed += [r for r in rows if r["id"] is not None]
+            if len(claimed) >= limit or self._rank(self._claim_statement("claim", queues, 1)) <= self._rank(statement):
+                return claimed
+
+    @translate
+    def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None) -> bool:
+        """Renew one lease (the seed's WHERE clause); False when it matched no row."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["heartbeat"], {
+                "id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
+                "progress": nullable_jsonb(progress),
+            })
+            return cur.rowcount == 1
+
+    @translate
+    def renew_many(self, *, owner: str, items: Sequence[tuple[int, int, Any]], ttl: float) -> list[bool]:
+        """Renew several leases, ``(id, generation, progress or None)`` items, in one round
+        trip: still one renewal per step, addressed by id, with the seed's WHERE clause
+        (:meth:`heartbeat`), sent together (psycopg's pipelined ``executemany``). They share
+        one implicit transaction: a renewal that fails (a lock wait past ``lock_timeout``)
+        fails them all, and the caller renews one by one. Returns, per item, whether it
+        matched its row."""
+        if not items:
+            return []
+        with self.conn.cursor() as cur:
+            cur.executemany(Q["heartbeat"], [
+                {"id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
+                 "progress": nullable_jsonb(progress)}
+                for id, generation, progress in items
+            ], returning=True)
+            matched = []
+            while True:
+                matched.append(cur.rowcount == 1)
+                if not cur.nextset():
+                    break
+            return matched
+
+    @translate
+    def load_payload(self, id: int) -> dict[str, Any] | None:
+        """A claimed step's ``input`` and ``upstream`` as JSON text (None when the step is gone)."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "load_payload", {"id": id})
+
+    @translate
+    def lease_state(self, id: int) -> dict[str, Any] | None:
+        """The row's state, owner, generation and whether its DB deadline passed."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "lease_state", {"id": id})
+
+    @translate
+    def settle(
+        self,
+        *,
+        owner: str,
+        completions: Sequence[tuple[int, int, Any, Any]] = (),
+        failures: Sequence["FailedAttempt"] = (),
+        queues: Sequence[str] = (),
+        names: Sequence[str] = (),
+        limit: int = 0,
+        ttl: float = 0.0,
+        workflows: bool = False,
+    ) -> "Settled":
+        """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
+
+        ``completions`` are ``(id, generation, output, progress)`` items; ``failures`` are
+        failed attempts. Each row gets its own CAS: still running under ``owner`` and
+        its generation, a completion before its DB deadline, a failure with
+        ``require_timed_out`` past it. A failed attempt's outcome is
+        :func:`cyclone_mp.decisions.end_attempt`'s, in SQL; in a paused run a retried
+        step is held paused. Rows whose CAS fails change nothing (late completions; for
+        failures also timeouts not yet due on the DB clock, and without ``workflows``
+        failures of workflow runs: write those with :meth:`fail`). Then up to ``limit``
+        steps of ``queues``/``names`` are claimed with a ``ttl``-second lease. With
+        ``workflows`` (some outcome belongs to a workflow run) the workflow runs of the
+        settled rows are advanced in the same transaction; otherwise it is one round
+        trip and one commit. A tick without failures runs ``settle_completions``, the
+        same statement without the failure CTEs (a smaller plan to start and run).
+
+        Raises:
+            DatabaseUnavailable, QueryRejected: see :func:`translate`.
+        """
+        statement = self._claim_statement("settle" if failures else "settle_completions", queues, limit)
+        with (self._tx() if workflows else self.conn.cursor()) as cur:
+            cur.execute(Q[statement], {
+                "owner": owner,
+                "ids": [i[0] for i in completions],
+                "leases": [f"{i[0]}:{i[1]}" for i in completions],
+                "outputs": [Jsonb(i[2]) for i in completions],
+                "progress": [nullable_jsonb(i[3]) for i in completions],
+                "fail_ids": [f.id for f in failures],
+                "fail_generations": [f.generation for f in failures],
+                "kinds": [f.kind for f in failures],
+                "entries": [Jsonb(f.entry) for f in failures],
+                "delays_us": [to_us(f.delay) for f in failures],
+                "require_timed_out": [f.require_timed_out for f in failures],
+                "fail_progress": [nullable_jsonb(f.progress) for f in failures],
+                "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
+                "inline_max": INLINE_MAX, "in_tx": workflows, **self._claim_params(queues, statement),
+            })
+            rows = cur.fetchall()
+            self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
+            for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
+                self._advance(cur, run_id)
+        failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
+        return Settled(
+            completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
+            failed=set(failed),
+            claimed=[r for r in rows if r["what"] == "claimed"],
+            wait=self.claim_wait,
+            failed_kinds=failed,
+        )
+
+    def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
+                 workflows: bool = True) -> set[tuple[int, int]]:
+        """Success CASes for ``(id, generation, output, progress)`` items (:meth:`settle`
+        without failures or claim); returns the ``(id, generation)`` leases whose CAS held."""
+        if not items:
+            return set()
+        return self.settle(owner=owner, completions=items, workflows=workflows).completed
+
+    def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"],
+                  workflows: bool = False) -> set[tuple[int, int]]:
+        """Failed attempts (:meth:`settle` without completions or claim); returns the
+        ``(id, generation)`` leases applied. Failures of workflow runs are applied only
+        with ``workflows``."""
+        if not items:
+            return set()
+        return self.settle(owner=owner, failures=items, workflows=workflows).failed
+
+    @translate
+    def fail(
+        self,
+        *,
+        owner: str,
+        id: int,
+        generation: int,
+        kind: str,
+        entry: dict[str, Any],
+        backoff: Callable[[int], float],
+        require_timed_out: bool = False,
+        progress: Any = None,
+    ) -> str:
+        """Record a failed attempt under the run lock and the CAS.
+
+        Returns ``"applied"``, ``"lost"`` (the row is no longer this attempt's) or
+        ``"not_yet"`` (``require_timed_out`` and the DB deadline has not passed yet:
+        the worker clock never shortens a durable timeout).
+        """
+        self.last_ended = None
+        with self._tx() as cur:
+            if self._one(cur, "lock_run_of_step", {"id": id}) is None:
+                return "lost"
+            row = self._one(cur, "lock_attempt", {"id": id, "owner": owner, "generation": generation})
+            if row is None:
+                forensics = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+                if forensics:
+                    cur.execute(Q["annotate_attempt"], {
+                        "id": id, "owner": owner, "generation": generation, "forensics": Jsonb(forensics),
+                        # what the supervisor says it did ("child killed by the supervisor after ...")
+                        "note": entry.get("message") if forensics.get("killed_by_supervisor") else None,
+                    })
+                return "lost"
+            if require_timed_out and not row["timed_out"]:
+                return "not_yet"
+            end = self._end_attempt(cur, id, row, kind, entry, backoff, progress)
+        self.last_ended = (row["step_name"], end.error_kind)
+        return "applied"
+
+    def _end_attempt(
+        self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
+        backoff: Callable[[int], float], progress: Any = None,
+    ) -> decisions.AttemptEnd:
+        delay = delay_after(row["attempt"], row.get("backoff"), backoff)
+        end = decisions.end_attempt(
+            attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
+            timed_out=bool(row["timed_out"]), backoff=delay,
+        )
+        entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
+        if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
+            entry["reported_kind"] = kind
+        quarantined = (decisions.discard_message(end.error_kind, entry, list(row.get("error_kinds") or []))
+                       if end.state == "discarded" else None)
+        cur.execute(Q["end_attempt"], {
+            "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
+            "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
+            "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
+        })
+        self._advance(cur, self._run_of(cur, id))
+        return end
+
+    @staticmethod
+    def _run_of(cur: psycopg.Cursor, id: int) -> str:
+        cur.execute("SELECT run_id::text AS run_id FROM cyclone_steps WHERE id = %s", (id,))
+        return cur.fetchone()["run_id"]
+
+    @translate
+    def release(self, *, owner: str, id: int, generation: int) -> bool:
+        """Give an unfinished step back at shutdown (available at once, nothing counted)."""
+        with self._tx() as cur:
+            run = self._one(cur, "lock_run_of_step", {"id": id})
+            if run is None:
+                return False
+            cur.execute(Q["release"], {"id": id, "owner": owner, "generation": generation})
+            released = cur.rowcount == 1
+            if released and run["state"] == "paused":
+                cur.execute(Q["hold_paused"], {"run_id": run["id"]})
+            return released

@@ -1,0 +1,173 @@
+"""What keeps the tables right beside the hot path: the recovery sweep and its turns,
+workflow timers, schedules (issue 21) and the supervisors' registry."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from psycopg.types.json import Jsonb
+
+from .. import decisions
+from ..connections import translate
+from .queries import Q, to_us
+
+
+class MaintenanceQueries:
+    """The sweep, timers, schedules and the registry (a part of
+    :class:`~cyclone_mp.store.Store`)."""
+
+    # -- recovery sweep -----------------------------------------------------------------
+
+    @translate
+    def sweep_turn(self, owner: str, every: float, task: str = "sweep") -> tuple[bool, float]:
+        """Take the recovery sweep's turn (or another maintenance ``task``'s: ``"history"``)
+        for all supervisors when the last one is at least ``every`` seconds old (one
+        statement, a row lock for its length; migration 0018).
+
+        Returns ``(mine, wait)``: True when ``owner`` took it (it sweeps now; the next
+        turn is ``every`` seconds away), else False and the seconds until the turn it
+        saw ends (0 or more)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sweep_turn"], {"owner": owner, "every_us": to_us(every), "task": task})
+            row = cur.fetchone()
+        if row["mine"]:
+            return True, every
+        return False, max(0.0, float(row["due_in"] if row["due_in"] is not None else every))
+
+    @translate
+    def sweep_candidates(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Running rows whose lease expired or whose DB deadline passed (one page)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sweep_candidates"], {"limit": limit})
+            return cur.fetchall()
+
+    @translate
+    def expire(self, id: int, backoff_for: Callable[[str | None], Callable[[int], float]], entry: dict[str, Any]) -> str:
+        """Settle one sweep candidate under the run lock then the step lock.
+
+        Returns the action taken: ``"timeout"``, ``"reclaim"``, ``"reclaim_limit"`` or
+        ``"none"`` (renewed, finished or gone meanwhile). An attempt it ends (timeout,
+        reclaim_limit) is in :attr:`last_ended` afterwards.
+        """
+        self.last_ended = None
+        with self._tx() as cur:
+            if self._one(cur, "lock_run_of_step", {"id": id}) is None:
+                return "none"
+            row = self._one(cur, "sweep_recheck", {"id": id})
+            if row is None:
+                return "none"
+            action = decisions.expiry(
+                timed_out=bool(row["timed_out"]), lease_expired=bool(row["lease_expired"]),
+                reclaims=row["reclaims"], max_reclaims=row["max_reclaims"],
+            ).action
+            if action == "timeout":
+                ended = self._end_attempt(cur, id, row, decisions.TIMEOUT, {
+                    **entry, "message": "timed out (database clock); settled by the recovery sweep",
+                    "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
+                }, backoff_for(row["step_name"])).error_kind
+            elif action == "reclaim":
+                cur.execute(Q["reclaim"], {"id": id})
+                cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
+                cur.execute(Q["notify"], {"queue": row["queue"]})  # claimable at once, anywhere
+            elif action == "reclaim_limit":
+                n = row["reclaims"]
+                message = f"lease expired after {n} reclaim{'' if n == 1 else 's'} (max_reclaims={row['max_reclaims']})"
+                cur.execute(Q["discard_reclaim_limit"], {"id": id, "error": message, "entry": Jsonb({
+                    **entry, "attempt": row["attempt"], "kind": decisions.RECLAIM_LIMIT, "message": message,
+                    "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
+                })})
+                self._advance(cur, self._run_of(cur, id))
+                ended = decisions.RECLAIM_LIMIT
+        if action in ("timeout", "reclaim_limit"):
+            self.last_ended = (row["step_name"], ended)
+        return action
+
+    @translate
+    def fire_due_timers(self, limit: int = 100) -> int:
+        """Complete timer nodes due on the database clock; returns how many runs moved."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["due_timer_runs"], {"limit": limit})
+            run_ids = [r["run_id"] for r in cur.fetchall()]
+        for run_id in run_ids:
+            with self._tx() as cur:
+                if self._one(cur, "lock_run", {"run_id": run_id}) is not None:
+                    self._advance(cur, run_id)
+        return len(run_ids)
+
+    # -- schedules (issue 21; the logic is cyclone_mp.schedules) ---------------------------
+
+    @translate
+    def sync_schedules(self, items: Sequence[tuple[str, str, dict[str, Any]]]) -> None:
+        """Create or refresh the rows of ``(name, target, spec)`` schedules: a new or changed
+        one is due at once (its first tick computes its next slot); ``seen_at`` is kept fresh."""
+        items = sorted(items)
+        with self.conn.cursor() as cur:
+            cur.execute(Q["sync_schedules"], {
+                "names": [i[0] for i in items], "targets": [i[1] for i in items],
+                "specs": [Jsonb(i[2]) for i in items],
+            })
+
+    @translate
+    def tick_schedules(self, names: Sequence[str], decide: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+        """In one transaction: lock the due rows among ``names`` (SKIP LOCKED), call
+        ``decide(row)`` for each (it may enqueue runs on this connection, inside the
+        transaction) and write the row it returns. Returns how many rows were decided."""
+        with self._tx() as cur:
+            cur.execute(Q["due_schedules"], {"names": list(names)})
+            rows = cur.fetchall()
+            for row in rows:
+                new = decide(row)
+                cur.execute(Q["advance_schedule"], {**new, "spec": Jsonb(new["spec"])})
+            return len(rows)
+
+    @translate
+    def get_schedule(self, name: str) -> dict[str, Any] | None:
+        """One schedule row, or None."""
+        with self.conn.cursor() as cur:
+            return self._one(cur, "get_schedule", {"name": name})
+
+    @translate
+    def list_schedules(self) -> list[dict[str, Any]]:
+        """Every schedule row with the database clock (``now``) and ``age``: seconds since
+        a supervisor that defines it last ticked."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["list_schedules"])
+            return cur.fetchall()
+
+    @translate
+    def delete_schedule(self, name: str, active_s: float) -> dict[str, Any] | None:
+        """Delete the schedule row ``name`` unless a supervisor ticked it within ``active_s``
+        seconds: ``{"age", "deleted"}``, or None when there is no such row."""
+        with self._tx() as cur:
+            cur.execute(Q["delete_schedule"], {"name": name, "active_s": active_s})
+            return cur.fetchone()
+
+    # -- the registry of supervisors ---------------------------------------------------------
+
+    @translate
+    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any]) -> None:
+        """Announce or refresh this supervisor's registry row (informational)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info)})
+
+    @translate
+    def queue_depths(self, queues: Sequence[str], cap: int = 100_000) -> list[dict[str, Any]]:
+        """Per queue: ``queue``, ``depth`` (claimable steps, at most ``cap``) and ``oldest``
+        (seconds the oldest of them has been claimable, or None)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["queue_depths"], {"queues": list(queues), "cap": cap})
+            return cur.fetchall()
+
+    @translate
+    def unregister_worker(self, id: str) -> None:
+        """Remove this supervisor's registry row."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["unregister_worker"], {"id": id})
+
+    def list_workers(self, within: float = 15.0) -> list[dict[str, Any]]:
+        """Supervisors that refreshed their row within ``within`` seconds."""
+        return self.run(operations.list_workers(within))
+
+
+
+from .. import operations  # noqa: E402  (see base.py)

@@ -1,0 +1,198 @@
+"""The named SQL (``sql/queries.sql``), the migrations' files, and the shapes of the
+rows and parameters the store's methods take (STYLE pattern 1: every query lives in
+``queries.sql`` under a ``-- name:`` header)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import functools
+import importlib.resources
+import re
+from typing import Any, Sequence
+
+from psycopg.types.json import Jsonb
+
+from ..limits import NO_LIMITS, Limits
+
+#: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
+FORENSIC_KEYS = frozenset({
+    "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
+    "cpu_seconds", "peak_rss_kb", "elapsed", "worker", "tree", "limits", "cause", "enforced_by",
+})
+#: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
+#: outputs come with its claim; a bigger row comes without them ("big") and the
+#: supervisor loads them alone (:meth:`Store.load_payload`), so one huge row never slows
+#: a claim past its bound nor holds back its neighbours (issue 18).
+INLINE_MAX = 512 * 1024
+MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
+NOTIFY_CHANNEL = "cyclone_mp"
+
+
+def _code(line: str) -> str:
+    """A line of SQL without its trailing ``--`` comment (none of ours is inside a string
+    literal): shorter texts keep the hot statements under psycopg's 4,096-character
+    limit for caching a query's parsed form (above it, each call re-parsed ~6,700
+    characters: about 75 us)."""
+    at = line.find("--")
+    while at >= 0:
+        if line.count("'", 0, at) % 2 == 0:
+            return line[:at].rstrip()
+        at = line.find("--", at + 2)
+    return line
+
+
+def _load_queries() -> dict[str, str]:
+    text = importlib.resources.files("cyclone_mp.sql").joinpath("queries.sql").read_text()
+    queries: dict[str, str] = {}
+    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+        name, _, body = block.partition("\n")
+        # without comments and indentation (none of our literals spans lines)
+        body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
+        if name.strip() in queries:  # a second block of one name would silently replace the first
+            raise RuntimeError(f"queries.sql: two blocks named {name.strip()!r}")
+        queries[name.strip()] = body.strip().rstrip(";")
+    # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
+    # them, and into the fragments that cite them, until none is left.
+    fragments = {name: sql for name, sql in queries.items() if name.endswith(("_ctes", "_expr"))}
+
+    def splice(body: str) -> str:
+        for _ in range(10):
+            spliced = re.sub(r"\{(\w+_(?:ctes|expr))\}", lambda m: fragments.get(m[1], m[0]), body)
+            if spliced == body:
+                break
+            body = spliced
+        if left := re.findall(r"\{\w+_(?:ctes|expr)\}", body):
+            raise RuntimeError(f"queries.sql: unknown or circular fragments {left}")
+        return body
+    return {name: splice(body) for name, body in queries.items()}
+
+
+Q = _load_queries()
+
+#: psycopg keeps the parsed form of a query only up to this many characters (its
+#: ``MAX_CACHED_STATEMENT_LENGTH``, 4,096); longer ones are parsed again at every call.
+#: The claim and settle statements grew past it with the fair, limited claim (issue 21):
+#: parsing settle_completions (10,600 characters) took 35 us a call, against 0.07 us
+#: cached. The limit is a module constant read at each call; it is raised to fit them.
+PARSE_CACHE_LENGTH = 16_384
+
+
+def _fit_parse_cache() -> None:
+    from psycopg import _queries
+
+    if getattr(_queries, "MAX_CACHED_STATEMENT_LENGTH", PARSE_CACHE_LENGTH) < PARSE_CACHE_LENGTH:
+        _queries.MAX_CACHED_STATEMENT_LENGTH = PARSE_CACHE_LENGTH
+
+
+with contextlib.suppress(ImportError):  # a psycopg without it: the statements are parsed at each call
+    _fit_parse_cache()
+
+
+def _migrations() -> list[tuple[int, str, str]]:
+    folder = importlib.resources.files("cyclone_mp.sql.migrations")
+    found = []
+    for entry in folder.iterdir():
+        match = re.match(r"^(\d+)_.*\.sql$", entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.name, entry.read_text()))
+    return sorted(found)
+
+
+def nullable_jsonb(value: Any) -> Jsonb | None:
+    """``value`` as a jsonb parameter, or SQL NULL (not JSON ``null``) for None."""
+    return None if value is None else Jsonb(value)
+
+
+def node_params(node: "NodeRow") -> dict[str, Any]:
+    """A step row's key, flow limits (issue 21) and resource limits (issue 20) as query parameters."""
+    return {
+        "key": node.concurrency_key, "concurrency": node.concurrency,
+        "rate_count": node.rate_limit[0] if node.rate_limit else None,
+        "rate_period_us": to_us(node.rate_limit[1]) if node.rate_limit else None,
+        **limit_params(node.limits),
+    }
+
+
+def limit_params(limits: Limits) -> dict[str, Any]:
+    """A step row's resource-limit columns as query parameters (issue 20)."""
+    return {"memory_limit": limits.memory, "cpu_limit": limits.cpu, "max_processes": limits.processes,
+            "max_open_files": limits.open_files}
+
+
+def to_us(seconds: float | None) -> int | None:
+    """Seconds to whole microseconds (how durations reach SQL)."""
+    return None if seconds is None else int(round(seconds * 1_000_000))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRow:
+    """One step row to insert at enqueue (a node of the run)."""
+
+    node: str
+    step_name: str | None
+    kind: str
+    depends_on: Sequence[str]
+    queue: str
+    priority: int
+    state: str
+    max_attempts: int
+    max_reclaims: int | None
+    timeout: float | None
+    timer_delay: float | None = None
+    due_at: dt.datetime | None = None
+    backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
+    limits: Limits = NO_LIMITS  # resource caps of each attempt (issue 20)
+    concurrency_key: str = ""  # its fairness and limit group ('' for none)
+    concurrency: int | None = None  # at most this many running per (step, key)
+    rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
+
+    @functools.cached_property
+    def enqueue_params(self) -> dict[str, Any]:
+        """The parameters of ``enqueue_step`` that come from this row alone (its queue,
+        priority, attempts, timeout, backoff, key, flow and resource limits), computed once
+        per row: a client reuses a step's row for every enqueue without per-enqueue
+        options (issue 23). Callers copy it, never change it."""
+        return {"queue": self.queue, "priority": self.priority, "max_attempts": self.max_attempts,
+                "max_reclaims": self.max_reclaims, "timeout_us": to_us(self.timeout),
+                "backoff": nullable_jsonb(self.backoff), **node_params(self)}
+
+    @property
+    def flow(self) -> bool:
+        """True when the step has a key or a limit: its queue needs the fair, limited claim."""
+        return bool(self.concurrency_key) or self.limited
+
+    @property
+    def limited(self) -> bool:
+        """True when a limit needs slots (see :meth:`Store.ensure_slots`)."""
+        return self.concurrency is not None or self.rate_limit is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedAttempt:
+    """One failed attempt for :meth:`Store.settle`: ``kind`` is a
+    :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, ``entry`` the error entry (JSON),
+    ``delay`` the backoff in seconds if the step is retried."""
+
+    id: int
+    generation: int
+    kind: str
+    entry: dict[str, Any]
+    delay: float
+    require_timed_out: bool
+    progress: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """What :meth:`Store.settle` did: the ``(id, lease generation)`` leases whose
+    completion and whose failure CAS held (with the error kind each failure stored), and
+    the claimed rows."""
+
+    completed: set[tuple[int, int]]
+    failed: set[tuple[int, int]]
+    claimed: list[dict[str, Any]]
+    wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)
+    failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
+
