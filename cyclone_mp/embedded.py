@@ -307,11 +307,14 @@ class EmbeddedServer:
             stale = int(self._pidfile_lines()[0])
             if psutil.pid_exists(stale):  # pid is reused or a zombie: PostgreSQL would refuse to start.
                 (self.data_dir / "postmaster.pid").unlink()
-                # The socket's lock file names the same pid: a killed postmaster stays a
-                # zombie until init reaps it (1.5 s here), and PostgreSQL refuses that too.
+                # A killed postmaster stays a zombie until init reaps it (1.5 s here), and the
+                # socket's lock file in the data directory names it too: PostgreSQL refuses
+                # that as well. Only a zombie's: a live pid there may be another namespace's
+                # postmaster. (A socket directory of its own is emptied below.)
                 lock = sock / f".s.PGSQL.{PORT}.lock"
-                with contextlib.suppress(OSError, IndexError, ValueError):
-                    if int(lock.read_text().split()[0]) == stale:
+                with contextlib.suppress(OSError, IndexError, ValueError, psutil.Error):
+                    if (sock == self.data_dir and int(lock.read_text().split()[0]) == stale
+                            and psutil.Process(stale).status() == psutil.STATUS_ZOMBIE):
                         lock.unlink()
         # A dead pid is left for PostgreSQL, which then checks that no old backend still
         # uses the shared memory recorded in the file.

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from cyclone_mp import embedded
-from cyclone_mp.embedded import EmbeddedError, EmbeddedServer
+from cyclone_mp.embedded import PORT, EmbeddedError, EmbeddedServer, _gone
 
 AS_ROOT = os.geteuid() == 0
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -76,16 +76,10 @@ def _dead(pid: int, wait: float = 5.0) -> bool:
     """True once ``pid`` has exited, within ``wait`` seconds. A zombie has exited: pid 1
     reaps a daemon's zombie only after a while (about 1.5 s here; a container's init may
     never do it), and waiting for that cost every test of this file its teardown."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
+    try:
+        return _gone(psutil.Process(pid), wait)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _select_1(uri: str) -> int:
@@ -181,7 +175,8 @@ def test_stale_postmaster_pid_is_tolerated(server, holder):
     server.seen_pids.append(old_pid)
     if holder == "sigkilled":  # a real crash: the file stays, backends die with the postmaster
         psutil.Process(old_pid).kill()
-        assert _dead(old_pid)
+        assert _dead(old_pid)  # a zombie until init reaps it: both lock files name it meanwhile
+        assert (server.data_dir / f".s.PGSQL.{PORT}.lock").exists()
     else:  # a crash left the file; its pid is dead or, later, reused by another process
         server.stop()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

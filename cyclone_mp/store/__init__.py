@@ -14,8 +14,9 @@ their locks and asks :mod:`cyclone_mp.decisions`.
   operations (:func:`drive`) and :class:`AsyncStore`;
 - ``leases.py``: the supervisor's hot path (claims, renewals, the completion and
   failure CAS, releases);
-- ``runs.py``: enqueue, the operator's actions and the reads;
-- ``maintenance.py``: the recovery sweep, timers, schedules and the registry.
+- ``runs.py``: enqueue, the operator's actions and the reads of runs;
+- ``maintenance.py``: the recovery sweep, timers, schedules and the registry (with
+  their reads).
 """
 
 from __future__ import annotations

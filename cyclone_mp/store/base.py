@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import psycopg
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
+from .. import decisions
+from ..backoff import delay_after
 from ..connections import STALE_PLAN_LOG, classify, configure_session, connect, redact, stale_plan
 from ..errors import DatabaseError, DatabaseUnavailable, QueryRejected
-from .queries import Q
+from .queries import Q, nullable_jsonb, to_us
 
 if TYPE_CHECKING:
     from . import Store
@@ -25,8 +28,12 @@ log = logging.getLogger("cyclone_mp.store")
 
 
 class StoreBase:
-    """One autocommit connection, its transactions and the operations run on it (the
-    part of :class:`~cyclone_mp.store.Store` the others build on)."""
+    """One autocommit connection, its transactions and the operations run on it: the part
+    of :class:`~cyclone_mp.store.Store` the others build on. It also holds what two parts
+    share: :meth:`_end_attempt` (a failed attempt's end, for ``leases.py``'s
+    :meth:`fail` and ``maintenance.py``'s :meth:`expire`), :meth:`_run_of` and
+    :meth:`_advance`, and the state the claims keep between calls (``fair_cursors``,
+    ``claim_wait``, ``flow_marks``: ``leases.py``) and ``last_ended`` (``fail``, ``expire``)."""
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
@@ -152,6 +159,28 @@ class StoreBase:
         """
         return self.run(operations.migrate())
 
+    def _end_attempt(
+        self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
+        backoff: Callable[[int], float], progress: Any = None,
+    ) -> decisions.AttemptEnd:
+        delay = delay_after(row["attempt"], row.get("backoff"), backoff)
+        end = decisions.end_attempt(
+            attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
+            timed_out=bool(row["timed_out"]), backoff=delay,
+        )
+        entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
+        if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
+            entry["reported_kind"] = kind
+        quarantined = (decisions.discard_message(end.error_kind, entry, list(row.get("error_kinds") or []))
+                       if end.state == "discarded" else None)
+        cur.execute(Q["end_attempt"], {
+            "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
+            "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
+            "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
+        })
+        self._advance(cur, self._run_of(cur, id))
+        return end
+
     @staticmethod
     def _run_of(cur: psycopg.Cursor, id: int) -> str:
         cur.execute("SELECT run_id::text AS run_id FROM cyclone_steps WHERE id = %s", (id,))
@@ -235,6 +264,7 @@ class AsyncStore:
             raise error from exc
         except UnicodeEncodeError as exc:
             raise QueryRejected(f"value rejected: {exc}") from exc
+
 
 # Operations are planned in cyclone_mp.operations, which reads the named SQL; imported
 # last so that either module may be imported first.

@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Sequence
 
-import psycopg
 from psycopg.types.json import Jsonb
 
-from .. import decisions
-from ..backoff import delay_after
 from ..connections import translate
 from .queries import FORENSIC_KEYS, INLINE_MAX, Q, FailedAttempt, Settled, nullable_jsonb, to_us
 
@@ -267,33 +264,6 @@ class LeaseQueries:
             end = self._end_attempt(cur, id, row, kind, entry, backoff, progress)
         self.last_ended = (row["step_name"], end.error_kind)
         return "applied"
-
-    def _end_attempt(
-        self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
-        backoff: Callable[[int], float], progress: Any = None,
-    ) -> decisions.AttemptEnd:
-        delay = delay_after(row["attempt"], row.get("backoff"), backoff)
-        end = decisions.end_attempt(
-            attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
-            timed_out=bool(row["timed_out"]), backoff=delay,
-        )
-        entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
-        if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
-            entry["reported_kind"] = kind
-        quarantined = (decisions.discard_message(end.error_kind, entry, list(row.get("error_kinds") or []))
-                       if end.state == "discarded" else None)
-        cur.execute(Q["end_attempt"], {
-            "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
-            "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
-            "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
-        })
-        self._advance(cur, self._run_of(cur, id))
-        return end
-
-    @staticmethod
-    def _run_of(cur: psycopg.Cursor, id: int) -> str:
-        cur.execute("SELECT run_id::text AS run_id FROM cyclone_steps WHERE id = %s", (id,))
-        return cur.fetchone()["run_id"]
 
     @translate
     def release(self, *, owner: str, id: int, generation: int) -> bool:

@@ -145,10 +145,14 @@ class MaintenanceQueries:
     # -- the registry of supervisors ---------------------------------------------------------
 
     @translate
-    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any]) -> None:
-        """Announce or refresh this supervisor's registry row (informational)."""
+    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any], live: float = 15.0) -> int:
+        """Announce or refresh this supervisor's registry row (informational); returns how
+        many supervisors are live: this one and those whose row was refreshed within
+        ``live`` seconds."""
         with self.conn.cursor() as cur:
-            cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info)})
+            cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info),
+                                               "live_us": to_us(live)})
+            return int(cur.fetchone()["live"])
 
     @translate
     def queue_depths(self, queues: Sequence[str], cap: int = 100_000) -> list[dict[str, Any]]:
@@ -167,7 +171,6 @@ class MaintenanceQueries:
     def list_workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """Supervisors that refreshed their row within ``within`` seconds."""
         return self.run(operations.list_workers(within))
-
 
 
 from .. import operations  # noqa: E402  (see base.py)

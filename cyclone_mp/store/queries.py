@@ -165,7 +165,7 @@ class NodeRow:
 
     @property
     def limited(self) -> bool:
-        """True when a limit needs slots (see :meth:`Store.ensure_slots`)."""
+        """True when a limit needs slots (made at enqueue: ``operations._ensure_slots``)."""
         return self.concurrency is not None or self.rate_limit is not None
 
 
