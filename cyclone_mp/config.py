@@ -21,6 +21,8 @@ SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
+PREFETCH_FLEET = 1024  # steps all live supervisors on one database may hold together: each holds at most its share (issue 23: 16 supervisors holding 256 each ran 20,000 no-ops at 4,400 steps/s, 128 each at 6,800, 64 each at 7,500)
+PREFETCH_SHARE_MIN = 32  # a supervisor's share of PREFETCH_FLEET is never below this
 PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (issue 23; bounded by prefetch_room to what its children start within ~0.25 s)
 COALESCE_MAX = 0.1  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement (pgqueuer: 0.1 s)
 COALESCE_PER_WORKER = 4  # outcomes per child that go at once, without waiting COALESCE_MAX (pgqueuer: 10 in all)
@@ -61,7 +63,9 @@ class Config:
         max_payload: largest message (input or output, bytes) crossing the pipe.
         prefetch: steps the supervisor may claim beyond its idle children, held until a
             child frees up (default :data:`PREFETCH_DEFAULT`, 256, issue 23; 0: claim only
-            for idle children, SPEC 4's rule to the letter). See
+            for idle children, SPEC 4's rule to the letter). With other supervisors live on
+            the database each holds at most its share of :data:`PREFETCH_FLEET`
+            (:meth:`cyclone_mp.control.ProcessControl.prefetch_share`). See
             :meth:`cyclone_mp.control.ProcessControl.prefetch_room` for the bounds; while
             attempts are shorter than ``PIPELINE_MAX_STEP`` a busy child also gets its
             next held step queued.

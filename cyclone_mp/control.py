@@ -46,12 +46,13 @@ from .limits import Limits, format_size
 from .limitwatch import LimitWatch
 from .endings import RELEASED, AttemptEndings
 from .config import (
-    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_MAX_WAIT,
+    COALESCE_MAX, COALESCE_PER_WORKER, PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_FLEET,
+    PREFETCH_MAX_WAIT, PREFETCH_SHARE_MIN,
     Config,
 )
 from .mailbox import Inbox
 from .messages import (
-    RELEASE, Claimed, DatabaseState, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Written,
+    RELEASE, Claimed, DatabaseState, Fleet, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Written,
 )
 from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
@@ -147,6 +148,7 @@ class ProcessControl(AttemptEndings):
         self._shutdown_req = False
         self._stop_req = False
         self.step_seconds: float | None = None  # moving average of attempt durations
+        self.fleet = 1  # live supervisors on the database, this one included (maintenance reads the registry)
         self._prefetch_hold = False  # a held step waited too long: none until the next result
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
@@ -330,6 +332,8 @@ class ProcessControl(AttemptEndings):
                 self.on_lease_lost(message)
             elif isinstance(message, Poll):
                 self.next_poll = min(self.next_poll, self.clock())
+            elif isinstance(message, Fleet):
+                self.fleet = max(1, message.live)
             elif isinstance(message, DatabaseState):
                 self.db_ok = message.ok
                 if message.ok:
@@ -436,8 +440,20 @@ class ProcessControl(AttemptEndings):
         self.batches_out += 1
         self.writer.post_batch((), limit)
 
+    def prefetch_share(self) -> int:
+        """The most steps this supervisor may hold beyond its idle children: ``Config.prefetch``,
+        and with other supervisors live on the database (:attr:`fleet`, from the registry)
+        no more than its share of :data:`~cyclone_mp.config.PREFETCH_FLEET`, never below
+        :data:`~cyclone_mp.config.PREFETCH_SHARE_MIN` (issue 23: claims of many supervisors
+        at once skip each other's locked rows, and their held steps outwait the hold bound
+        on a busy host)."""
+        want = self.config.prefetch
+        if self.fleet > 1:
+            want = min(want, max(PREFETCH_SHARE_MIN, PREFETCH_FLEET // self.fleet))
+        return want
+
     def prefetch_room(self) -> int:
-        """How many steps to hold beyond the idle children (``Config.prefetch``).
+        """How many steps to hold beyond the idle children (:meth:`prefetch_share`).
 
         Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
         expected wait of a held step, ``len(held) / workers`` attempts, is kept under half
@@ -447,7 +463,7 @@ class ProcessControl(AttemptEndings):
         until the next attempt ends. The buffer is refilled once it is half empty, so
         refills ride on few statements.
         """
-        want = self.config.prefetch
+        want = self.prefetch_share()
         if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
             return 0
         wait = self._claim_hold / 2
@@ -843,7 +859,7 @@ class ProcessControl(AttemptEndings):
             kids.append(info)
         self.snapshot = {
             "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
-            "draining": self.draining, "children": kids, "prefetched": len(self.held),
+            "draining": self.draining, "children": kids, "prefetched": len(self.held), "prefetch": self.prefetch_share(),
             "limits": self.confinement.mechanism.as_dict(),
         }
 

@@ -123,6 +123,15 @@ class Poll:
     """Something may be claimable now (a NOTIFY, a reclaim, a retry without backoff)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Fleet:
+    """How many supervisors are live on the database (this one included), as the
+    registry said: process control holds its share of :data:`~cyclone_mp.config.PREFETCH_FLEET`."""
+
+    wakes: ClassVar[bool] = False  # read on the next turn
+    live: int
+
+
 # -- lease keeper, outcome writer -> maintenance ------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

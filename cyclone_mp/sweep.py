@@ -58,7 +58,7 @@ from .connections import vacuum_hot_tables
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .history import History, Policy, VacuumWatch
-from .messages import FAIL, RELEASE, Claimed, Load, Outcome, Poll
+from .messages import FAIL, RELEASE, Claimed, Fleet, Load, Outcome, Poll
 from .steps import Mux
 from .store import Store
 from .telemetry import NO_OBSERVER, Observer
@@ -350,14 +350,18 @@ class Maintenance(DatabaseThread):
         return counts["enqueued"]
 
     def register(self) -> None:
-        """Refresh this supervisor's registry row (informational)."""
+        """Refresh this supervisor's registry row (informational) and tell process control how
+        many supervisors are live (:class:`~cyclone_mp.messages.Fleet`)."""
         info = self.snapshot()
+        live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts
         try:
-            self.call(self.config.write_bound, lambda store: store.register_worker(
-                id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info))
+            live = self.call(self.config.write_bound, lambda store: store.register_worker(
+                id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within))
         except DatabaseError as exc:
             if not self.down(exc):
                 log.error("registry: %s", exc)
+            return
+        self.tell_control(Fleet(live))  # its share of the fleet's prefetch (ProcessControl.prefetch_share)
 
     def finish(self) -> None:
         """Remove the registry row (best effort, bounded)."""

@@ -572,3 +572,26 @@ def test_a_claim_that_came_back_late_starts_while_its_lease_can_be_kept(cyclone_
     else:  # released unstarted, then ran once under a later claim
         assert stalled and sup.stats["prefetch_released"] >= stalled[0]
         assert all(r["lease_generation"] >= 2 for r in rows[:stalled[0]]), rows
+
+
+def test_a_supervisor_holds_its_share_of_the_fleets_prefetch():
+    """With n supervisors live (a Fleet message from maintenance), one holds at most
+    max(PREFETCH_SHARE_MIN, PREFETCH_FLEET // n) beyond its idle children, and never more
+    than its own prefetch (issue 23: 16 supervisors holding 256 each released hundreds of
+    held steps they could not start in time)."""
+    from cyclone_mp.config import PREFETCH_FLEET, PREFETCH_SHARE_MIN, Config
+    from cyclone_mp.messages import Fleet
+
+    for prefetch, live, share in ((256, 1, 256), (256, 4, 256), (256, 8, PREFETCH_FLEET // 8),
+                                  (256, 16, PREFETCH_FLEET // 16), (256, 1000, PREFETCH_SHARE_MIN),
+                                  (16, 8, 16), (0, 8, 0)):
+        control, watchdog, _ = control_alone(Config.build(workers=2, prefetch=prefetch))
+        try:
+            control.inbox.post(Fleet(live))
+            control._read_inbox()
+            control.step_seconds = 0.0001  # no-op steps: only the share bounds the room
+            assert control.prefetch_share() == share, (prefetch, live)
+            assert control.prefetch_room() == share, (prefetch, live)
+        finally:
+            control.close()
+            watchdog.close()

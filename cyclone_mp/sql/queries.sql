@@ -1188,10 +1188,19 @@ SELECT * FROM (
  LIMIT %(limit)s;
 
 -- name: register_worker
--- Announce or refresh a live supervisor (informational only).
+-- Announce or refresh a live supervisor, and count the live ones: this one and every
+-- other whose row was refreshed within live_us (each sizes its prefetch by its share of
+-- the fleet's, issue 23). The rows are informational: recovery never reads them.
+WITH me AS (
 INSERT INTO cyclone_workers (id, hostname, pid, info)
 VALUES (%(id)s, %(hostname)s, %(pid)s, %(info)s)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), info = excluded.info;
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), info = excluded.info
+RETURNING id
+)
+SELECT (SELECT count(*) FROM me) + count(*) AS live
+FROM cyclone_workers w
+WHERE w.id <> %(id)s
+AND w.heartbeat_at > now() - (%(live_us)s::bigint * interval '1 microsecond');
 
 -- name: unregister_worker
 -- A supervisor that exits cleanly removes its row.
