@@ -296,7 +296,9 @@ class Client(ClientBase):
             counts from the claim, and it is released (available at once, no attempt
             used) if no child takes it within min(0.5 s, lease_ttl/4, timeout/10).
             While attempts are short (under 10 ms on average) one held step is also
-            queued in each busy child (pipelining); see docs/steps-and-client.md#prefetch.
+            queued in each busy child (pipelining). With n supervisors live on the
+            database each holds at most max(32, 1024 // n); see
+            docs/steps-and-client.md#prefetch.
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
         metrics_port: the supervisor serves Prometheus metrics on this TCP port

@@ -15,10 +15,10 @@ lock for one statement, nothing a session holds, so it works through PgBouncer i
 transaction mode), and when another supervisor has it, asks again once that turn is
 over. So the database sees one pass per ``poll_interval`` maximum (default 1 s) however
 many supervisors run, and each supervisor one small statement per interval. It also
-refreshes the informational ``cyclone_workers`` row every ``registry_interval`` (from a
-snapshot that process control publishes), and tells process control to claim at once
-when the sweep made something claimable. Recovery never reads the registry (scenario
-SC-05).
+refreshes the ``cyclone_workers`` row every ``registry_interval`` (from a snapshot that
+process control publishes; the same statement counts the live supervisors, for each
+one's share of the fleet's prefetch), and tells process control to claim at once when
+the sweep made something claimable. Recovery never reads the registry (scenario SC-05).
 
 At a random point of every ``poll_interval`` it also fires the due slots of the mux's
 schedules (:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its own: a
@@ -350,7 +350,7 @@ class Maintenance(DatabaseThread):
         return counts["enqueued"]
 
     def register(self) -> None:
-        """Refresh this supervisor's registry row (informational) and tell process control how
+        """Refresh this supervisor's registry row and tell process control how
         many supervisors are live (:class:`~cyclone_mp.messages.Fleet`)."""
         info = self.snapshot()
         live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts

@@ -187,7 +187,9 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
 
 
 def cut_off(env: Any, fault: str, handle: Any, host: Any, seconds: float) -> float:
-    """Apply ``fault`` to ``handle`` for ``seconds``; returns when it healed (time.time())."""
+    """Apply ``fault`` to ``handle`` for ``seconds``; returns when its healing began
+    (time.time(), read just before: a supervisor woken by SIGCONT may renew its lease, its
+    last statement for a lost step, before this process runs again)."""
     if fault == "proxy":
         env.partition(handle)
     elif fault == "netns":
@@ -195,13 +197,14 @@ def cut_off(env: Any, fault: str, handle: Any, host: Any, seconds: float) -> flo
     else:
         os.kill(handle.pid, signal.SIGSTOP)
     time.sleep(seconds)
+    healing = time.time()
     if fault == "proxy":
         env.heal(handle)
     elif fault == "netns":
         host.heal()
     else:
         os.kill(handle.pid, signal.SIGCONT)
-    return time.time()
+    return healing
 
 
 def active_since(dsn: str, owner: str, since: float) -> list[str]:

@@ -1190,7 +1190,7 @@ SELECT * FROM (
 -- name: register_worker
 -- Announce or refresh a live supervisor, and count the live ones: this one and every
 -- other whose row was refreshed within live_us (each sizes its prefetch by its share of
--- the fleet's, issue 23). The rows are informational: recovery never reads them.
+-- the fleet's, issue 23). Recovery never reads these rows.
 WITH me AS (
 INSERT INTO cyclone_workers (id, hostname, pid, info)
 VALUES (%(id)s, %(hostname)s, %(pid)s, %(info)s)
