@@ -21,7 +21,10 @@ SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
-PREFETCH_FLEET = 1024  # steps the live supervisors on one database hold together (up to 32 of them; PREFETCH_SHARE_MIN above): each holds at most its share (issue 23: 16 supervisors holding 256 each ran 20,000 no-ops at 4,400 steps/s, 128 each at 6,800, 64 each at 7,500)
+#: Steps the live supervisors on one database hold together (up to 32 of them; then
+#: PREFETCH_SHARE_MIN each): each holds at most its share (issue 23: 16 supervisors holding
+#: 256 each ran 20,000 no-ops at 4,400 steps/s, 128 each at 6,800, 64 each at 7,500).
+PREFETCH_FLEET = 1024
 PREFETCH_SHARE_MIN = 32  # a supervisor's share of PREFETCH_FLEET is never below this
 PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (issue 23; bounded by prefetch_room to what its children start within ~0.25 s)
 COALESCE_MAX = 0.1  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement (pgqueuer: 0.1 s)

@@ -859,8 +859,8 @@ class ProcessControl(AttemptEndings):
             kids.append(info)
         self.snapshot = {
             "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
-            "draining": self.draining, "children": kids, "prefetched": len(self.held), "prefetch": self.prefetch_share(),
-            "limits": self.confinement.mechanism.as_dict(),
+            "draining": self.draining, "children": kids, "prefetched": len(self.held),
+            "prefetch": self.prefetch_share(), "limits": self.confinement.mechanism.as_dict(),
         }
 
     # -- teardown -------------------------------------------------------------------------------------
