@@ -68,8 +68,8 @@ class Config:
             child frees up (default :data:`PREFETCH_DEFAULT`, 256, issue 23; 0: claim only
             for idle children, SPEC 4's rule to the letter). With other supervisors live on
             the database each holds at most its share of :data:`PREFETCH_FLEET`
-            (:meth:`cyclone_mp.control.ProcessControl.prefetch_share`). See
-            :meth:`cyclone_mp.control.ProcessControl.prefetch_room` for the bounds; while
+            (:meth:`cyclone_mp.holding.HeldSteps.prefetch_share`). See
+            :meth:`cyclone_mp.holding.HeldSteps.prefetch_room` for the bounds; while
             attempts are shorter than ``PIPELINE_MAX_STEP`` a busy child also gets its
             next held step queued.
         registry_interval: seconds between refreshes of the ``cyclone_workers`` row (what
