@@ -246,7 +246,7 @@ def describe_dsn(dsn: str) -> str:
 @click.option("--prefetch", type=click.IntRange(min=0), default=PREFETCH_DEFAULT, show_default=True,
               help="Steps to claim beyond the idle children and hold until one frees up, at "
                    "most what they can start within about 0.25 s (short steps only) and, with n "
-                   "supervisors live on the database, at most max(32, 1024/n); 0 claims only for "
+                   "supervisors live on the database, at most max(32, 2048/n); 0 claims only for "
                    "idle children.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")

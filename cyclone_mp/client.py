@@ -295,10 +295,10 @@ class Client(ClientBase):
             letter). A prefetched step shows ``running`` from its claim, its timeout
             counts from the claim, and it is released (available at once, no attempt
             used) if no child takes it within min(0.5 s, lease_ttl/4, timeout/10).
-            While attempts are short (under 10 ms on average) one held step is also
-            queued in each busy child (pipelining). With n supervisors live on the
-            database each holds at most max(32, 1024 // n); see
-            docs/steps-and-client.md#prefetch.
+            While attempts are short, held steps are also queued in busy children
+            (pipelining: up to 16 each under 10 ms on average, one under 0.1 s). With
+            n supervisors live on the database each holds at most max(32, 2048 // n);
+            see docs/steps-and-client.md#prefetch.
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
         metrics_port: the supervisor serves Prometheus metrics on this TCP port

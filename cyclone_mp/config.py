@@ -21,10 +21,12 @@ SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
-#: Steps the live supervisors on one database hold together (up to 32 of them; then
-#: PREFETCH_SHARE_MIN each): each holds at most its share (issue 23: 16 supervisors holding
-#: 256 each ran 20,000 no-ops at 4,400 steps/s, 128 each at 6,800, 64 each at 7,500).
-PREFETCH_FLEET = 1024
+#: Steps the live supervisors on one database hold together (up to 64 of them; then
+#: PREFETCH_SHARE_MIN each): each holds at most its share, so up to 8 hold the default
+#: whole (issue 23: 16 supervisors holding 256 each ran 20,000 no-ops at 4,400 steps/s, 128
+#: each at 6,800, 64 each at 7,500; 8 holding 128 each ran them at a median 6,700 steps/s
+#: in seven runs, 256 each at 7,900).
+PREFETCH_FLEET = 2048
 PREFETCH_SHARE_MIN = 32  # a supervisor's share of PREFETCH_FLEET is never below this
 PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (issue 23; bounded by prefetch_room to what its children start within ~0.25 s)
 COALESCE_MAX = 0.1  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement (pgqueuer: 0.1 s)
@@ -70,8 +72,9 @@ class Config:
             the database each holds at most its share of :data:`PREFETCH_FLEET`
             (:meth:`cyclone_mp.holding.HeldSteps.prefetch_share`). See
             :meth:`cyclone_mp.holding.HeldSteps.prefetch_room` for the bounds; while
-            attempts are shorter than ``PIPELINE_MAX_STEP`` a busy child also gets its
-            next held step queued.
+            attempts are short a busy child also gets held steps queued (up to
+            ``PIPELINE_DEPTH`` under ``PIPELINE_MAX_STEP``, one under
+            ``PIPELINE_ONE_MAX_STEP``).
         registry_interval: seconds between refreshes of the ``cyclone_workers`` row (what
             ``cyclone-mp workers`` shows; the live rows, refreshed within ``max(5 s, 3 x
             registry_interval)``, size each supervisor's share of the fleet's prefetch).

@@ -149,12 +149,12 @@ def test_a_missing_turn_row_is_made_and_taken(cyclone_env_factory, rows):
 
 def test_each_supervisor_holds_its_share_of_the_fleets_prefetch(cyclone_env_factory):
     """Each supervisor counts the live ones in the registry (issue 23): alone, it may hold
-    its whole prefetch (1,024); with a second one live, each holds half of PREFETCH_FLEET
-    (512), as their registry rows say; and once the other is gone (its row removed), the
+    its whole prefetch (4,096); with a second one live, each holds half of PREFETCH_FLEET
+    (1,024), as their registry rows say; and once the other is gone (its row removed), the
     whole again."""
     from cyclone_mp.config import PREFETCH_FLEET
 
-    env = cyclone_env_factory(workers=1, prefetch=1024, registry_interval=0.2)
+    env = cyclone_env_factory(workers=1, prefetch=4096, registry_interval=0.2)
     env.mux().register(h.sleeper)
     client = env.client()
 
@@ -162,14 +162,15 @@ def test_each_supervisor_holds_its_share_of_the_fleets_prefetch(cyclone_env_fact
         return {w["id"]: w["info"].get("prefetch") for w in client.workers()}
 
     a = env.start_worker()
-    wait_for(lambda: shares().get(a.supervisor_id) == 1024, 15, "A alone to hold its whole prefetch")
+    wait_for(lambda: shares().get(a.supervisor_id) == 4096, 15, "A alone to hold its whole prefetch")
     time.sleep(0.5)  # registry refreshes that counted the fleet (the first snapshot predates them)
-    assert shares().get(a.supervisor_id) == 1024
+    assert shares().get(a.supervisor_id) == 4096
     b = env.start_worker()
     half = PREFETCH_FLEET // 2
+    assert half < 4096
     wait_for(lambda: shares() == {a.supervisor_id: half, b.supervisor_id: half}, 15,
              "each of two to hold half of the fleet's prefetch")
     assert env.terminate_worker() is b  # it drains (nothing to do) and removes its row
     wait_for(lambda: not b.alive(), 15, "B to exit")
-    wait_for(lambda: shares().get(a.supervisor_id) == 1024, 15, "A alone again to hold its whole prefetch")
+    wait_for(lambda: shares().get(a.supervisor_id) == 4096, 15, "A alone again to hold its whole prefetch")
     env.stop_workers()

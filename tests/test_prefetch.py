@@ -582,8 +582,9 @@ def test_a_supervisor_holds_its_share_of_the_fleets_prefetch():
     from cyclone_mp.config import PREFETCH_FLEET, PREFETCH_SHARE_MIN, Config
     from cyclone_mp.messages import Fleet
 
-    for prefetch, live, share in ((256, 1, 256), (256, 4, 256), (256, 8, PREFETCH_FLEET // 8),
-                                  (256, 16, PREFETCH_FLEET // 16), (256, 1000, PREFETCH_SHARE_MIN),
+    assert PREFETCH_FLEET // 8 == 256  # up to 8 supervisors hold the default whole
+    for prefetch, live, share in ((256, 1, 256), (256, 4, 256), (256, 8, 256), (256, 16, PREFETCH_FLEET // 16),
+                                  (1024, 4, PREFETCH_FLEET // 4), (256, 1000, PREFETCH_SHARE_MIN),
                                   (16, 8, 16), (0, 8, 0)):
         control, watchdog, _ = control_alone(Config.build(workers=2, prefetch=prefetch))
         try:
