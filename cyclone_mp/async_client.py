@@ -1,7 +1,7 @@
 """``cy.AsyncClient``: :class:`~cyclone_mp.Client`'s methods, awaitable (issue 24).
 
 Built on psycopg's async connections and psycopg_pool's ``AsyncConnectionPool``. It
-plans every call as :class:`~cyclone_mp.Client` does (:class:`~cyclone_mp.client.ClientBase`)
+plans every call as :class:`~cyclone_mp.Client` does (:class:`~cyclone_mp.planning.ClientBase`)
 and runs the same operations (:mod:`cyclone_mp.operations`), so the SQL, its parameters
 and the handling of its rows exist once. It enqueues and manages runs; the supervisor
 runs elsewhere (``cyclone-mp worker``, or ``Client.run`` in a worker process).
@@ -25,7 +25,8 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from . import operations, tracing
-from .client import POOL_PROBE_EVERY, POOL_TIMEOUT, ClientBase
+from .client import POOL_PROBE_EVERY, POOL_TIMEOUT
+from .planning import ClientBase
 from .config import Config
 from .connections import PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
 from .durations import Duration

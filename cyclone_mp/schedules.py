@@ -230,7 +230,7 @@ def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
     Raises:
         DatabaseError: the database failed (the caller treats it as the sweep does).
     """
-    from .client import node_rows
+    from .planning import node_rows
 
     counts = {"enqueued": 0, "skipped": 0, "schedules": 0}
     schedules = mux.schedules

@@ -401,7 +401,7 @@ class Mux:
                 self.schedule(item, cron=cron, every=every, input=input, tz=tz, name=name, catch_up=catch_up)
                 return item
             return decorate
-        from .client import node_rows
+        from .planning import node_rows
         from .schedules import Schedule
 
         self.register(target)
