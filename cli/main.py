@@ -3,7 +3,9 @@
 A thin layer: each command parses its options, sets up logging, calls one library
 function (a :class:`cyclone_mp.Client` method, :func:`cyclone_mp.apps.load_app`, the
 embedded server, :func:`cyclone_mp.demo.run_demo`) and prints the result with
-:mod:`render`. No SQL and no process logic live here.
+:mod:`render`. No SQL and no process logic live here. The commands that read runs and
+act on them are in :mod:`runs`; what the commands share (the global options, the client
+made from them) is :mod:`common`.
 
 Exit codes: 0 ok; 1 the run or the command failed (unreachable database, unknown run
 id, a run that did not complete); 2 bad usage (malformed JSON, unknown step name, an
@@ -13,7 +15,6 @@ never a traceback (``-v`` adds the traceback of unexpected errors).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -28,29 +29,19 @@ import click
 from cyclone_mp.config import PREFETCH_DEFAULT, START_METHODS
 from cyclone_mp.connections import redact
 from cyclone_mp.errors import (
-    ConfigurationError, CycloneError, InvalidTransition, PayloadError, UnknownStep, WaitTimeout,
+    ConfigurationError, CycloneError, PayloadError, UnknownStep, WaitTimeout,
 )
-from cyclone_mp.status import TERMINAL_RUN_STATES
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.waiting import timeout_message
 
-from . import render
+from . import render, runs
+from .common import Settings, current_settings, make_client, out
 from .drain import DrainReporter
 from .params import BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS, Seconds
 
-RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 WAIT_REFRESH = 0.25  # seconds between refreshes of enqueue --wait's live view (the end itself wakes it at once)
-
-
-@dataclasses.dataclass
-class Settings:
-    """Global options: ``dsn`` (None: the embedded default server), ``verbose`` (count)."""
-
-    dsn: str | None
-    verbose: int
-    connection: dict[str, Any] = dataclasses.field(default_factory=dict)  # pgbouncer, prepared_statements, listen_dsn
 
 
 class LibraryUsageError(click.UsageError):
@@ -74,18 +65,6 @@ class CycloneGroup(click.Group):
             raise LibraryError(message) from exc
 
 
-def _settings() -> Settings:
-    return click.get_current_context().find_object(Settings) or Settings(dsn=None, verbose=0)
-
-
-def _client(mux: Any = None, **options: Any) -> Any:
-    """A Client on the global ``--dsn`` (None: the embedded default server)."""
-    from cyclone_mp.client import Client
-
-    settings = _settings()
-    return Client(settings.dsn, mux, **settings.connection, **options)
-
-
 def _load(app: str) -> Any:
     """Import APP; a failure is bad usage (exit 2) naming the APP."""
     from cyclone_mp.apps import load_app
@@ -94,10 +73,6 @@ def _load(app: str) -> Any:
         return load_app(app)
     except ConfigurationError as exc:
         raise click.BadParameter(str(exc).replace("cannot load APP ", "", 1), param_hint="APP") from exc
-
-
-def _out() -> Any:
-    return render.console()
 
 
 # -- the group ---------------------------------------------------------------------------------------
@@ -276,7 +251,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     waits for), a second one stops hard. Exits 0 after a drain.
     """
     mux = _load(app)
-    client = _client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
+    client = make_client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                      shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                      poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
                      max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
@@ -335,7 +310,7 @@ def _say_limits(client: Any) -> None:
 @cli.command()
 def migrate() -> None:
     """Create or upgrade the cyclone tables (idempotent; other commands do it too)."""
-    client = _client()
+    client = make_client()
     try:
         applied = client.migrate()
     finally:
@@ -387,7 +362,7 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
         raise click.UsageError("--wait-timeout needs --wait")
     mux = _load(app)
     mux.lookup(name)  # an unknown name is bad usage, before touching the database
-    client = _client(mux)
+    client = make_client(mux)
     try:
         client.migrate()
         run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts,
@@ -470,169 +445,11 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
     return status
 
 
-# -- read commands ------------------------------------------------------------------------------------
+# -- read commands and operator actions: runs.py ----------------------------------------------------
 
 
-@cli.command()
-@click.argument("run_id")
-@click.option("--traceback", "show_traceback", is_flag=True, help="Also print the last traceback a handler raised.")
-@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(run_id: str, show_traceback: bool, wide: bool, as_json: bool) -> None:
-    """Show a run: every step (node, state, attempt, last error as `Type: message`), each
-    output under its node's name, and the forensics of every failed attempt."""
-    client = _client()
-    try:
-        client.migrate()
-        result = client.status(run_id)
-    finally:
-        client.close()
-    if as_json:
-        render.print_json(result.to_dict())
-    else:
-        render.print_status(_out(), result, wide=wide, traceback=show_traceback)
-
-
-@cli.command()
-@click.option("--state", type=click.Choice(RUN_STATES), default=None, help="Only runs in this state.")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many.")
-@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
-    """List recent runs, newest first."""
-    client = _client()
-    try:
-        client.migrate()
-        rows = client.runs(state=state, limit=limit)
-    finally:
-        client.close()
-    if as_json:
-        render.print_json(rows)
-    elif rows:
-        con = _out()
-        render.put(con, render.runs_table(rows, compact=render.compact(con, wide)), wide)
-    else:
-        click.echo("no runs" + (f" in state {state}" if state else ""))
-
-
-@cli.command()
-@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.option("--delete", "delete", metavar="NAME", default=None,
-              help="Forget the row of schedule NAME, one no supervisor defines any more (not active); "
-                   "the runs it enqueued stay.")
-def schedules(wide: bool, as_json: bool, delete: str | None) -> None:
-    """Periodic schedules (mux.schedule) and their next fire times (database clock)."""
-    client = _client()
-    try:
-        client.migrate()
-        if delete is not None:
-            try:
-                client.delete_schedule(delete)
-            except (LookupError, InvalidTransition) as exc:
-                raise click.ClickException(str(exc)) from None
-            click.echo(f"deleted schedule {delete!r}")
-            return
-        rows = client.schedules()
-    finally:
-        client.close()
-    if as_json:
-        render.print_json(rows)
-    elif rows:
-        render.put(_out(), render.schedules_table(rows), wide)
-    else:
-        click.echo("no schedules (a supervisor whose mux defines one creates it)")
-
-
-@cli.command()
-@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def workers(wide: bool, as_json: bool) -> None:
-    """Live supervisors and their children: pid, step, elapsed, CPU %, RSS."""
-    client = _client()
-    try:
-        client.migrate()
-        rows = client.workers()
-    finally:
-        client.close()
-    if as_json:
-        render.print_json(rows)
-    else:
-        render.print_workers(_out(), rows, wide=wide)
-
-
-# -- operator actions ---------------------------------------------------------------------------------
-
-
-def _act(action: str, run_id: str) -> int:
-    client = _client()
-    try:
-        client.migrate()
-        return getattr(client, action)(run_id)
-    finally:
-        client.close()
-
-
-@cli.command()
-@click.argument("run_id")
-def cancel(run_id: str) -> None:
-    """Cancel a run: every unfinished step, in one transaction (in-flight handlers are killed)."""
-    click.echo(f"cancelled run {run_id} ({_act('cancel', run_id)} step(s))")
-
-
-@cli.command()
-@click.argument("run_id")
-def retry(run_id: str) -> None:
-    """Reopen a discarded (or cancelled single-step) run.
-
-    Its discarded steps run again: max_attempts is raised, no attempt consumed.
-    """
-    click.echo(f"retrying run {run_id} ({_act('retry', run_id)} step(s) reopened)")
-
-
-@cli.command()
-@click.argument("run_id")
-def pause(run_id: str) -> None:
-    """Pause a run: waiting steps stay put, running ones finish."""
-    click.echo(f"paused run {run_id} ({_act('pause', run_id)} step(s))")
-
-
-@cli.command()
-@click.argument("run_id")
-def resume(run_id: str) -> None:
-    """Resume a paused run."""
-    click.echo(f"resumed run {run_id} ({_act('resume', run_id)} step(s))")
-
-
-@cli.command()
-@click.option("--older-than", type=SECONDS, required=True, metavar="DURATION",
-              help="Delete runs that finished more than this long ago (seconds, or e.g. 7d, 12h, 30m).")
-def prune(older_than: float) -> None:
-    """Delete finished runs (completed, discarded, cancelled) and their steps, hot or
-    archived (whole archive partitions when their day is older). Supervisors apply a
-    retention by themselves with worker --retain-completed and friends."""
-    client = _client()
-    try:
-        client.migrate()
-        click.echo(f"pruned {client.prune(older_than)} finished run(s)")
-    finally:
-        client.close()
-
-
-@cli.command("signal")
-@click.argument("run_id")
-@click.argument("name")
-@click.option("--payload", type=JSON, default=None, metavar="JSON|@FILE", help="The signal's payload [default: null].")
-def signal_(run_id: str, name: str, payload: Any) -> None:
-    """Send signal NAME to a run (the first signal of a name is kept)."""
-    client = _client()
-    try:
-        client.migrate()
-        fresh = client.signal(run_id, name, payload)
-    finally:
-        client.close()
-    click.echo(f"signal {name!r} sent to run {run_id}" if fresh
-               else f"signal {name!r} was already received by run {run_id}; the first one is kept")
+for _command in runs.COMMANDS:  # status, runs, schedules, workers, and the operator's actions on a run
+    cli.add_command(_command)
 
 
 # -- the embedded server --------------------------------------------------------------------------------
@@ -682,7 +499,7 @@ def db_stop() -> None:
 def db_status(as_json: bool) -> None:
     """Show whether the server runs, its pid, data directory and URI."""
     info = _server().status()
-    render.print_json(info) if as_json else render.print_db_status(_out(), info)
+    render.print_json(info) if as_json else render.print_db_status(out(), info)
 
 
 @db.command("uri")
@@ -714,7 +531,7 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
 
     from cyclone_mp.demo import run_demo
 
-    if _settings().verbose == 0:
+    if current_settings().verbose == 0:
         logging.getLogger("cyclone_mp").setLevel(logging.ERROR)  # the demo's kills are expected
     progress = None if as_json else Progress(
         SpinnerColumn(), TextColumn("[bold]demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -730,14 +547,14 @@ def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
     if progress is not None:
         progress.start()
     try:
-        report = run_demo(_settings().dsn, cpu_steps=cpu_steps, keep=keep, on_tick=tick)
+        report = run_demo(current_settings().dsn, cpu_steps=cpu_steps, keep=keep, on_tick=tick)
     finally:
         if progress is not None:
             progress.stop()
     if as_json:
         render.print_json(report.to_dict())
     else:
-        render.print_demo(_out(), report, wide=wide)
+        render.print_demo(out(), report, wide=wide)
     if not report.ok:
         click.get_current_context().exit(1)
 
@@ -767,7 +584,7 @@ def dashboard(host: str, port: int, token: str | None, refresh: float | None) ->
         raise click.ClickException(
             f"the dashboard needs its extra: pip install 'cyclone-mp[dashboard]' (missing: {exc.name})") from exc
     check_bind(host, token or None)  # before touching the database: a refusal needs none
-    client = _client()
+    client = make_client()
     try:
         client.migrate()
         serve(client, host=host, port=port, token=token or None, refresh=refresh,

@@ -153,7 +153,7 @@ def test_the_testing_extra_is_slim_and_the_docs_name_it() -> None:
 
 def test_docs_say_retry_reopens_only_single_step_cancelled_runs() -> None:
     """Issue 19, item 10: a cancelled workflow is refused by retry; no page says otherwise."""
-    from cyclone_mp_cli.main import retry
+    from cyclone_mp_cli.runs import retry
 
     def sentences(text: str) -> list[str]:  # lines of markdown wrap mid-sentence
         return re.split(r"(?<=[.;])\s+|\n\s*\n|\n(?=[-|#`])", text)

@@ -1,0 +1,185 @@
+"""The ``cyclone-mp`` commands that read runs and act on them (SPEC section 8): ``status``,
+``runs``, ``schedules``, ``workers``, and the operator's ``cancel``, ``retry``, ``pause``,
+``resume``, ``prune`` and ``signal``. Each opens a :class:`cyclone_mp.Client` on the global
+``--dsn``, calls one method and prints the result with :mod:`render`; :mod:`main`
+registers them on the group (:data:`COMMANDS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from cyclone_mp.errors import InvalidTransition
+
+from . import render
+from .common import RUN_STATES, make_client, out
+from .params import JSON, SECONDS
+
+# -- read commands ------------------------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--traceback", "show_traceback", is_flag=True, help="Also print the last traceback a handler raised.")
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(run_id: str, show_traceback: bool, wide: bool, as_json: bool) -> None:
+    """Show a run: every step (node, state, attempt, last error as `Type: message`), each
+    output under its node's name, and the forensics of every failed attempt."""
+    client = make_client()
+    try:
+        client.migrate()
+        result = client.status(run_id)
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(result.to_dict())
+    else:
+        render.print_status(out(), result, wide=wide, traceback=show_traceback)
+
+
+@click.command()
+@click.option("--state", type=click.Choice(RUN_STATES), default=None, help="Only runs in this state.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many.")
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
+    """List recent runs, newest first."""
+    client = make_client()
+    try:
+        client.migrate()
+        rows = client.runs(state=state, limit=limit)
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif rows:
+        con = out()
+        render.put(con, render.runs_table(rows, compact=render.compact(con, wide)), wide)
+    else:
+        click.echo("no runs" + (f" in state {state}" if state else ""))
+
+
+@click.command()
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--delete", "delete", metavar="NAME", default=None,
+              help="Forget the row of schedule NAME, one no supervisor defines any more (not active); "
+                   "the runs it enqueued stay.")
+def schedules(wide: bool, as_json: bool, delete: str | None) -> None:
+    """Periodic schedules (mux.schedule) and their next fire times (database clock)."""
+    client = make_client()
+    try:
+        client.migrate()
+        if delete is not None:
+            try:
+                client.delete_schedule(delete)
+            except (LookupError, InvalidTransition) as exc:
+                raise click.ClickException(str(exc)) from None
+            click.echo(f"deleted schedule {delete!r}")
+            return
+        rows = client.schedules()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif rows:
+        render.put(out(), render.schedules_table(rows), wide)
+    else:
+        click.echo("no schedules (a supervisor whose mux defines one creates it)")
+
+
+@click.command()
+@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def workers(wide: bool, as_json: bool) -> None:
+    """Live supervisors and their children: pid, step, elapsed, CPU %, RSS."""
+    client = make_client()
+    try:
+        client.migrate()
+        rows = client.workers()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    else:
+        render.print_workers(out(), rows, wide=wide)
+
+
+# -- operator actions ---------------------------------------------------------------------------------
+
+
+def _act(action: str, run_id: str) -> int:
+    client = make_client()
+    try:
+        client.migrate()
+        return getattr(client, action)(run_id)
+    finally:
+        client.close()
+
+
+@click.command()
+@click.argument("run_id")
+def cancel(run_id: str) -> None:
+    """Cancel a run: every unfinished step, in one transaction (in-flight handlers are killed)."""
+    click.echo(f"cancelled run {run_id} ({_act('cancel', run_id)} step(s))")
+
+
+@click.command()
+@click.argument("run_id")
+def retry(run_id: str) -> None:
+    """Reopen a discarded (or cancelled single-step) run.
+
+    Its discarded steps run again: max_attempts is raised, no attempt consumed.
+    """
+    click.echo(f"retrying run {run_id} ({_act('retry', run_id)} step(s) reopened)")
+
+
+@click.command()
+@click.argument("run_id")
+def pause(run_id: str) -> None:
+    """Pause a run: waiting steps stay put, running ones finish."""
+    click.echo(f"paused run {run_id} ({_act('pause', run_id)} step(s))")
+
+
+@click.command()
+@click.argument("run_id")
+def resume(run_id: str) -> None:
+    """Resume a paused run."""
+    click.echo(f"resumed run {run_id} ({_act('resume', run_id)} step(s))")
+
+
+@click.command()
+@click.option("--older-than", type=SECONDS, required=True, metavar="DURATION",
+              help="Delete runs that finished more than this long ago (seconds, or e.g. 7d, 12h, 30m).")
+def prune(older_than: float) -> None:
+    """Delete finished runs (completed, discarded, cancelled) and their steps, hot or
+    archived (whole archive partitions when their day is older). Supervisors apply a
+    retention by themselves with worker --retain-completed and friends."""
+    client = make_client()
+    try:
+        client.migrate()
+        click.echo(f"pruned {client.prune(older_than)} finished run(s)")
+    finally:
+        client.close()
+
+
+@click.command("signal")
+@click.argument("run_id")
+@click.argument("name")
+@click.option("--payload", type=JSON, default=None, metavar="JSON|@FILE", help="The signal's payload [default: null].")
+def signal_(run_id: str, name: str, payload: Any) -> None:
+    """Send signal NAME to a run (the first signal of a name is kept)."""
+    client = make_client()
+    try:
+        client.migrate()
+        fresh = client.signal(run_id, name, payload)
+    finally:
+        client.close()
+    click.echo(f"signal {name!r} sent to run {run_id}" if fresh
+               else f"signal {name!r} was already received by run {run_id}; the first one is kept")
+
+#: The commands of this module, in the order ``cyclone-mp --help`` lists them (by name).
+COMMANDS = (status, runs, schedules, workers, cancel, retry, pause, resume, prune, signal_)
