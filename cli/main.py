@@ -252,12 +252,12 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     """
     mux = _load(app)
     client = make_client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
-                     shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
-                     poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
-                     max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
-                     archive_after=archive_after, retain_completed=retain_completed,
-                     retain_discarded=retain_discarded, retain_cancelled=retain_cancelled,
-                     start_method=start_method)
+                         shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
+                         poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
+                         max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
+                         archive_after=archive_after, retain_completed=retain_completed,
+                         retain_discarded=retain_discarded, retain_cancelled=retain_cancelled,
+                         start_method=start_method)
     cfg = client.config
     client.migrate()  # fail before the banner when the database is unreachable
     click.echo(

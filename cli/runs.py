@@ -181,5 +181,6 @@ def signal_(run_id: str, name: str, payload: Any) -> None:
     click.echo(f"signal {name!r} sent to run {run_id}" if fresh
                else f"signal {name!r} was already received by run {run_id}; the first one is kept")
 
-#: The commands of this module, in the order ``cyclone-mp --help`` lists them (by name).
+
+#: The commands of this module (``cyclone-mp --help`` lists every command by name).
 COMMANDS = (status, runs, schedules, workers, cancel, retry, pause, resume, prune, signal_)
