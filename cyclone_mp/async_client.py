@@ -26,12 +26,12 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from . import operations, tracing
 from .client import POOL_PROBE_EVERY, POOL_TIMEOUT
-from .planning import ClientBase
 from .config import Config
 from .connections import PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
 from .durations import Duration
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable
 from .operations import Op
+from .planning import ClientBase
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step
 from .store import AsyncStore
