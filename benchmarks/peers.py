@@ -29,13 +29,18 @@ Where things come from (each has an option of ``run.py`` and an environment vari
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
+import time
 from typing import Any
 
-from common import median
+from common import console, ensure_bytecode, git_state, loadavg, median
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -268,3 +273,51 @@ def print_summary(rows: list[dict[str, Any]], data: dict[str, Any], console: Any
     errors = data.get("errors") or []
     for e in errors:
         console.print(f"[red]harness error:[/] {e}")
+
+
+def run(args: Any) -> int:
+    """``--peers`` (issue 23): the peer harness's S1 and S2, then the comparison table
+    (:func:`summarize`, :func:`print_summary`). ``args``: run.py's options. Exit status 2
+    with one message when the harness or pgqueuer is missing, 1 when the harness failed."""
+    try:
+        harness = find_harness(args.peer_bench)
+        python = os.path.abspath(args.peer_python or os.environ.get(PYTHON_ENV) or sys.executable)
+        found = check_python(python, harness)
+    except PeerBenchUnavailable as exc:
+        console.print(f"[red]benchmarks --peers:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    mine = os.path.join(os.path.dirname(HERE), "cyclone_mp")
+    if os.path.realpath(found.get("cyclone_mp_path", "")) != os.path.realpath(mine):
+        console.print(f"[yellow]note:[/] {python} imports cyclone_mp from {found.get('cyclone_mp_path')}, "
+                      f"not this checkout's {mine}: that one is measured")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(HERE, "results", f"peers-{stamp}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    logdir = tempfile.mkdtemp(prefix="cyclone-mp-peers-")
+    meta: dict[str, Any] = {"started": dt.datetime.now(dt.timezone.utc).isoformat(), "quick": args.quick,
+                            "repeat": args.repeat, "harness": harness, "python": python, "imports": found,
+                            "loadavg_start": loadavg(), **git_state()}
+    if os.path.realpath(found.get("cyclone_mp_path", "")) == os.path.realpath(mine):
+        meta["cyclone_mp_bytecode"] = ensure_bytecode()  # as an installed package has (see ensure_bytecode)
+    console.print(f"peer harness {harness}; interpreter {python}; cyclone-mp {found['versions'].get('cyclone-mp')}, "
+                  f"pgqueuer {found['versions'].get('pgqueuer')}; load average {meta['loadavg_start']}")
+    harness_out = (out[:-len(".json")] if out.endswith(".json") else out) + "-harness.json"
+    t = time.time()
+    try:
+        data = run_harness(harness, python, quick=args.quick, repeat=args.repeat, out=harness_out,
+                                 logdir=logdir, echo=lambda line: console.print(line, highlight=False, markup=False))
+    except RuntimeError as exc:
+        console.print(f"[red]benchmarks --peers:[/] {exc}")
+        return 1
+    meta.update({"loadavg_end": loadavg(), "seconds": round(time.time() - t, 1)})
+    rows = summarize(data)
+    with open(out, "w") as fh:
+        json.dump({"meta": meta, "summary": rows, "harness": data}, fh, indent=2, default=str)
+    print_summary(rows, data, console, args.quick)
+    if data.get("errors"):
+        console.print(f"worker logs kept in {logdir}")
+    else:
+        shutil.rmtree(logdir, ignore_errors=True)
+    console.print(f"load average: start {meta['loadavg_start']}, end {meta['loadavg_end']}; {meta['seconds']} s; "
+                  f"JSON: {out} (the harness's own: {harness_out})")
+    return 0

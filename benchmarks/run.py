@@ -16,10 +16,8 @@ target; the JSON in ``benchmarks/results/<timestamp>.json`` has every sample.
 from __future__ import annotations
 
 import argparse
-import compileall
 import contextlib
 import datetime as dt
-import importlib.util
 import json
 import logging
 import multiprocessing
@@ -28,7 +26,6 @@ import platform
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,11 +45,12 @@ from cyclone_mp.store import Store
 
 from children_bench import ChildBenches
 from common import (
-    PREFETCH, PREFETCH_KEYS, Server, SupervisorProcess, all_ready, console, dead_or_zombie, epoch, loadavg,
-    mux_of, percentile, run_until_completed, step_times, suffixed, wait_until, wal_lsn,
+    PREFETCH, PREFETCH_KEYS, Server, SupervisorProcess, all_ready, console, dead_or_zombie, ensure_bytecode, epoch,
+    git_state, loadavg, mux_of, percentile, run_until_completed, step_times, suffixed, wait_until, wal_lsn,
 )
 from history_bench import HistoryBenches
 from report import print_table, summarize
+from scale import ScaleBenches
 
 ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12")
 ON_REQUEST = ("B11", "B12")  # minutes long: run with --only
@@ -93,7 +91,7 @@ B11_ARCHIVE_AFTER = 10
 # -- the benchmarks ----------------------------------------------------------------------------
 
 
-class Bench(HistoryBenches, ChildBenches):
+class Bench(HistoryBenches, ChildBenches, ScaleBenches):
     def __init__(self, server: Server, counts: dict[str, int], tmp: str, limits: bool = False,
                  bouncers: dict[str, Any] | None = None) -> None:
         self.server = server
@@ -490,32 +488,6 @@ class Bench(HistoryBenches, ChildBenches):
         row["claim_big_over_small"] = round(row["claim_ms_big"] / row["claim_ms_small"], 2)
         return row
 
-    # B12 ----------------------------------------------------------------------------------
-
-    def b12(self) -> dict[str, Any]:
-        """Many supervisors on one PostgreSQL (benchmarks/scale.py): each count in
-        ``b12_sizes`` on a fresh database, ``prefetch`` as ``--scale-prefetch`` (the
-        engine's default by default: what a user runs), in one repetition."""
-        import scale
-
-        if not hasattr(self, "_pgss"):
-            self._pgss = scale.enable_pgss(self.server)
-        row: dict[str, Any] = {"pg_stat_statements": self._pgss}
-        for k in self.n["b12_sizes"]:
-            with self.server.fresh() as dsn:
-                dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
-                one = scale.scale_once(admin_dsn=self.server.admin_dsn, dsn=dsn, dbname=dbname, k=k,
-                                       n=self.n["b12_steps"], prefetch=self.n["b12_prefetch"],
-                                       idle_s=self.n["b12_idle_s"],
-                                       tmp=self.tmp, start=SupervisorProcess, use_pgss=self._pgss)
-            console.print(f"  B12 {k} supervisor(s): {one}", highlight=False)
-            row.update({f"{key}_k{k}": v for key, v in one.items() if key != "supervisors"})
-        sizes = self.n["b12_sizes"]
-        for k in sizes:
-            if k > 4 and 4 in sizes:
-                row[f"ratio_{k}_to_4"] = round(row[f"steps_per_s_k{k}"] / row["steps_per_s_k4"], 3)
-        return row
-
 
 def load_peer(path: str | None) -> dict[str, float]:
     peer = dict(PEER_REF)
@@ -530,39 +502,6 @@ def load_peer(path: str | None) -> dict[str, float]:
                 peer[key] = statistics.median(vals)
                 peer["source_" + name] = path  # type: ignore[assignment]
     return peer
-
-
-def ensure_bytecode() -> str:
-    """Compile cyclone_mp's modules to bytecode if they have none, as ``pip install``
-    does for an installed package, so every child does not compile them from source at
-    its start. An editable install never gets bytecode written while
-    ``PYTHONDONTWRITEBYTECODE`` is set (this VM sets it): measured, a fresh child then
-    took 50-52 ms to be ready instead of 29-42 ms. Returns what was done (for the JSON)."""
-    pkg = os.path.dirname(os.path.abspath(cy.__file__))
-    sources = [os.path.join(d, f) for d, _, files in os.walk(pkg) for f in files if f.endswith(".py")]
-    def stale(source: str) -> bool:
-        cached = importlib.util.cache_from_source(source)
-        return not os.path.exists(cached) or os.path.getmtime(cached) < os.path.getmtime(source)
-
-    missing = [f for f in sources if stale(f)]
-    if not missing:
-        return "present"
-    compileall.compile_dir(pkg, quiet=1)  # py_compile writes whatever PYTHONDONTWRITEBYTECODE says
-    return f"compiled by the benchmark for {len(missing)} of {len(sources)} modules (as pip install does)"
-
-
-def git_state(root: str | None = None) -> dict[str, Any]:
-    """The commit measured, and whether the engine (``cyclone_mp/`` and ``cli/`` of the checkout ``root``,
-    this one by default) had uncommitted changes."""
-    root = root or os.path.dirname(HERE)
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "cyclone_mp", "cli"], cwd=root, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        return {"commit": head or None, "engine_uncommitted_changes": bool(dirty)}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None}
 
 
 def start_bouncers(upstream_dsn: str) -> dict[str, Any]:
@@ -580,56 +519,6 @@ def start_bouncers(upstream_dsn: str) -> dict[str, Any]:
         return found
     found["_pgbouncer_prepared"] = PgBouncer(upstream_dsn, pool_size=4, max_prepared_statements=100, binary=binary)
     return found
-
-
-def run_peers(args: argparse.Namespace) -> int:
-    """``--peers`` (issue 23): the peer harness's S1 and S2, then the comparison table
-    (benchmarks/peers.py). Exit status 2 with one message when the harness or pgqueuer
-    is missing, 1 when the harness failed."""
-    import peers
-
-    try:
-        harness = peers.find_harness(args.peer_bench)
-        python = os.path.abspath(args.peer_python or os.environ.get(peers.PYTHON_ENV) or sys.executable)
-        found = peers.check_python(python, harness)
-    except peers.PeerBenchUnavailable as exc:
-        console.print(f"[red]benchmarks --peers:[/] {exc}", highlight=False, soft_wrap=True)
-        return 2
-    mine = os.path.join(os.path.dirname(HERE), "cyclone_mp")
-    if os.path.realpath(found.get("cyclone_mp_path", "")) != os.path.realpath(mine):
-        console.print(f"[yellow]note:[/] {python} imports cyclone_mp from {found.get('cyclone_mp_path')}, "
-                      f"not this checkout's {mine}: that one is measured")
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or os.path.join(HERE, "results", f"peers-{stamp}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    logdir = tempfile.mkdtemp(prefix="cyclone-mp-peers-")
-    meta: dict[str, Any] = {"started": dt.datetime.now(dt.timezone.utc).isoformat(), "quick": args.quick,
-                            "repeat": args.repeat, "harness": harness, "python": python, "imports": found,
-                            "loadavg_start": loadavg(), **git_state()}
-    if os.path.realpath(found.get("cyclone_mp_path", "")) == os.path.realpath(mine):
-        meta["cyclone_mp_bytecode"] = ensure_bytecode()  # as an installed package has (see ensure_bytecode)
-    console.print(f"peer harness {harness}; interpreter {python}; cyclone-mp {found['versions'].get('cyclone-mp')}, "
-                  f"pgqueuer {found['versions'].get('pgqueuer')}; load average {meta['loadavg_start']}")
-    harness_out = (out[:-len(".json")] if out.endswith(".json") else out) + "-harness.json"
-    t = time.time()
-    try:
-        data = peers.run_harness(harness, python, quick=args.quick, repeat=args.repeat, out=harness_out,
-                                 logdir=logdir, echo=lambda line: console.print(line, highlight=False, markup=False))
-    except RuntimeError as exc:
-        console.print(f"[red]benchmarks --peers:[/] {exc}")
-        return 1
-    meta.update({"loadavg_end": loadavg(), "seconds": round(time.time() - t, 1)})
-    rows = peers.summarize(data)
-    with open(out, "w") as fh:
-        json.dump({"meta": meta, "summary": rows, "harness": data}, fh, indent=2, default=str)
-    peers.print_summary(rows, data, console, args.quick)
-    if data.get("errors"):
-        console.print(f"worker logs kept in {logdir}")
-    else:
-        shutil.rmtree(logdir, ignore_errors=True)
-    console.print(f"load average: start {meta['loadavg_start']}, end {meta['loadavg_end']}; {meta['seconds']} s; "
-                  f"JSON: {out} (the harness's own: {harness_out})")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -670,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers:
         if args.repeat < 1:
             ap.error("--repeat must be >= 1")
-        return run_peers(args)
+        import peers
+
+        return peers.run(args)
     only = [b.strip().upper() for b in args.only.split(",") if b.strip()]
     bad = [b for b in only if b not in ALL]
     if bad or args.repeat < 1:

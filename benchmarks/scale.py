@@ -35,6 +35,7 @@ import psutil
 import psycopg
 
 import bench_steps
+from common import SupervisorProcess, console
 from cyclone_mp.store import Q
 
 PARTS_PREFIX = "cyclone_mp "
@@ -320,3 +321,33 @@ def enable_pgss(server: Any) -> bool:
     embedded.stop()
     server.admin_dsn = embedded.start(timeout=120)
     return True
+
+
+class ScaleBenches:
+    """B12, for :class:`run.Bench` (``self.server``, ``self.n``, ``self.tmp``)."""
+
+    server: Any
+    n: dict[str, Any]
+    tmp: str
+
+    def b12(self) -> dict[str, Any]:
+        """Many supervisors on one PostgreSQL (benchmarks/py): each count in
+        ``b12_sizes`` on a fresh database, ``prefetch`` as ``--scale-prefetch`` (the
+        engine's default by default: what a user runs), in one repetition."""
+        if not hasattr(self, "_pgss"):
+            self._pgss = enable_pgss(self.server)
+        row: dict[str, Any] = {"pg_stat_statements": self._pgss}
+        for k in self.n["b12_sizes"]:
+            with self.server.fresh() as dsn:
+                dbname = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+                one = scale_once(admin_dsn=self.server.admin_dsn, dsn=dsn, dbname=dbname, k=k,
+                                       n=self.n["b12_steps"], prefetch=self.n["b12_prefetch"],
+                                       idle_s=self.n["b12_idle_s"],
+                                       tmp=self.tmp, start=SupervisorProcess, use_pgss=self._pgss)
+            console.print(f"  B12 {k} supervisor(s): {one}", highlight=False)
+            row.update({f"{key}_k{k}": v for key, v in one.items() if key != "supervisors"})
+        sizes = self.n["b12_sizes"]
+        for k in sizes:
+            if k > 4 and 4 in sizes:
+                row[f"ratio_{k}_to_4"] = round(row[f"steps_per_s_k{k}"] / row["steps_per_s_k4"], 3)
+        return row

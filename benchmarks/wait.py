@@ -54,7 +54,7 @@ import psycopg  # noqa: E402
 import bench_steps  # noqa: E402
 import cyclone_mp as cy  # noqa: E402
 from common import Server, loadavg, mux_of, percentile, wait_until  # noqa: E402
-from run import ensure_bytecode  # noqa: E402
+from common import ensure_bytecode  # noqa: E402
 
 RUNS = 1000
 B1_STEPS = 2000
