@@ -499,6 +499,15 @@ def schedules_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _sweep_age(age: float | None, row_age: float) -> Text | str:
+    """``  last sweep 1.2s ago`` (the fleet's last successful recovery sweep, brought up to
+    now from the registry row's age), in red when older than a minute; '' when unknown."""
+    if age is None:
+        return ""
+    total = float(age) + row_age
+    return Text(f"  last sweep {total:.0f}s ago", style="bold red" if total > 60 else "")
+
+
 def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = False) -> None:
     """Each live supervisor, then a table of its children (pid, step, elapsed, CPU %, RSS).
     Compact (narrow terminals): pid, run id (in full), attempt, and the step with its
@@ -514,8 +523,12 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
             ("supervisor ", "bold"), (str(row["id"]), "bold"),
             f"  host {row.get('hostname')} pid {row.get('pid')}  up since {when(row.get('started_at'))}",
             f"  seen {age_s:.1f}s ago  queues {','.join(info.get('queues') or [])}",
+            _sweep_age((info.get("maintenance") or {}).get("last_sweep_age"), age_s),
             ("  draining" if info.get("draining") else ""),
         ))
+        for task, health in sorted(((info.get("maintenance") or {}).get("failing") or {}).items()):
+            con.print(Text(f"  FAILING: maintenance task {task} failed {health.get('failures')} times in a row "
+                           f"(for {secs(health.get('for'), 0)}): {health.get('error')}", style="bold red"))
         mech = info.get("limits")
         if isinstance(mech, dict):
             con.print(Text(

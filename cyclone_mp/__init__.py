@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run
         RunFailed,
         RunNotFound,
         UnknownStep,
+        UnsupportedServer,
         WaitTimeout,
     )
     from .schedules import Schedule
@@ -57,7 +58,7 @@ _LAZY = {
     "Cancelled": "errors", "ConfigurationError": "errors", "CycloneError": "errors",
     "DatabaseError": "errors", "DatabaseUnavailable": "errors", "InvalidTransition": "errors",
     "PayloadError": "errors", "Permanent": "errors", "QueryRejected": "errors", "RunNotFound": "errors", "UnknownStep": "errors",
-    "RunFailed": "errors", "RunCancelled": "errors", "WaitTimeout": "errors",
+    "RunFailed": "errors", "RunCancelled": "errors", "UnsupportedServer": "errors", "WaitTimeout": "errors",
     "RunStatus": "status", "StepStatus": "status", "Schedule": "schedules",
     "Mux": "steps", "Step": "steps", "step": "steps",
     "Workflow": "workflow",

@@ -39,6 +39,7 @@ import importlib.metadata
 import os
 import pathlib
 import pwd
+import re
 import shlex
 import shutil
 import stat
@@ -89,10 +90,17 @@ class EmbeddedServer:
     """One embedded cluster, named by its data directory. Holds no other state: every
     method reads ``postmaster.pid``, so instances in different processes agree."""
 
-    def __init__(self, data_dir: pathlib.Path | str | None = None) -> None:
-        """``data_dir``: the cluster directory (``None``: :func:`default_data_dir`)."""
+    def __init__(self, data_dir: pathlib.Path | str | None = None, *,
+                 bin_dir: pathlib.Path | str | None = None) -> None:
+        """``data_dir``: the cluster directory (``None``: :func:`default_data_dir`).
+        ``bin_dir``: a directory holding ``initdb``, ``pg_ctl`` and ``postgres`` of another
+        PostgreSQL (14 or later: Debian's ``/usr/lib/postgresql/15/bin``, say) to run
+        instead of the wheel's; as root it must be readable by the server user. Tests
+        use it to run the suite on each supported version
+        (:mod:`cyclone_mp.testing.servers`)."""
         path = default_data_dir() if data_dir is None else pathlib.Path(data_dir)
         self.data_dir: pathlib.Path = path.expanduser().resolve()
+        self.bin_dir: pathlib.Path | None = None if bin_dir is None else pathlib.Path(bin_dir).resolve()
         self._root = os.geteuid() == 0
 
     def pid(self) -> int | None:
@@ -108,6 +116,14 @@ class EmbeddedServer:
             return proc.pid
         except (IndexError, ValueError, psutil.NoSuchProcess):
             return None
+
+    def version(self) -> str:
+        """The version of the binaries this server runs, e.g. ``"18.6"`` or ``"15.18"``."""
+        return _server_version(self.bin_dir)
+
+    def binaries(self) -> pathlib.Path:
+        """The directory of ``initdb``, ``pg_ctl`` and ``postgres`` this server runs."""
+        return self.bin_dir if self.bin_dir is not None else _bin_dir()
 
     def is_running(self) -> bool:
         """True when a postmaster runs on this data directory."""
@@ -136,7 +152,7 @@ class EmbeddedServer:
         if uri is not None:
             sessions = self.sessions()
         return {"running": pid is not None, "pid": pid, "data_dir": str(self.data_dir),
-                "uri": uri, "version": _server_version(), "sessions": sessions}
+                "uri": uri, "version": self.version(), "sessions": sessions}
 
     def sessions(self) -> int | None:
         """How many client sessions are connected now (other than this call's own), or
@@ -292,9 +308,12 @@ class EmbeddedServer:
         tmp.mkdir(mode=0o700)
         if self._root:
             os.chown(tmp, _server_user().pw_uid, _server_user().pw_gid)
+        # PostgreSQL 17 and later have the builtin C.UTF-8 locale (no dependence on the
+        # host's locales); older ones use the C locale.
+        locale = (["--locale-provider=builtin", "--builtin-locale=C.UTF-8"]
+                  if _major(self.version()) >= 17 else [])
         self._run("initdb", ["-D", str(tmp), "--auth=trust", "--auth-local=trust", "--encoding=utf8",
-                             "-U", "postgres", "--no-locale", "--locale-provider=builtin",
-                             "--builtin-locale=C.UTF-8", "--no-instructions"], deadline - time.monotonic())
+                             "-U", "postgres", "--no-locale", *locale, "--no-instructions"], deadline - time.monotonic())
         try:
             os.rename(tmp, self.data_dir)  # replaces an empty directory, refuses a full one
         except OSError as exc:
@@ -341,7 +360,7 @@ class EmbeddedServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
         with tempfile.TemporaryFile("w+") as out:  # not a pipe, which the daemon could hold
             try:
-                subprocess.run([str(_bin_dir() / program), *args], stdin=subprocess.DEVNULL, stdout=out,
+                subprocess.run([str(self.binaries() / program), *args], stdin=subprocess.DEVNULL, stdout=out,
                                stderr=subprocess.STDOUT, env=env, cwd="/", start_new_session=True,
                                check=True, timeout=max(timeout, 1.0), **kwargs)
             except subprocess.CalledProcessError as exc:
@@ -471,10 +490,19 @@ def _server_user() -> pwd.struct_passwd:
 
 
 @functools.cache
-def _server_version() -> str:
-    out = subprocess.run([str(_wheel_pkg() / "pginstall/bin/postgres"), "--version"],
-                         capture_output=True, text=True, check=False).stdout
-    return out.split()[-1] if out.strip() else "unknown"  # "postgres (PostgreSQL) 18.6"
+def _server_version(bin_dir: pathlib.Path | None = None) -> str:
+    """``postgres --version`` of ``bin_dir`` (default: the wheel's), e.g. ``"18.6"``."""
+    postgres = (bin_dir if bin_dir is not None else _wheel_pkg() / "pginstall" / "bin") / "postgres"
+    out = subprocess.run([str(postgres), "--version"], capture_output=True, text=True, check=False).stdout
+    # "postgres (PostgreSQL) 18.6", "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
+    found = re.search(r"\(PostgreSQL\) (\d+(?:\.\d+)*)", out)
+    return found.group(1) if found else "unknown"
+
+
+def _major(version: str) -> int:
+    """The major version of ``"15.18"`` (15); 0 when unknown."""
+    found = re.match(r"(\d+)", version)
+    return int(found.group(1)) if found else 0
 
 
 def _bin_dir() -> pathlib.Path:

@@ -75,6 +75,10 @@ class DatabaseReadOnly(DatabaseUnavailable):
     (issue 22). Nothing of the call was written."""
 
 
+class UnsupportedServer(DatabaseError, ConfigurationError):
+    """The PostgreSQL server is older than the oldest version cyclone_mp supports (14)."""
+
+
 class DatabaseBusy(DatabaseError):
     """The call ran out of time on the server (a lock wait past ``lock_timeout``, a
     statement past ``statement_timeout``): nothing was done; try again later. Neither an

@@ -21,6 +21,8 @@ metric                                         type       labels
 ``cyclone_queue_depth``                        gauge      ``queue`` (claimable steps)
 ``cyclone_queue_oldest_available_seconds``     gauge      ``queue``
 ``cyclone_children_alive``                     gauge
+``cyclone_maintenance_failures_total``         counter    ``task`` (sweep, schedules, history...)
+``cyclone_last_sweep_age_seconds``             gauge      (the fleet's last successful sweep)
 =============================================  =========  ======================================
 
 Completions and failures are counted when they are written (once per row, by whoever
@@ -91,12 +93,20 @@ class Metrics(Observer):
                                  "Seconds the oldest claimable step of a queue has waited.", ["queue"], registry=registry)
         self.children = prom.Gauge("cyclone_children_alive", "Live child processes of this supervisor.",
                                    registry=registry)
+        self.maintenance_failures = prom.Counter(
+            "cyclone_maintenance_failures", "Failed attempts of a maintenance task (sweep, schedules, history, "
+            "registry, queue_depths, vacuum_watch).", ["task"], registry=registry)
+        self.sweep_age = prom.Gauge(
+            "cyclone_last_sweep_age_seconds", "Seconds since the last successful recovery sweep of any supervisor "
+            "of the database, as this one knows it (NaN: none seen yet).", registry=registry)
 
     # -- serving ---------------------------------------------------------------------------------
 
-    def start(self, children_alive: Callable[[], int]) -> None:
+    def start(self, children_alive: Callable[[], int],
+              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
         """Serve ``/metrics`` (a daemon thread of prometheus_client's)."""
         self.children.set_function(lambda: float(children_alive()))
+        self.sweep_age.set_function(lambda: _number(last_sweep_age()))
         try:
             server, _thread = self._prom.start_http_server(self.requested_port, addr=self.host,
                                                            registry=self.registry)
@@ -134,6 +144,9 @@ class Metrics(Observer):
     def killed(self, trigger: str) -> None:
         self.kills.labels(trigger).inc()
 
+    def maintenance_failed(self, task: str) -> None:
+        self.maintenance_failures.labels(task).inc()
+
     def heartbeat_lag(self, seconds: float) -> None:
         self.lag.set(seconds)
 
@@ -141,3 +154,8 @@ class Metrics(Observer):
         for row in rows:
             self.depth.labels(row["queue"]).set(row["depth"])
             self.oldest.labels(row["queue"]).set(row["oldest"] or 0.0)
+
+
+def _number(value: float | None) -> float:
+    """A gauge's value: NaN for unknown."""
+    return float("nan") if value is None else float(value)

@@ -24,13 +24,17 @@ from typing import Any, Callable, Generator, Sequence, TypeVar
 
 from psycopg.types.json import Jsonb
 
-from .errors import DatabaseError, InvalidTransition, RunNotFound
+from .errors import DatabaseError, InvalidTransition, RunNotFound, UnsupportedServer
 from .schedules import parse_idempotency_key
 from .status import TERMINAL_RUN_STATES
 from .limits import NO_LIMITS, Limits
 from .store.queries import MIGRATION_LOCK, Q, NodeRow, _migrations, limit_params, nullable_jsonb, to_us
 
 T = TypeVar("T")
+
+#: The oldest PostgreSQL the statements run on (``server_version_num``): 14.0. Older
+#: servers are refused by :func:`migrate`, which every supervisor runs before it starts.
+MIN_SERVER_VERSION = 140000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,19 @@ def q(name: str, params: Any = None, *, prepare: bool | None = None) -> Statemen
 
 @operation(transaction=True)
 def migrate() -> Steps[list[str]]:
-    """Apply pending numbered migrations under an advisory lock; returns their file names."""
+    """Apply pending numbered migrations under an advisory lock; returns their file names.
+
+    Raises:
+        UnsupportedServer: the server is older than :data:`MIN_SERVER_VERSION` (checked
+            first, so nothing is applied and the error is one line).
+    """
+    version = (yield Statement("SELECT current_setting('server_version_num')::int AS num, "
+                               "current_setting('server_version') AS name")).one()
+    if version["num"] < MIN_SERVER_VERSION:
+        raise UnsupportedServer(
+            f"PostgreSQL {version['name']} (server_version_num {version['num']}) is not supported: "
+            f"cyclone_mp needs PostgreSQL {MIN_SERVER_VERSION // 10000} or later "
+            f"(tested on 14 to 18; docs/operating.md)")
     yield Statement("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
     yield Statement(
         "CREATE TABLE IF NOT EXISTS cyclone_migrations ("

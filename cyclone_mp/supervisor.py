@@ -142,7 +142,8 @@ class Supervisor:
         follows the thread that creates a child)."""
         # Metrics first: a port in use is a ConfigurationError before any child or lease exists.
         try:
-            self.observer.start(lambda: len(self.control.pool.children) if self.control is not None else 0)
+            self.observer.start(lambda: len(self.control.pool.children) if self.control is not None else 0,
+                                lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None)
         except BaseException:
             self.observer.close()
             self.stopped.set()

@@ -50,13 +50,14 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from . import decisions, schedules
 from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
 from .connections import vacuum_hot_tables
 from .dbloop import DatabaseThread
-from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
+from .errors import DatabaseError, DatabaseUnavailable
+from .health import MaintenanceHealth
 from .history import History, Policy, VacuumWatch
 from .messages import FAIL, RELEASE, Claimed, Fleet, Load, Outcome, Poll
 from .steps import Mux
@@ -64,6 +65,8 @@ from .store import Store
 from .telemetry import NO_OBSERVER, Observer
 
 LOAD_BOUND = 120.0  # seconds a big payload may take to read
+FAILED: Any = object()  # what Maintenance.attempt returns for a failed call
+T = TypeVar("T")
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -98,6 +101,7 @@ class Sweeper:
             if store.last_ended is not None and self.written is not None:
                 self.written(*store.last_ended)
         counts["timers"] = store.fire_due_timers(SWEEP_LIMIT)
+        store.maintenance_succeeded("sweep")
         return counts
 
 
@@ -154,6 +158,7 @@ class Maintenance(DatabaseThread):
             lambda: vacuum_hot_tables(dsn, pgbouncer=config.pgbouncer, application_name=f"cyclone_mp vacuum {owner}",
                                       statement_timeout=VACUUM_BOUND))
         self.next_vacuum_watch = now + random.uniform(0.0, VACUUM_WATCH_INTERVAL)
+        self.health = MaintenanceHealth(clock, on_failure=observer.maintenance_failed)
 
     @property
     def sweep_every(self) -> float:
@@ -190,16 +195,27 @@ class Maintenance(DatabaseThread):
         return min(self.next_sweep, self.next_registry, self.next_schedules, self.next_vacuum_watch,
                    *(t for t in (self.next_depths, self.next_history) if t is not None))
 
+    def attempt(self, task: str, fn: Callable[[Store], T]) -> T:
+        """One bounded call of a maintenance task (``config.write_bound``); returns its
+        value, or :data:`FAILED` when the database failed it. Every failure is recorded
+        in :attr:`health` (which logs once when the task keeps failing, and once when it
+        works again) and logged here only when it is the first of a run: a task that
+        fails every turn never floods the log."""
+        try:
+            value = self.call(self.config.write_bound, fn)
+        except DatabaseError as exc:
+            outage = self.down(exc)  # an outage is logged (once) by down()
+            first = self.health.failures(task) == 0
+            (log.warning if first and not outage else log.debug)("%s: %s", task, exc)
+            self.health.failed(task, exc)
+            return FAILED
+        self.health.succeeded(task)
+        return value
+
     def watch_vacuum(self) -> None:
         """One look at the xmin horizon (:meth:`cyclone_mp.history.VacuumWatch.run_once`);
         a VACUUM it starts is counted as ``vacuums``."""
-        try:
-            started = self.call(self.config.write_bound, self.vacuum_watch.run_once)
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("vacuum watch: %s", exc)
-            return
-        if started:
+        if self.attempt("vacuum_watch", self.vacuum_watch.run_once) not in (FAILED, False, None):
             self.count("vacuums")
 
     def history_tick(self, now: float) -> float:
@@ -219,14 +235,8 @@ class Maintenance(DatabaseThread):
     def keep_history(self) -> dict[str, int]:
         """One history pass now (:meth:`cyclone_mp.history.History.run_once`), counted as
         ``archived``, ``history_deleted``, ``partitions_dropped`` and ``expired``."""
-        try:
-            counts = self.call(self.config.write_bound, self.history.run_once)
-        except DatabaseBusy as exc:  # a lock wait or a slow statement: the next pass tries again
-            log.warning("history: %s", exc)
-            return {}
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("history: %s", exc)
+        counts = self.attempt("history", self.history.run_once)
+        if counts is FAILED:  # the next pass tries again
             return {}
         self.count("archived", counts["archived"])
         self.count("history_deleted", counts["deleted"])
@@ -259,31 +269,23 @@ class Maintenance(DatabaseThread):
         seconds): when the turn another supervisor took ends, plus a little jitter (the
         poll interval's minimum; counted as ``sweep_turns_skipped`` or
         ``history_turns_skipped``), or ``failed_at`` when the database failed."""
-        try:
-            mine, wait = self.call(self.config.write_bound,
-                                   lambda store: store.sweep_turn(self.owner, every, task))
-        except DatabaseBusy as exc:  # the turn's row waited past lock_timeout: ask again next tick
-            log.info("%s turn: %s", task, exc)
+        turn = self.attempt(task, lambda store: store.sweep_turn(self.owner, every, task))
+        if turn is FAILED:
             return failed_at
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("%s turn: %s", task, exc)
-            return failed_at
-        if mine:
+        if task == "sweep":
+            self.health.sweep_seen(turn.since_success)
+        if turn.mine:
             return None
         self.count(f"{task}_turns_skipped")
         # (a turn just taken, seen from an older snapshot: ask again soon)
-        return now + max(wait, 0.001) + random.uniform(0, self.config.poll_interval[0])
+        return now + max(turn.wait, 0.001) + random.uniform(0, self.config.poll_interval[0])
 
     def read_queue_depths(self) -> None:
         """Read how many steps wait in each queue served, and since when, for the metrics:
         one bounded statement every ``observer.queue_depth_interval`` seconds, whatever the
         scrape rate (counted as ``queue_depth_reads``)."""
-        try:
-            rows = self.call(self.config.write_bound, lambda store: store.queue_depths(self.config.queues))
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("queue depths: %s", exc)
+        rows = self.attempt("queue_depths", lambda store: store.queue_depths(self.config.queues))
+        if rows is FAILED:
             return
         self.count("queue_depth_reads")
         self.observer.queue_depths(rows)
@@ -315,11 +317,8 @@ class Maintenance(DatabaseThread):
 
     def sweep(self) -> dict[str, int]:
         """One sweep pass now (counted in this part's stats)."""
-        try:
-            counts = self.call(self.config.write_bound, self.sweeper.run_once)
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("sweep: %s", exc)
+        counts = self.attempt("sweep", self.sweeper.run_once)
+        if counts is FAILED:
             return {}
         if counts["reclaim"] or counts["timeout"] or counts["timers"]:
             self.tell_control(Poll())  # something may be claimable now: do not wait a poll
@@ -334,15 +333,8 @@ class Maintenance(DatabaseThread):
         sweep is); returns how many runs it enqueued (counted as ``scheduled``)."""
         if not self.mux.schedules:
             return 0
-        try:
-            counts = self.call(self.config.write_bound,
-                               lambda store: schedules.run_once(store, self.mux, self.config))
-        except DatabaseBusy as exc:  # a lock wait or a slow statement: the next tick tries again
-            log.warning("schedules: %s", exc)
-            return 0
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("schedules: %s", exc)
+        counts = self.attempt("schedules", lambda store: schedules.run_once(store, self.mux, self.config))
+        if counts is FAILED:  # the next tick tries again
             return 0
         self.count("scheduled", counts["enqueued"])
         if counts["enqueued"]:
@@ -352,14 +344,11 @@ class Maintenance(DatabaseThread):
     def register(self) -> None:
         """Refresh this supervisor's registry row and tell process control how
         many supervisors are live (:class:`~cyclone_mp.messages.Fleet`)."""
-        info = self.snapshot()
+        info = {**self.snapshot(), "maintenance": self.health.snapshot()}
         live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts
-        try:
-            live = self.call(self.config.write_bound, lambda store: store.register_worker(
-                id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within))
-        except DatabaseError as exc:
-            if not self.down(exc):
-                log.error("registry: %s", exc)
+        live = self.attempt("registry", lambda store: store.register_worker(
+            id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within))
+        if live is FAILED:
             return
         self.tell_control(Fleet(live))  # its share of the fleet's prefetch (ProcessControl.prefetch_share)
 

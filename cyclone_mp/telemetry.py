@@ -55,9 +55,16 @@ class Observer:
         """Per queue served: ``queue``, ``depth`` (claimable steps), ``oldest`` (seconds the
         oldest has been claimable, or None)."""
 
-    def start(self, children_alive: Callable[[], int]) -> None:
-        """The supervisor starts; ``children_alive()`` counts its live child processes.
-        Raises ConfigurationError when the observer cannot work (a metrics port in use)."""
+    def maintenance_failed(self, task: str) -> None:
+        """An attempt of a maintenance task failed (``sweep``, ``schedules``, ``history``,
+        ``registry``, ``queue_depths``, ``vacuum_watch``: :mod:`cyclone_mp.health`)."""
+
+    def start(self, children_alive: Callable[[], int],
+              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
+        """The supervisor starts; ``children_alive()`` counts its live child processes,
+        ``last_sweep_age()`` gives the seconds since the fleet's last successful recovery
+        sweep (None: unknown). Raises ConfigurationError when the observer cannot work (a
+        metrics port in use)."""
 
     def close(self) -> None:
         """The supervisor stopped."""
@@ -100,11 +107,15 @@ class Observers(Observer):
     def queue_depths(self, rows: Sequence[dict[str, Any]]) -> None:
         self._each("queue_depths", rows)
 
-    def start(self, children_alive: Callable[[], int]) -> None:
+    def maintenance_failed(self, task: str) -> None:
+        self._each("maintenance_failed", task)
+
+    def start(self, children_alive: Callable[[], int],
+              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
         """Start each observer; unlike an event, a failure here is raised (a metrics port
         in use must stop the supervisor with a clear error, not leave it unobserved)."""
         for observer in self.observers:
-            observer.start(children_alive)
+            observer.start(children_alive, last_sweep_age)
 
     def close(self) -> None:
         self._each("close")

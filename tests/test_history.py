@@ -544,8 +544,8 @@ def test_the_history_pass_is_one_supervisors_turn_per_interval(cyclone_dsn: str)
     migration 0018, as the sweep's): the first to ask takes it, the others are told when
     it ends."""
     with store_on(cyclone_dsn) as a, store_on(cyclone_dsn) as b:
-        mine, _ = a.sweep_turn("supervisor-a", 5.0, "history")
-        theirs, wait = b.sweep_turn("supervisor-b", 5.0, "history")
+        mine = a.sweep_turn("supervisor-a", 5.0, "history").mine
+        theirs, wait, _ = b.sweep_turn("supervisor-b", 5.0, "history")
         assert mine and not theirs and 4.0 < wait <= 5.0
         assert b.sweep_turn("supervisor-b", 5.0, "sweep")[0]  # each task has its own turn
     rows = sql(cyclone_dsn, "SELECT task, holder FROM cyclone_maintenance ORDER BY task")

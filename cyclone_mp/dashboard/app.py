@@ -145,7 +145,8 @@ def create_app(client: Any, token: str | None = None, *, allowed_hosts: list[str
           name (signal and timer nodes as "(signal)"/"(timer)") and queue; throughput.per_minute
           counts task steps finished per minute (finished_at, DB clock) over the last `minutes`;
           workers are supervisors seen in the last 15 s with their children (pid, step, elapsed s,
-          cpu_percent, rss bytes); kills are steps whose latest error entry is a timeout, a child
+          cpu_percent, rss bytes), the maintenance tasks each reports failing (failing: [{task,
+          failures, error, for}]) and the age of the last successful sweep (last_sweep_age, s); kills are steps whose latest error entry is a timeout, a child
           exit or a reclaim limit, with the entry's forensics.
         parameters:
           - {name: minutes, in: query, required: false, schema: {type: integer, minimum: 1, maximum: 1440, default: 30}}

@@ -319,8 +319,17 @@ def worker_view(row: dict[str, Any]) -> dict[str, Any]:
         "id": row["id"], "hostname": row["hostname"], "pid": row["pid"], "started_at": iso(row["started_at"]),
         "heartbeat_at": iso(row["heartbeat_at"]), "age": round(age, 1), "workers": info.get("workers"),
         "queues": info.get("queues") or [], "draining": bool(info.get("draining")),
-        "stats": info.get("stats") or {}, "children": children,
+        "stats": info.get("stats") or {}, "children": children, "failing": failing_tasks(info),
+        "last_sweep_age": (info.get("maintenance") or {}).get("last_sweep_age"),
     }
+
+
+def failing_tasks(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The maintenance tasks a supervisor reports failing (registry ``info["maintenance"]``,
+    :mod:`cyclone_mp.health`): ``[{"task", "failures", "error", "for"}]``, by task name."""
+    failing = (info.get("maintenance") or {}).get("failing") or {}
+    return [{"task": task, "failures": h.get("failures"), "error": h.get("error") or "", "for": h.get("for")}
+            for task, h in sorted(failing.items())]
 
 
 def run_row(row: dict[str, Any]) -> dict[str, Any]:

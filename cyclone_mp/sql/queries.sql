@@ -684,10 +684,12 @@ UPDATE cyclone_steps
 
 -- name: sweep_turn
 -- Take the turn of a maintenance task %(task)s ('sweep': the recovery sweep; 'history': the
--- history pass) for every supervisor (issue 22; migration 0018): move the task's ran_at to
--- now when it is at least %(every_us)s old. mine: this caller took it (and does the task
--- now); due_in: seconds from now until the turn it saw ends (the others ask again then).
--- No write unless the turn is taken; a missing row is made, and taken.
+-- history pass) for every supervisor: move the task's ran_at to now when it is at least
+-- %(every_us)s old. mine: this caller took it (and does the task now); due_in: seconds from
+-- now until the turn it saw ends (the others ask again then); since_success: seconds since
+-- a pass of the task last succeeded, on any supervisor (NULL: never). No write unless the
+-- turn is taken; a missing row is made, and taken. Only finite timestamps are subtracted
+-- (PostgreSQL before 17 refuses infinite ones).
 WITH took AS (
     UPDATE cyclone_maintenance
        SET holder = %(owner)s, ran_at = now()
@@ -699,10 +701,18 @@ WITH took AS (
      WHERE NOT EXISTS (SELECT 1 FROM cyclone_maintenance WHERE task = %(task)s)
     ON CONFLICT (task) DO NOTHING
     RETURNING ran_at
+), seen AS (
+    SELECT ran_at, succeeded_at FROM cyclone_maintenance WHERE task = %(task)s
 )
 SELECT EXISTS (SELECT 1 FROM took UNION ALL SELECT 1 FROM made) AS mine,
-       (SELECT extract(epoch FROM m.ran_at + %(every_us)s::bigint * interval '1 microsecond' - now())::float8
-          FROM cyclone_maintenance m WHERE m.task = %(task)s) AS due_in;
+       (SELECT CASE WHEN isfinite(ran_at)
+                    THEN extract(epoch FROM ran_at - now())::float8 + %(every_us)s::bigint / 1e6::float8
+                    ELSE 0 END FROM seen) AS due_in,
+       (SELECT extract(epoch FROM now() - succeeded_at)::float8 FROM seen) AS since_success;
+
+-- name: maintenance_succeeded
+-- A pass of the maintenance task %(task)s ended without an error (sweep_turn reports it).
+UPDATE cyclone_maintenance SET succeeded_at = now() WHERE task = %(task)s;
 
 -- name: sweep_candidates
 -- Recovery sweep page: running rows whose lease expired or whose DB deadline passed.
@@ -1437,7 +1447,7 @@ WHERE (%(state)s::text IS NULL OR r.state = %(state)s::text)
   AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s::timestamptz)
   AND (%(after_at)s::timestamptz IS NULL OR (r.created_at, r.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
 ORDER BY r.created_at DESC, r.id DESC
-LIMIT %(limit)s + %(offset)s
+LIMIT %(limit)s::bigint + %(offset)s::bigint
 
 -- name: dash_runs
 -- One page of runs, newest first: optional state, name and created_at filters, a keyset

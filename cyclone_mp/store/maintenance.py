@@ -3,13 +3,23 @@ workflow timers, schedules (issue 21) and the supervisors' registry."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from psycopg.types.json import Jsonb
 
 from .. import decisions
 from ..connections import translate
 from .queries import Q, to_us
+
+
+class Turn(NamedTuple):
+    """What :meth:`MaintenanceQueries.sweep_turn` found: whether the caller took the turn,
+    the seconds until the turn it saw ends, and the seconds since the task last succeeded
+    (None: never)."""
+
+    mine: bool
+    wait: float
+    since_success: float | None
 
 
 class MaintenanceQueries:
@@ -19,20 +29,30 @@ class MaintenanceQueries:
     # -- recovery sweep -----------------------------------------------------------------
 
     @translate
-    def sweep_turn(self, owner: str, every: float, task: str = "sweep") -> tuple[bool, float]:
+    def sweep_turn(self, owner: str, every: float, task: str = "sweep") -> "Turn":
         """Take the recovery sweep's turn (or another maintenance ``task``'s: ``"history"``)
         for all supervisors when the last one is at least ``every`` seconds old (one
-        statement, a row lock for its length; migration 0018).
+        statement, a row lock for its length).
 
-        Returns ``(mine, wait)``: True when ``owner`` took it (it sweeps now; the next
-        turn is ``every`` seconds away), else False and the seconds until the turn it
-        saw ends (0 or more)."""
+        Returns a :class:`Turn`: ``mine`` is True when ``owner`` took it (it does the
+        task now; the next turn is ``every`` seconds away), else ``wait`` is the seconds
+        until the turn it saw ends (0 or more); ``since_success`` the seconds since a pass
+        of the task last succeeded on any supervisor (:meth:`maintenance_succeeded`), or
+        None when none did."""
         with self.conn.cursor() as cur:
             cur.execute(Q["sweep_turn"], {"owner": owner, "every_us": to_us(every), "task": task})
             row = cur.fetchone()
+        since = row["since_success"]
         if row["mine"]:
-            return True, every
-        return False, max(0.0, float(row["due_in"] if row["due_in"] is not None else every))
+            return Turn(True, every, since)
+        return Turn(False, max(0.0, float(row["due_in"] if row["due_in"] is not None else every)), since)
+
+    @translate
+    def maintenance_succeeded(self, task: str = "sweep") -> None:
+        """Record that a pass of the maintenance ``task`` ended without an error now (the
+        database clock): every supervisor reads it with its turn (:meth:`sweep_turn`)."""
+        with self.conn.cursor() as cur:
+            cur.execute(Q["maintenance_succeeded"], {"task": task})
 
     @translate
     def sweep_candidates(self, limit: int = 100) -> list[dict[str, Any]]:

@@ -1,8 +1,12 @@
 """The PostgreSQL that tests run against, and one fresh database per test (SPEC section 7).
 
-Chosen in this order: ``CYCLONE_TEST_DSN``; testcontainers' PostgreSQL when a Docker
+Chosen in this order: ``CYCLONE_TEST_DSN``; the PostgreSQL that ``CYCLONE_TEST_POSTGRES``
+names (a major version or a directory of binaries, :mod:`cyclone_mp.testing.servers`),
+started on a temporary data directory, or where no such binaries exist and a Docker engine
+answers, testcontainers' image of that version; testcontainers' PostgreSQL when a Docker
 engine answers; otherwise the embedded server on a temporary data directory (removed at
-the end of the session). A migrated template database is cloned for every test
+the end of the session). :attr:`TestServer.version` says which version it is (pytest's
+header shows it). A migrated template database is cloned for every test
 (``CREATE DATABASE ... TEMPLATE``), so tests are isolated and child processes see
 committed rows (STYLE pattern 10). A clone takes 0.2-0.4 s on a 2-core VM, a third of
 what a short test takes, so :data:`SPARE_DATABASES` clones are made ahead by a
@@ -27,6 +31,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from ..store import Store, redact
+from . import servers
+from .servers import ENV_POSTGRES
 
 log = logging.getLogger("cyclone_mp.testing")
 
@@ -57,7 +63,10 @@ class TestServer:
 
     Attributes:
         admin_dsn: DSN of a maintenance database on the server.
-        source: ``"env"``, ``"testcontainers"`` or ``"embedded"``.
+        source: ``"env"``, ``"testcontainers"``, ``"embedded"`` or ``"binaries"`` (the
+            server of ``CYCLONE_TEST_POSTGRES``, started from its binaries).
+        version: the server's ``server_version`` (e.g. ``"15.18 (Debian 15.18-0+deb12u1)"``).
+        version_num: its ``server_version_num`` (e.g. ``150018``).
     """
 
     __test__ = False  # not a pytest test class
@@ -67,21 +76,25 @@ class TestServer:
         self._embedded: Any = None
         self._tmpdir: str | None = None
         env_dsn = os.environ.get(ENV_DSN)
+        wanted = os.environ.get(ENV_POSTGRES, "").strip()
         if env_dsn:
             self.admin_dsn, self.source = env_dsn, "env"
+        elif wanted:
+            try:
+                bin_dir = servers.find(wanted)
+            except servers.ServerNotFound:
+                if not (wanted.isdigit() and docker_available()):
+                    raise
+                self._start_container(f"postgres:{wanted}-alpine")
+            else:
+                self._start_local(bin_dir)
         elif docker_available():
-            from testcontainers.postgres import PostgresContainer
-
-            self._container = PostgresContainer(POSTGRES_IMAGE, driver=None)
-            self._container.start()
-            self.admin_dsn, self.source = self._container.get_connection_url(), "testcontainers"
+            self._start_container(POSTGRES_IMAGE)
         else:
-            from ..embedded import EmbeddedServer
-
-            self._tmpdir = tempfile.mkdtemp(prefix="cyclone-mp-test-")
-            os.chmod(self._tmpdir, 0o755)  # the server runs as its own user when we are root
-            self._embedded = EmbeddedServer(os.path.join(self._tmpdir, "pgdata"))
-            self.admin_dsn, self.source = self._embedded.start(), "embedded"
+            self._start_local(None)
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            self.version = str(conn.execute("SHOW server_version").fetchone()[0])
+            self.version_num = int(conn.info.server_version)
         self._spares: queue.SimpleQueue[str] = queue.SimpleQueue()  # clones made ahead, oldest first
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()  # DSNs of finished tests' databases, to drop
         self._filler: threading.Thread | None = None
@@ -95,6 +108,30 @@ class TestServer:
         finally:
             store.close()
         log.info("test database server: %s (%s)", self.source, redact(self.admin_dsn))
+
+    def _start_container(self, image: str) -> None:
+        from testcontainers.postgres import PostgresContainer
+
+        self._container = PostgresContainer(image, driver=None)
+        self._container.start()
+        self.admin_dsn, self.source = self._container.get_connection_url(), "testcontainers"
+
+    def _start_local(self, bin_dir: Any) -> None:
+        """The embedded server (``bin_dir`` None) or the one of ``bin_dir``, on a temporary
+        data directory."""
+        from ..embedded import EmbeddedServer
+
+        self._tmpdir = tempfile.mkdtemp(prefix="cyclone-mp-test-")
+        os.chmod(self._tmpdir, 0o755)  # the server runs as its own user when we are root
+        self._embedded = EmbeddedServer(os.path.join(self._tmpdir, "pgdata"), bin_dir=bin_dir)
+        self.admin_dsn = self._embedded.start()
+        self.source = "embedded" if bin_dir is None else "binaries"
+
+    def describe(self) -> str:
+        """One line: which server the tests run on."""
+        where = {"env": f"{ENV_DSN}", "testcontainers": "testcontainers", "embedded": "the embedded server",
+                 "binaries": f"{self._embedded.binaries() if self._embedded else '?'}"}[self.source]
+        return f"PostgreSQL {self.version} ({where})"
 
     @property
     def restartable(self) -> bool:

@@ -1,8 +1,10 @@
 """The pytest plugin (entry point ``pytest11: cyclone_mp``): fixtures for testing steps.
 
 Fixtures:
-    cyclone_server: session-wide PostgreSQL (``CYCLONE_TEST_DSN``, else testcontainers
-        when Docker answers, else the embedded server) with a migrated template.
+    cyclone_server: session-wide PostgreSQL (``CYCLONE_TEST_DSN``, else the version
+        ``CYCLONE_TEST_POSTGRES`` names, else testcontainers when Docker answers, else the
+        embedded server) with a migrated template. The summary at the end of the run
+        names the server and its version.
     cyclone_dsn: a fresh database cloned from the template, dropped after the test.
     cyclone_env: ``Env(cyclone_dsn)`` with the defaults (process-mode supervisor).
     cyclone_env_factory: ``factory(**options) -> Env`` for other settings.
@@ -17,12 +19,22 @@ from typing import Any, Callable, Iterator
 import pytest
 
 
+_servers: list[str] = []  # what each session's server was, for the summary
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Name the PostgreSQL the tests ran on (CI runs the suite on several versions)."""
+    for line in _servers:
+        terminalreporter.write_line(f"cyclone_mp tests ran on {line}")
+
+
 @pytest.fixture(scope="session")
 def cyclone_server() -> Iterator[Any]:
     """The session's test PostgreSQL server (see module docstring)."""
     from .database import TestServer
 
     server = TestServer()
+    _servers.append(server.describe())
     try:
         yield server
     finally:

@@ -156,8 +156,14 @@
     });
     if (!rows.length) rows = [emptyRow(9, "no children")];
     var st = w.stats || {};
+    var failing = w.failing || [];
     return h("article", {"class": "worker"},
-      h("h3", {}, h("code", {}, w.id), w.draining ? [" ", h("span", {"class": "badge s-paused"}, "draining")] : null),
+      h("h3", {}, h("code", {}, w.id), w.draining ? [" ", h("span", {"class": "badge s-paused"}, "draining")] : null,
+        failing.map(function (f) { return [" ", h("span", {"class": "badge s-discarded", "title": f.error}, f.task + " failing")]; })),
+      failing.map(function (f) {
+        return h("p", {"class": "failing"}, "maintenance task ", h("strong", {}, f.task), " failed " + f.failures +
+          " times in a row (for " + secs(f["for"], 0) + "): " + f.error);
+      }),
       h("p", {"class": "muted"}, "host " + w.hostname + " \u00b7 pid " + w.pid + " \u00b7 " + w.workers +
         " children \u00b7 queues " + w.queues.join(", ") + " \u00b7 up since ", when(w.started_at),
         " \u00b7 seen " + w.age + "s ago \u00b7 completed " + (st.completed || 0) + ", failed " + (st.failed || 0) +

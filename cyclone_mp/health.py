@@ -1,0 +1,127 @@
+"""The health of a supervisor's maintenance tasks: which keep failing, and how old the
+fleet's last successful recovery sweep is (SPEC 9: a maintenance task that keeps failing
+is a visible health problem, never only a log line).
+
+Maintenance (:mod:`cyclone_mp.sweep`) reports each attempt of a task here. A task that
+fails :data:`FAILING_AFTER` attempts in a row is *failing*: the supervisor logs once what
+does not work and what that stops, ``cyclone-mp workers`` and the dashboard show it (from
+the registry row's ``info["maintenance"]``), and the metrics count every failure
+(``cyclone_maintenance_failures_total{task}``) and export the sweep's age
+(``cyclone_last_sweep_age_seconds``). One success ends it, and is logged once too.
+
+Written by the maintenance thread only; other threads (the metrics server, the registry
+snapshot) read plain values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+#: Failed attempts in a row after which a task is reported as failing.
+FAILING_AFTER = 3
+
+#: What each task's failure stops, for the one line logged when it starts failing.
+CONSEQUENCES = {
+    "sweep": "steps of crashed or frozen supervisors are not reclaimed, steps past their timeout are "
+             "not settled, max_reclaims is not applied and workflow timers do not fire",
+    "schedules": "this supervisor's schedules enqueue no runs",
+    "history": "finished runs are not archived and retention drops no history",
+    "registry": "this supervisor is missing from `cyclone-mp workers` and its prefetch share is not updated",
+    "queue_depths": "the queue depth metrics are not updated",
+    "vacuum_watch": "the hot tables are not vacuumed after a long transaction ends",
+}
+
+
+@dataclasses.dataclass
+class TaskHealth:
+    """One task's record: failed attempts in a row, the last error (one line), and when
+    (local monotonic seconds) the current run of failures began."""
+
+    failures: int = 0
+    error: str = ""
+    since: float | None = None
+    total_failures: int = 0
+
+
+class MaintenanceHealth:
+    """Failures of the maintenance tasks, and the age of the fleet's last successful sweep.
+
+    Args:
+        clock: local monotonic clock in seconds.
+        on_failure: called with the task's name at every failed attempt (the metrics'
+            counter); must not raise.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        self.clock = clock
+        self.on_failure = on_failure
+        self.tasks: dict[str, TaskHealth] = {}
+        self._sweep_ok_at: float | None = None  # local time at which the fleet's last sweep succeeded
+
+    def failed(self, task: str, error: BaseException | str) -> None:
+        """An attempt of ``task`` failed with ``error``; logs once when it becomes failing."""
+        health = self.tasks.setdefault(task, TaskHealth())
+        health.failures += 1
+        health.total_failures += 1
+        health.error = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        if health.since is None:
+            health.since = self.clock()
+        if self.on_failure is not None:
+            self.on_failure(task)
+        if health.failures == FAILING_AFTER:
+            log.error("maintenance task %r has failed %d times in a row (last: %s): until it works again, %s",
+                      task, health.failures, health.error, CONSEQUENCES.get(task, "it does nothing"))
+
+    def succeeded(self, task: str) -> None:
+        """An attempt of ``task`` worked; logs once when it had been failing."""
+        health = self.tasks.get(task)
+        if task == "sweep":
+            self._sweep_ok_at = self.clock()
+        if health is None or health.failures == 0:
+            return
+        if health.failures >= FAILING_AFTER:
+            log.warning("maintenance task %r works again after %d failed attempts over %.0fs",
+                        task, health.failures, self.clock() - (health.since or self.clock()))
+        health.failures, health.since = 0, None
+
+    def sweep_seen(self, since_success: float | None) -> None:
+        """The database says a sweep pass last succeeded ``since_success`` seconds ago, on
+        any supervisor (None: never); kept when it is newer than what this one knew."""
+        if since_success is None:
+            return
+        at = self.clock() - max(0.0, since_success)
+        if self._sweep_ok_at is None or at > self._sweep_ok_at:
+            self._sweep_ok_at = at
+
+    def last_sweep_age(self) -> float | None:
+        """Seconds since the fleet's last successful sweep, as this supervisor knows it
+        (None: none seen since it started and none recorded)."""
+        return None if self._sweep_ok_at is None else max(0.0, self.clock() - self._sweep_ok_at)
+
+    def failures(self, task: str) -> int:
+        """Failed attempts of ``task`` in a row now (0: its last attempt worked, or none yet)."""
+        health = self.tasks.get(task)
+        return 0 if health is None else health.failures
+
+    def failing(self) -> dict[str, TaskHealth]:
+        """The tasks failing now (:data:`FAILING_AFTER` failed attempts in a row or more)."""
+        return {task: h for task, h in self.tasks.items() if h.failures >= FAILING_AFTER}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for the registry row (``info["maintenance"]``): ``failing`` maps each
+        failing task to ``{"failures": int, "error": str, "for": seconds}``;
+        ``last_sweep_age``: seconds, or None."""
+        now = self.clock()
+        age = self.last_sweep_age()
+        return {
+            "failing": {task: {"failures": h.failures, "error": h.error,
+                               "for": round(now - (h.since if h.since is not None else now), 1)}
+                        for task, h in self.failing().items()},
+            "last_sweep_age": None if age is None else round(age, 1),
+        }
