@@ -20,6 +20,7 @@ KILL_GRACE_DEFAULT = 5.0
 SHUTDOWN_GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = (0.1, 1.0)
 SWEEP_LIMIT = 100  # candidates per sweep pass (seed)
+KILL_SLACK = 0.5  # seconds past a cancel's kill within which the tree is dead and reaped (Config.kill_within)
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
 #: Steps the live supervisors on one database hold together (up to 64 of them; then
 #: PREFETCH_SHARE_MIN each): each holds at most its share, so up to 8 hold the default
@@ -220,6 +221,17 @@ class Config:
     def heartbeat_interval(self) -> float:
         """Seconds between renewals of one lease: ``lease_ttl / 3`` (seed)."""
         return self.lease_ttl / 3.0
+
+    @property
+    def kill_within(self) -> float:
+        """Seconds after a cancel by which this supervisor's handler is dead and reaped at
+        the latest: ``kill_grace``, then the kill itself, or the watchdog's if this process
+        is frozen (a quarter second, or the fence's margin), and :data:`KILL_SLACK` to reap.
+        Written on every claimed row: after a timeout or a cancel, the step waits that long
+        for its supervisor to report the child dead before it may run again (SPEC 9)."""
+        from .attempts import fence_margin  # (attempts is a leaf module; config is below most)
+
+        return self.kill_grace + max(0.25, fence_margin(self.lease_ttl)) + KILL_SLACK
 
     @property
     def call_bound(self) -> float:

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("cyclone_mp.supervisor")
 
 RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
+#: Cancel reasons after which the step's row may have moved on while the attempt ran (the
+#: sweep settled its timeout, an operator cancelled it, its lease went elsewhere): when such
+#: an attempt is over, the writer records its processes dead (Reaped), so the step may run
+#: again at once instead of at ``dead_by``.
+REAPED_REPORTED = frozenset({"timeout", "cancelled", "lease_lost"})
 
 
 class AttemptEndings:
@@ -44,6 +49,7 @@ class AttemptEndings:
     limit_watch: LimitWatch
     observer: Observer
     keeper: Callable[[Any], None]
+    writer: Any
     clock: Callable[[], float]
     wall_clock: Callable[[], float]
     attempts: dict[LeaseKey, Attempt]
@@ -325,6 +331,8 @@ class AttemptEndings:
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
         self.limit_watch.disarm(att)
+        if att.cancel_reason in REAPED_REPORTED and att.started_wall is not None:
+            self.writer.post_dead((att.key,))
 
     def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
         self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,

@@ -18,7 +18,9 @@ It never decides what happens to a handler: process control does.
 
 It also listens for ``NOTIFY`` (on ``listen_dsn`` when given: a direct connection past
 PgBouncer) and tells process control to claim at once
-(:class:`~cyclone_mp.messages.Poll`). Through PgBouncer in transaction mode
+(:class:`~cyclone_mp.messages.Poll`), or, on the cancel channel, that one of its steps was
+cancelled (:class:`~cyclone_mp.messages.LeaseLost`, reason ``cancelled``: the handler is
+cancelled within a second of ``client.cancel``, not at its next renewal). Through PgBouncer in transaction mode
 (``Config.pgbouncer``) without a ``listen_dsn`` it does not listen at all: a LISTEN there
 lands on a server connection that other clients share, and its notifications reach
 nobody (the supervisor then claims on its poll interval alone).
@@ -44,7 +46,7 @@ from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
     DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
 )
-from .store import NOTIFY_CHANNEL
+from .store import CANCEL_CHANNEL, NOTIFY_CHANNEL
 from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -205,6 +207,7 @@ class LeaseKeeper(DatabaseThread):
             conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound,
                            application_name=f"cyclone_mp listen {self.owner}")
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            conn.execute(f"LISTEN {CANCEL_CHANNEL}")
             self.listen_conn = conn
         except Exception as exc:  # noqa: BLE001 - polling still works without LISTEN
             log.warning("LISTEN unavailable (%s); polling only", exc)
@@ -233,8 +236,11 @@ class LeaseKeeper(DatabaseThread):
         try:
             conn.pgconn.consume_input()
             got = False
-            while conn.pgconn.notifies() is not None:
-                got = True
+            while (note := conn.pgconn.notifies()) is not None:
+                if note.relname.decode() == CANCEL_CHANNEL:
+                    self._cancelled(note.extra.decode())
+                else:
+                    got = True
             if got:
                 self.tell(Poll())
         except Exception as exc:  # noqa: BLE001 - a lost LISTEN connection is opened again
@@ -242,6 +248,20 @@ class LeaseKeeper(DatabaseThread):
             self._unlisten()
             if self.db_ok:
                 self._listen()
+
+    def _cancelled(self, payload: str) -> None:
+        """An operator cancelled the step of ``"<id>.<generation>"`` (client.cancel NOTIFYs
+        at commit): if it is one of ours, process control cancels its handler now, not at
+        the next renewal (SPEC 9: cancels are pushed)."""
+        try:
+            step_id, generation = (int(part) for part in payload.split("."))
+        except ValueError:
+            return
+        self._read_inbox()  # the claim's Track may not have woken this thread yet
+        lease = self.leases.pop((step_id, generation), None)
+        if lease is not None:
+            log.info("step %d was cancelled (notified)", step_id)
+            self.tell(LeaseLost(lease.key, "cancelled"))
 
     def finish(self) -> None:
         self._unlisten()

@@ -65,6 +65,16 @@ class LeaseDone:
     keys: tuple[LeaseKey, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Reaped:
+    """These attempts ended after a cancel or a timeout, and nothing of them runs any
+    more (their handler returned, or their child is dead and reaped): the outcome writer
+    records it (``dead_by``), so their steps may run again, and their concurrency slots
+    go to others, at once (SPEC 9)."""
+
+    keys: tuple[LeaseKey, ...]
+
+
 # -- lease keeper, outcome writer, maintenance -> process control ---------------------------------
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .config import Config
 from .connections import stale_plan
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
-from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Track, Written
+from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
 from .protocol import storable
 from .store import FORENSIC_KEYS, FailedAttempt
 from .telemetry import NO_OBSERVER, Observer
@@ -82,6 +82,7 @@ class OutcomeWriter(DatabaseThread):
         self.batch: list[Outcome] = []
         self.claim = 0  # the claim to make with the next batch
         self.pending: list[PendingWrite] = []
+        self.dead: list[Any] = []  # attempts reaped after a cancel or a timeout, to record (mark_dead)
         self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
         self._taken = 0  # Batch messages read since process control was last told (Written)
         self._lock = threading.Lock()
@@ -100,6 +101,12 @@ class OutcomeWriter(DatabaseThread):
             self._outstanding += len(outcomes)
         self.inbox.post(Batch(tuple(outcomes), claim))
 
+    def post_dead(self, keys: tuple[Any, ...]) -> None:
+        """Hand over attempts that ended after a cancel or a timeout and whose processes are
+        dead (:class:`~cyclone_mp.messages.Reaped`); recorded after the outcomes posted
+        before them (never blocks)."""
+        self.inbox.post(Reaped(tuple(keys)))
+
     @property
     def idle(self) -> bool:
         """Every outcome posted so far is written (or moot)."""
@@ -109,6 +116,9 @@ class OutcomeWriter(DatabaseThread):
 
     def _read_inbox(self) -> None:
         for message in self.inbox.take():
+            if isinstance(message, Reaped):
+                self.dead.extend(message.keys)
+                continue
             self.batch.extend(message.outcomes)
             self.claim += message.claim
             self._taken += 1
@@ -122,12 +132,14 @@ class OutcomeWriter(DatabaseThread):
             self._write_batch()
         if self.db_ok and self.pending:
             self._retry_pending(self.clock())
+        if self.db_ok and self.dead:
+            self._mark_dead()
         self._tell_finished()
         if self._taken:
             self.tell_control(Written(self._taken))
             self._taken = 0
-        if self.pending:
-            return min(p.retry_at for p in self.pending)
+        if self.pending or self.dead:
+            return min([p.retry_at for p in self.pending] + ([self.clock() + RETRY_AFTER] if self.dead else []))
         return self.clock() + 1.0
 
     def _done(self, outcome: Outcome) -> None:
@@ -161,6 +173,20 @@ class OutcomeWriter(DatabaseThread):
         for outcome in releases:
             self._write_alone(PendingWrite(outcome, self.clock()))
 
+    def _mark_dead(self) -> None:
+        """Record the reaped attempts (:meth:`~cyclone_mp.store.Store.mark_dead`, one
+        statement); kept for the next turn during an outage. Until recorded, their steps
+        wait for ``dead_by`` on the database clock: never sooner than is safe."""
+        dead, self.dead = self.dead, []
+        try:
+            self.call(self.config.write_bound, lambda store: store.mark_dead(dead))
+        except DatabaseUnavailable:
+            self.dead = dead + self.dead
+        except DatabaseError as exc:  # nothing is lost: the steps wait for dead_by
+            log.warning("could not record %d reaped attempt(s): %s", len(dead), exc)
+        else:
+            self.count("reaped_recorded", len(dead))
+
     def _claim_alone(self, limit: int) -> None:
         """A claim with no outcome to write (the poll, or a NOTIFY, found slots free)."""
         self.count("claim_statements")
@@ -168,7 +194,7 @@ class OutcomeWriter(DatabaseThread):
         try:
             rows, wait = self.call(self.config.write_bound, lambda store: (store.claim(
                 owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
-                ttl=self.config.lease_ttl), store.claim_wait))
+                ttl=self.config.lease_ttl, kill_within=self.config.kill_within), store.claim_wait))
         except DatabaseError as exc:
             if not isinstance(exc, DatabaseUnavailable):
                 log.error("claim rejected by the database: %s", exc)
@@ -204,7 +230,8 @@ class OutcomeWriter(DatabaseThread):
         try:
             settled = self.call(self.config.write_bound, lambda store: store.settle(
                 owner=self.owner, completions=completions, failures=failures, workflows=workflows,
-                queues=self.config.queues, names=self.names, limit=claim, ttl=self.config.lease_ttl))
+                queues=self.config.queues, names=self.names, limit=claim, ttl=self.config.lease_ttl,
+                kill_within=self.config.kill_within))
         except DatabaseUnavailable:
             self._keep(done + failed)
             if claim:
@@ -366,6 +393,8 @@ class OutcomeWriter(DatabaseThread):
         while self.clock() < deadline:
             self._read_inbox()
             self.claim = 0  # stopping: claim nothing more
+            if self.dead and self.db_ok:
+                self._mark_dead()
             if not (self.batch or self.pending) or not self.db_ok:
                 return
             if self.batch:

@@ -41,8 +41,13 @@ class StepStatus:
         concurrency_key: the step's key (fairness and limit group), or None.
         concurrency, rate_limit: its limits per (step, key): an int, ``(count, seconds)``.
         waiting_on: ``"concurrency"`` or ``"rate_limit"`` while that limit holds the
-            (due, available) step back, else None; running_in_group and
-            starts_in_period: what the limits count now.
+            (due, available) step back, ``"previous_attempt"`` while the process of its
+            last attempt (ended by a timeout or a cancel) may still run, else None;
+            running_in_group and starts_in_period: what the limits count now.
+        dead_by: after a timeout or a cancel settled while the attempt's process may still
+            run, the DB-clock time by which it is dead at the latest (the step runs
+            again, and its concurrency slot goes to another, only after that or once its
+            supervisor reports it reaped); None otherwise (SPEC 9).
         memory_limit, cpu_limit, max_processes, max_open_files: the resource caps stored
             at enqueue (bytes, CPU seconds, processes, descriptors) or None.
     """
@@ -84,6 +89,7 @@ class StepStatus:
     cpu_limit: float | None = None
     max_processes: int | None = None
     max_open_files: int | None = None
+    dead_by: dt.datetime | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -104,6 +110,7 @@ class StepStatus:
             starts_in_period=row.get("starts_in_period"),
             memory_limit=row.get("memory_limit"), cpu_limit=row.get("cpu_limit"),
             max_processes=row.get("max_processes"), max_open_files=row.get("max_open_files"),
+            dead_by=row.get("dead_by"),
         )
 
     @property

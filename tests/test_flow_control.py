@@ -173,7 +173,7 @@ def test_claim_stays_index_driven_with_many_keys(cyclone_dsn):
     claim(store, 8)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
-        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000,
+        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0,
          "limits": True, "rates": True, "inline_max": INLINE_MAX},
     ).fetchall())
     assert "Seq Scan on cyclone_steps" not in plan, plan
@@ -194,7 +194,7 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
                  queues=["default"], names=NAMES, limit=0, ttl=60)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
-        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000,
+        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0,
          "limits": True, "rates": True, "inline_max": INLINE_MAX},
     ).fetchall())
     assert "cyclone_slots_pkey" in plan  # the slots were looked at
@@ -404,7 +404,7 @@ def test_each_claim_takes_what_it_is_made_for_and_the_marks_choose_it(cyclone_ds
 
     def run(store: Store, statement: str) -> tuple[list[str], dict]:
         rows = store.conn.execute(Q[statement], {
-            "owner": "test", "names": NAMES, "limit": 10, "ttl_us": 60_000_000, "inline_max": INLINE_MAX,
+            "owner": "test", "names": NAMES, "limit": 10, "ttl_us": 60_000_000, "kill_within_us": 0, "inline_max": INLINE_MAX,
             **store._claim_params(["default"], statement)}).fetchall()
         return sorted(keys_of(cyclone_dsn, [r for r in rows if r["id"] is not None])), next(
             json.loads(r["step_name"]) for r in rows if r["id"] is None)

@@ -29,10 +29,11 @@ to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"')
 -- group's concurrency slots are all held by running attempts, 'rate_limit' when its
 -- group started rate_count steps in the last period), or NULL. Reads, for status views.
 CASE WHEN s.state = 'available' AND s.scheduled_at <= now() THEN
-    CASE WHEN s.concurrency IS NOT NULL
+    CASE WHEN s.dead_by > now() THEN 'previous_attempt'
+         WHEN s.concurrency IS NOT NULL
               AND (SELECT count(*) FROM cyclone_slots sl
                      JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation
-                                          AND h.state = 'running'
+                                          AND (h.state = 'running' OR h.dead_by > now())
                     WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'c'
                       AND sl.slot <= s.concurrency) >= s.concurrency THEN 'concurrency'
          WHEN s.rate_count IS NOT NULL
@@ -56,10 +57,12 @@ walk (queue, key, p, first) AS (
             (SELECT s.concurrency_key FROM cyclone_steps s
               WHERE s.state = 'available' AND s.queue = q.name AND s.concurrency_key > q.cursor
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              AND (s.dead_by IS NULL OR s.dead_by <= now())
               ORDER BY s.concurrency_key LIMIT 1),
             (SELECT s.concurrency_key FROM cyclone_steps s
               WHERE s.state = 'available' AND s.queue = q.name
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              AND (s.dead_by IS NULL OR s.dead_by <= now())
               ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) k  -- (OFFSET 0: probed once, not per use)
      WHERE %(limit)s > 0 AND k.key IS NOT NULL
     UNION ALL
@@ -69,10 +72,12 @@ walk (queue, key, p, first) AS (
             (SELECT s.concurrency_key FROM cyclone_steps s
               WHERE s.state = 'available' AND s.queue = w.queue AND s.concurrency_key > w.key
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              AND (s.dead_by IS NULL OR s.dead_by <= now())
               ORDER BY s.concurrency_key LIMIT 1),
             (SELECT s.concurrency_key FROM cyclone_steps s
               WHERE s.state = 'available' AND s.queue = w.queue
                 AND s.step_name = ANY(%(names)s) AND s.scheduled_at <= now()
+              AND (s.dead_by IS NULL OR s.dead_by <= now())
               ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) n
      WHERE w.p < %(limit)s + 2 AND n.key <> w.first
 ), cand AS MATERIALIZED (
@@ -88,6 +93,7 @@ walk (queue, key, p, first) AS (
                AND s.concurrency_key = w.key
                AND s.step_name = ANY(%(names)s)
                AND s.scheduled_at <= now()
+               AND (s.dead_by IS NULL OR s.dead_by <= now())  -- the last attempt's processes are dead
                AND (%(limits)s OR (s.concurrency IS NULL AND s.rate_count IS NULL))  -- the fair claim takes no limited step
                AND (%(rates)s OR s.rate_count IS NULL)  -- nor the concurrency claim a rate-limited one
              ORDER BY s.priority, s.scheduled_at, s.id
@@ -157,7 +163,9 @@ cslots AS MATERIALIZED (
                         -- its holder, by primary key: a scalar subquery is one probe per slot
                         -- looked at (a NOT EXISTS became a hash of every running row, dead
                         -- index entries included, built at every claim)
-                        AND (NOT coalesce((SELECT h.state = 'running' FROM cyclone_steps h
+                        -- (running, or settled while its process may still live: dead_by)
+                        AND (NOT coalesce((SELECT h.state = 'running' OR coalesce(h.dead_by > now(), false)
+                                             FROM cyclone_steps h
                                             WHERE h.id = sl.step_id AND h.lease_generation = sl.generation), false)
                              OR EXISTS (SELECT 1 FROM finished f WHERE f.id = sl.step_id AND f.generation = sl.generation))))
              ORDER BY sl.slot
@@ -287,7 +295,9 @@ claimed AS (
            lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
-           progress = NULL
+           progress = NULL,
+           dead_by = NULL,
+           kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM now() - s.scheduled_at)::float8 AS pickup,  -- claimable to claimed (metrics)
@@ -325,6 +335,7 @@ picked AS (
                AND concurrency_key = ''
                AND step_name = ANY(%(names)s)
                AND scheduled_at <= now()
+               AND (dead_by IS NULL OR dead_by <= now())  -- the last attempt's processes are dead
                AND concurrency IS NULL AND rate_count IS NULL
              ORDER BY priority, scheduled_at, id
              LIMIT %(limit)s
@@ -669,8 +680,30 @@ UPDATE cyclone_steps
        error = %(error)s,
        error_kind = %(error_kind)s,
        errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', {utc_now_expr})),
-       progress = coalesce(%(progress)s::jsonb, progress)
+       progress = coalesce(%(progress)s::jsonb, progress),
+       -- settled by the sweep while the attempt may still run: not claimed again before its
+       -- processes are dead (its supervisor kills it by the deadline plus kill_within; one
+       -- frozen or partitioned kills it before its lease expires)
+       dead_by = CASE WHEN %(swept)s::boolean
+                      THEN coalesce(dead_by, greatest(started_at + timeout + coalesce(kill_within, interval '0'),
+                                                      lease_expiry))
+                      ELSE dead_by END
  WHERE id = %(id)s;
+
+-- name: mark_dead
+-- A supervisor reaped the processes of these attempts (%(ids)s, %(generations)s) that ended
+-- after a cancel or a timeout: whatever their rows say now, nothing of them runs any more
+-- (dead_by = 'epoch', until the next claim of the step). The queues of the steps this frees
+-- are woken (a retry or a concurrency sibling may be claimable now).
+WITH dead AS (
+    UPDATE cyclone_steps s
+       SET dead_by = 'epoch'
+      FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[]) AS k(id, generation)
+     WHERE s.id = k.id AND s.lease_generation = k.generation
+       AND (s.dead_by IS NULL OR s.dead_by > 'epoch')
+    RETURNING s.queue
+)
+SELECT count(pg_notify('cyclone_mp', q.queue)) AS woken FROM (SELECT DISTINCT queue FROM dead) q;
 
 -- name: release
 -- Graceful shutdown gives a step back: available at once, no attempt, no reclaim (SPEC 5).
@@ -877,6 +910,12 @@ SELECT name, target, spec, last_slot, last_run_id::text AS last_run_id, next_at,
 WITH steps AS (
     UPDATE cyclone_steps
        SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL,
+           -- a running attempt lives on until its supervisor hears of the cancel (LISTEN, or
+           -- its next renewal, before lease_expiry) and kills it (kill_within): its
+           -- concurrency slot and a retry wait for that, or for the supervisor's report
+           dead_by = CASE WHEN state = 'running'
+                          THEN coalesce(dead_by, greatest(lease_expiry, now()) + coalesce(kill_within, interval '0'))
+                          ELSE dead_by END,
            errors = CASE WHEN state = 'running' THEN errors || jsonb_build_array(jsonb_build_object(
                         'attempt', attempt, 'kind', 'cancelled', 'message', 'cancelled while running (client.cancel)',
                         'started_at', started_at, 'at', {utc_now_expr},
@@ -885,12 +924,15 @@ WITH steps AS (
                     ELSE errors END
      WHERE run_id = %(run_id)s
        AND state IN ('pending', 'available', 'running', 'waiting_signal', 'waiting_timer', 'paused')
-    RETURNING id
+    RETURNING id, lease_generation, (dead_by IS NOT NULL AND dead_by > now()) AS live
 )
 UPDATE cyclone_runs r
    SET state = 'cancelled', finished_at = now(), updated_at = now()
  WHERE id = %(run_id)s AND state IN ('running', 'paused')
-RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr};
+RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr},
+          -- the supervisors running its attempts hear of the cancel at once (LISTEN), at commit
+          (SELECT count(pg_notify('cyclone_mp_cancel', st.id || '.' || st.lease_generation))
+             FROM steps st WHERE st.live) AS pushed;
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
@@ -1092,7 +1134,8 @@ s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float
 s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
 s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
-s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files
+s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
+CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by  -- ('epoch': its processes were reaped)
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
@@ -1112,7 +1155,8 @@ NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text A
 -- (Fragment) the join of step_columns_expr's group counts, for a step row s.
 LEFT JOIN LATERAL (
       SELECT (SELECT count(*) FROM cyclone_slots sl
-                JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation AND h.state = 'running'
+                JOIN cyclone_steps h ON h.id = sl.step_id AND h.lease_generation = sl.generation
+                                     AND (h.state = 'running' OR h.dead_by > now())
                WHERE sl.step_name = s.step_name AND sl.key = s.concurrency_key AND sl.kind = 'c'
                  AND s.concurrency IS NOT NULL) AS running_in_group,
              (SELECT count(*) FROM cyclone_slots sl
@@ -1587,7 +1631,8 @@ id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_
 id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_from, attempt, max_attempts,
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
-concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files
+concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
+dead_by, kill_within
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this

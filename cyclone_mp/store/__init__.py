@@ -30,7 +30,7 @@ from .base import AsyncStore, StoreBase, adrive, drive
 from .leases import LeaseQueries
 from .maintenance import MaintenanceQueries
 from .queries import (
-    FORENSIC_KEYS, INLINE_MAX, MIGRATION_LOCK, NOTIFY_CHANNEL, PARSE_CACHE_LENGTH, Q, FailedAttempt, NodeRow, Settled,
+    CANCEL_CHANNEL, FORENSIC_KEYS, INLINE_MAX, MIGRATION_LOCK, NOTIFY_CHANNEL, PARSE_CACHE_LENGTH, Q, FailedAttempt, NodeRow, Settled,
     limit_params, node_params, nullable_jsonb, to_us,
 )
 from .runs import RunQueries
@@ -45,7 +45,7 @@ class Store(LeaseQueries, RunQueries, MaintenanceQueries, StoreBase):
 
 
 __all__ = [
-    "FORENSIC_KEYS", "INLINE_MAX", "MIGRATION_LOCK", "NOTIFY_CHANNEL", "PARSE_CACHE_LENGTH", "Q", "AsyncStore",
+    "CANCEL_CHANNEL", "FORENSIC_KEYS", "INLINE_MAX", "MIGRATION_LOCK", "NOTIFY_CHANNEL", "PARSE_CACHE_LENGTH", "Q", "AsyncStore",
     "FailedAttempt", "NodeRow", "Settled", "Store", "adrive", "drive", "limit_params", "node_params",
     "nullable_jsonb", "to_us", "PooledAsyncConnection", "PooledConnection", "PooledCursor", "check_pooled",
     "classify", "client_sessions", "configure_session", "connect", "create_database", "database_dsn",

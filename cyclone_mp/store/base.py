@@ -161,8 +161,11 @@ class StoreBase:
 
     def _end_attempt(
         self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
-        backoff: Callable[[int], float], progress: Any = None,
+        backoff: Callable[[int], float], progress: Any = None, swept: bool = False,
     ) -> decisions.AttemptEnd:
+        """Write a failed attempt's end (under the run lock and the step lock). ``swept``:
+        the recovery sweep settles a running attempt whose process may still run: the step
+        is not claimed again before that process is dead (``dead_by``, SPEC 9)."""
         delay = delay_after(row["attempt"], row.get("backoff"), backoff)
         end = decisions.end_attempt(
             attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
@@ -176,7 +179,7 @@ class StoreBase:
         cur.execute(Q["end_attempt"], {
             "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
             "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
-            "entry": Jsonb(entry), "progress": nullable_jsonb(progress),
+            "entry": Jsonb(entry), "progress": nullable_jsonb(progress), "swept": swept,
         })
         self._advance(cur, self._run_of(cur, id))
         return end

@@ -73,7 +73,8 @@ class LeaseQueries:
         self.claim_wait = None if wait is None else float(wait)
 
     @translate
-    def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float) -> list[dict[str, Any]]:
+    def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float,
+              kill_within: float = 0.0) -> list[dict[str, Any]]:
         """Claim up to ``limit`` available steps (SKIP LOCKED), one statement.
 
         Fair by key (round-robin within each queue) and within the steps' concurrency
@@ -82,7 +83,8 @@ class LeaseQueries:
         that came back call for a claim that takes more kinds of steps than the one just
         made (a queue's first keyed or limited step), and it took fewer than ``limit``,
         the rest is claimed at once with that one (a second statement, once per change of
-        a queue's marks).
+        a queue's marks). ``kill_within`` (seconds) is stored on each claimed row: how long
+        after a cancel the claimer's handler may live (:attr:`Config.kill_within`).
         """
         if limit <= 0 or not names:
             self.claim_wait = None
@@ -93,7 +95,7 @@ class LeaseQueries:
             with self.conn.cursor() as cur:
                 cur.execute(Q[statement], {
                     "owner": owner, "names": list(names), "limit": limit - len(claimed), "ttl_us": to_us(ttl),
-                    "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
+                    "kill_within_us": to_us(kill_within), "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
                 })
                 rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["id"] is None), None), queues)
@@ -157,6 +159,7 @@ class LeaseQueries:
         names: Sequence[str] = (),
         limit: int = 0,
         ttl: float = 0.0,
+        kill_within: float = 0.0,
         workflows: bool = False,
     ) -> "Settled":
         """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
@@ -194,7 +197,7 @@ class LeaseQueries:
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
                 "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
-                "inline_max": INLINE_MAX, "in_tx": workflows, **self._claim_params(queues, statement),
+                "kill_within_us": to_us(kill_within), "inline_max": INLINE_MAX, "in_tx": workflows, **self._claim_params(queues, statement),
             })
             rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)

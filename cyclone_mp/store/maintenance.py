@@ -84,7 +84,7 @@ class MaintenanceQueries:
                 ended = self._end_attempt(cur, id, row, decisions.TIMEOUT, {
                     **entry, "message": "timed out (database clock); settled by the recovery sweep",
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
-                }, backoff_for(row["step_name"])).error_kind
+                }, backoff_for(row["step_name"]), swept=True).error_kind
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
                 cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
@@ -101,6 +101,19 @@ class MaintenanceQueries:
         if action in ("timeout", "reclaim_limit"):
             self.last_ended = (row["step_name"], ended)
         return action
+
+    @translate
+    def mark_dead(self, keys: Sequence[tuple[int, int]]) -> int:
+        """Record that the processes of these ``(step id, lease generation)`` attempts,
+        ended after a cancel or a timeout, are dead and reaped: their steps may run again
+        (and their concurrency slots go to others) at once, without waiting for
+        ``dead_by``. Wakes the supervisors of the queues concerned; returns how many
+        queues it woke."""
+        if not keys:
+            return 0
+        with self.conn.cursor() as cur:
+            cur.execute(Q["mark_dead"], {"ids": [k[0] for k in keys], "generations": [k[1] for k in keys]})
+            return int(cur.fetchone()["woken"])
 
     @translate
     def fire_due_timers(self, limit: int = 100) -> int:

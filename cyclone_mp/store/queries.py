@@ -28,6 +28,7 @@ FORENSIC_KEYS = frozenset({
 INLINE_MAX = 512 * 1024
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
 NOTIFY_CHANNEL = "cyclone_mp"
+CANCEL_CHANNEL = "cyclone_mp_cancel"  #: client.cancel's NOTIFY to the supervisors running its steps: "<id>.<generation>"
 
 
 def _code(line: str) -> str:

@@ -1,0 +1,85 @@
+"""Module-level handlers for tests/test_one_live_execution.py: each appends a JSON line to
+the file named in its input when it starts (pid, wall time, attempt), so the test can
+tell which executions were alive at the same instant."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import cyclone_mp as cy
+
+
+def _no_backoff(attempt: int) -> float:
+    return 0.0
+
+
+def note(path: str, **record: Any) -> None:
+    record = {"pid": os.getpid(), "t": time.time(), **record}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def records(path: str, event: str | None = None) -> list[dict[str, Any]]:
+    try:
+        with open(path) as fh:
+            lines = fh.read().split("\n")[:-1]
+    except FileNotFoundError:
+        return []
+    return [r for r in map(json.loads, filter(None, lines)) if event is None or r.get("event") == event]
+
+
+@cy.step("live_wedge", timeout=2, max_attempts=2, backoff=_no_backoff)
+def live_wedge(ctx: cy.Context, inp: dict) -> dict:
+    """Wedged: never looks at its context (only a SIGKILL ends it)."""
+    note(inp["log"], event="start", attempt=ctx.attempt, node=ctx.node, key=inp.get("key"))
+    while True:
+        sum(range(1000))
+
+
+@cy.step("live_exclusive", timeout=2, max_attempts=1, concurrency=1)
+def live_exclusive(ctx: cy.Context, inp: dict) -> dict:
+    """A wedge whose group admits one attempt at a time."""
+    note(inp["log"], event="start", attempt=ctx.attempt, key=inp.get("key"))
+    if inp.get("wedge", True):
+        while True:
+            sum(range(1000))
+    return {}
+
+
+@cy.step("live_waits_for_cancel", max_attempts=1)
+def live_waits_for_cancel(ctx: cy.Context, inp: dict) -> dict:
+    """Waits on its cancellation handle and notes when it woke."""
+    note(inp["log"], event="start")
+    woke = ctx.cancellation.wait(inp.get("seconds", 60))
+    note(inp["log"], event="woke", cancelled=woke, reason=ctx.cancel_reason)
+    return {}
+
+
+@cy.step("live_rated", rate_limit=(10, 1.0), max_attempts=1)
+def live_rated(ctx: cy.Context, inp: dict) -> dict:
+    """Notes the instant its handler starts (what a rate limit must bound)."""
+    note(inp["log"], event="start")
+    time.sleep(inp.get("seconds", 0.05))
+    return {}
+
+
+def _ticks(path: str, seconds: float) -> None:
+    """A worker thread's body: notes a tick every 0.1 s for ``seconds``."""
+    end = time.time() + seconds
+    while time.time() < end:
+        note(path, event="tick", thread=threading.get_ident())
+        time.sleep(0.1)
+
+
+@cy.step("live_async_thread", timeout=1, max_attempts=2, backoff=_no_backoff)
+async def live_async_thread(ctx: cy.Context, inp: dict) -> dict:
+    """An async handler that waits on a worker thread (asyncio.to_thread) past its
+    timeout: the task is cancelled, the thread runs on."""
+    note(inp["log"], event="start", attempt=ctx.attempt)
+    await asyncio.to_thread(_ticks, inp["log"], inp.get("seconds", 15))
+    return {}
