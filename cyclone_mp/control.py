@@ -365,15 +365,25 @@ class ProcessControl(AttemptEndings, HeldSteps):
         now = self.clock()
         rows = list(message.rows)
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
+        rated = [Held((r["id"], r["lease_generation"]), r, message.sent, now, now) for r in rows if r.get("rated")]
         for row in rows:
-            key = (row["id"], row["lease_generation"])
-            bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
-            self.held.append(Held(key, row, message.sent, now, now + bound))
+            if not row.get("rated"):
+                key = (row["id"], row["lease_generation"])
+                bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
+                self.held.append(Held(key, row, message.sent, now, now + bound))
+        # a rate-limited step took its rate slot with this claim: it starts on an idle child
+        # now, ahead of what is held, or is given back at once (never held or queued)
+        self.held.extendleft(reversed(rated))
         if rows:
             self._claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
         if self.draining:
             self._expire_held(now)
         self._take_held()
+        if rated and any(h.row.get("rated") for h in self.held):
+            keep = collections.deque()
+            for item in self.held:
+                (self._release_held if item.row.get("rated") else keep.append)(item)
+            self.held = keep
         lo, hi = self.config.poll_interval
         if message.failed:
             self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
@@ -409,6 +419,11 @@ class ProcessControl(AttemptEndings, HeldSteps):
             return 0
         return max(0, len(self.pool.idle()) + self.prefetch_room() - len(self.held) - self.claiming)
 
+    def _start_now(self, claim: int) -> int:
+        """Of a claim of ``claim`` steps, how many idle children can start at once: the
+        claim takes no more rate-limited steps (a rate limit counts handler starts)."""
+        return max(0, min(claim, len(self.pool.idle()) - len(self.held)))
+
     def _request_claim(self, now: float) -> None:
         """A claim on its own (on the poll interval, or when woken), through the outcome
         writer, which makes every claim: the lease keeper only renews. With prefetch one
@@ -427,7 +442,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             return
         self.claiming += limit
         self.batches_out += 1
-        self.writer.post_batch((), limit)
+        self.writer.post_batch((), limit, self._start_now(limit))
 
     def _send_queued(self) -> None:
         self._tell_watchdog()  # the watchdog knows a task's due time before the child has the task
@@ -685,7 +700,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         claim = self._claim_limit(standalone=False)  # the freed slots' next steps ride along (one statement)
         self.claiming += claim
         self.batches_out += 1
-        self.writer.post_batch(tuple(o for o, _ in outcomes), claim)
+        self.writer.post_batch(tuple(o for o, _ in outcomes), claim, self._start_now(claim))
 
     # -- the registry snapshot -----------------------------------------------------------------------
 

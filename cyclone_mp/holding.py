@@ -137,6 +137,8 @@ class HeldSteps:
             for child in low:
                 if not self.held:
                     return
+                if self.held[0].row.get("rated"):  # a rate-limited step starts at once or not at all
+                    return
                 if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
                         and child.attempt.cancel_reason is None and not child.recycle_due
                         and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)

@@ -165,6 +165,7 @@ class Batch:
 
     outcomes: tuple["Outcome", ...]
     claim: int = 0
+    start_now: int = 0  #: of ``claim``, how many idle children can start at once (rate-limited steps: no more)
 
 
 @dataclasses.dataclass(frozen=True)

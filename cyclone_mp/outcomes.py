@@ -81,6 +81,7 @@ class OutcomeWriter(DatabaseThread):
         self.load = load
         self.batch: list[Outcome] = []
         self.claim = 0  # the claim to make with the next batch
+        self.start_now = 0  # of it, the steps idle children can start at once
         self.pending: list[PendingWrite] = []
         self.dead: list[Any] = []  # attempts reaped after a cancel or a timeout, to record (mark_dead)
         self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
@@ -94,12 +95,13 @@ class OutcomeWriter(DatabaseThread):
         """Hand over one outcome (never blocks)."""
         self.post_batch((outcome,))
 
-    def post_batch(self, outcomes: tuple[Outcome, ...], claim: int = 0) -> None:
+    def post_batch(self, outcomes: tuple[Outcome, ...], claim: int = 0, start_now: int | None = None) -> None:
         """Hand over outcomes, and a claim of up to ``claim`` steps to make in the same
-        statement (its rows go to process control as :class:`~cyclone_mp.messages.Claimed`)."""
+        statement (its rows go to process control as :class:`~cyclone_mp.messages.Claimed`),
+        of which ``start_now`` (default all) can start on idle children at once."""
         with self._lock:
             self._outstanding += len(outcomes)
-        self.inbox.post(Batch(tuple(outcomes), claim))
+        self.inbox.post(Batch(tuple(outcomes), claim, claim if start_now is None else min(claim, start_now)))
 
     def post_dead(self, keys: tuple[Any, ...]) -> None:
         """Hand over attempts that ended after a cancel or a timeout and whose processes are
@@ -121,12 +123,13 @@ class OutcomeWriter(DatabaseThread):
                 continue
             self.batch.extend(message.outcomes)
             self.claim += message.claim
+            self.start_now += message.start_now
             self._taken += 1
 
     def turn(self, now: float) -> float:
         self._read_inbox()
         if self.claim and not self.db_ok:  # no claim during an outage: say so, process control backs off
-            claim, self.claim = self.claim, 0
+            claim, self.claim, self.start_now = self.claim, 0, 0
             self._claimed([], self.clock(), limit=claim, failed=True)
         if self.db_ok and (self.batch or self.claim):
             self._write_batch()
@@ -157,14 +160,15 @@ class OutcomeWriter(DatabaseThread):
     def _write_batch(self) -> None:
         batch, self.batch = self.batch, []
         claim, self.claim = self.claim, 0
+        start_now, self.start_now = min(self.start_now, claim), 0
         releases = [o for o in batch if o.kind == RELEASE]
         done = [o for o in batch if o.kind == COMPLETE]
         failed = [o for o in batch if o.kind == FAIL]
         if claim and not (done or failed):
-            self._claim_alone(claim)
+            self._claim_alone(claim, start_now)
         elif done or failed:
             try:
-                self._settle(done, failed, claim)
+                self._settle(done, failed, claim, start_now)
             except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
                 log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
                 self._keep(done + failed)
@@ -187,14 +191,15 @@ class OutcomeWriter(DatabaseThread):
         else:
             self.count("reaped_recorded", len(dead))
 
-    def _claim_alone(self, limit: int) -> None:
+    def _claim_alone(self, limit: int, start_now: int) -> None:
         """A claim with no outcome to write (the poll, or a NOTIFY, found slots free)."""
         self.count("claim_statements")
         sent = self.clock()
         try:
             rows, wait = self.call(self.config.write_bound, lambda store: (store.claim(
                 owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
-                ttl=self.config.lease_ttl, kill_within=self.config.kill_within), store.claim_wait))
+                ttl=self.config.lease_ttl, kill_within=self.config.kill_within, start_now=start_now),
+                store.claim_wait))
         except DatabaseError as exc:
             if not isinstance(exc, DatabaseUnavailable):
                 log.error("claim rejected by the database: %s", exc)
@@ -215,7 +220,7 @@ class OutcomeWriter(DatabaseThread):
             self.load(Load(big, sent))
         self.tell_control(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, failed=failed, wait=wait))
 
-    def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int) -> None:
+    def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int, start_now: int) -> None:
         completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]
         failures = [
             FailedAttempt(id=o.step_id, generation=o.generation, kind=o.error_kind or decisions.ERROR,
@@ -231,7 +236,7 @@ class OutcomeWriter(DatabaseThread):
             settled = self.call(self.config.write_bound, lambda store: store.settle(
                 owner=self.owner, completions=completions, failures=failures, workflows=workflows,
                 queues=self.config.queues, names=self.names, limit=claim, ttl=self.config.lease_ttl,
-                kill_within=self.config.kill_within))
+                kill_within=self.config.kill_within, start_now=start_now))
         except DatabaseUnavailable:
             self._keep(done + failed)
             if claim:
@@ -392,7 +397,7 @@ class OutcomeWriter(DatabaseThread):
     def _finish(self, deadline: float) -> None:
         while self.clock() < deadline:
             self._read_inbox()
-            self.claim = 0  # stopping: claim nothing more
+            self.claim = self.start_now = 0  # stopping: claim nothing more
             if self.dead and self.db_ok:
                 self._mark_dead()
             if not (self.batch or self.pending) or not self.db_ok:

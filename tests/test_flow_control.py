@@ -155,8 +155,9 @@ def test_a_rate_limit_holds_back_and_says_when_to_claim_again(cyclone_dsn):
     store = Store.open(cyclone_dsn)
     got = claim(store, 30)
     assert sorted(keys_of(cyclone_dsn, got)) == ["k"] * 10 + ["other"] * 3
-    assert store.claim_wait is not None and 0.9 <= store.claim_wait <= 1.0
-    assert claim(store, 30) == [] and 0 < store.claim_wait <= 1.0
+    # a rate slot counts from 50 ms after its claim (the handler's start)
+    assert store.claim_wait is not None and 0.9 <= store.claim_wait <= 1.05
+    assert claim(store, 30) == [] and 0 < store.claim_wait <= 1.05
     time.sleep(store.claim_wait + 0.05)
     assert len(claim(store, 30)) == 5 and store.claim_wait is None  # all five start: no wait left
     store.close()
@@ -173,7 +174,7 @@ def test_claim_stays_index_driven_with_many_keys(cyclone_dsn):
     claim(store, 8)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
-        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0,
+        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0, "start_now": 8,
          "limits": True, "rates": True, "inline_max": INLINE_MAX},
     ).fetchall())
     assert "Seq Scan on cyclone_steps" not in plan, plan
@@ -194,7 +195,7 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
                  queues=["default"], names=NAMES, limit=0, ttl=60)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
-        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0,
+        {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0, "start_now": 8,
          "limits": True, "rates": True, "inline_max": INLINE_MAX},
     ).fetchall())
     assert "cyclone_slots_pkey" in plan  # the slots were looked at
@@ -404,7 +405,7 @@ def test_each_claim_takes_what_it_is_made_for_and_the_marks_choose_it(cyclone_ds
 
     def run(store: Store, statement: str) -> tuple[list[str], dict]:
         rows = store.conn.execute(Q[statement], {
-            "owner": "test", "names": NAMES, "limit": 10, "ttl_us": 60_000_000, "kill_within_us": 0, "inline_max": INLINE_MAX,
+            "owner": "test", "names": NAMES, "limit": 10, "ttl_us": 60_000_000, "kill_within_us": 0, "start_now": 8, "inline_max": INLINE_MAX,
             **store._claim_params(["default"], statement)}).fetchall()
         return sorted(keys_of(cyclone_dsn, [r for r in rows if r["id"] is not None])), next(
             json.loads(r["step_name"]) for r in rows if r["id"] is None)

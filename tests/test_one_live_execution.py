@@ -205,3 +205,38 @@ def test_a_cancel_reaches_the_handler_within_a_second(cyclone_env_factory, tmp_p
         assert woke and woke[0]["cancelled"] and woke[0]["reason"] == "cancelled"
         delays.append(woke[0]["t"] - cancelled_at)
     assert statistics.median(delays) <= 1.0, delays
+
+
+# -- a rate limit counts handler starts -------------------------------------------------------------
+
+
+def most_in_window(times: list[float], seconds: float) -> int:
+    """The most of ``times`` inside any half-open window of ``seconds``."""
+    times = sorted(times)
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] >= seconds:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_a_rate_limit_bounds_the_handlers_starts(cyclone_env_factory, tmp_path):
+    """rate_limit=(10, 1.0), 60 steps, 2 children, the default prefetch: no window of 1 s
+    of the handlers' own start times holds more than 10 (+1 for clock granularity), and
+    each handler starts within milliseconds of its claim."""
+    log = str(tmp_path / "rated.log")
+    env = cyclone_env_factory(workers=2, lease_ttl=5, poll_interval=(0.02, 0.2))
+    env.mux().register(lh.live_rated)
+    ids = env.client().enqueue_many(lh.live_rated, [{"log": log, "seconds": 0.02}] * 60)
+    env.start_worker()
+    for run_id in ids:
+        assert env.run_until_complete(run_id, timeout=60).state == "completed"
+    starts = [r["t"] for r in lh.records(log, "start")]
+    assert len(starts) == 60
+    assert most_in_window(starts, 1.0) <= 11, most_in_window(starts, 1.0)
+    # the rows' claims bound them too (the slots are taken at claim), and nothing was held
+    statuses = [env.status(run_id).step for run_id in ids]
+    claims = [s.started_at.timestamp() for s in statuses]
+    assert most_in_window(claims, 1.0) <= 10
+    assert all(s.attempt == 1 and s.reclaims == 0 for s in statuses)

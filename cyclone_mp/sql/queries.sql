@@ -211,15 +211,24 @@ cslots AS MATERIALIZED (
                       ELSE (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) END) AS ok
       FROM grp g
 ), eligible AS MATERIALIZED (
-    -- the candidates their limits let start now
-    SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority
-      FROM ranked r
-      LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
-     WHERE a.ok IS NULL OR r.gr <= a.ok
+    -- the candidates their limits let start now; of the rate-limited ones no more than the
+    -- idle children can start at once (%(start_now)s): a rate limit counts handler starts,
+    -- so such a step is never held or queued behind a busy child after taking its slot
+    SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr, e.priority
+      FROM (SELECT r.*, count(*) FILTER (WHERE r.rate_count IS NOT NULL)
+                            OVER (ORDER BY r.priority, r.rn, r.p, r.id) AS rated_rank
+              FROM ranked r
+              LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
+             WHERE a.ok IS NULL OR r.gr <= a.ok) e
+     WHERE e.rate_count IS NULL OR e.rated_rank <= %(start_now)s
 ), {picked_ctes}, {claimed_ctes}, took_slots AS (
-    -- each limited step claimed takes the gr-th free slot of its group (concurrency, rate)
+    -- each limited step claimed takes the gr-th free slot of its group (concurrency, rate);
+    -- a rate slot counts from 50 ms after the claim: its handler starts on an idle child
+    -- within that (the claim returns, the task goes out), so two starts of one slot are a
+    -- whole period apart on the handlers' clocks too, not only the claims
     UPDATE cyclone_slots sl
-       SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(), used_at = now()
+       SET step_id = c.id, generation = c.lease_generation, claim_xid = pg_current_xact_id(),
+           used_at = CASE WHEN sl.kind = 'r' THEN now() + interval '50 milliseconds' ELSE now() END
       FROM picked p
       JOIN claimed c ON c.id = p.id
       JOIN (SELECT 'c'::"char" AS kind, step_name, key, slot, i FROM cslots
@@ -302,7 +311,8 @@ claimed AS (
     RETURNING s.id, s.run_id::text AS run_id, s.node, s.step_name, s.attempt, s.max_attempts, s.backoff,
               extract(epoch FROM now() - s.scheduled_at)::float8 AS pickup,  -- claimable to claimed (metrics)
               extract(epoch FROM s.timeout)::float8 AS timeout, s.lease_generation,
-              s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,  -- resource limits (issue 20)
+              s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,  -- resource limits
+              s.rate_count IS NOT NULL AS rated,  -- its start must follow its claim at once (a rate slot was taken)
               -- the run's row by primary key, once (its input and kind are read from it):
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
@@ -547,13 +557,13 @@ settled_completed AS (
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
            runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup,
            NULL::jsonb AS trace, NULL::bigint AS memory_limit, NULL::float8 AS cpu_limit, NULL::integer AS max_processes,
-           NULL::integer AS max_open_files
+           NULL::integer AS max_open_files, NULL::boolean AS rated
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
            c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
-           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
+           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files, c.rated
       FROM claimed c
 )
 
@@ -562,10 +572,12 @@ settled_completed AS (
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
-       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files
+       {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files,
+       c.rated
   FROM claimed c
 UNION ALL
-SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL
   FROM claim_meta m
 
 -- name: settle_rows_expr
@@ -574,12 +586,13 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL
   FROM claim_meta m
 
 -- name: settle_completions_rows_expr
@@ -588,7 +601,8 @@ SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
-SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL
   FROM claim_meta m
 
 -- name: settle

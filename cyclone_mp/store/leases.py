@@ -74,7 +74,7 @@ class LeaseQueries:
 
     @translate
     def claim(self, *, owner: str, queues: Sequence[str], names: Sequence[str], limit: int, ttl: float,
-              kill_within: float = 0.0) -> list[dict[str, Any]]:
+              kill_within: float = 0.0, start_now: int | None = None) -> list[dict[str, Any]]:
         """Claim up to ``limit`` available steps (SKIP LOCKED), one statement.
 
         Fair by key (round-robin within each queue) and within the steps' concurrency
@@ -85,6 +85,9 @@ class LeaseQueries:
         the rest is claimed at once with that one (a second statement, once per change of
         a queue's marks). ``kill_within`` (seconds) is stored on each claimed row: how long
         after a cancel the claimer's handler may live (:attr:`Config.kill_within`).
+        ``start_now``: how many of the steps claimed can start at once (idle children;
+        default ``limit``): no more rate-limited steps are claimed, since a rate limit
+        counts handler starts (each claimed rate-limited row has ``rated`` true).
         """
         if limit <= 0 or not names:
             self.claim_wait = None
@@ -95,7 +98,8 @@ class LeaseQueries:
             with self.conn.cursor() as cur:
                 cur.execute(Q[statement], {
                     "owner": owner, "names": list(names), "limit": limit - len(claimed), "ttl_us": to_us(ttl),
-                    "kill_within_us": to_us(kill_within), "inline_max": INLINE_MAX, **self._claim_params(queues, statement),
+                    "kill_within_us": to_us(kill_within), "inline_max": INLINE_MAX,
+                    "start_now": limit if start_now is None else max(0, start_now - len(claimed)), **self._claim_params(queues, statement),
                 })
                 rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["id"] is None), None), queues)
@@ -160,6 +164,7 @@ class LeaseQueries:
         limit: int = 0,
         ttl: float = 0.0,
         kill_within: float = 0.0,
+        start_now: int | None = None,
         workflows: bool = False,
     ) -> "Settled":
         """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
@@ -172,7 +177,8 @@ class LeaseQueries:
         step is held paused. Rows whose CAS fails change nothing (late completions; for
         failures also timeouts not yet due on the DB clock, and without ``workflows``
         failures of workflow runs: write those with :meth:`fail`). Then up to ``limit``
-        steps of ``queues``/``names`` are claimed with a ``ttl``-second lease. With
+        steps of ``queues``/``names`` are claimed with a ``ttl``-second lease (``kill_within``
+        and ``start_now`` as for :meth:`claim`). With
         ``workflows`` (some outcome belongs to a workflow run) the workflow runs of the
         settled rows are advanced in the same transaction; otherwise it is one round
         trip and one commit. A tick without failures runs ``settle_completions``, the
@@ -197,7 +203,8 @@ class LeaseQueries:
                 "require_timed_out": [f.require_timed_out for f in failures],
                 "fail_progress": [nullable_jsonb(f.progress) for f in failures],
                 "names": list(names), "limit": max(0, limit), "ttl_us": to_us(ttl),
-                "kill_within_us": to_us(kill_within), "inline_max": INLINE_MAX, "in_tx": workflows, **self._claim_params(queues, statement),
+                "kill_within_us": to_us(kill_within), "inline_max": INLINE_MAX,
+                "start_now": max(0, limit) if start_now is None else start_now, "in_tx": workflows, **self._claim_params(queues, statement),
             })
             rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
