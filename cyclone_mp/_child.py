@@ -52,6 +52,7 @@ PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest va
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
+OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
 # error kinds this runner reports besides "error", "permanent" and "cancelled" (cyclone_mp.decisions)
 OUTPUT_INVALID, MEMORY_ERROR, EXIT = "output_invalid", "memory_error", "exit"
@@ -237,6 +238,7 @@ class Runner:
                 self._pending_progress = msg
                 if schedule:
                     timer = threading.Timer(wait, self._flush_progress)
+                    timer.name = OWN_THREAD_PREFIX + "progress"
                     timer.daemon = True
                     timer.start()
                 return
@@ -410,8 +412,16 @@ class Runner:
             before = resource.getrusage(resource.RUSAGE_SELF)
             kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
             kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
+            threads_before = {t.ident for t in threading.enumerate()}
             # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
             result = {"t": "result", "task": message["task"], **self.run_task(message)}
+            if self.cancellation.is_set():
+                # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
+                # an executor, threads the handler started): then this child is not reused
+                # while they run; it says so, takes nothing more, and is killed
+                lingering = self.lingering_threads(threads_before)
+                if lingering:
+                    result["lingering"] = lingering
             after = resource.getrusage(resource.RUSAGE_SELF)
             # The peak is forensics of failed and long attempts; a quick success skips the read.
             slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
@@ -430,11 +440,31 @@ class Runner:
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None
             frame = self.checked(result)
-            self.held = bool(result["children"])  # the supervisor answers "go" once it swept them
+            # the supervisor answers "go" once it swept the attempt's processes; never while
+            # its threads run (it kills this child instead)
+            self.held = bool(result["children"]) or bool(result.get("lingering"))
             with self.lock:
                 self.ctrl.sendall(frame)
             with self.lock:
                 self.task = None
+
+    def lingering_threads(self, before: set[int | None], wait: float = 0.05) -> list[str]:
+        """The names of threads started during the attempt that still run after it was
+        cancelled (waited for up to ``wait`` seconds). The async handlers' default
+        executor is shut down first (its idle workers end; a busy one is the attempt's)
+        and made anew by the next attempt."""
+        loop = self.event_loop
+        executor = getattr(loop, "_default_executor", None) if loop is not None else None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+            loop._default_executor = None  # the next run_in_executor/to_thread makes a fresh one
+        deadline = time.monotonic() + wait
+        while True:
+            left = [t for t in threading.enumerate()
+                    if t.ident not in before and t.is_alive() and not t.name.startswith(OWN_THREAD_PREFIX)]
+            if not left or time.monotonic() >= deadline:
+                return [t.name for t in left]
+            time.sleep(0.005)
 
     def checked(self, result: dict[str, Any]) -> bytes:
         """The result's frame. An output outside the payload boundary (not JSON, not

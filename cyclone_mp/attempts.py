@@ -73,6 +73,7 @@ class Attempt:
     base: Any = None  # where its slot's counters stood when it started (slots.Baseline), when limited
     usage: Usage | None = None  # the last sample of its tree
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
+    lingering: list[str] | None = None  # its handler ended after a cancel, these threads of it did not
 
     @property
     def step_id(self) -> int:

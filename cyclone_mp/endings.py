@@ -97,8 +97,28 @@ class AttemptEndings:
         if kind == "progress":
             att.progress = {k: message.get(k) for k in ("done", "total", "message")}
             self.keeper(Progress(att.key, att.progress))
+        elif kind == "result" and message.get("lingering") and not att.lingering:
+            self._on_lingering(att, message)
         elif kind == "result":
             self._on_result(att, message)
+
+    def _on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
+        """A cancelled attempt's handler is over but threads it started still run in the
+        child (``asyncio.to_thread``, an executor, its own): the attempt is not over until
+        they are. The child takes nothing more; it is killed at the cancel's ``kill_at``
+        (``kill_grace`` after the cancel), and the attempt ends then, with its child's
+        death, so the step's next execution never runs beside them (SPEC 9)."""
+        att.lingering = list(result.get("lingering") or ())
+        child = att.child
+        child.recycle_due = True
+        for queued in child.queued:  # they would wait behind the kill: given back now
+            self._cancel(queued, RELEASED, self.clock())
+        if att.kill_at is None:
+            att.kill_at = self.clock() + self.config.kill_grace
+        log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
+                    "killed at kill_grace, not reused", att.step_name, att.run_id, len(att.lingering),
+                    ", ".join(att.lingering[:3]), child.pid)
+        self._watch(child)
 
     def _on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
         """A frame the child sent that cannot be read (issue 18: decoding is per frame, so
@@ -274,6 +294,10 @@ class AttemptEndings:
             elif att.killed_by:
                 entry["killed_by_supervisor"] = True
                 entry["trigger"] = att.killed_by
+                if att.lingering:
+                    entry["lingering_threads"] = att.lingering
+                    entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}: threads the "
+                                                f"handler started were still running ({', '.join(att.lingering[:3])})")
                 entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
                 self._settle_cancelled(att, entry)
             elif child.killed and att.cancel_reason is None:  # started as the attempt in front, being killed, ended

@@ -240,3 +240,28 @@ def test_a_rate_limit_bounds_the_handlers_starts(cyclone_env_factory, tmp_path):
     claims = [s.started_at.timestamp() for s in statuses]
     assert most_in_window(claims, 1.0) <= 10
     assert all(s.attempt == 1 and s.reclaims == 0 for s in statuses)
+
+
+# -- a child is reused only when nothing of the last attempt runs in it ------------------------------
+
+
+def test_threads_of_a_timed_out_async_attempt_die_before_the_retry_starts(cyclone_env_factory, tmp_path):
+    """An async handler awaiting asyncio.to_thread(<15 s of work>) times out (timeout 1 s,
+    kill_grace 2 s): its task is cancelled at once but the thread runs on, so its child is
+    killed at kill_grace and not reused; no tick of attempt 1's thread is written once
+    attempt 2 has started."""
+    log = str(tmp_path / "async.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=3, kill_grace=2, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_async_thread)
+    run_id = env.enqueue(lh.live_async_thread, {"log": log, "seconds": 15})
+    env.start_worker()
+    assert wait_until(lambda: len(lh.records(log, "start")) >= 2, timeout=30)
+    first, second = sorted(lh.records(log, "start"), key=lambda r: r["t"])[:2]
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert first["pid"] != second["pid"], "the child of the cancelled attempt was reused"
+    late = [r for r in lh.records(log, "tick") if r["pid"] == first["pid"] and r["t"] >= second["t"]]
+    assert not late, f"attempt 1's thread ticked {len(late)} times after attempt 2 started"
+    status = env.run_until_complete(run_id, timeout=40)
+    assert status.step.error_kind == "timeout"
+    entry = status.step.errors[0]
+    assert entry.get("lingering_threads") and entry.get("killed_by_supervisor")

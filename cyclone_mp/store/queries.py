@@ -19,7 +19,7 @@ from ..limits import NO_LIMITS, Limits
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
-    "cpu_seconds", "peak_rss_kb", "elapsed", "worker", "tree", "limits", "cause", "enforced_by",
+    "cpu_seconds", "peak_rss_kb", "elapsed", "worker", "tree", "limits", "cause", "enforced_by", "lingering_threads",
 })
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the
