@@ -421,7 +421,7 @@ class Runner:
                 # while they run; it says so, takes nothing more, and is killed
                 lingering = self.lingering_threads(threads_before)
                 if lingering:
-                    result["lingering"] = lingering
+                    result["lingering"] = [t.name for t in lingering]
             after = resource.getrusage(resource.RUSAGE_SELF)
             # The peak is forensics of failed and long attempts; a quick success skips the read.
             slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
@@ -445,11 +445,16 @@ class Runner:
             self.held = bool(result["children"]) or bool(result.get("lingering"))
             with self.lock:
                 self.ctrl.sendall(frame)
+            if result.get("lingering"):  # the attempt is over once they are (or when it is killed)
+                for thread in lingering:
+                    thread.join()
+                self.held = bool(result["children"])
+                self.send({"t": "threads_done", "task": message["task"]})
             with self.lock:
                 self.task = None
 
-    def lingering_threads(self, before: set[int | None], wait: float = 0.05) -> list[str]:
-        """The names of threads started during the attempt that still run after it was
+    def lingering_threads(self, before: set[int | None], wait: float = 0.05) -> list[threading.Thread]:
+        """The threads started during the attempt that still run after it was
         cancelled (waited for up to ``wait`` seconds). The async handlers' default
         executor is shut down first (its idle workers end; a busy one is the attempt's)
         and made anew by the next attempt."""
@@ -463,7 +468,7 @@ class Runner:
             left = [t for t in threading.enumerate()
                     if t.ident not in before and t.is_alive() and not t.name.startswith(OWN_THREAD_PREFIX)]
             if not left or time.monotonic() >= deadline:
-                return [t.name for t in left]
+                return left
             time.sleep(0.005)
 
     def checked(self, result: dict[str, Any]) -> bytes:

@@ -74,6 +74,7 @@ class Attempt:
     usage: Usage | None = None  # the last sample of its tree
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
     lingering: list[str] | None = None  # its handler ended after a cancel, these threads of it did not
+    lingering_result: dict[str, Any] | None = None  # the result the child sent meanwhile (used if they end)
 
     @property
     def step_id(self) -> int:

@@ -97,26 +97,30 @@ class AttemptEndings:
         if kind == "progress":
             att.progress = {k: message.get(k) for k in ("done", "total", "message")}
             self.keeper(Progress(att.key, att.progress))
-        elif kind == "result" and message.get("lingering") and not att.lingering:
+        elif kind == "result" and message.get("lingering") and att.lingering is None:
             self._on_lingering(att, message)
+        elif kind == "threads_done" and att.lingering is not None:  # they ended before its kill
+            att.lingering = None
+            self._on_result(att, att.lingering_result or {"t": "result", "task": att.token, "ok": False})
         elif kind == "result":
             self._on_result(att, message)
 
     def _on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
         """A cancelled attempt's handler is over but threads it started still run in the
         child (``asyncio.to_thread``, an executor, its own): the attempt is not over until
-        they are. The child takes nothing more; it is killed at the cancel's ``kill_at``
-        (``kill_grace`` after the cancel), and the attempt ends then, with its child's
-        death, so the step's next execution never runs beside them (SPEC 9)."""
+        they are. The child takes nothing more until they end (it then says
+        ``threads_done`` and the attempt ends with the result it sent); at the cancel's
+        ``kill_at`` (``kill_grace`` after the cancel) it is killed and the attempt ends with
+        its death. Either way the step's next execution never runs beside them (SPEC 9)."""
         att.lingering = list(result.get("lingering") or ())
+        att.lingering_result = result
         child = att.child
-        child.recycle_due = True
         for queued in child.queued:  # they would wait behind the kill: given back now
             self._cancel(queued, RELEASED, self.clock())
         if att.kill_at is None:
             att.kill_at = self.clock() + self.config.kill_grace
         log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
-                    "killed at kill_grace, not reused", att.step_name, att.run_id, len(att.lingering),
+                    "killed at kill_grace unless they end first", att.step_name, att.run_id, len(att.lingering),
                     ", ".join(att.lingering[:3]), child.pid)
         self._watch(child)
 

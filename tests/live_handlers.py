@@ -83,3 +83,19 @@ async def live_async_thread(ctx: cy.Context, inp: dict) -> dict:
     note(inp["log"], event="start", attempt=ctx.attempt)
     await asyncio.to_thread(_ticks, inp["log"], inp.get("seconds", 15))
     return {}
+
+
+def _polite_ticks(ctx: cy.Context, path: str, seconds: float) -> None:
+    """A worker thread that stops soon after its attempt is cancelled (0.3 s after)."""
+    end = time.time() + seconds
+    while time.time() < end and not ctx.cancellation.wait(0.1):
+        note(path, event="tick", thread=threading.get_ident())
+    time.sleep(0.3)
+
+
+@cy.step("live_async_polite", timeout=1, max_attempts=2, backoff=_no_backoff)
+async def live_async_polite(ctx: cy.Context, inp: dict) -> dict:
+    """As live_async_thread, but its thread looks at the cancellation and stops."""
+    note(inp["log"], event="start", attempt=ctx.attempt)
+    await asyncio.to_thread(_polite_ticks, ctx, inp["log"], inp.get("seconds", 15))
+    return {}

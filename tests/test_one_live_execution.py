@@ -265,3 +265,22 @@ def test_threads_of_a_timed_out_async_attempt_die_before_the_retry_starts(cyclon
     assert status.step.error_kind == "timeout"
     entry = status.step.errors[0]
     assert entry.get("lingering_threads") and entry.get("killed_by_supervisor")
+
+
+def test_a_thread_that_stops_on_cancel_lets_its_child_be_reused(cyclone_env_factory, tmp_path):
+    """The same, but the thread stops 0.3 s after the cancel: the attempt ends then (no
+    kill) and the retry runs in the same child, after the thread is gone."""
+    log = str(tmp_path / "polite.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=3, kill_grace=3, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_async_polite)
+    run_id = env.enqueue(lh.live_async_polite, {"log": log, "seconds": 15})
+    env.start_worker()
+    assert wait_until(lambda: len(lh.records(log, "start")) >= 2, timeout=30)
+    first, second = sorted(lh.records(log, "start"), key=lambda r: r["t"])[:2]
+    assert first["pid"] == second["pid"]
+    # attempt 1's thread stopped 0.3 s after the cancel (at 1 s): the retry came after it
+    assert second["t"] - first["t"] >= 1.3, second["t"] - first["t"]
+    env.client().cancel(run_id)
+    status = env.run_until_complete(run_id, timeout=30)
+    entry = status.step.errors[0]
+    assert entry["kind"] == "timeout" and not entry.get("killed_by_supervisor")
