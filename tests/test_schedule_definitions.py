@@ -230,3 +230,22 @@ def test_two_supervisors_with_two_definitions_fire_each_slot_once(cyclone_env_fa
     inputs = [v for _, v in got]
     assert inputs == sorted(inputs, key=["old", "new"].index)  # old, then new: one handover
     assert inputs.count("new") >= 10
+
+
+def test_cli_schedules_shows_two_live_definitions(cyclone_dsn):
+    import json
+
+    from click.testing import CliRunner
+    from cyclone_mp_cli.main import cli
+
+    client = cy.Client(cyclone_dsn)
+    store = Store.open(cyclone_dsn)
+    for mux in (definition("old", every=60), definition("new", every=60)):
+        schedules.run_once(store, mux, client.config)
+    table = CliRunner().invoke(cli, ["--dsn", cyclone_dsn, "schedules", "--wide"])
+    assert table.exit_code == 0 and "yes, 2 definitions" in table.output, table.output
+    (row,) = json.loads(CliRunner().invoke(cli, ["--dsn", cyclone_dsn, "schedules", "--json"]).output)
+    assert [(d["spec"]["input"], d["in_force"]) for d in row["definitions"]] == [({"v": "new"}, True),
+                                                                                ({"v": "old"}, False)]
+    store.close()
+    client.close()
