@@ -49,7 +49,8 @@ KINDS = {
                      "settle_fair", "settle_plain", "settle_completions", "settle_completions_concurrency",
                      "settle_completions_fair", "settle_completions_plain", "release"),
     "renew": ("heartbeat", "renew_many", "lease_state"),
-    "schedules": ("sync_schedules", "due_schedules", "advance_schedule"),
+    "schedules": ("sync_schedules", "sync_schedule_definitions", "forget_schedule_definitions", "due_schedules",
+                  "schedules_in_force", "advance_schedule"),
 }
 
 

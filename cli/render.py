@@ -494,9 +494,17 @@ def schedules_table(rows: list[dict[str, Any]]) -> Table:
         table.add_row(Text(str(row["name"])), Text(str(row["target"])), Text(schedule_period(spec)),
                       str(spec.get("catch_up", "")),
                       when(row.get("next_at")), when(row.get("last_slot")), str(row.get("runs", 0)),
-                      str(row.get("skipped", 0)),
-                      "yes" if row.get("active") else Text("no", style="yellow"))
+                      str(row.get("skipped", 0)), _active(row))
     return table
+
+
+def _active(row: dict[str, Any]) -> Text | str:
+    """``yes``, ``yes, 2 definitions`` (two live supervisors declare it differently: the one
+    declared last is in force), or ``no`` in yellow."""
+    if not row.get("active"):
+        return Text("no", style="yellow")
+    n = len(row.get("definitions") or ())
+    return f"yes, {n} definitions" if n > 1 else "yes"
 
 
 def _sweep_age(age: float | None, row_age: float) -> Text | str:

@@ -481,10 +481,13 @@ class Client(ClientBase):
 
     def schedules(self) -> list[dict[str, Any]]:
         """Every schedule the supervisors have defined (``mux.schedule``): ``name``,
-        ``target``, ``spec``, ``next_at`` (the next slot, database clock), ``last_slot``,
-        ``last_run_id``, ``runs``, ``skipped``, ``seen_at`` and ``active`` (a live
-        supervisor defines it: seen within the last minute)."""
-        rows = self._call(lambda store: store.list_schedules())
+        ``target`` and ``spec`` (of the definition that decided it last), ``next_at`` (the
+        next slot, database clock), ``last_slot``, ``last_run_id``, ``runs``, ``skipped``,
+        ``seen_at``, ``active`` (a live supervisor defines it: seen within the last
+        minute) and ``definitions``: the definitions live supervisors declare (two during
+        a rolling deploy that changed it), each with ``fingerprint``, ``target``, ``spec``,
+        ``first_seen_at``, ``seen_at`` and ``in_force``, the one in force first."""
+        rows = self._call(lambda store: store.list_schedules(ACTIVE_WITHIN))
         return [{**row, "active": row["age"] is not None and row["age"] < ACTIVE_WITHIN} for row in rows]
 
     def delete_schedule(self, name: str) -> None:

@@ -1,4 +1,4 @@
-"""Periodic steps (issue 21): ``mux.schedule(step, cron=...)`` and ``every=seconds``.
+"""Periodic steps: ``mux.schedule(step, cron=...)`` and ``every=seconds``.
 
 A :class:`Schedule` is pure: it names the slots of a cron expression (evaluated by
 `cronsim <https://pypi.org/project/cronsim/>`_, which follows Debian's cron, in the
@@ -6,9 +6,17 @@ schedule's time zone) or of an interval (multiples of ``every`` since the Unix e
 decides which due slots a tick enqueues (:func:`plan`). :func:`run_once` is the
 maintenance pass (STYLE pattern 4): every supervisor whose mux defines schedules calls it
 on its sweep tick. It compares slots with the database clock only, takes each due
-schedule's row with ``FOR UPDATE SKIP LOCKED``, enqueues the slot's run (idempotency key
+schedule's row with ``FOR NO KEY UPDATE SKIP LOCKED``, enqueues the slot's run (idempotency key
 ``cyclone-schedule:<name>:<slot>``) and advances the row in the same transaction: exactly
 one run per (schedule, slot), however many supervisors tick and whatever their clocks say.
+
+Two definitions of one schedule (a rolling deploy runs old and new code side by side):
+each supervisor declares its definition; the one declared most recently among those a
+live supervisor still declares is in force, and only its supervisors enqueue the
+schedule's slots, from the schedule's row (its last slot), so the other definition's
+ticks neither fire nor reset anything. At a handover (:func:`take_over`), the slots the
+previous definition had not enqueued before the new one came into force are enqueued with
+the previous definition's input, or counted as skipped: a slot is never lost silently.
 
 Time zones and daylight saving time (cron expressions only; intervals are UTC): a slot in
 a local hour that a spring-forward transition skips runs right after the transition, once
@@ -27,15 +35,19 @@ time in the same tick, and ``"none"`` none.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
+import functools
+import hashlib
+import json
 import zoneinfo
 from typing import TYPE_CHECKING, Any, Iterator
 
 from cronsim import CronSim, CronSimError
 
 from .durations import seconds
-from .errors import ConfigurationError, PayloadError
+from .errors import ConfigurationError, PayloadError, UnknownStep
 from .protocol import DEFAULT_MAX_PAYLOAD, check_value
 from .steps import check_name
 
@@ -111,6 +123,23 @@ class Schedule:
         spec: dict[str, Any] = {"cron": self.cron, "tz": self.tz} if self.cron is not None else {"every": self.every}
         return {**spec, "catch_up": self.catch_up, "input": self.input}
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of the target's name and :attr:`spec`: equal for equal definitions,
+        in every process and Python version (canonical JSON)."""
+        text = json.dumps([self.target.name, self.spec], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @classmethod
+    def from_spec(cls, name: str, target: "Step | Workflow", spec: dict[str, Any]) -> "Schedule | None":
+        """The definition a schedule row's stored ``spec`` describes (enqueuing ``target``),
+        or None when it cannot be read (a spec this version does not know)."""
+        try:
+            return cls(name=name, target=target, cron=spec.get("cron"), every=spec.get("every"),
+                       tz=spec.get("tz") or "UTC", input=spec.get("input"), catch_up=spec.get("catch_up", "latest"))
+        except (ConfigurationError, AttributeError, TypeError, ValueError):
+            return None
+
     @property
     def period_text(self) -> str:
         """``cron "<expr>" <tz>`` or ``every <n>s``."""
@@ -163,12 +192,14 @@ class Schedule:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one tick does with a schedule: ``enqueue`` these slots, ``skipped`` that many
-    missed ones, and the row's new ``last_slot`` and ``next_at``."""
+    missed ones, and the row's new ``last_slot`` and ``next_at``. ``inherited``: at a
+    handover, the previous definition's slots enqueued with its input (:func:`take_over`)."""
 
     enqueue: list[dt.datetime]
     skipped: int
     last_slot: dt.datetime | None
     next_at: dt.datetime | None
+    inherited: tuple[dt.datetime, ...] = ()
 
 
 def plan(schedule: Schedule, *, last_slot: dt.datetime | None, now: dt.datetime) -> Plan:
@@ -202,6 +233,35 @@ def plan(schedule: Schedule, *, last_slot: dt.datetime | None, now: dt.datetime)
     return Plan(due, dropped, due[-1] if due else last_slot, next_at)
 
 
+def take_over(schedule: Schedule, previous: Schedule | None, *, last_slot: dt.datetime | None,
+              since: dt.datetime, now: dt.datetime) -> Plan:
+    """Decide the first tick of ``schedule`` on a row another definition decided last (pure).
+
+    ``previous`` is that definition, read back from the row (None: unreadable), and
+    ``since`` the time ``schedule`` came into force (when it was first declared). Slots
+    up to ``since`` are the previous definition's: those after the row's ``last_slot``
+    that it had not enqueued are ``inherited`` (to be enqueued with its input) when late
+    by less than :data:`MISFIRE_GRACE`, the most recent :data:`MAX_SLOTS_PER_TICK` of
+    them, and counted as skipped otherwise. ``schedule``'s own slots start after
+    ``since`` (or after ``last_slot``, when later), under its catch-up policy. A new row
+    (``last_slot`` None) starts after ``since``.
+    """
+    since = min(since, now)
+    if last_slot is None:
+        return plan(schedule, last_slot=since, now=now)
+    inherited: collections.deque[dt.datetime] = collections.deque(maxlen=MAX_SLOTS_PER_TICK)
+    skipped = 0
+    if previous is not None and since > last_slot:
+        cutoff = now - dt.timedelta(seconds=MISFIRE_GRACE)
+        for slot in previous.slots_after(max(last_slot, cutoff - dt.timedelta(microseconds=1))):
+            if slot > since:
+                break
+            inherited.append(slot)
+        skipped = max(0, previous.count_between(last_slot, since) - len(inherited))
+    own = plan(schedule, last_slot=max(last_slot, since), now=now)
+    return dataclasses.replace(own, skipped=own.skipped + skipped, inherited=tuple(inherited))
+
+
 def idempotency_key(name: str, slot: dt.datetime) -> str:
     """The idempotency key of a schedule's run for ``slot``: one run per (schedule, slot)."""
     return f"{IDEMPOTENCY_PREFIX}{name}:{slot.astimezone(UTC).isoformat()}"
@@ -222,10 +282,11 @@ def parse_idempotency_key(key: str | None) -> tuple[str, dt.datetime] | None:
 def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
     """One scheduling pass: enqueue the due slots of every schedule ``mux`` defines.
 
-    Refreshes the schedules' rows (definition, ``seen_at``) first, then, in one
-    transaction, takes the due rows with ``FOR UPDATE SKIP LOCKED`` (a row another
-    supervisor is deciding is left to it), enqueues their slots' runs and advances them.
-    Returns counts: ``enqueued`` runs, ``skipped`` missed slots, ``schedules`` decided.
+    Refreshes the schedules' rows and this mux's definitions of them (``seen_at``) first,
+    then, in one transaction, takes the due rows whose definition in force is this mux's
+    with ``FOR NO KEY UPDATE SKIP LOCKED`` (a row another supervisor is deciding is left to it),
+    enqueues their slots' runs and advances them. Returns counts: ``enqueued`` runs,
+    ``skipped`` slots dropped (catch-up, handover), ``schedules`` decided.
 
     Raises:
         DatabaseError: the database failed (the caller treats it as the sweep does).
@@ -236,27 +297,65 @@ def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
     schedules = mux.schedules
     if not schedules:
         return counts
-    store.sync_schedules([(s.name, s.target.name, s.spec) for s in schedules.values()])
+    store.sync_schedules([(s.name, s.fingerprint, s.target.name, s.spec) for s in schedules.values()], ACTIVE_WITHIN)
+
+    def enqueue(schedule: Schedule, slot: dt.datetime) -> str:
+        kind, nodes = node_rows(schedule.target, schedule.input, config.defaults)
+        run_id, _ = store.enqueue_run(
+            name=schedule.target.name, kind=kind, input=schedule.input, nodes=nodes, delay=0.0,
+            idempotency_key=idempotency_key(schedule.name, slot), conn=store.conn,
+        )
+        return run_id
 
     def decide(row: dict[str, Any]) -> dict[str, Any]:
         schedule = schedules[row["name"]]
-        last = row["last_slot"]
-        if row["spec"] != schedule.spec or row["target"] != schedule.target.name:
-            last = None  # a changed definition starts afresh: no slot of the old one is caught up
-        decided = plan(schedule, last_slot=last, now=row["now"])
+        # the same definition decided it last (a row from before fingerprints were kept has none)
+        if row["fingerprint"] == schedule.fingerprint or (row["target"], row["spec"]) == (
+                schedule.target.name, schedule.spec):
+            decided = plan(schedule, last_slot=row["last_slot"], now=row["now"])
+            previous = None
+        else:  # a handover: the row was decided by another definition, or is new
+            target = _lookup(mux, row["target"])
+            previous = Schedule.from_spec(schedule.name, target or schedule.target, row["spec"])
+            decided = take_over(schedule, previous, last_slot=row["last_slot"], since=row["since"], now=row["now"])
+            if decided.inherited and not _can_enqueue(target, previous, config):
+                decided = dataclasses.replace(decided, skipped=decided.skipped + len(decided.inherited), inherited=())
         run_id = None
+        for slot in decided.inherited:
+            assert previous is not None
+            run_id = enqueue(previous, slot)
         for slot in decided.enqueue:
-            kind, nodes = node_rows(schedule.target, schedule.input, config.defaults)
-            run_id, _ = store.enqueue_run(
-                name=schedule.target.name, kind=kind, input=schedule.input, nodes=nodes, delay=0.0,
-                idempotency_key=idempotency_key(schedule.name, slot), conn=store.conn,
-            )
+            run_id = enqueue(schedule, slot)
+        n = len(decided.inherited) + len(decided.enqueue)
         counts["schedules"] += 1
-        counts["enqueued"] += len(decided.enqueue)
+        counts["enqueued"] += n
         counts["skipped"] += decided.skipped
         return {"name": schedule.name, "target": schedule.target.name, "spec": schedule.spec,
-                "last_slot": decided.last_slot, "next_at": decided.next_at, "n": len(decided.enqueue),
-                "skipped": decided.skipped, "run_id": run_id}
+                "fingerprint": schedule.fingerprint, "last_slot": decided.last_slot, "next_at": decided.next_at,
+                "n": n, "skipped": decided.skipped, "run_id": run_id}
 
-    store.tick_schedules(sorted(schedules), decide)
+    store.tick_schedules({s.name: s.fingerprint for s in schedules.values()}, ACTIVE_WITHIN, decide)
     return counts
+
+
+def _can_enqueue(target: "Step | Workflow | None", previous: Schedule | None, config: "Config") -> bool:
+    """Whether this supervisor can enqueue the previous definition's runs: its code
+    registers the target and the target accepts the input (a concurrency key callable of
+    the new code may not), so a handover never fails a tick over an old definition."""
+    from .planning import node_rows
+
+    if target is None or previous is None:
+        return False
+    try:
+        node_rows(target, previous.input, config.defaults)
+    except ConfigurationError:
+        return False
+    return True
+
+
+def _lookup(mux: "Mux", name: str) -> "Step | Workflow | None":
+    """The step or workflow ``mux`` registers under ``name``, or None."""
+    try:
+        return mux.lookup(name)
+    except UnknownStep:
+        return None
