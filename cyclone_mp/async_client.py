@@ -65,7 +65,7 @@ class AsyncClient(ClientBase):
             raise ConfigurationError(f"mux must be a cy.Mux, not {type(mux).__name__}")
         if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
             raise ConfigurationError(f"pool_size must be an int >= 1, got {pool_size!r}")
-        for supervisor_only in ("clock", "wall_clock", "metrics_port"):
+        for supervisor_only in ("clock", "wall_clock", "metrics_port", "metrics_host", "metrics_token"):
             options.pop(supervisor_only, None)
         listen_dsn = options.pop("listen_dsn", None)
         if listen_dsn is not None and not isinstance(listen_dsn, str):

@@ -105,6 +105,12 @@ class Client(ClientBase):
             (``/metrics``; 0 picks a free one: ``client.supervisor.metrics.port``); None
             (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
             :mod:`cyclone_mp.metrics`.
+        metrics_host: the address the metrics bind: ``"127.0.0.1"`` (the default, this
+            machine only) or another interface's (``"0.0.0.0"``: all of them). Anyone who
+            reaches it reads step names and counts: bind beyond the loopback only on a
+            trusted network, and preferably with ``metrics_token``.
+        metrics_token: when set, a scrape must send ``Authorization: Bearer <token>``
+            (Prometheus: ``authorization: {credentials: ...}``); default none.
         pgbouncer: ``dsn`` goes through PgBouncer in transaction mode (issue 22): every
             connection keeps no session state (its settings are set per transaction),
             and LISTEN happens only on ``listen_dsn`` (without it, the supervisor and
@@ -166,6 +172,8 @@ class Client(ClientBase):
         prefetch: int = PREFETCH_DEFAULT,
         registry_interval: Duration = 2.0,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_token: str | None = None,
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
         listen_dsn: str | None = None,
@@ -212,7 +220,14 @@ class Client(ClientBase):
         if metrics_port is not None and (not isinstance(metrics_port, int) or isinstance(metrics_port, bool)
                                          or not 0 <= metrics_port <= 65535):
             raise ConfigurationError(f"metrics_port must be a TCP port (0-65535) or None, got {metrics_port!r}")
+        if not isinstance(metrics_host, str) or not metrics_host:
+            raise ConfigurationError(f"metrics_host must be an address to bind, got {metrics_host!r}")
+        if metrics_token is not None and (not isinstance(metrics_token, str) or not metrics_token.strip()
+                                          or not metrics_token.isprintable()):
+            raise ConfigurationError("metrics_token must be a non-empty printable string, or None")
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self._metrics_token = metrics_token
 
     # -- connection -------------------------------------------------------------------------
 
@@ -617,6 +632,7 @@ class Client(ClientBase):
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
         self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port,
+                                      metrics_host=self.metrics_host, metrics_token=self._metrics_token,
                                       listen_dsn=self.listen_dsn, dedicated=dedicated, **kwargs)
         return self._supervisor
 

@@ -118,6 +118,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._watchdog_killed: set[int] = set()
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
+        self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
         self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
@@ -228,39 +229,70 @@ class ProcessControl(AttemptEndings, HeldSteps):
                 self._cancel(att, "shutdown", now)
 
     def _turn(self, now: float) -> None:
-        self._read_inbox()
+        """One pass of the loop. Each phase runs on its own (:meth:`_phase`): one that fails
+        (a descriptor limit hit while reading ``/proc``, say) is logged and the others
+        still run, so the deadlines, fences and kills are enforced on every turn."""
+        phase = self._phase
+        phase("inbox", self._read_inbox)
         if self.held and self.pool.idle():
-            self._take_held()
-        self._check_children_io()
-        self._read_watchdog()
-        self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK)
-        for child in self.pool.stuck_preloads(self.clock()):
-            self._on_child_exit(child)
-        self.pool.maintain(self.clock(), self.draining)
+            phase("held steps", self._take_held)
+        phase("children's messages", self._check_children_io)
+        phase("watchdog", self._read_watchdog)
+        phase("watchdog", lambda: self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK))
+        phase("children's starts", self._check_starts)
         now = self.clock()
         if now >= self._next_stray_check:
             self._next_stray_check = now + STRAY_CHECK_INTERVAL
-            if self.pool.reap_orphans():
-                log.info("killed handler process(es) reparented to the supervisor")
-            self.pool.tell_descendants()
-        for att, kind in self.limit_watch.due(now):
-            self._kill_for_limit(att, kind)
+            phase("stray processes", self._check_strays)
+        phase("resource limits", lambda: self._enforce_limits(now))
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
-            for att in self.attempts.values():  # a crashed child cannot be read afterwards
-                if att.child.attempt is att:
-                    att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
-        self._expire_held(self.clock())
-        self._release_queued(self.clock())
-        self._enforce(self.clock())
-        self._send_outcomes()
+            phase("sampling", self._sample_peaks)
+        phase("held steps", lambda: self._expire_held(self.clock()))
+        phase("queued steps", lambda: self._release_queued(self.clock()))
+        phase("deadlines and kills", lambda: self._enforce(self.clock()))
+        phase("outcomes", self._send_outcomes)
         now = self.clock()
         if self.db_ok and not self.draining and now >= self.next_poll:
-            self._request_claim(now)
+            phase("claim", lambda: self._request_claim(now))
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
-            self._publish_snapshot(now)
-            self.limit_watch.note_oom_kills()
+            phase("snapshot", lambda: self._publish_snapshot(now))
+            phase("snapshot", self.limit_watch.note_oom_kills)
+
+    def _phase(self, name: str, fn: Callable[[], Any]) -> None:
+        """Run one phase of a turn; an error is logged (at most once a minute per phase,
+        with a count of the others) and the turn goes on."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - nothing may stop the loop's other phases
+            count, last = self._phase_errors.get(name, (0, -math.inf))
+            now = time.monotonic()
+            if now - last >= 60.0:
+                log.exception("process control: %s failed (%d more since the last report): %s; carrying on",
+                              name, count, exc)
+                self._phase_errors[name] = (0, now)
+            else:
+                self._phase_errors[name] = (count + 1, last)
+
+    def _check_starts(self) -> None:
+        for child in self.pool.stuck_preloads(self.clock()):
+            self._on_child_exit(child)
+        self.pool.maintain(self.clock(), self.draining)
+
+    def _check_strays(self) -> None:
+        if self.pool.reap_orphans():
+            log.info("killed handler process(es) reparented to the supervisor")
+        self.pool.tell_descendants()
+
+    def _enforce_limits(self, now: float) -> None:
+        for att, kind in self.limit_watch.due(now):
+            self._kill_for_limit(att, kind)
+
+    def _sample_peaks(self) -> None:
+        for att in self.attempts.values():  # a crashed child cannot be read afterwards
+            if att.child.attempt is att:
+                att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]

@@ -44,11 +44,15 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60
 
 
 class Metrics(Observer):
-    """The supervisor's Prometheus metrics and the HTTP server that serves them.
+    """The supervisor's Prometheus metrics and the HTTP server that serves them
+    (:class:`~cyclone_mp.httpd.BoundedServer`: one thread, a few descriptors at most,
+    whatever the clients do).
 
     Args:
         port: TCP port to serve ``/metrics`` on (0: any free port; see :attr:`port`).
-        host: address to bind (default all).
+        host: address to bind (default ``127.0.0.1``: this machine only; ``0.0.0.0`` for
+            every interface, e.g. a Prometheus on another host, then best with a token).
+        token: when set, a scrape must send ``Authorization: Bearer <token>``.
 
     Raises:
         ConfigurationError: ``prometheus_client`` is not installed, or the port is invalid.
@@ -56,7 +60,7 @@ class Metrics(Observer):
 
     queue_depth_interval = QUEUE_DEPTH_INTERVAL
 
-    def __init__(self, port: int, *, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, *, host: str = "127.0.0.1", token: str | None = None) -> None:
         try:
             import prometheus_client as prom
         except ImportError:
@@ -67,6 +71,7 @@ class Metrics(Observer):
         self._prom = prom
         self.requested_port = port
         self.host = host
+        self._token = token
         self.port: int | None = None  # the bound port, once serving
         self._server: Any = None
         self.registry = registry = prom.CollectorRegistry(auto_describe=True)
@@ -104,22 +109,27 @@ class Metrics(Observer):
 
     def start(self, children_alive: Callable[[], int],
               last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
-        """Serve ``/metrics`` (a daemon thread of prometheus_client's)."""
+        """Serve ``/metrics`` (:class:`~cyclone_mp.httpd.BoundedServer`, a thread of its own)."""
+        from .httpd import BoundedServer
+
         self.children.set_function(lambda: float(children_alive()))
         self.sweep_age.set_function(lambda: _number(last_sweep_age()))
+        prom = self._prom
+
+        def scrape() -> tuple[int, str, bytes]:
+            return 200, prom.CONTENT_TYPE_LATEST, prom.generate_latest(self.registry)
+
         try:
-            server, _thread = self._prom.start_http_server(self.requested_port, addr=self.host,
-                                                           registry=self.registry)
+            self._server = BoundedServer(self.host, self.requested_port, {"/metrics": scrape}, token=self._token)
         except OSError as exc:
-            raise ConfigurationError(f"cannot serve metrics on port {self.requested_port}: {exc.strerror or exc}") from exc
-        self._server = server
-        self.port = server.server_address[1]
+            raise ConfigurationError(f"cannot serve metrics on {self.host}:{self.requested_port}: "
+                                     f"{exc.strerror or exc}") from exc
+        self.port = self._server.port
 
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.close()
 
     # -- events ----------------------------------------------------------------------------------
 

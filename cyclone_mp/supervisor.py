@@ -65,6 +65,8 @@ class Supervisor:
         listen_dsn: where to LISTEN for new work (default ``dsn``; a direct connection
             when ``dsn`` goes through PgBouncer in transaction mode).
         metrics_port: serve Prometheus metrics on this port (0: any free one); None: none.
+        metrics_host: the address the metrics bind (default ``127.0.0.1``).
+        metrics_token: the bearer token a scrape must carry, or None.
         observer: what the parts report to (default: :func:`~cyclone_mp.telemetry.supervisor_observer`).
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
@@ -78,7 +80,8 @@ class Supervisor:
     """
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
-                 metrics_port: int | None = None, observer: Observer | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_token: str | None = None, observer: Observer | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  dedicated: bool = False) -> None:
         if os.environ.get(procs.MARKER_ENV):
@@ -111,7 +114,8 @@ class Supervisor:
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
-        self.observer = observer if observer is not None else supervisor_observer(metrics_port)
+        self.observer = observer if observer is not None else supervisor_observer(
+            metrics_port, metrics_host, metrics_token)
 
     # -- control from other threads / signal handlers -----------------------------------
 

@@ -127,9 +127,11 @@ class Observers(Observer):
 NO_OBSERVER = Observer()
 
 
-def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0") -> Observer:
-    """The observer of a supervisor: Prometheus metrics when ``metrics_port`` is given,
-    traces when ``opentelemetry-api`` is importable, else :data:`NO_OBSERVER`.
+def supervisor_observer(metrics_port: int | None, metrics_host: str = "127.0.0.1",
+                        metrics_token: str | None = None) -> Observer:
+    """The observer of a supervisor: Prometheus metrics when ``metrics_port`` is given
+    (on ``metrics_host``, with ``metrics_token`` if set), traces when
+    ``opentelemetry-api`` is importable, else :data:`NO_OBSERVER`.
 
     Raises:
         ConfigurationError: ``metrics_port`` is given but ``prometheus_client`` is not
@@ -139,7 +141,7 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
     if metrics_port is not None:
         from .metrics import Metrics
 
-        observers.append(Metrics(metrics_port, host=metrics_host))
+        observers.append(Metrics(metrics_port, host=metrics_host, token=metrics_token))
     from . import tracing
 
     if tracing.available():
