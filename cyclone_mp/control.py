@@ -116,6 +116,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
+        self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # endings: log lines said
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
