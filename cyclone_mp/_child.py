@@ -41,7 +41,7 @@ TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's 
 if TYPE_CHECKING:
     from typing import Any
 
-from . import protocol
+from . import protocol, unhealable
 from .protocol import storable, unstorable
 from .context import Cancellation, Context
 from .errors import Cancelled, PayloadError, Permanent
@@ -55,7 +55,7 @@ PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this report
 OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
 # error kinds this runner reports besides "error", "permanent" and "cancelled" (cyclone_mp.decisions)
-OUTPUT_INVALID, MEMORY_ERROR, EXIT = "output_invalid", "memory_error", "exit"
+OUTPUT_INVALID, NOT_IMPORTABLE, MEMORY_ERROR, EXIT = "output_invalid", "not_importable", "memory_error", "exit"
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -211,9 +211,24 @@ class Runner:
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
 
     def resolve(self, ref: dict[str, Any]) -> Any:
-        """The handler function a task names (a Step object wraps it)."""
-        target = import_ref(ref, self.modules)
-        return getattr(target, "fn", target)
+        """The handler function a task names (a Step object wraps it). Raises
+        :class:`~cyclone_mp.unhealable.NotImportable` if its module raises at import
+        (``MemoryError`` aside: the attempt's own memory), lacks the name, or the name is
+        not callable."""
+        try:
+            module = load_module(ref["module"], ref.get("path"), self.modules)
+        except MemoryError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever the module's code raised
+            raise unhealable.NotImportable(unhealable.import_failed(ref, exc)) from exc
+        try:
+            target = attribute(module, ref["qualname"])
+        except AttributeError as exc:
+            raise unhealable.NotImportable(unhealable.no_attribute(ref, exc)) from exc
+        fn = getattr(target, "fn", target)
+        if not callable(fn):
+            raise unhealable.NotImportable(unhealable.not_callable(ref, fn))
+        return fn
 
     def progress(self, done: Any, total: Any, message: Any) -> None:
         """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
@@ -227,8 +242,7 @@ class Runner:
         try:
             protocol.check_value([done, total], "progress (done, total)", PROGRESS_MAX_BYTES)
         except PayloadError as exc:
-            exc.kind = OUTPUT_INVALID  # type: ignore[attr-defined]
-            raise
+            raise unhealable.bad_progress(exc) from None
         msg = {"t": "progress", "task": self.task, "done": done, "total": total,
                "message": None if message is None else storable(str(message)[:500])}
         with self.lock:
@@ -284,6 +298,8 @@ class Runner:
                 output = self.run_async(output)
         except Cancelled as exc:
             return failure("cancelled", exc)
+        except unhealable.NotImportable as exc:  # the import's own exception and traceback, with what to fix
+            return failure(NOT_IMPORTABLE, exc.__cause__ or exc, str(exc))
         except Permanent as exc:
             return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
         except MemoryError as exc:
@@ -299,7 +315,7 @@ class Runner:
         try:
             return {"ok": True, "output": to_json_value(output)}
         except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
-            return failure(OUTPUT_INVALID, TypeError(f"handler output is not a JSON value: {exc}"))
+            return failure(OUTPUT_INVALID, TypeError(unhealable.not_json(str(exc))))
 
     def run_async(self, coro: Any) -> Any:
         """Run an async handler's coroutine to its end as a task on this child's event
@@ -474,27 +490,24 @@ class Runner:
     def checked(self, result: dict[str, Any]) -> bytes:
         """The result's frame. An output outside the payload boundary (not JSON, not
         storable in jsonb, nested deeper than ``MAX_DEPTH``, over ``max_payload``) is
-        never sent: the attempt fails with kind ``output_invalid`` instead (issue 18)."""
+        never sent: the attempt fails with kind ``output_invalid`` instead, which discards
+        its step (the same code returns the same output on every attempt)."""
         try:
             frame = protocol.encode(result)
         except RecursionError:
-            return self._invalid(result, PayloadError(
-                f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
+            return self._invalid(result, PayloadError(unhealable.too_deep(protocol.MAX_DEPTH)))
         except (TypeError, ValueError) as exc:
-            return self._invalid(result, TypeError(f"handler output is not a JSON value: {exc}"))
+            return self._invalid(result, TypeError(unhealable.not_json(str(exc))))
         output = result.get("output")
         if protocol.too_deep(frame, output, wrapping=1):
-            return self._invalid(result, PayloadError(
-                f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
+            return self._invalid(result, PayloadError(unhealable.too_deep(protocol.MAX_DEPTH)))
         problem = unstorable(output) if b"\\u" in frame else None
         if problem:
-            return self._invalid(result, ValueError(
-                f"handler output cannot be stored in PostgreSQL: it contains {problem}"))
+            return self._invalid(result, ValueError(unhealable.unstorable(problem)))
         if len(frame) > self.limit:  # then measure the output alone (max_payload is the output's limit)
             size = len(json.dumps(output, separators=(",", ":"), allow_nan=False).encode())
             if size > self.limit or len(frame) > self.limit + protocol.FRAME_ENVELOPE:
-                return self._invalid(result, PayloadError(
-                    f"handler output is {size} bytes, over the max_payload limit of {self.limit} bytes"))
+                return self._invalid(result, PayloadError(unhealable.too_big(size, self.limit)))
         return frame
 
     @staticmethod
@@ -529,8 +542,13 @@ def dropped_frame(token: str, reason: str) -> bytes:
 def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
     """Import ``ref["module"]`` (or, for a script, load ``ref["path"]``) and return the
     attribute ``ref["qualname"]``."""
-    target: Any = load_module(ref["module"], ref.get("path"), cache)
-    for part in ref["qualname"].split("."):
+    return attribute(load_module(ref["module"], ref.get("path"), cache), ref["qualname"])
+
+
+def attribute(module: Any, qualname: str) -> Any:
+    """``module``'s attribute ``qualname``, dots walking attributes (AttributeError if missing)."""
+    target = module
+    for part in qualname.split("."):
         target = getattr(target, part)
     return target
 

@@ -621,8 +621,9 @@ class Client(ClientBase):
     # -- the supervisor -------------------------------------------------------------------------
 
     def _make_supervisor(self, dedicated: bool = False) -> Any:
-        from .supervisor import Supervisor
+        from .supervisor import Supervisor, refuse_in_child
 
+        refuse_in_child()  # before migrate(): a handler's child never touches the cyclone tables
         if not self.mux.step_names:
             raise ConfigurationError("the mux registers no steps: nothing to run")
         self.migrate()

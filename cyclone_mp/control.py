@@ -116,6 +116,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
+        self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # endings: log lines said
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)

@@ -20,7 +20,7 @@ import collections
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import decisions, procs, protocol
+from . import decisions, procs, protocol, unhealable
 from .attempts import Attempt
 from .messages import COMPLETE, FAIL, RELEASE, LeaseDone, LeaseKey, Outcome, Progress
 
@@ -38,6 +38,9 @@ RELEASED = "released"  # the cancel reason that takes back a step queued in a ch
 #: an attempt is over, the writer records its processes dead (Reaped), so the step may run
 #: again at once instead of at ``dead_by``.
 REAPED_REPORTED = frozenset({"timeout", "cancelled", "lease_lost"})
+#: Seconds between two log lines about one step's unhealable errors of one kind (a broken
+#: deploy fails every queued run of the step at once: one line a minute says it, with a count).
+UNHEALABLE_LOG_EVERY = 60.0
 
 
 class AttemptEndings:
@@ -60,6 +63,7 @@ class AttemptEndings:
     _outcomes_since: float | None
     _prefetch_hold: bool
     _watchdog_killed: set[int]
+    _unhealable_said: dict[tuple[str, str], tuple[float, int]]  # (step, kind) -> (last line, attempts since)
 
     if TYPE_CHECKING:  # process control's own methods, called here
         def _take_held(self) -> None: ...
@@ -137,7 +141,7 @@ class AttemptEndings:
             self._on_result(att, {
                 "t": "result", "task": att.token, "ok": False, "kind": decisions.OUTPUT_INVALID,
                 "type": "cyclone_mp.errors.PayloadError", "children": True,
-                "message": f"the child's result could not be decoded: {marker.get('error')}",
+                "message": unhealable.undecodable(marker.get("error")),
             })
             return
         if child.returncode is None:
@@ -216,7 +220,23 @@ class AttemptEndings:
                     # sampling saw the tree cross it): it is retired, as a killed tree would be
                     child.recycle_due = True
                     self._maybe_recycle(child)
+        if kind in decisions.UNHEALABLE_KINDS:
+            self._say_unhealable(att, kind, entry)
         self._fail(att, kind, entry)
+
+    def _say_unhealable(self, att: Attempt, kind: str, entry: dict[str, Any]) -> None:
+        """One line in the worker's log for an error no retry can heal (its step is
+        discarded without retry): what is wrong and how to fix it, as stored on the step.
+        At most one line a minute per step and kind, counting the attempts in between."""
+        now, key = self.clock(), (att.step_name, kind)
+        said = self._unhealable_said.get(key)
+        if said is not None and now - said[0] < UNHEALABLE_LOG_EVERY:
+            self._unhealable_said[key] = (said[0], said[1] + 1)
+            return
+        self._unhealable_said[key] = (now, 0)
+        more = f" ({said[1]} more of step {att.step_name!r} since the last such line)" if said and said[1] else ""
+        log.error("step %r of run %s cannot succeed (%s, discarded without retry): %s%s",
+                  att.step_name, att.run_id, kind, entry.get("message"), more)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
         """An attempt that ended after a cancel: its reason decides what is written."""

@@ -19,6 +19,10 @@ class ConfigurationError(CycloneError, ValueError):
     """An option or a registration is invalid."""
 
 
+class SupervisorInChild(ConfigurationError):
+    """A supervisor cannot start inside a handler's child process (a Client started at module level)."""
+
+
 class UnknownStep(CycloneError, LookupError):
     """No step or workflow of that name is registered in the mux."""
 

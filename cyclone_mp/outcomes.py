@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import decisions
+from . import decisions, unhealable
 from .backoff import delay_after
 from .config import Config
 from .connections import stale_plan
@@ -367,11 +367,13 @@ class OutcomeWriter(DatabaseThread):
     def _rejected(self, write: PendingWrite, exc: Exception) -> bool:
         """The database refused this write for its data: never retried as is."""
         outcome = write.outcome
-        if outcome.kind == COMPLETE:
+        if outcome.kind == COMPLETE:  # output_invalid: discarded without retry, said once in the log
+            message = storable(unhealable.rejected(exc))[:2000]
+            log.error("step %r (id %d) cannot succeed (output_invalid, discarded without retry): %s",
+                      outcome.step_name, outcome.step_id, message)
             self._write_alone(PendingWrite(dataclasses.replace(
                 outcome, kind=FAIL, error_kind=decisions.OUTPUT_INVALID, output=None, require_timed_out=False, entry={
-                    "type": "cyclone_mp.errors.PayloadError",
-                    "message": storable(f"the database rejected the handler's output: {exc}")[:2000],
+                    "type": "cyclone_mp.errors.PayloadError", "message": message,
                 }), self.clock()))
             return True
         if outcome.kind == FAIL and not write.plain:

@@ -22,7 +22,7 @@ class StepStatus:
             attempts consumed.
         max_attempts, reclaims, max_reclaims: the bounds stored at enqueue.
         error, error_kind: the last error (``timeout``, ``error``, ``permanent``,
-            ``child_exited``, ``output_invalid``, ``memory_error``, ``exit``,
+            ``child_exited``, ``output_invalid``, ``not_importable``, ``memory_error``, ``exit``,
             ``reclaim_limit``; the causes of death ``memory_limit``, ``cpu_limit``,
             ``process_limit``, ``oom_killed``) or None.
         errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,

@@ -45,7 +45,7 @@ from . import procs, slots
 from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SupervisorInChild
 from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
@@ -53,6 +53,20 @@ from .sweep import Maintenance, Sweeper
 from .telemetry import Observer, Stats, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
+
+
+def refuse_in_child() -> None:
+    """Raise :class:`~cyclone_mp.errors.SupervisorInChild` in a handler's child process
+    (or its descendant): a supervisor there would spawn children that import the same
+    module and start supervisors again, without end. The child runner reports it as its
+    step's ``not_importable`` error, naming the missing ``__main__`` guard.
+    """
+    if os.environ.get(procs.MARKER_ENV):
+        raise SupervisorInChild(
+            "a supervisor cannot start inside a handler's child process: this usually means a "
+            "script starts its Client at module level; put that code under "
+            "`if __name__ == \"__main__\":` (children import the module to find its steps)"
+        )
 
 
 class Supervisor:
@@ -75,8 +89,9 @@ class Supervisor:
             program that embeds it (``client.start()``), whose own children are left alone.
 
     Raises:
-        ConfigurationError: a registered handler cannot be imported by a child, or this
-            process is itself a handler's child (a module-level ``client.start()``).
+        ConfigurationError: a registered handler cannot be imported by a child.
+        SupervisorInChild: this process is itself a handler's child (a module-level
+            ``client.start()``), see :func:`refuse_in_child`.
     """
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
@@ -84,14 +99,7 @@ class Supervisor:
                  metrics_token: str | None = None, observer: Observer | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  dedicated: bool = False) -> None:
-        if os.environ.get(procs.MARKER_ENV):
-            # We are a handler's child (or its descendant): a supervisor here would spawn
-            # children that import the same module and start supervisors again, without end.
-            raise ConfigurationError(
-                "a supervisor cannot start inside a handler's child process: this usually means a "
-                "script starts its Client at module level; put that code under "
-                "`if __name__ == \"__main__\":` (children import the module to find its steps)"
-            )
+        refuse_in_child()
         for step in mux.steps.values():
             if not step.ref.importable():
                 raise ConfigurationError(

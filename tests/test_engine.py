@@ -561,7 +561,8 @@ def test_a_paused_single_step_run_completes_when_its_step_does(api_env):
 def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
     """A script that starts its Client at module level (no ``__main__`` guard): children
     import the script to find its steps; they must refuse to start supervisors of their
-    own (that would recurse without end) and the step fails with a clear error."""
+    own (that would recurse without end) and the step is discarded as ``not_importable``
+    with a clear error (tests/test_permanent_errors.py has the bug report's case)."""
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import time, sys\n"
@@ -584,7 +585,7 @@ def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
 
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("discarded error"), proc.stdout
+    assert proc.stdout.startswith("discarded not_importable"), proc.stdout
     assert "cannot start inside a handler's child" in proc.stdout
 
 

@@ -446,11 +446,11 @@ fail_in AS MATERIALIZED (
 ), judged AS (
     -- What a failed attempt makes of its row is decisions.end_attempt. t: the DB
     -- deadline has passed (a DB timeout wins over the reported kind); d: the attempt
-    -- ends the step (permanent or exhausted: discard), else available after the delay.
+    -- ends the step (a permanent kind, or exhausted: discard), else available after the delay.
     -- Only rows of running or paused runs (the run rows are locked, so their state
     -- holds); in a paused run a retried step is held paused, as hold_paused does.
     SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
-           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
+           (i.kind IN ({permanent_kinds_expr}) AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
            runs.kind AS run_kind, runs.state AS run_state
       FROM cyclone_steps s
       JOIN fail_in i ON i.id = s.id
@@ -1004,7 +1004,11 @@ RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr},
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
-'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit', 'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed'
+'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'not_importable', 'memory_error', 'exit', 'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed'
+
+-- name: permanent_kinds_expr
+-- (Fragment) the error kinds that discard their step at once: no retry can heal them (decisions.PERMANENT_KINDS; a unit test keeps them equal)
+'permanent', 'output_invalid', 'not_importable'
 
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
