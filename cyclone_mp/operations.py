@@ -208,12 +208,28 @@ def _flag_flow(marks: Sequence[tuple[str, bool, bool]]) -> Steps[None]:
 
 
 def _ensure_slots(groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> Steps[None]:
-    """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay."""
+    """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay,
+    held until the enqueue's transaction ends (so the cleanup leaves them)."""
     if groups:
         yield q("ensure_slots", {
             "step_names": [g[0] for g in groups], "keys": [g[1] for g in groups],
             "concurrencies": [g[2] or 0 for g in groups], "rate_counts": [g[3][0] if g[3] else 0 for g in groups],
+            "periods_us": [to_us(g[3][1]) if g[3] else None for g in groups],
         })
+
+
+@operation(transaction=False)
+def delete_idle_slots(*, batch: int = 1000, budget: int = 1_000_000) -> Steps[int]:
+    """Delete the slot rows of limited (step, key) groups none of whose steps waits or runs
+    any more, ``batch`` per statement (each its own transaction) until none is left or
+    ``budget`` rows are gone; returns how many went (a group enqueued again gets new ones)."""
+    total = 0
+    while total < budget:
+        deleted = (yield q("delete_idle_slots", {"limit": batch})).rowcount
+        total += deleted
+        if deleted < batch:
+            break
+    return total
 
 
 def _existing(idempotency_key: str | None) -> Steps[str]:
@@ -543,6 +559,7 @@ def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0) ->
             total += row["runs"]
             if row["runs"] < batch:
                 break
+    yield from delete_idle_slots(batch=batch)  # the groups whose last steps went
     return total
 
 

@@ -242,6 +242,7 @@ class Maintenance(DatabaseThread):
         self.count("history_deleted", counts["deleted"])
         self.count("partitions_dropped", counts["partitions_dropped"])
         self.count("expired", counts["expired"] + counts["dropped_runs"])
+        self.count("slots_deleted", counts.get("slots_deleted", 0))
         return counts
 
     def sweep_tick(self, now: float) -> float:

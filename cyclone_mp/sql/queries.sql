@@ -170,7 +170,7 @@ cslots AS MATERIALIZED (
                              OR EXISTS (SELECT 1 FROM finished f WHERE f.id = sl.step_id AND f.generation = sl.generation))))
              ORDER BY sl.slot
              LIMIT g.n
-               FOR UPDATE SKIP LOCKED
+               FOR NO KEY UPDATE SKIP LOCKED  -- (an enqueue holds them FOR KEY SHARE: no conflict)
            ) f
      WHERE g.concurrency IS NOT NULL
 )
@@ -199,7 +199,7 @@ cslots AS MATERIALIZED (
                AND (sl.used_at IS NULL OR sl.used_at + g.rate_period <= now())
              ORDER BY sl.slot
              LIMIT g.n
-               FOR UPDATE SKIP LOCKED
+               FOR NO KEY UPDATE SKIP LOCKED
            ) f
      WHERE g.rate_count IS NOT NULL
 ), allowed AS (
@@ -1169,16 +1169,53 @@ ON CONFLICT (queue) DO UPDATE
 
 -- name: ensure_slots
 -- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
--- 1..n (migration 0007). Rows already there are kept (a raised limit adds the new ones).
-INSERT INTO cyclone_slots (step_name, key, kind, slot)
-SELECT g.step_name, g.key, x.kind, x.slot
-  FROM unnest(%(step_names)s::text[], %(keys)s::text[], %(concurrencies)s::int[], %(rate_counts)s::int[])
-       AS g(step_name, key, concurrency, rate_count)
- CROSS JOIN LATERAL (SELECT 'c'::"char" AS kind, generate_series(1, g.concurrency) AS slot
-                     UNION ALL
-                     SELECT 'r'::"char", generate_series(1, g.rate_count)) x
- ORDER BY 1, 2, 3, 4
-ON CONFLICT DO NOTHING;
+-- 1..n with their period (migrations 0007, 0022). Rows already there are kept (a raised
+-- limit adds the new ones). The group's rows are then held (FOR KEY SHARE) until the
+-- enqueue commits, so the cleanup (delete_idle_slots), which skips locked rows, never
+-- deletes them under a step that is not visible yet.
+WITH made AS (
+    INSERT INTO cyclone_slots (step_name, key, kind, slot, period)
+    SELECT g.step_name, g.key, x.kind, x.slot, CASE WHEN x.kind = 'r' THEN p.period END
+      FROM unnest(%(step_names)s::text[], %(keys)s::text[], %(concurrencies)s::int[], %(rate_counts)s::int[],
+                  %(periods_us)s::bigint[] ) AS g(step_name, key, concurrency, rate_count, period_us)
+     CROSS JOIN LATERAL (SELECT g.period_us * interval '1 microsecond' AS period) p
+     CROSS JOIN LATERAL (SELECT 'c'::"char" AS kind, generate_series(1, g.concurrency) AS slot
+                         UNION ALL
+                         SELECT 'r'::"char", generate_series(1, g.rate_count)) x
+     ORDER BY 1, 2, 3, 4
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS held FROM (
+    SELECT 1 FROM cyclone_slots sl
+     WHERE (sl.step_name, sl.key) IN (SELECT * FROM unnest(%(step_names)s::text[], %(keys)s::text[]))
+     ORDER BY sl.step_name, sl.key, sl.kind, sl.slot
+       FOR KEY SHARE OF sl
+) locked;
+
+-- name: delete_idle_slots
+-- Delete up to %(limit)s slot rows of groups none of whose steps waits or runs (hot table:
+-- the archive holds finished runs only): a concurrency slot whose holder is over (not
+-- running, and its processes dead: dead_by), a rate slot last used a whole period ago (a
+-- day when its period is unknown). Rows locked by a claim or an enqueue are skipped.
+WITH doomed AS (
+    SELECT sl.step_name, sl.key, sl.kind, sl.slot
+      FROM cyclone_slots sl
+     WHERE NOT EXISTS (SELECT 1 FROM cyclone_steps s
+                        WHERE s.step_name = sl.step_name AND s.concurrency_key = sl.key
+                          AND s.state NOT IN ('completed', 'discarded', 'cancelled')
+                          AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL))
+       AND (sl.kind <> 'c' OR sl.step_id IS NULL
+            OR NOT EXISTS (SELECT 1 FROM cyclone_steps h
+                            WHERE h.id = sl.step_id AND h.lease_generation = sl.generation
+                              AND (h.state = 'running' OR h.dead_by > now())))
+       AND (sl.kind <> 'r' OR sl.used_at IS NULL OR sl.used_at + coalesce(sl.period, interval '1 day') <= now())
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM cyclone_slots sl
+ USING doomed d
+ WHERE sl.step_name = d.step_name AND sl.key = d.key AND sl.kind = d.kind AND sl.slot = d.slot;
 
 -- name: notify
 -- Wake idle supervisors serving this queue (delivered at commit).
