@@ -49,7 +49,7 @@ from .limitwatch import LimitWatch
 from .endings import AttemptEndings
 from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .mailbox import Inbox
-from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Written
+from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
@@ -60,6 +60,7 @@ STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes repar
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
 WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close (WatchdogLink.due)
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
+START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 
 
@@ -522,6 +523,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             workflow=row["run_kind"] == "workflow", started=now,
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
             backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
+            claimed=(item.sent + item.arrived) / 2,
         )
         att.cpu_start = child.cpu_total
         self.attempts[att.key] = att
@@ -533,6 +535,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             child.attempt = att
             att.started_wall = self.wall_clock()
             self.limit_watch.arm(att)
+            self._note_start(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
@@ -559,6 +562,13 @@ class ProcessControl(AttemptEndings, HeldSteps):
         child.queue(task)  # written by the caller, with the other tasks of this round
         self._watch(child)
         return True
+
+    def _note_start(self, att: Attempt) -> None:
+        """An attempt whose handler started well after its claim (it waited for a child):
+        its lease's next renewal records when (``started_at`` of a running step)."""
+        delay = att.start_delay()
+        if delay is not None and delay > START_NOTED_AFTER:
+            self.keeper(Started(att.key, delay))
 
     def _replace(self, child: ChildProc) -> bool:
         """Retire the idle ``child`` for a fresh one before a step with caps (which waits

@@ -17,6 +17,7 @@ the steps queued behind it unstarted. Every outcome is gathered for the outcome 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -71,6 +72,7 @@ class AttemptEndings:
         def _watch(self, child: ChildProc) -> None: ...
         def _kill_for(self, child: ChildProc, trigger: str) -> None: ...
         def _cancel(self, att: Attempt, reason: str, now: float) -> None: ...
+        def _note_start(self, att: Attempt) -> None: ...
 
     # -- a child's messages ---------------------------------------------------------------------------
 
@@ -163,6 +165,7 @@ class AttemptEndings:
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
             self.limit_watch.arm(nxt)
+            self._note_start(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -396,6 +399,8 @@ class AttemptEndings:
             else:
                 label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
             self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
+        if getattr(att, "started_wall", None) is not None and outcome.kind != RELEASE:
+            outcome = dataclasses.replace(outcome, start_delay=att.start_delay())  # its handler's start
         self.outcomes.append((outcome, att.deadline))
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()

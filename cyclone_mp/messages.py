@@ -57,6 +57,17 @@ class Track:
 
 
 @dataclasses.dataclass(frozen=True)
+class Started:
+    """The handler of a lease started ``delay`` seconds after its claim (it waited for a
+    child): the lease keeper stores it with the lease's next renewal, so a running step's
+    ``started_at`` tells the truth before its outcome does."""
+
+    wakes: ClassVar[bool] = False
+    key: LeaseKey
+    delay: float
+
+
+@dataclasses.dataclass(frozen=True)
 class LeaseDone:
     """Stop renewing these leases: their outcomes were written (or are moot), or they were
     released. Read on the keeper's next turn, before it renews anything (see Track)."""
@@ -192,6 +203,7 @@ class Outcome:
     entry: dict[str, Any] | None = None
     require_timed_out: bool = False
     held: bool = False
+    start_delay: float | None = None  # seconds from the claim to the handler's start (None: it never started)
 
     @property
     def step_id(self) -> int:

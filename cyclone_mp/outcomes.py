@@ -221,7 +221,7 @@ class OutcomeWriter(DatabaseThread):
         self.tell_control(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, failed=failed, wait=wait))
 
     def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int, start_now: int) -> None:
-        completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]
+        completions = [(o.step_id, o.generation, o.output, o.progress, o.start_delay) for o in done]
         failures = [
             FailedAttempt(id=o.step_id, generation=o.generation, kind=o.error_kind or decisions.ERROR,
                           entry=self._entry(o), require_timed_out=o.require_timed_out, progress=o.progress,
@@ -299,6 +299,8 @@ class OutcomeWriter(DatabaseThread):
         entry = dict(outcome.entry or {})
         if plain:
             entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+        if outcome.start_delay is not None:  # the handler started this long after its claim (written to start_delay)
+            entry["start_delay"] = round(outcome.start_delay, 6)
         return {"worker": self.owner, "lease_generation": outcome.generation, **entry}
 
     def _retry_pending(self, now: float) -> None:
@@ -324,7 +326,8 @@ class OutcomeWriter(DatabaseThread):
         try:
             if outcome.kind == COMPLETE:
                 applied = self.call(self.config.write_bound, lambda store: store.complete(
-                    owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress)],
+                    owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress,
+                                              outcome.start_delay)],
                     workflows=outcome.workflow))
                 if applied:
                     self.count("completed")

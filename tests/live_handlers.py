@@ -99,3 +99,11 @@ async def live_async_polite(ctx: cy.Context, inp: dict) -> dict:
     note(inp["log"], event="start", attempt=ctx.attempt)
     await asyncio.to_thread(_polite_ticks, ctx, inp["log"], inp.get("seconds", 15))
     return {}
+
+
+@cy.step("live_noted", max_attempts=1)
+def live_noted(ctx: cy.Context, inp: dict) -> dict:
+    """Notes when its handler starts (its run id with it) and sleeps a little."""
+    note(inp["log"], event="start", run_id=ctx.run_id)
+    time.sleep(inp.get("seconds", 0.05))
+    return {}

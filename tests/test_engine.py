@@ -373,8 +373,8 @@ def test_worker_clock_skew_changes_nothing(cyclone_env_factory, skew):
     step = env.wait_for_state(long, None, "discarded", timeout=10)
     assert step.error_kind == "timeout"
     assert (step.errors[0]["at"] is not None) and time.monotonic() - t0 < 5
-    # the durable deadline is started_at + 1 s on the database clock, whatever the worker clock says
-    assert step.finished_at - step.started_at >= dt.timedelta(seconds=1)
+    # the durable deadline is the claim + 1 s on the database clock, whatever the worker clock says
+    assert step.finished_at - step.claimed_at >= dt.timedelta(seconds=1)
 
 
 def test_progress_is_stored_with_heartbeats(cyclone_env_factory):

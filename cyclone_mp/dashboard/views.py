@@ -354,7 +354,7 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "paused_from": step.paused_from, "queue": step.queue, "priority": step.priority,
         "depends_on": list(step.depends_on), "attempt": step.attempt, "max_attempts": step.max_attempts,
         "reclaims": step.reclaims, "max_reclaims": step.max_reclaims, "timeout": step.timeout,
-        "scheduled_at": iso(step.scheduled_at), "started_at": iso(step.started_at),
+        "scheduled_at": iso(step.scheduled_at), "claimed_at": iso(step.claimed_at), "started_at": iso(step.started_at),
         "finished_at": iso(step.finished_at), "heartbeat_at": iso(step.heartbeat_at),
         "lease_owner": step.lease_owner, "lease_expiry": iso(step.lease_expiry),
         "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,

@@ -362,7 +362,8 @@ picked AS (
 UPDATE cyclone_steps
    SET lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
        heartbeat_at = now(),
-       progress = coalesce(%(progress)s::jsonb, progress)
+       progress = coalesce(%(progress)s::jsonb, progress),
+       start_delay = coalesce(%(start_delay_us)s::bigint * interval '1 microsecond', start_delay)
  WHERE id = %(id)s
    AND state = 'running'
    AND lease_owner = %(owner)s
@@ -417,7 +418,10 @@ runs AS (
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
-           error_kind = NULL
+           error_kind = NULL,
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
+                                                                                s.id || ':' || s.lease_generation)]
+                                  * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
        AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
@@ -477,7 +481,8 @@ fail_in AS MATERIALIZED (
                || CASE WHEN j.t AND j.kind <> 'timeout' THEN jsonb_build_object('reported_kind', j.kind)
                        ELSE '{}'::jsonb END
                || jsonb_build_object('at', {utc_now_expr})),
-           progress = coalesce(j.progress, s.progress)
+           progress = coalesce(j.progress, s.progress),
+           start_delay = coalesce((j.entry ->> 'start_delay')::float8 * interval '1 second', s.start_delay)
       FROM judged j
      WHERE s.id = ANY(%(fail_ids)s::bigint[])  -- by primary key (generic plans)
        AND s.id = j.id
@@ -695,6 +700,7 @@ UPDATE cyclone_steps
        error_kind = %(error_kind)s,
        errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', {utc_now_expr})),
        progress = coalesce(%(progress)s::jsonb, progress),
+       start_delay = coalesce((%(entry)s::jsonb ->> 'start_delay')::float8 * interval '1 second', start_delay),
        -- settled by the sweep while the attempt may still run: not claimed again before its
        -- processes are dead (its supervisor kills it by the deadline plus kill_within; one
        -- frozen or partitioned kills it before its lease expires)
@@ -1240,7 +1246,9 @@ LIMIT 1;
 -- archived_step_columns_expr
 s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
 s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float8 AS timeout,
-s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
+s.due_at, s.scheduled_at, s.started_at AS claimed_at,  -- (the column is the claim's now(): the timeout's base)
+s.started_at + coalesce(s.start_delay, interval '0') AS started_at,  -- the handler's start, once reported
+s.finished_at, s.lease_owner, s.lease_expiry,
 s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
 s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
@@ -1741,7 +1749,7 @@ id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_fr
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
 concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
-dead_by, kill_within
+dead_by, kill_within, start_delay
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this
