@@ -75,6 +75,7 @@ class Attempt:
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
     lingering: list[str] | None = None  # its handler ended after a cancel, these threads of it did not
     lingering_result: dict[str, Any] | None = None  # the result the child sent meanwhile (used if they end)
+    processes_by: str | None = None  # what held its max_processes (a Mechanism word), when it has one
 
     @property
     def step_id(self) -> int:
