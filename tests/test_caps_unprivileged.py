@@ -106,8 +106,8 @@ def test_max_processes_holds_a_fork_burst_without_root(cyclone_env_factory, ordi
     log = shared_dir / "burst"
     run = env.run_until_complete(env.enqueue(lh.burst, {"n": 10, "log": str(log)}, max_processes=4), timeout=60)
     step = run.step
+    assert step.error_kind == "process_limit", (run.state, step.output, step.errors[-1:])
     entry = step.errors[-1]
-    assert step.error_kind == "process_limit", entry
     assert "max_processes 4" in step.error, step.error
     assert entry["enforced_by"] == "rlimit in a user namespace + sampling", entry
     # killed by the supervisor (it saw the tree one over the cap), or failed at the refused fork
@@ -137,6 +137,26 @@ def test_max_processes_holds_a_fork_burst_without_root(cyclone_env_factory, ordi
     assert peak <= 21, peak  # the cap and one over it (RLIMIT_NPROC counts the runner's two threads as two)
     nxt = env.run_until_complete(env.enqueue(lh.noop, {}), timeout=30)
     assert nxt.state == "completed", nxt.step.errors[-1:]
+
+
+def test_every_other_cap_holds_without_root(cyclone_env_factory, ordinary_user, shared_dir):
+    """The other caps as an ordinary user: memory (RLIMIT_DATA + sampling), CPU (sampling +
+    RLIMIT_CPU) and open files (RLIMIT_NOFILE), each checked on a handler that breaks it."""
+    env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5)
+    env.mux().register(lh.hog, lh.spin, lh.files, lh.noop)
+    start_as_user(env, ordinary_user)
+    hog = env.run_until_complete(env.enqueue(lh.hog, {"total": 512 << 20, "chunk": 16 << 20,
+                                                      "log": str(shared_dir / "hog")}, memory_limit="64MiB"),
+                                 timeout=60)
+    assert hog.step.error_kind == "memory_limit", hog.step.errors[-1:]
+    assert hog.step.errors[-1]["enforced_by"] == "rlimit + sampling"
+    assert hog.step.errors[-1]["tree"]["peak_memory_kb"] * 1024 < 64 * 5 // 2 * (1 << 20) + 3 * (16 << 20)
+    spin = env.run_until_complete(env.enqueue(lh.spin, {"log": str(shared_dir / "spin")}, cpu_limit=1), timeout=60)
+    assert spin.step.error_kind == "cpu_limit", spin.step.errors[-1:]
+    assert spin.step.errors[-1]["tree"]["cpu_seconds"] < 1.5, spin.step.errors[-1]
+    files = env.run_until_complete(env.enqueue(lh.files, {"n": 50}, max_open_files=10), timeout=30)
+    assert files.step.error_kind == "error" and "Too many open files" in files.step.error, files.step.errors[-1:]
+    assert env.run_until_complete(env.enqueue(lh.files, {"n": 5}, max_open_files=10), timeout=30).state == "completed"
 
 
 def _zombie(pid: int) -> bool:
