@@ -150,7 +150,7 @@ class LimitWatch:
         failed = (f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
                   if entry.get("type") and att.killed_for is None else None)
         if kind == decisions.PROCESS_LIMIT and usage.at_process_rlimit and att.killed_for is None:
-            who = (f"the tree reached its RLIMIT_NPROC, one over the cap ({by}), past which the kernel refuses "
+            who = (f"it reached RLIMIT_NPROC, one over the cap ({by}), past which the kernel refuses "
                    "every fork" + (f"; {failed}" if failed else ""))
         elif failed:
             who = failed
