@@ -128,8 +128,12 @@ def user_namespaces_refused() -> str | None:
         return "user namespaces are disabled (user.max_user_namespaces = 0)"
     if (read_text("/proc/sys/kernel/unprivileged_userns_clone") or "").strip() == "0":
         return "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0)"
+    import warnings
+
     unshare = _unshare()
-    pid = os.fork()
+    with warnings.catch_warnings():  # (3.12+ warns of fork in a threaded process: the child below is safe)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # only the bound C function and _exit: other threads may hold locks
         os._exit(0 if unshare(CLONE_NEWUSER) == 0 else 1)  # type: ignore[operator]
     try:
