@@ -140,6 +140,8 @@ class Confinement:
         mechanism: the :class:`Mechanism` chosen.
         v2, memory_v1, pids_v1: this supervisor's directory in each hierarchy used, or None.
         v2_controllers: the v2 controllers enabled for the slots (``memory``, ``pids``).
+        kernel_log: the kernel's record of OOM kills (:class:`~cyclone_mp.kmsg.KernelLog`).
+        userns_at_birth: new children are born in user namespaces of their own.
     """
 
     def __init__(self, *, v2: str | None = None, v2_controllers: frozenset[str] = frozenset(),
