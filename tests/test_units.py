@@ -170,7 +170,6 @@ def test_a_sigkill_is_oom_killed_only_when_the_kernel_log_names_that_pid(tmp_pat
     from types import SimpleNamespace
 
     from cyclone_mp import slots
-    from cyclone_mp.kmsg import KernelLog
     from cyclone_mp.limits import NO_LIMITS
     from cyclone_mp.limitwatch import LimitWatch
 
