@@ -311,9 +311,9 @@ def _say_limits(client: Any) -> None:
     sup = client.supervisor
     if sup is None or not sup.running.wait(60) or sup.confinement is None:
         return
-    mech = sup.confinement.mechanism
-    click.echo(f"cyclone-mp worker: resource limits: memory by {mech.memory}, processes by {mech.processes}, "
-               f"cpu by {mech.cpu}, open files by {mech.open_files}, tree kill by {mech.kill}", err=True)
+    level, line = sup.confinement.mechanism.start_line()
+    if not logging.getLogger("cyclone_mp.supervisor").isEnabledFor(level):  # else the log said it already
+        click.echo(f"cyclone-mp worker: {line}", err=True)
 
 
 @cli.command()

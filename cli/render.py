@@ -546,7 +546,8 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
         if isinstance(mech, dict):
             con.print(Text(
                 f"  limits: memory {mech.get('memory')} · processes {mech.get('processes')} · "
-                f"cpu {mech.get('cpu')} · open files {mech.get('open_files')} · tree kill {mech.get('kill')}",
+                f"cpu {mech.get('cpu')} · open files {mech.get('open_files')} · tree kill {mech.get('kill')}"
+                + (f" · OOM evidence {mech['oom']}" if mech.get("oom") else ""),
                 style="dim"))
         table = Table()
         names = (("pid", "run", "attempt", "step") if narrow else

@@ -20,9 +20,10 @@ after ``kill_grace`` ends it as it ends a sync handler.
 It is a child subreaper (issue 18): a process its handler started that loses its parent
 (``sh -c '(setsid cmd &)'``) is reparented to it, not to the supervisor or init, so it
 counts as a leftover of its attempt and is swept with it, whatever it did to its
-environment or session. A task with resource limits (issue 20) runs under soft rlimits
-(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, and ``RLIMIT_DATA`` where no
-cgroup holds the memory cap), which what it starts inherits.
+environment or session. A task with resource limits runs under soft rlimits
+(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, ``RLIMIT_DATA`` where no cgroup
+holds the memory cap, ``RLIMIT_NPROC`` where no pids cgroup holds the process cap and
+this runner was born in a user namespace of its own), which what it starts inherits.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 from . import protocol, unhealable
+from .proctree import own_user_namespace, tree_size
 from .protocol import storable, unstorable
 from .context import Cancellation, Context
 from .errors import Cancelled, PayloadError, Permanent
@@ -88,6 +90,11 @@ class TaskLimits:
       a task whose budget it would not leave whole (a backstop: the supervisor kills the
       tree at the limit; SIGXCPU ends a handler that does not ignore it when the
       supervisor cannot, frozen);
+    - ``max_processes`` with ``rlimit_nproc`` (no pids cgroup; this runner is the first
+      process of a user namespace of its own, where the kernel counts its user's tasks:
+      this tree's): ``RLIMIT_NPROC`` = this runner's threads + the cap, one task over
+      the cap (the runner counts as one process), so a tree that reaches it is seen
+      over its cap (:meth:`Runner.tree_count`) and a fork past it is refused;
     - ``memory_limit`` with ``rlimit_data`` (no cgroup caps the memory):
       ``RLIMIT_DATA`` = this process's data segment + 1.5 times the limit: a backstop for
       one allocation too fast for the supervisor's sampling of the tree (which decides at
@@ -103,6 +110,7 @@ class TaskLimits:
         self.applied: dict[str, Any] | None = None
         self.saved: list[tuple[int, tuple[int, int]]] = []
         self.cpu_soft: int | None = None
+        self.nproc: int | None = None  # the RLIMIT_NPROC set for the task (tasks of this namespace)
 
     def apply(self, limits: dict[str, Any] | None) -> None:
         """Set the rlimits of a task with ``limits`` (None: none), before it runs."""
@@ -123,6 +131,12 @@ class TaskLimits:
             self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
         if limits.get("cpu_limit") and limits.get("rlimit_cpu"):
             self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
+        if limits.get("max_processes") and limits.get("rlimit_nproc"):
+            try:
+                threads = len(os.listdir("/proc/self/task"))
+            except OSError:
+                threads = threading.active_count()
+            self._lower(resource.RLIMIT_NPROC, threads + int(limits["max_processes"]))
         if limits.get("memory_limit") and limits.get("rlimit_data"):
             data = 0
             try:
@@ -143,7 +157,7 @@ class TaskLimits:
                 resource.setrlimit(which, old)
             except (OSError, ValueError):
                 pass
-        self.saved, self.applied, self.cpu_soft = [], None, None
+        self.saved, self.applied, self.cpu_soft, self.nproc = [], None, None, None
 
     @staticmethod
     def _cpu_used() -> float:
@@ -163,6 +177,8 @@ class TaskLimits:
             self.saved.append((which, old))
         if which == resource.RLIMIT_CPU:
             self.cpu_soft = soft
+        elif which == resource.RLIMIT_NPROC:
+            self.nproc = soft
 
 
 class Runner:
@@ -353,12 +369,15 @@ class Runner:
             except BaseException:  # noqa: BLE001 - its step's attempt reports it
                 pass
 
-    def loop(self, preload: list[list[Any]] | None = None, entered: dict[str, Any] | None = None) -> None:
+    def loop(self, preload: list[list[Any]] | None = None, entered: dict[str, Any] | None = None,
+             userns: bool | str | None = None) -> None:
         """Run tasks until told to exit. ``preload``: the handlers' modules to import
         before saying ready; None: a spawned child's, from its environment. A child forked
         from the zygote gets those the zygote had not imported, and imports them once it
         is in its slot's cgroups: ``entered`` (it moved itself; sent first) without an
-        error, else after the supervisor's ``start`` (the supervisor moved it)."""
+        error, else after the supervisor's ``start`` (the supervisor moved it).
+        ``userns``: True, this process made a user namespace of its own; a string, why it
+        could not (both said with ``ready``)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
         reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
@@ -379,7 +398,10 @@ class Runner:
             inbox.pop(0)
         self.preload(preload)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
+        ready = {"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime}
+        if userns is not None:
+            ready["userns" if userns is True else "userns_error"] = userns
+        self.send(ready)
         # After "ready": under SCHED_BATCH a woken process waits for its turn on a busy
         # CPU, which delayed every step of the start (the watcher's, the imports').
         batch_scheduling()
@@ -431,6 +453,8 @@ class Runner:
             threads_before = {t.ident for t in threading.enumerate()}
             # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
             result = {"t": "result", "task": message["task"], **self.run_task(message)}
+            if limits and limits.get("max_processes") and limits.get("count_tree"):
+                result["tree_count"] = self.tree_count()
             if self.cancellation.is_set():
                 # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
                 # an executor, threads the handler started): then this child is not reused
@@ -486,6 +510,15 @@ class Runner:
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(0.005)
+
+    def tree_count(self) -> dict[str, Any]:
+        """This task's tree as its handler ended, where no pids cgroup holds its
+        ``max_processes``: its processes and tasks now (this runner included, zombies
+        too), and the ``RLIMIT_NPROC`` it ran under (None: none). A tree at that rlimit is
+        one over its cap; one with more processes than its cap is over it: the supervisor
+        names the attempt ``process_limit`` (a burst between two of its looks)."""
+        processes, tasks = tree_size()
+        return {"processes": processes, "tasks": tasks, "nproc": self.limits.nproc}
 
     def checked(self, result: dict[str, Any]) -> bytes:
         """The result's frame. An output outside the payload boundary (not JSON, not
@@ -697,16 +730,16 @@ def _ignore_interrupt(signum: int, frame: Any) -> None:
 
 def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
           modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None,
-          entered: dict[str, Any] | None = None) -> None:
+          entered: dict[str, Any] | None = None, userns: bool | str | None = None) -> None:
     """Run as a child whose death with its parent is already arranged: become a child
     subreaper, ignore Ctrl-C (the programs its steps start do not), serve tasks (under
     ``SCHED_BATCH`` once ready; ``modules``: those imported already, a zygote's;
-    ``preload``, ``entered``: see :meth:`Runner.loop`). Then exit."""
+    ``preload``, ``entered``, ``userns``: see :meth:`Runner.loop`). Then exit."""
     adopt_orphans()
     signal.signal(signal.SIGINT, _ignore_interrupt)  # Ctrl-C is the supervisor's to handle
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
-        Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered)
+        Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered, userns)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the supervisor went away (or recycled us): nothing left to report to
     os._exit(0)
@@ -732,7 +765,10 @@ def main(argv: list[str]) -> None:
         return
     ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent_pid)
-    serve(ctrl_fd, cancel_fd, limit)
+    userns = None
+    if os.environ.pop(protocol.USERNS_ENV, "") == "1":  # while single-threaded: the kernel's rule
+        userns = own_user_namespace() or True
+    serve(ctrl_fd, cancel_fd, limit, userns=userns)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound
 from .holding import HeldSteps, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
+from .mechanism import PROCESSES_USERNS, SAMPLING
 from .endings import AttemptEndings
 from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .mailbox import Inbox
@@ -106,6 +107,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.confinement = confinement or slots.Confinement.none()
         if any(s.options.memory_limit is not None or s.options.max_processes is not None for s in mux.steps.values()):
             self.confinement.v1_at_birth = True  # the handlers declare caps held in v1 cgroups (where they are)
+        if any(s.options.max_processes is not None for s in mux.steps.values()):
+            self.confinement.wants_userns()  # ... or held in each child's user namespace (no pids cgroup)
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
@@ -260,7 +263,6 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
             phase("snapshot", lambda: self._publish_snapshot(now))
-            phase("snapshot", self.limit_watch.note_oom_kills)
 
     def _phase(self, name: str, fn: Callable[[], Any]) -> None:
         """Run one phase of a turn; an error is logged (at most once a minute per phase,
@@ -508,6 +510,13 @@ class ProcessControl(AttemptEndings, HeldSteps):
                              format_size(limits.memory), row["step_name"])
                     return self._replace(child)
                 slot.join(joining)
+            if limits.processes is not None and not child.userns and self.confinement.mechanism.userns_processes:
+                # no pids cgroup: children hold max_processes with RLIMIT_NPROC in a user
+                # namespace of their own, which only a child single-threaded at birth can make
+                self.confinement.wants_userns()  # from now on new children are born in one
+                log.info("child %d has no user namespace of its own to hold max_processes %d of step %s: "
+                         "replacing it", child.pid, limits.processes, row["step_name"])
+                return self._replace(child)
             fits = slot.configure(limits)
             if not fits and child.steps_run:
                 log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
@@ -550,14 +559,21 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
-            # where no cgroup holds the memory (or none counts the tree's CPU), rlimit backstops
-            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined))
+            # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
+            # process cap), rlimits backstop and the child counts its tree as its handler ends
+            pids_cgroup = slot is not None and slot.kernel_process_cap
+            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined),
+                     not pids_cgroup and child.userns, not pids_cgroup)
+            if limits.processes is not None:
+                att.processes_by = (self.confinement.mechanism.processes if pids_cgroup else
+                                    PROCESSES_USERNS if child.userns else SAMPLING)
             cached = self._task_limits.get((limits, flags))
             if cached is None:
                 if len(self._task_limits) > 256:
                     self._task_limits.clear()
-                cached = self._task_limits[(limits, flags)] = {**limits.as_json(), "rlimit_data": flags[0],
-                                                               "rlimit_cpu": flags[1]}
+                cached = self._task_limits[(limits, flags)] = {
+                    **limits.as_json(), "rlimit_data": flags[0], "rlimit_cpu": flags[1], "rlimit_nproc": flags[2],
+                    "count_tree": flags[3]}
             task["limits"] = cached
         child.queue(task)  # written by the caller, with the other tasks of this round
         self._watch(child)

@@ -193,6 +193,16 @@ class AttemptEndings:
         }
         att.forensics = entry
         reason = att.cancel_reason
+        tree_count = result.get("tree_count") if att.limits.processes is not None else None
+        if result.get("ok") and reason is None and tree_count:
+            # its handler returned, but its tree was over its process cap as it ended (a
+            # burst no look saw, where no pids cgroup refused it): the cap's failure
+            over = self.limit_watch.over_at_end(att, tree_count)
+            if over is not None:
+                kind, usage = over
+                entry["killed_by_supervisor"] = False
+                self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
+                return
         if result.get("ok"):
             if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
                 self.stats["late_completions_dropped"] += 1
@@ -209,14 +219,15 @@ class AttemptEndings:
             self._settle_cancelled(att, entry)
             return
         kind = decisions.reported_kind(result.get("kind"))
-        if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
+        if att.limits:  # the handler failed: maybe because a cap killed part of its tree, or refused a fork
             kids = result.get("children_maxrss_kb")
             memory_error = kind == decisions.MEMORY_ERROR
-            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error,
-                                           reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
+            peak = ((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None
+            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error, reported_peak=peak,
+                                           tree_count=tree_count)
             if death is not None:
                 kind, usage = death
-                entry["killed_by_supervisor"] = False
+                entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
                 entry = self.limit_watch.death_entry(att, kind, usage, entry)
                 if memory_error and kind == decisions.MEMORY_LIMIT:
                     # the runner itself reached the cap's backstop (RLIMIT_DATA, before the

@@ -166,7 +166,7 @@ class Supervisor:
             # The child slots' cgroups (issue 20): the watchdog kills them if we die.
             self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
             watchdog.cgroups(confinement.dirs)
-            log.info("resource limits: %s", confinement.mechanism.describe())
+            log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
                                       listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
