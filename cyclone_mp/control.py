@@ -124,6 +124,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
+        self.turned_at = time.monotonic()  # when the loop last began a turn (read by /healthz)
         self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
@@ -199,6 +200,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if running is not None:
             running.set()
         while True:
+            self.turned_at = time.monotonic()  # /healthz: the loop turns
             try:
                 now = self.clock()
                 self._handle_requests(now)

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigurationError
-from .telemetry import Observer
+from .telemetry import Observer, Probes
 
 QUEUE_DEPTH_INTERVAL = 5.0  #: seconds between maintenance's reads of the queues' depth
 #: histogram buckets (seconds): pickup latency spans milliseconds (LISTEN) to minutes (a backlog)
@@ -107,20 +107,27 @@ class Metrics(Observer):
 
     # -- serving ---------------------------------------------------------------------------------
 
-    def start(self, children_alive: Callable[[], int],
-              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
-        """Serve ``/metrics`` (:class:`~cyclone_mp.httpd.BoundedServer`, a thread of its own)."""
+    def start(self, probes: Probes) -> None:
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (:class:`~cyclone_mp.httpd.BoundedServer`,
+        a thread of its own)."""
         from .httpd import BoundedServer
 
-        self.children.set_function(lambda: float(children_alive()))
-        self.sweep_age.set_function(lambda: _number(last_sweep_age()))
+        self.children.set_function(lambda: float(probes.children_alive()))
+        self.sweep_age.set_function(lambda: _number(probes.last_sweep_age()))
         prom = self._prom
 
         def scrape() -> tuple[int, str, bytes]:
             return 200, prom.CONTENT_TYPE_LATEST, prom.generate_latest(self.registry)
 
+        def probe(check: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[int, str, bytes]]:
+            def answer() -> tuple[int, str, bytes]:
+                ok, reason = check()
+                return (200 if ok else 503), "text/plain; charset=utf-8", (reason + "\n").encode()
+            return answer
+
+        routes = {"/metrics": scrape, "/healthz": probe(probes.live), "/readyz": probe(probes.ready)}
         try:
-            self._server = BoundedServer(self.host, self.requested_port, {"/metrics": scrape}, token=self._token)
+            self._server = BoundedServer(self.host, self.requested_port, routes, token=self._token)
         except OSError as exc:
             raise ConfigurationError(f"cannot serve metrics on {self.host}:{self.requested_port}: "
                                      f"{exc.strerror or exc}") from exc

@@ -50,7 +50,9 @@ from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
 from .sweep import Maintenance, Sweeper
-from .telemetry import Observer, Stats, supervisor_observer
+from .connections import connect
+from .health import LIVE_AFTER, PROBE_TIMEOUT, DatabaseProbe
+from .telemetry import Observer, Probes, Stats, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -122,6 +124,7 @@ class Supervisor:
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
+        self._readiness: DatabaseProbe | None = None
         self.observer = observer if observer is not None else supervisor_observer(
             metrics_port, metrics_host, metrics_token)
 
@@ -154,10 +157,19 @@ class Supervisor:
         follows the thread that creates a child)."""
         # Metrics first: a port in use is a ConfigurationError before any child or lease exists.
         try:
-            self.observer.start(lambda: len(self.control.pool.children) if self.control is not None else 0,
-                                lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None)
+            if self.observer.find("Metrics") is not None:  # /readyz: does the database answer?
+                self._readiness = DatabaseProbe(lambda: connect(
+                    self.dsn, timeout=PROBE_TIMEOUT, dead_after=PROBE_TIMEOUT, pgbouncer=self.config.pgbouncer,
+                    prepare=False, application_name=f"cyclone_mp readiness {self.id}"))
+                self._readiness.start()
+            self.observer.start(Probes(
+                children_alive=lambda: len(self.control.pool.children) if self.control is not None else 0,
+                last_sweep_age=lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None,
+                live=self.live, ready=self.ready))
         except BaseException:
             self.observer.close()
+            if self._readiness is not None:
+                self._readiness.close()
             self.stopped.set()
             raise
         was_subreaper = procs.set_subreaper(True)
@@ -225,6 +237,8 @@ class Supervisor:
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close(clean=True)
         self.observer.close()  # the metrics server stops (an observer's failure is only logged)
+        if self._readiness is not None:
+            self._readiness.close()
 
     # -- what callers read -----------------------------------------------------------------
 
@@ -287,6 +301,31 @@ class Supervisor:
     @property
     def draining(self) -> bool:
         return self.control is not None and self.control.draining
+
+    def live(self) -> tuple[bool, str]:
+        """``/healthz``: ``(True, "ok")`` while the process-control loop turns (it wakes at
+        least every second), else False and for how long it has not."""
+        control = self.control
+        if control is None:
+            return (True, "starting") if not self.stopped.is_set() else (False, "stopped")
+        stalled = time.monotonic() - control.turned_at
+        if stalled > LIVE_AFTER:
+            return False, f"process control has not turned for {stalled:.0f}s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        """``/readyz``: ``(True, "ready")`` once the children are started, while the
+        database answers (:class:`~cyclone_mp.health.DatabaseProbe`) and the supervisor is
+        not draining; else False and why."""
+        if not self.running.is_set():
+            return False, "starting: children not started yet"
+        if self.draining or self.shutdown_requested:
+            return False, "draining"
+        if self._readiness is not None:
+            ok, reason = self._readiness.state()
+            if not ok:
+                return False, reason
+        return True, "ready"
 
     @property
     def db_ok(self) -> bool:

@@ -15,11 +15,25 @@ thread-safe, cheap, and must never raise (:class:`Observers` guards each call).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 log = logging.getLogger("cyclone_mp.supervisor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Probes:
+    """What the supervisor lets an observer read at any time (from any thread; cheap):
+    ``children_alive()`` its live child processes; ``last_sweep_age()`` seconds since the
+    fleet's last successful recovery sweep (None: unknown); ``live()`` and ``ready()``
+    ``(ok, reason)`` for ``/healthz`` and ``/readyz`` (:mod:`cyclone_mp.health`)."""
+
+    children_alive: Callable[[], int] = lambda: 0
+    last_sweep_age: Callable[[], "float | None"] = lambda: None
+    live: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
+    ready: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
 
 
 class Observer:
@@ -59,12 +73,10 @@ class Observer:
         """An attempt of a maintenance task failed (``sweep``, ``schedules``, ``history``,
         ``registry``, ``queue_depths``, ``vacuum_watch``: :mod:`cyclone_mp.health`)."""
 
-    def start(self, children_alive: Callable[[], int],
-              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
-        """The supervisor starts; ``children_alive()`` counts its live child processes,
-        ``last_sweep_age()`` gives the seconds since the fleet's last successful recovery
-        sweep (None: unknown). Raises ConfigurationError when the observer cannot work (a
-        metrics port in use)."""
+    def start(self, probes: "Probes") -> None:
+        """The supervisor starts; ``probes`` read its live state (children, the last
+        sweep's age, liveness, readiness). Raises ConfigurationError when the observer
+        cannot work (a metrics port in use)."""
 
     def close(self) -> None:
         """The supervisor stopped."""
@@ -110,12 +122,11 @@ class Observers(Observer):
     def maintenance_failed(self, task: str) -> None:
         self._each("maintenance_failed", task)
 
-    def start(self, children_alive: Callable[[], int],
-              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
+    def start(self, probes: "Probes") -> None:
         """Start each observer; unlike an event, a failure here is raised (a metrics port
         in use must stop the supervisor with a clear error, not leave it unobserved)."""
         for observer in self.observers:
-            observer.start(children_alive, last_sweep_age)
+            observer.start(probes)
 
     def close(self) -> None:
         self._each("close")
