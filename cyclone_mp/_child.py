@@ -423,6 +423,7 @@ class Runner:
                         "cpu": 0.0, "children": False})
                 continue
             if kind == "go":  # the supervisor has swept the last attempt's leftover processes
+                reap_killed(message.get("reap") or ())  # those that were ours (we are their subreaper)
                 self.held = False
                 inbox[:0], held = held, []
                 continue
@@ -549,6 +550,17 @@ class Runner:
         result.pop("progress", None)  # checked when it was set, but it must not sink the report
         result.update(failure(OUTPUT_INVALID, exc))
         return protocol.encode(result)
+
+
+def reap_killed(pids: Any) -> None:
+    """Reap the leftover processes the supervisor killed that are this child's own (a
+    subreaper adopts its handlers' orphans): they would stay zombies until it exits. Only
+    those pids: a process a handler's ``Popen`` still tracks is never taken from it."""
+    for pid in pids:
+        try:
+            os.waitpid(int(pid), os.WNOHANG)
+        except (ChildProcessError, OSError, ValueError, TypeError):
+            pass
 
 
 def is_coroutine(value: Any) -> bool:

@@ -550,8 +550,9 @@ class ChildPool:
 
     def sweep_leftovers(self, child: ChildProc) -> None:
         """A finished task left processes under the (reused) child: kill them, then let it go on."""
-        self.count_grandchildren(child, child.kill_descendants())
-        child.queue({"t": "go"})
+        killed = child.kill_descendants()
+        self.count_grandchildren(child, killed)
+        child.queue({"t": "go", "reap": killed})  # the child reaps those it adopted
         child.flush()
         self.update_write_interest(child)
 
