@@ -197,3 +197,30 @@ class DatabaseProbe:
                 conn.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def liveness(control: Any, stopped: bool) -> tuple[bool, str]:
+    """``/healthz``: ``(True, "ok")`` while the process-control loop (``control``, with its
+    ``turned_at``, local monotonic seconds) turns: it wakes at least every second; else
+    False and for how long it has not."""
+    if control is None:
+        return (False, "stopped") if stopped else (True, "starting")
+    stalled = time.monotonic() - control.turned_at
+    if stalled > LIVE_AFTER:
+        return False, f"process control has not turned for {stalled:.0f}s"
+    return True, "ok"
+
+
+def readiness(running: bool, draining: bool, probe: DatabaseProbe | None) -> tuple[bool, str]:
+    """``/readyz``: ``(True, "ready")`` once the children run (``running``), while the
+    database answers (``probe``, when there is one) and until a drain begins; else False
+    and why."""
+    if not running:
+        return False, "starting: children not started yet"
+    if draining:
+        return False, "draining"
+    if probe is not None:
+        ok, reason = probe.state()
+        if not ok:
+            return False, reason
+    return True, "ready"

@@ -1,7 +1,7 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
 It is four parts with one job each, in the spirit of River's producer, job executor,
-completer and rescuer services (issue 17). They share no mutable state and talk by the
+completer and rescuer services. They share no mutable state and talk by the
 plain messages of :mod:`cyclone_mp.messages`:
 
 ==========================  ===============================================  ===========
@@ -21,14 +21,10 @@ transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) ki
 child whose fence passed while this process was frozen, and everything it started once
 it is gone.
 
-Which file owns what: SPEC 4's claim is :mod:`cyclone_mp.outcomes`, its renewal
-:mod:`cyclone_mp.leases` ("a renewal matched nothing" is acted on in
-:meth:`cyclone_mp.control.ProcessControl.on_lease_lost`); the worker-clock deadline, the
-fence, the cancel and the kill are :meth:`cyclone_mp.control.ProcessControl._enforce`;
-the completion CAS is :mod:`cyclone_mp.outcomes` (its SQL in ``sql/queries.sql``); the
-sweep is :class:`cyclone_mp.sweep.Sweeper`; what a failure does to a row is
-:mod:`cyclone_mp.decisions`; killing a process tree is :mod:`cyclone_mp.procs`; SPEC 5's
-drain is :meth:`cyclone_mp.control.ProcessControl._handle_requests`.
+Owners: claims and the completion CAS, :mod:`~cyclone_mp.outcomes`; renewals,
+:mod:`~cyclone_mp.leases`; deadlines, fences, cancels and kills,
+:mod:`~cyclone_mp.control`; the sweep, :mod:`~cyclone_mp.sweep`; what a failure does to
+a row, :mod:`~cyclone_mp.decisions`; killing a tree, :mod:`~cyclone_mp.procs`.
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
 from .sweep import Maintenance, Sweeper
 from .connections import connect
-from .health import LIVE_AFTER, PROBE_TIMEOUT, DatabaseProbe
+from .health import PROBE_TIMEOUT, DatabaseProbe, liveness, readiness
 from .telemetry import Observer, Probes, Stats, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -165,7 +161,9 @@ class Supervisor:
             self.observer.start(Probes(
                 children_alive=lambda: len(self.control.pool.children) if self.control is not None else 0,
                 last_sweep_age=lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None,
-                live=self.live, ready=self.ready))
+                live=lambda: liveness(self.control, self.stopped.is_set()),
+                ready=lambda: readiness(self.running.is_set(), self.draining or self.shutdown_requested,
+                                        self._readiness)))
         except BaseException:
             self.observer.close()
             if self._readiness is not None:
@@ -301,31 +299,6 @@ class Supervisor:
     @property
     def draining(self) -> bool:
         return self.control is not None and self.control.draining
-
-    def live(self) -> tuple[bool, str]:
-        """``/healthz``: ``(True, "ok")`` while the process-control loop turns (it wakes at
-        least every second), else False and for how long it has not."""
-        control = self.control
-        if control is None:
-            return (True, "starting") if not self.stopped.is_set() else (False, "stopped")
-        stalled = time.monotonic() - control.turned_at
-        if stalled > LIVE_AFTER:
-            return False, f"process control has not turned for {stalled:.0f}s"
-        return True, "ok"
-
-    def ready(self) -> tuple[bool, str]:
-        """``/readyz``: ``(True, "ready")`` once the children are started, while the
-        database answers (:class:`~cyclone_mp.health.DatabaseProbe`) and the supervisor is
-        not draining; else False and why."""
-        if not self.running.is_set():
-            return False, "starting: children not started yet"
-        if self.draining or self.shutdown_requested:
-            return False, "draining"
-        if self._readiness is not None:
-            ok, reason = self._readiness.state()
-            if not ok:
-                return False, reason
-        return True, "ready"
 
     @property
     def db_ok(self) -> bool:
