@@ -621,7 +621,8 @@ class Client(ClientBase):
     # -- the supervisor -------------------------------------------------------------------------
 
     def _make_supervisor(self, dedicated: bool = False) -> Any:
-        from .supervisor import Supervisor, refuse_in_child
+        from .procs import refuse_in_child
+        from .supervisor import Supervisor
 
         refuse_in_child()  # before migrate(): a handler's child never touches the cyclone tables
         if not self.mux.step_names:

@@ -157,6 +157,16 @@ class DatabaseProbe:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cyclone-readiness", daemon=True)
 
+    @classmethod
+    def started(cls, dsn: str, *, pgbouncer: bool, owner: str) -> "DatabaseProbe":
+        """A probe of ``dsn`` (through PgBouncer when ``pgbouncer``), started."""
+        from .connections import connect
+
+        probe = cls(lambda: connect(dsn, timeout=PROBE_TIMEOUT, dead_after=PROBE_TIMEOUT, pgbouncer=pgbouncer,
+                                    prepare=False, application_name=f"cyclone_mp readiness {owner}"))
+        probe.start()
+        return probe
+
     def start(self) -> None:
         self._thread.start()
 

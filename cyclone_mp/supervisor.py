@@ -41,30 +41,15 @@ from . import procs, slots
 from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
-from .errors import ConfigurationError, SupervisorInChild
+from .errors import ConfigurationError
 from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
 from .sweep import Maintenance, Sweeper
-from .connections import connect
-from .health import PROBE_TIMEOUT, DatabaseProbe, liveness, readiness
+from .health import DatabaseProbe, liveness, readiness
 from .telemetry import Observer, Probes, Stats, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
-
-
-def refuse_in_child() -> None:
-    """Raise :class:`~cyclone_mp.errors.SupervisorInChild` in a handler's child process
-    (or its descendant): a supervisor there would spawn children that import the same
-    module and start supervisors again, without end. The child runner reports it as its
-    step's ``not_importable`` error, naming the missing ``__main__`` guard.
-    """
-    if os.environ.get(procs.MARKER_ENV):
-        raise SupervisorInChild(
-            "a supervisor cannot start inside a handler's child process: this usually means a "
-            "script starts its Client at module level; put that code under "
-            "`if __name__ == \"__main__\":` (children import the module to find its steps)"
-        )
 
 
 class Supervisor:
@@ -89,7 +74,7 @@ class Supervisor:
     Raises:
         ConfigurationError: a registered handler cannot be imported by a child.
         SupervisorInChild: this process is itself a handler's child (a module-level
-            ``client.start()``), see :func:`refuse_in_child`.
+            ``client.start()``), see :func:`cyclone_mp.procs.refuse_in_child`.
     """
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
@@ -97,7 +82,7 @@ class Supervisor:
                  metrics_token: str | None = None, observer: Observer | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  dedicated: bool = False) -> None:
-        refuse_in_child()
+        procs.refuse_in_child()
         for step in mux.steps.values():
             if not step.ref.importable():
                 raise ConfigurationError(
@@ -154,10 +139,7 @@ class Supervisor:
         # Metrics first: a port in use is a ConfigurationError before any child or lease exists.
         try:
             if self.observer.find("Metrics") is not None:  # /readyz: does the database answer?
-                self._readiness = DatabaseProbe(lambda: connect(
-                    self.dsn, timeout=PROBE_TIMEOUT, dead_after=PROBE_TIMEOUT, pgbouncer=self.config.pgbouncer,
-                    prepare=False, application_name=f"cyclone_mp readiness {self.id}"))
-                self._readiness.start()
+                self._readiness = DatabaseProbe.started(self.dsn, pgbouncer=self.config.pgbouncer, owner=self.id)
             self.observer.start(Probes(
                 children_alive=lambda: len(self.control.pool.children) if self.control is not None else 0,
                 last_sweep_age=lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None,
@@ -165,9 +147,7 @@ class Supervisor:
                 ready=lambda: readiness(self.running.is_set(), self.draining or self.shutdown_requested,
                                         self._readiness)))
         except BaseException:
-            self.observer.close()
-            if self._readiness is not None:
-                self._readiness.close()
+            self._close_observers()
             self.stopped.set()
             raise
         was_subreaper = procs.set_subreaper(True)
@@ -234,6 +214,9 @@ class Supervisor:
             if not part.join(deadline - time.monotonic(), hung_after=self.config.call_bound):
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close(clean=True)
+        self._close_observers()
+
+    def _close_observers(self) -> None:
         self.observer.close()  # the metrics server stops (an observer's failure is only logged)
         if self._readiness is not None:
             self._readiness.close()
