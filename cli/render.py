@@ -535,7 +535,8 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
         con.print(Text.assemble(
             ("supervisor ", "bold"), (str(row["id"]), "bold"),
             f"  host {row.get('hostname')} pid {row.get('pid')}  up since {when(row.get('started_at'))}",
-            f"  seen {age_s:.1f}s ago  queues {','.join(info.get('queues') or [])}",
+            f"  seen {age_s:.1f}s ago  queues "
+            + ",".join(q + (" (paused)" if q in (info.get("paused_queues") or ()) else "") for q in info.get("queues") or []),
             _sweep_age((info.get("maintenance") or {}).get("last_sweep_age"), age_s),
             ("  draining" if info.get("draining") else ""),
         ))

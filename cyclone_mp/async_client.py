@@ -33,7 +33,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, Databas
 from .operations import Op
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step
+from .steps import Mux, Step, check_name
 from .store import AsyncStore
 from .waiting import AsyncWaiter, result_of
 from .workflow import Workflow
@@ -297,6 +297,20 @@ class AsyncClient(ClientBase):
     async def resume(self, run_id: str) -> int:
         """:meth:`Client.resume <cyclone_mp.Client.resume>`, awaitable."""
         return await self._run(lambda: operations.resume_run(run_id))
+
+    async def pause_queue(self, queue: str, reason: str | None = None) -> bool:
+        """:meth:`Client.pause_queue <cyclone_mp.Client.pause_queue>`, awaitable."""
+        check_name(queue, "queue")
+        return await self._run(lambda: operations.pause_queue(queue, reason))
+
+    async def resume_queue(self, queue: str) -> bool:
+        """:meth:`Client.resume_queue <cyclone_mp.Client.resume_queue>`, awaitable."""
+        check_name(queue, "queue")
+        return await self._run(lambda: operations.resume_queue(queue))
+
+    async def paused_queues(self) -> list[dict[str, Any]]:
+        """:meth:`Client.paused_queues <cyclone_mp.Client.paused_queues>`, awaitable."""
+        return await self._run(operations.paused_queues)
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
         """:meth:`Client.signal <cyclone_mp.Client.signal>`, awaitable."""

@@ -33,7 +33,7 @@ from .operations import Op
 from .planning import ClientBase
 from .schedules import ACTIVE_WITHIN
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step
+from .steps import Mux, Step, check_name
 from .store import Store
 from .waiting import Waiter, result_of
 from .workflow import Workflow
@@ -567,6 +567,29 @@ class Client(ClientBase):
             InvalidTransition: the run is not paused.
         """
         return self._run(lambda: operations.resume_run(run_id))
+
+    def pause_queue(self, queue: str, reason: str | None = None) -> bool:
+        """Pause a queue: from the moment this returns no supervisor claims a step of it
+        (every claim looks); steps already running finish, held ones that had been claimed
+        start. Returns True when it was not paused yet. ``reason`` is shown by
+        ``cyclone-mp queue list`` and ``workers``.
+
+        Raises:
+            ConfigurationError: ``queue`` is not a valid queue name.
+            DatabaseError: the database failed.
+        """
+        check_name(queue, "queue")
+        return self._run(lambda: operations.pause_queue(queue, reason))
+
+    def resume_queue(self, queue: str) -> bool:
+        """Resume a paused queue: its supervisors are woken and claim its steps at once.
+        Returns True when it was paused."""
+        check_name(queue, "queue")
+        return self._run(lambda: operations.resume_queue(queue))
+
+    def paused_queues(self) -> list[dict[str, Any]]:
+        """The paused queues: ``{"queue", "paused_at", "reason"}`` each, oldest first."""
+        return self._run(operations.paused_queues)
 
     def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
         """Send signal ``name``; the first one per name is kept (returns False for a repeat).

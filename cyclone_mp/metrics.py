@@ -21,6 +21,7 @@ metric                                         type       labels
 ``cyclone_queue_depth``                        gauge      ``queue`` (claimable steps)
 ``cyclone_queue_oldest_available_seconds``     gauge      ``queue``
 ``cyclone_children_alive``                     gauge
+``cyclone_queue_paused``                       gauge      ``queue`` (1 while paused)
 ``cyclone_maintenance_failures_total``         counter    ``task`` (sweep, schedules, history...)
 ``cyclone_last_sweep_age_seconds``             gauge      (the fleet's last successful sweep)
 =============================================  =========  ======================================
@@ -98,6 +99,8 @@ class Metrics(Observer):
                                  "Seconds the oldest claimable step of a queue has waited.", ["queue"], registry=registry)
         self.children = prom.Gauge("cyclone_children_alive", "Live child processes of this supervisor.",
                                    registry=registry)
+        self.paused = prom.Gauge("cyclone_queue_paused", "1 while a queue this supervisor serves is paused.",
+                                 ["queue"], registry=registry)
         self.maintenance_failures = prom.Counter(
             "cyclone_maintenance_failures", "Failed attempts of a maintenance task (sweep, schedules, history, "
             "registry, queue_depths, vacuum_watch).", ["task"], registry=registry)
@@ -163,6 +166,10 @@ class Metrics(Observer):
 
     def maintenance_failed(self, task: str) -> None:
         self.maintenance_failures.labels(task).inc()
+
+    def queues_paused(self, served: Sequence[str], paused: Sequence[str]) -> None:
+        for queue in served:
+            self.paused.labels(queue).set(1.0 if queue in paused else 0.0)
 
     def heartbeat_lag(self, seconds: float) -> None:
         self.lag.set(seconds)

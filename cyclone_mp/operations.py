@@ -458,6 +458,26 @@ def retry_run(run_id: str) -> Steps[int]:
     return count
 
 
+@operation(transaction=False)
+def pause_queue(queue: str, reason: str | None = None) -> Steps[bool]:
+    """Stop every claim of ``queue``'s steps (running ones finish); True when it was not
+    paused yet."""
+    return bool((yield q("pause_queue", {"queue": queue, "reason": reason})).rows)
+
+
+@operation(transaction=False)
+def resume_queue(queue: str) -> Steps[bool]:
+    """Let claims take ``queue``'s steps again (its supervisors are woken); True when it
+    was paused."""
+    return bool((yield q("resume_queue", {"queue": queue})).rows)
+
+
+@operation(transaction=False)
+def paused_queues() -> Steps[list[dict[str, Any]]]:
+    """The paused queues: ``queue``, ``paused_at`` (DB clock), ``reason``."""
+    return (yield q("paused_queues")).rows
+
+
 @operation(transaction=True)
 def pause_run(run_id: str) -> Steps[int]:
     """Pause a running run; returns how many steps were paused. Raises RunNotFound, InvalidTransition."""

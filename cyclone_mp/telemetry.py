@@ -69,6 +69,9 @@ class Observer:
         """Per queue served: ``queue``, ``depth`` (claimable steps), ``oldest`` (seconds the
         oldest has been claimable, or None)."""
 
+    def queues_paused(self, served: Sequence[str], paused: Sequence[str]) -> None:
+        """Of the queues ``served``, these are ``paused`` (read with the registry refresh)."""
+
     def maintenance_failed(self, task: str) -> None:
         """An attempt of a maintenance task failed (``sweep``, ``schedules``, ``history``,
         ``registry``, ``queue_depths``, ``vacuum_watch``: :mod:`cyclone_mp.health`)."""
@@ -121,6 +124,9 @@ class Observers(Observer):
 
     def maintenance_failed(self, task: str) -> None:
         self._each("maintenance_failed", task)
+
+    def queues_paused(self, served: Sequence[str], paused: Sequence[str]) -> None:
+        self._each("queues_paused", served, paused)
 
     def start(self, probes: "Probes") -> None:
         """Start each observer; unlike an event, a failure here is raised (a metrics port

@@ -319,6 +319,7 @@ def worker_view(row: dict[str, Any]) -> dict[str, Any]:
         "id": row["id"], "hostname": row["hostname"], "pid": row["pid"], "started_at": iso(row["started_at"]),
         "heartbeat_at": iso(row["heartbeat_at"]), "age": round(age, 1), "workers": info.get("workers"),
         "queues": info.get("queues") or [], "draining": bool(info.get("draining")),
+        "paused_queues": info.get("paused_queues") or [],
         "stats": info.get("stats") or {}, "children": children, "failing": failing_tasks(info),
         "last_sweep_age": (info.get("maintenance") or {}).get("last_sweep_age"),
     }

@@ -65,6 +65,7 @@ walk (queue, key, p, first) AS (
               AND (s.dead_by IS NULL OR s.dead_by <= now())
               ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) k  -- (OFFSET 0: probed once, not per use)
      WHERE %(limit)s > 0 AND k.key IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM cyclone_queue_pauses qp WHERE qp.queue = q.name)  -- a paused queue: nothing
     UNION ALL
     SELECT w.queue, n.key, w.p + 1, w.first
       FROM walk w
@@ -336,7 +337,8 @@ claimed AS (
 picked AS (
     -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
     SELECT c.id
-      FROM unnest(%(queues)s::text[]) AS q(name)
+      FROM (SELECT u.name FROM unnest(%(queues)s::text[]) AS u(name)  -- a paused queue: nothing locked, nothing taken
+             WHERE NOT EXISTS (SELECT 1 FROM cyclone_queue_pauses qp WHERE qp.queue = u.name)) AS q(name)
      CROSS JOIN LATERAL (
             SELECT id, priority, scheduled_at
               FROM cyclone_steps
@@ -1223,6 +1225,23 @@ DELETE FROM cyclone_slots sl
  USING doomed d
  WHERE sl.step_name = d.step_name AND sl.key = d.key AND sl.kind = d.kind AND sl.slot = d.slot;
 
+-- name: pause_queue
+-- client.pause_queue: no claim takes a step of queue %(queue)s from now on; returns whether
+-- it was running (not paused already).
+INSERT INTO cyclone_queue_pauses (queue, reason) VALUES (%(queue)s, %(reason)s)
+ON CONFLICT (queue) DO NOTHING
+RETURNING queue;
+
+-- name: resume_queue
+-- client.resume_queue: claims take the queue's steps again (its supervisors are woken at
+-- commit); returns whether it was paused.
+WITH resumed AS (DELETE FROM cyclone_queue_pauses WHERE queue = %(queue)s RETURNING queue)
+SELECT r.queue, pg_notify('cyclone_mp', r.queue) FROM resumed r;
+
+-- name: paused_queues
+-- The paused queues, oldest pause first.
+SELECT queue, paused_at, reason FROM cyclone_queue_pauses ORDER BY paused_at, queue;
+
 -- name: notify
 -- Wake idle supervisors serving this queue (delivered at commit).
 SELECT pg_notify('cyclone_mp', %(queue)s);
@@ -1368,7 +1387,9 @@ VALUES (%(id)s, %(hostname)s, %(pid)s, %(info)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), info = excluded.info
 RETURNING id
 )
-SELECT (SELECT count(*) FROM me) + count(*) AS live
+SELECT (SELECT count(*) FROM me) + count(*) AS live,
+       (SELECT coalesce(array_agg(p.queue ORDER BY p.queue), '{}') FROM cyclone_queue_pauses p
+         WHERE p.queue = ANY(%(queues)s::text[])) AS paused  -- which of its queues are paused (workers, metrics)
 FROM cyclone_workers w
 WHERE w.id <> %(id)s
 AND w.heartbeat_at > now() - (%(live_us)s::bigint * interval '1 microsecond');
