@@ -46,7 +46,7 @@ from . import protocol, unhealable
 from .proctree import own_user_namespace, tree_size
 from .protocol import storable, unstorable
 from .context import Cancellation, Context
-from .errors import Cancelled, PayloadError, Permanent
+from .errors import Cancelled, PayloadError, Permanent, Snooze
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -54,6 +54,7 @@ PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest va
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
+SNOOZE = "snooze"  # a result's kind: the handler raised cy.Snooze (its "snooze": seconds)
 OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
 # error kinds this runner reports besides "error", "permanent" and "cancelled" (cyclone_mp.decisions)
@@ -318,6 +319,9 @@ class Runner:
             return failure(NOT_IMPORTABLE, exc.__cause__ or exc, str(exc))
         except Permanent as exc:
             return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
+        except Snooze as exc:  # run again later, no attempt spent
+            return {"ok": False, "kind": SNOOZE, "snooze": exc.seconds, "type": "cyclone_mp.errors.Snooze",
+                    "message": str(exc)}
         except MemoryError as exc:
             return failure(MEMORY_ERROR, exc, f"MemoryError: {exc}" if str(exc) else
                            "MemoryError: the handler ran out of memory (an allocation failed)")

@@ -14,6 +14,7 @@ ERROR = "error"
 PERMANENT = "permanent"
 CHILD_EXITED = "child_exited"
 RECLAIM_LIMIT = "reclaim_limit"
+SNOOZE_LIMIT = "snooze_limit"  #: a step that raised cy.Snooze more than its max_snoozes
 OUTPUT_INVALID = "output_invalid"  # the output or a progress value broke the payload boundary
 NOT_IMPORTABLE = "not_importable"  # the child cannot import the handler, or it is not callable
 MEMORY_ERROR = "memory_error"  # the handler raised MemoryError

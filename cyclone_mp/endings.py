@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import decisions, procs, protocol, unhealable
 from .attempts import Attempt
-from .messages import COMPLETE, FAIL, RELEASE, LeaseDone, LeaseKey, Outcome, Progress
+from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outcome, Progress
 
 if TYPE_CHECKING:
     from .config import Config
@@ -214,6 +214,10 @@ class AttemptEndings:
                                        entry=entry))
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
+        if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent
+            self._outcome(att, Outcome(att.key, SNOOZE, att.step_name, att.attempt, att.workflow,
+                                       progress=att.progress, entry=entry, snooze=float(result.get("snooze") or 0.0)))
+            return
         if reason is not None:
             entry["cancel_reason"] = reason
             self._settle_cancelled(att, entry)
@@ -405,8 +409,8 @@ class AttemptEndings:
         if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended
             if outcome.kind == COMPLETE:
                 label = "completed"
-            elif outcome.kind == RELEASE:
-                label = "released"
+            elif outcome.kind in (RELEASE, SNOOZE):
+                label = "released" if outcome.kind == RELEASE else "snoozed"
             else:
                 label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
             self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 LeaseKey = tuple[int, int]  #: ``(step id, lease generation)``
 
-COMPLETE, FAIL, RELEASE = "complete", "fail", "release"  #: kinds of :class:`Outcome`
+COMPLETE, FAIL, RELEASE, SNOOZE = "complete", "fail", "release", "snooze"  #: kinds of :class:`Outcome`
 
 
 # -- process control -> lease keeper ---------------------------------------------------------
@@ -187,7 +187,9 @@ class Outcome:
     :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, and ``entry``, its error entry;
     ``require_timed_out``: written only once the DB deadline has passed) or
     :data:`RELEASE` (a step given back unstarted or at shutdown: available at once,
-    nothing counted; ``held``: it had been claimed ahead, for prefetch).
+    nothing counted; ``held``: it had been claimed ahead, for prefetch) or
+    :data:`SNOOZE` (the handler raised ``cy.Snooze``: available ``snooze`` seconds later,
+    no attempt spent).
     ``attempt`` and ``backoff_spec`` decide the backoff of a retried failure.
     """
 
@@ -204,6 +206,7 @@ class Outcome:
     require_timed_out: bool = False
     held: bool = False
     start_delay: float | None = None  # seconds from the claim to the handler's start (None: it never started)
+    snooze: float = 0.0  # SNOOZE: seconds until the step runs again (no attempt spent)
 
     @property
     def step_id(self) -> int:

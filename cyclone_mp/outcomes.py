@@ -31,8 +31,9 @@ from .config import Config
 from .connections import stale_plan
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
-from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
+from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
 from .protocol import storable
+from .steps import DEFAULT_MAX_SNOOZES
 from .store import FORENSIC_KEYS, FailedAttempt
 from .telemetry import NO_OBSERVER, Observer
 
@@ -67,6 +68,7 @@ class OutcomeWriter(DatabaseThread):
 
     def __init__(self, dsn: str, config: Config, *, owner: str, names: list[str],
                  backoff_for: Callable[[str | None], Callable[[int], float]],
+                 max_snoozes: Callable[[str | None], int] = lambda name: DEFAULT_MAX_SNOOZES,
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
                  load: Callable[[Any], None], observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,6 +78,7 @@ class OutcomeWriter(DatabaseThread):
         self.owner = owner
         self.names = names
         self.backoff_for = backoff_for
+        self.max_snoozes = max_snoozes
         self.tell_keeper = tell_keeper
         self.tell_control = tell_control
         self.load = load
@@ -161,7 +164,7 @@ class OutcomeWriter(DatabaseThread):
         batch, self.batch = self.batch, []
         claim, self.claim = self.claim, 0
         start_now, self.start_now = min(self.start_now, claim), 0
-        releases = [o for o in batch if o.kind == RELEASE]
+        releases = [o for o in batch if o.kind in (RELEASE, SNOOZE)]  # (written alone: rare)
         done = [o for o in batch if o.kind == COMPLETE]
         failed = [o for o in batch if o.kind == FAIL]
         if claim and not (done or failed):
@@ -335,6 +338,19 @@ class OutcomeWriter(DatabaseThread):
                     self._done(outcome)
                 else:
                     self._late_success(outcome)
+                return True
+            if outcome.kind == SNOOZE:
+                state = self.call(self.config.write_bound, lambda store: store.snooze(
+                    owner=self.owner, id=outcome.step_id, generation=outcome.generation, seconds=outcome.snooze,
+                    max_snoozes=self.max_snoozes(outcome.step_name), progress=outcome.progress,
+                    entry=self._entry(outcome)))
+                if state is None:  # the row moved on (timed out, cancelled): a late end, as for a success
+                    self.count("late_completions_dropped")
+                else:
+                    self.count("snoozed")
+                    if state == "discarded":
+                        self.observer.written(outcome.step_name, decisions.SNOOZE_LIMIT)
+                self._done(outcome)
                 return True
             if outcome.kind == RELEASE:
                 released = self.call(self.config.write_bound, lambda store: store.release(

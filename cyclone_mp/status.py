@@ -48,6 +48,7 @@ class StepStatus:
             (due, available) step back, ``"previous_attempt"`` while the process of its
             last attempt (ended by a timeout or a cancel) may still run, else None;
             running_in_group and starts_in_period: what the limits count now.
+        snoozes: how many times its handler raised ``cy.Snooze`` (no attempt spent).
         dead_by: after a timeout or a cancel settled while the attempt's process may still
             run, the DB-clock time by which it is dead at the latest (the step runs
             again, and its concurrency slot goes to another, only after that or once its
@@ -95,6 +96,7 @@ class StepStatus:
     max_open_files: int | None = None
     dead_by: dt.datetime | None = None
     claimed_at: dt.datetime | None = None
+    snoozes: int = 0
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -116,6 +118,7 @@ class StepStatus:
             memory_limit=row.get("memory_limit"), cpu_limit=row.get("cpu_limit"),
             max_processes=row.get("max_processes"), max_open_files=row.get("max_open_files"),
             dead_by=row.get("dead_by"), claimed_at=row.get("claimed_at", row["started_at"]),
+            snoozes=row.get("snoozes") or 0,
         )
 
     @property

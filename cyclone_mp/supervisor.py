@@ -44,7 +44,7 @@ from .control import ProcessControl
 from .errors import ConfigurationError
 from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
-from .steps import Mux
+from .steps import DEFAULT_MAX_SNOOZES, Mux
 from .sweep import Maintenance, Sweeper
 from .health import DatabaseProbe, liveness, readiness
 from .telemetry import Observer, Probes, Stats, supervisor_observer
@@ -133,6 +133,12 @@ class Supervisor:
         fn = own if callable(own) else self.config.defaults.backoff
         return lambda n: compute_backoff(fn if callable(fn) else None, n)
 
+    def max_snoozes(self, step_name: str | None) -> int:
+        """How many times the step may snooze (``cy.step(max_snoozes=...)``, default 100)."""
+        step = self.mux.steps.get(step_name or "")
+        own = step.options.max_snoozes if step else None
+        return DEFAULT_MAX_SNOOZES if own is None else own
+
     def run(self) -> None:
         """Run until shut down, on this thread (children are created from it: PDEATHSIG
         follows the thread that creates a child)."""
@@ -161,7 +167,7 @@ class Supervisor:
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
                                       listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for, tell_keeper=self.keeper.inbox.post,
+                                        backoff_for=self.backoff_for, max_snoozes=self.max_snoozes, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
                                         load=lambda m: maintenance.inbox.post(m), observer=self.observer,
                                         clock=self.clock)

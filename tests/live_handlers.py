@@ -107,3 +107,13 @@ def live_noted(ctx: cy.Context, inp: dict) -> dict:
     note(inp["log"], event="start", run_id=ctx.run_id)
     time.sleep(inp.get("seconds", 0.05))
     return {}
+
+
+@cy.step("live_snoozer", max_attempts=1, max_snoozes=5)
+def live_snoozer(ctx: cy.Context, inp: dict) -> dict:
+    """Snoozes ``inp["times"]`` times (counting its starts in the log), then succeeds."""
+    note(inp["log"], event="start", attempt=ctx.attempt)
+    starts = len(records(inp["log"], "start"))
+    if starts <= inp["times"]:
+        raise cy.Snooze(inp.get("seconds", 0.2))
+    return {"starts": starts}

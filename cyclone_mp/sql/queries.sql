@@ -727,6 +727,36 @@ WITH dead AS (
 )
 SELECT count(pg_notify('cyclone_mp', q.queue)) AS woken FROM (SELECT DISTINCT queue FROM dead) q;
 
+-- name: snooze
+-- A handler raised cy.Snooze: under the run lock, the attempt's CAS (still running under
+-- this lease, before its DB deadline), the step goes back to available %(delay_us)s later,
+-- no attempt spent, snoozes + 1; past %(max_snoozes)s it is discarded (snooze_limit, the
+-- entry kept). Returns the state it got (no row: the CAS failed, a late end).
+UPDATE cyclone_steps
+   SET state = CASE WHEN snoozes >= %(max_snoozes)s THEN 'discarded' ELSE 'available' END,
+       scheduled_at = CASE WHEN snoozes >= %(max_snoozes)s THEN scheduled_at
+                           ELSE now() + (%(delay_us)s::bigint * interval '1 microsecond') END,
+       snoozes = snoozes + 1,
+       finished_at = CASE WHEN snoozes >= %(max_snoozes)s THEN now() END,
+       lease_owner = CASE WHEN snoozes >= %(max_snoozes)s THEN lease_owner END,
+       lease_expiry = NULL,
+       error = CASE WHEN snoozes >= %(max_snoozes)s
+                    THEN 'snoozed ' || (snoozes + 1) || ' times, over max_snoozes=' || %(max_snoozes)s::int
+                    ELSE error END,
+       error_kind = CASE WHEN snoozes >= %(max_snoozes)s THEN 'snooze_limit' ELSE error_kind END,
+       errors = CASE WHEN snoozes >= %(max_snoozes)s
+                     THEN errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object(
+                              'attempt', attempt, 'kind', 'snooze_limit', 'at', {utc_now_expr}))
+                     ELSE errors END,
+       progress = coalesce(%(progress)s::jsonb, progress),
+       start_delay = coalesce((%(entry)s::jsonb ->> 'start_delay')::float8 * interval '1 second', start_delay)
+ WHERE id = %(id)s
+   AND state = 'running'
+   AND lease_owner = %(owner)s
+   AND lease_generation = %(generation)s
+   AND (timeout IS NULL OR started_at + timeout > now())
+RETURNING state, run_id::text AS run_id;
+
 -- name: release
 -- Graceful shutdown gives a step back: available at once, no attempt, no reclaim (SPEC 5).
 UPDATE cyclone_steps
@@ -1271,7 +1301,8 @@ s.finished_at, s.lease_owner, s.lease_expiry,
 s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
 s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
-CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by  -- ('epoch': its processes were reaped)
+CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by,  -- ('epoch': its processes were reaped)
+s.snoozes
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
@@ -1770,7 +1801,7 @@ id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_fr
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
 concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
-dead_by, kill_within, start_delay
+dead_by, kill_within, start_delay, snoozes
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this

@@ -282,6 +282,28 @@ class LeaseQueries:
         return "applied"
 
     @translate
+    def snooze(self, *, owner: str, id: int, generation: int, seconds: float, max_snoozes: int,
+               entry: dict[str, Any], progress: Any = None) -> str | None:
+        """A handler raised ``cy.Snooze(seconds)``: under the run lock and the attempt's
+        CAS, the step is available again ``seconds`` later with no attempt spent, or
+        discarded (``snooze_limit``) once it snoozed more than ``max_snoozes`` times.
+        Returns the state written, or None when the row is no longer this attempt's."""
+        with self._tx() as cur:
+            run = self._one(cur, "lock_run_of_step", {"id": id})
+            if run is None:
+                return None
+            row = self._one(cur, "snooze", {"id": id, "owner": owner, "generation": generation,
+                                            "delay_us": to_us(seconds), "max_snoozes": max_snoozes,
+                                            "entry": Jsonb(entry), "progress": nullable_jsonb(progress)})
+            if row is None:
+                return None
+            if row["state"] == "discarded":
+                self._advance(cur, row["run_id"])
+            elif run["state"] == "paused":
+                cur.execute(Q["hold_paused"], {"run_id": run["id"]})
+            return row["state"]
+
+    @translate
     def release(self, *, owner: str, id: int, generation: int) -> bool:
         """Give an unfinished step back at shutdown (available at once, nothing counted)."""
         with self._tx() as cur:
