@@ -306,11 +306,33 @@ class Runner:
             deadline=deadline, upstream=inputs[1], progress_sink=self.progress,
             cancellation=self.cancellation,
         )
+        hooks = task.get("hooks")
+        result = self.run_handler(task, ctx, inputs[0], hooks.get("start") if hooks else None)
+        if hooks and hooks.get("end"):
+            self.end_hooks(hooks["end"], ctx, result)
+        return result
+
+    def end_hooks(self, refs: list[dict[str, Any]], ctx: Context, result: dict[str, Any]) -> None:
+        """``mux.on_attempt_end`` hooks: ``hook(ctx, outcome)``; what they raise is printed
+        to stderr and changes nothing."""
+        outcome = {"ok": bool(result.get("ok")), "kind": result.get("kind"), "error": result.get("message")}
+        for ref in refs:
+            try:
+                self.resolve(ref)(ctx, outcome)
+            except BaseException as exc:  # noqa: BLE001 - a hook never changes the attempt's outcome
+                print(f"cyclone_mp: on_attempt_end hook {ref.get('qualname')} raised {exc!r}", file=sys.stderr)
+
+    def run_handler(self, task: dict[str, Any], ctx: Context, inp: Any,
+                    start_hooks: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """Call the task's handler (after the ``mux.on_attempt_start`` hooks, whose error
+        fails the attempt as the handler's would): the result, as plain data."""
         try:
             fn = self.resolve(task["ref"])
             if fn not in self._handlers:
                 self._handlers[fn] = input_annotation(fn)
-            output = fn(ctx, convert_input(self._handlers[fn], inputs[0]))
+            for ref in start_hooks or ():
+                self.resolve(ref)(ctx)
+            output = fn(ctx, convert_input(self._handlers[fn], inp))
             if is_coroutine(output):  # an async def handler (or a callable that returns a coroutine)
                 output = self.run_async(output)
         except Cancelled as exc:

@@ -148,6 +148,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._prefetch_hold = False  # a held step waited too long: none until the next result
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
+        self._hooks = mux.hook_refs()
         self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues),
                                          "names": list(mux.step_names), "children": [],
                                          "limits": self.confinement.mechanism.as_dict()}
@@ -560,6 +561,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
         }
         if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
+        if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler
+            task["hooks"] = self._hooks
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
             # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
             # process cap), rlimits backstop and the child counts its tree as its handler ends

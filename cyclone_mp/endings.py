@@ -415,7 +415,8 @@ class AttemptEndings:
                 label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
             self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
         if getattr(att, "started_wall", None) is not None and outcome.kind != RELEASE:
-            outcome = dataclasses.replace(outcome, start_delay=att.start_delay())  # its handler's start
+            outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
+                                          run_id=att.run_id, node=att.node)
         self.outcomes.append((outcome, att.deadline))
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()

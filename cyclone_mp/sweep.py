@@ -80,10 +80,12 @@ class Sweeper:
     """
 
     def __init__(self, owner: str, backoff_for: Callable[[str | None], Callable[[int], float]],
-                 written: Callable[[str | None, str], None] | None = None) -> None:
+                 written: Callable[[str | None, str], None] | None = None,
+                 discarded: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.owner = owner
         self.backoff_for = backoff_for
         self.written = written  # told of each attempt a pass ends: (step name, error kind stored)
+        self.discarded = discarded  # told of each step a pass discards (on_step_discarded)
 
     def run_once(self, store: Store) -> dict[str, int]:
         """Settle at most :data:`~cyclone_mp.config.SWEEP_LIMIT` candidates and fire due timers.
@@ -100,6 +102,8 @@ class Sweeper:
             counts[store.expire(row["id"], self.backoff_for, {"swept_by": self.owner})] += 1
             if store.last_ended is not None and self.written is not None:
                 self.written(*store.last_ended)
+            if store.last_discarded and self.discarded is not None:
+                self.discarded(store.last_discarded)
         counts["timers"] = store.fire_due_timers(SWEEP_LIMIT)
         store.maintenance_succeeded("sweep")
         return counts

@@ -589,10 +589,10 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 
 -- name: settle_rows_expr
 -- (Fragment) what a settle statement returns: completed, failed (node: the error kind
--- stored), claimed, then the claim's meta row (what = 'meta').
+-- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
@@ -811,6 +811,7 @@ SELECT id, run_id::text AS run_id
 -- name: sweep_recheck
 -- Under the run lock and the step lock, re-check a sweep candidate's expiry.
 SELECT id, step_name, queue, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation, backoff,
+       node, run_id::text AS run_id,
        lease_expiry < now() AS lease_expired,
        (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
   FROM cyclone_steps
