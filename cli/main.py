@@ -424,9 +424,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
     start = time.monotonic()
     con = render.console(stderr=True)
     status = client.status(run_id)
-    narrow = render.compact(con)
-    view = (Live(render.wait_view(status, 0.0, compact=narrow), console=con, refresh_per_second=8, transient=False)
-            if live else None)
+    view = Live(render.wait_view(status, 0.0), console=con, refresh_per_second=8, transient=False) if live else None
     try:
         if view is not None:
             view.start()
@@ -439,7 +437,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
             except WaitTimeout:
                 status = client.status(run_id)  # the progress to show
             if view is not None:
-                view.update(render.wait_view(status, time.monotonic() - start, compact=narrow))
+                view.update(render.wait_view(status, time.monotonic() - start))
     except KeyboardInterrupt:
         if view is not None:
             view.stop()

@@ -56,8 +56,7 @@ def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
     if as_json:
         render.print_json(rows)
     elif rows:
-        con = out()
-        render.put(con, render.runs_table(rows, compact=render.compact(con, wide)), wide)
+        render.put(out(), render.runs_table(rows), wide)
     else:
         click.echo("no runs" + (f" in state {state}" if state else ""))
 
