@@ -1511,15 +1511,25 @@ SELECT state, count(*)::bigint AS n
  GROUP BY state;
 
 -- name: dash_archived_counts
--- Archived runs by state, estimated from the planner's statistics of each partition
--- (pg_class.reltuples, kept by autovacuum's ANALYZE; 0 before the first): counting a big
--- archive row by row at every refresh would cost a scan of it (issue 22).
-SELECT substring(c.relname FROM '^cyclone_runs_archive_([a-z]+)_') AS state,
-       sum(greatest(c.reltuples, 0))::bigint AS n
-  FROM pg_inherits i
-  JOIN pg_class c ON c.oid = i.inhrelid
- WHERE i.inhparent = 'cyclone_runs_archive'::regclass
- GROUP BY 1;
+-- Archived runs by state: counted up to %(cap)s per state, so a small archive's counts
+-- are exact; past that, the planner's estimate from each partition's statistics
+-- (pg_class.reltuples, kept by autovacuum's ANALYZE, which a small table may not have
+-- had yet): counting a big archive row by row at every refresh would cost a scan of it.
+-- exact: the count is exact (below the cap).
+WITH estimates AS (
+    SELECT substring(c.relname FROM '^cyclone_runs_archive_([a-z]+)_') AS state,
+           sum(greatest(c.reltuples, 0))::bigint AS n
+      FROM pg_inherits i
+      JOIN pg_class c ON c.oid = i.inhrelid
+     WHERE i.inhparent = 'cyclone_runs_archive'::regclass
+     GROUP BY 1
+)
+SELECT f.state, CASE WHEN c.n < %(cap)s THEN c.n ELSE greatest(c.n, coalesce(e.n, 0)) END AS n,
+       c.n < %(cap)s AS exact
+  FROM unnest(ARRAY['completed', 'discarded', 'cancelled']) AS f(state)
+ CROSS JOIN LATERAL (SELECT count(*)::bigint AS n
+                       FROM (SELECT 1 FROM cyclone_runs_archive a WHERE a.state = f.state LIMIT %(cap)s) x) c
+  LEFT JOIN estimates e ON e.state = f.state;
 
 -- name: dash_step_counts
 -- Steps by step name (signal and timer nodes by their kind), queue and state, in the hot
