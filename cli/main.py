@@ -234,7 +234,7 @@ def describe_dsn(dsn: str) -> str:
 @click.option("--archive-after", type=DURATION_OR_NEVER, default="10m", show_default=True,
               help="Move a finished run, with its steps, from the hot tables to the archive this long "
                    "after it finished ('never': keep it in the hot tables). Archived runs are still "
-                   "found by status, runs and the dashboard.")
+                   "found by status and the dashboard, and listed by runs --archived.")
 @click.option("--retain-completed", type=DURATION_OR_NEVER, default=None,
               help="Delete completed runs (hot or archived) this long after they finished, e.g. 7d "
                    "[default: never].")
