@@ -65,7 +65,7 @@ def run_state_text(status: RunStatus) -> Text:
 
 def attempt_text(step: StepStatus) -> str:
     """``attempt/max_attempts``; ``0/max`` for a step that never started (a first
-    attempt not begun is no attempt: issue 19)."""
+    attempt not begun is no attempt)."""
     started = step.started_at is not None or bool(step.errors)
     return f"{step.attempt if started else 0}/{step.max_attempts}"
 
@@ -142,7 +142,7 @@ def limit_text(step: StepStatus) -> Text:
 
 
 def tree_text(entry: dict[str, Any]) -> str:
-    """The whole process tree's numbers of an attempt with limits (issue 20): ``peak 257
+    """The whole process tree's numbers of an attempt with limits: ``peak 257
     MiB · 2.04 CPU s · 3 procs``, or ``""``."""
     tree = entry.get("tree") or {}
     if not isinstance(tree, dict) or not tree:

@@ -1,4 +1,4 @@
-"""The ``cyclone-mp`` command line (SPEC section 8).
+"""The ``cyclone-mp`` command line.
 
 A thin layer: each command parses its options, sets up logging, calls one library
 function (a :class:`cyclone_mp.Client` method, :func:`cyclone_mp.apps.load_app`, the
@@ -304,7 +304,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
 
 
 def _say_limits(client: Any) -> None:
-    """Once the supervisor runs: how it enforces resource limits here (issue 20)."""
+    """Once the supervisor runs: how it enforces resource limits here."""
     deadline = time.monotonic() + 60
     while client.supervisor is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -405,7 +405,7 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
 
 def _warn_unserved(client: Any, status: Any, app: str) -> None:
     """Say at once (one line per queue, on stderr) when no live supervisor serves a step
-    of the run: the wait would otherwise last until one starts, in silence (issue 19)."""
+    of the run: the wait would otherwise last until one starts, in silence."""
     by_queue: dict[str, list[str]] = {}
     for step in client.unserved_steps(status):
         by_queue.setdefault(step.queue, []).append(step.step_name or step.name)

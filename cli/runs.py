@@ -1,4 +1,4 @@
-"""The ``cyclone-mp`` commands that read runs and act on them (SPEC section 8): ``status``,
+"""The ``cyclone-mp`` commands that read runs and act on them: ``status``,
 ``runs``, ``schedules``, ``workers``, and the operator's ``cancel``, ``retry``, ``pause``,
 ``resume``, ``prune`` and ``signal``. Each opens a :class:`cyclone_mp.Client` on the global
 ``--dsn``, calls one method and prints the result with :mod:`render`; :mod:`main`
