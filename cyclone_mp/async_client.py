@@ -30,6 +30,7 @@ from .config import Config
 from .connections import PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
 from .durations import Duration
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable
+from .filters import When
 from .operations import Op
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
@@ -316,13 +317,20 @@ class AsyncClient(ClientBase):
         """:meth:`Client.signal <cyclone_mp.Client.signal>`, awaitable."""
         return await self._run(self._plan_signal(run_id, name, payload))
 
-    async def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    async def runs(self, state: str | Iterable[str] | None = None, limit: int = 50, *, step: str | None = None,
+                   queue: str | None = None, key: str | None = None, schedule: str | None = None,
+                   since: When | None = None, until: When | None = None,
+                   archived: bool = False) -> list[dict[str, Any]]:
         """:meth:`Client.runs <cyclone_mp.Client.runs>`, awaitable."""
-        return await self._run(lambda: operations.list_runs(state=state, limit=limit))
+        return await self._run(self._plan_runs(state, limit, archived, dict(
+            step=step, queue=queue, key=key, schedule=schedule, since=since, until=until)))
 
-    async def prune(self, older_than: Duration) -> int:
+    async def prune(self, older_than: Duration, *, state: str | Iterable[str] | None = None,
+                    step: str | None = None, queue: str | None = None, key: str | None = None,
+                    schedule: str | None = None, since: When | None = None, until: When | None = None) -> int:
         """:meth:`Client.prune <cyclone_mp.Client.prune>`, awaitable."""
-        return await self._run(self._plan_prune(older_than))
+        return await self._run(self._plan_prune(older_than, state, dict(
+            step=step, queue=queue, key=key, schedule=schedule, since=since, until=until)))
 
     async def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """:meth:`Client.workers <cyclone_mp.Client.workers>`, awaitable."""

@@ -63,6 +63,7 @@ WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is s
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
+SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
 class ProcessControl(AttemptEndings, HeldSteps):
@@ -586,7 +587,10 @@ class ProcessControl(AttemptEndings, HeldSteps):
 
     def _note_start(self, att: Attempt) -> None:
         """An attempt whose handler started well after its claim (it waited for a child):
-        its lease's next renewal records when (``started_at`` of a running step)."""
+        its lease's next renewal records when (``started_at`` of a running step). And
+        ``cyclone-mp workers`` shows the child busy within SNAPSHOT_AFTER_START, not idle
+        until the next ``registry_interval``."""
+        self._next_snapshot = min(self._next_snapshot, self.clock() + SNAPSHOT_AFTER_START)
         delay = att.start_delay()
         if delay is not None and delay > START_NOTED_AFTER:
             self.keeper(Started(att.key, delay))
@@ -773,7 +777,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         kids = []
         for child in self.pool.children:
             att = child.attempt
-            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run}
+            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run, "ready": child.ready}
             if child.proc is not None:
                 try:
                     info["cpu_percent"] = child.proc.cpu_percent(None)

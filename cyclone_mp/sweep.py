@@ -65,6 +65,10 @@ from .store import Store
 from .telemetry import NO_OBSERVER, Observer
 
 LOAD_BOUND = 120.0  # seconds a big payload may take to read
+#: Seconds between looks for a child that started a step since the registry row was last
+#: written: its row is then written at once, so ``cyclone-mp workers`` never shows a child
+#: idle for a whole ``registry_interval`` after it took a (wedged) step.
+REGISTRY_SOON = 0.25
 FAILED: Any = object()  # what Maintenance.attempt returns for a failed call
 T = TypeVar("T")
 
@@ -152,6 +156,7 @@ class Maintenance(DatabaseThread):
         self.next_sweep = now
         self.next_schedules = now
         self.next_registry = now
+        self.busy_written: frozenset[Any] = frozenset()  # pids of the children busy in the last row written
         self.next_depths = now if observer.queue_depth_interval is not None else None
         self.history = history if history is not None else History(Policy.from_config(config), clock=clock)
         # a random first pass: supervisors started together do not all try at once
@@ -189,6 +194,8 @@ class Maintenance(DatabaseThread):
             else:
                 self.next_registry = now + self.config.registry_interval
                 self.register()
+        elif self.db_ok and self.newly_busy():
+            self.register()
         if self.db_ok and self.next_depths is not None and now >= self.next_depths:
             self.next_depths = now + (self.observer.queue_depth_interval or 5.0)
             self.read_queue_depths()
@@ -198,7 +205,7 @@ class Maintenance(DatabaseThread):
             self.next_vacuum_watch = now + VACUUM_WATCH_INTERVAL
             self.watch_vacuum()
         return min(self.next_sweep, self.next_registry, self.next_schedules, self.next_vacuum_watch,
-                   *(t for t in (self.next_depths, self.next_history) if t is not None))
+                   now + REGISTRY_SOON, *(t for t in (self.next_depths, self.next_history) if t is not None))
 
     def attempt(self, task: str, fn: Callable[[Store], T]) -> T:
         """One bounded call of a maintenance task (``config.write_bound``); returns its
@@ -347,10 +354,20 @@ class Maintenance(DatabaseThread):
             self.tell_control(Poll())  # the runs may be ours to claim: do not wait a poll
         return counts["enqueued"]
 
+    @staticmethod
+    def _busy(info: dict[str, Any]) -> frozenset[Any]:
+        return frozenset(kid.get("pid") for kid in info.get("children") or () if kid.get("run_id") is not None)
+
+    def newly_busy(self) -> bool:
+        """True when a child runs a step in process control's snapshot that was idle (or
+        not there) in the last registry row written."""
+        return not self._busy(self.snapshot()) <= self.busy_written
+
     def register(self) -> None:
         """Refresh this supervisor's registry row and tell process control how
         many supervisors are live (:class:`~cyclone_mp.messages.Fleet`)."""
         info = {**self.snapshot(), "maintenance": self.health.snapshot(), "paused_queues": self.paused_queues}
+        self.busy_written = self._busy(info)
         live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts
         got = self.attempt("registry", lambda store: store.register_worker(
             id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within,
