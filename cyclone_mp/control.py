@@ -31,6 +31,7 @@ the drain and the hard stop are :meth:`ProcessControl._handle_requests`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -606,6 +607,9 @@ class ProcessControl(AttemptEndings, HeldSteps):
         att.killed_for = att.killed_by = kind
         self.stats["limit_kills"] += 1
         self.limit_watch.final_sample(att)  # the tree as it was, before the kill empties it
+        for pid, _ in att.usage.left if att.usage is not None else ():  # out of the cgroups the kill goes through
+            with contextlib.suppress(psutil.Error):
+                child.descendants_seen.setdefault(pid, psutil.Process(pid))
         self.pool.kill(child, kind)
         self._on_child_exit(child)
 

@@ -134,13 +134,6 @@ def survey(root: int | None, *, stats: bool = True, fds: bool = False) -> Survey
     return out
 
 
-def tree(root: int | None) -> tuple[float, int, int, int]:
-    """``(CPU seconds, RSS bytes, processes, tasks)`` of ``root`` and its live descendants
-    (plus the CPU of the children ``root`` waited for)."""
-    found = survey(root)
-    return found.cpu, found.rss, len(found.pids), found.tasks
-
-
 def tree_size(root: int | None = None) -> tuple[int, int]:
     """``(processes, tasks)`` of ``root`` (default: this process) and its descendants now,
     zombies included (the kernel counts them until they are reaped)."""
