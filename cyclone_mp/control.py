@@ -499,6 +499,13 @@ class ProcessControl(AttemptEndings, HeldSteps):
         limits = row_limits(row)
         slot = child.slot
         fits = True
+        ceiling = child.open_files_ceiling
+        if ceiling is not None and child.attempt is None and (limits.open_files is None or limits.open_files > ceiling):
+            # its hard RLIMIT_NOFILE was lowered for a smaller max_open_files, and it cannot raise it back
+            log.info("child %d cannot raise its RLIMIT_NOFILE back (lowered for max_open_files %d), which step %s "
+                     "needs %s: replacing it", child.pid, ceiling, row["step_name"],
+                     "without a cap" if limits.open_files is None else f"at {limits.open_files}")
+            return self._replace(child)
         if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
             joining = slot.unjoined(limits) if limits else []
             if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)

@@ -157,6 +157,8 @@ class AttemptEndings:
         child.steps_run += not dropped
         child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
         child.last_rss = result.get("rss") if isinstance(result.get("rss"), int) else None
+        if result.get("nofile_pinned") and att.limits.open_files is not None:  # its hard RLIMIT_NOFILE stays lowered
+            child.open_files_ceiling = min(child.open_files_ceiling or att.limits.open_files, att.limits.open_files)
         self._end(att)
         if not dropped:
             self._note_duration(self.clock() - att.started)
