@@ -202,7 +202,7 @@ class AttemptEndings:
             over = self.limit_watch.over_at_end(att, tree_count)
             if over is not None:
                 kind, usage = over
-                entry["killed_by_supervisor"] = False
+                entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
                 self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
                 return
         if result.get("ok"):
