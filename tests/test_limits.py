@@ -494,7 +494,7 @@ def test_this_host_is_detected_and_reported():
     for everything but open files; elsewhere the fallbacks (said, not skipped)."""
     mech = HOST.mechanism
     text = mech.describe()
-    assert "memory_limit by" in text and "max_open_files by rlimit" in text
+    assert "memory_limit by" in text and "max_open_files by rlimit + sampling" in text
     v2 = os.path.exists("/sys/fs/cgroup/unified/cgroup.procs") or os.path.exists("/sys/fs/cgroup/cgroup.procs")
     if os.geteuid() == 0 and v2:
         assert mech.kill == "cgroup v2" and mech.cpu == "cgroup v2"
