@@ -24,8 +24,16 @@ processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     ordin
 CPU (``cpu_limit``)       cgroup v2 ``cpu.stat`` sampled every 50 ms       the tree's ``/proc`` times
                                                                            sampled, ``RLIMIT_CPU`` in the
                                                                            child
-open files                ``RLIMIT_NOFILE`` in the child (no cgroup        the same
-(``max_open_files``)      counts descriptors)
+open files                ``RLIMIT_NOFILE``, soft and hard, in the child;  the same (a handler without
+(``max_open_files``)      each process's descriptors counted every 50 ms   ``CAP_SYS_RESOURCE`` cannot
+                          (no cgroup counts them; root may raise a hard    raise the hard limit)
+                          limit)
+the tree in its cgroups   each process of the tree checked every 50 ms     no cgroup to leave
+                          against the slot's cgroups (root can move one
+                          out): one outside is killed with the tree
+an attempt's forensics    the memory cgroup's peak restarted as each       the tree's RSS and processes
+                          limited attempt begins; processes: the tree      sampled, the most at once
+                          walked with what the cgroups list, the most
 an OOM kill's evidence    the slot's ``memory.events`` (v2) or             the kernel log's record of
                           ``memory.oom_control`` (v1) counters             that pid (:mod:`~cyclone_mp.kmsg`,
                                                                            where readable); else none
@@ -65,7 +73,9 @@ for delegated units. ``CYCLONE_MP_CGROUPS=off`` turns cgroups off (the fallbacks
 mechanisms, run on a hybrid one).
 
 Sampling happens only while an attempt with a limit runs (process control's loop,
-every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing.
+every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing. Each look walks the
+attempt's tree (:meth:`Slot.sample`); where cgroups count its memory and CPU, a big
+tree's walks are spaced to take at most :data:`WALK_SHARE` of the time.
 """
 
 from __future__ import annotations
