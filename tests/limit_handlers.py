@@ -247,12 +247,14 @@ def escape_targets() -> list[str]:
 
 @cy.step("lim_cgroup_escape", max_attempts=1)
 def cgroup_escape(ctx: cy.Context, inp: dict) -> dict:
-    """Starts a grandchild that moves itself out of its step's cgroups (into the cgroup
+    """Starts a grandchild that, ``inp["after"]`` seconds later (the supervisor has seen it
+    in its cgroups by then), moves itself out of its step's cgroups (into the cgroup
     above its supervisor's, in every hierarchy: root can), logs it, then touches
     ``inp["total"]`` bytes and holds them ``inp["hold"]`` seconds; waits for it."""
     note(inp["log"], "pid", time.time(), os.getpid())
     code = (f"import sys, os, time; sys.path[:0] = {sys.path!r}; import limit_handlers as h; "
             f"h.note({inp['log']!r}, 'pid', time.time(), os.getpid()); "
+            f"time.sleep({inp.get('after', 0)}); "
             "targets = h.escape_targets(); "
             "[open(t, 'w').write(str(os.getpid())) for t in targets]; "
             f"h.note({inp['log']!r}, 'escaped', time.time(), os.getpid(), ','.join(targets) or '-'); "

@@ -165,10 +165,11 @@ def test_a_process_past_its_descriptors_is_killed_for_it(cyclone_env_factory, tm
 
 @pytest.mark.parametrize("hierarchies", ["host", "v1", "v2"])
 def test_a_grandchild_that_leaves_its_cgroups_is_killed(cyclone_env_factory, tmp_path, monkeypatch, hierarchies):
-    """A root handler's grandchild writes its pid into another cgroup's ``cgroup.procs``
-    (out of its slot's, in every hierarchy), then holds 400 MiB: at the next look the
-    supervisor sees a process of the step outside the step's cgroups, kills it and the
-    tree, and says so in the error entry (and the log)."""
+    """A root handler's grandchild, seen in its slot's cgroups by a few looks, writes its
+    pid into another cgroup's ``cgroup.procs`` (out of its slot's, in every hierarchy),
+    then holds 400 MiB: at the next look the supervisor sees a process of the step
+    outside the step's cgroups, kills it and the tree, and says so in the error entry
+    (and the log)."""
     if os.geteuid() != 0:
         pytest.skip("moving a process between cgroups needs root")
     if hierarchies != "host":
@@ -185,8 +186,8 @@ def test_a_grandchild_that_leaves_its_cgroups_is_killed(cyclone_env_factory, tmp
     log = tmp_path / "escape"
     # a memory cap where a cgroup holds it; else a CPU budget (counted by the v2 cgroup the grandchild leaves)
     caps = {"memory_limit": "100MiB"} if memory_in_cgroup else {"cpu_limit": 60}
-    run = env.run_until_complete(env.enqueue(lh.cgroup_escape, {"total": 400 * MIB, "hold": 20, "log": str(log)},
-                                             **caps), timeout=60)
+    run = env.run_until_complete(env.enqueue(lh.cgroup_escape, {"total": 400 * MIB, "hold": 20, "after": 0.3,
+                                                                "log": str(log)}, **caps), timeout=60)
     step = run.step
     entry = step.errors[-1]
     escaped = [w for w in lines(log) if w[0] == "escaped"]
@@ -259,3 +260,35 @@ def test_a_double_forked_grandchild_the_oom_killer_took_still_counts(cyclone_env
     assert run.step.error_kind == "memory_limit", entry
     assert entry["tree"]["processes"] >= 2, entry
     wait_for(lambda: all(dead(pid) for pid in logged_pids(log)), 5, "the tree to die")
+
+
+@pytest.mark.parametrize("hierarchies", ["v1", "v2"])
+def test_membership_sees_a_process_leave_after_it_was_listed(hierarchies):
+    """The slot's own check, on this host's cgroups for real: a process listed in the
+    slot's cgroups at one look and moved out before the next is seen out at the next
+    (a v1 ``cgroup.procs`` read through a kept descriptor would repeat its first
+    listing: it is read anew each time)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("moving a process between cgroups needs root")
+    conf = slots.Confinement.detect("membership", environ={slots.CGROUPS_ENV: hierarchies})
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        if not conf.mechanism.where:
+            pytest.skip(f"no cgroup is usable here ({hierarchies})")
+        slot = conf.slot(0)
+        assert slot.enter(proc.pid) and slot.joined
+        for _ in range(2):
+            listed, left = slot.membership([proc.pid])
+            assert proc.pid in listed and left == []
+        for key in slot.joined:  # out of every one of them, as a root handler may do
+            parent = os.path.dirname(os.path.dirname(slot.dirs[key]))
+            Path(parent, "cgroup.procs").write_text(str(proc.pid))
+        listed, left = slot.membership([proc.pid])
+        assert proc.pid not in listed and [pid for pid, _ in left] == [proc.pid], (listed, left)
+        assert all(slots.HIERARCHY_NAMES[key] in left[0][1] for key in slot.joined), left
+    finally:
+        proc.kill()
+        proc.wait()
+        conf.close()
