@@ -186,6 +186,8 @@ class AttemptEndings:
             return
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
+        if att.limits and not result.get("ok") and att.killed_for is None:
+            self.limit_watch.final_sample(att)  # its tree as the handler left it: the sweep empties it
         if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
             self.pool.sweep_leftovers(child)
         self._maybe_recycle(child)

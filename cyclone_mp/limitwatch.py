@@ -90,9 +90,10 @@ class LimitWatch:
         return found
 
     def final_sample(self, att: Attempt) -> None:
-        """The tree as it is now, before a kill empties it (the attempt's last usage)."""
+        """The tree as it is now, before a kill or a sweep of its leftovers empties it
+        (the attempt's last usage)."""
         if att.child.slot is not None and att.base is not None:
-            att.usage = att.child.slot.sample(att.limits, att.base, final=True)
+            att.usage = att.child.slot.sample(att.limits, att.base, final=True, walk=att.child.returncode is None)
 
     def death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
               reported_peak: int | None = None, tree_count: dict[str, Any] | None = None) -> tuple[str, Usage] | None:
@@ -111,6 +112,7 @@ class LimitWatch:
             if usage.cpu is not None:  # a dead tree's CPU is gone from /proc: the last sample's counts
                 final.cpu = max(final.cpu or 0.0, usage.cpu)
             final.left = final.left or usage.left  # (the escapee is dead by now: what the look before the kill saw)
+            final.at_process_cap = final.at_process_cap or usage.at_process_cap  # (before the sweep of leftovers)
             usage = final
         elif slot is not None and slot.confined and exit_signal is not None:  # no limits: the OOM killer's evidence
             usage = slot.sample(NO_LIMITS, slot.last, final=True, walk=att.child.returncode is None)
