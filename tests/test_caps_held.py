@@ -151,7 +151,7 @@ def test_a_process_past_its_descriptors_is_killed_for_it(cyclone_env_factory, tm
     env.mux().register(lh.files_lifted, lh.noop)
     env.start_worker()
     log = tmp_path / "files"
-    run = env.run_until_complete(env.enqueue(lh.files_lifted, {"to": 4096, "n": 45, "hold": 20, "log": str(log)},
+    run = env.run_until_complete(env.enqueue(lh.files_lifted, {"to": 4096, "n": 49, "hold": 20, "log": str(log)},
                                              max_open_files=50), timeout=30)
     step = run.step
     entry = step.errors[-1]
@@ -215,7 +215,8 @@ def test_an_attempts_peak_is_its_own(cyclone_env_factory, tmp_path, mechanism):
     hog = env.run_until_complete(env.enqueue(lh.hog, {"total": 400 * MIB, "chunk": 16 * MIB,
                                                       "log": str(tmp_path / "hog")}, memory_limit="100MiB"), timeout=60)
     assert hog.step.error_kind == "memory_limit", hog.step.errors[-1]
-    assert hog.step.errors[-1]["tree"]["peak_memory_kb"] * 1024 >= 90 * MIB, hog.step.errors[-1]
+    if hog.step.errors[-1]["enforced_by"] in ("cgroup v1", "cgroup v2"):  # the slot's counter reached the cap
+        assert hog.step.errors[-1]["tree"]["peak_memory_kb"] * 1024 >= 90 * MIB, hog.step.errors[-1]
     spin = env.run_until_complete(env.enqueue(lh.spin, {"log": str(tmp_path / "spin")}, cpu_limit=1), timeout=60)
     entry = spin.step.errors[-1]
     assert spin.step.error_kind == "cpu_limit", entry
