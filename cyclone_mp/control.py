@@ -31,6 +31,7 @@ the drain and the hard stop are :meth:`ProcessControl._handle_requests`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -502,6 +503,13 @@ class ProcessControl(AttemptEndings, HeldSteps):
         limits = row_limits(row)
         slot = child.slot
         fits = True
+        ceiling = child.open_files_ceiling
+        if ceiling is not None and child.attempt is None and (limits.open_files is None or limits.open_files > ceiling):
+            # its hard RLIMIT_NOFILE was lowered for a smaller max_open_files, and it cannot raise it back
+            log.info("child %d cannot raise its RLIMIT_NOFILE back (lowered for max_open_files %d), which step %s "
+                     "needs %s: replacing it", child.pid, ceiling, row["step_name"],
+                     "without a cap" if limits.open_files is None else f"at {limits.open_files}")
+            return self._replace(child)
         if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
             joining = slot.unjoined(limits) if limits else []
             if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)
@@ -615,6 +623,9 @@ class ProcessControl(AttemptEndings, HeldSteps):
         att.killed_for = att.killed_by = kind
         self.stats["limit_kills"] += 1
         self.limit_watch.final_sample(att)  # the tree as it was, before the kill empties it
+        for pid, _ in att.usage.left if att.usage is not None else ():  # out of the cgroups the kill goes through
+            with contextlib.suppress(psutil.Error):
+                child.descendants_seen.setdefault(pid, psutil.Process(pid))
         self.pool.kill(child, kind)
         self._on_child_exit(child)
 

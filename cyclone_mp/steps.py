@@ -131,7 +131,7 @@ class StepOptions:
             or a size such as ``"512MiB"``); None: no cap (issue 20). Stored on the row.
         cpu_limit: CPU seconds the tree may use in one attempt (seconds or timedelta).
         max_processes: processes the tree may have at once, the child included.
-        max_open_files: descriptors each process of the tree may open.
+        max_open_files: descriptors each process of the tree may hold.
         max_snoozes: times the handler may raise ``cy.Snooze`` (each run again later, no
             attempt spent) before the step is discarded as ``snooze_limit`` (default 100);
             read by the supervisor that registers the step.
@@ -341,8 +341,10 @@ def step(
         rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per key.
         memory_limit: bytes (or ``"512MiB"``) of memory for the attempt's whole process
             tree; cpu_limit: its CPU seconds; max_processes: its processes at once;
-            max_open_files: descriptors per process. Killed past a cap, the attempt fails
-            as ``memory_limit``, ``cpu_limit`` or ``process_limit`` (docs/resource-limits.md).
+            max_open_files: descriptors per process (``RLIMIT_NOFILE``, soft and hard).
+            Killed past a cap, the attempt fails as ``memory_limit``, ``cpu_limit`` or
+            ``process_limit``; past ``max_open_files`` (or with a process out of its
+            slot's cgroups) as ``error``, the cause named (docs/resource-limits.md).
         max_snoozes: times the handler may raise ``cy.Snooze`` before the step is
             discarded as ``snooze_limit`` (default 100).
 
