@@ -61,7 +61,7 @@ def test_a_process_out_of_its_cgroups_or_past_its_descriptors_is_a_trigger_of_ki
     assert death_summary("max_open_files", caps, files) == "max_open_files 50, 57 open in process 4242"
     assert death_summary("left_cgroups", caps, left) == "process 4242 left the step's cgroups"
     assert Usage(open_files=57).forensics() == {"open_files": 57}
-    from cyclone_mp_cli.render import tree_text
+    from cyclone_mp_cli.formats import tree_text
 
     assert tree_text({"tree": {"processes": 2, "open_files": 57}}) == "2 procs · 57 files"  # cyclone-mp status
 
