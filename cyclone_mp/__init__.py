@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run
     )
     from .schedules import Schedule
     from .status import RunStatus, StepStatus
-    from .steps import Mux, Step, step
+    from .steps import Mux, Step, Unique, step
     from .workflow import Workflow
 
 __version__ = "0.1.0"
@@ -61,7 +61,7 @@ _LAZY = {
     "PayloadError": "errors", "Permanent": "errors", "QueryRejected": "errors", "RunNotFound": "errors", "UnknownStep": "errors",
     "RunFailed": "errors", "RunCancelled": "errors", "Snooze": "errors", "UnsupportedServer": "errors", "WaitTimeout": "errors",
     "RunStatus": "status", "StepStatus": "status", "Schedule": "schedules",
-    "Mux": "steps", "Step": "steps", "step": "steps",
+    "Mux": "steps", "Step": "steps", "step": "steps", "Unique": "steps",
     "Workflow": "workflow",
 }
 

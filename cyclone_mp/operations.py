@@ -138,10 +138,11 @@ def migrate() -> Steps[list[str]]:
 def enqueue_run(
     *, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
     scheduled_at: dt.datetime | None = None, idempotency_key: str | None, trace: Any = None,
-    input_json: str | None = None,
+    input_json: str | None = None, unique: "UniquePlace | None" = None,
 ) -> Op:
     """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``. With an
-    ``idempotency_key`` already used, returns the existing run's id and ``created=False``.
+    ``idempotency_key`` already used, or a ``unique`` place held (:class:`UniquePlace`,
+    ``cy.Unique``), returns the existing run's id and ``created=False``.
 
     A single-step run is one statement; a workflow's rows are a transaction (which, on a
     caller's connection, is the caller's). ``trace``: the enqueue's trace context (a dict
@@ -155,16 +156,34 @@ def enqueue_run(
         # idempotency key is checked against the archive: one transaction
         make = _enqueue_step_tx if nodes[0].flow or idempotency_key is not None else _enqueue_step
         text = input_json if input_json is not None else json.dumps(input)
-        return make(run_id, name, text, nodes[0], delay, scheduled_at, idempotency_key, trace)
-    return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key, trace)
+        return make(run_id, name, text, nodes[0], delay, scheduled_at, idempotency_key, trace, unique)
+    return _enqueue_nodes(run_id, name, kind, input, nodes, delay, scheduled_at, idempotency_key, trace, unique)
+
+
+@dataclasses.dataclass(frozen=True)
+class UniquePlace:
+    """A unique run's place (``cy.Unique``): ``key`` the client's digest of what makes
+    two runs the same, ``period`` seconds of the database clock's window (None: none),
+    ``states`` the run states (bits) in which a run holds it."""
+
+    key: str
+    period: float | None
+    states: int
+
+    def params(self) -> dict[str, Any]:
+        return {"unique": self.key, "unique_period_us": to_us(self.period), "unique_states": self.states}
+
+
+NO_UNIQUE = {"unique": None, "unique_period_us": None, "unique_states": None}
 
 
 def _insert_step(run_id: str, name: str, input_json: str, node: NodeRow, delay: float,
-                 scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
+                 scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any,
+                 unique: UniquePlace | None = None) -> Steps[tuple[str, bool]]:
     row = (yield q("enqueue_step", {
         **node.enqueue_params, "id": run_id, "name": name, "input": input_json, "idempotency_key": idempotency_key,
         "scheduled_at": scheduled_at, "delay_us": to_us(delay),
-        "trace": nullable_jsonb(trace),
+        "trace": nullable_jsonb(trace), **(unique.params() if unique else NO_UNIQUE),
     })).one()
     if row is not None and row["id"] is not None:
         archived = yield from _archived_holder(idempotency_key, row["id"])
@@ -175,7 +194,21 @@ def _insert_step(run_id: str, name: str, input_json: str, node: NodeRow, delay: 
             yield from _ensure_slots([(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)]
                                      if node.limited else [])
         return row["id"], True
-    return (yield from _existing(idempotency_key)), False
+    return (yield from _existing(idempotency_key, unique)), False
+
+
+@operation(transaction=True)
+def enqueue_unique_many(*, name: str, inputs_json: Sequence[str], nodes: Sequence[NodeRow], delay: float,
+                        scheduled_at: dt.datetime | None, trace: Any,
+                        places: Sequence[UniquePlace]) -> Steps[list[str]]:
+    """``enqueue_many`` of a unique step (``cy.Unique``): each input its own run unless its
+    place is held (then the holder's id), in one transaction; ids in input order."""
+    ids = []
+    for text, node, place in zip(inputs_json, nodes, places):
+        run_id, _ = yield from _insert_step(str(uuid.uuid4()), name, text, node, delay, scheduled_at, None, trace,
+                                            place)
+        ids.append(run_id)
+    return ids
 
 
 _enqueue_step = operation(transaction=False)(_insert_step)  # one statement
@@ -233,22 +266,28 @@ def delete_idle_slots(*, batch: int = 1000, budget: int = 1_000_000) -> Steps[in
     return total
 
 
-def _existing(idempotency_key: str | None) -> Steps[str]:
-    existing = (yield q("run_by_key", {"key": idempotency_key})).one()
-    if existing is None:  # the conflicting run was deleted between the two statements
-        raise DatabaseError("idempotency key conflict; try again")
+def _existing(idempotency_key: str | None, unique: UniquePlace | None = None) -> Steps[str]:
+    """The run whose idempotency key, or unique place, made an insert do nothing."""
+    existing = None
+    if idempotency_key is not None:
+        existing = (yield q("run_by_key", {"key": idempotency_key})).one()
+    if existing is None and unique is not None:
+        existing = (yield q("run_by_unique", unique.params())).one()
+    if existing is None:  # the conflicting run was deleted (or finished) between the two statements
+        raise DatabaseError("idempotency key or unique run conflict; try again")
     return existing["id"]
 
 
 @operation(transaction=True)
 def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
-                   scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any) -> Steps[tuple[str, bool]]:
+                   scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any,
+                   unique: UniquePlace | None = None) -> Steps[tuple[str, bool]]:
     inserted = (yield q("insert_run", {
         "id": run_id, "name": name, "kind": kind, "input": Jsonb(input), "idempotency_key": idempotency_key,
-        "trace": nullable_jsonb(trace),
+        "trace": nullable_jsonb(trace), **(unique.params() if unique else NO_UNIQUE),
     })).one()
     if inserted is None:
-        return (yield from _existing(idempotency_key)), False
+        return (yield from _existing(idempotency_key, unique)), False
     archived = yield from _archived_holder(idempotency_key, run_id)
     if archived is not None:
         return archived, False

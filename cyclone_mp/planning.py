@@ -141,9 +141,11 @@ class ClientBase:
             kind, nodes = "step", [self._step_row(definition, input)]
         else:
             kind, nodes = node_rows(definition, input, self.config.defaults, overrides)
+        place = unique_place(definition, text, nodes[0]) if kind == "step" else None
         return definition.name, lambda trace: operations.enqueue_run(
             name=definition.name, kind=kind, input=input, nodes=nodes, delay=delay_s,
             scheduled_at=scheduled_at, idempotency_key=idempotency_key, trace=trace, input_json=text,
+            unique=place,
         )
 
     def _step_row(self, step: Step, input: Any) -> NodeRow:
@@ -192,6 +194,12 @@ class ClientBase:
         keys = [opts.key_for(item) for item in originals] if opts.concurrency_key is not None else None
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
+        if definition.options.unique is not None:  # each input's place is looked at: one run at a time
+            nodes = [_task_row(definition.name, definition, opts, item, (), "available") for item in originals]
+            places = [unique_place(definition, text, node) for text, node in zip(items, nodes)]
+            return definition.name, lambda trace: operations.enqueue_unique_many(
+                name=definition.name, inputs_json=items, nodes=nodes, delay=delay_s, scheduled_at=scheduled_at,
+                trace=trace, places=places)
         return definition.name, lambda trace: operations.enqueue_many(
             name=definition.name, inputs_json=items, queue=opts.queue or "default", priority=opts.priority or 0,
             max_attempts=opts.max_attempts or 25, max_reclaims=opts.max_reclaims, timeout=opts.timeout,
@@ -240,6 +248,16 @@ class ClientBase:
 #: entry cannot exceed about 2,700 bytes (a 10 kB key failed with "index row requires
 #: 10016 bytes").
 MAX_IDEMPOTENCY_KEY_BYTES = 1024
+
+
+def unique_place(definition: Step | Workflow, input_json: str, node: NodeRow) -> "operations.UniquePlace | None":
+    """The place a single-step run of ``definition`` holds while it lives (``cy.Unique``
+    on the step), or None."""
+    unique = definition.options.unique if isinstance(definition, Step) else None
+    if unique is None:
+        return None
+    return operations.UniquePlace(unique.key(definition.name, input_json, node.queue, node.concurrency_key),
+                                  unique.period, unique.states_mask)
 
 
 def check_idempotency_key(key: object) -> None:

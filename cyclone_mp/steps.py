@@ -103,6 +103,67 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:50]}... ({type(value).__name__})"
 
 
+#: The run states a run counts in for its uniqueness, as bits (a partial unique index holds
+#: the rows whose state's bit is set: cyclone_unique_in, migration 0026).
+UNIQUE_STATE_BITS = {"running": 1, "paused": 2, "completed": 4, "discarded": 8, "cancelled": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unique:
+    """One run at a time per "same" enqueue (River's unique jobs): the step option
+    ``unique=cy.Unique(...)``.
+
+    Two single-step runs of the step are the same when the parts named by ``by`` are
+    equal: ``"input"`` (the input's JSON, keys sorted), ``"queue"``, ``"key"`` (the
+    concurrency key). With ``period`` (seconds), also in the same window of that length on
+    the database clock (``period=3600``: once an hour). While a run in one of ``states``
+    holds that place (default: running, paused, completed), an enqueue of the same returns
+    its id (``created`` False, as an ``idempotency_key`` does). A unique index of the
+    database enforces it, across every client and supervisor. Finished runs moved to the
+    archive (``archive_after``, 10 minutes by default) no longer hold their place.
+
+    Raises:
+        ConfigurationError: an unknown part or state, or a bad period.
+    """
+
+    by: tuple[str, ...] = ("input",)
+    period: float | None = None
+    states: tuple[str, ...] = ("running", "paused", "completed")
+
+    def __post_init__(self) -> None:
+        by = (self.by,) if isinstance(self.by, str) else tuple(self.by)
+        states = (self.states,) if isinstance(self.states, str) else tuple(self.states)
+        unknown = set(by) - {"input", "queue", "key"}
+        if unknown or not by and self.period is None:
+            raise ConfigurationError(f"cy.Unique(by=...) takes 'input', 'queue' and 'key' (or none with a period), "
+                                     f"not {sorted(unknown) or by!r}")
+        bad = set(states) - set(UNIQUE_STATE_BITS)
+        if bad or not states:
+            raise ConfigurationError(f"cy.Unique(states=...) takes run states among {sorted(UNIQUE_STATE_BITS)}, "
+                                     f"not {sorted(bad) or states!r}")
+        object.__setattr__(self, "by", by)
+        object.__setattr__(self, "states", states)
+        object.__setattr__(self, "period", seconds(self.period, "Unique(period=...)"))
+
+    @property
+    def states_mask(self) -> int:
+        return sum(UNIQUE_STATE_BITS[s] for s in set(self.states))
+
+    def key(self, step_name: str, input_json: str, queue: str, concurrency_key: str) -> str:
+        """The run's unique key (without the period's window, which the database adds)."""
+        import hashlib
+        import json
+
+        parts: list[Any] = [step_name]
+        if "input" in self.by:
+            parts.append(json.dumps(json.loads(input_json), sort_keys=True, separators=(",", ":")))
+        if "queue" in self.by:
+            parts.append(queue)
+        if "key" in self.by:
+            parts.append(concurrency_key)
+        return "u:" + hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """Per-step options; ``None`` means "use the next level's value".
@@ -135,6 +196,7 @@ class StepOptions:
         max_snoozes: times the handler may raise ``cy.Snooze`` (each run again later, no
             attempt spent) before the step is discarded as ``snooze_limit`` (default 100);
             read by the supervisor that registers the step.
+        unique: a :class:`Unique` (one run per "same" enqueue), or None.
     """
 
     timeout: float | None = None
@@ -151,6 +213,7 @@ class StepOptions:
     max_processes: int | None = None
     max_open_files: int | None = None
     max_snoozes: int | None = None
+    unique: Unique | None = None
 
     @classmethod
     def build(
@@ -170,6 +233,7 @@ class StepOptions:
         max_processes: int | None = None,
         max_open_files: int | None = None,
         max_snoozes: int | None = None,
+        unique: Unique | None = None,
     ) -> "StepOptions":
         """Validate and normalise raw option values.
 
@@ -179,6 +243,8 @@ class StepOptions:
         check_int(max_attempts, "max_attempts", 1)
         check_int(max_reclaims, "max_reclaims", 0)
         check_int(max_snoozes, "max_snoozes", 0)
+        if unique is not None and not isinstance(unique, Unique):
+            raise ConfigurationError(f"unique takes a cy.Unique(...), not {type(unique).__name__}")
         try:
             check_backoff(backoff)
         except ValueError as exc:
@@ -204,6 +270,7 @@ class StepOptions:
             max_processes=check_count(max_processes, "max_processes"),
             max_open_files=check_count(max_open_files, "max_open_files"),
             max_snoozes=max_snoozes,
+            unique=unique,
         )
 
     def key_for(self, input: Any) -> str:
@@ -325,6 +392,7 @@ def step(
     max_processes: int | None = None,
     max_open_files: int | None = None,
     max_snoozes: int | None = None,
+    unique: Unique | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
     """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
 
@@ -347,6 +415,8 @@ def step(
             slot's cgroups) as ``error``, the cause named (docs/resource-limits.md).
         max_snoozes: times the handler may raise ``cy.Snooze`` before the step is
             discarded as ``snooze_limit`` (default 100).
+        unique: a :class:`Unique`: an enqueue of the same run as one that holds its place
+            returns that run instead of making another.
 
     Raises:
         ConfigurationError: an invalid option.
@@ -357,7 +427,7 @@ def step(
         timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims,
         backoff=backoff, queue=queue, priority=priority, concurrency=concurrency,
         concurrency_key=concurrency_key, rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit,
-        max_processes=max_processes, max_open_files=max_open_files, max_snoozes=max_snoozes,
+        max_processes=max_processes, max_open_files=max_open_files, max_snoozes=max_snoozes, unique=unique,
     )
 
     def decorate(fn: Callable[..., Any]) -> Step:

@@ -117,3 +117,16 @@ def live_snoozer(ctx: cy.Context, inp: dict) -> dict:
     if starts <= inp["times"]:
         raise cy.Snooze(inp.get("seconds", 0.2))
     return {"starts": starts}
+
+
+@cy.step("live_unique", unique=cy.Unique(by=("input",)), max_attempts=1)
+def live_unique(ctx: cy.Context, inp: dict) -> dict:
+    """One run per input at a time (while running, paused or completed)."""
+    time.sleep(inp.get("seconds", 0.0))
+    return {"input": inp}
+
+
+@cy.step("live_hourly", unique=cy.Unique(by=(), period=3600, states=("running", "paused")), max_attempts=1)
+def live_hourly(ctx: cy.Context, inp: dict) -> dict:
+    """At most one live run per hour window, whatever its input."""
+    return {}

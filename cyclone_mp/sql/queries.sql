@@ -1102,20 +1102,36 @@ ON CONFLICT (run_id, name) DO NOTHING
 RETURNING name;
 
 -- name: insert_run
--- One run row; with an idempotency key an existing run wins (returns nothing then).
-INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
-VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s)
-ON CONFLICT (idempotency_key) DO NOTHING
+-- One run row; with an idempotency key or a unique key an existing run wins (returns
+-- nothing then).
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key, unique_states)
+VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, {unique_key_expr},
+        %(unique_states)s::smallint)
+ON CONFLICT DO NOTHING
 RETURNING id::text AS id;
+
+-- name: unique_key_expr
+-- (Fragment) a unique run's key (cy.Unique): the client's digest %(unique)s and, with a
+-- period of %(unique_period_us)s, the window of the database clock it falls in.
+CASE WHEN %(unique)s::text IS NOT NULL
+     THEN %(unique)s::text || coalesce(':' || floor(extract(epoch FROM now()) * 1e6
+                                                     / %(unique_period_us)s::bigint)::bigint::text, '') END
+
+-- name: run_by_unique
+-- The run that holds a unique key now (cy.Unique), if any.
+SELECT id::text AS id FROM cyclone_runs
+ WHERE unique_key = {unique_key_expr} AND cyclone_unique_in(unique_states, state)
+ LIMIT 1;
 
 -- name: enqueue_step
 -- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
--- With an idempotency key already used, nothing is written and id is NULL. %(input)s is
+-- With an idempotency key already used (or a unique key held), nothing is written and id is NULL. %(input)s is
 -- the input as JSON text (the client's payload check encoded it: it is not encoded twice).
 WITH run AS (
-    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace)
-    VALUES (%(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s)
-    ON CONFLICT (idempotency_key) DO NOTHING
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key, unique_states)
+    VALUES (%(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, {unique_key_expr},
+            %(unique_states)s::smallint)
+    ON CONFLICT DO NOTHING
     RETURNING id
 ), step AS (
     INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, max_attempts,
@@ -1873,7 +1889,7 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin,
 
 -- name: run_row_columns_expr
 -- (Fragment) the stored columns of a run row (cyclone_runs and cyclone_runs_archive).
-id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace
+id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key, unique_states
 
 -- name: step_row_columns_expr
 -- (Fragment) the stored columns of a step row (cyclone_steps and cyclone_steps_archive).
