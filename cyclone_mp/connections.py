@@ -16,8 +16,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import asyncio
+import os
 import re
 import select
+import socket
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -25,7 +29,7 @@ import psycopg
 import psycopg.sql
 from psycopg.rows import dict_row
 
-from .errors import DatabaseBusy, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, QueryRejected
+from .errors import DatabaseBusy, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, QueryRejected
 
 log = logging.getLogger("cyclone_mp.store")
 
@@ -148,6 +152,97 @@ def tcp_bounds(dead_after: float) -> dict[str, int]:
     probe = max(1, int(dead_after / 3))
     return {"keepalives": 1, "keepalives_idle": probe, "keepalives_interval": probe, "keepalives_count": 2,
             "tcp_user_timeout": max(1000, int(dead_after * 1000))}
+
+
+def shut_socket(conn: Any) -> None:
+    """Shut down, both ways, the socket under ``conn`` (a sync or async psycopg
+    connection): a call blocked on it, in any thread, fails at once as if the server had
+    hung up, and the connection is broken for good. libpq keeps its descriptor (it is
+    closed with the connection), so this is safe while another thread uses it."""
+    with contextlib.suppress(OSError, psycopg.Error):
+        sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+def _stalled(seconds: float) -> DatabaseStalled:
+    return DatabaseStalled(f"the database did not answer within {seconds:.3g}s (its connection stayed open"
+                           " but silent: a wedged proxy or PgBouncer, a frozen server?); that connection was"
+                           " closed")
+
+
+class _Cut:
+    """The timer of :func:`answered_within`: fires at most once, and never after the block ended."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock, self.ended, self.fired = conn, threading.Lock(), False, False
+
+    def fire(self) -> None:
+        with self.lock:
+            if not self.ended:
+                self.fired = True
+                shut_socket(self.conn)
+
+
+@contextlib.contextmanager
+def answered_within(conn: psycopg.Connection[Any], seconds: float | None) -> Iterator[None]:
+    """Bound, on the client's clock, how long the calls made on ``conn`` inside the block
+    wait for the server (None: no bound). Past ``seconds`` a timer thread shuts the
+    connection's socket (:func:`shut_socket`): the blocked call fails and the block
+    raises :class:`DatabaseStalled`. What the TCP bounds cannot see (a peer that
+    acknowledges and never answers) and ``statement_timeout`` cannot either (the server
+    that enforces it is the one not answering) ends here.
+
+    Raises:
+        DatabaseStalled: the server did not answer in time (the connection is broken).
+    """
+    if seconds is None:
+        yield
+        return
+    cut = _Cut(conn)
+    timer = threading.Timer(max(0.0, seconds), cut.fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except (psycopg.Error, DatabaseError) as exc:
+        if cut.fired:
+            raise _stalled(seconds) from exc
+        raise
+    finally:
+        with cut.lock:
+            cut.ended = True
+        timer.cancel()
+
+
+@contextlib.asynccontextmanager
+async def aanswered_within(conn: psycopg.AsyncConnection[Any], seconds: float | None) -> Any:
+    """:func:`answered_within` for an async connection (a timer of the running loop).
+
+    Raises:
+        DatabaseStalled: the server did not answer in time (the connection is broken).
+    """
+    if seconds is None:
+        yield
+        return
+    fired = False
+
+    def fire() -> None:
+        nonlocal fired
+        fired = True
+        shut_socket(conn)
+
+    handle = asyncio.get_running_loop().call_later(max(0.0, seconds), fire)
+    try:
+        yield
+    except (psycopg.Error, DatabaseError) as exc:
+        if fired:
+            raise _stalled(seconds) from exc
+        raise
+    finally:
+        handle.cancel()
 
 
 class PooledConnection(psycopg.Connection):  # type: ignore[type-arg]

@@ -75,6 +75,13 @@ class DatabaseReadOnly(DatabaseUnavailable):
     (issue 22). Nothing of the call was written."""
 
 
+class DatabaseStalled(DatabaseUnavailable):
+    """The database did not answer within the caller's bound while its connection stayed
+    open (a wedged PgBouncer or proxy, a frozen server backend): TCP keepalives and
+    ``tcp_user_timeout`` cannot see a peer that acknowledges and never answers. The
+    connection was closed; a fresh one may work at once."""
+
+
 class UnsupportedServer(DatabaseError, ConfigurationError):
     """The PostgreSQL server is older than the oldest version cyclone_mp supports (14)."""
 
