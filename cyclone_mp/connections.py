@@ -4,6 +4,9 @@
   :class:`~cyclone_mp.errors.DatabaseError` kinds (an outage, a busy row, a read-only
   primary, a rejected value), and :func:`translate` does it for every
   :class:`~cyclone_mp.store.Store` method. :func:`redact` keeps passwords out of messages.
+- **Bounds on this side:** :class:`CallTimer` (:data:`CALL_TIMER`) shuts the socket of a
+  call that outlives its bound; :func:`answered_within` turns that into
+  :class:`~cyclone_mp.errors.DatabaseStalled` for the client's waits.
 - **Connections:** :func:`connect` (with TCP bounds, issue 17), the PgBouncer
   transaction-mode wrappers (``Pooled*``, issue 22), session settings, and the few
   server-level calls (databases, sessions, the hot tables' VACUUM).
@@ -16,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import asyncio
+import heapq
+import itertools
 import os
 import re
 import select
@@ -154,17 +158,98 @@ def tcp_bounds(dead_after: float) -> dict[str, int]:
             "tcp_user_timeout": max(1000, int(dead_after * 1000))}
 
 
-def shut_socket(conn: Any) -> None:
-    """Shut down, both ways, the socket under ``conn`` (a sync or async psycopg
-    connection): a call blocked on it, in any thread, fails at once as if the server had
-    hung up, and the connection is broken for good. libpq keeps its descriptor (it is
-    closed with the connection), so this is safe while another thread uses it."""
-    with contextlib.suppress(OSError, psycopg.Error):
-        sock = socket.socket(fileno=os.dup(conn.pgconn.socket))
+class Bound:
+    """One call armed on a :class:`CallTimer`: ``fired`` turns True when its socket was shut down."""
+
+    __slots__ = ("fd", "fired")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.fired = fd, False
+
+
+class CallTimer:
+    """Shuts down the socket of a call that outlives its bound (one thread per process).
+
+    ``with timer.bound(store, seconds): store.method(...)`` arms a timer for the call
+    (``store``: a :class:`~cyclone_mp.store.Store`, or a sync or async psycopg
+    connection); leaving the block disarms it. A shut-down socket makes psycopg raise at
+    once, which the store reports as :class:`~cyclone_mp.errors.DatabaseUnavailable`;
+    the block's :class:`Bound` says whether it was this timer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._heap: list[tuple[float, int, int]] = []
+        self._armed: dict[int, Bound] = {}  # token -> the call's socket
+        self._tokens = itertools.count()
+        self._thread: threading.Thread | None = None
+        self.fired = 0  # calls cut short (for tests and stats)
+
+    @contextlib.contextmanager
+    def bound(self, store: Any, seconds: float) -> Iterator[Bound]:
+        """Bound the calls made on ``store`` inside the block to ``seconds``."""
+        try:
+            fd = getattr(store, "conn", store).pgconn.socket
+        except Exception:  # noqa: BLE001 - a closed connection: the call fails on its own
+            yield Bound(-1)
+            return
+        token = next(self._tokens)
+        due = time.monotonic() + seconds
+        armed = Bound(fd)
+        with self._lock:
+            self._armed[token] = armed
+            # The timer thread sleeps until the heap's first entry is due (armed or not): it
+            # needs waking only for a call due before that. A part's calls share one bound,
+            # so on the hot path (a statement per batch) a call is rarely due first and wakes
+            # no thread; finished calls stay in the heap until the first is due (about calls
+            # per second x bound entries), then go in one pass.
+            earlier = not self._heap or due < self._heap[0][0]
+            heapq.heappush(self._heap, (due, token, fd))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cyclone-call-timer", daemon=True)
+                self._thread.start()
+            if earlier:
+                self._lock.notify()
+        try:
+            yield armed
+        finally:
+            with self._lock:
+                self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._heap and self._heap[0][1] not in self._armed:
+                    heapq.heappop(self._heap)  # disarmed
+                if not self._heap:
+                    self._lock.wait()
+                    continue
+                due, token, fd = self._heap[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self._lock.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                armed = self._armed.pop(token, None)
+                if armed is None:
+                    continue
+                self.fired += 1
+                armed.fired = True
+                _shutdown(fd)
+
+
+def _shutdown(fd: int) -> None:
+    """Shut a connection's socket down (both ways) without closing its descriptor, which
+    psycopg still owns: its waiting call wakes up with an error."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fd))
         try:
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
+
+
+CALL_TIMER = CallTimer()
 
 
 def _stalled(seconds: float) -> DatabaseStalled:
@@ -173,27 +258,14 @@ def _stalled(seconds: float) -> DatabaseStalled:
                            " closed")
 
 
-class _Cut:
-    """The timer of :func:`answered_within`: fires at most once, and never after the block ended."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn, self.lock, self.ended, self.fired = conn, threading.Lock(), False, False
-
-    def fire(self) -> None:
-        with self.lock:
-            if not self.ended:
-                self.fired = True
-                shut_socket(self.conn)
-
-
 @contextlib.contextmanager
 def answered_within(conn: psycopg.Connection[Any], seconds: float | None) -> Iterator[None]:
     """Bound, on the client's clock, how long the calls made on ``conn`` inside the block
-    wait for the server (None: no bound). Past ``seconds`` a timer thread shuts the
-    connection's socket (:func:`shut_socket`): the blocked call fails and the block
-    raises :class:`DatabaseStalled`. What the TCP bounds cannot see (a peer that
-    acknowledges and never answers) and ``statement_timeout`` cannot either (the server
-    that enforces it is the one not answering) ends here.
+    wait for the server (None: no bound): past ``seconds`` :data:`CALL_TIMER` shuts the
+    connection's socket, the blocked call fails and the block raises
+    :class:`DatabaseStalled`. What the TCP bounds cannot see (a peer that acknowledges
+    and never answers) and ``statement_timeout`` cannot either (the server that enforces
+    it is the one not answering) ends here.
 
     Raises:
         DatabaseStalled: the server did not answer in time (the connection is broken).
@@ -201,25 +273,19 @@ def answered_within(conn: psycopg.Connection[Any], seconds: float | None) -> Ite
     if seconds is None:
         yield
         return
-    cut = _Cut(conn)
-    timer = threading.Timer(max(0.0, seconds), cut.fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    except (psycopg.Error, DatabaseError) as exc:
-        if cut.fired:
-            raise _stalled(seconds) from exc
-        raise
-    finally:
-        with cut.lock:
-            cut.ended = True
-        timer.cancel()
+    with CALL_TIMER.bound(conn, max(0.0, seconds)) as armed:
+        try:
+            yield
+        except (psycopg.Error, DatabaseError) as exc:
+            if armed.fired:
+                raise _stalled(seconds) from exc
+            raise
 
 
 @contextlib.asynccontextmanager
 async def aanswered_within(conn: psycopg.AsyncConnection[Any], seconds: float | None) -> Any:
-    """:func:`answered_within` for an async connection (a timer of the running loop).
+    """:func:`answered_within` for an async connection (the timer's thread shuts the
+    socket; the event loop sees it at once).
 
     Raises:
         DatabaseStalled: the server did not answer in time (the connection is broken).
@@ -227,22 +293,13 @@ async def aanswered_within(conn: psycopg.AsyncConnection[Any], seconds: float | 
     if seconds is None:
         yield
         return
-    fired = False
-
-    def fire() -> None:
-        nonlocal fired
-        fired = True
-        shut_socket(conn)
-
-    handle = asyncio.get_running_loop().call_later(max(0.0, seconds), fire)
-    try:
-        yield
-    except (psycopg.Error, DatabaseError) as exc:
-        if fired:
-            raise _stalled(seconds) from exc
-        raise
-    finally:
-        handle.cancel()
+    with CALL_TIMER.bound(conn, max(0.0, seconds)) as armed:
+        try:
+            yield
+        except (psycopg.Error, DatabaseError) as exc:
+            if armed.fired:
+                raise _stalled(seconds) from exc
+            raise
 
 
 class PooledConnection(psycopg.Connection):  # type: ignore[type-arg]
