@@ -112,6 +112,15 @@ class PayloadError(CycloneError, ValueError):
     :data:`cyclone_mp.protocol.MAX_DEPTH` levels of nesting)."""
 
 
+class UnstorableText(ConfigurationError, PayloadError):
+    """A string PostgreSQL cannot store: it contains a NUL character or a lone surrogate
+    (text that is not valid Unicode). Refused before any I/O with one message wherever
+    the string is: a step, workflow, node, queue, signal or schedule name, a concurrency
+    or idempotency key, a JSON value or one of its keys. It is both a
+    :class:`ConfigurationError` (an option) and a :class:`PayloadError` (a value), so
+    the ``except`` a caller already has for either catches it."""
+
+
 class Permanent(Exception):
     """Raise from a handler to discard the step at once: no more attempts.
 
