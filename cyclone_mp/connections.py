@@ -33,7 +33,9 @@ import psycopg
 import psycopg.sql
 from psycopg.rows import dict_row
 
-from .errors import DatabaseBusy, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, QueryRejected
+from .errors import (
+    DatabaseBusy, DatabaseDiskFull, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, QueryRejected,
+)
 
 log = logging.getLogger("cyclone_mp.store")
 
@@ -82,6 +84,11 @@ READ_ONLY_STATES = frozenset({"25006"})
 BUSY_STATES = ("55P03", "57014")  # lock_not_available, query_canceled (lock_timeout, statement_timeout)
 REJECTED_WHAT = {"54": "it is over a database limit", "22": "a value is invalid for its column",
                  "23": "it breaks a constraint"}
+#: SQLSTATE class 53 (insufficient resources): the server cannot do this kind of work now,
+#: whatever the call's data. An outage, named for what ran out.
+RESOURCES_WHAT = {"53100": "the database server's disk is full", "53200": "the database server is out of memory",
+                  "53300": "the database server has too many connections",
+                  "53400": "a database server configuration limit was exceeded"}
 
 
 def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
@@ -92,6 +99,9 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     * :class:`DatabaseReadOnly` (a failover, issue 22): 25006, a write refused by a
       standby or a read-only session ("cannot execute ... in a read-only transaction",
       "... during recovery"): the connection must be opened again, to the new primary;
+    * :class:`DatabaseDiskFull` (an outage, named): 53100, the server's disk is full; the
+      other class 53 states (out of memory, too many connections) are outages whose
+      message names what ran out;
     * :class:`DatabaseUnavailable` (an outage): the connection is broken or closed
       (``broken``), a client-side error without SQLSTATE (connection lost, refused),
       class 08, 57P01-57P03, 25P03, or another ``OperationalError`` whose class is not
@@ -109,6 +119,9 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     first = text.splitlines()[0]
     if state in READ_ONLY_STATES:
         return DatabaseReadOnly(f"database read-only (a standby, or a failover under way): {first} (SQLSTATE {state})")
+    if state and state.startswith("53"):
+        what = RESOURCES_WHAT.get(state, "the database server is out of resources")
+        return (DatabaseDiskFull if state == "53100" else DatabaseUnavailable)(f"{what} (SQLSTATE {state}): {first}")
     if state in BUSY_STATES and not broken:
         return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})")
     if state and state[:2] in REJECTED_CLASSES and not broken:

@@ -75,6 +75,13 @@ class DatabaseReadOnly(DatabaseUnavailable):
     (issue 22). Nothing of the call was written."""
 
 
+class DatabaseDiskFull(DatabaseUnavailable):
+    """The database server's disk is full (SQLSTATE 53100, ``disk_full``): it cannot write
+    until space is freed. An outage, not a rejection of this call's data: a supervisor
+    keeps what it has to write and tries again after a backoff, as after a lost
+    connection; the same call may work once an operator frees space."""
+
+
 class DatabaseStalled(DatabaseUnavailable):
     """The database did not answer within the caller's bound while its connection stayed
     open (a wedged PgBouncer or proxy, a frozen server backend): TCP keepalives and

@@ -23,8 +23,8 @@ import pytest
 import cyclone_mp as cy
 from cyclone_mp import decisions, procs, protocol
 from cyclone_mp.errors import (
-    ConfigurationError, DatabaseBusy, DatabaseError, DatabaseUnavailable, PayloadError, QueryRejected,
-    UnstorableText,
+    ConfigurationError, DatabaseBusy, DatabaseDiskFull, DatabaseError, DatabaseUnavailable, PayloadError,
+    QueryRejected, UnstorableText,
 )
 from cyclone_mp.store import Q, NodeRow, Store, classify, connect, redact
 
@@ -218,6 +218,8 @@ def test_load_value_reports_each_bad_text():
     (psycopg.errors.QueryCanceled, DatabaseBusy),  # 57014 statement_timeout: nothing done, try again (issue 17)
     (psycopg.errors.LockNotAvailable, DatabaseBusy),  # 55P03 lock_timeout: the same
     (psycopg.errors.UndefinedTable, DatabaseError),  # 42P01: neither
+    (psycopg.errors.DiskFull, DatabaseDiskFull),  # 53100: an outage, named
+    (psycopg.errors.OutOfMemory, DatabaseUnavailable),  # 53200: the same
 ])
 def test_classify_by_sqlstate_not_by_exception_class(error, expected):
     got = classify(error("total size of jsonb object elements exceeds the maximum of 268435455 bytes"))
@@ -263,6 +265,52 @@ def test_a_terminated_session_is_an_outage(cyclone_dsn):
             store.list_runs()
     finally:
         store.close()
+
+
+def test_a_full_disk_is_named_and_is_an_outage_not_a_rejected_call():
+    error = classify(psycopg.errors.DiskFull('could not extend file "base/16384/16390": No space left on device'))
+    assert type(error) is DatabaseDiskFull and isinstance(error, DatabaseUnavailable)
+    assert str(error) == ("the database server's disk is full (SQLSTATE 53100): could not extend file "
+                          '"base/16384/16390": No space left on device')
+    assert str(classify(psycopg.errors.OutOfMemory("out of memory"))).startswith(
+        "the database server is out of memory (SQLSTATE 53200)")
+
+
+DISK_FULL = """
+CREATE FUNCTION cyclone_test_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'could not extend file "base/1/2": No space left on device' USING ERRCODE = 'disk_full';
+END $$;
+CREATE TRIGGER cyclone_test_disk_full BEFORE UPDATE ON cyclone_steps FOR EACH ROW
+    WHEN (NEW.state = 'completed') EXECUTE FUNCTION cyclone_test_disk_full();
+CREATE TRIGGER cyclone_test_disk_full BEFORE INSERT ON cyclone_runs FOR EACH ROW
+    EXECUTE FUNCTION cyclone_test_disk_full();
+"""
+
+
+def test_a_full_disk_is_an_outage_the_supervisor_outlasts(cyclone_env_factory, caplog):
+    """The server refuses writes with SQLSTATE 53100 (here a trigger raises it: on every
+    completion and every new run). An enqueue fails with DatabaseDiskFull, saying so; the
+    supervisor takes it for an outage (it keeps the outcome and writes it again once
+    space is back), never for a bad row: the step completes once, on its first attempt."""
+    env = cyclone_env_factory(worker="thread")
+    env.mux().register(h.ok)
+    run_id = env.enqueue(h.ok, {"n": 1})
+    with connect(env.dsn) as conn:
+        conn.execute(DISK_FULL)
+    caplog.set_level(logging.INFO, logger="cyclone_mp")
+    with pytest.raises(DatabaseDiskFull, match=r"^the database server's disk is full \(SQLSTATE 53100\)"):
+        env.client().enqueue(h.ok, {"n": 2})
+    handle = env.start_worker()
+    wait_for(lambda: any("disk is full" in r.getMessage() and "database lost" in r.getMessage()
+                         for r in caplog.records), 30, "the writer to meet the full disk")
+    with connect(env.dsn) as conn:
+        row = conn.execute("SELECT state, errors FROM cyclone_steps WHERE run_id = %s", (run_id,)).fetchone()
+        assert (row["state"], row["errors"]) == ("running", [])  # not failed as a bad row: kept to write again
+        conn.execute("DROP FUNCTION cyclone_test_disk_full() CASCADE")
+    done = env.run_until_complete(run_id, timeout=30)
+    assert (done.state, done.step.attempt, done.step.errors) == ("completed", 1, [])
+    assert handle.alive()
 
 
 def test_idempotency_key_of_10kB_is_bad_input(cyclone_env):
