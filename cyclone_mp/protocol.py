@@ -58,6 +58,21 @@ TASK_FRAME_LIMIT = 1 << 30
 #: its last progress value of at most 64 KiB): the parent reads frames up to
 #: ``max_payload + FRAME_ENVELOPE``, so an output of ``max_payload`` bytes gets through.
 FRAME_ENVELOPE = 128 * 1024
+
+
+def upstream_limit(max_payload: int) -> int:
+    """The most bytes a step's upstream outputs may total as one JSON object (text): what a
+    task frame (:data:`TASK_FRAME_LIMIT`, PostgreSQL's own limit on one text value) holds
+    beside an input of ``max_payload`` bytes and the frame's envelope."""
+    return TASK_FRAME_LIMIT - max_payload - FRAME_ENVELOPE
+
+
+def upstream_too_big(node: str, outputs: int, size: int, limit: int) -> str:
+    """What a step whose upstream outputs total ``size`` bytes (``outputs`` of them), over
+    ``limit`` (:func:`upstream_limit`), fails with (permanently: they never shrink)."""
+    return (f"the upstream outputs of step {node!r} total {size / 1e6:.1f} MB ({outputs} outputs), over the "
+            f"{limit / 1e6:.0f} MB a step's upstream outputs may total (they reach the step as one JSON text, "
+            f"and PostgreSQL's text values hold at most 1 GB)")
 UNDECODABLE = "undecodable"  # the ``t`` of the marker FrameReader puts in place of a bad frame
 #: The head of every frame that belongs to a task: ``{"t":KIND,"task":TOKEN``, so the
 #: task of a frame that cannot be decoded is still known.

@@ -361,6 +361,61 @@ def test_a_fan_in_past_jsonbs_limit_is_claimed_and_is_not_an_outage(cyclone_env_
     assert not lost, lost[:3]
 
 
+def test_a_fan_in_is_loaded_with_its_own_statement_timeout(cyclone_env):
+    """The upstream outputs too big to come with a claim are loaded by maintenance, whose
+    session's statement_timeout is a write's bound: a big fan-in failed its join as
+    "database busy: statement timeout". The load has its own (here the session's is
+    1 ms), and says the upstream object's size."""
+    run_id = cyclone_env.enqueue(hh.noisy_fan_in, {"bytes": 400_000})
+    with connect(cyclone_env.dsn) as conn:
+        conn.execute("UPDATE cyclone_steps SET state = 'completed', output = to_jsonb("
+                     "(SELECT string_agg(md5(i::text || node), '') FROM generate_series(1, 12500) i))"
+                     " WHERE run_id = %s AND node <> 'join'", (run_id,))
+        join = conn.execute("SELECT id FROM cyclone_steps WHERE run_id = %s AND node = 'join'",
+                            (run_id,)).fetchone()["id"]
+    store = Store.open(cyclone_env.dsn, statement_timeout=0.001)
+    try:
+        with pytest.raises(DatabaseBusy, match="statement timeout"):  # the session's bound alone
+            store.load_payload(join)
+        payload = store.load_payload(join, statement_timeout=60)
+        upstream = json.loads(payload["upstream"])
+        assert sorted(upstream) == [f"part{i}" for i in range(5)] and len(upstream["part0"]) == 400_000
+        assert payload["upstream_outputs"] == 5 and payload["upstream_bytes"] == len(payload["upstream"].encode())
+        over = store.load_payload(join, statement_timeout=60, max_upstream=payload["upstream_bytes"] - 1)
+        assert over["upstream"] is None and over["upstream_bytes"] == payload["upstream_bytes"]
+    finally:
+        store.close()
+
+
+def test_the_upstream_size_message_names_the_size_and_the_limit():
+    limit = protocol.upstream_limit(64 * 1024 * 1024)
+    assert limit == (1 << 30) - 64 * 1024 * 1024 - protocol.FRAME_ENVELOPE
+    assert protocol.upstream_too_big("join", 5, 1_234_500_000, limit) == (
+        "the upstream outputs of step 'join' total 1234.5 MB (5 outputs), over the 1007 MB a step's upstream "
+        "outputs may total (they reach the step as one JSON text, and PostgreSQL's text values hold at most 1 GB)")
+
+
+def test_a_fan_in_over_the_limit_fails_its_join_saying_its_size(cyclone_env_factory, monkeypatch):
+    """A join whose upstream outputs total more than a task can carry (here the limit is
+    made 1 MB, for five 0.4 MB outputs) is discarded at once, permanently, with a
+    message that says their size and the limit: never a statement timeout."""
+    from cyclone_mp import sweep
+
+    monkeypatch.setattr(sweep, "upstream_limit", lambda max_payload: 1_000_000)
+    env = cyclone_env_factory(worker="thread")
+    env.mux().register(hh.noisy_fan_in)
+    run_id = env.enqueue(hh.noisy_fan_in, {"bytes": 400_000})
+    handle = env.start_worker()
+    run = env.run_until_complete(run_id, timeout=60)
+    join = run.steps["join"]
+    assert (run.state, join.state, join.error_kind, join.attempt) == ("discarded", "discarded", "permanent", 1)
+    assert join.error.startswith("the upstream outputs of step 'join' total 2.0 MB (5 outputs), over the 1 MB a "
+                                 "step's upstream outputs may total"), join.error
+    assert "timeout" not in join.error
+    assert all(run.steps[f"part{i}"].state == "completed" for i in range(5))
+    assert handle.alive()
+
+
 # -- 2. the boundary in the producer and in the child --------------------------------------------
 
 
