@@ -225,6 +225,12 @@ def describe_dsn(dsn: str) -> str:
                    "idle children.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (/metrics; needs cyclone-mp[metrics]) [default: none].")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="ADDRESS",
+              help="The address the metrics bind; 0.0.0.0 serves every interface (anyone who reaches it "
+                   "reads step names and counts: use a trusted network and a token).")
+@click.option("--metrics-token", envvar="CYCLONE_METRICS_TOKEN", default=None, metavar="TOKEN",
+              help="Require 'Authorization: Bearer TOKEN' on every scrape (from the environment "
+                   "variable CYCLONE_METRICS_TOKEN, which ps does not show) [default: none].")
 @click.option("--archive-after", type=DURATION_OR_NEVER, default="10m", show_default=True,
               help="Move a finished run, with its steps, from the hot tables to the archive this long "
                    "after it finished ('never': keep it in the hot tables). Archived runs are still "
@@ -242,7 +248,8 @@ def describe_dsn(dsn: str) -> str:
 def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown_grace: float,
            max_reclaims: int | None, queues: tuple[str, ...], poll_interval: tuple[float, float],
            max_steps_per_child: int | None, max_child_rss: int | None, prefetch: int,
-           metrics_port: int | None, archive_after: float | None, retain_completed: float | None,
+           metrics_port: int | None, metrics_host: str, metrics_token: str | None,
+           archive_after: float | None, retain_completed: float | None,
            retain_discarded: float | None, retain_cancelled: float | None, start_method: str) -> None:
     """Run a supervisor for the steps of APP (module:attr or path/to/file.py:attr).
 
@@ -255,6 +262,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
                          shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                          poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
                          max_child_rss=max_child_rss, prefetch=prefetch, metrics_port=metrics_port,
+                         metrics_host=metrics_host, metrics_token=metrics_token,
                          archive_after=archive_after, retain_completed=retain_completed,
                          retain_discarded=retain_discarded, retain_cancelled=retain_cancelled,
                          start_method=start_method)
@@ -263,7 +271,8 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     click.echo(
         f"cyclone-mp worker: {cfg.workers} children, queues {', '.join(cfg.queues)}, "
         f"steps {', '.join(mux.step_names) or '(none)'}; database {describe_dsn(client.dsn)}; "
-        + (f"metrics on :{metrics_port}/metrics; " if metrics_port is not None else "")
+        + (f"metrics on {metrics_host}:{metrics_port}/metrics{' (token)' if metrics_token else ''}; "
+           if metrics_port is not None else "")
         + "SIGTERM/Ctrl-C drains, a second one stops", err=True,
     )
     def after_drain(signum: int, frame: Any) -> None:
@@ -302,9 +311,9 @@ def _say_limits(client: Any) -> None:
     sup = client.supervisor
     if sup is None or not sup.running.wait(60) or sup.confinement is None:
         return
-    mech = sup.confinement.mechanism
-    click.echo(f"cyclone-mp worker: resource limits: memory by {mech.memory}, processes by {mech.processes}, "
-               f"cpu by {mech.cpu}, open files by {mech.open_files}, tree kill by {mech.kill}", err=True)
+    level, line = sup.confinement.mechanism.start_line()
+    if not logging.getLogger("cyclone_mp.supervisor").isEnabledFor(level):  # else the log said it already
+        click.echo(f"cyclone-mp worker: {line}", err=True)
 
 
 @cli.command()

@@ -409,8 +409,9 @@ def last_traceback(status: RunStatus) -> tuple[str, dict[str, Any]] | None:
 
 def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceback: bool = False) -> None:
     """The full ``cyclone-mp status`` view of one run: the run, a table of its steps (node
-    name, state, attempt, last error as ``Type: message``), each output under its node's
-    name, the failed attempts' forensics and, with ``traceback``, the last traceback."""
+    name, state, attempt, last error as ``Type: message``), the whole error of each
+    discarded step, each output under its node's name, the failed attempts' forensics
+    and, with ``traceback``, the last traceback."""
     narrow = compact(con, wide)
     con.print(Text.assemble(
         ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", run_state_text(status),
@@ -422,6 +423,10 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
         con.print(Text(f"schedule: {status.schedule['name']}  slot {when(status.schedule['slot'])}"
                        f"  next slot {when(status.schedule.get('next_at'))}"))
     put(con, steps_table(status, compact=narrow), wide)
+    for step in status.steps.values():
+        if step.state == "discarded" and (step.error or step.error_kind):  # why, in full: it may say what to fix
+            con.print(Text.assemble((f"{step.name} discarded ({step.error_kind}): ", "bold"),
+                                    (last_error(step), "red")))
     for step in status.steps.values():
         if step.state == "completed" and step.output is not None:
             con.print(Text.assemble((f"output of {step.name}: ", "bold"), short(dumps(step.output, indent=None), 300)))
@@ -530,7 +535,8 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
         con.print(Text.assemble(
             ("supervisor ", "bold"), (str(row["id"]), "bold"),
             f"  host {row.get('hostname')} pid {row.get('pid')}  up since {when(row.get('started_at'))}",
-            f"  seen {age_s:.1f}s ago  queues {','.join(info.get('queues') or [])}",
+            f"  seen {age_s:.1f}s ago  queues "
+            + ",".join(q + (" (paused)" if q in (info.get("paused_queues") or ()) else "") for q in info.get("queues") or []),
             _sweep_age((info.get("maintenance") or {}).get("last_sweep_age"), age_s),
             ("  draining" if info.get("draining") else ""),
         ))
@@ -541,7 +547,8 @@ def print_workers(con: Console, rows: list[dict[str, Any]], *, wide: bool = Fals
         if isinstance(mech, dict):
             con.print(Text(
                 f"  limits: memory {mech.get('memory')} · processes {mech.get('processes')} · "
-                f"cpu {mech.get('cpu')} · open files {mech.get('open_files')} · tree kill {mech.get('kill')}",
+                f"cpu {mech.get('cpu')} · open files {mech.get('open_files')} · tree kill {mech.get('kill')}"
+                + (f" · OOM evidence {mech['oom']}" if mech.get("oom") else ""),
                 style="dim"))
         table = Table()
         names = (("pid", "run", "attempt", "step") if narrow else

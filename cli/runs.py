@@ -183,4 +183,56 @@ def signal_(run_id: str, name: str, payload: Any) -> None:
 
 
 #: The commands of this module (``cyclone-mp --help`` lists every command by name).
-COMMANDS = (status, runs, schedules, workers, cancel, retry, pause, resume, prune, signal_)
+@click.group()
+def queue() -> None:
+    """Pause, resume and list queues (a paused queue's steps are not claimed; running ones finish)."""
+
+
+@queue.command("pause")
+@click.argument("name")
+@click.option("--reason", default=None, help="Why (shown by `queue list`).")
+def queue_pause(name: str, reason: str | None) -> None:
+    """Stop claims of queue NAME on every supervisor, from now on."""
+    client = make_client()
+    try:
+        client.migrate()
+        changed = client.pause_queue(name, reason)
+    finally:
+        client.close()
+    click.echo(f"queue {name} paused" if changed else f"queue {name} was paused already")
+
+
+@queue.command("resume")
+@click.argument("name")
+def queue_resume(name: str) -> None:
+    """Let the supervisors claim queue NAME's steps again (at once)."""
+    client = make_client()
+    try:
+        client.migrate()
+        changed = client.resume_queue(name)
+    finally:
+        client.close()
+    click.echo(f"queue {name} resumed" if changed else f"queue {name} was not paused")
+
+
+@queue.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print them as JSON.")
+def queue_list(as_json: bool) -> None:
+    """The paused queues, since when, and why."""
+    client = make_client()
+    try:
+        client.migrate()
+        rows = client.paused_queues()
+    finally:
+        client.close()
+    if as_json:
+        render.print_json(rows)
+    elif not rows:
+        click.echo("no queue is paused")
+    else:
+        for row in rows:
+            click.echo(f"{row['queue']}: paused since {render.when(row['paused_at'])}"
+                       + (f" ({row['reason']})" if row.get("reason") else ""))
+
+
+COMMANDS = (status, runs, schedules, workers, cancel, retry, pause, resume, prune, signal_, queue)

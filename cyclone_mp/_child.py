@@ -20,9 +20,10 @@ after ``kill_grace`` ends it as it ends a sync handler.
 It is a child subreaper (issue 18): a process its handler started that loses its parent
 (``sh -c '(setsid cmd &)'``) is reparented to it, not to the supervisor or init, so it
 counts as a leftover of its attempt and is swept with it, whatever it did to its
-environment or session. A task with resource limits (issue 20) runs under soft rlimits
-(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, and ``RLIMIT_DATA`` where no
-cgroup holds the memory cap), which what it starts inherits.
+environment or session. A task with resource limits runs under soft rlimits
+(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, ``RLIMIT_DATA`` where no cgroup
+holds the memory cap, ``RLIMIT_NPROC`` where no pids cgroup holds the process cap and
+this runner was born in a user namespace of its own), which what it starts inherits.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's 
 if TYPE_CHECKING:
     from typing import Any
 
-from . import protocol
+from . import protocol, unhealable
+from .proctree import own_user_namespace, tree_size
 from .protocol import storable, unstorable
 from .context import Cancellation, Context
-from .errors import Cancelled, PayloadError, Permanent
+from .errors import Cancelled, PayloadError, Permanent, Snooze
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -52,10 +54,11 @@ PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest va
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
+SNOOZE = "snooze"  # a result's kind: the handler raised cy.Snooze (its "snooze": seconds)
 OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
 # error kinds this runner reports besides "error", "permanent" and "cancelled" (cyclone_mp.decisions)
-OUTPUT_INVALID, MEMORY_ERROR, EXIT = "output_invalid", "memory_error", "exit"
+OUTPUT_INVALID, NOT_IMPORTABLE, MEMORY_ERROR, EXIT = "output_invalid", "not_importable", "memory_error", "exit"
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -88,6 +91,11 @@ class TaskLimits:
       a task whose budget it would not leave whole (a backstop: the supervisor kills the
       tree at the limit; SIGXCPU ends a handler that does not ignore it when the
       supervisor cannot, frozen);
+    - ``max_processes`` with ``rlimit_nproc`` (no pids cgroup; this runner is the first
+      process of a user namespace of its own, where the kernel counts its user's tasks:
+      this tree's): ``RLIMIT_NPROC`` = this runner's threads + the cap, one task over
+      the cap (the runner counts as one process), so a tree that reaches it is seen
+      over its cap (:meth:`Runner.tree_count`) and a fork past it is refused;
     - ``memory_limit`` with ``rlimit_data`` (no cgroup caps the memory):
       ``RLIMIT_DATA`` = this process's data segment + 1.5 times the limit: a backstop for
       one allocation too fast for the supervisor's sampling of the tree (which decides at
@@ -103,6 +111,7 @@ class TaskLimits:
         self.applied: dict[str, Any] | None = None
         self.saved: list[tuple[int, tuple[int, int]]] = []
         self.cpu_soft: int | None = None
+        self.nproc: int | None = None  # the RLIMIT_NPROC set for the task (tasks of this namespace)
 
     def apply(self, limits: dict[str, Any] | None) -> None:
         """Set the rlimits of a task with ``limits`` (None: none), before it runs."""
@@ -123,6 +132,12 @@ class TaskLimits:
             self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
         if limits.get("cpu_limit") and limits.get("rlimit_cpu"):
             self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
+        if limits.get("max_processes") and limits.get("rlimit_nproc"):
+            try:
+                threads = len(os.listdir("/proc/self/task"))
+            except OSError:
+                threads = threading.active_count()
+            self._lower(resource.RLIMIT_NPROC, threads + int(limits["max_processes"]))
         if limits.get("memory_limit") and limits.get("rlimit_data"):
             data = 0
             try:
@@ -143,7 +158,7 @@ class TaskLimits:
                 resource.setrlimit(which, old)
             except (OSError, ValueError):
                 pass
-        self.saved, self.applied, self.cpu_soft = [], None, None
+        self.saved, self.applied, self.cpu_soft, self.nproc = [], None, None, None
 
     @staticmethod
     def _cpu_used() -> float:
@@ -163,6 +178,8 @@ class TaskLimits:
             self.saved.append((which, old))
         if which == resource.RLIMIT_CPU:
             self.cpu_soft = soft
+        elif which == resource.RLIMIT_NPROC:
+            self.nproc = soft
 
 
 class Runner:
@@ -211,9 +228,24 @@ class Runner:
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
 
     def resolve(self, ref: dict[str, Any]) -> Any:
-        """The handler function a task names (a Step object wraps it)."""
-        target = import_ref(ref, self.modules)
-        return getattr(target, "fn", target)
+        """The handler function a task names (a Step object wraps it). Raises
+        :class:`~cyclone_mp.unhealable.NotImportable` if its module raises at import
+        (``MemoryError`` aside: the attempt's own memory), lacks the name, or the name is
+        not callable."""
+        try:
+            module = load_module(ref["module"], ref.get("path"), self.modules)
+        except MemoryError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - whatever the module's code raised
+            raise unhealable.NotImportable(unhealable.import_failed(ref, exc)) from exc
+        try:
+            target = attribute(module, ref["qualname"])
+        except AttributeError as exc:
+            raise unhealable.NotImportable(unhealable.no_attribute(ref, exc)) from exc
+        fn = getattr(target, "fn", target)
+        if not callable(fn):
+            raise unhealable.NotImportable(unhealable.not_callable(ref, fn))
+        return fn
 
     def progress(self, done: Any, total: Any, message: Any) -> None:
         """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
@@ -227,8 +259,7 @@ class Runner:
         try:
             protocol.check_value([done, total], "progress (done, total)", PROGRESS_MAX_BYTES)
         except PayloadError as exc:
-            exc.kind = OUTPUT_INVALID  # type: ignore[attr-defined]
-            raise
+            raise unhealable.bad_progress(exc) from None
         msg = {"t": "progress", "task": self.task, "done": done, "total": total,
                "message": None if message is None else storable(str(message)[:500])}
         with self.lock:
@@ -284,8 +315,13 @@ class Runner:
                 output = self.run_async(output)
         except Cancelled as exc:
             return failure("cancelled", exc)
+        except unhealable.NotImportable as exc:  # the import's own exception and traceback, with what to fix
+            return failure(NOT_IMPORTABLE, exc.__cause__ or exc, str(exc))
         except Permanent as exc:
             return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
+        except Snooze as exc:  # run again later, no attempt spent
+            return {"ok": False, "kind": SNOOZE, "snooze": exc.seconds, "type": "cyclone_mp.errors.Snooze",
+                    "message": str(exc)}
         except MemoryError as exc:
             return failure(MEMORY_ERROR, exc, f"MemoryError: {exc}" if str(exc) else
                            "MemoryError: the handler ran out of memory (an allocation failed)")
@@ -299,7 +335,7 @@ class Runner:
         try:
             return {"ok": True, "output": to_json_value(output)}
         except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
-            return failure(OUTPUT_INVALID, TypeError(f"handler output is not a JSON value: {exc}"))
+            return failure(OUTPUT_INVALID, TypeError(unhealable.not_json(str(exc))))
 
     def run_async(self, coro: Any) -> Any:
         """Run an async handler's coroutine to its end as a task on this child's event
@@ -337,12 +373,15 @@ class Runner:
             except BaseException:  # noqa: BLE001 - its step's attempt reports it
                 pass
 
-    def loop(self, preload: list[list[Any]] | None = None, entered: dict[str, Any] | None = None) -> None:
+    def loop(self, preload: list[list[Any]] | None = None, entered: dict[str, Any] | None = None,
+             userns: bool | str | None = None) -> None:
         """Run tasks until told to exit. ``preload``: the handlers' modules to import
         before saying ready; None: a spawned child's, from its environment. A child forked
         from the zygote gets those the zygote had not imported, and imports them once it
         is in its slot's cgroups: ``entered`` (it moved itself; sent first) without an
-        error, else after the supervisor's ``start`` (the supervisor moved it)."""
+        error, else after the supervisor's ``start`` (the supervisor moved it).
+        ``userns``: True, this process made a user namespace of its own; a string, why it
+        could not (both said with ``ready``)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
         reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
@@ -363,7 +402,10 @@ class Runner:
             inbox.pop(0)
         self.preload(preload)
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.send({"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime})
+        ready = {"t": "ready", "pid": os.getpid(), "cpu_total": usage.ru_utime + usage.ru_stime}
+        if userns is not None:
+            ready["userns" if userns is True else "userns_error"] = userns
+        self.send(ready)
         # After "ready": under SCHED_BATCH a woken process waits for its turn on a busy
         # CPU, which delayed every step of the start (the watcher's, the imports').
         batch_scheduling()
@@ -385,6 +427,7 @@ class Runner:
                         "cpu": 0.0, "children": False})
                 continue
             if kind == "go":  # the supervisor has swept the last attempt's leftover processes
+                reap_killed(message.get("reap") or ())  # those that were ours (we are their subreaper)
                 self.held = False
                 inbox[:0], held = held, []
                 continue
@@ -415,6 +458,8 @@ class Runner:
             threads_before = {t.ident for t in threading.enumerate()}
             # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
             result = {"t": "result", "task": message["task"], **self.run_task(message)}
+            if limits and limits.get("max_processes") and limits.get("count_tree"):
+                result["tree_count"] = self.tree_count()
             if self.cancellation.is_set():
                 # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
                 # an executor, threads the handler started): then this child is not reused
@@ -471,30 +516,36 @@ class Runner:
                 return left
             time.sleep(0.005)
 
+    def tree_count(self) -> dict[str, Any]:
+        """This task's tree as its handler ended, where no pids cgroup holds its
+        ``max_processes``: its processes and tasks now (this runner included, zombies
+        too), and the ``RLIMIT_NPROC`` it ran under (None: none). A tree at that rlimit is
+        one over its cap; one with more processes than its cap is over it: the supervisor
+        names the attempt ``process_limit`` (a burst between two of its looks)."""
+        processes, tasks = tree_size()
+        return {"processes": processes, "tasks": tasks, "nproc": self.limits.nproc}
+
     def checked(self, result: dict[str, Any]) -> bytes:
         """The result's frame. An output outside the payload boundary (not JSON, not
         storable in jsonb, nested deeper than ``MAX_DEPTH``, over ``max_payload``) is
-        never sent: the attempt fails with kind ``output_invalid`` instead (issue 18)."""
+        never sent: the attempt fails with kind ``output_invalid`` instead, which discards
+        its step (the same code returns the same output on every attempt)."""
         try:
             frame = protocol.encode(result)
         except RecursionError:
-            return self._invalid(result, PayloadError(
-                f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
+            return self._invalid(result, PayloadError(unhealable.too_deep(protocol.MAX_DEPTH)))
         except (TypeError, ValueError) as exc:
-            return self._invalid(result, TypeError(f"handler output is not a JSON value: {exc}"))
+            return self._invalid(result, TypeError(unhealable.not_json(str(exc))))
         output = result.get("output")
         if protocol.too_deep(frame, output, wrapping=1):
-            return self._invalid(result, PayloadError(
-                f"handler output is nested deeper than {protocol.MAX_DEPTH} levels (the limit)"))
+            return self._invalid(result, PayloadError(unhealable.too_deep(protocol.MAX_DEPTH)))
         problem = unstorable(output) if b"\\u" in frame else None
         if problem:
-            return self._invalid(result, ValueError(
-                f"handler output cannot be stored in PostgreSQL: it contains {problem}"))
+            return self._invalid(result, ValueError(unhealable.unstorable(problem)))
         if len(frame) > self.limit:  # then measure the output alone (max_payload is the output's limit)
             size = len(json.dumps(output, separators=(",", ":"), allow_nan=False).encode())
             if size > self.limit or len(frame) > self.limit + protocol.FRAME_ENVELOPE:
-                return self._invalid(result, PayloadError(
-                    f"handler output is {size} bytes, over the max_payload limit of {self.limit} bytes"))
+                return self._invalid(result, PayloadError(unhealable.too_big(size, self.limit)))
         return frame
 
     @staticmethod
@@ -503,6 +554,17 @@ class Runner:
         result.pop("progress", None)  # checked when it was set, but it must not sink the report
         result.update(failure(OUTPUT_INVALID, exc))
         return protocol.encode(result)
+
+
+def reap_killed(pids: Any) -> None:
+    """Reap the leftover processes the supervisor killed that are this child's own (a
+    subreaper adopts its handlers' orphans): they would stay zombies until it exits. Only
+    those pids: a process a handler's ``Popen`` still tracks is never taken from it."""
+    for pid in pids:
+        try:
+            os.waitpid(int(pid), os.WNOHANG)
+        except (ChildProcessError, OSError, ValueError, TypeError):
+            pass
 
 
 def is_coroutine(value: Any) -> bool:
@@ -529,8 +591,13 @@ def dropped_frame(token: str, reason: str) -> bytes:
 def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
     """Import ``ref["module"]`` (or, for a script, load ``ref["path"]``) and return the
     attribute ``ref["qualname"]``."""
-    target: Any = load_module(ref["module"], ref.get("path"), cache)
-    for part in ref["qualname"].split("."):
+    return attribute(load_module(ref["module"], ref.get("path"), cache), ref["qualname"])
+
+
+def attribute(module: Any, qualname: str) -> Any:
+    """``module``'s attribute ``qualname``, dots walking attributes (AttributeError if missing)."""
+    target = module
+    for part in qualname.split("."):
         target = getattr(target, part)
     return target
 
@@ -679,16 +746,16 @@ def _ignore_interrupt(signum: int, frame: Any) -> None:
 
 def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
           modules: dict[tuple[str, str | None], Any] | None = None, preload: list[list[Any]] | None = None,
-          entered: dict[str, Any] | None = None) -> None:
+          entered: dict[str, Any] | None = None, userns: bool | str | None = None) -> None:
     """Run as a child whose death with its parent is already arranged: become a child
     subreaper, ignore Ctrl-C (the programs its steps start do not), serve tasks (under
     ``SCHED_BATCH`` once ready; ``modules``: those imported already, a zygote's;
-    ``preload``, ``entered``: see :meth:`Runner.loop`). Then exit."""
+    ``preload``, ``entered``, ``userns``: see :meth:`Runner.loop`). Then exit."""
     adopt_orphans()
     signal.signal(signal.SIGINT, _ignore_interrupt)  # Ctrl-C is the supervisor's to handle
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
-        Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered)
+        Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered, userns)
     except (BrokenPipeError, ConnectionResetError):
         pass  # the supervisor went away (or recycled us): nothing left to report to
     os._exit(0)
@@ -714,7 +781,10 @@ def main(argv: list[str]) -> None:
         return
     ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent_pid)
-    serve(ctrl_fd, cancel_fd, limit)
+    userns = None
+    if os.environ.pop(protocol.USERNS_ENV, "") == "1":  # while single-threaded: the kernel's rule
+        userns = own_user_namespace() or True
+    serve(ctrl_fd, cancel_fd, limit, userns=userns)
 
 
 if __name__ == "__main__":

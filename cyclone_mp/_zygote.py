@@ -36,7 +36,8 @@ reseeding); the C library's own ``pthread_atfork`` handlers (of native libraries
 handler module loaded) do not run, and the child's thread id is set where the C library
 keeps it (``CLONE_CHILD_SETTID``). In the child: first its move into its slot's cgroups
 (:func:`enter_cgroups`: the kernel's grace period is waited for here, not by the
-supervisor), its own process group, the death signal (then its parent is checked: the
+supervisor), asked to, a user namespace of its own (where RLIMIT_NPROC counts its tree
+alone: :mod:`cyclone_mp.proctree`), its own process group, the death signal (then its parent is checked: the
 supervisor, or it exits), a child subreaper (issue 18), the zygote's descriptors closed;
 it says ``entered`` (or why it could not: then it waits for the supervisor's ``start``,
 sent once the supervisor moved it), imports the handler modules the zygote had not (in
@@ -60,6 +61,7 @@ import sys
 
 from . import protocol
 from ._child import die_with_parent, load_module, serve
+from .proctree import own_user_namespace
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -226,7 +228,8 @@ class Zygote:
             n = message.get("n")
             try:
                 pid, placed, error = self.fork(fds[0], fds[1], fds[2] if into else None,
-                                               message.get("preload") or [], list(zip(keys, fds[2 + into:])))
+                                               message.get("preload") or [], list(zip(keys, fds[2 + into:])),
+                                               userns=message.get("userns") is True)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -234,12 +237,14 @@ class Zygote:
                        "unsafe": error is not None and error.startswith(UNSAFE)})
 
     def fork(self, ctrl_fd: int, cancel_fd: int, cgroup_fd: int | None,
-             leftover: list[list[Any]], enter: list[tuple[str, int]]) -> tuple[int | None, bool, str | None]:
+             leftover: list[list[Any]], enter: list[tuple[str, int]], *,
+             userns: bool = False) -> tuple[int | None, bool, str | None]:
         """Fork a child that is the supervisor's (``clone(CLONE_PARENT)``), in the cgroup
         ``cgroup_fd`` names if given and the kernel can; returns ``(pid, born_in_cgroup,
         None)`` or ``(None, False, why)``. ``leftover``: the modules it imports itself;
         ``enter``: its slot's cgroup directories (key, descriptor), which it moves itself
-        into first (:func:`enter_cgroups`)."""
+        into first (:func:`enter_cgroups`); ``userns``: then it makes a user namespace of
+        its own, while it is single-threaded (:func:`cyclone_mp.proctree.own_user_namespace`)."""
         given = {ctrl_fd, cancel_fd} | ({cgroup_fd} if cgroup_fd is not None else set()) | {fd for _, fd in enter}
         why = fork_hazard(self.baseline | given)
         if why:
@@ -260,13 +265,16 @@ class Zygote:
             if enter:
                 failed, error = enter_cgroups([(k, fd) for k, fd in enter if not (placed and k == "v2")])
                 entered = {"t": "entered", "failed": failed, "error": error}
+            own_userns = (own_user_namespace() or True) if userns else None
             for fd in given - {ctrl_fd, cancel_fd}:
                 os.close(fd)
-            self.child(ctrl_fd, cancel_fd, leftover, entered)
+            self.child(ctrl_fd, cancel_fd, leftover, entered, own_userns)
         return pid, placed, None
 
-    def child(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]], entered: dict[str, Any] | None) -> None:
-        """In the forked child (see the module docstring): run tasks until told to exit.
+    def child(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]], entered: dict[str, Any] | None,
+              userns: bool | str | None = None) -> None:
+        """In the forked child (see the module docstring): run tasks until told to exit
+        (``userns``: True, it is in a user namespace of its own, or why it could not be).
         Never returns."""
         code = 0
         try:
@@ -276,7 +284,8 @@ class Zygote:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # what a spawned child's sys.argv holds (``_boot.py CTRL_FD CANCEL_FD PARENT_PID LIMIT``)
             sys.argv[1:] = [str(ctrl_fd), str(cancel_fd), str(self.supervisor), str(self.limit)]
-            serve(ctrl_fd, cancel_fd, self.limit, modules=self.modules, preload=leftover, entered=entered)
+            serve(ctrl_fd, cancel_fd, self.limit, modules=self.modules, preload=leftover, entered=entered,
+                  userns=userns)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001

@@ -35,7 +35,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, Databas
 from .operations import Op
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step
+from .steps import Mux, Step, check_name
 from .store import AsyncStore
 from .waiting import AsyncWaiter, areread, result_of
 from .workflow import Workflow
@@ -67,7 +67,7 @@ class AsyncClient(ClientBase):
             raise ConfigurationError(f"mux must be a cy.Mux, not {type(mux).__name__}")
         if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
             raise ConfigurationError(f"pool_size must be an int >= 1, got {pool_size!r}")
-        for supervisor_only in ("clock", "wall_clock", "metrics_port"):
+        for supervisor_only in ("clock", "wall_clock", "metrics_port", "metrics_host", "metrics_token"):
             options.pop(supervisor_only, None)
         listen_dsn = options.pop("listen_dsn", None)
         if listen_dsn is not None and not isinstance(listen_dsn, str):
@@ -321,6 +321,20 @@ class AsyncClient(ClientBase):
     async def resume(self, run_id: str) -> int:
         """:meth:`Client.resume <cyclone_mp.Client.resume>`, awaitable."""
         return await self._run(lambda: operations.resume_run(run_id))
+
+    async def pause_queue(self, queue: str, reason: str | None = None) -> bool:
+        """:meth:`Client.pause_queue <cyclone_mp.Client.pause_queue>`, awaitable."""
+        check_name(queue, "queue")
+        return await self._run(lambda: operations.pause_queue(queue, reason))
+
+    async def resume_queue(self, queue: str) -> bool:
+        """:meth:`Client.resume_queue <cyclone_mp.Client.resume_queue>`, awaitable."""
+        check_name(queue, "queue")
+        return await self._run(lambda: operations.resume_queue(queue))
+
+    async def paused_queues(self) -> list[dict[str, Any]]:
+        """:meth:`Client.paused_queues <cyclone_mp.Client.paused_queues>`, awaitable."""
+        return await self._run(operations.paused_queues)
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
         """:meth:`Client.signal <cyclone_mp.Client.signal>`, awaitable."""

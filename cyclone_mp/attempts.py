@@ -73,8 +73,14 @@ class Attempt:
     base: Any = None  # where its slot's counters stood when it started (slots.Baseline), when limited
     usage: Usage | None = None  # the last sample of its tree
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
+    claimed: float = 0.0  # when its row was claimed, as near as this clock knows (midway through the claim)
     lingering: list[str] | None = None  # its handler ended after a cancel, these threads of it did not
     lingering_result: dict[str, Any] | None = None  # the result the child sent meanwhile (used if they end)
+    processes_by: str | None = None  # what held its max_processes (a Mechanism word), when it has one
+
+    def start_delay(self) -> float | None:
+        """Seconds from its claim to its handler's start (None: it never started)."""
+        return None if self.started_wall is None else max(0.0, self.started - self.claimed)
 
     @property
     def step_id(self) -> int:

@@ -140,10 +140,11 @@ def remove_tree(base: str) -> bool:
     return ok
 
 
-def setup_v2(own: str, name: str) -> tuple[str | None, frozenset[str] | None]:
+def setup_v2(own: str, name: str, why: list[str]) -> tuple[str | None, frozenset[str] | None]:
     """Make this supervisor's v2 directory under ``own`` (our cgroup), with the memory
-    and pids controllers enabled for its slots where this cgroup offers them."""
-    base = _own_directory(own, name, "cgroup v2 at %s cannot be used (%s); tree kills use signals")
+    and pids controllers enabled for its slots where this cgroup offers them. What cannot
+    be used is added to ``why``."""
+    base = _own_directory(own, name, "cgroup v2", why)
     if base is None:
         return None, None
     offered = set((read_text(os.path.join(own, "cgroup.controllers")) or "").split())
@@ -157,6 +158,10 @@ def setup_v2(own: str, name: str) -> tuple[str | None, frozenset[str] | None]:
         except OSError as exc:
             log.info("cannot enable %s in %s (%s)", ", ".join(sorted(want)), base, exc.strerror or exc)
             want = set()
+    missing = {"memory", "pids"} - want
+    if missing:
+        why.append(f"cgroup v2 at {own} without the {' and '.join(sorted(missing))} controller"
+                   f"{'s' if len(missing) > 1 else ''}")
     return base, frozenset(want)
 
 
@@ -193,26 +198,30 @@ def enable_controllers(own: str, controllers: set[str]) -> bool:
         return False
 
 
-def setup_v1(own: str | None, name: str, probe: str) -> str | None:
-    """This supervisor's directory in a v1 hierarchy (memory or pids), or None."""
-    base = _own_directory(own, name, "cgroup v1 at %s cannot be used (%s)") if own else None
+def setup_v1(own: str | None, name: str, probe: str, why: list[str]) -> str | None:
+    """This supervisor's directory in a v1 hierarchy (memory or pids), or None (then
+    ``why`` says so)."""
+    what = f"cgroup v1 {probe.split('.')[0]}"
+    base = _own_directory(own, name, what, why) if own else None
     if base is None:
         return None
     if not os.path.exists(os.path.join(base, probe)):
+        why.append(f"{what} at {own} has no {probe}")
         with contextlib.suppress(OSError):
             os.rmdir(base)
         return None
     return base
 
 
-def _own_directory(own: str, name: str, refused: str) -> str | None:
+def _own_directory(own: str, name: str, what: str, why: list[str]) -> str | None:
     """Make this supervisor's directory ``name`` under our cgroup ``own`` (after removing
-    what dead supervisors left there); None, logged with ``refused``, when it cannot."""
+    what dead supervisors left there); None when it cannot (``why`` then says so, about
+    ``what``: "cgroup v2", "cgroup v1 memory")."""
     remove_stale(own)
     base = os.path.join(own, name)
     try:
         os.mkdir(base)
     except OSError as exc:
-        log.info(refused, own, exc.strerror or exc)
+        why.append(f"{what} at {own}: {exc.strerror or exc}")
         return None
     return base

@@ -35,7 +35,7 @@ from .operations import Op
 from .planning import ClientBase
 from .schedules import ACTIVE_WITHIN
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step
+from .steps import Mux, Step, check_name
 from .store import Store
 from .waiting import Waiter, reread, result_of
 from .workflow import Workflow
@@ -107,6 +107,12 @@ class Client(ClientBase):
             (``/metrics``; 0 picks a free one: ``client.supervisor.metrics.port``); None
             (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
             :mod:`cyclone_mp.metrics`.
+        metrics_host: the address the metrics bind: ``"127.0.0.1"`` (the default, this
+            machine only) or another interface's (``"0.0.0.0"``: all of them). Anyone who
+            reaches it reads step names and counts: bind beyond the loopback only on a
+            trusted network, and preferably with ``metrics_token``.
+        metrics_token: when set, a scrape must send ``Authorization: Bearer <token>``
+            (Prometheus: ``authorization: {credentials: ...}``); default none.
         pgbouncer: ``dsn`` goes through PgBouncer in transaction mode (issue 22): every
             connection keeps no session state (its settings are set per transaction),
             and LISTEN happens only on ``listen_dsn`` (without it, the supervisor and
@@ -168,6 +174,8 @@ class Client(ClientBase):
         prefetch: int = PREFETCH_DEFAULT,
         registry_interval: Duration = 2.0,
         metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
+        metrics_token: str | None = None,
         pgbouncer: bool = False,
         prepared_statements: bool | None = None,
         listen_dsn: str | None = None,
@@ -214,7 +222,14 @@ class Client(ClientBase):
         if metrics_port is not None and (not isinstance(metrics_port, int) or isinstance(metrics_port, bool)
                                          or not 0 <= metrics_port <= 65535):
             raise ConfigurationError(f"metrics_port must be a TCP port (0-65535) or None, got {metrics_port!r}")
+        if not isinstance(metrics_host, str) or not metrics_host:
+            raise ConfigurationError(f"metrics_host must be an address to bind, got {metrics_host!r}")
+        if metrics_token is not None and (not isinstance(metrics_token, str) or not metrics_token.strip()
+                                          or not metrics_token.isprintable()):
+            raise ConfigurationError("metrics_token must be a non-empty printable string, or None")
         self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self._metrics_token = metrics_token
 
     # -- connection -------------------------------------------------------------------------
 
@@ -587,6 +602,29 @@ class Client(ClientBase):
         """
         return self._run(lambda: operations.resume_run(run_id))
 
+    def pause_queue(self, queue: str, reason: str | None = None) -> bool:
+        """Pause a queue: from the moment this returns no supervisor claims a step of it
+        (every claim looks); steps already running finish, held ones that had been claimed
+        start. Returns True when it was not paused yet. ``reason`` is shown by
+        ``cyclone-mp queue list`` and ``workers``.
+
+        Raises:
+            ConfigurationError: ``queue`` is not a valid queue name.
+            DatabaseError: the database failed.
+        """
+        check_name(queue, "queue")
+        return self._run(lambda: operations.pause_queue(queue, reason))
+
+    def resume_queue(self, queue: str) -> bool:
+        """Resume a paused queue: its supervisors are woken and claim its steps at once.
+        Returns True when it was paused."""
+        check_name(queue, "queue")
+        return self._run(lambda: operations.resume_queue(queue))
+
+    def paused_queues(self) -> list[dict[str, Any]]:
+        """The paused queues: ``{"queue", "paused_at", "reason"}`` each, oldest first."""
+        return self._run(operations.paused_queues)
+
     def signal(self, run_id: str, name: str, payload: Any = None) -> bool:
         """Send signal ``name``; the first one per name is kept (returns False for a repeat).
 
@@ -640,8 +678,10 @@ class Client(ClientBase):
     # -- the supervisor -------------------------------------------------------------------------
 
     def _make_supervisor(self, dedicated: bool = False) -> Any:
+        from .procs import refuse_in_child
         from .supervisor import Supervisor
 
+        refuse_in_child()  # before migrate(): a handler's child never touches the cyclone tables
         if not self.mux.step_names:
             raise ConfigurationError("the mux registers no steps: nothing to run")
         self.migrate()
@@ -651,6 +691,7 @@ class Client(ClientBase):
         if self._wall_clock is not None:
             kwargs["wall_clock"] = self._wall_clock
         self._supervisor = Supervisor(self.dsn, self.mux, self.config, metrics_port=self.metrics_port,
+                                      metrics_host=self.metrics_host, metrics_token=self._metrics_token,
                                       listen_dsn=self.listen_dsn, dedicated=dedicated, **kwargs)
         return self._supervisor
 

@@ -46,10 +46,11 @@ from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound
 from .holding import HeldSteps, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
+from .mechanism import PROCESSES_USERNS, SAMPLING
 from .endings import AttemptEndings
 from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .mailbox import Inbox
-from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Written
+from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
@@ -60,6 +61,7 @@ STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes repar
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
 WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close (WatchdogLink.due)
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
+START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 
 
@@ -105,6 +107,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.confinement = confinement or slots.Confinement.none()
         if any(s.options.memory_limit is not None or s.options.max_processes is not None for s in mux.steps.values()):
             self.confinement.v1_at_birth = True  # the handlers declare caps held in v1 cgroups (where they are)
+        if any(s.options.max_processes is not None for s in mux.steps.values()):
+            self.confinement.wants_userns()  # ... or held in each child's user namespace (no pids cgroup)
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
@@ -116,8 +120,11 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
+        self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # endings: log lines said
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
+        self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
+        self.turned_at = time.monotonic()  # when the loop last began a turn (read by /healthz)
         self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
@@ -193,6 +200,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if running is not None:
             running.set()
         while True:
+            self.turned_at = time.monotonic()  # /healthz: the loop turns
             try:
                 now = self.clock()
                 self._handle_requests(now)
@@ -228,39 +236,69 @@ class ProcessControl(AttemptEndings, HeldSteps):
                 self._cancel(att, "shutdown", now)
 
     def _turn(self, now: float) -> None:
-        self._read_inbox()
+        """One pass of the loop. Each phase runs on its own (:meth:`_phase`): one that fails
+        (a descriptor limit hit while reading ``/proc``, say) is logged and the others
+        still run, so the deadlines, fences and kills are enforced on every turn."""
+        phase = self._phase
+        phase("inbox", self._read_inbox)
         if self.held and self.pool.idle():
-            self._take_held()
-        self._check_children_io()
-        self._read_watchdog()
-        self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK)
-        for child in self.pool.stuck_preloads(self.clock()):
-            self._on_child_exit(child)
-        self.pool.maintain(self.clock(), self.draining)
+            phase("held steps", self._take_held)
+        phase("children's messages", self._check_children_io)
+        phase("watchdog", self._read_watchdog)
+        phase("watchdog", lambda: self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK))
+        phase("children's starts", self._check_starts)
         now = self.clock()
         if now >= self._next_stray_check:
             self._next_stray_check = now + STRAY_CHECK_INTERVAL
-            if self.pool.reap_orphans():
-                log.info("killed handler process(es) reparented to the supervisor")
-            self.pool.tell_descendants()
-        for att, kind in self.limit_watch.due(now):
-            self._kill_for_limit(att, kind)
+            phase("stray processes", self._check_strays)
+        phase("resource limits", lambda: self._enforce_limits(now))
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
-            for att in self.attempts.values():  # a crashed child cannot be read afterwards
-                if att.child.attempt is att:
-                    att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
-        self._expire_held(self.clock())
-        self._release_queued(self.clock())
-        self._enforce(self.clock())
-        self._send_outcomes()
+            phase("sampling", self._sample_peaks)
+        phase("held steps", lambda: self._expire_held(self.clock()))
+        phase("queued steps", lambda: self._release_queued(self.clock()))
+        phase("deadlines and kills", lambda: self._enforce(self.clock()))
+        phase("outcomes", self._send_outcomes)
         now = self.clock()
         if self.db_ok and not self.draining and now >= self.next_poll:
-            self._request_claim(now)
+            phase("claim", lambda: self._request_claim(now))
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
-            self._publish_snapshot(now)
-            self.limit_watch.note_oom_kills()
+            phase("snapshot", lambda: self._publish_snapshot(now))
+
+    def _phase(self, name: str, fn: Callable[[], Any]) -> None:
+        """Run one phase of a turn; an error is logged (at most once a minute per phase,
+        with a count of the others) and the turn goes on."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - nothing may stop the loop's other phases
+            count, last = self._phase_errors.get(name, (0, -math.inf))
+            now = time.monotonic()
+            if now - last >= 60.0:
+                log.exception("process control: %s failed (%d more since the last report): %s; carrying on",
+                              name, count, exc)
+                self._phase_errors[name] = (0, now)
+            else:
+                self._phase_errors[name] = (count + 1, last)
+
+    def _check_starts(self) -> None:
+        for child in self.pool.stuck_preloads(self.clock()):
+            self._on_child_exit(child)
+        self.pool.maintain(self.clock(), self.draining)
+
+    def _check_strays(self) -> None:
+        if self.pool.reap_orphans():
+            log.info("killed handler process(es) reparented to the supervisor")
+        self.pool.tell_descendants()
+
+    def _enforce_limits(self, now: float) -> None:
+        for att, kind in self.limit_watch.due(now):
+            self._kill_for_limit(att, kind)
+
+    def _sample_peaks(self) -> None:
+        for att in self.attempts.values():  # a crashed child cannot be read afterwards
+            if att.child.attempt is att:
+                att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]
@@ -474,6 +512,13 @@ class ProcessControl(AttemptEndings, HeldSteps):
                              format_size(limits.memory), row["step_name"])
                     return self._replace(child)
                 slot.join(joining)
+            if limits.processes is not None and not child.userns and self.confinement.mechanism.userns_processes:
+                # no pids cgroup: children hold max_processes with RLIMIT_NPROC in a user
+                # namespace of their own, which only a child single-threaded at birth can make
+                self.confinement.wants_userns()  # from now on new children are born in one
+                log.info("child %d has no user namespace of its own to hold max_processes %d of step %s: "
+                         "replacing it", child.pid, limits.processes, row["step_name"])
+                return self._replace(child)
             fits = slot.configure(limits)
             if not fits and child.steps_run:
                 log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
@@ -489,6 +534,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             workflow=row["run_kind"] == "workflow", started=now,
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
             backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
+            claimed=(item.sent + item.arrived) / 2,
         )
         att.cpu_start = child.cpu_total
         self.attempts[att.key] = att
@@ -500,6 +546,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             child.attempt = att
             att.started_wall = self.wall_clock()
             self.limit_watch.arm(att)
+            self._note_start(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
@@ -514,18 +561,32 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
-            # where no cgroup holds the memory (or none counts the tree's CPU), rlimit backstops
-            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined))
+            # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
+            # process cap), rlimits backstop and the child counts its tree as its handler ends
+            pids_cgroup = slot is not None and slot.kernel_process_cap
+            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined),
+                     not pids_cgroup and child.userns, not pids_cgroup)
+            if limits.processes is not None:
+                att.processes_by = (self.confinement.mechanism.processes if pids_cgroup else
+                                    PROCESSES_USERNS if child.userns else SAMPLING)
             cached = self._task_limits.get((limits, flags))
             if cached is None:
                 if len(self._task_limits) > 256:
                     self._task_limits.clear()
-                cached = self._task_limits[(limits, flags)] = {**limits.as_json(), "rlimit_data": flags[0],
-                                                               "rlimit_cpu": flags[1]}
+                cached = self._task_limits[(limits, flags)] = {
+                    **limits.as_json(), "rlimit_data": flags[0], "rlimit_cpu": flags[1], "rlimit_nproc": flags[2],
+                    "count_tree": flags[3]}
             task["limits"] = cached
         child.queue(task)  # written by the caller, with the other tasks of this round
         self._watch(child)
         return True
+
+    def _note_start(self, att: Attempt) -> None:
+        """An attempt whose handler started well after its claim (it waited for a child):
+        its lease's next renewal records when (``started_at`` of a running step)."""
+        delay = att.start_delay()
+        if delay is not None and delay > START_NOTED_AFTER:
+            self.keeper(Started(att.key, delay))
 
     def _replace(self, child: ChildProc) -> bool:
         """Retire the idle ``child`` for a fresh one before a step with caps (which waits

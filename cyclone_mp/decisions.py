@@ -14,7 +14,9 @@ ERROR = "error"
 PERMANENT = "permanent"
 CHILD_EXITED = "child_exited"
 RECLAIM_LIMIT = "reclaim_limit"
+SNOOZE_LIMIT = "snooze_limit"  #: a step that raised cy.Snooze more than its max_snoozes
 OUTPUT_INVALID = "output_invalid"  # the output or a progress value broke the payload boundary
+NOT_IMPORTABLE = "not_importable"  # the child cannot import the handler, or it is not callable
 MEMORY_ERROR = "memory_error"  # the handler raised MemoryError
 EXIT = "exit"  # the handler raised SystemExit (sys.exit); the message has the code
 # causes of death of a tree (issue 20, cyclone_mp.limits): a cap of the step, or the kernel's OOM killer
@@ -24,12 +26,20 @@ PROCESS_LIMIT = "process_limit"
 OOM_KILLED = "oom_killed"
 DEATH_KINDS = (MEMORY_LIMIT, CPU_LIMIT, PROCESS_LIMIT, OOM_KILLED)
 
+#: Errors no retry can heal: the same code fails the same way on every attempt (the
+#: handler's module does not import, or its output breaks the payload boundary), so
+#: their step is discarded at once, like ``permanent``. Fix the code, then
+#: ``client.retry``. ``permanent_kinds_expr`` in ``sql/queries.sql`` lists them too.
+UNHEALABLE_KINDS = (OUTPUT_INVALID, NOT_IMPORTABLE)
+#: Kinds that discard their step at the attempt that reported them.
+PERMANENT_KINDS = (PERMANENT, *UNHEALABLE_KINDS)
 #: Kinds a failed attempt may have; each consumes an attempt and is retried after
-#: backoff (discarded when exhausted) except ``permanent``.
-FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED, OUTPUT_INVALID, MEMORY_ERROR, EXIT, *DEATH_KINDS)
+#: backoff (discarded when exhausted) except :data:`PERMANENT_KINDS`.
+FAILURE_KINDS = (TIMEOUT, ERROR, PERMANENT, CHILD_EXITED, OUTPUT_INVALID, NOT_IMPORTABLE, MEMORY_ERROR, EXIT,
+                 *DEATH_KINDS)
 #: Kinds a child reports in its result frame that are stored as they are; anything
 #: else it reports (besides "cancelled", which the cancel's reason decides) is ``error``.
-CHILD_REPORTED_KINDS = (ERROR, PERMANENT, OUTPUT_INVALID, MEMORY_ERROR, EXIT)
+CHILD_REPORTED_KINDS = (ERROR, PERMANENT, OUTPUT_INVALID, NOT_IMPORTABLE, MEMORY_ERROR, EXIT)
 
 
 def reported_kind(kind: object) -> str:
@@ -59,7 +69,9 @@ class AttemptEnd:
 
 
 def end_attempt(*, attempt: int, max_attempts: int, kind: str, timed_out: bool, backoff: float) -> AttemptEnd:
-    """Decide a failed attempt: retry after backoff, or discard when exhausted.
+    """Decide a failed attempt: retry after backoff, or discard when exhausted or when
+    its kind is one of :data:`PERMANENT_KINDS` (unless the database deadline passed
+    first: a timeout is retried as any timeout).
 
     Args:
         attempt: the number of the attempt that ended (1-based).
@@ -72,7 +84,7 @@ def end_attempt(*, attempt: int, max_attempts: int, kind: str, timed_out: bool, 
     if kind not in FAILURE_KINDS:
         raise ValueError(f"unknown failure kind {kind!r}")
     effective = TIMEOUT if timed_out else kind
-    if effective == PERMANENT or attempt >= max_attempts:
+    if effective in PERMANENT_KINDS or attempt >= max_attempts:
         return AttemptEnd(state="discarded", attempt=attempt, error_kind=effective, delay=0.0)
     return AttemptEnd(state="available", attempt=attempt + 1, error_kind=effective, delay=max(0.0, backoff))
 

@@ -17,12 +17,13 @@ the steps queued behind it unstarted. Every outcome is gathered for the outcome 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import decisions, procs, protocol
+from . import decisions, procs, protocol, unhealable
 from .attempts import Attempt
-from .messages import COMPLETE, FAIL, RELEASE, LeaseDone, LeaseKey, Outcome, Progress
+from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outcome, Progress
 
 if TYPE_CHECKING:
     from .config import Config
@@ -38,6 +39,9 @@ RELEASED = "released"  # the cancel reason that takes back a step queued in a ch
 #: an attempt is over, the writer records its processes dead (Reaped), so the step may run
 #: again at once instead of at ``dead_by``.
 REAPED_REPORTED = frozenset({"timeout", "cancelled", "lease_lost"})
+#: Seconds between two log lines about one step's unhealable errors of one kind (a broken
+#: deploy fails every queued run of the step at once: one line a minute says it, with a count).
+UNHEALABLE_LOG_EVERY = 60.0
 
 
 class AttemptEndings:
@@ -60,6 +64,7 @@ class AttemptEndings:
     _outcomes_since: float | None
     _prefetch_hold: bool
     _watchdog_killed: set[int]
+    _unhealable_said: dict[tuple[str, str], tuple[float, int]]  # (step, kind) -> (last line, attempts since)
 
     if TYPE_CHECKING:  # process control's own methods, called here
         def _take_held(self) -> None: ...
@@ -67,6 +72,7 @@ class AttemptEndings:
         def _watch(self, child: ChildProc) -> None: ...
         def _kill_for(self, child: ChildProc, trigger: str) -> None: ...
         def _cancel(self, att: Attempt, reason: str, now: float) -> None: ...
+        def _note_start(self, att: Attempt) -> None: ...
 
     # -- a child's messages ---------------------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class AttemptEndings:
             self._on_result(att, {
                 "t": "result", "task": att.token, "ok": False, "kind": decisions.OUTPUT_INVALID,
                 "type": "cyclone_mp.errors.PayloadError", "children": True,
-                "message": f"the child's result could not be decoded: {marker.get('error')}",
+                "message": unhealable.undecodable(marker.get("error")),
             })
             return
         if child.returncode is None:
@@ -159,6 +165,7 @@ class AttemptEndings:
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
             self.limit_watch.arm(nxt)
+            self._note_start(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
@@ -186,6 +193,16 @@ class AttemptEndings:
         }
         att.forensics = entry
         reason = att.cancel_reason
+        tree_count = result.get("tree_count") if att.limits.processes is not None else None
+        if result.get("ok") and reason is None and tree_count:
+            # its handler returned, but its tree was over its process cap as it ended (a
+            # burst no look saw, where no pids cgroup refused it): the cap's failure
+            over = self.limit_watch.over_at_end(att, tree_count)
+            if over is not None:
+                kind, usage = over
+                entry["killed_by_supervisor"] = False
+                self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
+                return
         if result.get("ok"):
             if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
                 self.stats["late_completions_dropped"] += 1
@@ -197,26 +214,47 @@ class AttemptEndings:
                                        entry=entry))
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
+        if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent
+            self._outcome(att, Outcome(att.key, SNOOZE, att.step_name, att.attempt, att.workflow,
+                                       progress=att.progress, entry=entry, snooze=float(result.get("snooze") or 0.0)))
+            return
         if reason is not None:
             entry["cancel_reason"] = reason
             self._settle_cancelled(att, entry)
             return
         kind = decisions.reported_kind(result.get("kind"))
-        if att.limits:  # the handler failed: maybe because a cap killed part of its tree (issue 20)
+        if att.limits:  # the handler failed: maybe because a cap killed part of its tree, or refused a fork
             kids = result.get("children_maxrss_kb")
             memory_error = kind == decisions.MEMORY_ERROR
-            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error,
-                                           reported_peak=((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None)
+            peak = ((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None
+            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error, reported_peak=peak,
+                                           tree_count=tree_count)
             if death is not None:
                 kind, usage = death
-                entry["killed_by_supervisor"] = False
+                entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
                 entry = self.limit_watch.death_entry(att, kind, usage, entry)
                 if memory_error and kind == decisions.MEMORY_LIMIT:
                     # the runner itself reached the cap's backstop (RLIMIT_DATA, before the
                     # sampling saw the tree cross it): it is retired, as a killed tree would be
                     child.recycle_due = True
                     self._maybe_recycle(child)
+        if kind in decisions.UNHEALABLE_KINDS:
+            self._say_unhealable(att, kind, entry)
         self._fail(att, kind, entry)
+
+    def _say_unhealable(self, att: Attempt, kind: str, entry: dict[str, Any]) -> None:
+        """One line in the worker's log for an error no retry can heal (its step is
+        discarded without retry): what is wrong and how to fix it, as stored on the step.
+        At most one line a minute per step and kind, counting the attempts in between."""
+        now, key = self.clock(), (att.step_name, kind)
+        said = self._unhealable_said.get(key)
+        if said is not None and now - said[0] < UNHEALABLE_LOG_EVERY:
+            self._unhealable_said[key] = (said[0], said[1] + 1)
+            return
+        self._unhealable_said[key] = (now, 0)
+        more = f" ({said[1]} more of step {att.step_name!r} since the last such line)" if said and said[1] else ""
+        log.error("step %r of run %s cannot succeed (%s, discarded without retry): %s%s",
+                  att.step_name, att.run_id, kind, entry.get("message"), more)
 
     def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
         """An attempt that ended after a cancel: its reason decides what is written."""
@@ -371,11 +409,13 @@ class AttemptEndings:
         if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended
             if outcome.kind == COMPLETE:
                 label = "completed"
-            elif outcome.kind == RELEASE:
-                label = "released"
+            elif outcome.kind in (RELEASE, SNOOZE):
+                label = "released" if outcome.kind == RELEASE else "snoozed"
             else:
                 label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
             self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
+        if getattr(att, "started_wall", None) is not None and outcome.kind != RELEASE:
+            outcome = dataclasses.replace(outcome, start_delay=att.start_delay())  # its handler's start
         self.outcomes.append((outcome, att.deadline))
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()

@@ -7,6 +7,8 @@ The root is :class:`CycloneError`; each subclass's docstring is its default mess
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CycloneError(Exception):
     """A cyclone_mp operation failed."""
@@ -17,6 +19,10 @@ class CycloneError(Exception):
 
 class ConfigurationError(CycloneError, ValueError):
     """An option or a registration is invalid."""
+
+
+class SupervisorInChild(ConfigurationError):
+    """A supervisor cannot start inside a handler's child process (a Client started at module level)."""
 
 
 class UnknownStep(CycloneError, LookupError):
@@ -139,6 +145,30 @@ class Permanent(Exception):
     def __init__(self, error: BaseException | str | None = None) -> None:
         self.error = error
         super().__init__(str(error) if error is not None else "permanent failure")
+
+
+class Snooze(Exception):
+    """Raise from a handler to run the step again ``seconds`` later, without spending an
+    attempt: ``raise cy.Snooze(30)`` (seconds, or a ``timedelta``). The step goes back to
+    ``available`` at now + seconds on the database clock, ``attempt`` unchanged, and its
+    ``snoozes`` count grows; past the step's ``max_snoozes`` (default 100) it is discarded
+    with ``error_kind="snooze_limit"``. A snooze after the attempt's deadline is its
+    timeout, as any late end is.
+
+    Raises:
+        ValueError: ``seconds`` is negative, not a number, or over a year.
+    """
+
+    def __init__(self, seconds: float | Any = 0.0) -> None:
+        import datetime as dt
+        import math
+
+        value = seconds.total_seconds() if isinstance(seconds, dt.timedelta) else seconds
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 <= value <= 366 * 86400:
+            raise ValueError(f"cy.Snooze takes seconds from 0 to a year, not {seconds!r}")
+        self.seconds = float(value)
+        super().__init__(f"snoozed for {self.seconds:g}s")
 
 
 class Cancelled(BaseException):

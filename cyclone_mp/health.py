@@ -1,6 +1,7 @@
-"""The health of a supervisor's maintenance tasks: which keep failing, and how old the
-fleet's last successful recovery sweep is (SPEC 9: a maintenance task that keeps failing
-is a visible health problem, never only a log line).
+"""A supervisor's health: its maintenance tasks (which keep failing, how old the fleet's
+last successful recovery sweep is: SPEC 9, a maintenance task that keeps failing is a
+visible health problem, never only a log line), and what ``/healthz`` and ``/readyz``
+answer (:data:`LIVE_AFTER`, :class:`DatabaseProbe`).
 
 Maintenance (:mod:`cyclone_mp.sweep`) reports each attempt of a task here. A task that
 fails :data:`FAILING_AFTER` attempts in a row is *failing*: the supervisor logs once what
@@ -125,3 +126,111 @@ class MaintenanceHealth:
                         for task, h in self.failing().items()},
             "last_sweep_age": None if age is None else round(age, 1),
         }
+
+
+#: Seconds after which a process-control loop that has not turned is not live (its loop
+#: wakes at least every second).
+LIVE_AFTER = 10.0
+PROBE_INTERVAL = 0.5  #: seconds between two looks at the database by :class:`DatabaseProbe`
+PROBE_TIMEOUT = 1.0  #: seconds one look may take (connecting included)
+
+
+class DatabaseProbe:
+    """Whether the database answers, for ``/readyz``: a connection of its own runs
+    ``SELECT 1`` every :data:`PROBE_INTERVAL` seconds on a thread of its own (reconnecting
+    after a failure), so a probe request never waits on the database and a flood of them
+    costs nothing. A look older than two intervals counts as a failure (the thread is
+    stuck). Only made when the supervisor serves its metrics port.
+
+    Args:
+        connect: opens a connection (:func:`cyclone_mp.connections.connect`, bounded).
+        clock: local monotonic clock in seconds.
+    """
+
+    def __init__(self, connect: Callable[[], Any], clock: Callable[[], float] = time.monotonic) -> None:
+        import threading
+
+        self._connect = connect
+        self.clock = clock
+        self._conn: Any = None
+        self._ok: tuple[bool, str, float] = (False, "not looked at yet", clock())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cyclone-readiness", daemon=True)
+
+    @classmethod
+    def started(cls, dsn: str, *, pgbouncer: bool, owner: str) -> "DatabaseProbe":
+        """A probe of ``dsn`` (through PgBouncer when ``pgbouncer``), started."""
+        from .connections import connect
+
+        probe = cls(lambda: connect(dsn, timeout=PROBE_TIMEOUT, dead_after=PROBE_TIMEOUT, pgbouncer=pgbouncer,
+                                    prepare=False, application_name=f"cyclone_mp readiness {owner}"))
+        probe.start()
+        return probe
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(PROBE_TIMEOUT + 1.0)
+        self._drop()
+
+    def state(self) -> tuple[bool, str]:
+        """``(True, "database reachable")``, or False and why."""
+        ok, reason, at = self._ok
+        if self.clock() - at > 2 * PROBE_INTERVAL + PROBE_TIMEOUT:
+            return False, f"the database has not answered for {self.clock() - at:.1f}s"
+        return ok, reason
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._look()
+            self._stop.wait(PROBE_INTERVAL)
+
+    def _look(self) -> None:
+        try:
+            if self._conn is None or self._conn.closed or self._conn.broken:
+                self._drop()
+                self._conn = self._connect()
+            self._conn.execute("SELECT 1")
+        except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
+            self._drop()
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._ok = (False, f"database unreachable: {detail}", self.clock())
+            return
+        self._ok = (True, "database reachable", self.clock())
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def liveness(control: Any, stopped: bool) -> tuple[bool, str]:
+    """``/healthz``: ``(True, "ok")`` while the process-control loop (``control``, with its
+    ``turned_at``, local monotonic seconds) turns: it wakes at least every second; else
+    False and for how long it has not."""
+    if control is None:
+        return (False, "stopped") if stopped else (True, "starting")
+    stalled = time.monotonic() - control.turned_at
+    if stalled > LIVE_AFTER:
+        return False, f"process control has not turned for {stalled:.0f}s"
+    return True, "ok"
+
+
+def readiness(running: bool, draining: bool, probe: DatabaseProbe | None) -> tuple[bool, str]:
+    """``/readyz``: ``(True, "ready")`` once the children run (``running``), while the
+    database answers (``probe``, when there is one) and until a drain begins; else False
+    and why."""
+    if not running:
+        return False, "starting: children not started yet"
+    if draining:
+        return False, "draining"
+    if probe is not None:
+        ok, reason = probe.state()
+        if not ok:
+            return False, reason
+    return True, "ready"

@@ -155,14 +155,15 @@ class History:
         ``dropped_runs`` (runs those partitions held), ``expired`` (archived runs deleted
         row by row), ``batches`` (statements that moved or deleted), ``busy`` (1: another
         supervisor was doing history work, this pass stopped) and ``more`` (1: the budget
-        ran out with work left; the next pass comes sooner).
+        ran out with work left; the next pass comes sooner), ``slots_deleted`` (slot rows
+        of limited groups none of whose steps waits or runs any more).
 
         Raises:
             DatabaseError: the database failed (what was committed stays done; the next
                 pass goes on from there).
         """
         counts = dict.fromkeys(("archived", "deleted", "partitions_made", "partitions_dropped", "dropped_runs",
-                                "expired", "batches", "busy", "more"), 0)
+                                "expired", "batches", "busy", "more", "slots_deleted"), 0)
         if not self.policy.active:
             return counts
         deadline = self.clock() + self.budget
@@ -175,6 +176,9 @@ class History:
         if not self._move(store, partitions, deadline, counts):
             return counts
         self._retain(store, partitions, now, deadline, counts)
+        if self.clock() < deadline:  # the slot rows of limited groups that are over (a bounded share)
+            counts["slots_deleted"] = store.run(operations.delete_idle_slots(batch=HISTORY_BATCH,
+                                                                             budget=10 * HISTORY_BATCH))
         return counts
 
     # -- the parts -----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from .connections import connect
 from .dbloop import DatabaseThread
 from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
-    DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Track,
+    DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Started, Track,
 )
 from .store import CANCEL_CHANNEL, NOTIFY_CHANNEL
 from .telemetry import NO_OBSERVER, Observer
@@ -60,6 +60,7 @@ class Lease:
     next_beat: float
     progress: Any = None
     progress_dirty: bool = False
+    start_delay: float | None = None  # its handler started this long after the claim: stored with the next renewal
     renewed: float = 0.0  # when the claim or the last renewal that held was sent (heartbeat lag)
 
 
@@ -96,6 +97,10 @@ class LeaseKeeper(DatabaseThread):
                 lease = self.leases.get(message.key)
                 if lease is not None:
                     lease.progress, lease.progress_dirty = message.value, True
+            elif isinstance(message, Started):
+                lease = self.leases.get(message.key)
+                if lease is not None:
+                    lease.start_delay = message.delay
             elif isinstance(message, LeaseDone):
                 for key in message.keys:
                     self.leases.pop(key, None)
@@ -125,7 +130,7 @@ class LeaseKeeper(DatabaseThread):
         for lease in due:
             lease.next_beat = now + interval * random.uniform(0.9, 1.1)
         sent = self.clock()
-        items = [(l.key[0], l.key[1], l.progress if l.progress_dirty else None) for l in due]
+        items = [(l.key[0], l.key[1], l.progress if l.progress_dirty else None, l.start_delay) for l in due]
         try:
             matched = self.call(self.config.call_bound, lambda store: store.renew_many(
                 owner=self.owner, items=items, ttl=self.config.lease_ttl))
@@ -145,7 +150,8 @@ class LeaseKeeper(DatabaseThread):
         sent = self.clock()
         try:
             matched = self.call(self.config.call_bound, lambda store: store.renew_many(
-                owner=self.owner, items=[(lease.key[0], lease.key[1], lease.progress if lease.progress_dirty else None)],
+                owner=self.owner, items=[(lease.key[0], lease.key[1], lease.progress if lease.progress_dirty else None,
+                                          lease.start_delay)],
                 ttl=self.config.lease_ttl))
         except DatabaseUnavailable:
             self._retry_soon([lease])
@@ -167,6 +173,7 @@ class LeaseKeeper(DatabaseThread):
         if ok:
             if self.leases.get(lease.key) is lease:
                 lease.progress_dirty = False
+                lease.start_delay = None  # stored
                 lease.renewed = max(lease.renewed, sent)
             self.tell(Renewed(lease.key, sent))
             return

@@ -1,4 +1,4 @@
-"""Per-step resource limits and the cause of a death (issue 20): values and decisions, no I/O.
+"""Per-step resource limits and the cause of a death: values and decisions, no I/O.
 
 A step may cap what its attempt's whole process tree (the child and everything it
 starts) uses while it runs:
@@ -145,7 +145,9 @@ class Usage:
     the tree now (``tasks``: with their threads); ``oom_kills``: kills by the kernel's OOM
     killer inside the tree since the attempt began, ``memory_cap_hits``: the tree reached
     its own memory cap (not the machine's or a parent's); ``fork_failures``: forks refused
-    at the process cap, ``at_process_cap``: the tree is at that cap now.
+    at the process cap, ``at_process_cap``: the tree is at that cap now (a pids cgroup);
+    ``at_process_rlimit``: the tree reached its ``RLIMIT_NPROC`` (set one over its cap, in
+    the child's user namespace: it was over its cap, and a fork past it was refused).
     """
 
     memory: int | None = None
@@ -157,6 +159,7 @@ class Usage:
     memory_cap_hits: int = 0
     fork_failures: int = 0
     at_process_cap: bool = False
+    at_process_rlimit: bool = False
 
     def forensics(self) -> dict[str, Any]:
         """The ``tree`` of an error entry: ``peak_memory_kb``, ``cpu_seconds``, ``processes``."""
@@ -170,14 +173,34 @@ class Usage:
         return out
 
 
+def note_tree_count(usage: Usage, count: dict[str, Any]) -> None:
+    """Add a child's count of its tree as its handler ended (``processes``, ``tasks``, and
+    ``nproc``: the ``RLIMIT_NPROC`` it ran under, or None) to ``usage``: the most processes
+    seen, and whether the tree was at that rlimit."""
+    processes, tasks, nproc = count.get("processes"), count.get("tasks"), count.get("nproc")
+    if isinstance(processes, int):
+        usage.processes = max(usage.processes or 0, processes)
+    if isinstance(tasks, int):
+        usage.tasks = max(usage.tasks or 0, tasks)
+        usage.at_process_rlimit = usage.at_process_rlimit or (isinstance(nproc, int) and tasks >= nproc)
+
+
+def over_process_cap(limits: Limits, usage: Usage) -> bool:
+    """Where no pids cgroup holds ``max_processes``: the tree was seen with more processes
+    than its cap, or at its ``RLIMIT_NPROC`` (one over the cap)."""
+    return limits.processes is not None and (
+        usage.at_process_rlimit or (usage.processes is not None and usage.processes > limits.processes))
+
+
 def over_limit(limits: Limits, usage: Usage, *, kernel_memory_cap: bool, kernel_process_cap: bool) -> str | None:
     """The cap a running attempt broke (its tree is then killed), or None.
 
     With a kernel memory cap (a cgroup) the memory cannot cross it: an OOM kill inside
     the tree, with the tree's peak at its cap, is the evidence (the tree is killed whole,
     as the kernel would not). With a kernel process cap, a refused fork with the tree at
-    its cap is. Otherwise the sampled values decide. (An OOM kill without the tree at its
-    own cap is the machine's doing: the tree is left to live on, and judged if it dies.)
+    its cap is. Otherwise the sampled values decide (a tree at its ``RLIMIT_NPROC``, one
+    over its cap, is over it). (An OOM kill without the tree at its own cap is the
+    machine's doing: the tree is left to live on, and judged if it dies.)
     """
     if limits.memory is not None and usage.oom_kills and usage.memory_cap_hits:
         return MEMORY_LIMIT
@@ -186,7 +209,7 @@ def over_limit(limits: Limits, usage: Usage, *, kernel_memory_cap: bool, kernel_
     if limits.processes is not None:
         if usage.fork_failures and (usage.at_process_cap or not kernel_process_cap):
             return PROCESS_LIMIT
-        if not kernel_process_cap and usage.processes is not None and usage.processes > limits.processes:
+        if not kernel_process_cap and over_process_cap(limits, usage):
             return PROCESS_LIMIT
     if limits.cpu is not None and usage.cpu is not None and usage.cpu >= limits.cpu:
         return CPU_LIMIT
@@ -194,16 +217,19 @@ def over_limit(limits: Limits, usage: Usage, *, kernel_memory_cap: bool, kernel_
 
 
 def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, killed_for: str | None,
-                   memory_error: bool = False, memory_by_rlimit: bool = False, oom_inferred: bool = False) -> str | None:
+                   memory_error: bool = False, memory_by_rlimit: bool = False, oom_logged: bool = False,
+                   kernel_process_cap: bool = False) -> str | None:
     """What ended an attempt, or None (then it is ``child_exited`` or what the handler reported).
 
     ``killed_for``: the cap the supervisor killed the tree for (it wins). Otherwise the
-    evidence: an OOM kill inside the tree (at its own memory cap: ``memory_limit``, else
-    ``oom_killed``); a peak past the memory cap (sampled, or a descendant's peak plus the
-    child's); a refused fork with the tree at its ``max_processes``; the child killed by
-    ``SIGXCPU`` (``RLIMIT_CPU``) under a ``cpu_limit``; a ``MemoryError`` under a memory
-    cap kept by ``RLIMIT_DATA``; a ``SIGKILL`` nobody here sent while the machine's OOM
-    killer acted (``oom_inferred``).
+    evidence about the attempt's own processes: an OOM kill inside the tree, counted by
+    its cgroup (at its own memory cap: ``memory_limit``, else ``oom_killed``); a peak past
+    the memory cap (sampled, or a descendant's peak plus the child's); a refused fork with
+    the tree at its ``max_processes`` (a pids cgroup), or, without one, the tree seen over
+    that cap or at its ``RLIMIT_NPROC``; the child killed by ``SIGXCPU`` (``RLIMIT_CPU``)
+    under a ``cpu_limit``; a ``MemoryError`` under a memory cap kept by ``RLIMIT_DATA``; a
+    ``SIGKILL`` of a child the kernel log says the OOM killer killed (``oom_logged``). A
+    ``SIGKILL`` without such evidence is nobody's known doing: None.
     """
     if killed_for is not None:
         return killed_for
@@ -213,11 +239,13 @@ def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, kil
         return MEMORY_LIMIT  # past the cap (a kernel cap never lets it: sampled, or a descendant's peak)
     if limits.processes is not None and usage.fork_failures and usage.at_process_cap:
         return PROCESS_LIMIT
+    if not kernel_process_cap and over_process_cap(limits, usage):
+        return PROCESS_LIMIT
     if limits.cpu is not None and exit_signal == signal.SIGXCPU:
         return CPU_LIMIT
     if memory_error and memory_by_rlimit and limits.memory is not None:
         return MEMORY_LIMIT
-    if oom_inferred and exit_signal == signal.SIGKILL:
+    if oom_logged and exit_signal == signal.SIGKILL:
         return OOM_KILLED
     return None
 

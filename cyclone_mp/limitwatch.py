@@ -1,13 +1,16 @@
-"""The running attempts with resource limits, and the cause of an attempt's death (issue 20).
+"""The running attempts with resource limits, and the cause of an attempt's death.
 
 Process control keeps one :class:`LimitWatch`. An attempt with limits is armed when it
 starts (its slot's counters are noted) and sampled every
 :data:`~cyclone_mp.slots.SAMPLE_INTERVAL` while it runs; :meth:`LimitWatch.over` says
-which are over a cap, and process control kills their trees. When an attempt ends badly,
-:meth:`LimitWatch.death` reads its slot's evidence (cgroup counters, the sampled tree, the
-machine's OOM kills) and :meth:`LimitWatch.death_entry` writes it into the error entry.
-An attempt without limits costs nothing here. No I/O but the slots' files and
-``/proc/vmstat``; process control's thread only.
+which are over a cap, and process control kills their trees. When an attempt ends badly
+(or its tree ended over its process cap), :meth:`LimitWatch.death` reads the evidence
+about that attempt's own processes (its slot's cgroup counters, the sampled tree, the
+child's count of its tree as its handler ended, the kernel log's record of an OOM kill
+of that child's pid) and :meth:`LimitWatch.death_entry` writes it into the error entry.
+Never a machine-wide counter: another process's OOM kill is not this child's death. An
+attempt without limits costs nothing here. No I/O but the slots' files, ``/proc`` and
+the kernel log; process control's thread only.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 
 from . import decisions, slots
 from .attempts import Attempt
-from .limits import NO_LIMITS, Limits, Usage, cause_of_death, death_message, death_summary, format_size, over_limit
+from .limits import (NO_LIMITS, Limits, Usage, cause_of_death, death_message, death_summary, format_size,
+                     note_tree_count, over_limit, over_process_cap)
+from .mechanism import MEMORY_FALLBACK, SAMPLING
 from .messages import LeaseKey
 
 
@@ -32,8 +37,6 @@ class LimitWatch:
         self.confinement = confinement
         self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled
         self.next_check = 0.0  # process control's clock: when to sample them next
-        self.vm_oom_kills = slots.vm_oom_kills()  # the machine's OOM kills when last looked at (an inferred cause)
-        self._vm_oom_kills_before = self.vm_oom_kills  # ... and the look before that
 
     def arm(self, att: Attempt) -> None:
         """An attempt with limits starts running: note where its slot's counters stand and
@@ -83,18 +86,13 @@ class LimitWatch:
         if att.child.slot is not None and att.base is not None:
             att.usage = att.child.slot.sample(att.limits, att.base, final=True)
 
-    def note_oom_kills(self) -> None:
-        """Look at the machine's OOM kills again (where no cgroup counts a child's memory,
-        an inferred OOM kill must be a recent one: since the look before the last, so
-        one that a look counted just before its victim's death was handled still is;
-        process control calls this every registry interval)."""
-        self._vm_oom_kills_before, self.vm_oom_kills = self.vm_oom_kills, slots.vm_oom_kills()
-
     def death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
-              reported_peak: int | None = None) -> tuple[str, Usage] | None:
-        """The cause of death of an attempt, from its slot's evidence, or None.
-        ``reported_peak``: bytes, the child's own peak plus its largest waited-for
-        descendant's (what a result says where no cgroup counts the tree)."""
+              reported_peak: int | None = None, tree_count: dict[str, Any] | None = None) -> tuple[str, Usage] | None:
+        """The cause of death of an attempt, from the evidence about its own processes, or
+        None. ``reported_peak``: bytes, the child's own peak plus its largest waited-for
+        descendant's (what a result says where no cgroup counts the tree);
+        ``tree_count``: the child's count of its tree as its handler ended (where no pids
+        cgroup holds ``max_processes``: :meth:`cyclone_mp._child.Runner.tree_count`)."""
         slot = att.child.slot
         usage = att.usage or Usage()
         if slot is not None and att.base is not None:
@@ -110,17 +108,26 @@ class LimitWatch:
         counted = slot is not None and slot.kernel_memory_cap  # a cgroup counts the tree's memory
         if reported_peak and not counted:
             usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
-        oom_inferred = False
-        if exit_signal == 9 and att.killed_for is None and not counted:
-            # no cgroup to say: a SIGKILL nobody here sent, while the machine's OOM killer acted
-            now = slots.vm_oom_kills()
-            looked = [n for n in (self._vm_oom_kills_before, self.vm_oom_kills) if n is not None]
-            oom_inferred = now is not None and bool(looked) and now > min(looked)
-            self.vm_oom_kills = self._vm_oom_kills_before = now
+        if tree_count:
+            note_tree_count(usage, tree_count)
+        oom_logged = False
+        if exit_signal == 9 and att.killed_for is None and not usage.oom_kills:
+            # a SIGKILL nobody here sent, no cgroup counter saw an OOM kill: the kernel log's word on this pid
+            oom_logged = self.confinement.kernel_log.oom_killed(att.child.pid, since=att.child.spawned)
         kind = cause_of_death(att.limits, usage, exit_signal=exit_signal, killed_for=att.killed_for,
-                              memory_error=memory_error, memory_by_rlimit=not counted,
-                              oom_inferred=oom_inferred)
+                              memory_error=memory_error, memory_by_rlimit=not counted, oom_logged=oom_logged,
+                              kernel_process_cap=slot is not None and slot.kernel_process_cap)
         return (kind, usage) if kind is not None else None
+
+    def over_at_end(self, att: Attempt, tree_count: dict[str, Any] | None) -> tuple[str, Usage] | None:
+        """A handler that returned, judged on its process cap where no pids cgroup holds it:
+        ``(process_limit, usage)`` when the child's count of its tree as the handler ended
+        (``tree_count``) or a sample shows the tree over its cap, else None."""
+        if att.limits.processes is None or not tree_count:
+            return None
+        usage = att.usage or Usage()
+        note_tree_count(usage, tree_count)
+        return (decisions.PROCESS_LIMIT, usage) if over_process_cap(att.limits, usage) else None
 
     def below_a_fresh_child(self, pid: int, limits: Limits) -> dict[str, Any]:
         """The error entry of an attempt that never ran: its ``memory_limit`` is below what
@@ -137,20 +144,27 @@ class LimitWatch:
         slot = att.child.slot
         confined = slot is not None and slot.confined
         by = {decisions.MEMORY_LIMIT: mech.memory if slot is not None and slot.kernel_memory_cap
-              else f"{slots.RLIMIT} + {slots.SAMPLING}",
-              decisions.PROCESS_LIMIT: mech.processes if slot is not None and slot.kernel_process_cap
-              else slots.SAMPLING,
-              decisions.CPU_LIMIT: mech.cpu if confined else slots.SAMPLING}.get(kind, "the kernel")
-        if entry.get("type") and att.killed_for is None:
-            who = f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
+              else MEMORY_FALLBACK,
+              decisions.PROCESS_LIMIT: att.processes_by or SAMPLING,
+              decisions.CPU_LIMIT: mech.cpu if confined else SAMPLING}.get(kind, "the kernel")
+        failed = (f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
+                  if entry.get("type") and att.killed_for is None else None)
+        if kind == decisions.PROCESS_LIMIT and usage.at_process_rlimit and att.killed_for is None:
+            who = (f"it reached RLIMIT_NPROC, one over the cap ({by}), past which the kernel refuses "
+                   "every fork" + (f"; {failed}" if failed else ""))
+        elif failed:
+            who = failed
         elif kind == decisions.CPU_LIMIT and att.killed_for is None:
             who = "the kernel sent SIGXCPU (RLIMIT_CPU)"
         elif kind == decisions.MEMORY_LIMIT and usage.oom_kills:
             who = f"the kernel's OOM killer acted at the cap ({by}), then the supervisor killed the whole tree"
         elif kind == decisions.PROCESS_LIMIT and usage.fork_failures:
             who = f"the kernel refused a fork at the cap ({by}), then the supervisor killed the whole tree"
+        elif kind == decisions.PROCESS_LIMIT and att.killed_for is None:
+            who = f"its tree was over the cap as its handler ended, between two looks ({by})"
         elif kind == decisions.OOM_KILLED:
-            who = "the supervisor killed the rest of the tree"
+            who = ("its cgroup counted the kill" if usage.oom_kills else "the kernel log names this process")
+            who += ", and the supervisor killed the rest of the tree"
         else:
             who = f"the supervisor killed the tree ({by})"
         entry.update({

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 LeaseKey = tuple[int, int]  #: ``(step id, lease generation)``
 
-COMPLETE, FAIL, RELEASE = "complete", "fail", "release"  #: kinds of :class:`Outcome`
+COMPLETE, FAIL, RELEASE, SNOOZE = "complete", "fail", "release", "snooze"  #: kinds of :class:`Outcome`
 
 
 # -- process control -> lease keeper ---------------------------------------------------------
@@ -54,6 +54,17 @@ class Track:
     wakes: ClassVar[bool] = False
     keys: tuple[LeaseKey, ...]
     sent: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """The handler of a lease started ``delay`` seconds after its claim (it waited for a
+    child): the lease keeper stores it with the lease's next renewal, so a running step's
+    ``started_at`` tells the truth before its outcome does."""
+
+    wakes: ClassVar[bool] = False
+    key: LeaseKey
+    delay: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +187,9 @@ class Outcome:
     :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, and ``entry``, its error entry;
     ``require_timed_out``: written only once the DB deadline has passed) or
     :data:`RELEASE` (a step given back unstarted or at shutdown: available at once,
-    nothing counted; ``held``: it had been claimed ahead, for prefetch).
+    nothing counted; ``held``: it had been claimed ahead, for prefetch) or
+    :data:`SNOOZE` (the handler raised ``cy.Snooze``: available ``snooze`` seconds later,
+    no attempt spent).
     ``attempt`` and ``backoff_spec`` decide the backoff of a retried failure.
     """
 
@@ -192,6 +205,8 @@ class Outcome:
     entry: dict[str, Any] | None = None
     require_timed_out: bool = False
     held: bool = False
+    start_delay: float | None = None  # seconds from the claim to the handler's start (None: it never started)
+    snooze: float = 0.0  # SNOOZE: seconds until the step runs again (no attempt spent)
 
     @property
     def step_id(self) -> int:

@@ -21,6 +21,7 @@ metric                                         type       labels
 ``cyclone_queue_depth``                        gauge      ``queue`` (claimable steps)
 ``cyclone_queue_oldest_available_seconds``     gauge      ``queue``
 ``cyclone_children_alive``                     gauge
+``cyclone_queue_paused``                       gauge      ``queue`` (1 while paused)
 ``cyclone_maintenance_failures_total``         counter    ``task`` (sweep, schedules, history...)
 ``cyclone_last_sweep_age_seconds``             gauge      (the fleet's last successful sweep)
 =============================================  =========  ======================================
@@ -35,7 +36,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigurationError
-from .telemetry import Observer
+from .telemetry import Observer, Probes
 
 QUEUE_DEPTH_INTERVAL = 5.0  #: seconds between maintenance's reads of the queues' depth
 #: histogram buckets (seconds): pickup latency spans milliseconds (LISTEN) to minutes (a backlog)
@@ -44,11 +45,15 @@ DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60
 
 
 class Metrics(Observer):
-    """The supervisor's Prometheus metrics and the HTTP server that serves them.
+    """The supervisor's Prometheus metrics and the HTTP server that serves them
+    (:class:`~cyclone_mp.httpd.BoundedServer`: one thread, a few descriptors at most,
+    whatever the clients do).
 
     Args:
         port: TCP port to serve ``/metrics`` on (0: any free port; see :attr:`port`).
-        host: address to bind (default all).
+        host: address to bind (default ``127.0.0.1``: this machine only; ``0.0.0.0`` for
+            every interface, e.g. a Prometheus on another host, then best with a token).
+        token: when set, a scrape must send ``Authorization: Bearer <token>``.
 
     Raises:
         ConfigurationError: ``prometheus_client`` is not installed, or the port is invalid.
@@ -56,7 +61,7 @@ class Metrics(Observer):
 
     queue_depth_interval = QUEUE_DEPTH_INTERVAL
 
-    def __init__(self, port: int, *, host: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, *, host: str = "127.0.0.1", token: str | None = None) -> None:
         try:
             import prometheus_client as prom
         except ImportError:
@@ -67,6 +72,7 @@ class Metrics(Observer):
         self._prom = prom
         self.requested_port = port
         self.host = host
+        self._token = token
         self.port: int | None = None  # the bound port, once serving
         self._server: Any = None
         self.registry = registry = prom.CollectorRegistry(auto_describe=True)
@@ -93,6 +99,8 @@ class Metrics(Observer):
                                  "Seconds the oldest claimable step of a queue has waited.", ["queue"], registry=registry)
         self.children = prom.Gauge("cyclone_children_alive", "Live child processes of this supervisor.",
                                    registry=registry)
+        self.paused = prom.Gauge("cyclone_queue_paused", "1 while a queue this supervisor serves is paused.",
+                                 ["queue"], registry=registry)
         self.maintenance_failures = prom.Counter(
             "cyclone_maintenance_failures", "Failed attempts of a maintenance task (sweep, schedules, history, "
             "registry, queue_depths, vacuum_watch).", ["task"], registry=registry)
@@ -102,24 +110,36 @@ class Metrics(Observer):
 
     # -- serving ---------------------------------------------------------------------------------
 
-    def start(self, children_alive: Callable[[], int],
-              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
-        """Serve ``/metrics`` (a daemon thread of prometheus_client's)."""
-        self.children.set_function(lambda: float(children_alive()))
-        self.sweep_age.set_function(lambda: _number(last_sweep_age()))
+    def start(self, probes: Probes) -> None:
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (:class:`~cyclone_mp.httpd.BoundedServer`,
+        a thread of its own)."""
+        from .httpd import BoundedServer
+
+        self.children.set_function(lambda: float(probes.children_alive()))
+        self.sweep_age.set_function(lambda: _number(probes.last_sweep_age()))
+        prom = self._prom
+
+        def scrape() -> tuple[int, str, bytes]:
+            return 200, prom.CONTENT_TYPE_LATEST, prom.generate_latest(self.registry)
+
+        def probe(check: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[int, str, bytes]]:
+            def answer() -> tuple[int, str, bytes]:
+                ok, reason = check()
+                return (200 if ok else 503), "text/plain; charset=utf-8", (reason + "\n").encode()
+            return answer
+
+        routes = {"/metrics": scrape, "/healthz": probe(probes.live), "/readyz": probe(probes.ready)}
         try:
-            server, _thread = self._prom.start_http_server(self.requested_port, addr=self.host,
-                                                           registry=self.registry)
+            self._server = BoundedServer(self.host, self.requested_port, routes, token=self._token)
         except OSError as exc:
-            raise ConfigurationError(f"cannot serve metrics on port {self.requested_port}: {exc.strerror or exc}") from exc
-        self._server = server
-        self.port = server.server_address[1]
+            raise ConfigurationError(f"cannot serve metrics on {self.host}:{self.requested_port}: "
+                                     f"{exc.strerror or exc}") from exc
+        self.port = self._server.port
 
     def close(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
+            server.close()
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -146,6 +166,10 @@ class Metrics(Observer):
 
     def maintenance_failed(self, task: str) -> None:
         self.maintenance_failures.labels(task).inc()
+
+    def queues_paused(self, served: Sequence[str], paused: Sequence[str]) -> None:
+        for queue in served:
+            self.paused.labels(queue).set(1.0 if queue in paused else 0.0)
 
     def heartbeat_lag(self, seconds: float) -> None:
         self.lag.set(seconds)

@@ -208,12 +208,28 @@ def _flag_flow(marks: Sequence[tuple[str, bool, bool]]) -> Steps[None]:
 
 
 def _ensure_slots(groups: Sequence[tuple[Any, str, int | None, tuple[int, float] | None]]) -> Steps[None]:
-    """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay."""
+    """Make the slot rows of limited (step, key) groups (migration 0007); existing ones stay,
+    held until the enqueue's transaction ends (so the cleanup leaves them)."""
     if groups:
         yield q("ensure_slots", {
             "step_names": [g[0] for g in groups], "keys": [g[1] for g in groups],
             "concurrencies": [g[2] or 0 for g in groups], "rate_counts": [g[3][0] if g[3] else 0 for g in groups],
+            "periods_us": [to_us(g[3][1]) if g[3] else None for g in groups],
         })
+
+
+@operation(transaction=False)
+def delete_idle_slots(*, batch: int = 1000, budget: int = 1_000_000) -> Steps[int]:
+    """Delete the slot rows of limited (step, key) groups none of whose steps waits or runs
+    any more, ``batch`` per statement (each its own transaction) until none is left or
+    ``budget`` rows are gone; returns how many went (a group enqueued again gets new ones)."""
+    total = 0
+    while total < budget:
+        deleted = (yield q("delete_idle_slots", {"limit": batch})).rowcount
+        total += deleted
+        if deleted < batch:
+            break
+    return total
 
 
 def _existing(idempotency_key: str | None) -> Steps[str]:
@@ -442,6 +458,26 @@ def retry_run(run_id: str) -> Steps[int]:
     return count
 
 
+@operation(transaction=False)
+def pause_queue(queue: str, reason: str | None = None) -> Steps[bool]:
+    """Stop every claim of ``queue``'s steps (running ones finish); True when it was not
+    paused yet."""
+    return bool((yield q("pause_queue", {"queue": queue, "reason": reason})).rows)
+
+
+@operation(transaction=False)
+def resume_queue(queue: str) -> Steps[bool]:
+    """Let claims take ``queue``'s steps again (its supervisors are woken); True when it
+    was paused."""
+    return bool((yield q("resume_queue", {"queue": queue})).rows)
+
+
+@operation(transaction=False)
+def paused_queues() -> Steps[list[dict[str, Any]]]:
+    """The paused queues: ``queue``, ``paused_at`` (DB clock), ``reason``."""
+    return (yield q("paused_queues")).rows
+
+
 @operation(transaction=True)
 def pause_run(run_id: str) -> Steps[int]:
     """Pause a running run; returns how many steps were paused. Raises RunNotFound, InvalidTransition."""
@@ -543,6 +579,7 @@ def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0) ->
             total += row["runs"]
             if row["runs"] < batch:
                 break
+    yield from delete_idle_slots(batch=batch)  # the groups whose last steps went
     return total
 
 

@@ -25,14 +25,15 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import decisions
+from . import decisions, unhealable
 from .backoff import delay_after
 from .config import Config
 from .connections import stale_plan
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
-from .messages import COMPLETE, FAIL, RELEASE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
+from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
 from .protocol import storable
+from .steps import DEFAULT_MAX_SNOOZES
 from .store import FORENSIC_KEYS, FailedAttempt
 from .telemetry import NO_OBSERVER, Observer
 
@@ -67,6 +68,7 @@ class OutcomeWriter(DatabaseThread):
 
     def __init__(self, dsn: str, config: Config, *, owner: str, names: list[str],
                  backoff_for: Callable[[str | None], Callable[[int], float]],
+                 max_snoozes: Callable[[str | None], int] = lambda name: DEFAULT_MAX_SNOOZES,
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
                  load: Callable[[Any], None], observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,6 +78,7 @@ class OutcomeWriter(DatabaseThread):
         self.owner = owner
         self.names = names
         self.backoff_for = backoff_for
+        self.max_snoozes = max_snoozes
         self.tell_keeper = tell_keeper
         self.tell_control = tell_control
         self.load = load
@@ -161,7 +164,7 @@ class OutcomeWriter(DatabaseThread):
         batch, self.batch = self.batch, []
         claim, self.claim = self.claim, 0
         start_now, self.start_now = min(self.start_now, claim), 0
-        releases = [o for o in batch if o.kind == RELEASE]
+        releases = [o for o in batch if o.kind in (RELEASE, SNOOZE)]  # (written alone: rare)
         done = [o for o in batch if o.kind == COMPLETE]
         failed = [o for o in batch if o.kind == FAIL]
         if claim and not (done or failed):
@@ -221,7 +224,7 @@ class OutcomeWriter(DatabaseThread):
         self.tell_control(Claimed(tuple(r for r in rows if not r.get("big")), sent, limit, failed=failed, wait=wait))
 
     def _settle(self, done: list[Outcome], failed: list[Outcome], claim: int, start_now: int) -> None:
-        completions = [(o.step_id, o.generation, o.output, o.progress) for o in done]
+        completions = [(o.step_id, o.generation, o.output, o.progress, o.start_delay) for o in done]
         failures = [
             FailedAttempt(id=o.step_id, generation=o.generation, kind=o.error_kind or decisions.ERROR,
                           entry=self._entry(o), require_timed_out=o.require_timed_out, progress=o.progress,
@@ -299,6 +302,8 @@ class OutcomeWriter(DatabaseThread):
         entry = dict(outcome.entry or {})
         if plain:
             entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+        if outcome.start_delay is not None:  # the handler started this long after its claim (written to start_delay)
+            entry["start_delay"] = round(outcome.start_delay, 6)
         return {"worker": self.owner, "lease_generation": outcome.generation, **entry}
 
     def _retry_pending(self, now: float) -> None:
@@ -324,7 +329,8 @@ class OutcomeWriter(DatabaseThread):
         try:
             if outcome.kind == COMPLETE:
                 applied = self.call(self.config.write_bound, lambda store: store.complete(
-                    owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress)],
+                    owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress,
+                                              outcome.start_delay)],
                     workflows=outcome.workflow))
                 if applied:
                     self.count("completed")
@@ -332,6 +338,19 @@ class OutcomeWriter(DatabaseThread):
                     self._done(outcome)
                 else:
                     self._late_success(outcome)
+                return True
+            if outcome.kind == SNOOZE:
+                state = self.call(self.config.write_bound, lambda store: store.snooze(
+                    owner=self.owner, id=outcome.step_id, generation=outcome.generation, seconds=outcome.snooze,
+                    max_snoozes=self.max_snoozes(outcome.step_name), progress=outcome.progress,
+                    entry=self._entry(outcome)))
+                if state is None:  # the row moved on (timed out, cancelled): a late end, as for a success
+                    self.count("late_completions_dropped")
+                else:
+                    self.count("snoozed")
+                    if state == "discarded":
+                        self.observer.written(outcome.step_name, decisions.SNOOZE_LIMIT)
+                self._done(outcome)
                 return True
             if outcome.kind == RELEASE:
                 released = self.call(self.config.write_bound, lambda store: store.release(
@@ -367,11 +386,13 @@ class OutcomeWriter(DatabaseThread):
     def _rejected(self, write: PendingWrite, exc: Exception) -> bool:
         """The database refused this write for its data: never retried as is."""
         outcome = write.outcome
-        if outcome.kind == COMPLETE:
+        if outcome.kind == COMPLETE:  # output_invalid: discarded without retry, said once in the log
+            message = storable(unhealable.rejected(exc))[:2000]
+            log.error("step %r (id %d) cannot succeed (output_invalid, discarded without retry): %s",
+                      outcome.step_name, outcome.step_id, message)
             self._write_alone(PendingWrite(dataclasses.replace(
                 outcome, kind=FAIL, error_kind=decisions.OUTPUT_INVALID, output=None, require_timed_out=False, entry={
-                    "type": "cyclone_mp.errors.PayloadError",
-                    "message": storable(f"the database rejected the handler's output: {exc}")[:2000],
+                    "type": "cyclone_mp.errors.PayloadError", "message": message,
                 }), self.clock()))
             return True
         if outcome.kind == FAIL and not write.plain:

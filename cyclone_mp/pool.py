@@ -46,7 +46,7 @@ class ChildProc:
 
     def __init__(self, supervisor_id: str, limit: int, preload: Sequence[tuple[str, str | None]] = (), *,
                  zygote: Zygote | None = None, cgroup_fd: int | None = None,
-                 enter: Sequence[tuple[str, int]] = ()) -> None:
+                 enter: Sequence[tuple[str, int]] = (), userns: bool = False) -> None:
         """Start a child. ``limit``: the largest message in bytes; ``preload``: the
         ``(module, script path or None)`` of the handlers, imported before it is ready;
         ``zygote``: fork it from this ready zygote (issue 23) instead of spawning a fresh
@@ -56,6 +56,9 @@ class ChildProc:
         into the cgroup directories of ``enter`` (``(key, descriptor)``, the slot's
         :meth:`~cyclone_mp.slots.Slot.entry`), then says ``entered`` (:attr:`entering`
         until then). Without ``enter`` the caller moves it, then calls :meth:`start`.
+        ``userns``: it makes a user namespace of its own at birth, where RLIMIT_NPROC then
+        counts its tree alone (:mod:`cyclone_mp.proctree`); its ``ready`` says whether it
+        could (:attr:`userns`).
 
         Raises:
             OSError: the system refused a process or a descriptor.
@@ -71,11 +74,13 @@ class ChildProc:
         try:
             if zygote is not None:
                 self.leftover = [list(m) for m in preload if tuple(m) not in zygote.imported]
-                self.pid, self.in_cgroup = zygote.fork(child_sock.fileno(), cancel_r, self.leftover, cgroup_fd, enter)
+                self.pid, self.in_cgroup = zygote.fork(child_sock.fileno(), cancel_r, self.leftover, cgroup_fd, enter,
+                                                       userns=userns)
                 self.entering = bool(enter)
             else:
                 env = procs.helper_env({procs.MARKER_ENV: supervisor_id,
-                                        protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload])})
+                                        protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload]),
+                                        protocol.USERNS_ENV: "1" if userns else ""})
                 self.popen = subprocess.Popen(
                     procs.helper_command("_child", str(child_sock.fileno()), str(cancel_r), str(os.getpid()),
                                          str(limit)),
@@ -125,6 +130,7 @@ class ChildProc:
         # handle whose pid was since reused, so a stranger is never hit.
         self.descendants_seen: dict[int, psutil.Process] = {}
         self.killed = False  # the supervisor SIGKILLed it
+        self.userns = False  # it said it is the first process of a user namespace of its own (max_processes)
         self.unread: list[dict[str, Any]] = []  # what it sent before it died, read once it was reaped
         self.peak_rss_kb: int | None = None
         self.slot: Slot | None = None  # its slot (cgroups, sampling), set by the pool
@@ -347,6 +353,7 @@ class ChildPool:
         zygote = self.zygote if self.zygote is not None and self.zygote.ready else None
         used = {c.slot.index for c in self.children if c.slot is not None}
         slot = self.confinement.slot(min(i for i in range(len(self.children) + 1) if i not in used))
+        userns = self.confinement.userns_at_birth
         try:
             try:
                 # a forked child is born in a fresh v2 cgroup of its slot (its caps reset
@@ -354,10 +361,10 @@ class ChildPool:
                 # control never waits for the kernel
                 child = ChildProc(self.owner, self.limit, self.preload, zygote=zygote,
                                   cgroup_fd=slot.prepare() if zygote is not None else None,
-                                  enter=slot.entry() if zygote is not None else ())
+                                  enter=slot.entry() if zygote is not None else (), userns=userns)
             except ZygoteError as exc:
                 log.warning("the zygote could not fork a child (%s); spawning one", exc)
-                child = ChildProc(self.owner, self.limit, self.preload)
+                child = ChildProc(self.owner, self.limit, self.preload, userns=userns)
         except OSError as exc:
             log.error("cannot start a child process: %s", exc)
             return None
@@ -429,6 +436,9 @@ class ChildPool:
         prev = self.ready_seconds
         self.ready_seconds = child.ready_after if prev is None else 0.8 * prev + 0.2 * child.ready_after
         child.cpu_total = child.cpu_at_ready = float(message.get("cpu_total") or 0.0)
+        child.userns = message.get("userns") is True
+        if message.get("userns_error"):
+            self.confinement.userns_failed(str(message["userns_error"]))
 
     def stuck_preloads(self, now: float) -> list[ChildProc]:
         """New children stuck importing one handler module for PRELOAD_TIMEOUT: killed here,
@@ -540,8 +550,9 @@ class ChildPool:
 
     def sweep_leftovers(self, child: ChildProc) -> None:
         """A finished task left processes under the (reused) child: kill them, then let it go on."""
-        self.count_grandchildren(child, child.kill_descendants())
-        child.queue({"t": "go"})
+        killed = child.kill_descendants()
+        self.count_grandchildren(child, killed)
+        child.queue({"t": "go", "reap": killed})  # the child reaps those it adopted
         child.flush()
         self.update_write_interest(child)
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import psutil
 
+from .errors import SupervisorInChild
 from .protocol import has_children
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -494,3 +495,17 @@ def exit_description(status: int | None) -> dict[str, object]:
             return {"signal": -status, "signal_name": signal.Signals(-status).name}
         return {"signal": -status}
     return {"exit_code": status}
+
+
+def refuse_in_child() -> None:
+    """Raise :class:`~cyclone_mp.errors.SupervisorInChild` in a handler's child process
+    (or its descendant): a supervisor there would spawn children that import the same
+    module and start supervisors again, without end. The child runner reports it as its
+    step's ``not_importable`` error, naming the missing ``__main__`` guard.
+    """
+    if os.environ.get(MARKER_ENV):
+        raise SupervisorInChild(
+            "a supervisor cannot start inside a handler's child process: this usually means a "
+            "script starts its Client at module level; put that code under "
+            "`if __name__ == \"__main__\":` (children import the module to find its steps)"
+        )

@@ -78,6 +78,7 @@ UNDECODABLE = "undecodable"  # the ``t`` of the marker FrameReader puts in place
 #: task of a frame that cannot be decoded is still known.
 _TASK_HEAD = re.compile(rb'\{"t":"([a-z_]{1,32})","task":"([^"\\]{1,200})"')
 PRELOAD_ENV = "CYCLONE_MP_PRELOAD"  # a child's environment: JSON [[module, path or null], ...] to import before "ready"
+USERNS_ENV = "CYCLONE_MP_USERNS"  # a child's environment: "1": make a user namespace of its own at birth (proctree)
 
 
 

@@ -1,31 +1,42 @@
-"""Confining each child slot's process tree (issue 20): its caps, its evidence, its kill.
+"""Confining each child slot's process tree: its caps, its evidence, its kill.
 
 A supervisor detects once, when it starts (:meth:`Confinement.detect`), the best
-mechanism the host offers for each job, and keeps one :class:`Slot` per child slot (a
-new child takes the slot of the one it replaces):
+mechanism the host offers for each job (:class:`~cyclone_mp.mechanism.Mechanism`, said
+in one line at start), and keeps one :class:`Slot` per child slot (a new child takes the
+slot of the one it replaces):
 
-========================  ===============================================  ==========================
-job                       best first                                       fallback
-========================  ===============================================  ==========================
+========================  ===============================================  ===============================
+job                       best first                                       fallback (no writable cgroup)
+========================  ===============================================  ===============================
 kill the whole tree       cgroup v2: freeze, list, ``cgroup.kill``          SIGSTOP, then SIGKILL to the
                           (no fork can race it)                            group and every descendant
 memory (``memory_limit``) cgroup v2 ``memory.max``; cgroup v1              ``RLIMIT_DATA`` in the child,
                           ``memory.limit_in_bytes`` (the kernel holds      and the tree's RSS sampled
                           the cap; an OOM kill inside is the evidence)     here every 50 ms
-processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     the tree's processes sampled
-(``max_processes``)       is the evidence)
+processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     ordinary user: ``RLIMIT_NPROC``
+(``max_processes``)       is the evidence)                                 in a user namespace of the
+                                                                           child's own, one over the cap
+                                                                           (:mod:`~cyclone_mp.proctree`);
+                                                                           root: nothing binds it. Both:
+                                                                           the tree sampled every 50 ms
+                                                                           and counted when the handler
+                                                                           ends
 CPU (``cpu_limit``)       cgroup v2 ``cpu.stat`` sampled every 50 ms       the tree's ``/proc`` times
-                                                                           sampled, ``RLIMIT_CPU`` in the child
+                                                                           sampled, ``RLIMIT_CPU`` in the
+                                                                           child
 open files                ``RLIMIT_NOFILE`` in the child (no cgroup        the same
 (``max_open_files``)      counts descriptors)
-========================  ===============================================  ==========================
+an OOM kill's evidence    the slot's ``memory.events`` (v2) or             the kernel log's record of
+                          ``memory.oom_control`` (v1) counters             that pid (:mod:`~cyclone_mp.kmsg`,
+                                                                           where readable); else none
+========================  ===============================================  ===============================
 
 cgroups are used where the supervisor can create them: as root, or in a delegated
 subtree (systemd's ``Delegate=yes``). Each supervisor makes one directory per
 hierarchy, ``cyclone-mp-<pid>-<tag>`` under its own cgroup, and in it ``slot-N`` per
 child slot. Moving a process into a cgroup (a ``cgroup.procs`` write) waits, the first
 time after a pause, for a kernel RCU grace period (7-15 ms measured on cgroup v1 here);
-creating it in one does not (issue 23). So:
+creating it in one does not. So:
 
 - a child forked from the zygote is created in a v2 directory of its slot
   (``CLONE_INTO_CGROUP``); each later child of the slot gets a fresh one,
@@ -39,13 +50,19 @@ creating it in one does not (issue 23). So:
   every new child joins them at birth (:attr:`Confinement.v1_at_birth`);
 - a moved child moves itself, first thing after the fork, so the grace period is the
   child's wait, not process control's (whose stall would hold back every other child's
-  results); a child that cannot is moved from here, as a spawned one is.
+  results); a child that cannot is moved from here, as a spawned one is;
+- where no pids cgroup holds ``max_processes`` and the supervisor is an ordinary user,
+  children are born in user namespaces of their own once a step with that cap is seen
+  or declared (:attr:`Confinement.userns_at_birth`); an older child is replaced before
+  its first such attempt (a namespace can only be made while single-threaded).
 
 v2 controllers are enabled in the supervisor's own cgroup
 when they are available there but not yet enabled; a non-root cgroup holding the
 supervisor cannot enable them (no internal processes), so the supervisor first moves
 itself into a leaf of its own (``cyclone-mp-supervisor-<pid>``), as systemd advises
-for delegated units. ``CYCLONE_MP_CGROUPS=off`` turns cgroups off (the fallbacks).
+for delegated units. ``CYCLONE_MP_CGROUPS=off`` turns cgroups off (the fallbacks);
+``CYCLONE_MP_CGROUPS=v1`` or ``v2`` keeps one hierarchy (a v1-only or v2-only host's
+mechanisms, run on a hybrid one).
 
 Sampling happens only while an attempt with a limit runs (process control's loop,
 every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing.
@@ -59,58 +76,30 @@ import errno
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import protocol
-from .cgroups import PREFIX, find_hierarchies, remove_tree, setup_v1, setup_v2
+from .cgroups import PREFIX, Hierarchies, find_hierarchies, remove_tree, setup_v1, setup_v2
 from .cgroups import pid_alive as _pid_alive
 from .cgroups import read_text as _read
 from .cgroups import rmdir_cgroup as _rmdir
 from .cgroups import to_int as _int
 from .cgroups import write_text as _write
+from .kmsg import KMSG, KernelLog
 from .limits import Limits, Usage
+from .mechanism import (CGROUP_COUNTERS, CGROUP_V1, CGROUP_V2, KERNEL_LOG, MEMORY_FALLBACK, PROCESSES_USERNS,
+                        SAMPLING, SIGNALS, Mechanism)
+from .proctree import stat as _stat
+from .proctree import tree as _tree
+from .proctree import user_namespaces_refused
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
-CGROUPS_ENV = "CYCLONE_MP_CGROUPS"  #: "off" (or 0, no, false): never use cgroups
+#: "off" (or 0, no, false): never use cgroups; "v1" or "v2": only that hierarchy (to run a
+#: v1-only or v2-only host's mechanisms on a hybrid one); unset: every one that can be used
+CGROUPS_ENV = "CYCLONE_MP_CGROUPS"
 SAMPLE_INTERVAL = 0.05  #: seconds between two looks at a running attempt with limits
 FREEZE_WAIT = 0.05  #: seconds a tree kill waits for a cgroup to be frozen before it kills anyway
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-CGROUP_V2, CGROUP_V1 = "cgroup v2", "cgroup v1"
-SAMPLING, RLIMIT, SIGNALS = "sampling", "rlimit", "signals"
-
-
-@dataclasses.dataclass(frozen=True)
-class Mechanism:
-    """How each job is done on this host (see the module docstring); what ``cyclone-mp
-    workers`` and the start-up log show."""
-
-    kill: str = SIGNALS  #: "cgroup v2" or "signals"
-    memory: str = f"{RLIMIT} + {SAMPLING}"  #: "cgroup v2", "cgroup v1" or "rlimit + sampling"
-    processes: str = SAMPLING  #: "cgroup v2", "cgroup v1" or "sampling"
-    cpu: str = SAMPLING  #: "cgroup v2" (cpu.stat, sampled) or "sampling" (/proc)
-    open_files: str = RLIMIT
-    where: tuple[str, ...] = ()  #: the supervisor's cgroup directories
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kill": self.kill, "memory": self.memory, "processes": self.processes, "cpu": self.cpu,
-                "open_files": self.open_files, "cgroups": list(self.where)}
-
-    def describe(self) -> str:
-        """One line for the logs."""
-        return (f"tree kill by {self.kill}; memory_limit by {self.memory}; max_processes by {self.processes}; "
-                f"cpu_limit by {self.cpu} (sampled); max_open_files by {self.open_files}"
-                + (f"; cgroups {', '.join(self.where)}" if self.where else ""))
-
-    @property
-    def kernel_memory_cap(self) -> bool:
-        return self.memory in (CGROUP_V2, CGROUP_V1)
-
-    @property
-    def kernel_process_cap(self) -> bool:
-        return self.processes in (CGROUP_V2, CGROUP_V1)
-
 
 # -- counter files ---------------------------------------------------------------------------------
 
@@ -151,50 +140,95 @@ class Confinement:
         mechanism: the :class:`Mechanism` chosen.
         v2, memory_v1, pids_v1: this supervisor's directory in each hierarchy used, or None.
         v2_controllers: the v2 controllers enabled for the slots (``memory``, ``pids``).
+        kernel_log: the kernel's record of OOM kills (:class:`~cyclone_mp.kmsg.KernelLog`).
+        userns_at_birth: new children are born in user namespaces of their own.
     """
 
     def __init__(self, *, v2: str | None = None, v2_controllers: frozenset[str] = frozenset(),
-                 memory_v1: str | None = None, pids_v1: str | None = None, kill: bool = False) -> None:
+                 memory_v1: str | None = None, pids_v1: str | None = None, kill: bool = False,
+                 unusable: tuple[str, ...] = (), userns: Callable[[], str | None] = user_namespaces_refused,
+                 kmsg: str = KMSG) -> None:
+        """``unusable``: why cgroups are not used (for the start line); ``userns``: says why
+        children cannot hold ``max_processes`` in user namespaces of their own (None: they
+        can), asked only where no pids cgroup holds it; ``kmsg``: the kernel log."""
         self.v2, self.v2_controllers = v2, v2_controllers
         self.memory_v1, self.pids_v1 = memory_v1, pids_v1
         self.v2_kill = kill
-        memory = (CGROUP_V2 if "memory" in v2_controllers else CGROUP_V1 if memory_v1 else f"{RLIMIT} + {SAMPLING}")
-        processes = CGROUP_V2 if "pids" in v2_controllers else CGROUP_V1 if pids_v1 else SAMPLING
+        memory = (CGROUP_V2 if "memory" in v2_controllers else CGROUP_V1 if memory_v1 else MEMORY_FALLBACK)
+        processes = CGROUP_V2 if "pids" in v2_controllers else CGROUP_V1 if pids_v1 else None
+        no_userns = None
+        if processes is None:
+            no_userns = userns()
+            processes = SAMPLING if no_userns else PROCESSES_USERNS
+        self.kernel_log = KernelLog(kmsg)  # the kernel's word on an OOM kill (where it can be read)
+        oom = " + ".join(([CGROUP_COUNTERS] if memory != MEMORY_FALLBACK else [])
+                         + ([KERNEL_LOG] if self.kernel_log.readable else [])) or "none"
         self.mechanism = Mechanism(
             kill=CGROUP_V2 if v2 and kill else SIGNALS, memory=memory, processes=processes,
-            cpu=CGROUP_V2 if v2 else SAMPLING, where=tuple(d for d in (v2, memory_v1, pids_v1) if d))
+            cpu=CGROUP_V2 if v2 else SAMPLING, oom=oom, where=tuple(d for d in (v2, memory_v1, pids_v1) if d),
+            unusable=unusable, no_userns=no_userns)
         self._slots: dict[int, Slot] = {}
         # Children join the slots' v1 cgroups at birth, not only before an attempt with caps
         # held there: always where v1 must hold the tree (no v2 kill), else once caps are used.
         self.v1_at_birth = not (v2 and kill)
+        # Children are born in user namespaces of their own (to hold max_processes there) once
+        # a step with max_processes is seen or declared (:meth:`wants_userns`).
+        self.userns_at_birth = False
 
     @classmethod
-    def none(cls) -> "Confinement":
-        """No cgroups: rlimits in the child, sampling here, signals to kill."""
-        return cls()
+    def none(cls, why: str = "", **options: Any) -> "Confinement":
+        """No cgroups: rlimits in the child, sampling here, signals to kill (``why``: the
+        reason, for the start line)."""
+        return cls(unusable=(why,) if why else (), **options)
 
     @classmethod
     def detect(cls, tag: str, *, environ: Any = None, mountinfo: str = "/proc/self/mountinfo",
-               proc_cgroup: str = "/proc/self/cgroup") -> "Confinement":
+               proc_cgroup: str = "/proc/self/cgroup", **options: Any) -> "Confinement":
         """Find and set up the best mechanism here (see the module docstring); never raises:
-        what cannot be used is left to the fallbacks, and said in the log."""
+        what cannot be used is left to the fallbacks, and said in the start line
+        (:meth:`Mechanism.start_line`). ``environ``'s :data:`CGROUPS_ENV` may turn cgroups
+        off or keep one hierarchy only; ``options``: the constructor's."""
         environ = os.environ if environ is None else environ
-        if str(environ.get(CGROUPS_ENV, "")).strip().lower() in ("0", "off", "no", "false"):
-            return cls.none()
+        wanted = str(environ.get(CGROUPS_ENV, "")).strip().lower()
+        if wanted in ("0", "off", "no", "false"):
+            return cls.none(f"{CGROUPS_ENV}={environ.get(CGROUPS_ENV)}", **options)
         info, own = _read(mountinfo), _read(proc_cgroup)
         if not info or not own:
-            return cls.none()
+            return cls.none(f"cannot read {mountinfo if not info else proc_cgroup}", **options)
         found = find_hierarchies(info, own)
+        if wanted in ("v1", "v2"):  # one hierarchy only: as on a host that has no other
+            found = Hierarchies(v2=found.v2) if wanted == "v2" else Hierarchies(memory_v1=found.memory_v1,
+                                                                                pids_v1=found.pids_v1)
+        if not (found.v2 or found.memory_v1 or found.pids_v1):
+            return cls.none("no cgroup v2, v1 memory or v1 pids hierarchy of ours is mounted"
+                            + (f" ({CGROUPS_ENV}={wanted})" if wanted in ("v1", "v2") else ""), **options)
         name = f"{PREFIX}{os.getpid()}-{tag}"
+        why: list[str] = []
         v2 = controllers = None
         kill = False
         if found.v2:
-            v2, controllers = setup_v2(found.v2, name)
+            v2, controllers = setup_v2(found.v2, name, why)
             kill = bool(v2) and os.path.exists(os.path.join(v2, "cgroup.kill"))
         controllers = controllers or frozenset()
-        memory_v1 = None if "memory" in controllers else setup_v1(found.memory_v1, name, "memory.limit_in_bytes")
-        pids_v1 = None if "pids" in controllers else setup_v1(found.pids_v1, name, "pids.max")
-        return cls(v2=v2, v2_controllers=controllers, memory_v1=memory_v1, pids_v1=pids_v1, kill=kill)
+        memory_v1 = None if "memory" in controllers else setup_v1(found.memory_v1, name, "memory.limit_in_bytes", why)
+        pids_v1 = None if "pids" in controllers else setup_v1(found.pids_v1, name, "pids.max", why)
+        return cls(v2=v2, v2_controllers=controllers, memory_v1=memory_v1, pids_v1=pids_v1, kill=kill,
+                   unusable=tuple(why), **options)
+
+    def wants_userns(self) -> None:
+        """A step with ``max_processes`` is seen (or declared): where children hold it in user
+        namespaces of their own, every new child is born in one from now on."""
+        if self.mechanism.userns_processes:
+            self.userns_at_birth = True
+
+    def userns_failed(self, why: str) -> None:
+        """A child could not make its user namespace: ``max_processes`` falls back to
+        sampling alone from now on (said once)."""
+        if self.mechanism.userns_processes:
+            log.warning("a child could not make a user namespace of its own (%s): max_processes falls back to "
+                        "sampling alone (a fork burst between two looks is not bounded)", why)
+            self.mechanism = dataclasses.replace(self.mechanism, processes=SAMPLING, no_userns=why)
+            self.userns_at_birth = False
 
     @property
     def dirs(self) -> list[tuple[str, str]]:
@@ -222,6 +256,7 @@ class Confinement:
         for slot in self._slots.values():
             slot.kill()
             slot.close_fds()
+        self.kernel_log.close()
         deadline = time.monotonic() + timeout
         for _, base in self.dirs:
             while not remove_tree(base) and time.monotonic() < deadline:
@@ -706,54 +741,6 @@ class Slot:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
-
-
-# -- the fallback: the tree from /proc --------------------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[float, int, int, float] | None:
-    """``(CPU seconds, threads, RSS bytes, CPU seconds of waited-for children)`` of a process."""
-    text = _read(f"/proc/{pid}/stat")
-    if not text:
-        return None
-    rest = text[text.rfind(")") + 2:].split()
-    try:
-        return ((int(rest[11]) + int(rest[12])) / _CLK_TCK, int(rest[17]), int(rest[21]) * protocol.PAGE_SIZE,
-                (int(rest[13]) + int(rest[14])) / _CLK_TCK)
-    except (IndexError, ValueError):
-        return None
-
-
-def _tree(root: int | None) -> tuple[float, int, int, int]:
-    """``(CPU seconds, RSS bytes, processes, tasks)`` of ``root`` and its live descendants
-    (plus the CPU of the children ``root`` waited for)."""
-    from .protocol import child_pids
-
-    if root is None:
-        return 0.0, 0, 0, 0
-    cpu = 0.0
-    rss = procs = tasks = 0
-    todo, seen = [root], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        stat = _stat(pid)
-        if stat is None:
-            continue
-        cpu += stat[0] + (stat[3] if pid == root else 0.0)
-        tasks += stat[1]
-        rss += stat[2]
-        procs += 1
-        todo.extend(child_pids(pid) or ())
-    return cpu, rss, procs, tasks
-
-
-def vm_oom_kills() -> int | None:
-    """The machine's count of OOM kills (``/proc/vmstat``), to infer an ``oom_killed``
-    death where no cgroup tells."""
-    return _fields(_read("/proc/vmstat")).get("oom_kill")
 
 
 # -- used by the watchdog once the supervisor is gone -------------------------------------------------

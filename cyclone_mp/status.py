@@ -22,7 +22,7 @@ class StepStatus:
             attempts consumed.
         max_attempts, reclaims, max_reclaims: the bounds stored at enqueue.
         error, error_kind: the last error (``timeout``, ``error``, ``permanent``,
-            ``child_exited``, ``output_invalid``, ``memory_error``, ``exit``,
+            ``child_exited``, ``output_invalid``, ``not_importable``, ``memory_error``, ``exit``,
             ``reclaim_limit``; the causes of death ``memory_limit``, ``cpu_limit``,
             ``process_limit``, ``oom_killed``) or None.
         errors: history, one dict per failed attempt: ``attempt``, ``kind``, ``type``,
@@ -33,8 +33,12 @@ class StepStatus:
             whole process tree), ``cause`` and ``enforced_by``;
             and one per attempt cancelled while it ran (``kind="cancelled"``, with its
             ``started_at``; no attempt consumed, ``error`` unchanged: issue 19).
-        started_at, finished_at, scheduled_at, heartbeat_at, lease_expiry: DB-clock
-            timestamps (aware datetimes) or None.
+        claimed_at: when the last attempt's row was claimed (the database's ``now()``:
+            its timeout counts from it). started_at: when its handler started: the claim
+            plus the delay its supervisor reports with the attempt's renewal or outcome (a
+            row waits for a child when held ahead or queued behind a busy one); until
+            reported, the claim. finished_at, scheduled_at, heartbeat_at, lease_expiry:
+            DB-clock timestamps (aware datetimes) or None.
         lease_owner: the supervisor id holding (or that last held) the lease.
         output: the handler's JSON output once completed; progress: latest
             ``{"done", "total", "message"}`` or None.
@@ -44,6 +48,7 @@ class StepStatus:
             (due, available) step back, ``"previous_attempt"`` while the process of its
             last attempt (ended by a timeout or a cancel) may still run, else None;
             running_in_group and starts_in_period: what the limits count now.
+        snoozes: how many times its handler raised ``cy.Snooze`` (no attempt spent).
         dead_by: after a timeout or a cancel settled while the attempt's process may still
             run, the DB-clock time by which it is dead at the latest (the step runs
             again, and its concurrency slot goes to another, only after that or once its
@@ -90,6 +95,8 @@ class StepStatus:
     max_processes: int | None = None
     max_open_files: int | None = None
     dead_by: dt.datetime | None = None
+    claimed_at: dt.datetime | None = None
+    snoozes: int = 0
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -110,7 +117,8 @@ class StepStatus:
             starts_in_period=row.get("starts_in_period"),
             memory_limit=row.get("memory_limit"), cpu_limit=row.get("cpu_limit"),
             max_processes=row.get("max_processes"), max_open_files=row.get("max_open_files"),
-            dead_by=row.get("dead_by"),
+            dead_by=row.get("dead_by"), claimed_at=row.get("claimed_at", row["started_at"]),
+            snoozes=row.get("snoozes") or 0,
         )
 
     @property

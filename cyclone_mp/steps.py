@@ -62,6 +62,7 @@ def check_rate_limit(value: Any) -> tuple[int, float] | None:
 
 
 DEFAULT_MAX_ATTEMPTS = 25
+DEFAULT_MAX_SNOOZES = 100  #: times a step may raise cy.Snooze before it is discarded (snooze_limit)
 #: Longest step, workflow, node, queue or signal name, in characters. A queue name is
 #: sent as the payload of a NOTIFY (PostgreSQL's limit: 8,000 bytes); every name is
 #: stored in a text column and shown in tables.
@@ -135,6 +136,9 @@ class StepOptions:
         cpu_limit: CPU seconds the tree may use in one attempt (seconds or timedelta).
         max_processes: processes the tree may have at once, the child included.
         max_open_files: descriptors each process of the tree may open.
+        max_snoozes: times the handler may raise ``cy.Snooze`` (each run again later, no
+            attempt spent) before the step is discarded as ``snooze_limit`` (default 100);
+            read by the supervisor that registers the step.
     """
 
     timeout: float | None = None
@@ -150,6 +154,7 @@ class StepOptions:
     cpu_limit: float | None = None
     max_processes: int | None = None
     max_open_files: int | None = None
+    max_snoozes: int | None = None
 
     @classmethod
     def build(
@@ -168,6 +173,7 @@ class StepOptions:
         cpu_limit: Duration | None = None,
         max_processes: int | None = None,
         max_open_files: int | None = None,
+        max_snoozes: int | None = None,
     ) -> "StepOptions":
         """Validate and normalise raw option values.
 
@@ -176,6 +182,7 @@ class StepOptions:
         """
         check_int(max_attempts, "max_attempts", 1)
         check_int(max_reclaims, "max_reclaims", 0)
+        check_int(max_snoozes, "max_snoozes", 0)
         try:
             check_backoff(backoff)
         except ValueError as exc:
@@ -200,6 +207,7 @@ class StepOptions:
             cpu_limit=seconds(cpu_limit, "cpu_limit"),
             max_processes=check_count(max_processes, "max_processes"),
             max_open_files=check_count(max_open_files, "max_open_files"),
+            max_snoozes=max_snoozes,
         )
 
     def key_for(self, input: Any) -> str:
@@ -320,6 +328,7 @@ def step(
     cpu_limit: Duration | None = None,
     max_processes: int | None = None,
     max_open_files: int | None = None,
+    max_snoozes: int | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
     """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
 
@@ -338,6 +347,8 @@ def step(
             tree; cpu_limit: its CPU seconds; max_processes: its processes at once;
             max_open_files: descriptors per process. Killed past a cap, the attempt fails
             as ``memory_limit``, ``cpu_limit`` or ``process_limit`` (docs/resource-limits.md).
+        max_snoozes: times the handler may raise ``cy.Snooze`` before the step is
+            discarded as ``snooze_limit`` (default 100).
 
     Raises:
         ConfigurationError: an invalid option.
@@ -348,7 +359,7 @@ def step(
         timeout=timeout, max_attempts=max_attempts, max_reclaims=max_reclaims,
         backoff=backoff, queue=queue, priority=priority, concurrency=concurrency,
         concurrency_key=concurrency_key, rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit,
-        max_processes=max_processes, max_open_files=max_open_files,
+        max_processes=max_processes, max_open_files=max_open_files, max_snoozes=max_snoozes,
     )
 
     def decorate(fn: Callable[..., Any]) -> Step:

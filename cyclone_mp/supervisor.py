@@ -1,7 +1,7 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
 It is four parts with one job each, in the spirit of River's producer, job executor,
-completer and rescuer services (issue 17). They share no mutable state and talk by the
+completer and rescuer services. They share no mutable state and talk by the
 plain messages of :mod:`cyclone_mp.messages`:
 
 ==========================  ===============================================  ===========
@@ -21,14 +21,10 @@ transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) ki
 child whose fence passed while this process was frozen, and everything it started once
 it is gone.
 
-Which file owns what: SPEC 4's claim is :mod:`cyclone_mp.outcomes`, its renewal
-:mod:`cyclone_mp.leases` ("a renewal matched nothing" is acted on in
-:meth:`cyclone_mp.control.ProcessControl.on_lease_lost`); the worker-clock deadline, the
-fence, the cancel and the kill are :meth:`cyclone_mp.control.ProcessControl._enforce`;
-the completion CAS is :mod:`cyclone_mp.outcomes` (its SQL in ``sql/queries.sql``); the
-sweep is :class:`cyclone_mp.sweep.Sweeper`; what a failure does to a row is
-:mod:`cyclone_mp.decisions`; killing a process tree is :mod:`cyclone_mp.procs`; SPEC 5's
-drain is :meth:`cyclone_mp.control.ProcessControl._handle_requests`.
+Owners: claims and the completion CAS, :mod:`~cyclone_mp.outcomes`; renewals,
+:mod:`~cyclone_mp.leases`; deadlines, fences, cancels and kills,
+:mod:`~cyclone_mp.control`; the sweep, :mod:`~cyclone_mp.sweep`; what a failure does to
+a row, :mod:`~cyclone_mp.decisions`; killing a tree, :mod:`~cyclone_mp.procs`.
 """
 
 from __future__ import annotations
@@ -48,9 +44,10 @@ from .control import ProcessControl
 from .errors import ConfigurationError
 from .leases import LeaseKeeper
 from .outcomes import FINAL_FLUSH, OutcomeWriter
-from .steps import Mux
+from .steps import DEFAULT_MAX_SNOOZES, Mux
 from .sweep import Maintenance, Sweeper
-from .telemetry import Observer, Stats, supervisor_observer
+from .health import DatabaseProbe, liveness, readiness
+from .telemetry import Observer, Probes, Stats, supervisor_observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -65,6 +62,8 @@ class Supervisor:
         listen_dsn: where to LISTEN for new work (default ``dsn``; a direct connection
             when ``dsn`` goes through PgBouncer in transaction mode).
         metrics_port: serve Prometheus metrics on this port (0: any free one); None: none.
+        metrics_host: the address the metrics bind (default ``127.0.0.1``).
+        metrics_token: the bearer token a scrape must carry, or None.
         observer: what the parts report to (default: :func:`~cyclone_mp.telemetry.supervisor_observer`).
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
@@ -73,22 +72,17 @@ class Supervisor:
             program that embeds it (``client.start()``), whose own children are left alone.
 
     Raises:
-        ConfigurationError: a registered handler cannot be imported by a child, or this
-            process is itself a handler's child (a module-level ``client.start()``).
+        ConfigurationError: a registered handler cannot be imported by a child.
+        SupervisorInChild: this process is itself a handler's child (a module-level
+            ``client.start()``), see :func:`cyclone_mp.procs.refuse_in_child`.
     """
 
     def __init__(self, dsn: str, mux: Mux, config: Config, *, listen_dsn: str | None = None,
-                 metrics_port: int | None = None, observer: Observer | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 metrics_token: str | None = None, observer: Observer | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
                  dedicated: bool = False) -> None:
-        if os.environ.get(procs.MARKER_ENV):
-            # We are a handler's child (or its descendant): a supervisor here would spawn
-            # children that import the same module and start supervisors again, without end.
-            raise ConfigurationError(
-                "a supervisor cannot start inside a handler's child process: this usually means a "
-                "script starts its Client at module level; put that code under "
-                "`if __name__ == \"__main__\":` (children import the module to find its steps)"
-            )
+        procs.refuse_in_child()
         for step in mux.steps.values():
             if not step.ref.importable():
                 raise ConfigurationError(
@@ -111,7 +105,9 @@ class Supervisor:
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
-        self.observer = observer if observer is not None else supervisor_observer(metrics_port)
+        self._readiness: DatabaseProbe | None = None
+        self.observer = observer if observer is not None else supervisor_observer(
+            metrics_port, metrics_host, metrics_token)
 
     # -- control from other threads / signal handlers -----------------------------------
 
@@ -137,15 +133,27 @@ class Supervisor:
         fn = own if callable(own) else self.config.defaults.backoff
         return lambda n: compute_backoff(fn if callable(fn) else None, n)
 
+    def max_snoozes(self, step_name: str | None) -> int:
+        """How many times the step may snooze (``cy.step(max_snoozes=...)``, default 100)."""
+        step = self.mux.steps.get(step_name or "")
+        own = step.options.max_snoozes if step else None
+        return DEFAULT_MAX_SNOOZES if own is None else own
+
     def run(self) -> None:
         """Run until shut down, on this thread (children are created from it: PDEATHSIG
         follows the thread that creates a child)."""
         # Metrics first: a port in use is a ConfigurationError before any child or lease exists.
         try:
-            self.observer.start(lambda: len(self.control.pool.children) if self.control is not None else 0,
-                                lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None)
+            if self.observer.find("Metrics") is not None:  # /readyz: does the database answer?
+                self._readiness = DatabaseProbe.started(self.dsn, pgbouncer=self.config.pgbouncer, owner=self.id)
+            self.observer.start(Probes(
+                children_alive=lambda: len(self.control.pool.children) if self.control is not None else 0,
+                last_sweep_age=lambda: self.maintenance.health.last_sweep_age() if self.maintenance else None,
+                live=lambda: liveness(self.control, self.stopped.is_set()),
+                ready=lambda: readiness(self.running.is_set(), self.draining or self.shutdown_requested,
+                                        self._readiness)))
         except BaseException:
-            self.observer.close()
+            self._close_observers()
             self.stopped.set()
             raise
         was_subreaper = procs.set_subreaper(True)
@@ -154,12 +162,12 @@ class Supervisor:
             # The child slots' cgroups (issue 20): the watchdog kills them if we die.
             self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
             watchdog.cgroups(confinement.dirs)
-            log.info("resource limits: %s", confinement.mechanism.describe())
+            log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
                                       listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for, tell_keeper=self.keeper.inbox.post,
+                                        backoff_for=self.backoff_for, max_snoozes=self.max_snoozes, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
                                         load=lambda m: maintenance.inbox.post(m), observer=self.observer,
                                         clock=self.clock)
@@ -212,7 +220,12 @@ class Supervisor:
             if not part.join(deadline - time.monotonic(), hung_after=self.config.call_bound):
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close(clean=True)
+        self._close_observers()
+
+    def _close_observers(self) -> None:
         self.observer.close()  # the metrics server stops (an observer's failure is only logged)
+        if self._readiness is not None:
+            self._readiness.close()
 
     # -- what callers read -----------------------------------------------------------------
 

@@ -163,6 +163,7 @@ class Maintenance(DatabaseThread):
                                       statement_timeout=VACUUM_BOUND))
         self.next_vacuum_watch = now + random.uniform(0.0, VACUUM_WATCH_INTERVAL)
         self.health = MaintenanceHealth(clock, on_failure=observer.maintenance_failed)
+        self.paused_queues: list[str] = []  # of the queues served, those paused (as of the last registry refresh)
 
     @property
     def sweep_every(self) -> float:
@@ -246,6 +247,7 @@ class Maintenance(DatabaseThread):
         self.count("history_deleted", counts["deleted"])
         self.count("partitions_dropped", counts["partitions_dropped"])
         self.count("expired", counts["expired"] + counts["dropped_runs"])
+        self.count("slots_deleted", counts.get("slots_deleted", 0))
         return counts
 
     def sweep_tick(self, now: float) -> float:
@@ -359,12 +361,15 @@ class Maintenance(DatabaseThread):
     def register(self) -> None:
         """Refresh this supervisor's registry row and tell process control how
         many supervisors are live (:class:`~cyclone_mp.messages.Fleet`)."""
-        info = {**self.snapshot(), "maintenance": self.health.snapshot()}
+        info = {**self.snapshot(), "maintenance": self.health.snapshot(), "paused_queues": self.paused_queues}
         live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts
-        live = self.attempt("registry", lambda store: store.register_worker(
-            id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within))
-        if live is FAILED:
+        got = self.attempt("registry", lambda store: store.register_worker(
+            id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within,
+            queues=self.config.queues))
+        if got is FAILED:
             return
+        live, self.paused_queues = got
+        self.observer.queues_paused(self.config.queues, self.paused_queues)
         self.tell_control(Fleet(live))  # its share of the fleet's prefetch (ProcessControl.prefetch_share)
 
     def finish(self) -> None:

@@ -15,11 +15,25 @@ thread-safe, cheap, and must never raise (:class:`Observers` guards each call).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 log = logging.getLogger("cyclone_mp.supervisor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Probes:
+    """What the supervisor lets an observer read at any time (from any thread; cheap):
+    ``children_alive()`` its live child processes; ``last_sweep_age()`` seconds since the
+    fleet's last successful recovery sweep (None: unknown); ``live()`` and ``ready()``
+    ``(ok, reason)`` for ``/healthz`` and ``/readyz`` (:mod:`cyclone_mp.health`)."""
+
+    children_alive: Callable[[], int] = lambda: 0
+    last_sweep_age: Callable[[], "float | None"] = lambda: None
+    live: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
+    ready: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
 
 
 class Observer:
@@ -55,16 +69,17 @@ class Observer:
         """Per queue served: ``queue``, ``depth`` (claimable steps), ``oldest`` (seconds the
         oldest has been claimable, or None)."""
 
+    def queues_paused(self, served: Sequence[str], paused: Sequence[str]) -> None:
+        """Of the queues ``served``, these are ``paused`` (read with the registry refresh)."""
+
     def maintenance_failed(self, task: str) -> None:
         """An attempt of a maintenance task failed (``sweep``, ``schedules``, ``history``,
         ``registry``, ``queue_depths``, ``vacuum_watch``: :mod:`cyclone_mp.health`)."""
 
-    def start(self, children_alive: Callable[[], int],
-              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
-        """The supervisor starts; ``children_alive()`` counts its live child processes,
-        ``last_sweep_age()`` gives the seconds since the fleet's last successful recovery
-        sweep (None: unknown). Raises ConfigurationError when the observer cannot work (a
-        metrics port in use)."""
+    def start(self, probes: "Probes") -> None:
+        """The supervisor starts; ``probes`` read its live state (children, the last
+        sweep's age, liveness, readiness). Raises ConfigurationError when the observer
+        cannot work (a metrics port in use)."""
 
     def close(self) -> None:
         """The supervisor stopped."""
@@ -110,12 +125,14 @@ class Observers(Observer):
     def maintenance_failed(self, task: str) -> None:
         self._each("maintenance_failed", task)
 
-    def start(self, children_alive: Callable[[], int],
-              last_sweep_age: Callable[[], float | None] = lambda: None) -> None:
+    def queues_paused(self, served: Sequence[str], paused: Sequence[str]) -> None:
+        self._each("queues_paused", served, paused)
+
+    def start(self, probes: "Probes") -> None:
         """Start each observer; unlike an event, a failure here is raised (a metrics port
         in use must stop the supervisor with a clear error, not leave it unobserved)."""
         for observer in self.observers:
-            observer.start(children_alive, last_sweep_age)
+            observer.start(probes)
 
     def close(self) -> None:
         self._each("close")
@@ -127,9 +144,11 @@ class Observers(Observer):
 NO_OBSERVER = Observer()
 
 
-def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0") -> Observer:
-    """The observer of a supervisor: Prometheus metrics when ``metrics_port`` is given,
-    traces when ``opentelemetry-api`` is importable, else :data:`NO_OBSERVER`.
+def supervisor_observer(metrics_port: int | None, metrics_host: str = "127.0.0.1",
+                        metrics_token: str | None = None) -> Observer:
+    """The observer of a supervisor: Prometheus metrics when ``metrics_port`` is given
+    (on ``metrics_host``, with ``metrics_token`` if set), traces when
+    ``opentelemetry-api`` is importable, else :data:`NO_OBSERVER`.
 
     Raises:
         ConfigurationError: ``metrics_port`` is given but ``prometheus_client`` is not
@@ -139,7 +158,7 @@ def supervisor_observer(metrics_port: int | None, metrics_host: str = "0.0.0.0")
     if metrics_port is not None:
         from .metrics import Metrics
 
-        observers.append(Metrics(metrics_port, host=metrics_host))
+        observers.append(Metrics(metrics_port, host=metrics_host, token=metrics_token))
     from . import tracing
 
     if tracing.available():

@@ -279,7 +279,8 @@ class Zygote:
     # -- forking ---------------------------------------------------------------------------------
 
     def fork(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]],
-             cgroup_fd: int | None = None, enter: Sequence[tuple[str, int]] = ()) -> tuple[int, bool]:
+             cgroup_fd: int | None = None, enter: Sequence[tuple[str, int]] = (), *,
+             userns: bool = False) -> tuple[int, bool]:
         """Ask the ready zygote for a child that serves ``ctrl_fd`` (its end of the control
         socket) and ``cancel_fd`` (the read end of its cancellation pipe); both are the
         caller's to close. Returns the child's pid: a child of this process (its parent is
@@ -290,7 +291,8 @@ class Zygote:
         costs a kernel RCU grace period). ``enter``: ``(key, directory descriptor)`` of the
         slot's cgroups, which the child moves itself into before anything else (the v2 one
         unless born in it) and then says ``entered`` (with the keys it could not enter, ``failed``, and why); the caller
-        keeps the descriptors. Returns ``(pid, born in that cgroup)``.
+        keeps the descriptors. ``userns``: it then makes a user namespace of its own
+        (:func:`cyclone_mp.proctree.own_user_namespace`). Returns ``(pid, born in that cgroup)``.
 
         Raises:
             ZygoteError: no ready zygote, or it died, hung (:data:`FORK_TIMEOUT`) or could
@@ -302,7 +304,7 @@ class Zygote:
         n = self._n
         try:
             socket.send_fds(self.sock, [json.dumps({"t": "fork", "n": n, "preload": leftover, "into": cgroup_fd is not None,
-                                                    "enter": [key for key, _ in enter]}).encode()],
+                                                    "enter": [key for key, _ in enter], "userns": userns}).encode()],
                             [ctrl_fd, cancel_fd] + ([cgroup_fd] if cgroup_fd is not None else []) + [fd for _, fd in enter])
         except OSError as exc:
             self._kill()

@@ -153,3 +153,47 @@ def escapee(ctx: cy.Context, inp: dict) -> dict:
     if inp.get("crash"):  # the child dies on its own: the escapee is reparented to the supervisor
         os._exit(3)
     return {"escapee": found}
+
+
+@cy.step("lim_burst", max_attempts=1)
+def burst(ctx: cy.Context, inp: dict) -> dict:
+    """Starts ``inp["n"]`` sleeping processes at once (no pause between them), logging
+    each pid, then waits ``inp.get("hold", 0)`` seconds and returns (they live on)."""
+    started = []
+    for _ in range(inp["n"]):
+        try:
+            proc = subprocess.Popen(["sleep", str(inp.get("sleep", 600))])
+        except OSError as exc:
+            note(inp["log"], "refused", time.time(), exc.errno)
+            raise
+        started.append(proc.pid)
+        note(inp["log"], "forked", time.time(), proc.pid, len(started))
+    time.sleep(inp.get("hold", 0))
+    return {"started": len(started)}
+
+
+def _wait_for_file(path: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.005)
+
+
+@cy.step("lim_sigkill_self", max_attempts=1)
+def sigkill_self(ctx: cy.Context, inp: dict) -> None:
+    """Logs its pid, waits for ``inp["go"]`` (a file) if given, then SIGKILLs itself."""
+    note(inp["log"], "pid", time.time(), os.getpid())
+    if inp.get("go"):
+        _wait_for_file(inp["go"])
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@cy.step("lim_oom_victim", max_attempts=1)
+def oom_victim(ctx: cy.Context, inp: dict) -> dict:
+    """Logs its pid, waits for ``inp["go"]`` (a file: by then the test put this process in
+    a small memory cgroup of its own), then touches ``inp["total"]`` bytes."""
+    note(inp["log"], "pid", time.time(), os.getpid())
+    _wait_for_file(inp["go"])
+    held = allocate(inp["total"], 16 << 20, inp["log"])
+    return {"held": len(held)}

@@ -99,3 +99,21 @@ async def live_async_polite(ctx: cy.Context, inp: dict) -> dict:
     note(inp["log"], event="start", attempt=ctx.attempt)
     await asyncio.to_thread(_polite_ticks, ctx, inp["log"], inp.get("seconds", 15))
     return {}
+
+
+@cy.step("live_noted", max_attempts=1)
+def live_noted(ctx: cy.Context, inp: dict) -> dict:
+    """Notes when its handler starts (its run id with it) and sleeps a little."""
+    note(inp["log"], event="start", run_id=ctx.run_id)
+    time.sleep(inp.get("seconds", 0.05))
+    return {}
+
+
+@cy.step("live_snoozer", max_attempts=1, max_snoozes=5)
+def live_snoozer(ctx: cy.Context, inp: dict) -> dict:
+    """Snoozes ``inp["times"]`` times (counting its starts in the log), then succeeds."""
+    note(inp["log"], event="start", attempt=ctx.attempt)
+    starts = len(records(inp["log"], "start"))
+    if starts <= inp["times"]:
+        raise cy.Snooze(inp.get("seconds", 0.2))
+    return {"starts": starts}

@@ -651,7 +651,7 @@ def test_a_metrics_port_in_use_stops_the_worker_with_one_error_line(dsn: str) ->
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 2, stderr
     assert "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == f"Error: cannot serve metrics on port {port}: Address already in use"
+    assert stderr.strip().splitlines()[-1] == f"Error: cannot serve metrics on 127.0.0.1:{port}: Address already in use"
     assert not marked  # it started no child (and no zygote)
 
 

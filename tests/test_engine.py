@@ -373,8 +373,8 @@ def test_worker_clock_skew_changes_nothing(cyclone_env_factory, skew):
     step = env.wait_for_state(long, None, "discarded", timeout=10)
     assert step.error_kind == "timeout"
     assert (step.errors[0]["at"] is not None) and time.monotonic() - t0 < 5
-    # the durable deadline is started_at + 1 s on the database clock, whatever the worker clock says
-    assert step.finished_at - step.started_at >= dt.timedelta(seconds=1)
+    # the durable deadline is the claim + 1 s on the database clock, whatever the worker clock says
+    assert step.finished_at - step.claimed_at >= dt.timedelta(seconds=1)
 
 
 def test_progress_is_stored_with_heartbeats(cyclone_env_factory):
@@ -561,7 +561,8 @@ def test_a_paused_single_step_run_completes_when_its_step_does(api_env):
 def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
     """A script that starts its Client at module level (no ``__main__`` guard): children
     import the script to find its steps; they must refuse to start supervisors of their
-    own (that would recurse without end) and the step fails with a clear error."""
+    own (that would recurse without end) and the step is discarded as ``not_importable``
+    with a clear error (tests/test_permanent_errors.py has the bug report's case)."""
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import time, sys\n"
@@ -584,7 +585,7 @@ def test_unguarded_script_cannot_fork_bomb(cyclone_dsn, tmp_path):
 
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("discarded error"), proc.stdout
+    assert proc.stdout.startswith("discarded not_importable"), proc.stdout
     assert "cannot start inside a handler's child" in proc.stdout
 
 

@@ -499,11 +499,13 @@ def test_memory_error_and_exit_have_their_kinds(cyclone_env):
 
 def test_new_kinds_are_attempts_everywhere():
     """Every kind a failed attempt can have consumes an attempt in decisions and in the
-    SQL of client.retry (which raises max_attempts for them)."""
+    SQL of client.retry (which raises max_attempts for them); output_invalid, which no
+    retry can heal, discards at once (tests/test_permanent_errors.py)."""
     for kind in ("output_invalid", "memory_error", "exit"):
         assert kind in decisions.FAILURE_KINDS
         end = decisions.end_attempt(attempt=1, max_attempts=3, kind=kind, timed_out=False, backoff=1.0)
-        assert (end.state, end.attempt, end.error_kind) == ("available", 2, kind)
+        expected = ("discarded", 1, kind) if kind == "output_invalid" else ("available", 2, kind)
+        assert (end.state, end.attempt, end.error_kind) == expected
     listed = {k.strip(" '") for k in Q["attempt_kinds_expr"].split(",")}
     assert listed == set(decisions.FAILURE_KINDS)
     assert decisions.reported_kind("memory_error") == "memory_error"

@@ -30,7 +30,7 @@ import cyclone_mp as cy
 from cyclone_mp import cgroups, decisions, procs, slots
 from cyclone_mp.errors import ConfigurationError
 from cyclone_mp.limits import (
-    GIB, MIB, Limits, Usage, cause_of_death, death_summary, format_size, over_limit, parse_size,
+    GIB, MIB, Limits, Usage, cause_of_death, death_summary, format_size, note_tree_count, over_limit, parse_size,
 )
 from cyclone_mp.store import Q, connect
 
@@ -244,8 +244,22 @@ def test_over_limit_and_cause_of_death_decide_from_evidence():
     assert cause_of_death(caps, Usage(), exit_signal=None, killed_for=None, memory_error=True,
                           memory_by_rlimit=True) == "memory_limit"
     assert cause_of_death(caps, Usage(), exit_signal=None, killed_for=None, memory_error=True) is None
-    assert cause_of_death(Limits(), Usage(), exit_signal=9, killed_for=None, oom_inferred=True) == "oom_killed"
+    # the kernel log names this child as the OOM killer's victim; without it a SIGKILL is nobody's known doing
+    assert cause_of_death(Limits(), Usage(), exit_signal=9, killed_for=None, oom_logged=True) == "oom_killed"
     assert cause_of_death(Limits(), Usage(), exit_signal=9, killed_for=None) is None  # someone's kill -9
+    # no pids cgroup: the tree seen over its cap, or at its RLIMIT_NPROC (one over the cap), as its handler ended
+    assert over_limit(caps, Usage(processes=3, at_process_rlimit=True), kernel_memory_cap=False,
+                      kernel_process_cap=False) == "process_limit"
+    assert cause_of_death(caps, Usage(processes=21), exit_signal=None, killed_for=None) == "process_limit"
+    assert cause_of_death(caps, Usage(processes=3, at_process_rlimit=True), exit_signal=None,
+                          killed_for=None) == "process_limit"
+    assert cause_of_death(caps, Usage(processes=20), exit_signal=None, killed_for=None) is None  # at the cap: allowed
+    assert cause_of_death(caps, Usage(processes=21), exit_signal=None, killed_for=None, kernel_process_cap=True) is None
+    counted = Usage()
+    note_tree_count(counted, {"processes": 4, "tasks": 6, "nproc": 6})  # a runner of 2 threads, cap 4: 6 tasks is over
+    assert (counted.processes, counted.at_process_rlimit) == (4, True)
+    note_tree_count(counted := Usage(), {"processes": 4, "tasks": 5, "nproc": 6})
+    assert not counted.at_process_rlimit
     assert death_summary("memory_limit", Limits(memory=512 * MIB), Usage(peak_memory=int(2.1 * GIB))) == \
         "memory_limit 512 MiB, peak 2.1 GiB"
 
@@ -647,6 +661,30 @@ def test_max_processes_holds_a_fork_bomb(cyclone_env_factory, tmp_path, mechanis
     assert env.run_until_complete(env.enqueue(lh.noop, {}), timeout=10).state == "completed"
 
 
+def test_max_processes_names_a_fork_burst_no_look_saw(cyclone_env_factory, tmp_path, mechanism):
+    """A step that forks 10 sleeping processes at once under ``max_processes=4`` and
+    returns before the 50 ms sampling looks: with a pids cgroup the kernel refuses the
+    fork past the cap; without one (root: no rlimit binds it) the child counts its tree
+    as the handler ends, and the attempt fails with ``process_limit`` all the same,
+    instead of completing with 10 processes."""
+    env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5)
+    env.mux().register(lh.burst, lh.noop)
+    start(env)
+    log = tmp_path / "burst"
+    run = env.run_until_complete(env.enqueue(lh.burst, {"n": 10, "log": str(log)}, max_processes=4), timeout=30)
+    entry = run.step.errors[-1]
+    assert run.step.error_kind == "process_limit", entry
+    assert "max_processes 4" in run.step.error
+    forked = [w for w in lines(log) if w[0] == "forked"]
+    if expect(mechanism).kernel_process_cap:
+        assert len(forked) <= 3, forked  # the runner is one of 4
+    else:
+        assert entry["enforced_by"] == "sampling" and entry["tree"]["processes"] > 4, entry
+        assert "over the cap as its handler ended" in entry["message"] or entry["killed_by_supervisor"], entry
+    wait_for(lambda: all(dead(int(w[2])) for w in forked), 5, "the burst's processes to die")
+    assert env.run_until_complete(env.enqueue(lh.noop, {}), timeout=10).state == "completed"
+
+
 def _cmd(proc: psutil.Process) -> list[str]:
     try:
         return proc.cmdline()
@@ -845,11 +883,14 @@ def test_workers_status_and_json_show_the_mechanism_and_the_cause(cyclone_env_fa
     assert out.exit_code == 0, out.output
     mech = HOST.mechanism
     assert f"limits: memory {mech.memory} · processes {mech.processes}" in out.output
+    assert f"OOM evidence {mech.oom}" in out.output
     rows = json.loads(runner.invoke(cli, ["--dsn", env.dsn, "workers", "--json"]).output)
-    assert rows[0]["info"]["limits"]["memory"] == mech.memory
+    assert rows[0]["info"]["limits"]["memory"] == mech.memory and rows[0]["info"]["limits"]["oom"] == mech.oom
     out = runner.invoke(cli, ["--dsn", env.dsn, "status", run_id, "--wide"], env={"COLUMNS": "250"})
     assert "memory_limit" in out.output and "limits of lim_hog: memory 64 MiB" in out.output
-    assert "tree" in out.output and "peak 64 MiB" in out.output
+    # a kernel cap holds the tree at 64 MiB exactly; sampling sees it somewhere past the cap
+    kernel_cap = mech.memory in ("cgroup v1", "cgroup v2")
+    assert "tree" in out.output and ("peak 64 MiB" if kernel_cap else "peak ") in out.output
     data = json.loads(runner.invoke(cli, ["--dsn", env.dsn, "status", run_id, "--json"]).output)
     entry = data["steps"]["lim_hog"]["errors"][-1]
     assert data["steps"]["lim_hog"]["error_kind"] == "memory_limit" and entry["tree"]["peak_memory_kb"] > 0

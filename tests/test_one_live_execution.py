@@ -10,6 +10,7 @@ concurrency group) may overlap.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -284,3 +285,27 @@ def test_a_thread_that_stops_on_cancel_lets_its_child_be_reused(cyclone_env_fact
     status = env.run_until_complete(run_id, timeout=30)
     entry = status.step.errors[0]
     assert entry["kind"] == "timeout" and not entry.get("killed_by_supervisor")
+
+
+def test_started_at_is_the_handlers_start_and_claimed_at_the_claim(cyclone_env_factory, tmp_path):
+    """Steps claimed ahead (prefetch) wait for the child: status says when each row was
+    claimed (claimed_at, the timeout's base) and when its handler started (started_at,
+    within 50 ms of the handler's own clock), also in `status --json`."""
+    log = str(tmp_path / "noted.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=5, poll_interval=(0.02, 0.2))
+    env.mux().register(lh.live_noted)
+    ids = env.client().enqueue_many(lh.live_noted, [{"log": log, "seconds": 0.05}] * 20)
+    env.start_worker()
+    for run_id in ids:
+        assert env.run_until_complete(run_id, timeout=60).state == "completed"
+    noted = {r["run_id"]: r["t"] for r in lh.records(log, "start")}
+    waited = []
+    for run_id in ids:
+        step = env.status(run_id).step
+        assert step.claimed_at <= step.started_at
+        assert abs(step.started_at.timestamp() - noted[run_id]) <= 0.05, (step.started_at.timestamp(), noted[run_id])
+        waited.append((step.started_at - step.claimed_at).total_seconds())
+    assert max(waited) > 0.04, waited  # some were claimed ahead and waited for the child
+    shown = json.loads(run_cli("status", ids[-1], "--json", dsn=env.dsn).stdout)
+    node = next(iter(shown["steps"].values()))
+    assert node["claimed_at"] and node["started_at"] and node["claimed_at"] <= node["started_at"]

@@ -427,8 +427,11 @@ class FakeWriter:
     def post(self, outcome: Any) -> None:
         self.outcomes.append(outcome)
 
-    def post_batch(self, outcomes: Any, claim: int = 0) -> None:
+    def post_batch(self, outcomes: Any, claim: int = 0, start_now: int | None = None) -> None:
         self.outcomes.extend(outcomes)
+
+    def post_dead(self, keys: Any) -> None:
+        pass
 
 
 def control_alone(config: Any, clock: Any = time.monotonic) -> Any:

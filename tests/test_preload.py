@@ -40,8 +40,9 @@ def test_a_module_that_fails_to_import_fails_its_attempts_not_the_child(cyclone_
     run_id = env.enqueue(ih.imported_quick, {})
     handle = env.start_worker()
     step = env.run_until_complete(run_id, timeout=30).step
-    assert (step.state, step.attempt, step.error_kind) == ("discarded", 2, "error")
-    assert [(e["attempt"], e["type"]) for e in step.errors] == [(1, "builtins.RuntimeError"), (2, "builtins.RuntimeError")]
+    # no retry can heal it: discarded at its first attempt (tests/test_permanent_errors.py)
+    assert (step.state, step.attempt, step.error_kind) == ("discarded", 1, "not_importable")
+    assert [(e["attempt"], e["type"]) for e in step.errors] == [(1, "builtins.RuntimeError")]
     assert "broken on purpose" in step.errors[0]["message"]
     assert handle.client.supervisor.stats["children_spawned"] == 1  # ready despite the import error
 

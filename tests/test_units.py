@@ -161,37 +161,47 @@ def test_the_watchdog_hears_an_earlier_due_at_once_and_a_later_one_before_the_ea
     assert link._held == {} and link._due == {}
 
 
-def test_an_oom_kill_counted_just_before_its_victims_death_is_handled_is_still_inferred(monkeypatch):
-    """Where no cgroup counts a child's memory (no cgroups, or a hybrid host's child
-    outside the v1 memory cgroup), a SIGKILL nobody here sent while the machine's OOM
-    killer acted is ``oom_killed``. The registry tick refreshes the machine's count every
-    2 s; a refresh that lands between the kill and the handling of the death must not
-    hide it. One older than the look before the last is not blamed."""
+def test_a_sigkill_is_oom_killed_only_when_the_kernel_log_names_that_pid(tmp_path):
+    """Where no cgroup counts a child's memory, a SIGKILL nobody here sent is ``oom_killed``
+    only when the kernel log says the OOM killer killed that very pid, after the child
+    was born; another process's OOM kill (the machine-wide counter moving) is not
+    evidence, nor is an OOM kill of an earlier process that had the pid. Else it is
+    nobody's known doing (``child_exited``, signal 9)."""
     from types import SimpleNamespace
 
     from cyclone_mp import slots
     from cyclone_mp.limits import NO_LIMITS
     from cyclone_mp.limitwatch import LimitWatch
 
-    count = [5]
-    monkeypatch.setattr(slots, "vm_oom_kills", lambda: count[0])
-    watch = LimitWatch(slots.Confinement.none())
+    log = tmp_path / "kmsg"
+    log.write_bytes(b"")
+    conf = slots.Confinement.none(userns=lambda: None, kmsg=str(log))
+    assert conf.kernel_log.readable and conf.mechanism.oom == "kernel log"
+    watch = LimitWatch(conf)
 
-    def sigkilled():
-        child = SimpleNamespace(slot=None)
+    def sigkilled(pid: int, born: float):
+        child = SimpleNamespace(slot=None, pid=pid, spawned=born)
         att = SimpleNamespace(child=child, usage=None, base=None, limits=NO_LIMITS, killed_for=None)
         found = watch.death(att, exit_signal=9)
         return found[0] if found else None
 
-    count[0] = 6  # the OOM killer acts...
-    watch.note_oom_kills()  # ... the registry tick looks ...
-    assert sigkilled() == "oom_killed"  # ... then the death is handled
-    assert sigkilled() is None  # a second SIGKILL with no new OOM kill
-    count[0] = 7
-    watch.note_oom_kills()
-    watch.note_oom_kills()
-    watch.note_oom_kills()
-    assert sigkilled() is None  # an OOM kill three looks (4-6 s) ago is not this one's
+    def logged(pid: int, at: float) -> None:  # a record as /dev/kmsg gives it, one per read
+        with open(log, "ab") as fh:
+            fh.write(f"3,{int(at)},{int(at * 1e6)},-;Out of memory: Killed process {pid} (python3) "
+                     f"total-vm:157424kB, anon-rss:71808kB, UID:1000\n".encode())
+
+    logged(111, 50.0)  # another process, anywhere on the machine
+    assert sigkilled(4242, born=40.0) is None  # not this child's evidence
+    logged(4242, 30.0)  # an earlier process with this pid, before the child was born
+    assert sigkilled(4242, born=40.0) is None
+    logged(4242, 60.0)  # this child
+    assert sigkilled(4242, born=40.0) == "oom_killed"
+    # without a readable log: no evidence at all
+    conf.close()
+    blind = slots.Confinement.none(userns=lambda: None, kmsg=str(tmp_path / "absent"))
+    assert not blind.kernel_log.readable and blind.mechanism.oom == "none"
+    assert "a SIGKILL nobody here sent is child_exited" in blind.mechanism.start_line()[1]
+    blind.close()
 
 
 def _step(name: str, state: str, *, kind: str = "task", started: bool = False) -> StepStatus:

@@ -7,6 +7,8 @@ which is how these tests count executions.
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime as dt
 import os
 import subprocess
@@ -461,7 +463,9 @@ def test_cancel_of_a_paused_run_cancels_everything_in_one_transaction(cyclone_en
     wait_until(lambda: lines(folder, "slow", "cancelled"), 5, "the slow handler to see the cancel")
     time.sleep(0.5)
     after = env.status(run_id)
-    assert after == run
+    # (only dead_by may move: the cancelled attempt's death is recorded once its child is gone)
+    assert dataclasses.replace(after, steps={n: dataclasses.replace(s, dead_by=None) for n, s in after.steps.items()}) \
+        == dataclasses.replace(run, steps={n: dataclasses.replace(s, dead_by=None) for n, s in run.steps.items()})
     assert [starts(folder, n) for n in ("slow", "other", "after_slow", "final")] == [1, 0, 0, 0]
 
 

@@ -319,6 +319,7 @@ def worker_view(row: dict[str, Any]) -> dict[str, Any]:
         "id": row["id"], "hostname": row["hostname"], "pid": row["pid"], "started_at": iso(row["started_at"]),
         "heartbeat_at": iso(row["heartbeat_at"]), "age": round(age, 1), "workers": info.get("workers"),
         "queues": info.get("queues") or [], "draining": bool(info.get("draining")),
+        "paused_queues": info.get("paused_queues") or [],
         "stats": info.get("stats") or {}, "children": children, "failing": failing_tasks(info),
         "last_sweep_age": (info.get("maintenance") or {}).get("last_sweep_age"),
     }
@@ -354,7 +355,7 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "paused_from": step.paused_from, "queue": step.queue, "priority": step.priority,
         "depends_on": list(step.depends_on), "attempt": step.attempt, "max_attempts": step.max_attempts,
         "reclaims": step.reclaims, "max_reclaims": step.max_reclaims, "timeout": step.timeout,
-        "scheduled_at": iso(step.scheduled_at), "started_at": iso(step.started_at),
+        "scheduled_at": iso(step.scheduled_at), "claimed_at": iso(step.claimed_at), "started_at": iso(step.started_at),
         "finished_at": iso(step.finished_at), "heartbeat_at": iso(step.heartbeat_at),
         "lease_owner": step.lease_owner, "lease_expiry": iso(step.lease_expiry),
         "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,

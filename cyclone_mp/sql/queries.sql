@@ -65,6 +65,7 @@ walk (queue, key, p, first) AS (
               AND (s.dead_by IS NULL OR s.dead_by <= now())
               ORDER BY s.concurrency_key LIMIT 1)) AS key OFFSET 0) k  -- (OFFSET 0: probed once, not per use)
      WHERE %(limit)s > 0 AND k.key IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM cyclone_queue_pauses qp WHERE qp.queue = q.name)  -- a paused queue: nothing
     UNION ALL
     SELECT w.queue, n.key, w.p + 1, w.first
       FROM walk w
@@ -170,7 +171,7 @@ cslots AS MATERIALIZED (
                              OR EXISTS (SELECT 1 FROM finished f WHERE f.id = sl.step_id AND f.generation = sl.generation))))
              ORDER BY sl.slot
              LIMIT g.n
-               FOR UPDATE SKIP LOCKED
+               FOR NO KEY UPDATE SKIP LOCKED  -- (an enqueue holds them FOR KEY SHARE: no conflict)
            ) f
      WHERE g.concurrency IS NOT NULL
 )
@@ -199,7 +200,7 @@ cslots AS MATERIALIZED (
                AND (sl.used_at IS NULL OR sl.used_at + g.rate_period <= now())
              ORDER BY sl.slot
              LIMIT g.n
-               FOR UPDATE SKIP LOCKED
+               FOR NO KEY UPDATE SKIP LOCKED
            ) f
      WHERE g.rate_count IS NOT NULL
 ), allowed AS (
@@ -336,7 +337,8 @@ claimed AS (
 picked AS (
     -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
     SELECT c.id
-      FROM unnest(%(queues)s::text[]) AS q(name)
+      FROM (SELECT u.name FROM unnest(%(queues)s::text[]) AS u(name)  -- a paused queue: nothing locked, nothing taken
+             WHERE NOT EXISTS (SELECT 1 FROM cyclone_queue_pauses qp WHERE qp.queue = u.name)) AS q(name)
      CROSS JOIN LATERAL (
             SELECT id, priority, scheduled_at
               FROM cyclone_steps
@@ -362,7 +364,8 @@ picked AS (
 UPDATE cyclone_steps
    SET lease_expiry = now() + (%(ttl_us)s::bigint * interval '1 microsecond'),
        heartbeat_at = now(),
-       progress = coalesce(%(progress)s::jsonb, progress)
+       progress = coalesce(%(progress)s::jsonb, progress),
+       start_delay = coalesce(%(start_delay_us)s::bigint * interval '1 microsecond', start_delay)
  WHERE id = %(id)s
    AND state = 'running'
    AND lease_owner = %(owner)s
@@ -432,7 +435,10 @@ runs AS (
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
-           error_kind = NULL
+           error_kind = NULL,
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
+                                                                                s.id || ':' || s.lease_generation)]
+                                  * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
        AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
@@ -461,11 +467,11 @@ fail_in AS MATERIALIZED (
 ), judged AS (
     -- What a failed attempt makes of its row is decisions.end_attempt. t: the DB
     -- deadline has passed (a DB timeout wins over the reported kind); d: the attempt
-    -- ends the step (permanent or exhausted: discard), else available after the delay.
+    -- ends the step (a permanent kind, or exhausted: discard), else available after the delay.
     -- Only rows of running or paused runs (the run rows are locked, so their state
     -- holds); in a paused run a retried step is held paused, as hold_paused does.
     SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
-           (i.kind = 'permanent' AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
+           (i.kind IN ({permanent_kinds_expr}) AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
            runs.kind AS run_kind, runs.state AS run_state
       FROM cyclone_steps s
       JOIN fail_in i ON i.id = s.id
@@ -492,7 +498,8 @@ fail_in AS MATERIALIZED (
                || CASE WHEN j.t AND j.kind <> 'timeout' THEN jsonb_build_object('reported_kind', j.kind)
                        ELSE '{}'::jsonb END
                || jsonb_build_object('at', {utc_now_expr})),
-           progress = coalesce(j.progress, s.progress)
+           progress = coalesce(j.progress, s.progress),
+           start_delay = coalesce((j.entry ->> 'start_delay')::float8 * interval '1 second', s.start_delay)
       FROM judged j
      WHERE s.id = ANY(%(fail_ids)s::bigint[])  -- by primary key (generic plans)
        AND s.id = j.id
@@ -710,6 +717,7 @@ UPDATE cyclone_steps
        error_kind = %(error_kind)s,
        errors = errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object('at', {utc_now_expr})),
        progress = coalesce(%(progress)s::jsonb, progress),
+       start_delay = coalesce((%(entry)s::jsonb ->> 'start_delay')::float8 * interval '1 second', start_delay),
        -- settled by the sweep while the attempt may still run: not claimed again before its
        -- processes are dead (its supervisor kills it by the deadline plus kill_within; one
        -- frozen or partitioned kills it before its lease expires)
@@ -733,6 +741,36 @@ WITH dead AS (
     RETURNING s.queue
 )
 SELECT count(pg_notify('cyclone_mp', q.queue)) AS woken FROM (SELECT DISTINCT queue FROM dead) q;
+
+-- name: snooze
+-- A handler raised cy.Snooze: under the run lock, the attempt's CAS (still running under
+-- this lease, before its DB deadline), the step goes back to available %(delay_us)s later,
+-- no attempt spent, snoozes + 1; past %(max_snoozes)s it is discarded (snooze_limit, the
+-- entry kept). Returns the state it got (no row: the CAS failed, a late end).
+UPDATE cyclone_steps
+   SET state = CASE WHEN snoozes >= %(max_snoozes)s THEN 'discarded' ELSE 'available' END,
+       scheduled_at = CASE WHEN snoozes >= %(max_snoozes)s THEN scheduled_at
+                           ELSE now() + (%(delay_us)s::bigint * interval '1 microsecond') END,
+       snoozes = snoozes + 1,
+       finished_at = CASE WHEN snoozes >= %(max_snoozes)s THEN now() END,
+       lease_owner = CASE WHEN snoozes >= %(max_snoozes)s THEN lease_owner END,
+       lease_expiry = NULL,
+       error = CASE WHEN snoozes >= %(max_snoozes)s
+                    THEN 'snoozed ' || (snoozes + 1) || ' times, over max_snoozes=' || %(max_snoozes)s::int
+                    ELSE error END,
+       error_kind = CASE WHEN snoozes >= %(max_snoozes)s THEN 'snooze_limit' ELSE error_kind END,
+       errors = CASE WHEN snoozes >= %(max_snoozes)s
+                     THEN errors || jsonb_build_array(%(entry)s::jsonb || jsonb_build_object(
+                              'attempt', attempt, 'kind', 'snooze_limit', 'at', {utc_now_expr}))
+                     ELSE errors END,
+       progress = coalesce(%(progress)s::jsonb, progress),
+       start_delay = coalesce((%(entry)s::jsonb ->> 'start_delay')::float8 * interval '1 second', start_delay)
+ WHERE id = %(id)s
+   AND state = 'running'
+   AND lease_owner = %(owner)s
+   AND lease_generation = %(generation)s
+   AND (timeout IS NULL OR started_at + timeout > now())
+RETURNING state, run_id::text AS run_id;
 
 -- name: release
 -- Graceful shutdown gives a step back: available at once, no attempt, no reclaim (SPEC 5).
@@ -1019,7 +1057,11 @@ RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr},
 
 -- name: attempt_kinds_expr
 -- (Fragment) the error kinds of an attempt that ended (decisions.FAILURE_KINDS; a unit test keeps them equal)
-'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'memory_error', 'exit', 'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed'
+'timeout', 'error', 'permanent', 'child_exited', 'output_invalid', 'not_importable', 'memory_error', 'exit', 'memory_limit', 'cpu_limit', 'process_limit', 'oom_killed'
+
+-- name: permanent_kinds_expr
+-- (Fragment) the error kinds that discard their step at once: no retry can heal them (decisions.PERMANENT_KINDS; a unit test keeps them equal)
+'permanent', 'output_invalid', 'not_importable'
 
 -- name: retry_run
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
@@ -1180,16 +1222,70 @@ ON CONFLICT (queue) DO UPDATE
 
 -- name: ensure_slots
 -- The slot rows of limited (step, key) groups: concurrency slots 1..n and rate slots
--- 1..n (migration 0007). Rows already there are kept (a raised limit adds the new ones).
-INSERT INTO cyclone_slots (step_name, key, kind, slot)
-SELECT g.step_name, g.key, x.kind, x.slot
-  FROM unnest(%(step_names)s::text[], %(keys)s::text[], %(concurrencies)s::int[], %(rate_counts)s::int[])
-       AS g(step_name, key, concurrency, rate_count)
- CROSS JOIN LATERAL (SELECT 'c'::"char" AS kind, generate_series(1, g.concurrency) AS slot
-                     UNION ALL
-                     SELECT 'r'::"char", generate_series(1, g.rate_count)) x
- ORDER BY 1, 2, 3, 4
-ON CONFLICT DO NOTHING;
+-- 1..n with their period (migrations 0007, 0022). Rows already there are kept (a raised
+-- limit adds the new ones). The group's rows are then held (FOR KEY SHARE) until the
+-- enqueue commits, so the cleanup (delete_idle_slots), which skips locked rows, never
+-- deletes them under a step that is not visible yet.
+WITH made AS (
+    INSERT INTO cyclone_slots (step_name, key, kind, slot, period)
+    SELECT g.step_name, g.key, x.kind, x.slot, CASE WHEN x.kind = 'r' THEN p.period END
+      FROM unnest(%(step_names)s::text[], %(keys)s::text[], %(concurrencies)s::int[], %(rate_counts)s::int[],
+                  %(periods_us)s::bigint[] ) AS g(step_name, key, concurrency, rate_count, period_us)
+     CROSS JOIN LATERAL (SELECT g.period_us * interval '1 microsecond' AS period) p
+     CROSS JOIN LATERAL (SELECT 'c'::"char" AS kind, generate_series(1, g.concurrency) AS slot
+                         UNION ALL
+                         SELECT 'r'::"char", generate_series(1, g.rate_count)) x
+     ORDER BY 1, 2, 3, 4
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) AS held FROM (
+    SELECT 1 FROM cyclone_slots sl
+     WHERE (sl.step_name, sl.key) IN (SELECT * FROM unnest(%(step_names)s::text[], %(keys)s::text[]))
+     ORDER BY sl.step_name, sl.key, sl.kind, sl.slot
+       FOR KEY SHARE OF sl
+) locked;
+
+-- name: delete_idle_slots
+-- Delete up to %(limit)s slot rows of groups none of whose steps waits or runs (hot table:
+-- the archive holds finished runs only): a concurrency slot whose holder is over (not
+-- running, and its processes dead: dead_by), a rate slot last used a whole period ago (a
+-- day when its period is unknown). Rows locked by a claim or an enqueue are skipped.
+WITH doomed AS (
+    SELECT sl.step_name, sl.key, sl.kind, sl.slot
+      FROM cyclone_slots sl
+     WHERE NOT EXISTS (SELECT 1 FROM cyclone_steps s
+                        WHERE s.step_name = sl.step_name AND s.concurrency_key = sl.key
+                          AND s.state NOT IN ('completed', 'discarded', 'cancelled')
+                          AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL))
+       AND (sl.kind <> 'c' OR sl.step_id IS NULL
+            OR NOT EXISTS (SELECT 1 FROM cyclone_steps h
+                            WHERE h.id = sl.step_id AND h.lease_generation = sl.generation
+                              AND (h.state = 'running' OR h.dead_by > now())))
+       AND (sl.kind <> 'r' OR sl.used_at IS NULL OR sl.used_at + coalesce(sl.period, interval '1 day') <= now())
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM cyclone_slots sl
+ USING doomed d
+ WHERE sl.step_name = d.step_name AND sl.key = d.key AND sl.kind = d.kind AND sl.slot = d.slot;
+
+-- name: pause_queue
+-- client.pause_queue: no claim takes a step of queue %(queue)s from now on; returns whether
+-- it was running (not paused already).
+INSERT INTO cyclone_queue_pauses (queue, reason) VALUES (%(queue)s, %(reason)s)
+ON CONFLICT (queue) DO NOTHING
+RETURNING queue;
+
+-- name: resume_queue
+-- client.resume_queue: claims take the queue's steps again (its supervisors are woken at
+-- commit); returns whether it was paused.
+WITH resumed AS (DELETE FROM cyclone_queue_pauses WHERE queue = %(queue)s RETURNING queue)
+SELECT r.queue, pg_notify('cyclone_mp', r.queue) FROM resumed r;
+
+-- name: paused_queues
+-- The paused queues, oldest pause first.
+SELECT queue, paused_at, reason FROM cyclone_queue_pauses ORDER BY paused_at, queue;
 
 -- name: notify
 -- Wake idle supervisors serving this queue (delivered at commit).
@@ -1214,11 +1310,14 @@ LIMIT 1;
 -- archived_step_columns_expr
 s.id, s.node, s.step_name, s.kind, s.depends_on, s.queue, s.priority, s.state, s.paused_from, s.attempt,
 s.max_attempts, s.reclaims, s.max_reclaims, extract(epoch FROM s.timeout)::float8 AS timeout,
-s.due_at, s.scheduled_at, s.started_at, s.finished_at, s.lease_owner, s.lease_expiry,
+s.due_at, s.scheduled_at, s.started_at AS claimed_at,  -- (the column is the claim's now(): the timeout's base)
+s.started_at + coalesce(s.start_delay, interval '0') AS started_at,  -- the handler's start, once reported
+s.finished_at, s.lease_owner, s.lease_expiry,
 s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s.progress,
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
 s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
-CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by  -- ('epoch': its processes were reaped)
+CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by,  -- ('epoch': its processes were reaped)
+s.snoozes
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
@@ -1334,7 +1433,9 @@ VALUES (%(id)s, %(hostname)s, %(pid)s, %(info)s)
 ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), info = excluded.info
 RETURNING id
 )
-SELECT (SELECT count(*) FROM me) + count(*) AS live
+SELECT (SELECT count(*) FROM me) + count(*) AS live,
+       (SELECT coalesce(array_agg(p.queue ORDER BY p.queue), '{}') FROM cyclone_queue_pauses p
+         WHERE p.queue = ANY(%(queues)s::text[])) AS paused  -- which of its queues are paused (workers, metrics)
 FROM cyclone_workers w
 WHERE w.id <> %(id)s
 AND w.heartbeat_at > now() - (%(live_us)s::bigint * interval '1 microsecond');
@@ -1715,7 +1816,7 @@ id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_fr
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
 concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
-dead_by, kill_within
+dead_by, kill_within, start_delay, snoozes
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this

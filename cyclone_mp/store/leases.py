@@ -109,18 +109,22 @@ class LeaseQueries:
                 return claimed
 
     @translate
-    def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None) -> bool:
-        """Renew one lease (the seed's WHERE clause); False when it matched no row."""
+    def heartbeat(self, *, id: int, owner: str, generation: int, ttl: float, progress: Any = None,
+                  start_delay: float | None = None) -> bool:
+        """Renew one lease (the seed's WHERE clause); False when it matched no row. With it
+        go the latest ``progress`` and the handler's ``start_delay`` (seconds after the
+        claim), when given."""
         with self.conn.cursor() as cur:
             cur.execute(Q["heartbeat"], {
                 "id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
-                "progress": nullable_jsonb(progress),
+                "progress": nullable_jsonb(progress), "start_delay_us": to_us(start_delay),
             })
             return cur.rowcount == 1
 
     @translate
     def renew_many(self, *, owner: str, items: Sequence[tuple[int, int, Any]], ttl: float) -> list[bool]:
-        """Renew several leases, ``(id, generation, progress or None)`` items, in one round
+        """Renew several leases, ``(id, generation, progress or None[, start delay or None])``
+        items, in one round
         trip: still one renewal per step, addressed by id, with the seed's WHERE clause
         (:meth:`heartbeat`), sent together (psycopg's pipelined ``executemany``). They share
         one implicit transaction: a renewal that fails (a lock wait past ``lock_timeout``)
@@ -130,9 +134,9 @@ class LeaseQueries:
             return []
         with self.conn.cursor() as cur:
             cur.executemany(Q["heartbeat"], [
-                {"id": id, "owner": owner, "generation": generation, "ttl_us": to_us(ttl),
-                 "progress": nullable_jsonb(progress)}
-                for id, generation, progress in items
+                {"id": item[0], "owner": owner, "generation": item[1], "ttl_us": to_us(ttl),
+                 "progress": nullable_jsonb(item[2]), "start_delay_us": to_us(item[3] if len(item) > 3 else None)}
+                for item in items
             ], returning=True)
             matched = []
             while True:
@@ -179,7 +183,8 @@ class LeaseQueries:
     ) -> "Settled":
         """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
 
-        ``completions`` are ``(id, generation, output, progress)`` items; ``failures`` are
+        ``completions`` are ``(id, generation, output, progress[, start delay])`` items (the
+        delay: seconds from the claim to the handler's start, or None); ``failures`` are
         failed attempts. Each row gets its own CAS: still running under ``owner`` and
         its generation, a completion before its DB deadline, a failure with
         ``require_timed_out`` past it. A failed attempt's outcome is
@@ -205,6 +210,7 @@ class LeaseQueries:
                 "leases": [f"{i[0]}:{i[1]}" for i in completions],
                 "outputs": [Jsonb(i[2]) for i in completions],
                 "progress": [nullable_jsonb(i[3]) for i in completions],
+                "start_delays_us": [to_us(i[4]) if len(i) > 4 else None for i in completions],
                 "fail_ids": [f.id for f in failures],
                 "fail_generations": [f.generation for f in failures],
                 "kinds": [f.kind for f in failures],
@@ -284,6 +290,28 @@ class LeaseQueries:
             end = self._end_attempt(cur, id, row, kind, entry, backoff, progress)
         self.last_ended = (row["step_name"], end.error_kind)
         return "applied"
+
+    @translate
+    def snooze(self, *, owner: str, id: int, generation: int, seconds: float, max_snoozes: int,
+               entry: dict[str, Any], progress: Any = None) -> str | None:
+        """A handler raised ``cy.Snooze(seconds)``: under the run lock and the attempt's
+        CAS, the step is available again ``seconds`` later with no attempt spent, or
+        discarded (``snooze_limit``) once it snoozed more than ``max_snoozes`` times.
+        Returns the state written, or None when the row is no longer this attempt's."""
+        with self._tx() as cur:
+            run = self._one(cur, "lock_run_of_step", {"id": id})
+            if run is None:
+                return None
+            row = self._one(cur, "snooze", {"id": id, "owner": owner, "generation": generation,
+                                            "delay_us": to_us(seconds), "max_snoozes": max_snoozes,
+                                            "entry": Jsonb(entry), "progress": nullable_jsonb(progress)})
+            if row is None:
+                return None
+            if row["state"] == "discarded":
+                self._advance(cur, row["run_id"])
+            elif run["state"] == "paused":
+                cur.execute(Q["hold_paused"], {"run_id": run["id"]})
+            return row["state"]
 
     @translate
     def release(self, *, owner: str, id: int, generation: int) -> bool:

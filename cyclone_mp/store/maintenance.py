@@ -208,14 +208,16 @@ class MaintenanceQueries:
     # -- the registry of supervisors ---------------------------------------------------------
 
     @translate
-    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any], live: float = 15.0) -> int:
-        """Announce or refresh this supervisor's registry row (informational); returns how
-        many supervisors are live: this one and those whose row was refreshed within
-        ``live`` seconds."""
+    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any], live: float = 15.0,
+                        queues: Sequence[str] = ()) -> tuple[int, list[str]]:
+        """Announce or refresh this supervisor's registry row; returns how many supervisors
+        are live (this one and those whose row was refreshed within ``live`` seconds) and
+        which of ``queues`` are paused."""
         with self.conn.cursor() as cur:
             cur.execute(Q["register_worker"], {"id": id, "hostname": hostname, "pid": pid, "info": Jsonb(info),
-                                               "live_us": to_us(live)})
-            return int(cur.fetchone()["live"])
+                                               "live_us": to_us(live), "queues": list(queues)})
+            row = cur.fetchone()
+            return int(row["live"]), list(row["paused"] or [])
 
     @translate
     def queue_depths(self, queues: Sequence[str], cap: int = 100_000) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,7 +133,8 @@ class Env:
     # -- supervisors ---------------------------------------------------------------------------
 
     def start_worker(self, *, proxy: bool | None = None, dsn: str | None = None, prefix: list[str] | None = None,
-                     environ: dict[str, str] | None = None, **overrides: Any) -> WorkerHandle:
+                     environ: dict[str, str] | None = None, user: str | None = None, python: str | None = None,
+                     **overrides: Any) -> WorkerHandle:
         """Start one more supervisor (process or thread per the mode) and wait until it runs.
 
         ``proxy`` (default: the Env's): reach PostgreSQL through a fault proxy of its own.
@@ -140,7 +142,12 @@ class Env:
         another way, say from a network namespace). ``prefix``: a command the process
         supervisor's command line is run under (``["ip", "netns", "exec", NAME]``).
         ``environ``: variables added to a worker process's environment (process mode),
-        for example ``LD_PRELOAD`` and ``FAKETIME`` to run it under libfaketime."""
+        for example ``LD_PRELOAD`` and ``FAKETIME`` to run it under libfaketime.
+        ``user``: run the worker process as this ordinary user (the test runs as root),
+        with only ``environ`` and a ``PATH``, ``HOME`` and ``USER`` of that user as its
+        environment; it must be able to read ``python`` and what the worker imports.
+        ``python``: the interpreter of a worker process (default: this one's), e.g. the
+        system's for a user who cannot read this one."""
         options = {**self.options, **overrides}
         dsn = dsn or self.dsn
         fault = None
@@ -155,7 +162,7 @@ class Env:
                 client.start()
                 handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
             else:
-                handle = self._spawn_process(options, dsn, prefix, environ)
+                handle = self._spawn_process(options, dsn, prefix, environ, user, python)
         except BaseException:
             if fault is not None:
                 fault.close()
@@ -165,7 +172,8 @@ class Env:
         return handle
 
     def _spawn_process(self, options: dict[str, Any], dsn: str, prefix: list[str] | None = None,
-                       environ: dict[str, str] | None = None) -> WorkerHandle:
+                       environ: dict[str, str] | None = None, user: str | None = None,
+                       python: str | None = None) -> WorkerHandle:
         steps, workflows = [], []
         for step in self._mux.steps.values():
             if not step.ref.importable():
@@ -178,15 +186,27 @@ class Env:
             workflows.append({"module": wf.module, "name": wf.name})
         schedules = [{"target": s.target.name, "name": s.name, "cron": s.cron, "every": s.every, "tz": s.tz,
                       "input": s.input, "catch_up": s.catch_up} for s in self._mux.schedules.values()]
-        ready = os.path.join(self._tmp, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
+        where, identity = self._tmp, {}
+        if user is not None:  # the worker writes its ready file where that user can
+            import pwd
+
+            account = pwd.getpwnam(user)
+            where = tempfile.mkdtemp(prefix="ready-", dir=self._tmp)
+            os.chmod(self._tmp, 0o755)
+            os.chown(where, account.pw_uid, account.pw_gid)
+            identity = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+            environ = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": account.pw_dir, "USER": user,
+                       **(environ or {})}
+        ready = os.path.join(where, f"ready-{len(self.workers)}-{time.monotonic_ns()}")
         config = {
             "dsn": dsn, "steps": steps, "workflows": workflows, "schedules": schedules, "options": options,
             "ready_file": ready, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
             "clock_skew": self.clock_skew,
         }
-        popen = subprocess.Popen([*(prefix or []), sys.executable, "-m", "cyclone_mp.testing.worker",
+        popen = subprocess.Popen([*(prefix or []), python or sys.executable, "-m", "cyclone_mp.testing.worker",
                                   json.dumps(config)], stdin=subprocess.DEVNULL,
-                                 env={**os.environ, **environ} if environ else None)
+                                 env=environ if user is not None else {**os.environ, **environ} if environ else None,
+                                 **identity)
         self._pids_seen.add(popen.pid)
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
@@ -393,10 +413,7 @@ class Env:
         self.stop_workers()
         self._client.close()
         _wait_gone(self._pids_seen, timeout=5.0)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self._tmp):
-                os.unlink(os.path.join(self._tmp, name))
-            os.rmdir(self._tmp)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> "Env":
         return self

@@ -165,7 +165,9 @@
           " times in a row (for " + secs(f["for"], 0) + "): " + f.error);
       }),
       h("p", {"class": "muted"}, "host " + w.hostname + " \u00b7 pid " + w.pid + " \u00b7 " + w.workers +
-        " children \u00b7 queues " + w.queues.join(", ") + " \u00b7 up since ", when(w.started_at),
+        " children \u00b7 queues " + w.queues.map(function (q) {
+          return (w.paused_queues || []).indexOf(q) >= 0 ? q + " (paused)" : q;
+        }).join(", ") + " \u00b7 up since ", when(w.started_at),
         " \u00b7 seen " + w.age + "s ago \u00b7 completed " + (st.completed || 0) + ", failed " + (st.failed || 0) +
         ", killed " + (st.killed || 0)),
       h("table", {"class": "grid"},
