@@ -130,14 +130,16 @@ def read_bound(stalls: int, end: float | None, now: float) -> float:
     return max(0.05, bound if end is None else min(bound, end - now))
 
 
-def reread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[], None] | None = None) -> Any:
+def reread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[], None] | None = None,
+           settled: Callable[[], bool] | None = None) -> Any:
     """``read(within)`` until the database answers it: a read whose connection stalled
     (:class:`~cyclone_mp.errors.DatabaseStalled`) is made again, on a fresh connection,
     within :func:`read_bound` (``on_stall()`` is called after each); errors other than
     a stall leave at once.
 
     Raises:
-        DatabaseStalled: still no answer at ``end`` (a monotonic time; None: never).
+        DatabaseStalled: still no answer at ``end`` (a monotonic time; None: never), or
+            once ``settled()`` says the answer is no longer needed.
     """
     stalls = 0
     while True:
@@ -147,12 +149,13 @@ def reread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[
             stalls += 1
             if on_stall is not None:
                 on_stall()
-            if end is not None and time.monotonic() >= end:
+            if end is not None and time.monotonic() >= end or settled is not None and settled():
                 raise
             log.info("waiting: %s; reading again on a fresh connection", exc)
 
 
-async def areread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[], None] | None = None) -> Any:
+async def areread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[], None] | None = None,
+                  settled: Callable[[], bool] | None = None) -> Any:
     """:func:`reread` of an awaitable ``read(within)``."""
     stalls = 0
     while True:
@@ -162,7 +165,7 @@ async def areread(read: Callable[[float], Any], end: float | None, on_stall: Cal
             stalls += 1
             if on_stall is not None:
                 on_stall()
-            if end is not None and time.monotonic() >= end:
+            if end is not None and time.monotonic() >= end or settled is not None and settled():
                 raise
             log.info("waiting: %s; reading again on a fresh connection", exc)
 
@@ -293,13 +296,13 @@ class Waiter:
         try:
             self._listening.wait(LISTEN_READY_WITHIN if deadline is None
                                  else max(0.0, min(LISTEN_READY_WITHIN, deadline - time.monotonic())))
-            status = self._look(run_id, deadline)  # subscribed first, then look
+            status = self._look(run_id, deadline, slot.event.is_set)  # subscribed first, then look
             if status is not None and status.terminal:
                 return status
             while not slot.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 if deadline is not None and time.monotonic() >= deadline:
                     with contextlib.suppress(DatabaseError):  # what it says comes from the latest look
-                        status = self._look(run_id, deadline + GRACE) or status
+                        status = self._look(run_id, deadline + GRACE, slot.event.is_set) or status
                     if status is not None and status.terminal:  # it ended right at the deadline
                         return status
                     assert timeout is not None
@@ -310,10 +313,11 @@ class Waiter:
             with self._lock:
                 self.book.remove(run_id, slot)
 
-    def _look(self, run_id: str, end: float | None) -> RunStatus | None:
+    def _look(self, run_id: str, end: float | None, delivered: Callable[[], bool]) -> RunStatus | None:
         """The run's status, read by ``end`` (a monotonic time; None: no end) on fresh
-        connections while they stall (:func:`reread`), or None when none answered by then.
-        A stall also makes the listener poll at once: its connection came the same way.
+        connections while they stall (:func:`reread`), or None when none answered by then
+        or the listener ``delivered()`` it meanwhile. A stall also makes the listener poll
+        at once: its connection came the same way.
 
         Raises:
             DatabaseError: the read failed otherwise (the server refused the connection...).
@@ -321,7 +325,7 @@ class Waiter:
         if end is not None and time.monotonic() >= end:
             return None
         try:
-            return reread(lambda within: self._read_status(run_id, within), end, self.poke)
+            return reread(lambda within: self._read_status(run_id, within), end, self.poke, delivered)
         except DatabaseStalled as exc:
             log.info("waiting: %s", exc)
             return None
@@ -482,7 +486,7 @@ class AsyncWaiter:
             left = LISTEN_READY_WITHIN if deadline is None else max(0.0, min(LISTEN_READY_WITHIN, deadline - time.monotonic()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._listening.wait(), left)
-            status = await self._look(run_id, deadline)  # subscribed first, then look
+            status = await self._look(run_id, deadline, slot.future.done)  # subscribed first, then look
             if status is not None and status.terminal:
                 return status
             try:
@@ -491,19 +495,19 @@ class AsyncWaiter:
             except asyncio.TimeoutError:
                 assert deadline is not None and timeout is not None
                 with contextlib.suppress(DatabaseError):  # what it says comes from the latest look
-                    status = await self._look(run_id, deadline + GRACE) or status
+                    status = await self._look(run_id, deadline + GRACE, slot.future.done) or status
                 if status is not None and status.terminal:  # it ended right at the deadline
                     return status
                 raise WaitTimeout(timeout_message(run_id, status, timeout)) from None
         finally:
             self.book.remove(run_id, slot)
 
-    async def _look(self, run_id: str, end: float | None) -> RunStatus | None:
+    async def _look(self, run_id: str, end: float | None, delivered: Callable[[], bool]) -> RunStatus | None:
         """:meth:`Waiter._look`, awaited."""
         if end is not None and time.monotonic() >= end:
             return None
         try:
-            return await areread(lambda within: self._read_status(run_id, within), end, self.poke)
+            return await areread(lambda within: self._read_status(run_id, within), end, self.poke, delivered)
         except DatabaseStalled as exc:
             log.info("waiting: %s", exc)
             return None
