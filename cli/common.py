@@ -8,11 +8,7 @@ from typing import Any
 
 import click
 
-from cyclone_mp.status import TERMINAL_RUN_STATES
-
 from . import render
-
-RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)
 
 
 @dataclasses.dataclass

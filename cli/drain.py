@@ -1,8 +1,8 @@
-"""What a draining ``cyclone-mp worker`` says while it stops (issue 19, item 4).
+"""What a draining ``cyclone-mp worker`` says while it stops.
 
-The first SIGTERM/Ctrl-C drains (SPEC 5): claim nothing more, let in-flight steps run
+The first SIGTERM/Ctrl-C drains: claim nothing more, let in-flight steps run
 on for up to ``shutdown_grace`` seconds, then cancel them, SIGKILL them after
-``kill_grace`` and release them. That used to happen in silence for up to 30 s. A
+``kill_grace`` and release them, which may take ``shutdown_grace`` seconds. A
 :class:`DrainReporter` says at once what the drain waits for (each in-flight step: name,
 run id, how long it has run) and for how long at most, that a second Ctrl-C stops now,
 then every few seconds what is left, and what happens when the grace is over.

@@ -1,4 +1,4 @@
-"""The ``cyclone-mp`` command line (SPEC section 8).
+"""The ``cyclone-mp`` command line.
 
 A thin layer: each command parses its options, sets up logging, calls one library
 function (a :class:`cyclone_mp.Client` method, :func:`cyclone_mp.apps.load_app`, the
@@ -234,7 +234,7 @@ def describe_dsn(dsn: str) -> str:
 @click.option("--archive-after", type=DURATION_OR_NEVER, default="10m", show_default=True,
               help="Move a finished run, with its steps, from the hot tables to the archive this long "
                    "after it finished ('never': keep it in the hot tables). Archived runs are still "
-                   "found by status, runs and the dashboard.")
+                   "found by status and the dashboard, and listed by runs --archived.")
 @click.option("--retain-completed", type=DURATION_OR_NEVER, default=None,
               help="Delete completed runs (hot or archived) this long after they finished, e.g. 7d "
                    "[default: never].")
@@ -304,7 +304,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
 
 
 def _say_limits(client: Any) -> None:
-    """Once the supervisor runs: how it enforces resource limits here (issue 20)."""
+    """Once the supervisor runs: how it enforces resource limits here."""
     deadline = time.monotonic() + 60
     while client.supervisor is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -405,7 +405,7 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
 
 def _warn_unserved(client: Any, status: Any, app: str) -> None:
     """Say at once (one line per queue, on stderr) when no live supervisor serves a step
-    of the run: the wait would otherwise last until one starts, in silence (issue 19)."""
+    of the run: the wait would otherwise last until one starts, in silence."""
     by_queue: dict[str, list[str]] = {}
     for step in client.unserved_steps(status):
         by_queue.setdefault(step.queue, []).append(step.step_name or step.name)
@@ -424,9 +424,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
     start = time.monotonic()
     con = render.console(stderr=True)
     status = client.status(run_id)
-    narrow = render.compact(con)
-    view = (Live(render.wait_view(status, 0.0, compact=narrow), console=con, refresh_per_second=8, transient=False)
-            if live else None)
+    view = Live(render.wait_view(status, 0.0), console=con, refresh_per_second=8, transient=False) if live else None
     try:
         if view is not None:
             view.start()
@@ -439,7 +437,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
             except WaitTimeout:
                 status = client.status(run_id)  # the progress to show
             if view is not None:
-                view.update(render.wait_view(status, time.monotonic() - start, compact=narrow))
+                view.update(render.wait_view(status, time.monotonic() - start))
     except KeyboardInterrupt:
         if view is not None:
             view.stop()

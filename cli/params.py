@@ -1,5 +1,5 @@
 """Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits,
-and the history settings (a duration or never).
+the history settings (a duration or never), and points in time (a duration before now, or a date).
 
 Each converts one option value and fails with ``click.BadParameter`` (exit code 2, one
 line naming the option) on malformed input.
@@ -7,6 +7,7 @@ line naming the option) on malformed input.
 
 from __future__ import annotations
 
+import datetime as dt
 import pathlib
 import re
 import sys
@@ -67,9 +68,32 @@ class Seconds(click.ParamType):
         return parsed
 
 
+class When(click.ParamType):
+    """A point in time: a duration before now (``10m``, ``2h``, ``7d``: on the database's
+    clock) or a date and time (``2026-12-04``, ``2026-12-04T10:30``, ``2026-12-04
+    10:30:00+01:00``; without an offset, local time). Converts to float seconds or an
+    aware datetime."""
+
+    name = "WHEN"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | dt.datetime:
+        if isinstance(value, (float, dt.datetime)):
+            return value
+        text = str(value).strip()
+        ago = parse_duration(text)
+        if ago is not None:
+            return ago
+        try:
+            when = dt.datetime.fromisoformat(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither a duration before now (10m, 2h, 7d) nor a date and time "
+                      "(2026-12-04T10:30)", param, ctx)
+        return when if when.tzinfo is not None else when.astimezone()
+
+
 class DurationOrNever(click.ParamType):
     """A duration as :class:`Seconds` takes it (``7d``, ``12h``, ``30m``), or ``never``
-    (also ``forever``, ``off``): None. The history settings (issue 22)."""
+    (also ``forever``, ``off``): None. The history settings."""
 
     name = "DURATION|never"
     NEVER = ("never", "forever", "off", "none")
@@ -123,7 +147,7 @@ class PollInterval(click.ParamType):
 class RateLimit(click.ParamType):
     """A rate limit, ``COUNT/SECONDS``: at most COUNT starts per SECONDS (``10/1s``,
     ``100/1m``, ``5/2.5``). Converts to ``(count, seconds)``; the library checks the
-    ranges (issue 21)."""
+    ranges."""
 
     name = "COUNT/SECONDS"
 
@@ -145,3 +169,4 @@ BYTES = ByteSize()
 POLL = PollInterval()
 RATE = RateLimit()
 DURATION_OR_NEVER = DurationOrNever()
+WHEN = When()

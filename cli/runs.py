@@ -1,4 +1,4 @@
-"""The ``cyclone-mp`` commands that read runs and act on them (SPEC section 8): ``status``,
+"""The ``cyclone-mp`` commands that read runs and act on them: ``status``,
 ``runs``, ``schedules``, ``workers``, and the operator's ``cancel``, ``retry``, ``pause``,
 ``resume``, ``prune`` and ``signal``. Each opens a :class:`cyclone_mp.Client` on the global
 ``--dsn``, calls one method and prints the result with :mod:`render`; :mod:`main`
@@ -7,15 +7,17 @@ registers them on the group (:data:`COMMANDS`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import click
 
 from cyclone_mp.errors import InvalidTransition
+from cyclone_mp.filters import RUN_STATES
+from cyclone_mp.status import TERMINAL_RUN_STATES
 
 from . import render
-from .common import RUN_STATES, make_client, out
-from .params import JSON, SECONDS
+from .common import make_client, out
+from .params import JSON, SECONDS, WHEN
 
 # -- read commands ------------------------------------------------------------------------------------
 
@@ -40,26 +42,61 @@ def status(run_id: str, show_traceback: bool, wide: bool, as_json: bool) -> None
         render.print_status(out(), result, wide=wide, traceback=show_traceback)
 
 
+def run_filters(states: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options that find runs (``runs`` and ``prune``): ``--state`` (of ``states``,
+    repeatable), ``--step``, ``--queue``, ``--key``, ``--schedule``, ``--since``, ``--until``."""
+    options = [
+        click.option("--state", "state", multiple=True, type=click.Choice(states),
+                     help="Only runs in this state (repeatable: any of them)."),
+        click.option("--step", metavar="NAME", default=None, help="Only runs with a step of this step name."),
+        click.option("--queue", metavar="NAME", default=None, help="Only runs with a step in this queue."),
+        click.option("--key", metavar="KEY", default=None, help="Only runs with a step of this concurrency key."),
+        click.option("--schedule", metavar="NAME", default=None, help="Only runs this schedule enqueued."),
+        click.option("--since", type=WHEN, default=None,
+                     help="Only runs created since: a duration before now (10m, 2h, 7d) or a date and time "
+                          "(2026-12-04T10:30, local unless it has an offset)."),
+        click.option("--until", type=WHEN, default=None, help="Only runs created before: as --since."),
+    ]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+def _filters(state: tuple[str, ...], **named: Any) -> dict[str, Any]:
+    """The client's filter keywords from the options of :func:`run_filters`."""
+    return {"state": list(state) or None, **named}
+
+
 @click.command()
-@click.option("--state", type=click.Choice(RUN_STATES), default=None, help="Only runs in this state.")
+@run_filters(RUN_STATES)
+@click.option("--archived", is_flag=True,
+              help="Also list the runs archived after they finished (worker --archive-after, 10 minutes by "
+                   "default); slower on a big archive without --since.")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many.")
 @click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def runs(state: str | None, limit: int, wide: bool, as_json: bool) -> None:
-    """List recent runs, newest first."""
+def runs(state: tuple[str, ...], step: str | None, queue: str | None, key: str | None, schedule: str | None,
+         since: Any, until: Any, archived: bool, limit: int, wide: bool, as_json: bool) -> None:
+    """List recent runs, newest first (those matching every filter given)."""
     client = make_client()
     try:
         client.migrate()
-        rows = client.runs(state=state, limit=limit)
+        rows = client.runs(limit=limit, archived=archived, **_filters(
+            state, step=step, queue=queue, key=key, schedule=schedule, since=since, until=until))
     finally:
         client.close()
     if as_json:
         render.print_json(rows)
     elif rows:
-        con = out()
-        render.put(con, render.runs_table(rows, compact=render.compact(con, wide)), wide)
+        render.put(out(), render.runs_table(rows), wide)
     else:
-        click.echo("no runs" + (f" in state {state}" if state else ""))
+        asked = any((state, step, queue, key, schedule, since, until))
+        click.echo("no runs" + (" match" if asked else "")
+                   + ("" if archived else " (finished runs are archived after 10 minutes by default: --archived "
+                                          "lists them too)"))
 
 
 @click.command()
@@ -154,14 +191,19 @@ def resume(run_id: str) -> None:
 @click.command()
 @click.option("--older-than", type=SECONDS, required=True, metavar="DURATION",
               help="Delete runs that finished more than this long ago (seconds, or e.g. 7d, 12h, 30m).")
-def prune(older_than: float) -> None:
+@run_filters(TERMINAL_RUN_STATES)
+def prune(older_than: float, state: tuple[str, ...], step: str | None, queue: str | None, key: str | None,
+          schedule: str | None, since: Any, until: Any) -> None:
     """Delete finished runs (completed, discarded, cancelled) and their steps, hot or
-    archived (whole archive partitions when their day is older). Supervisors apply a
-    retention by themselves with worker --retain-completed and friends."""
+    archived, that match every filter given (without filters besides --state, whole
+    archive partitions go when their day is older). Supervisors apply a retention by
+    themselves with worker --retain-completed and friends."""
     client = make_client()
     try:
         client.migrate()
-        click.echo(f"pruned {client.prune(older_than)} finished run(s)")
+        deleted = client.prune(older_than, **_filters(state, step=step, queue=queue, key=key, schedule=schedule,
+                                                       since=since, until=until))
+        click.echo(f"pruned {deleted} finished run(s)")
     finally:
         client.close()
 

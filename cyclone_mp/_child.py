@@ -77,15 +77,19 @@ def adopt_orphans() -> None:
 
 
 class TaskLimits:
-    """The soft rlimits of tasks with resource limits (issue 20), which what a handler
-    starts inherits. They stay set while consecutive tasks have the same limits (a
-    task's check is then one comparison, and one ``getrusage`` for a CPU budget) and are
-    put back before a task with other limits or none:
+    """The rlimits of tasks with resource limits, which what a handler starts inherits.
+    They stay set while consecutive tasks have the same limits (a task's check is then
+    one comparison, and one ``getrusage`` for a CPU budget) and are put back before a
+    task with other limits or none:
 
-    - ``max_open_files``: ``RLIMIT_NOFILE`` = the descriptors this runner held when the
-      limit was set + ``max_open_files`` (a new descriptor takes the lowest free number,
-      so the handler can open ``max_open_files`` more; a process it starts, holding
-      fewer, a few more);
+    - ``max_open_files``: ``RLIMIT_NOFILE``, soft and hard, = the descriptors this runner
+      held when the limit was set + ``max_open_files`` (a new descriptor takes the lowest
+      free number, so the handler can open ``max_open_files`` more; a process it starts,
+      holding fewer, a few more). A handler cannot raise a hard limit without
+      ``CAP_SYS_RESOURCE``; root can, so the supervisor also counts the tree's
+      descriptors. Without that capability this runner cannot raise it back either
+      (:attr:`nofile_pinned`, said in the task's result): the supervisor then gives it
+      only tasks with a ``max_open_files`` as small, and replaces it before any other;
     - ``cpu_limit`` with ``rlimit_cpu`` (no cgroup counts the tree's CPU):
       ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 2, moved on before
       a task whose budget it would not leave whole (a backstop: the supervisor kills the
@@ -103,8 +107,9 @@ class TaskLimits:
       mappings); past it the allocation fails (``MemoryError``, a ``memory_limit`` death
       to the supervisor). The result then also says the largest descendant's peak.
 
-    Only soft limits: they can be raised back (and by the handler, which the supervisor's
-    sampling or cgroups cover). A limit the system refuses is left as it was.
+    The others are soft limits only: they can be raised back (and by the handler, which
+    the supervisor's sampling or cgroups cover). A limit the system refuses is left as
+    it was.
     """
 
     def __init__(self) -> None:
@@ -112,6 +117,8 @@ class TaskLimits:
         self.saved: list[tuple[int, tuple[int, int]]] = []
         self.cpu_soft: int | None = None
         self.nproc: int | None = None  # the RLIMIT_NPROC set for the task (tasks of this namespace)
+        self.can_raise_hard: bool | None = None  # this process may raise a hard limit back (found once)
+        self.nofile_pinned = False  # RLIMIT_NOFILE's hard limit was lowered for good
 
     def apply(self, limits: dict[str, Any] | None) -> None:
         """Set the rlimits of a task with ``limits`` (None: none), before it runs."""
@@ -129,7 +136,10 @@ class TaskLimits:
                 held = len(os.listdir("/proc/self/fd")) - 1  # (without the listing's own descriptor)
             except OSError:
                 held = 64
-            self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]))
+            if self.can_raise_hard is None:
+                self.can_raise_hard = self._may_raise_hard()
+            self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]), hard=True)
+            self.nofile_pinned = self.nofile_pinned or not self.can_raise_hard
         if limits.get("cpu_limit") and limits.get("rlimit_cpu"):
             self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
         if limits.get("max_processes") and limits.get("rlimit_nproc"):
@@ -152,26 +162,51 @@ class TaskLimits:
         self.applied = limits
 
     def restore(self) -> None:
-        """Put back what :meth:`apply` changed."""
+        """Put back what :meth:`apply` changed (a hard limit this process cannot raise stays
+        where it is, the soft one as close to the old one as it allows)."""
         for which, old in reversed(self.saved):
             try:
                 resource.setrlimit(which, old)
             except (OSError, ValueError):
-                pass
+                try:
+                    hard = resource.getrlimit(which)[1]
+                    resource.setrlimit(which, (old[0] if hard == resource.RLIM_INFINITY else min(old[0], hard), hard))
+                except (OSError, ValueError):
+                    pass
         self.saved, self.applied, self.cpu_soft, self.nproc = [], None, None, None
+
+    @staticmethod
+    def _may_raise_hard() -> bool:
+        """Whether this process may raise a hard limit (``CAP_SYS_RESOURCE``): it lowers
+        ``RLIMIT_NOFILE``'s by one and raises it back (where it cannot, one descriptor of
+        the hard limit is lost)."""
+        try:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if hard == resource.RLIM_INFINITY or hard < 2:
+                return False
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, hard - 1), hard - 1))
+        except (OSError, ValueError):
+            return False
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            return True
+        except (OSError, ValueError):
+            return False
 
     @staticmethod
     def _cpu_used() -> float:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
 
-    def _lower(self, which: int, soft: int, save: bool = True) -> None:
+    def _lower(self, which: int, soft: int, save: bool = True, hard: bool = False) -> None:
+        """Set ``which``'s soft limit to ``soft`` (never above the hard one), and its hard
+        limit too when ``hard``."""
         try:
             old = resource.getrlimit(which)
-            hard = old[1]
-            if hard != resource.RLIM_INFINITY:
-                soft = min(soft, hard)
-            resource.setrlimit(which, (soft, hard))
+            ceiling = old[1]
+            if ceiling != resource.RLIM_INFINITY:
+                soft = min(soft, ceiling)
+            resource.setrlimit(which, (soft, soft if hard else ceiling))
         except (OSError, ValueError):
             return
         if save:
@@ -306,11 +341,33 @@ class Runner:
             deadline=deadline, upstream=inputs[1], progress_sink=self.progress,
             cancellation=self.cancellation,
         )
+        hooks = task.get("hooks")
+        result = self.run_handler(task, ctx, inputs[0], hooks.get("start") if hooks else None)
+        if hooks and hooks.get("end"):
+            self.end_hooks(hooks["end"], ctx, result)
+        return result
+
+    def end_hooks(self, refs: list[dict[str, Any]], ctx: Context, result: dict[str, Any]) -> None:
+        """``mux.on_attempt_end`` hooks: ``hook(ctx, outcome)``; what they raise is printed
+        to stderr and changes nothing."""
+        outcome = {"ok": bool(result.get("ok")), "kind": result.get("kind"), "error": result.get("message")}
+        for ref in refs:
+            try:
+                self.resolve(ref)(ctx, outcome)
+            except BaseException as exc:  # noqa: BLE001 - a hook never changes the attempt's outcome
+                print(f"cyclone_mp: on_attempt_end hook {ref.get('qualname')} raised {exc!r}", file=sys.stderr)
+
+    def run_handler(self, task: dict[str, Any], ctx: Context, inp: Any,
+                    start_hooks: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """Call the task's handler (after the ``mux.on_attempt_start`` hooks, whose error
+        fails the attempt as the handler's would): the result, as plain data."""
         try:
             fn = self.resolve(task["ref"])
             if fn not in self._handlers:
                 self._handlers[fn] = input_annotation(fn)
-            output = fn(ctx, convert_input(self._handlers[fn], inputs[0]))
+            for ref in start_hooks or ():
+                self.resolve(ref)(ctx)
+            output = fn(ctx, convert_input(self._handlers[fn], inp))
             if is_coroutine(output):  # an async def handler (or a callable that returns a coroutine)
                 output = self.run_async(output)
         except Cancelled as exc:
@@ -478,6 +535,8 @@ class Runner:
             })
             if message.get("rss"):  # max_child_rss: judged on the RSS between tasks, not during the next one
                 result["rss"] = _current_rss()
+            if self.limits.nofile_pinned:  # only tasks with a max_open_files as small from now on
+                result["nofile_pinned"] = True
             if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
                 kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
                 if kids > kids_before:

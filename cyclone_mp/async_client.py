@@ -32,6 +32,7 @@ from .connections import (
 )
 from .durations import Duration
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, WaitTimeout
+from .filters import When
 from .operations import Op
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
@@ -340,13 +341,20 @@ class AsyncClient(ClientBase):
         """:meth:`Client.signal <cyclone_mp.Client.signal>`, awaitable."""
         return await self._run(self._plan_signal(run_id, name, payload))
 
-    async def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    async def runs(self, state: str | Iterable[str] | None = None, limit: int = 50, *, step: str | None = None,
+                   queue: str | None = None, key: str | None = None, schedule: str | None = None,
+                   since: When | None = None, until: When | None = None,
+                   archived: bool = False) -> list[dict[str, Any]]:
         """:meth:`Client.runs <cyclone_mp.Client.runs>`, awaitable."""
-        return await self._run(lambda: operations.list_runs(state=state, limit=limit))
+        return await self._run(self._plan_runs(state, limit, archived, dict(
+            step=step, queue=queue, key=key, schedule=schedule, since=since, until=until)))
 
-    async def prune(self, older_than: Duration) -> int:
+    async def prune(self, older_than: Duration, *, state: str | Iterable[str] | None = None,
+                    step: str | None = None, queue: str | None = None, key: str | None = None,
+                    schedule: str | None = None, since: When | None = None, until: When | None = None) -> int:
         """:meth:`Client.prune <cyclone_mp.Client.prune>`, awaitable."""
-        return await self._run(self._plan_prune(older_than))
+        return await self._run(self._plan_prune(older_than, state, dict(
+            step=step, queue=queue, key=key, schedule=schedule, since=since, until=until)))
 
     async def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """:meth:`Client.workers <cyclone_mp.Client.workers>`, awaitable."""

@@ -1,7 +1,7 @@
-"""The host's cgroups as a supervisor finds and prepares them (issue 20): where this
-process's cgroups are in each hierarchy, the supervisor's own directory in each
-(``cyclone-mp-<pid>-<tag>``), the v2 controllers its slots need, and what dead
-supervisors left behind. :mod:`cyclone_mp.slots` builds the slots on top of it. No
+"""The host's cgroups as a supervisor finds and prepares them: where this process's
+cgroups are in each hierarchy, the supervisor's own directory in each
+(``cyclone-mp-<pid>-<tag>``), the v2 controllers its slots need, what dead supervisors
+left behind, and where a given process is (:func:`cgroups_of`, :func:`within`). :mod:`cyclone_mp.slots` builds the slots on top of it. No
 process is moved here but the supervisor itself, when cgroup v2 needs it to enable
 controllers (:func:`enable_controllers`).
 """
@@ -83,6 +83,43 @@ def to_int(text: str | None) -> int | None:
     with contextlib.suppress(TypeError, ValueError):
         return int((text or "").strip())
     return None
+
+
+def cgroups_of(pid: int) -> dict[str, str] | None:
+    """Where process ``pid`` is in each hierarchy a slot uses (``"v2"``, ``"memory"``,
+    ``"pids"``): its ``/proc/PID/cgroup`` paths, from the root of our cgroup namespace
+    (None: it is gone)."""
+    text = read_text(f"/proc/{pid}/cgroup")
+    if text is None:
+        return None
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            out["v2"] = path
+        for name in ("memory", "pids"):
+            if name in controllers.split(","):
+                out[name] = path
+    return out
+
+
+def within(path: str | None, directory: str) -> bool:
+    """True when the cgroup ``path`` (as :func:`cgroups_of` gives it) is ``directory`` (a
+    slot's: ``.../cyclone-mp-<pid>-<tag>/slot-N``, a name no other cgroup of the host
+    has) or one below it. The directory's part from ``cyclone-mp-`` on is looked for in
+    ``path``, whatever our mount point or cgroup namespace."""
+    if path is None:
+        return False
+    at = directory.find("/" + PREFIX)
+    tail = directory[at:] if at >= 0 else directory
+    found = path.find(tail)
+    while found >= 0:
+        rest = path[found + len(tail):]
+        if (rest == "" or rest.startswith("/")) and directory.endswith(path[:found + len(tail)]):
+            return True
+        found = path.find(tail, found + 1)
+    return False
 
 
 def pid_alive(pid: int) -> bool:

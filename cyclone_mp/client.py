@@ -31,6 +31,7 @@ from .errors import (
     ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable,
     InvalidTransition, WaitTimeout,
 )
+from .filters import When
 from .operations import Op
 from .planning import ClientBase
 from .schedules import ACTIVE_WITHIN
@@ -638,26 +639,51 @@ class Client(ClientBase):
         """
         return self._run(self._plan_signal(run_id, name, payload))
 
-    def runs(self, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        """Recent runs (dicts: id, name, kind, state, created_at, finished_at, steps)."""
-        return self._run(lambda: operations.list_runs(state=state, limit=limit))
+    def runs(self, state: str | Iterable[str] | None = None, limit: int = 50, *, step: str | None = None,
+             queue: str | None = None, key: str | None = None, schedule: str | None = None,
+             since: When | None = None, until: When | None = None, archived: bool = False) -> list[dict[str, Any]]:
+        """Recent runs, newest first, at most ``limit``: dicts of ``id``, ``name``, ``kind``,
+        ``state``, ``created_at``, ``finished_at``, ``steps`` (how many), ``key`` (the
+        concurrency keys of its steps), ``waiting_on`` (the limit that holds one of its
+        steps back), ``schedule`` (the schedule that enqueued it) and ``archived``.
 
-    def prune(self, older_than: Duration) -> int:
+        Every filter is optional: ``state`` (one state or several); ``step``, ``queue``
+        and ``key``: a step of the run has that step name, queue and concurrency key (one
+        step matching all those given); ``schedule``: the schedule that enqueued it;
+        ``since`` and ``until``: it was created in that window, each an aware datetime
+        or a duration before now on the database clock (seconds, a timedelta, or text
+        such as ``"10m"``). Finished runs move to the archive ``archive_after`` (10
+        minutes) after they finish: ``archived=True`` lists those too.
+
+        Raises:
+            ConfigurationError: an unknown state, an empty name, a naive datetime, a
+                negative duration, a limit below 1.
+            DatabaseError: the database failed or cannot be reached.
+        """
+        return self._run(self._plan_runs(state, limit, archived, dict(
+            step=step, queue=queue, key=key, schedule=schedule, since=since, until=until)))
+
+    def prune(self, older_than: Duration, *, state: str | Iterable[str] | None = None, step: str | None = None,
+              queue: str | None = None, key: str | None = None, schedule: str | None = None,
+              since: When | None = None, until: When | None = None) -> int:
         """Delete runs that finished (completed, discarded or cancelled) more than
         ``older_than`` seconds ago, with their steps, hot or archived; returns how many
-        runs were deleted.
+        runs were deleted. The filters of :meth:`runs` narrow which (``state``: of the
+        finished states).
 
-        Running and paused runs are never touched. Deletes in batches, and drops whole
-        archive partitions whose day is older (issue 22), so it is safe to run while
-        supervisors work (issue 8: pruning of finished runs). The supervisors apply a
+        Running and paused runs are never touched. Deletes in batches, and, unless a
+        filter besides ``state`` is given, drops whole archive partitions whose day is
+        older, so it is safe to run while supervisors work. The supervisors apply a
         retention by themselves with ``retain_completed`` and friends.
 
         Raises:
-            ConfigurationError: ``older_than`` is negative.
+            ConfigurationError: ``older_than`` is negative, or a filter is invalid (a
+                state that is not a finished one).
             DatabaseBusy: an archive partition's lock could not be had within 5 s.
             DatabaseError: the database failed or cannot be reached.
         """
-        return self._run(self._plan_prune(older_than))
+        return self._run(self._plan_prune(older_than, state, dict(
+            step=step, queue=queue, key=key, schedule=schedule, since=since, until=until)))
 
     def workers(self, within: float = 15.0) -> list[dict[str, Any]]:
         """Live supervisors (refreshed within ``within`` seconds) and their children."""

@@ -31,6 +31,7 @@ the drain and the hard stop are :meth:`ProcessControl._handle_requests`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -63,6 +64,7 @@ WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is s
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
 WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
+SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
 class ProcessControl(AttemptEndings, HeldSteps):
@@ -148,6 +150,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._prefetch_hold = False  # a held step waited too long: none until the next result
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
+        self._hooks = mux.hook_refs()
         self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues),
                                          "names": list(mux.step_names), "children": [],
                                          "limits": self.confinement.mechanism.as_dict()}
@@ -500,6 +503,13 @@ class ProcessControl(AttemptEndings, HeldSteps):
         limits = row_limits(row)
         slot = child.slot
         fits = True
+        ceiling = child.open_files_ceiling
+        if ceiling is not None and child.attempt is None and (limits.open_files is None or limits.open_files > ceiling):
+            # its hard RLIMIT_NOFILE was lowered for a smaller max_open_files, and it cannot raise it back
+            log.info("child %d cannot raise its RLIMIT_NOFILE back (lowered for max_open_files %d), which step %s "
+                     "needs %s: replacing it", child.pid, ceiling, row["step_name"],
+                     "without a cap" if limits.open_files is None else f"at {limits.open_files}")
+            return self._replace(child)
         if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
             joining = slot.unjoined(limits) if limits else []
             if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)
@@ -560,6 +570,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
         }
         if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
+        if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler
+            task["hooks"] = self._hooks
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
             # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
             # process cap), rlimits backstop and the child counts its tree as its handler ends
@@ -583,7 +595,10 @@ class ProcessControl(AttemptEndings, HeldSteps):
 
     def _note_start(self, att: Attempt) -> None:
         """An attempt whose handler started well after its claim (it waited for a child):
-        its lease's next renewal records when (``started_at`` of a running step)."""
+        its lease's next renewal records when (``started_at`` of a running step). And
+        ``cyclone-mp workers`` shows the child busy within SNAPSHOT_AFTER_START, not idle
+        until the next ``registry_interval``."""
+        self._next_snapshot = min(self._next_snapshot, self.clock() + SNAPSHOT_AFTER_START)
         delay = att.start_delay()
         if delay is not None and delay > START_NOTED_AFTER:
             self.keeper(Started(att.key, delay))
@@ -608,6 +623,9 @@ class ProcessControl(AttemptEndings, HeldSteps):
         att.killed_for = att.killed_by = kind
         self.stats["limit_kills"] += 1
         self.limit_watch.final_sample(att)  # the tree as it was, before the kill empties it
+        for pid, _ in att.usage.left if att.usage is not None else ():  # out of the cgroups the kill goes through
+            with contextlib.suppress(psutil.Error):
+                child.descendants_seen.setdefault(pid, psutil.Process(pid))
         self.pool.kill(child, kind)
         self._on_child_exit(child)
 
@@ -770,7 +788,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         kids = []
         for child in self.pool.children:
             att = child.attempt
-            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run}
+            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run, "ready": child.ready}
             if child.proc is not None:
                 try:
                     info["cpu_percent"] = child.proc.cpu_percent(None)

@@ -1,4 +1,4 @@
-"""The dashboard's read-only queries (issue 7), named ``dash_*`` in ``sql/queries.sql``.
+"""The dashboard's read-only queries, named ``dash_*`` in ``sql/queries.sql``.
 
 :class:`DashboardReads` runs them on a :class:`~cyclone_mp.store.Store`'s connection
 (the dashboard's views get one from the :class:`~cyclone_mp.Client`'s pool per page).
@@ -15,6 +15,10 @@ from typing import Any
 
 from .connections import translate
 from .store import Q, Store
+
+
+#: Archived runs of a state counted row by row at each overview (an estimate past it).
+ARCHIVED_COUNTED = 10_000
 
 
 class DashboardReads:
@@ -40,9 +44,11 @@ class DashboardReads:
         return {row["state"]: int(row["n"]) for row in self._rows("dash_run_counts", {})}
 
     @translate
-    def archived_counts(self) -> dict[str, int]:
-        """Archived runs by state, estimated from each partition's statistics (issue 22)."""
-        return {row["state"]: int(row["n"]) for row in self._rows("dash_archived_counts", {})}
+    def archived_counts(self, cap: int = ARCHIVED_COUNTED) -> tuple[dict[str, int], bool]:
+        """Archived runs by state, and whether every count is exact: counted up to ``cap``
+        per state, past that estimated from each partition's statistics."""
+        rows = self._rows("dash_archived_counts", {"cap": cap})
+        return {row["state"]: int(row["n"]) for row in rows}, all(row["exact"] for row in rows)
 
     @translate
     def step_counts(self) -> list[dict[str, Any]]:

@@ -157,6 +157,8 @@ class AttemptEndings:
         child.steps_run += not dropped
         child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
         child.last_rss = result.get("rss") if isinstance(result.get("rss"), int) else None
+        if result.get("nofile_pinned") and att.limits.open_files is not None:  # its hard RLIMIT_NOFILE stays lowered
+            child.open_files_ceiling = min(child.open_files_ceiling or att.limits.open_files, att.limits.open_files)
         self._end(att)
         if not dropped:
             self._note_duration(self.clock() - att.started)
@@ -184,6 +186,8 @@ class AttemptEndings:
             return
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
+        if att.limits and not result.get("ok") and att.killed_for is None:
+            self.limit_watch.final_sample(att)  # its tree as the handler left it: the sweep empties it
         if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
             self.pool.sweep_leftovers(child)
         self._maybe_recycle(child)
@@ -200,7 +204,7 @@ class AttemptEndings:
             over = self.limit_watch.over_at_end(att, tree_count)
             if over is not None:
                 kind, usage = over
-                entry["killed_by_supervisor"] = False
+                entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
                 self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
                 return
         if result.get("ok"):
@@ -415,7 +419,8 @@ class AttemptEndings:
                 label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
             self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
         if getattr(att, "started_wall", None) is not None and outcome.kind != RELEASE:
-            outcome = dataclasses.replace(outcome, start_delay=att.start_delay())  # its handler's start
+            outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
+                                          run_id=att.run_id, node=att.node)
         self.outcomes.append((outcome, att.deadline))
         if self._outcomes_since is None:
             self._outcomes_since = self.clock()

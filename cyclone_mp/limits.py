@@ -8,13 +8,21 @@ starts) uses while it runs:
 - ``max_processes``: processes of the tree, the child included (the kernel's pids
   controller also counts the threads a handler starts);
 - ``max_open_files``: descriptors each process of the tree may open (``RLIMIT_NOFILE``,
-  beyond the few the child holds itself).
+  soft and hard, beyond the few the child holds itself).
 
 They are set on ``cy.step``, per enqueue or client-wide (SPEC 2's precedence), stored on
 the step row, and come back with its claim. How they are enforced is
 :mod:`cyclone_mp.slots`; what a death was is decided here, from the evidence it gathers
 (:class:`Usage`), by :func:`over_limit` (while the attempt runs) and
 :func:`cause_of_death` (once its child is dead or its handler failed).
+
+Two more reasons to kill a tree are no cap's death and keep the kind ``error`` (what a
+handler that meets its ``RLIMIT_NOFILE`` gets, from its own ``OSError``), with the
+trigger and the cause named in the error entry: a process of the tree holding more
+descriptors than its ``max_open_files`` allows (:data:`OPEN_FILES`: only a handler that
+raised its own hard limit can, which root may), and a process of the tree outside the
+slot's cgroups (:data:`LEFT_CGROUPS`: root can move one out, past every cap a cgroup
+holds).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import re
 import signal
 from typing import Any
 
-from .decisions import CPU_LIMIT, MEMORY_LIMIT, OOM_KILLED, PROCESS_LIMIT
+from .decisions import CPU_LIMIT, ERROR, MEMORY_LIMIT, OOM_KILLED, PROCESS_LIMIT
 from .errors import ConfigurationError
 
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -38,6 +46,17 @@ MEMORY_LIMIT_MIN = MIB  #: the smallest memory_limit (a child alone uses 10-40 M
 MEMORY_LIMIT_MAX = 1 << 53  #: bytes (8 PiB): exact as a JSON number and in a bigint
 MAX_COUNT = 1 << 22  #: the largest max_processes / max_open_files (the kernel's own pid and fd ceilings are lower)
 
+#: Triggers of a tree kill that are no cap's death: a process past its descriptors (it
+#: raised its RLIMIT_NOFILE), a process out of the slot's cgroups. Their kind is ``error``.
+OPEN_FILES = "max_open_files"
+LEFT_CGROUPS = "left_cgroups"
+TRIGGER_KINDS = {OPEN_FILES: ERROR, LEFT_CGROUPS: ERROR}
+
+
+def kind_of(trigger: str) -> str:
+    """The error kind of an attempt whose tree was killed for ``trigger`` (a cap's kind is
+    its own trigger)."""
+    return TRIGGER_KINDS.get(trigger, trigger)
 
 
 def parse_size(value: object, what: str = "memory_limit") -> int | None:
@@ -129,6 +148,8 @@ class Limits:
             return f"cpu_limit {self.cpu:g} CPU s"
         if kind == PROCESS_LIMIT and self.processes is not None:
             return f"max_processes {self.processes}"
+        if kind == OPEN_FILES and self.open_files is not None:
+            return f"max_open_files {self.open_files}"
         return kind
 
 
@@ -147,7 +168,11 @@ class Usage:
     its own memory cap (not the machine's or a parent's); ``fork_failures``: forks refused
     at the process cap, ``at_process_cap``: the tree is at that cap now (a pids cgroup);
     ``at_process_rlimit``: the tree reached its ``RLIMIT_NPROC`` (set one over its cap, in
-    the child's user namespace: it was over its cap, and a fork past it was refused).
+    the child's user namespace: it was over its cap, and a fork past it was refused);
+    ``open_files``: the most descriptors one process of the tree held (``open_files_pid``),
+    ``open_files_allowed``: the most its ``RLIMIT_NOFILE`` lets one hold (the child's own
+    descriptors when the attempt began, plus ``max_open_files``); ``left``: processes of
+    the tree outside the slot's cgroups, ``(pid, where it is now)``.
     """
 
     memory: int | None = None
@@ -160,6 +185,17 @@ class Usage:
     fork_failures: int = 0
     at_process_cap: bool = False
     at_process_rlimit: bool = False
+    open_files: int | None = None
+    open_files_pid: int | None = None
+    open_files_allowed: int | None = None
+    left: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def over_open_files(self) -> bool:
+        """A process of the tree holds more descriptors than its ``RLIMIT_NOFILE`` allowed:
+        it raised the limit (the kernel refuses every descriptor past it otherwise)."""
+        return (self.open_files is not None and self.open_files_allowed is not None
+                and self.open_files > self.open_files_allowed)
 
     def forensics(self) -> dict[str, Any]:
         """The ``tree`` of an error entry: ``peak_memory_kb``, ``cpu_seconds``, ``processes``."""
@@ -170,6 +206,8 @@ class Usage:
             out["cpu_seconds"] = round(self.cpu, 3)
         if self.processes is not None:
             out["processes"] = self.processes
+        if self.open_files is not None:
+            out["open_files"] = self.open_files
         return out
 
 
@@ -193,15 +231,20 @@ def over_process_cap(limits: Limits, usage: Usage) -> bool:
 
 
 def over_limit(limits: Limits, usage: Usage, *, kernel_memory_cap: bool, kernel_process_cap: bool) -> str | None:
-    """The cap a running attempt broke (its tree is then killed), or None.
+    """The cap a running attempt broke, or the trigger it set off (its tree is then
+    killed), or None.
 
-    With a kernel memory cap (a cgroup) the memory cannot cross it: an OOM kill inside
+    A process of the tree out of the slot's cgroups comes first (:data:`LEFT_CGROUPS`:
+    what the cgroups count no longer covers the tree). With a kernel memory cap (a cgroup) the memory cannot cross it: an OOM kill inside
     the tree, with the tree's peak at its cap, is the evidence (the tree is killed whole,
     as the kernel would not). With a kernel process cap, a refused fork with the tree at
     its cap is. Otherwise the sampled values decide (a tree at its ``RLIMIT_NPROC``, one
     over its cap, is over it). (An OOM kill without the tree at its own cap is the
-    machine's doing: the tree is left to live on, and judged if it dies.)
+    machine's doing: the tree is left to live on, and judged if it dies.) A process holding
+    more descriptors than its ``RLIMIT_NOFILE`` allowed raised it: :data:`OPEN_FILES`.
     """
+    if usage.left:
+        return LEFT_CGROUPS
     if limits.memory is not None and usage.oom_kills and usage.memory_cap_hits:
         return MEMORY_LIMIT
     if limits.memory is not None and not kernel_memory_cap and usage.memory is not None and usage.memory > limits.memory:
@@ -211,6 +254,8 @@ def over_limit(limits: Limits, usage: Usage, *, kernel_memory_cap: bool, kernel_
             return PROCESS_LIMIT
         if not kernel_process_cap and over_process_cap(limits, usage):
             return PROCESS_LIMIT
+    if limits.open_files is not None and usage.over_open_files:
+        return OPEN_FILES
     if limits.cpu is not None and usage.cpu is not None and usage.cpu >= limits.cpu:
         return CPU_LIMIT
     return None
@@ -221,7 +266,8 @@ def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, kil
                    kernel_process_cap: bool = False) -> str | None:
     """What ended an attempt, or None (then it is ``child_exited`` or what the handler reported).
 
-    ``killed_for``: the cap the supervisor killed the tree for (it wins). Otherwise the
+    ``killed_for``: the cap (or trigger) the supervisor killed the tree for wins: its
+    kind (:func:`kind_of`). Otherwise the
     evidence about the attempt's own processes: an OOM kill inside the tree, counted by
     its cgroup (at its own memory cap: ``memory_limit``, else ``oom_killed``); a peak past
     the memory cap (sampled, or a descendant's peak plus the child's); a refused fork with
@@ -232,7 +278,7 @@ def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, kil
     ``SIGKILL`` without such evidence is nobody's known doing: None.
     """
     if killed_for is not None:
-        return killed_for
+        return kind_of(killed_for)
     if usage.oom_kills:
         return MEMORY_LIMIT if limits.memory is not None and usage.memory_cap_hits else OOM_KILLED
     if limits.memory is not None and usage.peak_memory is not None and usage.peak_memory > limits.memory:
@@ -253,8 +299,14 @@ def cause_of_death(limits: Limits, usage: Usage, *, exit_signal: int | None, kil
 def death_summary(kind: str, limits: Limits, usage: Usage) -> str:
     """The short cause stored with the attempt (``cause``) and repeated by the poison
     quarantine: ``memory_limit 512 MiB, peak 2.1 GiB``; ``cpu_limit 2 CPU s, used 2.04
-    CPU s``; ``max_processes 20, 20 processes``; ``oom_killed, peak 1.9 GiB``."""
+    CPU s``; ``max_processes 20, 20 processes``; ``oom_killed, peak 1.9 GiB``; for the
+    triggers, ``max_open_files 50, 503 open in process 4242`` and ``process 4242 left the
+    step's cgroups``."""
     peak = max(usage.peak_memory or 0, usage.memory or 0) or None
+    if kind == OPEN_FILES:
+        return f"{limits.describe(kind)}, {usage.open_files} open in process {usage.open_files_pid}"
+    if kind == LEFT_CGROUPS:
+        return ", ".join(f"process {pid} left the step's cgroups" for pid, _ in usage.left[:3]) or kind
     if kind == MEMORY_LIMIT:
         return f"{limits.describe(kind)}" + (f", peak {format_size(peak)}" if peak else "")
     if kind == CPU_LIMIT:
@@ -264,16 +316,25 @@ def death_summary(kind: str, limits: Limits, usage: Usage) -> str:
     return kind + (f", peak {format_size(peak)}" if peak else "")
 
 
-def death_message(kind: str, limits: Limits, usage: Usage, *, by: str) -> str:
-    """The error message of an attempt that died of ``kind``; ``by`` says who acted
-    ("the supervisor killed the tree", "the kernel's OOM killer"...)."""
-    what = {
+def what_happened(kind: str, limits: Limits, usage: Usage) -> str:
+    """What the tree did, for an attempt that died of (or was killed for) ``kind``."""
+    return {
         MEMORY_LIMIT: f"the tree reached its {limits.describe(kind)}",
         CPU_LIMIT: f"the tree used its {limits.describe(kind)}",
         PROCESS_LIMIT: f"the tree reached its {limits.describe(kind)}",
         OOM_KILLED: "the kernel's OOM killer killed a process of the tree (the machine, or a cgroup above the "
                     "step's, ran out of memory)",
+        OPEN_FILES: (f"process {usage.open_files_pid} of the tree held {usage.open_files} descriptors, past its "
+                     f"{limits.describe(kind)} (it raised its own RLIMIT_NOFILE)"),
+        LEFT_CGROUPS: "; ".join(f"process {pid} left the step's cgroups (now in {where}), out of reach of the caps "
+                                "they hold" for pid, where in usage.left[:3]),
     }.get(kind, kind)
+
+
+def death_message(kind: str, limits: Limits, usage: Usage, *, by: str) -> str:
+    """The error message of an attempt that died of ``kind``; ``by`` says who acted
+    ("the supervisor killed the tree", "the kernel's OOM killer"...)."""
+    what = what_happened(kind, limits, usage)
     numbers = []
     peak = max(usage.peak_memory or 0, usage.memory or 0) or None
     if peak:

@@ -3,7 +3,9 @@
 Process control keeps one :class:`LimitWatch`. An attempt with limits is armed when it
 starts (its slot's counters are noted) and sampled every
 :data:`~cyclone_mp.slots.SAMPLE_INTERVAL` while it runs; :meth:`LimitWatch.over` says
-which are over a cap, and process control kills their trees. When an attempt ends badly
+which are over a cap, or hold more descriptors than their ``RLIMIT_NOFILE`` allowed
+(they raised it), or have a process out of their slot's cgroups (said in the log too),
+and process control kills their trees. When an attempt ends badly
 (or its tree ended over its process cap), :meth:`LimitWatch.death` reads the evidence
 about that attempt's own processes (its slot's cgroup counters, the sampled tree, the
 child's count of its tree as its handler ended, the kernel log's record of an OOM kill
@@ -15,14 +17,17 @@ the kernel log; process control's thread only.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import decisions, slots
 from .attempts import Attempt
-from .limits import (NO_LIMITS, Limits, Usage, cause_of_death, death_message, death_summary, format_size,
-                     note_tree_count, over_limit, over_process_cap)
+from .limits import (LEFT_CGROUPS, NO_LIMITS, OPEN_FILES, TRIGGER_KINDS, Limits, Usage, cause_of_death, death_message,
+                     death_summary, format_size, note_tree_count, over_limit, over_process_cap, what_happened)
 from .mechanism import MEMORY_FALLBACK, SAMPLING
 from .messages import LeaseKey
+
+log = logging.getLogger("cyclone_mp.supervisor")
 
 
 class LimitWatch:
@@ -78,13 +83,17 @@ class LimitWatch:
             kind = over_limit(att.limits, usage, kernel_memory_cap=slot.kernel_memory_cap,
                               kernel_process_cap=slot.kernel_process_cap)
             if kind is not None and att.cancel_reason is None:
+                if kind in TRIGGER_KINDS:
+                    log.warning("step %s of run %s: %s; killing its tree", att.step_name, att.run_id,
+                                what_happened(kind, att.limits, usage))
                 found.append((att, kind))
         return found
 
     def final_sample(self, att: Attempt) -> None:
-        """The tree as it is now, before a kill empties it (the attempt's last usage)."""
+        """The tree as it is now, before a kill or a sweep of its leftovers empties it
+        (the attempt's last usage)."""
         if att.child.slot is not None and att.base is not None:
-            att.usage = att.child.slot.sample(att.limits, att.base, final=True)
+            att.usage = att.child.slot.sample(att.limits, att.base, final=True, walk=att.child.returncode is None)
 
     def death(self, att: Attempt, *, exit_signal: int | None, memory_error: bool = False,
               reported_peak: int | None = None, tree_count: dict[str, Any] | None = None) -> tuple[str, Usage] | None:
@@ -96,15 +105,19 @@ class LimitWatch:
         slot = att.child.slot
         usage = att.usage or Usage()
         if slot is not None and att.base is not None:
-            final = slot.sample(att.limits, att.base, final=True)
+            final = slot.sample(att.limits, att.base, final=True, walk=att.child.returncode is None)
             final.peak_memory = max(final.peak_memory or 0, usage.peak_memory or 0, usage.memory or 0) or None
             if final.processes in (None, 0) and usage.processes:
                 final.processes = usage.processes
             if usage.cpu is not None:  # a dead tree's CPU is gone from /proc: the last sample's counts
                 final.cpu = max(final.cpu or 0.0, usage.cpu)
+            final.left = final.left or usage.left  # (the escapee is dead by now: what the look before the kill saw)
+            final.at_process_cap = final.at_process_cap or usage.at_process_cap  # (before the sweep of leftovers)
             usage = final
         elif slot is not None and slot.confined and exit_signal is not None:  # no limits: the OOM killer's evidence
-            usage = slot.sample(NO_LIMITS, slot.last, final=True)
+            usage = slot.sample(NO_LIMITS, slot.last, final=True, walk=att.child.returncode is None)
+            # read after the death, and the cgroup's peak (not restarted for it) may be an earlier attempt's
+            usage.memory = usage.peak_memory = None
         counted = slot is not None and slot.kernel_memory_cap  # a cgroup counts the tree's memory
         if reported_peak and not counted:
             usage.peak_memory = max(usage.peak_memory or 0, reported_peak)
@@ -139,14 +152,19 @@ class LimitWatch:
                        "handler runs (raise the cap)"}
 
     def death_entry(self, att: Attempt, kind: str, usage: Usage, entry: dict[str, Any]) -> dict[str, Any]:
-        """An error entry with the cause of death: the tree's numbers, the caps, who acted."""
+        """An error entry with the cause of death: the tree's numbers, the caps, who acted.
+        A tree killed for a trigger that is no cap's death (:data:`~cyclone_mp.limits.TRIGGER_KINDS`:
+        kind ``error``) is described by its trigger."""
         mech = self.confinement.mechanism
         slot = att.child.slot
         confined = slot is not None and slot.confined
+        if att.killed_for in TRIGGER_KINDS:
+            kind = att.killed_for
         by = {decisions.MEMORY_LIMIT: mech.memory if slot is not None and slot.kernel_memory_cap
               else MEMORY_FALLBACK,
               decisions.PROCESS_LIMIT: att.processes_by or SAMPLING,
-              decisions.CPU_LIMIT: mech.cpu if confined else SAMPLING}.get(kind, "the kernel")
+              decisions.CPU_LIMIT: mech.cpu if confined else SAMPLING,
+              OPEN_FILES: mech.open_files, LEFT_CGROUPS: SAMPLING}.get(kind, "the kernel")
         failed = (f"the handler then failed ({str(entry.get('type')).rsplit('.', 1)[-1]}: {entry.get('message') or ''})"
                   if entry.get("type") and att.killed_for is None else None)
         if kind == decisions.PROCESS_LIMIT and usage.at_process_rlimit and att.killed_for is None:
@@ -165,6 +183,8 @@ class LimitWatch:
         elif kind == decisions.OOM_KILLED:
             who = ("its cgroup counted the kill" if usage.oom_kills else "the kernel log names this process")
             who += ", and the supervisor killed the rest of the tree"
+        elif kind == LEFT_CGROUPS:
+            who = "the supervisor killed it and the tree (the step's processes are checked at every look)"
         else:
             who = f"the supervisor killed the tree ({by})"
         entry.update({

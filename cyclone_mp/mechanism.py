@@ -20,6 +20,9 @@ MEMORY_FALLBACK = f"{RLIMIT} + {SAMPLING}"  #: RLIMIT_DATA in each process, the 
 #: RLIMIT_NPROC in a user namespace of each child's own (the kernel counts the tree's tasks
 #: there only), one above the cap, and the tree sampled
 PROCESSES_USERNS = f"{RLIMIT} in a user namespace + {SAMPLING}"
+#: RLIMIT_NOFILE, soft and hard, in each process, and the tree's descriptors sampled (root
+#: may raise a hard limit: no cgroup counts descriptors)
+OPEN_FILES_MECHANISM = f"{RLIMIT} + {SAMPLING}"
 KERNEL_LOG, CGROUP_COUNTERS = "kernel log", "cgroup counters"
 CGROUPS = (CGROUP_V2, CGROUP_V1)
 
@@ -36,7 +39,9 @@ class Mechanism:
             bounded).
         cpu: ``"cgroup v2"`` (``cpu.stat``, sampled) or ``"sampling"`` (``/proc``, with
             ``RLIMIT_CPU`` as a backstop).
-        open_files: ``"rlimit"`` (``RLIMIT_NOFILE``) everywhere.
+        open_files: ``"rlimit + sampling"`` everywhere: ``RLIMIT_NOFILE``, soft and hard
+            (an ordinary user's handler cannot raise a hard limit; root's can), and the
+            descriptors of the tree's processes counted at every look.
         oom: the evidence an OOM kill is named from: ``"cgroup counters"`` (a slot's
             memory cgroup), ``"kernel log"`` (``/dev/kmsg``), both, or ``"none"``.
         where: the supervisor's cgroup directories.
@@ -49,7 +54,7 @@ class Mechanism:
     memory: str = MEMORY_FALLBACK
     processes: str = SAMPLING
     cpu: str = SAMPLING
-    open_files: str = RLIMIT
+    open_files: str = OPEN_FILES_MECHANISM
     oom: str = "none"
     where: tuple[str, ...] = ()
     unusable: tuple[str, ...] = ()
@@ -113,5 +118,5 @@ class Mechanism:
                                         ("max_processes", self.kernel_process_cap),
                                         ("cpu_limit", self.cpu in CGROUPS)) if ok]
             head = f"cgroups hold {', '.join(held) or 'no cap'}{why}"
-        return logging.WARNING, (f"resource limits: {head}: {', '.join(parts)}; max_open_files stays RLIMIT_NOFILE; "
-                                 f"tree kills by {self.kill}; {self.oom_words()}")
+        return logging.WARNING, (f"resource limits: {head}: {', '.join(parts)}; max_open_files by RLIMIT_NOFILE + "
+                                 f"sampling; tree kills by {self.kill}; {self.oom_words()}")

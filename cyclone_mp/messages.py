@@ -207,6 +207,8 @@ class Outcome:
     held: bool = False
     start_delay: float | None = None  # seconds from the claim to the handler's start (None: it never started)
     snooze: float = 0.0  # SNOOZE: seconds until the step runs again (no attempt spent)
+    run_id: str = ""  # its run and node (what on_step_discarded hooks are told)
+    node: str = ""
 
     @property
     def step_id(self) -> int:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Generator, Sequence, TypeVar
 from psycopg.types.json import Jsonb
 
 from .errors import DatabaseError, InvalidTransition, RunNotFound, UnsupportedServer
+from .filters import RunFilter
 from .schedules import parse_idempotency_key
 from .status import TERMINAL_RUN_STATES
 from .limits import NO_LIMITS, Limits
@@ -546,39 +547,54 @@ def finished_runs(run_ids: Sequence[str]) -> Steps[tuple[list[dict[str, Any]], l
 
 
 @operation(transaction=False)
-def list_runs(*, state: str | None = None, limit: int = 50) -> Steps[list[dict[str, Any]]]:
-    """Recent runs, newest first."""
-    return (yield q("list_runs", {"state": state, "limit": limit})).rows
+def list_runs(*, filters: RunFilter = RunFilter(), limit: int = 50, archived: bool = False
+              ) -> Steps[list[dict[str, Any]]]:
+    """Recent runs that match ``filters``, newest first; archived ones too with
+    ``archived``. Planned with its parameters' values (unprepared), so the filters not
+    asked for cost nothing."""
+    params = {**filters.params(), "limit": limit, "archived": archived}
+    return (yield q("list_runs", params, prepare=False)).rows
 
 
 @operation(transaction=False)
-def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0) -> Steps[int]:
+def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0,
+          filters: RunFilter = RunFilter()) -> Steps[int]:
     """Delete finished runs (completed, discarded, cancelled) that finished more than
-    ``older_than`` seconds ago, hot or archived (issue 22): ``batch`` per statement (each
-    its own transaction), and whole archive partitions (one UTC day of one state) when
-    every run of theirs is that old (a DROP that waits at most ``lock_timeout`` seconds
-    for its lock); returns how many runs were deleted.
+    ``older_than`` seconds ago and match ``filters``, hot or archived: ``batch`` per
+    statement (each its own transaction). Archived runs go by whole archive partitions (one
+    UTC day of one state, a DROP that waits at most ``lock_timeout`` seconds for its lock)
+    when every run of theirs is that old and no filter but the states narrows the choice,
+    else row by row. Returns how many runs were deleted.
 
     Raises:
         DatabaseBusy: a partition's lock could not be had in time (nothing of it was lost).
     """
+    params = {**filters.params(), "older_us": to_us(older_than), "limit": batch}
     total = 0
     while True:
-        deleted = (yield q("prune_runs", {"older_us": to_us(older_than), "limit": batch})).rowcount
+        deleted = (yield q("prune_runs", params, prepare=False)).rowcount
         total += deleted
         if deleted < batch:
             break
-    now, partitions = yield from archive_partitions()
-    cutoff = now - dt.timedelta(seconds=older_than)
-    for state, day in sorted(partitions):
-        if day_end(day) <= cutoff:
-            total += yield from _drop_partition(state, day, lock_timeout)
-    for state in FINISHED_STATES:
+    states = [s for s in FINISHED_STATES if filters.states is None or s in filters.states]
+    if filters.narrows:
         while True:
-            row = yield from _retain(state, older_than, batch)
+            row = (yield q("prune_archived", params, prepare=False)).one()
             total += row["runs"]
             if row["runs"] < batch:
                 break
+    else:
+        now, partitions = yield from archive_partitions()
+        cutoff = now - dt.timedelta(seconds=older_than)
+        for state, day in sorted(partitions):
+            if state in states and day_end(day) <= cutoff:
+                total += yield from _drop_partition(state, day, lock_timeout)
+        for state in states:
+            while True:
+                row = yield from _retain(state, older_than, batch)
+                total += row["runs"]
+                if row["runs"] < batch:
+                    break
     yield from delete_idle_slots(batch=batch)  # the groups whose last steps went
     return total
 

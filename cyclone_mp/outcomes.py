@@ -267,10 +267,18 @@ class OutcomeWriter(DatabaseThread):
         # running nor paused, a workflow run's failure) go the one-by-one way.
         for outcome in failed:
             if outcome.key in settled.failed:
-                self.observer.written(outcome.step_name, settled.failed_kinds.get(outcome.key) or decisions.ERROR)
+                kind = settled.failed_kinds.get(outcome.key) or decisions.ERROR
+                self.observer.written(outcome.step_name, kind)
+                if outcome.key in settled.discarded:
+                    self._discarded(outcome, kind)
                 self._done(outcome)
             else:
                 self._write_alone(PendingWrite(outcome, self.clock()))
+
+    def _discarded(self, outcome: Outcome, kind: str, error: str | None = None) -> None:
+        """Tell the observers (``on_step_discarded`` hooks) that this write discarded its step."""
+        self.observer.discarded({"run_id": outcome.run_id, "node": outcome.node, "step_name": outcome.step_name,
+                                 "error_kind": kind, "error": error or (outcome.entry or {}).get("message")})
 
     def _keep(self, outcomes: list[Outcome]) -> None:
         now = self.clock()
@@ -350,6 +358,7 @@ class OutcomeWriter(DatabaseThread):
                     self.count("snoozed")
                     if state == "discarded":
                         self.observer.written(outcome.step_name, decisions.SNOOZE_LIMIT)
+                        self._discarded(outcome, decisions.SNOOZE_LIMIT, "snoozed more than max_snoozes")
                 self._done(outcome)
                 return True
             if outcome.kind == RELEASE:
@@ -378,7 +387,10 @@ class OutcomeWriter(DatabaseThread):
         if result == "applied":
             self.count("failed")
             ended = self.store.last_ended if self.store is not None else None
-            self.observer.written(outcome.step_name, ended[1] if ended else outcome.error_kind or decisions.ERROR)
+            kind = ended[1] if ended else outcome.error_kind or decisions.ERROR
+            self.observer.written(outcome.step_name, kind)
+            if self.store is not None and self.store.last_discarded:
+                self._discarded(outcome, kind)
             self.tell_control(Poll())
         self._done(outcome)
         return True

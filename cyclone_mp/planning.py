@@ -18,9 +18,10 @@ from .config import Config
 from .connections import stale_plan
 from .durations import Duration, seconds
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
+from .filters import RunFilter
 from .operations import Op
 from .protocol import check_text, check_value
-from .status import RunStatus, StepStatus
+from .status import TERMINAL_RUN_STATES, RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
 from .store import NodeRow
 from .workflow import Workflow
@@ -204,9 +205,19 @@ class ClientBase:
         return lambda: operations.signal(run_id, name, payload)
 
     @staticmethod
-    def _plan_prune(older_than: Duration) -> Callable[[], Op]:
+    def _plan_runs(state: str | Iterable[str] | None, limit: int, archived: bool, filters: dict[str, Any]
+                   ) -> Callable[[], Op]:
+        found = RunFilter.of(state=state, **filters)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ConfigurationError(f"limit must be a positive int, got {limit!r}")
+        return lambda: operations.list_runs(filters=found, limit=limit, archived=bool(archived))
+
+    @staticmethod
+    def _plan_prune(older_than: Duration, state: str | Iterable[str] | None, filters: dict[str, Any]
+                    ) -> Callable[[], Op]:
         age = seconds(older_than, "older_than", allow_none=False, allow_zero=True)
-        return lambda: operations.prune(older_than=age or 0.0)
+        found = RunFilter.of(state=state, allowed=TERMINAL_RUN_STATES, **filters)
+        return lambda: operations.prune(older_than=age or 0.0, filters=found)
 
     @staticmethod
     def _wait_timeout(timeout: Duration | None) -> float | None:

@@ -131,6 +131,9 @@ class ChildProc:
         self.descendants_seen: dict[int, psutil.Process] = {}
         self.killed = False  # the supervisor SIGKILLed it
         self.userns = False  # it said it is the first process of a user namespace of its own (max_processes)
+        #: the smallest max_open_files it ran with where it cannot raise RLIMIT_NOFILE's hard
+        #: limit back (an ordinary user): it takes only tasks with a max_open_files as small
+        self.open_files_ceiling: int | None = None
         self.unread: list[dict[str, Any]] = []  # what it sent before it died, read once it was reaped
         self.peak_rss_kb: int | None = None
         self.slot: Slot | None = None  # its slot (cgroups, sampling), set by the pool

@@ -1,8 +1,11 @@
-"""The caps' fallbacks where no cgroup holds them: an attempt's process tree read from
-``/proc``, and the user namespace that lets ``RLIMIT_NPROC`` count one tree.
+"""An attempt's process tree read from ``/proc``, and the user namespace that lets
+``RLIMIT_NPROC`` count one tree.
 
-The supervisor samples a running attempt's tree (:func:`tree`: its CPU seconds, resident
-memory, processes and tasks) where no cgroup counts them. ``RLIMIT_NPROC`` counts the
+The supervisor looks at a running attempt's tree at every sample (:func:`survey`): its
+processes (which a cgroup's listing alone would miss once one leaves it, and which are
+checked against the slot's cgroups), their descriptors where ``max_open_files`` is set
+(a root handler can raise its own ``RLIMIT_NOFILE``, hard limit included), and, where no
+cgroup counts them, its CPU seconds, resident memory and tasks. ``RLIMIT_NPROC`` counts the
 tasks of a *user* in a *user namespace*, and binds every process but root's: in the
 user's own namespace it would count the supervisor, every other slot and every other
 program of that user, so a cap set from it would refuse a fork for someone else's
@@ -19,6 +22,7 @@ Imported by the child runner too (it imports nothing the runner does not).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from .protocol import PAGE_SIZE, child_pids
@@ -48,28 +52,86 @@ def stat(pid: int) -> tuple[float, int, int, float] | None:
         return None
 
 
-def tree(root: int | None) -> tuple[float, int, int, int]:
-    """``(CPU seconds, RSS bytes, processes, tasks)`` of ``root`` and its live descendants
-    (plus the CPU of the children ``root`` waited for)."""
+PF_EXITING = 0x4  #: a process's flag (``/proc/PID/stat``) from the moment it starts to exit
+
+
+def exiting(pid: int) -> bool:
+    """True when process ``pid`` is gone, a zombie, or on its way out (it then leaves its
+    cgroups: ``/proc/PID/cgroup`` reads as the root of each hierarchy)."""
+    text = read_text(f"/proc/{pid}/stat")
+    if not text:
+        return True
+    rest = text[text.rfind(")") + 2:].split()
+    try:
+        return rest[0] in ("Z", "X", "x") or bool(int(rest[6]) & PF_EXITING)
+    except (IndexError, ValueError):
+        return True
+
+
+def open_files(pid: int) -> int | None:
+    """How many descriptors process ``pid`` holds now (None: gone, or not readable). The
+    size of ``/proc/PID/fd`` is that count (Linux 6.2+: about a microsecond, however many);
+    where it reads 0 the directory is listed (about 0.2 us a descriptor)."""
+    try:
+        size = os.stat(f"/proc/{pid}/fd").st_size
+        return size if size > 0 else len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+@dataclasses.dataclass
+class Survey:
+    """One look at a process tree (:func:`survey`).
+
+    Attributes:
+        pids: the processes found, ``root`` first (zombies too: the kernel counts them
+            until they are reaped).
+        cpu, rss, tasks: CPU seconds (plus what ``root`` waited for), resident bytes and
+            threads of the live ones, summed (only when asked for: ``stats``).
+        fds, fds_pid: the most descriptors one process held, and which (only when asked
+            for: ``fds``).
+    """
+
+    pids: list[int] = dataclasses.field(default_factory=list)
+    cpu: float = 0.0
+    rss: int = 0
+    tasks: int = 0
+    fds: int | None = None
+    fds_pid: int | None = None
+
+
+def survey(root: int | None, *, stats: bool = True, fds: bool = False) -> Survey:
+    """``root`` and every descendant it has now, found through each thread's
+    ``children``: with the child runner a subreaper, that includes what left its process
+    group or session and lost its parent (adopted by the runner). ``stats``: read each
+    one's ``/proc/PID/stat`` too (CPU, RSS, threads: about 6 us a process); ``fds``:
+    count each one's descriptors (:func:`open_files`)."""
+    out = Survey()
     if root is None:
-        return 0.0, 0, 0, 0
-    cpu = 0.0
-    rss = procs = tasks = 0
+        return out
     todo, seen = [root], set()
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        info = stat(pid)
-        if info is None:
+        kids = child_pids(pid)
+        if kids is None:  # gone
             continue
-        cpu += info[0] + (info[3] if pid == root else 0.0)
-        tasks += info[1]
-        rss += info[2]
-        procs += 1
-        todo.extend(child_pids(pid) or ())
-    return cpu, rss, procs, tasks
+        if stats:
+            info = stat(pid)
+            if info is None:
+                continue
+            out.cpu += info[0] + (info[3] if pid == root else 0.0)
+            out.tasks += info[1]
+            out.rss += info[2]
+        if fds:
+            count = open_files(pid)
+            if count is not None and (out.fds is None or count > out.fds):
+                out.fds, out.fds_pid = count, pid
+        out.pids.append(pid)
+        todo.extend(kids)
+    return out
 
 
 def tree_size(root: int | None = None) -> tuple[int, int]:

@@ -309,14 +309,23 @@ def child_pids(pid: int | str = "self") -> set[int] | None:
     except OSError:
         return None
     found: set[int] = set()
-    for tid in tasks:
+    for tid in tasks:  # (os.open and os.read: half the cost of open(), at every look at a limited attempt)
         try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
-                found.update(int(p) for p in fh.read().split())
+            fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
         except FileNotFoundError:
             continue
         except OSError:
             return None
+        try:
+            data = chunk = os.read(fd, 65536)
+            while len(chunk) == 65536:  # (a /proc file reads short only at its end)
+                chunk = os.read(fd, 65536)
+                data += chunk
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        found.update(int(p) for p in data.split())
     return found
 
 

@@ -24,8 +24,16 @@ processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     ordin
 CPU (``cpu_limit``)       cgroup v2 ``cpu.stat`` sampled every 50 ms       the tree's ``/proc`` times
                                                                            sampled, ``RLIMIT_CPU`` in the
                                                                            child
-open files                ``RLIMIT_NOFILE`` in the child (no cgroup        the same
-(``max_open_files``)      counts descriptors)
+open files                ``RLIMIT_NOFILE``, soft and hard, in the child;  the same (a handler without
+(``max_open_files``)      each process's descriptors counted every 50 ms   ``CAP_SYS_RESOURCE`` cannot
+                          (no cgroup counts them; root may raise a hard    raise the hard limit)
+                          limit)
+the tree in its cgroups   each process of the tree checked every 50 ms     no cgroup to leave
+                          against the slot's cgroups (root can move one
+                          out): one outside is killed with the tree
+an attempt's forensics    the memory cgroup's peak restarted as each       the tree's RSS and processes
+                          limited attempt begins; processes: the tree      sampled, the most at once
+                          walked with what the cgroups list, the most
 an OOM kill's evidence    the slot's ``memory.events`` (v2) or             the kernel log's record of
                           ``memory.oom_control`` (v1) counters             that pid (:mod:`~cyclone_mp.kmsg`,
                                                                            where readable); else none
@@ -65,7 +73,9 @@ for delegated units. ``CYCLONE_MP_CGROUPS=off`` turns cgroups off (the fallbacks
 mechanisms, run on a hybrid one).
 
 Sampling happens only while an attempt with a limit runs (process control's loop,
-every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing.
+every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing. Each look walks the
+attempt's tree (:meth:`Slot.sample`); where cgroups count its memory and CPU, a big
+tree's walks are spaced to take at most :data:`WALK_SHARE` of the time.
 """
 
 from __future__ import annotations
@@ -79,7 +89,7 @@ import time
 from typing import Any, Callable
 
 from . import protocol
-from .cgroups import PREFIX, Hierarchies, find_hierarchies, remove_tree, setup_v1, setup_v2
+from .cgroups import PREFIX, Hierarchies, cgroups_of, find_hierarchies, remove_tree, setup_v1, setup_v2, within
 from .cgroups import pid_alive as _pid_alive
 from .cgroups import read_text as _read
 from .cgroups import rmdir_cgroup as _rmdir
@@ -89,8 +99,10 @@ from .kmsg import KMSG, KernelLog
 from .limits import Limits, Usage
 from .mechanism import (CGROUP_COUNTERS, CGROUP_V1, CGROUP_V2, KERNEL_LOG, MEMORY_FALLBACK, PROCESSES_USERNS,
                         SAMPLING, SIGNALS, Mechanism)
+from .proctree import exiting as _exiting
+from .proctree import open_files as _open_files
 from .proctree import stat as _stat
-from .proctree import tree as _tree
+from .proctree import survey as _survey
 from .proctree import user_namespaces_refused
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -99,7 +111,11 @@ log = logging.getLogger("cyclone_mp.supervisor")
 #: v1-only or v2-only host's mechanisms on a hybrid one); unset: every one that can be used
 CGROUPS_ENV = "CYCLONE_MP_CGROUPS"
 SAMPLE_INTERVAL = 0.05  #: seconds between two looks at a running attempt with limits
+HIERARCHY_NAMES = {"v2": "cgroup v2", "memory": "memory cgroup", "pids": "pids cgroup"}  #: a slot's cgroups, in words
 FREEZE_WAIT = 0.05  #: seconds a tree kill waits for a cgroup to be frozen before it kills anyway
+#: the share of process control's time one attempt's walks of its tree may take where
+#: cgroups count its memory and CPU (a big tree is then walked less often than it is looked at)
+WALK_SHARE = 0.02
 
 # -- counter files ---------------------------------------------------------------------------------
 
@@ -268,15 +284,24 @@ class Confinement:
 @dataclasses.dataclass
 class Baseline:
     """A limited attempt's starting point in its slot: CPU seconds used so far, the
-    counters of OOM kills, memory cap hits and refused forks."""
+    counters of OOM kills, memory cap hits and refused forks, where the memory cgroup's
+    peak restarted, the child's descriptors; and the most the attempt's samples saw."""
 
     cpu: float | None = None
     oom_kills: int = 0
     cap_hits: int = 0
     fork_failures: int = 0
     runner_cpu: float | None = None  # the child's own CPU seconds when the attempt started
-    peak: int = 0  # sampled peak memory (fallback)
-    processes: int = 0  # the most processes seen in the tree  # sampled peak (fallback)
+    peak: int = 0  # the most memory sampled (the fallback's peak; with a cgroup, its current usage)
+    processes: int = 0  # the most processes seen in the tree
+    open_files: int = 0  # the most descriptors seen in one process of the tree
+    open_files_pid: int | None = None  # ... which
+    #: the memory cgroup's peak restarted when the attempt began (True); else what it read
+    #: then, past which a peak is this attempt's (None: not known: the sampled usage stands)
+    peak_reset: bool = False
+    peak_floor: int | None = None
+    fds: int | None = None  # descriptors the child held when the attempt began (max_open_files)
+    next_walk: float = 0.0  # time.monotonic() before which a look leaves the tree unwalked (WALK_SHARE)
 
 
 class Slot:
@@ -595,18 +620,32 @@ class Slot:
 
     def _peak_fd(self) -> int | None:
         """One descriptor for the memory peak: v2's ``memory.peak`` resets per open file,
-        so it is written and read through the same one."""
+        so it is written and read through the same one (read-only where it cannot be
+        written: a v2 kernel before 6.12)."""
         key, name = ("v2", "memory.peak") if self.memory_file == "v2" else ("memory", "memory.max_usage_in_bytes")
-        return self._fd(key, name, os.O_RDWR)
+        fd = self._fd(key, name, os.O_RDWR)
+        return fd if fd is not None else self._fd(key, name)
 
-    def _reset_peak(self) -> None:
-        """The memory peak restarts from now (a v2 kernel before 6.12: it counts since creation)."""
+    def _restart_peak(self, base: Baseline) -> None:
+        """The memory cgroup's peak restarts from now for the attempt of ``base``: v1's
+        ``memory.max_usage_in_bytes`` by writing 0, v2's ``memory.peak`` by writing to it
+        (Linux 6.12+). Where it cannot be written it counts since the cgroup was made: its
+        value now is noted, and a later peak is the attempt's only once it is higher."""
         fd = self._peak_fd()
-        if fd is not None:
-            try:
-                os.pwrite(fd, b"reset" if self.memory_file == "v2" else b"0", 0)
-            except OSError:
-                pass
+        if fd is None:
+            return
+        try:
+            os.pwrite(fd, b"reset" if self.memory_file == "v2" else b"0", 0)
+            base.peak_reset = True
+        except OSError:
+            base.peak_floor = self._peak()
+
+    def _peak_since(self, base: Baseline) -> int | None:
+        """The memory cgroup's peak, when it is the attempt's of ``base`` (None: not known)."""
+        peak = self._peak()
+        if peak is None or base.peak_reset or (base.peak_floor is not None and peak > base.peak_floor):
+            return peak
+        return None
 
     def _peak(self) -> int | None:
         fd = self._peak_fd()
@@ -620,24 +659,40 @@ class Slot:
     def begin(self, limits: Limits, runner_cpu: float | None = None) -> Baseline:
         """An attempt with ``limits`` starts now in this slot: where its counters start.
 
-        Nothing is read here (this is every limited attempt's cost: about a microsecond):
-        the counters start from the slot's last look, and a memory cap only restarts the
-        peak. So an OOM kill or a refused fork is blamed on this attempt only with its
-        own evidence beside it: its peak reached its memory cap, its tree is at its
-        process cap (:meth:`sample`). The CPU counter is read at the first look (most
+        Little is read here (this is every limited attempt's cost: a few microseconds):
+        the counters start from the slot's last look; the memory cgroup's peak restarts
+        (whatever the caps: every attempt's forensics read it, and the last attempt's
+        peak is not this one's); with ``max_open_files``, the child's descriptors are
+        counted (what its ``RLIMIT_NOFILE`` is set from, so what each process of the
+        tree may hold). So an OOM kill or a refused fork is blamed on this attempt only
+        with its own evidence beside it: its peak reached its memory cap, its tree is at
+        its process cap (:meth:`sample`). The CPU counter is read at the first look (most
         attempts end before it), less what the child itself used since it started the
         attempt (``runner_cpu``: its CPU seconds then)."""
         last = self.last
         base = Baseline(oom_kills=last.oom_kills, cap_hits=last.cap_hits, fork_failures=last.fork_failures,
                         runner_cpu=runner_cpu)
-        if limits.memory is not None and self.memory_file:
-            self._reset_peak()
+        if self.memory_file and self.confined:
+            self._restart_peak(base)
+        if limits.open_files is not None and self.pid:
+            base.fds = _open_files(self.pid)
         return base
 
-    def sample(self, limits: Limits, base: Baseline, *, final: bool = False) -> Usage:
+    def sample(self, limits: Limits, base: Baseline, *, final: bool = False, walk: bool = True) -> Usage:
         """What the attempt's tree used since ``base``. ``final``: it is over (or being
-        killed): every counter is read, and its processes counted. The counters read are
-        the slot's last look from then on."""
+        killed): every counter is read. ``walk``: False once the child is reaped (its pid
+        may be another process's by then). The counters read are the slot's last look
+        from then on.
+
+        The tree is walked at every look (:func:`~cyclone_mp.proctree.survey`, about
+        10 us a process): its processes are counted (with those the slot's cgroups
+        list: the most seen is the attempt's count), each one is checked to be in every
+        cgroup of the slot the child is in (:meth:`membership`), and with
+        ``max_open_files`` its descriptors are counted. Where no cgroup counts them, its
+        CPU, memory and tasks are read too. Where cgroups count those, a tree so big that
+        its walks would take more than :data:`WALK_SHARE` of the time is walked less
+        often (a look every 50 ms at a tree of 100 processes: every 0.05 s; of 1,000:
+        every 0.5 s), and the cgroups' counters are read at every look."""
         usage = Usage()
         memory = limits.memory is not None or final
         oom, hits = self._memory_counters() if memory else (self.last.oom_kills, self.last.cap_hits)
@@ -645,42 +700,99 @@ class Slot:
         self.last = Baseline(oom_kills=oom, cap_hits=hits, fork_failures=forks)
         usage.oom_kills, usage.memory_cap_hits = oom - base.oom_kills, hits - base.cap_hits
         usage.fork_failures = forks - base.fork_failures
-        need_tree = not self.confined or (limits.memory is not None and not self.memory_file) or (
-            limits.processes is not None and not self.pids_file)
         cpu_now = self._cpu() if limits.cpu is not None or final else None
-        tree = _tree(self.pid) if (need_tree or (cpu_now is None and limits.cpu is not None)) and self.pid else None
+        stats = not self.confined or (limits.memory is not None and not self.memory_file) or (
+            limits.processes is not None and not self.pids_file) or (cpu_now is None and limits.cpu is not None)
+        found = None
+        started = time.monotonic()
+        if self.pid and walk and (stats or final or started >= base.next_walk):
+            found = _survey(self.pid, stats=stats, fds=limits.open_files is not None)
+            if not stats:
+                base.next_walk = started + (time.monotonic() - started) / WALK_SHARE
+        tree = found if stats else None  # its CPU, memory and tasks were read
         if base.cpu is None and limits.cpu is not None and not final:  # the first look: where the CPU count starts
-            now = cpu_now if cpu_now is not None else (tree[0] if tree is not None else None)
+            now = cpu_now if cpu_now is not None else (tree.cpu if tree is not None else None)
             runner = _stat(self.pid) if self.pid and base.runner_cpu is not None else None
             spent = max(0.0, runner[0] - base.runner_cpu) if runner and base.runner_cpu is not None else 0.0
             base.cpu = None if now is None else now - spent
         if self.memory_file and memory:
             usage.memory = _int(self._pread("v2", "memory.current") if self.memory_file == "v2"
                                 else self._pread("memory", "memory.usage_in_bytes"))
-            usage.peak_memory = self._peak()
-            if limits.memory is not None and usage.peak_memory is not None:
+            base.peak = max(base.peak, usage.memory or 0)
+            counted = self._peak_since(base)
+            usage.peak_memory = counted if counted is not None else (base.peak or None)
+            if limits.memory is not None and counted is not None:
                 # the attempt's own evidence: its peak (restarted when it began) reached its cap
-                usage.memory_cap_hits = 1 if usage.peak_memory >= limits.memory else 0
+                usage.memory_cap_hits = 1 if counted >= limits.memory else 0
         elif tree is not None:
-            usage.memory = tree[1]
-            base.peak = max(base.peak, tree[1])
+            usage.memory = tree.rss
+            base.peak = max(base.peak, tree.rss)
             usage.peak_memory = base.peak
         if cpu_now is None and tree is not None:
-            cpu_now = tree[0]
+            cpu_now = tree.cpu
         if cpu_now is not None and base.cpu is not None:
             usage.cpu = max(0.0, cpu_now - base.cpu)
-        if tree is not None:
-            usage.processes, usage.tasks = tree[2], tree[3]
-        elif final or (limits.processes is not None and usage.fork_failures):
-            listed = self.procs()
-            usage.processes = len(listed) if listed is not None else None
-            if usage.fork_failures and self.caps[1] is not None and self.pids_file:  # at its process cap now?
-                usage.tasks = _int(self._pread(self.pids_file, "pids.current"))
-                usage.at_process_cap = usage.tasks is not None and usage.tasks >= self.caps[1]
-        if usage.processes is not None:  # the forensics say the most the tree had
+        if found is not None:
+            processes = set(found.pids)
+            if self.confined:
+                listed, usage.left = self.membership(found.pids)
+                processes |= listed
+            usage.processes = len(processes)
+            if tree is not None:
+                usage.tasks = tree.tasks
+        if limits.processes is not None and usage.fork_failures and self.caps[1] is not None and self.pids_file:
+            usage.tasks = _int(self._pread(self.pids_file, "pids.current"))  # at its process cap now?
+            usage.at_process_cap = usage.tasks is not None and usage.tasks >= self.caps[1]
+        if usage.processes is not None:
             base.processes = max(base.processes, usage.processes)
-            usage.processes = base.processes if final else usage.processes
+        if final and base.processes:  # the forensics say the most the tree had
+            usage.processes = base.processes
+        if limits.open_files is not None:
+            if found is not None and found.fds is not None and found.fds > base.open_files:
+                base.open_files, base.open_files_pid = found.fds, found.fds_pid
+            usage.open_files, usage.open_files_pid = base.open_files or None, base.open_files_pid
+            usage.open_files_allowed = None if base.fds is None else base.fds + limits.open_files
         return usage
+
+    def membership(self, pids: list[int]) -> tuple[set[int], list[tuple[int, str]]]:
+        """The processes the slot's cgroups list now, and those of ``pids`` (the attempt's
+        tree) that are not in every cgroup of the slot the child is in: ``(pid, where it
+        is)``. Each cgroup's listing is one read of a descriptor kept open; a process
+        missing from one is looked up in its own ``/proc/PID/cgroup`` (it may have been
+        born after the listing, or be a zombie, which a listing leaves out)."""
+        keys = [key for key in self.joined if key in self.dirs]
+        listed: set[int] = set()
+        suspects: set[int] = set()
+        for key in keys:
+            members = self._members(key)
+            if members is None:
+                suspects.update(pids)
+                continue
+            listed |= members
+            suspects.update(pid for pid in pids if pid not in members)
+        left = []
+        for pid in sorted(suspects):
+            where = cgroups_of(pid)
+            if where is None:  # gone
+                continue
+            out = [key for key in keys if not within(where.get(key), self.dirs[key])]
+            if out and not _exiting(pid):  # (an exiting process reads as in the root cgroup)
+                left.append((pid, " and ".join(f"{HIERARCHY_NAMES[key]} {where.get(key, '?')}" for key in out)))
+        return listed, left
+
+    def _members(self, key: str) -> set[int] | None:
+        """The processes in the slot's cgroup ``key`` now. v2's listing is read through a
+        descriptor kept open (2 us; one cut short by the read leaves the rest to
+        :meth:`membership`'s own look); a v1 one is opened each time (3 us): read again
+        through the same descriptor, it repeats its first listing."""
+        if key != "v2":
+            path = self._file(key, "cgroup.procs")
+            text = _read(path) if path else None
+            return None if text is None else {int(p) for p in text.split()}
+        data = self._pread_bytes(key, "cgroup.procs")
+        if data is None:
+            return None
+        return {int(p) for p in data[:data.rfind(b"\n") + 1].split()}
 
     def procs(self) -> list[int] | None:
         """The processes in this slot's cgroup now (None: no cgroup)."""

@@ -135,7 +135,7 @@ class StepOptions:
             or a size such as ``"512MiB"``); None: no cap (issue 20). Stored on the row.
         cpu_limit: CPU seconds the tree may use in one attempt (seconds or timedelta).
         max_processes: processes the tree may have at once, the child included.
-        max_open_files: descriptors each process of the tree may open.
+        max_open_files: descriptors each process of the tree may hold.
         max_snoozes: times the handler may raise ``cy.Snooze`` (each run again later, no
             attempt spent) before the step is discarded as ``snooze_limit`` (default 100);
             read by the supervisor that registers the step.
@@ -345,8 +345,10 @@ def step(
         rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per key.
         memory_limit: bytes (or ``"512MiB"``) of memory for the attempt's whole process
             tree; cpu_limit: its CPU seconds; max_processes: its processes at once;
-            max_open_files: descriptors per process. Killed past a cap, the attempt fails
-            as ``memory_limit``, ``cpu_limit`` or ``process_limit`` (docs/resource-limits.md).
+            max_open_files: descriptors per process (``RLIMIT_NOFILE``, soft and hard).
+            Killed past a cap, the attempt fails as ``memory_limit``, ``cpu_limit`` or
+            ``process_limit``; past ``max_open_files`` (or with a process out of its
+            slot's cgroups) as ``error``, the cause named (docs/resource-limits.md).
         max_snoozes: times the handler may raise ``cy.Snooze`` before the step is
             discarded as ``snooze_limit`` (default 100).
 
@@ -378,6 +380,67 @@ class Mux:
         self._steps: dict[str, Step] = {}
         self._workflows: dict[str, "Workflow"] = {}
         self._schedules: dict[str, "Schedule"] = {}
+        self.hooks: dict[str, list[Callable[..., Any]]] = {"start": [], "end": [], "discarded": []}
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def on_attempt_start(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Register ``fn(ctx)``, called in the child before every handler of this mux runs
+        (set up a logging context, a database session...). Decorator; returns ``fn``. It
+        must be defined at module level (children import it by name, as handlers). One
+        that raises fails the attempt as the handler would (``error``, retried).
+
+        Raises:
+            ConfigurationError: ``fn`` is not callable or not importable by module path.
+        """
+        return self._hook("start", fn)
+
+    def on_attempt_end(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Register ``fn(ctx, outcome)``, called in the child after every handler of this
+        mux, whatever happened: ``outcome`` is ``{"ok": bool, "kind": error kind or None,
+        "error": message or None}`` (a cancel, a timeout the handler saw and a raised
+        error included; not a kill, which ends the child). What it raises is printed to
+        the child's stderr and changes nothing. Decorator; returns ``fn``.
+
+        Raises:
+            ConfigurationError: ``fn`` is not callable or not importable by module path.
+        """
+        return self._hook("end", fn)
+
+    def on_step_discarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Register ``fn(event)``, called in the supervisor (on a thread of its own, never
+        in the way of its work) each time it writes a step discarded: ``event`` is
+        ``{"run_id", "node", "step_name", "error_kind", "error"}`` (alert someone, open a
+        ticket). The supervisor that wrote the discard calls it: the one whose attempt
+        failed for good, or whose sweep settled it. Decorator; returns ``fn``.
+
+        Raises:
+            ConfigurationError: ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise ConfigurationError("on_step_discarded takes a callable")
+        self.hooks["discarded"].append(fn)
+        return fn
+
+    def _hook(self, when: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise ConfigurationError(f"on_attempt_{when} takes a callable")
+        ref = _handler_ref(fn)
+        if not ref.importable():
+            raise ConfigurationError(f"hook {ref.qualname} runs in the children, which import it by name: define "
+                                     f"it at module level of an importable module (it is in {ref.module})")
+        self.hooks[when].append(fn)
+        return fn
+
+    def hook_refs(self) -> dict[str, list[dict[str, Any]]]:
+        """The attempt hooks as the children find them (``{"start": [ref...], "end": [...]}``,
+        empty lists dropped)."""
+        refs = {}
+        for when in ("start", "end"):
+            found = [_handler_ref(fn) for fn in self.hooks[when]]
+            if found:
+                refs[when] = [{"module": r.module, "qualname": r.qualname, "path": r.path} for r in found]
+        return refs
 
     def schedule(
         self,

@@ -107,7 +107,7 @@ class Supervisor:
         self._requests: list[str] = []
         self._readiness: DatabaseProbe | None = None
         self.observer = observer if observer is not None else supervisor_observer(
-            metrics_port, metrics_host, metrics_token)
+            metrics_port, metrics_host, metrics_token, discard_hooks=mux.hooks["discarded"])
 
     # -- control from other threads / signal handlers -----------------------------------
 
@@ -177,7 +177,8 @@ class Supervisor:
                                      dedicated=self.dedicated)
             self.control = control
             maintenance = Maintenance(self.dsn, self.config,
-                                      sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written),
+                                      sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written,
+                                                      discarded=self.observer.discarded),
                                       mux=self.mux, owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
                                       post_outcome=self.writer.post, started=self.running, observer=self.observer,
                                       clock=self.clock)

@@ -69,6 +69,10 @@ LOAD_BOUND = 120.0  # seconds a big payload's statement may take (its own statem
 #: Seconds the call of a load may take beyond LOAD_BOUND before its connection is taken for
 #: lost: the server's statement_timeout ends a slow load first, as that row's error.
 LOAD_MARGIN = 10.0
+#: Seconds between looks for a child that started a step since the registry row was last
+#: written: its row is then written at once, so ``cyclone-mp workers`` never shows a child
+#: idle for a whole ``registry_interval`` after it took a (wedged) step.
+REGISTRY_SOON = 0.25
 FAILED: Any = object()  # what Maintenance.attempt returns for a failed call
 T = TypeVar("T")
 
@@ -84,10 +88,12 @@ class Sweeper:
     """
 
     def __init__(self, owner: str, backoff_for: Callable[[str | None], Callable[[int], float]],
-                 written: Callable[[str | None, str], None] | None = None) -> None:
+                 written: Callable[[str | None, str], None] | None = None,
+                 discarded: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.owner = owner
         self.backoff_for = backoff_for
         self.written = written  # told of each attempt a pass ends: (step name, error kind stored)
+        self.discarded = discarded  # told of each step a pass discards (on_step_discarded)
 
     def run_once(self, store: Store) -> dict[str, int]:
         """Settle at most :data:`~cyclone_mp.config.SWEEP_LIMIT` candidates and fire due timers.
@@ -104,6 +110,8 @@ class Sweeper:
             counts[store.expire(row["id"], self.backoff_for, {"swept_by": self.owner})] += 1
             if store.last_ended is not None and self.written is not None:
                 self.written(*store.last_ended)
+            if store.last_discarded and self.discarded is not None:
+                self.discarded(store.last_discarded)
         counts["timers"] = store.fire_due_timers(SWEEP_LIMIT)
         store.maintenance_succeeded("sweep")
         return counts
@@ -152,6 +160,7 @@ class Maintenance(DatabaseThread):
         self.next_sweep = now
         self.next_schedules = now
         self.next_registry = now
+        self.busy_written: frozenset[Any] = frozenset()  # pids of the children busy in the last row written
         self.next_depths = now if observer.queue_depth_interval is not None else None
         self.history = history if history is not None else History(Policy.from_config(config), clock=clock)
         # a random first pass: supervisors started together do not all try at once
@@ -189,6 +198,8 @@ class Maintenance(DatabaseThread):
             else:
                 self.next_registry = now + self.config.registry_interval
                 self.register()
+        elif self.db_ok and self.newly_busy():
+            self.register()
         if self.db_ok and self.next_depths is not None and now >= self.next_depths:
             self.next_depths = now + (self.observer.queue_depth_interval or 5.0)
             self.read_queue_depths()
@@ -198,7 +209,7 @@ class Maintenance(DatabaseThread):
             self.next_vacuum_watch = now + VACUUM_WATCH_INTERVAL
             self.watch_vacuum()
         return min(self.next_sweep, self.next_registry, self.next_schedules, self.next_vacuum_watch,
-                   *(t for t in (self.next_depths, self.next_history) if t is not None))
+                   now + REGISTRY_SOON, *(t for t in (self.next_depths, self.next_history) if t is not None))
 
     def attempt(self, task: str, fn: Callable[[Store], T]) -> T:
         """One bounded call of a maintenance task (``config.write_bound``); returns its
@@ -358,10 +369,20 @@ class Maintenance(DatabaseThread):
             self.tell_control(Poll())  # the runs may be ours to claim: do not wait a poll
         return counts["enqueued"]
 
+    @staticmethod
+    def _busy(info: dict[str, Any]) -> frozenset[Any]:
+        return frozenset(kid.get("pid") for kid in info.get("children") or () if kid.get("run_id") is not None)
+
+    def newly_busy(self) -> bool:
+        """True when a child runs a step in process control's snapshot that was idle (or
+        not there) in the last registry row written."""
+        return not self._busy(self.snapshot()) <= self.busy_written
+
     def register(self) -> None:
         """Refresh this supervisor's registry row and tell process control how
         many supervisors are live (:class:`~cyclone_mp.messages.Fleet`)."""
         info = {**self.snapshot(), "maintenance": self.health.snapshot(), "paused_queues": self.paused_queues}
+        self.busy_written = self._busy(info)
         live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts
         got = self.attempt("registry", lambda store: store.register_worker(
             id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within,

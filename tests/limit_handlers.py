@@ -197,3 +197,100 @@ def oom_victim(ctx: cy.Context, inp: dict) -> dict:
     _wait_for_file(inp["go"])
     held = allocate(inp["total"], 16 << 20, inp["log"])
     return {"held": len(held)}
+
+
+@cy.step("lim_files_lifted", max_attempts=1)
+def files_lifted(ctx: cy.Context, inp: dict) -> dict:
+    """Lifts its ``RLIMIT_NOFILE`` to ``inp["to"]``, soft and hard (root with
+    ``CAP_SYS_RESOURCE`` may raise a hard limit), else the soft one to the hard one, and
+    logs which (``lifted SOFT HARD``, the limits it then has); opens ``/dev/null``
+    ``inp["n"]`` times and holds them ``inp["hold"]`` seconds."""
+    import resource
+
+    note(inp["log"], "pid", time.time(), os.getpid())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (inp["to"], max(hard, inp["to"])))
+    except (OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    note(inp["log"], "lifted", time.time(), *resource.getrlimit(resource.RLIMIT_NOFILE))
+    kept = []
+    try:
+        for _ in range(inp["n"]):
+            kept.append(open(os.devnull))
+    except OSError:
+        opened = len(kept)
+        kept.pop().close()  # (a descriptor to write the log with)
+        note(inp["log"], "opened", time.time(), opened)
+        raise
+    note(inp["log"], "opened", time.time(), len(kept))
+    time.sleep(inp.get("hold", 0))
+    return {"opened": len(kept)}
+
+
+def escape_targets() -> list[str]:
+    """The ``cgroup.procs`` of the cgroup just above this process's supervisor's, in each
+    hierarchy where this process is in a supervisor's cgroup (``cyclone-mp-<pid>-<tag>``)."""
+    from cyclone_mp.cgroups import find_hierarchies
+
+    with open("/proc/self/mountinfo") as fh:
+        info = fh.read()
+    with open("/proc/self/cgroup") as fh:
+        own = fh.read()
+    found = find_hierarchies(info, own)
+    out = []
+    for path in (found.v2, found.memory_v1, found.pids_v1):
+        if path and "/cyclone-mp-" in path:
+            out.append(os.path.join(path[:path.index("/cyclone-mp-")], "cgroup.procs"))
+    return out
+
+
+@cy.step("lim_cgroup_escape", max_attempts=1)
+def cgroup_escape(ctx: cy.Context, inp: dict) -> dict:
+    """Starts a grandchild that, ``inp["after"]`` seconds later (the supervisor has seen it
+    in its cgroups by then), moves itself out of its step's cgroups (into the cgroup
+    above its supervisor's, in every hierarchy: root can), logs it, then touches
+    ``inp["total"]`` bytes and holds them ``inp["hold"]`` seconds; waits for it."""
+    note(inp["log"], "pid", time.time(), os.getpid())
+    code = (f"import sys, os, time; sys.path[:0] = {sys.path!r}; import limit_handlers as h; "
+            f"h.note({inp['log']!r}, 'pid', time.time(), os.getpid()); "
+            f"time.sleep({inp.get('after', 0)}); "
+            "targets = h.escape_targets(); "
+            "[open(t, 'w').write(str(os.getpid())) for t in targets]; "
+            f"h.note({inp['log']!r}, 'escaped', time.time(), os.getpid(), ','.join(targets) or '-'); "
+            f"held = h.allocate({inp['total']}, 16 << 20, {inp['log']!r}); "
+            f"h.note({inp['log']!r}, 'holding', time.time(), os.getpid()); "
+            f"time.sleep({inp.get('hold', 0)})")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return {"escaped": True}
+
+
+@cy.step("lim_double_fork_spin", max_attempts=1)
+def double_fork_spin(ctx: cy.Context, inp: dict) -> None:
+    """Double-forks ``inp["n"]`` sleeping grandchildren (each in a session of its own, its
+    parent gone: adopted by the child runner), logs their pids, then spins until killed
+    (``cpu_limit``)."""
+    note(inp["log"], "pid", time.time(), os.getpid())
+    for _ in range(inp["n"]):
+        subprocess.run(["sh", "-c", "(setsid sleep 600 & echo $! >> " + inp["log"] + ".pids)"], check=True)
+    note(inp["log"], "forked", time.time())
+    collections.deque(itertools.repeat(None, 10**13), maxlen=0)
+
+
+@cy.step("lim_double_fork_hog", max_attempts=1)
+def double_fork_hog(ctx: cy.Context, inp: dict) -> None:
+    """Double-forks a grandchild (a session of its own, its parent gone: adopted by the
+    child runner) that touches ``inp["total"]`` bytes in 16 MiB pieces and holds them;
+    then waits (until its tree is killed)."""
+    note(inp["log"], "pid", time.time(), os.getpid())
+    code = (f"import sys, os, time; sys.path[:0] = {sys.path!r}; import limit_handlers as h; "
+            f"h.note({inp['log']!r}, 'pid', time.time(), os.getpid()); "
+            f"held = h.allocate({inp['total']}, 16 << 20, {inp['log']!r}); time.sleep(600)")
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-c", code])
+        os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(inp.get("hold", 30))

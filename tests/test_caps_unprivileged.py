@@ -119,7 +119,7 @@ def test_max_processes_holds_a_fork_burst_without_root(cyclone_env_factory, ordi
     assert len(start) == 1, start
     for words in ("no writable cgroup", "memory_limit falls back to RLIMIT_DATA + sampling",
                   "max_processes to RLIMIT_NPROC in a user namespace per child + sampling",
-                  "cpu_limit to RLIMIT_CPU + sampling", "max_open_files stays RLIMIT_NOFILE", "tree kills by signals"):
+                  "cpu_limit to RLIMIT_CPU + sampling", "max_open_files by RLIMIT_NOFILE + sampling", "tree kills by signals"):
         assert words in start[0], (words, start[0])
 
     # a fork bomb: only the kernel can stop it between two looks
@@ -157,6 +157,34 @@ def test_every_other_cap_holds_without_root(cyclone_env_factory, ordinary_user, 
     files = env.run_until_complete(env.enqueue(lh.files, {"n": 50}, max_open_files=10), timeout=30)
     assert files.step.error_kind == "error" and "Too many open files" in files.step.error, files.step.errors[-1:]
     assert env.run_until_complete(env.enqueue(lh.files, {"n": 5}, max_open_files=10), timeout=30).state == "completed"
+
+
+def test_an_ordinary_handler_cannot_lift_its_open_file_cap(cyclone_env_factory, ordinary_user, shared_dir):
+    """As an ordinary user ``max_open_files`` is a hard ``RLIMIT_NOFILE``: a handler that
+    tries to raise it past the cap (soft and hard to 4096, else the soft one to the hard
+    one) is refused and cannot hold 500 files (the attempt fails on "Too many open
+    files"). Its runner cannot raise the hard limit back either: it takes a step with the
+    same cap, and a step without one runs in a fresh runner, with the system's limits."""
+    import resource
+
+    env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5)
+    env.mux().register(lh.files_lifted, lh.files, lh.rlimits, lh.noop)
+    start_as_user(env, ordinary_user)
+    log = shared_dir / "files"
+    run = env.run_until_complete(env.enqueue(lh.files_lifted, {"to": 4096, "n": 500, "log": str(log)},
+                                             max_open_files=20), timeout=30)
+    step = run.step
+    assert step.error_kind == "error" and "Too many open files" in step.error, step.errors[-1:]
+    lifted, opened = lines(log, "lifted")[0], lines(log, "opened")[0]
+    assert int(lifted[3]) < 4096 and int(opened[2]) <= 20, (lifted, opened)  # the hard limit held
+    pinned = int(lines(log, "pid")[0][2])
+    again = env.run_until_complete(env.enqueue(lh.noop, {}, max_open_files=20), timeout=30)
+    assert again.step.output["pid"] == pinned  # the same cap: the same runner
+    free = env.run_until_complete(env.enqueue(lh.rlimits, {}), timeout=30)
+    assert free.state == "completed", free.step.errors[-1:]
+    assert free.step.output["RLIMIT_NOFILE"] == resource.getrlimit(resource.RLIMIT_NOFILE)[0]  # a fresh runner's
+    nxt = env.run_until_complete(env.enqueue(lh.noop, {}), timeout=30)
+    assert nxt.step.output["pid"] != pinned
 
 
 def _zombie(pid: int) -> bool:

@@ -146,7 +146,7 @@ def test_no_cgroup_falls_back_for_every_cap_and_says_it_in_one_line(tmp_path, mo
     assert line.startswith("resource limits: no writable cgroup (") and why in line
     for words in ("memory_limit falls back to RLIMIT_DATA + sampling",
                   "max_processes to RLIMIT_NPROC in a user namespace per child + sampling",
-                  "cpu_limit to RLIMIT_CPU + sampling", "max_open_files stays RLIMIT_NOFILE", "tree kills by signals",
+                  "cpu_limit to RLIMIT_CPU + sampling", "max_open_files by RLIMIT_NOFILE + sampling", "tree kills by signals",
                   "OOM evidence: none readable here (a SIGKILL nobody here sent is child_exited)"):
         assert words in line, (words, line)
     if host == "not writable":
@@ -213,6 +213,6 @@ def test_a_supervisor_with_cgroups_off_says_each_caps_mechanism_in_one_line(cycl
     assert "no writable cgroup (CYCLONE_MP_CGROUPS=off)" in line
     for cap, words in (("memory_limit", "falls back to RLIMIT_DATA + sampling"),
                        ("max_processes", "to "), ("cpu_limit", "to RLIMIT_CPU + sampling"),
-                       ("max_open_files", "stays RLIMIT_NOFILE")):
+                       ("max_open_files", "by RLIMIT_NOFILE + sampling")):
         assert f"{cap} {words}" in line, (cap, line)
     assert "tree kills by signals" in line and "OOM evidence:" in line

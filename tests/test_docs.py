@@ -296,3 +296,98 @@ def test_doc_example(block: Block, tmp_path: Path, request: pytest.FixtureReques
         _run_script(block, tmp_path, request, names)
     finally:
         sys.path.remove(str(tmp_path))
+
+
+# -- comparison.md's claims ---------------------------------------------------------------------
+
+#: What the "At a glance" table of comparison.md claims of cyclone_mp, row by row: a text
+#: its cyclone_mp cell must hold, and the public names that implement the claim, which
+#: must exist: ``Name``, ``Name.attribute`` (of ``cyclone_mp``), ``callable(parameter)``,
+#: or a dotted module path.
+COMPARED = {
+    "stops a handler that never returns": ("`kill_grace`", ["Client(kill_grace)", "Context.cancelled"]),
+    "timeout clock": ("`started_at + timeout`", ["step(timeout)", "Client(timeout)"]),
+    "worker crash, defaults": ("`lease_ttl`", ["Client(lease_ttl)", "Client(max_reclaims)"]),
+    "retries": ("`max_attempts`", ["step(max_attempts)", "step(backoff)", "Permanent"]),
+    "enqueue in your transaction": ("`conn=`", ["Client.enqueue(conn)", "AsyncClient.enqueue(conn)"]),
+    "bulk enqueue": ("`enqueue_many`", ["Client.enqueue_many", "AsyncClient.enqueue_many"]),
+    "workflows": ("signals, timers, pause/resume", ["Workflow", "Client.signal", "Client.pause", "Client.resume"]),
+    "periodic jobs": ("`mux.schedule`", ["Mux.schedule(cron)", "Mux.schedule(every)", "Mux.schedule(tz)",
+                                         "Mux.schedule(catch_up)"]),
+    "per-key concurrency and rate limits": ("`rate_limit`", ["step(concurrency)", "step(concurrency_key)",
+                                                             "step(rate_limit)"]),
+    "`async def` handlers": ("`cy.AsyncClient`", ["AsyncClient", "Step.is_async"]),
+    "memory, CPU and process caps per job": ("`memory_limit`", ["step(memory_limit)", "step(cpu_limit)",
+                                                                 "step(max_processes)", "step(max_open_files)"]),
+    "crash-simulation test fixtures": ("pytest plugin", ["cyclone_mp.testing.Env", "cyclone_mp.testing.plugin"]),
+}
+#: Claims the page once made that the product outgrew: none may come back.
+OUTGROWN = [r"no periodic scheduler", r"none built in", r"handlers are synchronous", r"run an event loop inside"]
+
+
+def _public(name: str) -> bool:
+    """Whether the public name ``name`` (see :data:`COMPARED`) exists."""
+    import importlib
+    import inspect
+
+    import cyclone_mp
+
+    name, _, param = name.partition("(")
+    if name.startswith("cyclone_mp."):
+        module, _, attr = name.rpartition(".")
+        try:
+            found: Any = getattr(importlib.import_module(module), attr, None) or importlib.import_module(name)
+        except ImportError:
+            return False
+    else:
+        found = cyclone_mp
+        for part in name.split("."):
+            found = getattr(found, part, None)
+            if found is None:
+                return False
+    if param:
+        return param.rstrip(")") in inspect.signature(found).parameters
+    return True
+
+
+def test_comparison_claims_what_the_api_has() -> None:
+    """Each feature the comparison's table credits cyclone_mp with names the public API
+    that implements it, and that API exists; no cell denies a feature the API has."""
+    import cyclone_mp as cy
+
+    page = (DOCS / "comparison.md").read_text()
+    cells = {}
+    for line in page.splitlines():
+        parts = [p.strip() for p in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(parts) == 6:
+            cells[parts[0]] = parts[1]
+    problems = []
+    for row, (text, names) in COMPARED.items():
+        cell = cells.get(row)
+        if cell is None:
+            problems.append(f"no row {row!r} in the comparison's table")
+            continue
+        if text not in cell:
+            problems.append(f"{row!r}: the cyclone_mp cell does not say {text!r}: {cell!r}")
+        if re.match(r"(\*\*)?(no|none|–|-)\b", cell, flags=re.I):
+            problems.append(f"{row!r}: the cyclone_mp cell denies it: {cell!r}")
+        problems += [f"{row!r}: {name} does not exist" for name in names if not _public(name)]
+    for claim in OUTGROWN:
+        if re.search(claim, " ".join(page.split()), flags=re.I):
+            problems.append(f"comparison.md says {claim!r} again")
+    assert not problems, problems
+
+    @cy.step("compared_async")
+    async def handler(ctx: cy.Context, inp: dict) -> dict:  # an async handler is a step like any other
+        return inp
+
+    assert handler.is_async
+
+
+def test_user_docs_cite_no_internal_specs_or_issues() -> None:
+    """The docs read as user documentation: no project-internal issue numbers, spec
+    sections or design seeds (what a user cannot look up)."""
+    internal = re.compile(r"\b[Ii]ssues? \d+|\bSPEC\b|\b[Ss]eeds?\b|\b[Ii]tems? \d+\b|peer-bench/")
+    found = [(page.name, line.strip()) for page in PAGES for line in page.read_text().splitlines()
+             if internal.search(line) and "random seed" not in line]
+    assert not found, found

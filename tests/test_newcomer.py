@@ -93,7 +93,7 @@ def test_every_table_fits_80_columns_and_shows_state_attempts_and_run_id(
 
         con = _console()
         rows = client.runs()
-        con.print(render.runs_table(rows, compact=render.compact(con)))
+        con.print(render.runs_table(rows))
         lines = _lines(con)
         _fits(lines)
         for row in rows:
@@ -122,7 +122,7 @@ def test_every_table_fits_80_columns_and_shows_state_attempts_and_run_id(
         assert " 1 " in line and "slow" in "\n".join(lines)
 
         con = _console()
-        con.print(render.wait_view(client.status(flow), 1.0, compact=True))
+        con.print(render.wait_view(client.status(flow), 1.0))
         lines = _lines(con)
         _fits(lines)
         assert "waiting_signal" in _row(lines, "│ approve ")

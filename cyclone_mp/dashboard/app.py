@@ -141,7 +141,9 @@ def create_app(client: Any, token: str | None = None, *, allowed_hosts: list[str
         ---
         summary: Overview counts, throughput, live supervisors and recent kills
         description: >
-          runs.by_state and steps.by_state count every row; steps.by_name splits the steps by step
+          runs.by_state and steps.by_state count every row of the hot tables; archived.by_state
+          counts the archived runs (exact up to 10,000 per state, estimated past that: archived.exact
+          says which); steps.by_name splits the steps by step
           name (signal and timer nodes as "(signal)"/"(timer)") and queue; throughput.per_minute
           counts task steps finished per minute (finished_at, DB clock) over the last `minutes`;
           workers are supervisors seen in the last 15 s with their children (pid, step, elapsed s,
@@ -151,7 +153,7 @@ def create_app(client: Any, token: str | None = None, *, allowed_hosts: list[str
         parameters:
           - {name: minutes, in: query, required: false, schema: {type: integer, minimum: 1, maximum: 1440, default: 30}}
         responses:
-          200: {description: "{now, runs, steps, throughput, workers, kills}"}
+          200: {description: "{now, runs, archived, steps, throughput, workers, kills}"}
           400: {description: malformed parameter}
         """
         minutes = P.integer(request.query_params, "minutes", default=30, lo=1, hi=P.MAX_MINUTES)

@@ -55,7 +55,8 @@ class Dashboard:
 
     def overview(self, minutes: int = 30) -> dict[str, Any]:
         """Counts by state, name and queue (the hot tables: live work and recent history;
-        archived runs by state as the planner's estimate); throughput; live supervisors;
+        archived runs by state, exact up to 10,000 per state, estimated past that; ``exact``
+        says which); throughput; live supervisors;
         recent kills; schedules and their next slots; pickup latency, kills by trigger and
         run times over the last hour."""
         now, runs, archived, steps, per_minute, kills, workers, schedules, hour = self._read(lambda s, d: (
@@ -66,8 +67,8 @@ class Dashboard:
         return {
             "now": iso(now),
             "runs": {"by_state": {state: runs.get(state, 0) for state in RUN_STATES}, "total": sum(runs.values())},
-            "archived": {"by_state": {state: archived.get(state, 0) for state in TERMINAL_RUN_STATES},
-                         "total": sum(archived.values())},
+            "archived": {"by_state": {state: archived[0].get(state, 0) for state in TERMINAL_RUN_STATES},
+                         "total": sum(archived[0].values()), "exact": archived[1]},
             "steps": step_counts(steps),
             "throughput": throughput(per_minute, minutes),
             "workers": [worker_view(row) for row in workers],

@@ -604,10 +604,10 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 
 -- name: settle_rows_expr
 -- (Fragment) what a settle statement returns: completed, failed (node: the error kind
--- stored), claimed, then the claim's meta row (what = 'meta').
+-- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 SELECT * FROM settled_completed
 UNION ALL
-SELECT 'failed', e.id, e.run_id::text, e.error_kind, NULL, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
+SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM ended e
 UNION ALL
@@ -826,6 +826,7 @@ SELECT id, run_id::text AS run_id
 -- name: sweep_recheck
 -- Under the run lock and the step lock, re-check a sweep candidate's expiry.
 SELECT id, step_name, queue, attempt, max_attempts, reclaims, max_reclaims, lease_owner, lease_generation, backoff,
+       node, run_id::text AS run_id,
        lease_expiry < now() AS lease_expired,
        (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out
   FROM cyclone_steps
@@ -1386,42 +1387,80 @@ SELECT s.run_id::text, {archived_step_columns_expr}
                             EXCEPT SELECT h.run_id FROM cyclone_steps h WHERE h.run_id = ANY(%(ids)s::uuid[])))
  ORDER BY run_id, id;
 
+-- name: runs_filter_expr
+-- (Fragment) the filters of a run row r (hot or archived), each NULL when not asked for:
+-- its state is one of %(states)s; it was created at or after since (%(since_at)s, or
+-- %(since_us)s microseconds before now()) and before until (likewise); the schedule that
+-- enqueued it (its idempotency key) is %(schedule)s.
+(%(states)s::text[] IS NULL OR r.state = ANY(%(states)s::text[]))
+AND ((%(since_at)s::timestamptz IS NULL AND %(since_us)s::bigint IS NULL)
+     OR r.created_at >= coalesce(%(since_at)s::timestamptz, now() - %(since_us)s::bigint * interval '1 microsecond'))
+AND ((%(until_at)s::timestamptz IS NULL AND %(until_us)s::bigint IS NULL)
+     OR r.created_at < coalesce(%(until_at)s::timestamptz, now() - %(until_us)s::bigint * interval '1 microsecond'))
+AND (%(schedule)s::text IS NULL
+     OR substring(r.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') = %(schedule)s::text)
+
+-- name: steps_filter_expr
+-- (Fragment) a step row s of the step name, queue and concurrency key asked for (each
+-- NULL when not asked for).
+(%(step)s::text IS NULL OR s.step_name = %(step)s::text)
+AND (%(queue)s::text IS NULL OR s.queue = %(queue)s::text)
+AND (%(key)s::text IS NULL OR s.concurrency_key = %(key)s::text)
+
 -- name: list_runs
--- Recent runs, optionally by state, newest first.
--- key: the concurrency keys of its steps (NULL: none); waiting_on: the limit that holds
--- one of its steps back (see waiting_on_expr); schedule: the schedule that enqueued it.
--- Archived runs (issue 22) are listed too: the newest of each table, merged.
-SELECT * FROM (
-    (SELECT r.id::text AS id, r.name, r.kind, r.state, r.created_at, r.finished_at,
-            (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = r.id) AS steps,
-            (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps s
-              WHERE s.run_id = r.id AND s.concurrency_key <> '') AS key,
-            (SELECT {waiting_on_expr} FROM cyclone_steps s
-              WHERE s.run_id = r.id AND s.state = 'available' AND s.scheduled_at <= now()
-                AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL)
-              ORDER BY 1 NULLS LAST LIMIT 1) AS waiting_on,
-            substring(r.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') AS schedule
-       FROM cyclone_runs r
-      WHERE (%(state)s::text IS NULL OR r.state = %(state)s)
-      ORDER BY r.created_at DESC, r.id
-      LIMIT %(limit)s)
-    UNION ALL
-    (SELECT a.id::text, a.name, a.kind, a.state, a.created_at, a.finished_at,
-            -- (the run's own partition: its state and finished_at)
-            (SELECT count(*) FROM cyclone_steps_archive s
-              WHERE s.run_id = a.id AND s.run_state = a.state AND s.run_finished_at = a.finished_at),
-            (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps_archive s
-              WHERE s.run_id = a.id AND s.run_state = a.state AND s.run_finished_at = a.finished_at
-                AND s.concurrency_key <> ''),
-            NULL::text,
-            substring(a.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$')
-       FROM cyclone_runs_archive a
-      WHERE (%(state)s::text IS NULL OR a.state = %(state)s)
-      ORDER BY a.created_at DESC, a.id
-      LIMIT %(limit)s)
-) x
- ORDER BY created_at DESC, id
- LIMIT %(limit)s;
+-- Recent runs, newest first, that match runs_filter_expr and have a step that matches
+-- steps_filter_expr (when a step, queue or key is asked for); archived runs too when
+-- %(archived)s (an archived run finished after it was created: since also bounds its
+-- finished_at, which prunes the archive's partitions). The page is chosen first; then,
+-- for its rows only: how many steps, the concurrency keys of its steps (key), the limit
+-- that holds one of its steps back (waiting_on, see waiting_on_expr) and the schedule
+-- that enqueued it.
+WITH page AS (
+    SELECT u.*
+      FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key,
+                    false AS archived
+               FROM cyclone_runs r
+              WHERE {runs_filter_expr}
+                AND (%(step)s::text IS NULL AND %(queue)s::text IS NULL AND %(key)s::text IS NULL
+                     OR EXISTS (SELECT 1 FROM cyclone_steps s WHERE s.run_id = r.id AND {steps_filter_expr}))
+              ORDER BY r.created_at DESC, r.id DESC
+              LIMIT %(limit)s)
+            UNION ALL
+            (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key, true
+               FROM cyclone_runs_archive r
+              WHERE %(archived)s::boolean
+                AND {runs_filter_expr}
+                AND ((%(since_at)s::timestamptz IS NULL AND %(since_us)s::bigint IS NULL)
+                     OR r.finished_at >= coalesce(%(since_at)s::timestamptz,
+                                                  now() - %(since_us)s::bigint * interval '1 microsecond'))
+                AND (%(step)s::text IS NULL AND %(queue)s::text IS NULL AND %(key)s::text IS NULL
+                     OR EXISTS (SELECT 1 FROM cyclone_steps_archive s  -- (the run's own partition)
+                                 WHERE s.run_id = r.id AND s.run_state = r.state
+                                   AND s.run_finished_at = r.finished_at AND {steps_filter_expr}))
+              ORDER BY r.created_at DESC, r.id DESC
+              LIMIT %(limit)s)) u
+     ORDER BY u.created_at DESC, u.id DESC
+     LIMIT %(limit)s
+)
+SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.finished_at, p.archived,
+       CASE WHEN p.archived THEN
+           (SELECT count(*) FROM cyclone_steps_archive s
+             WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at)
+       ELSE (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = p.id) END AS steps,
+       CASE WHEN p.archived THEN
+           (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps_archive s
+             WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at
+               AND s.concurrency_key <> '')
+       ELSE (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps s
+              WHERE s.run_id = p.id AND s.concurrency_key <> '') END AS key,
+       CASE WHEN p.archived THEN NULL ELSE
+           (SELECT {waiting_on_expr} FROM cyclone_steps s
+             WHERE s.run_id = p.id AND s.state = 'available' AND s.scheduled_at <= now()
+               AND (s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL)
+             ORDER BY 1 NULLS LAST LIMIT 1) END AS waiting_on,
+       substring(p.idempotency_key FROM '^cyclone-schedule:(.*):[^:]*(?::[^:]*){3}$') AS schedule
+  FROM page p
+ ORDER BY p.created_at DESC, p.id DESC;
 
 -- name: register_worker
 -- Announce or refresh a live supervisor, and count the live ones: this one and every
@@ -1519,15 +1558,25 @@ SELECT state, count(*)::bigint AS n
  GROUP BY state;
 
 -- name: dash_archived_counts
--- Archived runs by state, estimated from the planner's statistics of each partition
--- (pg_class.reltuples, kept by autovacuum's ANALYZE; 0 before the first): counting a big
--- archive row by row at every refresh would cost a scan of it (issue 22).
-SELECT substring(c.relname FROM '^cyclone_runs_archive_([a-z]+)_') AS state,
-       sum(greatest(c.reltuples, 0))::bigint AS n
-  FROM pg_inherits i
-  JOIN pg_class c ON c.oid = i.inhrelid
- WHERE i.inhparent = 'cyclone_runs_archive'::regclass
- GROUP BY 1;
+-- Archived runs by state: counted up to %(cap)s per state, so a small archive's counts
+-- are exact; past that, the planner's estimate from each partition's statistics
+-- (pg_class.reltuples, kept by autovacuum's ANALYZE, which a small table may not have
+-- had yet): counting a big archive row by row at every refresh would cost a scan of it.
+-- exact: the count is exact (below the cap).
+WITH estimates AS (
+    SELECT substring(c.relname FROM '^cyclone_runs_archive_([a-z]+)_') AS state,
+           sum(greatest(c.reltuples, 0))::bigint AS n
+      FROM pg_inherits i
+      JOIN pg_class c ON c.oid = i.inhrelid
+     WHERE i.inhparent = 'cyclone_runs_archive'::regclass
+     GROUP BY 1
+)
+SELECT f.state, CASE WHEN c.n < %(cap)s THEN c.n ELSE greatest(c.n, coalesce(e.n, 0)) END AS n,
+       c.n < %(cap)s AS exact
+  FROM unnest(ARRAY['completed', 'discarded', 'cancelled']) AS f(state)
+ CROSS JOIN LATERAL (SELECT count(*)::bigint AS n
+                       FROM (SELECT 1 FROM cyclone_runs_archive a WHERE a.state = f.state LIMIT %(cap)s) x) c
+  LEFT JOIN estimates e ON e.state = f.state;
 
 -- name: dash_step_counts
 -- Steps by step name (signal and timer nodes by their kind), queue and state, in the hot
@@ -1764,18 +1813,49 @@ SELECT g ->> 'name', g -> 'payload', (g ->> 'created_at')::timestamptz
  ORDER BY created_at, name;
 
 -- name: prune_runs
--- Delete up to %(limit)s finished runs, oldest first; their steps go with them (a trigger,
--- migration 0006) and their signals (by cascade).
+-- Delete up to %(limit)s finished runs that finished more than %(older_us)s microseconds
+-- ago and match the filters (runs_filter_expr; a step of them steps_filter_expr), oldest
+-- first; their steps go with them (a trigger, migration 0006) and their signals (by cascade).
 WITH doomed AS (
-    SELECT id
-      FROM cyclone_runs
-     WHERE state IN ('completed', 'discarded', 'cancelled')
-       AND finished_at < now() - (%(older_us)s::bigint * interval '1 microsecond')
-     ORDER BY finished_at
+    SELECT r.id
+      FROM cyclone_runs r
+     WHERE r.state IN ('completed', 'discarded', 'cancelled')
+       AND r.finished_at < now() - (%(older_us)s::bigint * interval '1 microsecond')
+       AND {runs_filter_expr}
+       AND (%(step)s::text IS NULL AND %(queue)s::text IS NULL AND %(key)s::text IS NULL
+            OR EXISTS (SELECT 1 FROM cyclone_steps s WHERE s.run_id = r.id AND {steps_filter_expr}))
+     ORDER BY r.finished_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 )
 DELETE FROM cyclone_runs r USING doomed WHERE r.id = doomed.id;
+
+-- name: prune_archived
+-- Delete up to %(limit)s archived runs that finished more than %(older_us)s microseconds
+-- ago and match the filters, with their steps, row by row (prune with filters besides the
+-- states; without, whole partitions go, as retention's do).
+WITH doomed AS (
+    SELECT r.id, r.state, r.finished_at
+      FROM cyclone_runs_archive r
+     WHERE r.finished_at < now() - (%(older_us)s::bigint * interval '1 microsecond')
+       AND {runs_filter_expr}
+       AND (%(step)s::text IS NULL AND %(queue)s::text IS NULL AND %(key)s::text IS NULL
+            OR EXISTS (SELECT 1 FROM cyclone_steps_archive s  -- (the run's own partition)
+                        WHERE s.run_id = r.id AND s.run_state = r.state AND s.run_finished_at = r.finished_at
+                          AND {steps_filter_expr}))
+     LIMIT %(limit)s
+), runs AS (
+    DELETE FROM cyclone_runs_archive a
+     USING doomed d
+     WHERE a.state = d.state AND a.id = d.id AND a.finished_at = d.finished_at
+    RETURNING a.id, a.state, a.finished_at
+), steps AS (
+    DELETE FROM cyclone_steps_archive s
+     USING runs r
+     WHERE s.run_state = r.state AND s.run_id = r.id AND s.run_finished_at = r.finished_at
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM runs) AS runs, (SELECT count(*) FROM steps) AS steps;
 
 -- name: delete_runs
 -- Delete the given runs in any state (their steps go by trigger, their signals by cascade).

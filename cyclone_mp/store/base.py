@@ -52,6 +52,9 @@ class StoreBase:
         #: ``(step name, error kind)`` of the attempt the last :meth:`fail` or :meth:`expire`
         #: ended (what it stored), or None: the supervisor's metrics count it (issue 24).
         self.last_ended: tuple[str | None, str] | None = None
+        #: Whether the last :meth:`fail` discarded its step; after :meth:`expire`, the
+        #: discarded step's ``{"run_id", "node", "step_name", "error_kind", "error"}`` or None.
+        self.last_discarded: Any = None
         self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
 
     @classmethod

@@ -233,6 +233,8 @@ class LeaseQueries:
             claimed=[r for r in rows if r["what"] == "claimed"],
             wait=self.claim_wait,
             failed_kinds=failed,
+            discarded={(r["id"], r["lease_generation"]) for r in rows
+                       if r["what"] == "failed" and r["step_name"] == "discarded"},
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
@@ -271,7 +273,7 @@ class LeaseQueries:
         ``"not_yet"`` (``require_timed_out`` and the DB deadline has not passed yet:
         the worker clock never shortens a durable timeout).
         """
-        self.last_ended = None
+        self.last_ended, self.last_discarded = None, False
         with self._tx() as cur:
             if self._one(cur, "lock_run_of_step", {"id": id}) is None:
                 return "lost"
@@ -289,6 +291,7 @@ class LeaseQueries:
                 return "not_yet"
             end = self._end_attempt(cur, id, row, kind, entry, backoff, progress)
         self.last_ended = (row["step_name"], end.error_kind)
+        self.last_discarded = end.state == "discarded"
         return "applied"
 
     @translate

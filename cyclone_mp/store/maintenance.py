@@ -69,7 +69,7 @@ class MaintenanceQueries:
         ``"none"`` (renewed, finished or gone meanwhile). An attempt it ends (timeout,
         reclaim_limit) is in :attr:`last_ended` afterwards.
         """
-        self.last_ended = None
+        self.last_ended, self.last_discarded = None, None
         with self._tx() as cur:
             if self._one(cur, "lock_run_of_step", {"id": id}) is None:
                 return "none"
@@ -81,10 +81,14 @@ class MaintenanceQueries:
                 reclaims=row["reclaims"], max_reclaims=row["max_reclaims"],
             ).action
             if action == "timeout":
-                ended = self._end_attempt(cur, id, row, decisions.TIMEOUT, {
+                end = self._end_attempt(cur, id, row, decisions.TIMEOUT, {
                     **entry, "message": "timed out (database clock); settled by the recovery sweep",
                     "lease_owner": row["lease_owner"], "lease_generation": row["lease_generation"],
-                }, backoff_for(row["step_name"]), swept=True).error_kind
+                }, backoff_for(row["step_name"]), swept=True)
+                ended = end.error_kind
+                if end.state == "discarded":
+                    self.last_discarded = {"run_id": row["run_id"], "node": row["node"], "step_name": row["step_name"],
+                                           "error_kind": ended, "error": "timed out (database clock)"}
             elif action == "reclaim":
                 cur.execute(Q["reclaim"], {"id": id})
                 cur.execute(Q["hold_paused"], {"run_id": self._run_of(cur, id)})
@@ -98,6 +102,8 @@ class MaintenanceQueries:
                 })})
                 self._advance(cur, self._run_of(cur, id))
                 ended = decisions.RECLAIM_LIMIT
+                self.last_discarded = {"run_id": row["run_id"], "node": row["node"], "step_name": row["step_name"],
+                                       "error_kind": ended, "error": message}
         if action in ("timeout", "reclaim_limit"):
             self.last_ended = (row["step_name"], ended)
         return action

@@ -196,4 +196,5 @@ class Settled:
     claimed: list[dict[str, Any]]
     wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)
     failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
+    discarded: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # failures that discarded their step
 

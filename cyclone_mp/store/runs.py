@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import psycopg
 
+from ..filters import RunFilter
 from .queries import NodeRow
 
 
@@ -76,9 +77,10 @@ class RunQueries:
         """Ids of at most two runs whose id starts with the hex ``prefix`` (index range scan)."""
         return self.run(operations.runs_by_prefix(prefix))
 
-    def list_runs(self, *, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        """Recent runs, newest first."""
-        return self.run(operations.list_runs(state=state, limit=limit))
+    def list_runs(self, *, filters: RunFilter = RunFilter(), limit: int = 50, archived: bool = False
+                  ) -> list[dict[str, Any]]:
+        """:func:`cyclone_mp.operations.list_runs`."""
+        return self.run(operations.list_runs(filters=filters, limit=limit, archived=archived))
 
     def prune(self, *, older_than: float, batch: int = 1000) -> int:
         """:func:`cyclone_mp.operations.prune`."""
