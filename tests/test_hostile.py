@@ -572,6 +572,7 @@ def test_text_postgresql_cannot_store_is_refused_alike_wherever_it_is(text, prob
         "idempotency_key": lambda: client.enqueue(h.ok, {}, idempotency_key=text),
         "input": lambda: client.enqueue(h.ok, {text: 1}),
         "signal name": lambda: client.signal("00000000-0000-0000-0000-000000000000", text),
+        "key": lambda: client.runs(key=text),  # a filter of runs
     }
     for what, call in places.items():
         with pytest.raises(UnstorableText) as info:
