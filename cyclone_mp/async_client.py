@@ -27,16 +27,18 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from . import operations, tracing
 from .client import POOL_PROBE_EVERY, POOL_TIMEOUT
 from .config import Config
-from .connections import PooledAsyncConnection, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds
+from .connections import (
+    PooledAsyncConnection, aanswered_within, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds,
+)
 from .durations import Duration
-from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, WaitTimeout
 from .filters import When
 from .operations import Op
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, check_name
 from .store import AsyncStore
-from .waiting import AsyncWaiter, result_of
+from .waiting import AsyncWaiter, areread, result_of
 from .workflow import Workflow
 
 
@@ -82,7 +84,8 @@ class AsyncClient(ClientBase):
 
     # -- connection -------------------------------------------------------------------------
 
-    async def _store_pool(self) -> AsyncConnectionPool:
+    async def _store_pool(self, within: float | None = None) -> AsyncConnectionPool:
+        """The pool, made at the first call (as :meth:`Client._store_pool <cyclone_mp.Client._store_pool>`)."""
         if self._pool is not None:  # the common case: no lock to take
             return self._pool
         if self._pool_lock is None:
@@ -91,7 +94,8 @@ class AsyncClient(ClientBase):
             if self._pool is None:
                 dsn = self._dsn if self._dsn is not None else await asyncio.to_thread(lambda: self.dsn)
                 try:  # fail fast, with a clear message, when unreachable
-                    conn = await psycopg.AsyncConnection.connect(dsn, connect_timeout=10)
+                    conn = await psycopg.AsyncConnection.connect(
+                        dsn, connect_timeout=10 if within is None else max(2, int(min(10.0, within))))
                     await conn.close()
                 except psycopg.Error as exc:
                     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -118,12 +122,13 @@ class AsyncClient(ClientBase):
                 self._pool = pool
             return self._pool
 
-    async def _getconn(self, pool: AsyncConnectionPool) -> psycopg.AsyncConnection[Any]:
+    async def _getconn(self, pool: AsyncConnectionPool, within: float | None = None) -> psycopg.AsyncConnection[Any]:
         """A pooled connection; an embedded server that was stopped fails the call within
-        POOL_PROBE_EVERY seconds (as :meth:`Client._connection` does)."""
+        POOL_PROBE_EVERY seconds (as :meth:`Client._connection` does); given ``within``,
+        DatabaseStalled after that many seconds without one."""
         from .embedded import server_for_dsn
 
-        deadline = time.monotonic() + POOL_TIMEOUT
+        deadline = time.monotonic() + (POOL_TIMEOUT if within is None else within)
         server: Any = False  # looked up once a wait is long (it reads files: not on every call)
         while True:
             try:
@@ -133,29 +138,37 @@ class AsyncClient(ClientBase):
                     server = server_for_dsn(self.dsn)
                 if server is not None and server.stopping():
                     raise DatabaseUnavailable(server.not_running_message()) from None
+                if time.monotonic() >= deadline and within is not None:
+                    raise DatabaseStalled(f"no connection to the database within {within:.3g}s") from None
                 if time.monotonic() >= deadline:
                     raise
 
-    async def _run(self, plan: Callable[[], Op]) -> Any:
+    async def _run(self, plan: Callable[[], Op], within: float | None = None) -> Any:
         """Run the operation ``plan()`` makes on a pooled connection; once more on another
-        connection when the call surely did nothing (as :meth:`Client._call`)."""
-        pool = await self._store_pool()
+        connection when the call surely did nothing; ``within``: seconds the call may
+        take (as :meth:`Client._call`)."""
+        deadline = None if within is None else time.monotonic() + within
+        pool = await self._store_pool(within)
         try:
             for tries_left in (1, 0):
                 store: AsyncStore | None = None
                 try:
-                    conn = await self._getconn(pool)
+                    conn = await self._getconn(pool, None if deadline is None else max(0.0, deadline - time.monotonic()))
                     try:
                         store = AsyncStore(conn)
-                        return await store.run(plan())
+                        async with aanswered_within(conn, None if deadline is None else deadline - time.monotonic()):
+                            return await store.run(plan())
                     except DatabaseReadOnly:  # a failover: no pooled connection is worth keeping
                         await conn.close()
+                        await pool.drain()
+                        raise
+                    except DatabaseStalled:  # the pool's other connections came the same way
                         await pool.drain()
                         raise
                     finally:
                         await pool.putconn(conn)
                 except DatabaseError as exc:
-                    if not self._retryable(exc, store, tries_left):
+                    if isinstance(exc, DatabaseStalled) or not self._retryable(exc, store, tries_left):
                         raise
         except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
             raise classify(exc) from exc
@@ -271,13 +284,24 @@ class AsyncClient(ClientBase):
 
     async def wait(self, run_id: str, timeout: Duration | None = None) -> RunStatus:
         """:meth:`Client.wait <cyclone_mp.Client.wait>`, awaitable: every wait of this
-        client shares one listening connection and one task."""
+        client shares one listening connection and one task, and its own timer bounds
+        every read it makes, as the sync client's does."""
         limit = self._wait_timeout(timeout)
-        rid = await self._run(lambda: operations.resolve_run(run_id))
+        deadline = None if limit is None else time.monotonic() + limit
+        try:  # a full id needs no lookup; a prefix is looked up within the deadline
+            rid = operations.run_id_or_prefix(run_id) or await areread(
+                lambda within: self._run(lambda: operations.resolve_run(run_id), within), deadline)
+        except DatabaseStalled as exc:
+            assert limit is not None
+            raise WaitTimeout(f"run {run_id} could not be looked up within {limit:g}s: {exc}") from exc
         if self._waiting is None:
-            self._waiting = AsyncWaiter(lambda: self.dsn, self.status, listen_dsn=self.listen_dsn,
+            self._waiting = AsyncWaiter(lambda: self.dsn, self._status_within, listen_dsn=self.listen_dsn,
                                         pgbouncer=self.config.pgbouncer, prepare=self.config.prepared_statements)
-        return await self._waiting.wait(rid, limit)
+        return await self._waiting.wait(rid, limit, deadline)
+
+    async def _status_within(self, run_id: str, within: float) -> RunStatus:
+        """:meth:`status`, answered within ``within`` seconds (else DatabaseStalled)."""
+        return RunStatus.from_rows(*await self._run(lambda: operations.get_run(run_id), within))
 
     async def result(self, run_id: str, timeout: Duration | None = None) -> Any:
         """:meth:`Client.result <cyclone_mp.Client.result>`, awaitable."""

@@ -23,11 +23,13 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from . import operations, tracing
 from .config import ARCHIVE_AFTER_DEFAULT, PREFETCH_DEFAULT, START_METHODS, Config
 from .connections import (
-    PooledConnection, PooledCursor, check_pooled, classify, configure_session, connect, redact, tcp_bounds,
+    PooledConnection, PooledCursor, answered_within, check_pooled, classify, configure_session, connect, redact,
+    tcp_bounds,
 )
 from .durations import Duration
 from .errors import (
-    ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, InvalidTransition,
+    ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable,
+    InvalidTransition, WaitTimeout,
 )
 from .filters import When
 from .operations import Op
@@ -36,7 +38,7 @@ from .schedules import ACTIVE_WITHIN
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, check_name
 from .store import Store
-from .waiting import Waiter, result_of
+from .waiting import Waiter, reread, result_of
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -232,12 +234,15 @@ class Client(ClientBase):
 
     # -- connection -------------------------------------------------------------------------
 
-    def _store_pool(self) -> ConnectionPool:
+    def _store_pool(self, within: float | None = None) -> ConnectionPool:
+        """The API pool, made at the first call: a connection is opened first (within
+        ``within`` seconds, the first call's bound, else 10), so an unreachable server
+        fails that call at once with a clear message."""
         with self._lock:
             if self._pool is None:
                 dsn = self.dsn
                 try:
-                    connect(dsn).close()  # fail fast, with a clear message, when unreachable
+                    connect(dsn, timeout=10.0 if within is None else min(10.0, within)).close()
                 except DatabaseUnavailable as exc:
                     raise self._explain(exc) from exc.__cause__
                 limit, config = self.config.idle_in_transaction_limit, self.config
@@ -262,15 +267,16 @@ class Client(ClientBase):
             return self._pool
 
     @contextlib.contextmanager
-    def _connection(self, pool: ConnectionPool) -> Any:
+    def _connection(self, pool: ConnectionPool, within: float | None = None) -> Any:
         """A pooled connection, like ``pool.connection()``. While a call waits for one, an
         embedded server that was stopped fails it within POOL_PROBE_EVERY seconds, with
-        one line that says so (issue 19: a stopped server used to cost a 30 s pool timeout
-        per call). Any other server may come back (a restart): the call waits up to
-        POOL_TIMEOUT as before, then fails with why a fresh connection fails."""
+        one line that says so (a stopped server used to cost a 30 s pool timeout per
+        call). Any other server may come back (a restart): the call waits up to
+        POOL_TIMEOUT, then fails with why a fresh connection fails; or, given
+        ``within`` (the call's bound), raises DatabaseStalled after that many seconds."""
         from .embedded import server_for_dsn
 
-        deadline = time.monotonic() + POOL_TIMEOUT
+        deadline = time.monotonic() + (POOL_TIMEOUT if within is None else within)
         server: Any = False  # looked up once a wait is long (it reads files: not on every call)
         while True:
             try:
@@ -281,6 +287,8 @@ class Client(ClientBase):
                     server = server_for_dsn(self.dsn)
                 if server is not None and server.stopping():
                     raise DatabaseUnavailable(server.not_running_message()) from None
+                if time.monotonic() >= deadline and within is not None:
+                    raise DatabaseStalled(f"no connection to the database within {within:.3g}s") from None
                 if time.monotonic() >= deadline:
                     try:
                         connect(self.dsn, timeout=5.0).close()
@@ -293,22 +301,33 @@ class Client(ClientBase):
         finally:
             pool.putconn(conn)
 
-    def _call(self, fn: Callable[[Store], Any]) -> Any:
-        pool = self._store_pool()
+    def _call(self, fn: Callable[[Store], Any], within: float | None = None) -> Any:
+        """``fn(store)`` on a pooled connection (once more on another when it surely did
+        nothing). ``within``: seconds the call may take, the wait for a connection
+        included, on this process's clock (None: the connections' own bounds); past it the
+        connection is closed, the pool's other connections are replaced (they came the
+        same way), and DatabaseStalled is raised."""
+        deadline = None if within is None else time.monotonic() + within
+        pool = self._store_pool(within)
         try:
             for tries_left in (1, 0):
                 store: Store | None = None
                 try:
-                    with self._connection(pool) as conn:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    with self._connection(pool, left) as conn:
                         store = Store(conn)
                         try:
-                            return fn(store)
+                            with answered_within(conn, None if deadline is None else deadline - time.monotonic()):
+                                return fn(store)
                         except DatabaseReadOnly:  # a failover: no pooled connection is worth keeping
                             conn.close()  # the pool discards it when it comes back
                             pool.drain()
                             raise
+                        except DatabaseStalled:
+                            pool.drain()
+                            raise
                 except DatabaseError as exc:
-                    if not self._retryable(exc, store, tries_left):
+                    if isinstance(exc, DatabaseStalled) or not self._retryable(exc, store, tries_left):
                         raise
         except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
             raise classify(exc) from exc
@@ -318,9 +337,10 @@ class Client(ClientBase):
                 raise failed from exc
             raise
 
-    def _run(self, plan: Callable[[], Op]) -> Any:
-        """Run the operation ``plan()`` makes on a pooled connection (a retry makes another)."""
-        return self._call(lambda store: store.run(plan()))
+    def _run(self, plan: Callable[[], Op], within: float | None = None) -> Any:
+        """Run the operation ``plan()`` makes on a pooled connection (a retry makes
+        another); ``within``: as :meth:`_call`'s."""
+        return self._call(lambda store: store.run(plan()), within)
 
     def close(self) -> None:
         """Close the API connection pool and stop listening for waits (the supervisor, if
@@ -466,15 +486,25 @@ class Client(ClientBase):
 
         Woken by ``LISTEN/NOTIFY`` the moment the run ends (polling is the fallback); all
         the waits of one client, from any number of threads, share one listening
-        connection. A paused run is still waited for.
+        connection. A paused run is still waited for. The wait's own timer bounds every
+        read it makes: a connection that stops answering (a wedged proxy, a frozen
+        server) is closed and the read made again on a fresh one, so the wait returns by
+        its deadline, and one without a timeout goes on waiting (docs/python-apps.md).
 
         Raises:
             RunNotFound: no run has that id.
-            WaitTimeout: the run did not end within ``timeout`` seconds (None: no limit).
+            WaitTimeout: the run did not end within ``timeout`` seconds (None: no limit);
+                raised at most half a second after it, whatever the database does.
         """
         limit = self._wait_timeout(timeout)
-        rid = self._run(lambda: operations.resolve_run(run_id))
-        return self._waiter().wait(rid, limit)
+        deadline = None if limit is None else time.monotonic() + limit
+        try:  # a full id needs no lookup; a prefix is looked up within the deadline
+            rid = operations.run_id_or_prefix(run_id) or reread(
+                lambda within: self._run(lambda: operations.resolve_run(run_id), within), deadline)
+        except DatabaseStalled as exc:
+            assert limit is not None
+            raise WaitTimeout(f"run {run_id} could not be looked up within {limit:g}s: {exc}") from exc
+        return self._waiter().wait(rid, limit, deadline)
 
     def result(self, run_id: str, timeout: Duration | None = None) -> Any:
         """:meth:`wait` for the run, then return its output: a single-step run's output, or
@@ -488,10 +518,14 @@ class Client(ClientBase):
         """
         return result_of(self.wait(run_id, timeout))
 
+    def _status_within(self, run_id: str, within: float) -> RunStatus:
+        """:meth:`status`, answered within ``within`` seconds (else DatabaseStalled)."""
+        return RunStatus.from_rows(*self._run(lambda: operations.get_run(run_id), within))
+
     def _waiter(self) -> Waiter:
         with self._lock:
             if self._waiting is None:
-                self._waiting = Waiter(lambda: self.dsn, self.status, listen_dsn=self.listen_dsn,
+                self._waiting = Waiter(lambda: self.dsn, self._status_within, listen_dsn=self.listen_dsn,
                                        pgbouncer=self.config.pgbouncer, prepare=self.config.prepared_statements)
             return self._waiting
 

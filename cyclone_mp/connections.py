@@ -4,6 +4,9 @@
   :class:`~cyclone_mp.errors.DatabaseError` kinds (an outage, a busy row, a read-only
   primary, a rejected value), and :func:`translate` does it for every
   :class:`~cyclone_mp.store.Store` method. :func:`redact` keeps passwords out of messages.
+- **Bounds on this side:** :class:`CallTimer` (:data:`CALL_TIMER`) shuts the socket of a
+  call that outlives its bound; :func:`answered_within` turns that into
+  :class:`~cyclone_mp.errors.DatabaseStalled` for the client's waits.
 - **Connections:** :func:`connect` (with TCP bounds, issue 17), the PgBouncer
   transaction-mode wrappers (``Pooled*``, issue 22), session settings, and the few
   server-level calls (databases, sessions, the hot tables' VACUUM).
@@ -16,8 +19,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import heapq
+import itertools
+import os
 import re
 import select
+import socket
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -25,7 +33,9 @@ import psycopg
 import psycopg.sql
 from psycopg.rows import dict_row
 
-from .errors import DatabaseBusy, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, QueryRejected
+from .errors import (
+    DatabaseBusy, DatabaseDiskFull, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, QueryRejected,
+)
 
 log = logging.getLogger("cyclone_mp.store")
 
@@ -74,6 +84,11 @@ READ_ONLY_STATES = frozenset({"25006"})
 BUSY_STATES = ("55P03", "57014")  # lock_not_available, query_canceled (lock_timeout, statement_timeout)
 REJECTED_WHAT = {"54": "it is over a database limit", "22": "a value is invalid for its column",
                  "23": "it breaks a constraint"}
+#: SQLSTATE class 53 (insufficient resources): the server cannot do this kind of work now,
+#: whatever the call's data. An outage, named for what ran out.
+RESOURCES_WHAT = {"53100": "the database server's disk is full", "53200": "the database server is out of memory",
+                  "53300": "the database server has too many connections",
+                  "53400": "a database server configuration limit was exceeded"}
 
 
 def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
@@ -84,6 +99,9 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     * :class:`DatabaseReadOnly` (a failover, issue 22): 25006, a write refused by a
       standby or a read-only session ("cannot execute ... in a read-only transaction",
       "... during recovery"): the connection must be opened again, to the new primary;
+    * :class:`DatabaseDiskFull` (an outage, named): 53100, the server's disk is full; the
+      other class 53 states (out of memory, too many connections) are outages whose
+      message names what ran out;
     * :class:`DatabaseUnavailable` (an outage): the connection is broken or closed
       (``broken``), a client-side error without SQLSTATE (connection lost, refused),
       class 08, 57P01-57P03, 25P03, or another ``OperationalError`` whose class is not
@@ -101,6 +119,9 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     first = text.splitlines()[0]
     if state in READ_ONLY_STATES:
         return DatabaseReadOnly(f"database read-only (a standby, or a failover under way): {first} (SQLSTATE {state})")
+    if state and state.startswith("53"):
+        what = RESOURCES_WHAT.get(state, "the database server is out of resources")
+        return (DatabaseDiskFull if state == "53100" else DatabaseUnavailable)(f"{what} (SQLSTATE {state}): {first}")
     if state in BUSY_STATES and not broken:
         return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})")
     if state and state[:2] in REJECTED_CLASSES and not broken:
@@ -148,6 +169,150 @@ def tcp_bounds(dead_after: float) -> dict[str, int]:
     probe = max(1, int(dead_after / 3))
     return {"keepalives": 1, "keepalives_idle": probe, "keepalives_interval": probe, "keepalives_count": 2,
             "tcp_user_timeout": max(1000, int(dead_after * 1000))}
+
+
+class Bound:
+    """One call armed on a :class:`CallTimer`: ``fired`` turns True when its socket was shut down."""
+
+    __slots__ = ("fd", "fired")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.fired = fd, False
+
+
+class CallTimer:
+    """Shuts down the socket of a call that outlives its bound (one thread per process).
+
+    ``with timer.bound(store, seconds): store.method(...)`` arms a timer for the call
+    (``store``: a :class:`~cyclone_mp.store.Store`, or a sync or async psycopg
+    connection); leaving the block disarms it. A shut-down socket makes psycopg raise at
+    once, which the store reports as :class:`~cyclone_mp.errors.DatabaseUnavailable`;
+    the block's :class:`Bound` says whether it was this timer.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._heap: list[tuple[float, int, int]] = []
+        self._armed: dict[int, Bound] = {}  # token -> the call's socket
+        self._tokens = itertools.count()
+        self._thread: threading.Thread | None = None
+        self.fired = 0  # calls cut short (for tests and stats)
+
+    @contextlib.contextmanager
+    def bound(self, store: Any, seconds: float) -> Iterator[Bound]:
+        """Bound the calls made on ``store`` inside the block to ``seconds``."""
+        try:
+            fd = getattr(store, "conn", store).pgconn.socket
+        except Exception:  # noqa: BLE001 - a closed connection: the call fails on its own
+            yield Bound(-1)
+            return
+        token = next(self._tokens)
+        due = time.monotonic() + seconds
+        armed = Bound(fd)
+        with self._lock:
+            self._armed[token] = armed
+            # The timer thread sleeps until the heap's first entry is due (armed or not): it
+            # needs waking only for a call due before that. A part's calls share one bound,
+            # so on the hot path (a statement per batch) a call is rarely due first and wakes
+            # no thread; finished calls stay in the heap until the first is due (about calls
+            # per second x bound entries), then go in one pass.
+            earlier = not self._heap or due < self._heap[0][0]
+            heapq.heappush(self._heap, (due, token, fd))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cyclone-call-timer", daemon=True)
+                self._thread.start()
+            if earlier:
+                self._lock.notify()
+        try:
+            yield armed
+        finally:
+            with self._lock:
+                self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._heap and self._heap[0][1] not in self._armed:
+                    heapq.heappop(self._heap)  # disarmed
+                if not self._heap:
+                    self._lock.wait()
+                    continue
+                due, token, fd = self._heap[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self._lock.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                armed = self._armed.pop(token, None)
+                if armed is None:
+                    continue
+                self.fired += 1
+                armed.fired = True
+                _shutdown(fd)
+
+
+def _shutdown(fd: int) -> None:
+    """Shut a connection's socket down (both ways) without closing its descriptor, which
+    psycopg still owns: its waiting call wakes up with an error."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+CALL_TIMER = CallTimer()
+
+
+def _stalled(seconds: float) -> DatabaseStalled:
+    return DatabaseStalled(f"the database did not answer within {seconds:.3g}s (its connection stayed open"
+                           " but silent: a wedged proxy or PgBouncer, a frozen server?); that connection was"
+                           " closed")
+
+
+@contextlib.contextmanager
+def answered_within(conn: psycopg.Connection[Any], seconds: float | None) -> Iterator[None]:
+    """Bound, on the client's clock, how long the calls made on ``conn`` inside the block
+    wait for the server (None: no bound): past ``seconds`` :data:`CALL_TIMER` shuts the
+    connection's socket, the blocked call fails and the block raises
+    :class:`DatabaseStalled`. What the TCP bounds cannot see (a peer that acknowledges
+    and never answers) and ``statement_timeout`` cannot either (the server that enforces
+    it is the one not answering) ends here.
+
+    Raises:
+        DatabaseStalled: the server did not answer in time (the connection is broken).
+    """
+    if seconds is None:
+        yield
+        return
+    with CALL_TIMER.bound(conn, max(0.0, seconds)) as armed:
+        try:
+            yield
+        except (psycopg.Error, DatabaseError) as exc:
+            if armed.fired:
+                raise _stalled(seconds) from exc
+            raise
+
+
+@contextlib.asynccontextmanager
+async def aanswered_within(conn: psycopg.AsyncConnection[Any], seconds: float | None) -> Any:
+    """:func:`answered_within` for an async connection (the timer's thread shuts the
+    socket; the event loop sees it at once).
+
+    Raises:
+        DatabaseStalled: the server did not answer in time (the connection is broken).
+    """
+    if seconds is None:
+        yield
+        return
+    with CALL_TIMER.bound(conn, max(0.0, seconds)) as armed:
+        try:
+            yield
+        except (psycopg.Error, DatabaseError) as exc:
+            if armed.fired:
+                raise _stalled(seconds) from exc
+            raise
 
 
 class PooledConnection(psycopg.Connection):  # type: ignore[type-arg]

@@ -9,24 +9,21 @@ Every call is bounded (SPEC 9, "every database call has a client-side bound"):
 
 - on the server, by the session's ``lock_timeout`` and ``statement_timeout``;
 - on the wire, by TCP keepalives and ``tcp_user_timeout`` (:func:`cyclone_mp.connections.tcp_bounds`);
-- on this side, by :class:`CallTimer`: a call still waiting after its bound has its socket
-  shut down, so the waiting thread gets an error at once (a black-holed connection
-  answers nothing, and keepalives work in whole seconds); the connection is then
-  abandoned and opened again.
+- on this side, by :class:`~cyclone_mp.connections.CallTimer`: a call still waiting
+  after its bound has its socket shut down, so the waiting thread gets an error at once
+  (a black-holed connection answers nothing, and keepalives work in whole seconds); the
+  connection is then abandoned and opened again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
 import logging
-import os
-import socket
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from .connections import CALL_TIMER
 from .errors import DatabaseError, DatabaseUnavailable
 from .mailbox import Inbox
 from .store import Store
@@ -36,84 +33,6 @@ log = logging.getLogger("cyclone_mp.supervisor")
 RECONNECT_FIRST = 0.1  # seconds before the first try to reconnect; it doubles up to the part's cap
 
 
-class CallTimer:
-    """Shuts down the socket of a call that outlives its bound (one thread per process).
-
-    ``with timer.bound(store, seconds): store.method(...)`` arms a timer for the call;
-    leaving the block disarms it. A shut-down socket makes psycopg raise at once, which
-    the store reports as :class:`~cyclone_mp.errors.DatabaseUnavailable`.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._heap: list[tuple[float, int, int]] = []
-        self._armed: dict[int, int] = {}  # token -> socket fd
-        self._tokens = itertools.count()
-        self._thread: threading.Thread | None = None
-        self.fired = 0  # calls cut short (for tests and stats)
-
-    @contextlib.contextmanager
-    def bound(self, store: Store, seconds: float) -> Iterator[None]:
-        """Bound the calls made on ``store`` inside the block to ``seconds``."""
-        try:
-            fd = store.conn.pgconn.socket
-        except Exception:  # noqa: BLE001 - a closed connection: the call fails on its own
-            yield
-            return
-        token = next(self._tokens)
-        due = time.monotonic() + seconds
-        with self._lock:
-            self._armed[token] = fd
-            # The timer thread sleeps until the heap's first entry is due (armed or not): it
-            # needs waking only for a call due before that. A part's calls share one bound,
-            # so on the hot path (a statement per batch) a call is rarely due first and wakes
-            # no thread; finished calls stay in the heap until the first is due (about calls
-            # per second x bound entries), then go in one pass.
-            earlier = not self._heap or due < self._heap[0][0]
-            heapq.heappush(self._heap, (due, token, fd))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cyclone-call-timer", daemon=True)
-                self._thread.start()
-            if earlier:
-                self._lock.notify()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._armed.pop(token, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while self._heap and self._heap[0][1] not in self._armed:
-                    heapq.heappop(self._heap)  # disarmed
-                if not self._heap:
-                    self._lock.wait()
-                    continue
-                due, token, fd = self._heap[0]
-                wait = due - time.monotonic()
-                if wait > 0:
-                    self._lock.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-                if self._armed.pop(token, None) is None:
-                    continue
-                self.fired += 1
-                _shutdown(fd)
-
-
-def _shutdown(fd: int) -> None:
-    """Shut a connection's socket down (both ways) without closing its descriptor, which
-    psycopg still owns: its waiting call wakes up with an error."""
-    with contextlib.suppress(OSError):
-        sock = socket.socket(fileno=os.dup(fd))
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
-
-
-CALL_TIMER = CallTimer()
 
 
 class DatabaseThread:
@@ -130,7 +49,7 @@ class DatabaseThread:
             and the reconnect backoff's cap come from it).
         owner: the supervisor's id.
         bound: seconds a call may take (``statement_timeout``, a silent peer, and
-            :class:`CallTimer`'s default for :meth:`call`).
+            :class:`~cyclone_mp.connections.CallTimer`'s default for :meth:`call`).
         generic_plans: see :meth:`cyclone_mp.store.Store.open`.
         clock: local monotonic clock in seconds.
     """
@@ -281,7 +200,7 @@ class DatabaseThread:
             self.store = None
 
     def call(self, seconds: float, fn: Callable[[Store], Any]) -> Any:
-        """Run ``fn(store)`` bounded to ``seconds`` (:class:`CallTimer`).
+        """Run ``fn(store)`` bounded to ``seconds`` (:class:`~cyclone_mp.connections.CallTimer`).
 
         Raises:
             DatabaseUnavailable: no connection, or it was lost (the part reconnects).

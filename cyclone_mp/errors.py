@@ -81,6 +81,20 @@ class DatabaseReadOnly(DatabaseUnavailable):
     (issue 22). Nothing of the call was written."""
 
 
+class DatabaseDiskFull(DatabaseUnavailable):
+    """The database server's disk is full (SQLSTATE 53100, ``disk_full``): it cannot write
+    until space is freed. An outage, not a rejection of this call's data: a supervisor
+    keeps what it has to write and tries again after a backoff, as after a lost
+    connection; the same call may work once an operator frees space."""
+
+
+class DatabaseStalled(DatabaseUnavailable):
+    """The database did not answer within the caller's bound while its connection stayed
+    open (a wedged PgBouncer or proxy, a frozen server backend): TCP keepalives and
+    ``tcp_user_timeout`` cannot see a peer that acknowledges and never answers. The
+    connection was closed; a fresh one may work at once."""
+
+
 class UnsupportedServer(DatabaseError, ConfigurationError):
     """The PostgreSQL server is older than the oldest version cyclone_mp supports (14)."""
 
@@ -109,6 +123,15 @@ class PayloadError(CycloneError, ValueError):
     """An input, output, signal payload or progress value is not a JSON value that
     PostgreSQL can store, or is over a limit (``max_payload`` bytes, or
     :data:`cyclone_mp.protocol.MAX_DEPTH` levels of nesting)."""
+
+
+class UnstorableText(ConfigurationError, PayloadError):
+    """A string PostgreSQL cannot store: it contains a NUL character or a lone surrogate
+    (text that is not valid Unicode). Refused before any I/O with one message wherever
+    the string is: a step, workflow, node, queue, signal or schedule name, a concurrency
+    or idempotency key, a JSON value or one of its keys. It is both a
+    :class:`ConfigurationError` (an option) and a :class:`PayloadError` (a value), so
+    the ``except`` a caller already has for either catches it."""
 
 
 class Permanent(Exception):

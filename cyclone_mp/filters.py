@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from .durations import Duration, seconds
 from .errors import ConfigurationError
+from .protocol import check_text
 from .status import TERMINAL_RUN_STATES
 
 RUN_STATES = ("running", "paused", *TERMINAL_RUN_STATES)  #: every state a run can be in
@@ -38,7 +39,7 @@ def _text(value: Any, name: str) -> str | None:
         return None
     if not isinstance(value, str) or not value:
         raise ConfigurationError(f"{name} must be a non-empty string, got {value!r}")
-    return value
+    return check_text(value, name)  # a NUL or a lone surrogate: UnstorableText, as at enqueue
 
 
 @dataclasses.dataclass(frozen=True)

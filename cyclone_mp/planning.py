@@ -20,7 +20,7 @@ from .durations import Duration, seconds
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
 from .filters import RunFilter
 from .operations import Op
-from .protocol import check_value
+from .protocol import check_text, check_value
 from .status import TERMINAL_RUN_STATES, RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
 from .store import NodeRow
@@ -262,17 +262,13 @@ def unique_place(definition: Step | Workflow, input_json: str, node: NodeRow) ->
 
 def check_idempotency_key(key: object) -> None:
     """Raise ConfigurationError unless ``key`` is None or a usable idempotency key:
-    a non-empty string of at most :data:`MAX_IDEMPOTENCY_KEY_BYTES` UTF-8 bytes, without NUL."""
+    a non-empty string of at most :data:`MAX_IDEMPOTENCY_KEY_BYTES` UTF-8 bytes that
+    PostgreSQL can store (:class:`~cyclone_mp.errors.UnstorableText` otherwise)."""
     if key is None:
         return
     if not isinstance(key, str) or not key:
         raise ConfigurationError("idempotency_key must be a non-empty string")
-    if "\x00" in key:
-        raise ConfigurationError("idempotency_key must not contain a NUL character")
-    try:
-        size = len(key.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ConfigurationError("idempotency_key must be valid Unicode (it has a lone surrogate)") from None
+    size = len(check_text(key, "idempotency_key").encode("utf-8"))
     if size > MAX_IDEMPOTENCY_KEY_BYTES:
         raise ConfigurationError(
             f"idempotency_key must be at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8), got {size}")

@@ -27,7 +27,7 @@ TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's 
 if TYPE_CHECKING:
     from typing import Any
 
-from .errors import PayloadError
+from .errors import PayloadError, UnstorableText
 
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
@@ -58,6 +58,21 @@ TASK_FRAME_LIMIT = 1 << 30
 #: its last progress value of at most 64 KiB): the parent reads frames up to
 #: ``max_payload + FRAME_ENVELOPE``, so an output of ``max_payload`` bytes gets through.
 FRAME_ENVELOPE = 128 * 1024
+
+
+def upstream_limit(max_payload: int) -> int:
+    """The most bytes a step's upstream outputs may total as one JSON object (text): what a
+    task frame (:data:`TASK_FRAME_LIMIT`, PostgreSQL's own limit on one text value) holds
+    beside an input of ``max_payload`` bytes and the frame's envelope."""
+    return TASK_FRAME_LIMIT - max_payload - FRAME_ENVELOPE
+
+
+def upstream_too_big(node: str, outputs: int, size: int, limit: int) -> str:
+    """What a step whose upstream outputs total ``size`` bytes (``outputs`` of them), over
+    ``limit`` (:func:`upstream_limit`), fails with (permanently: they never shrink)."""
+    return (f"the upstream outputs of step {node!r} total {size / 1e6:.1f} MB ({outputs} outputs), over the "
+            f"{limit / 1e6:.0f} MB a step's upstream outputs may total (they reach the step as one JSON text, "
+            f"and PostgreSQL's text values hold at most 1 GB)")
 UNDECODABLE = "undecodable"  # the ``t`` of the marker FrameReader puts in place of a bad frame
 #: The head of every frame that belongs to a task: ``{"t":KIND,"task":TOKEN``, so the
 #: task of a frame that cannot be decoded is still known.
@@ -141,7 +156,8 @@ def check_value(value: Any, what: str, max_bytes: int) -> str:
     and ``max_bytes`` bytes long. ``what`` names it in the message ("input", ...).
 
     Raises:
-        PayloadError: naming the rule and the limit.
+        PayloadError: naming the rule and the limit (:class:`~cyclone_mp.errors.UnstorableText`
+            for a NUL or a lone surrogate).
     """
     try:
         text = json.dumps(value, allow_nan=False)
@@ -155,7 +171,7 @@ def check_value(value: Any, what: str, max_bytes: int) -> str:
     # as "\u" in the text: without one, there is nothing to look for.
     problem = unstorable(value) if "\\u" in text else None
     if problem:
-        raise PayloadError(f"{what} cannot be stored in PostgreSQL: it contains {problem}")
+        raise UnstorableText(unstorable_message(what, problem))
     if len(text) > max_bytes:
         raise PayloadError(f"{what} is {len(text)} bytes, over the max_payload limit of {max_bytes} bytes")
     return text
@@ -195,13 +211,38 @@ def unstorable(value: Any) -> str | None:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, str):
-            if "\x00" in item:
-                return "a NUL character (\\u0000)"
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return "a lone surrogate (text that is not valid Unicode)"
+            problem = unstorable_text(item)
+            if problem:
+                return problem
     return None
+
+
+def unstorable_text(text: str) -> str | None:
+    """Why PostgreSQL cannot store the string ``text`` (a NUL or a lone surrogate), or None."""
+    if "\x00" in text:
+        return "a NUL character (\\u0000)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone surrogate (text that is not valid Unicode)"
+    return None
+
+
+def unstorable_message(what: str, problem: str) -> str:
+    """The one message of a string PostgreSQL cannot store, wherever it is (``what``: "queue", "input"...)."""
+    return f"{what} cannot be stored in PostgreSQL: it contains {problem}"
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if PostgreSQL can store it (a name, a key).
+
+    Raises:
+        UnstorableText: it contains a NUL or a lone surrogate (:func:`unstorable_message`).
+    """
+    problem = unstorable_text(text)
+    if problem:
+        raise UnstorableText(unstorable_message(what, problem))
+    return text
 
 
 def peak_rss_kb(pid: int | str = "self") -> int | None:

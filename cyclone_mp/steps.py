@@ -16,6 +16,7 @@ from .backoff import Backoff, check_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError, UnknownStep
 from .limits import Limits, check_count, parse_size
+from .protocol import check_text
 
 if TYPE_CHECKING:
     from .schedules import Schedule
@@ -28,18 +29,19 @@ DEFAULT_QUEUE = "default"
 
 
 def check_key(key: Any) -> str:
-    """``key`` if it is a usable concurrency key (a string of 1 to 200 characters).
+    """``key`` if it is a usable concurrency key (a string of 1 to 200 characters that
+    PostgreSQL can store).
 
     Raises:
-        ConfigurationError: it is not.
+        ConfigurationError: it is not (:class:`~cyclone_mp.errors.UnstorableText` for a
+            NUL or a lone surrogate).
     """
     if isinstance(key, int) and not isinstance(key, bool):
         key = str(key)
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH or "\x00" in key:
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
         raise ConfigurationError(
-            f"concurrency_key must be a non-empty string of at most {MAX_KEY_LENGTH} characters "
-            f"(without NUL), got {key!r:.80}")
-    return key
+            f"concurrency_key must be a non-empty string of at most {MAX_KEY_LENGTH} characters, got {key!r:.80}")
+    return check_text(key, "concurrency_key")
 
 
 def check_rate_limit(value: Any) -> tuple[int, float] | None:
@@ -70,16 +72,18 @@ INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # the integer columns: priority, max_att
 
 def check_name(value: object, what: str) -> str:
     """``value`` if it is a usable name: a non-empty string of at most
-    :data:`MAX_NAME_LENGTH` characters without control characters (NUL included:
-    PostgreSQL text refuses it).
+    :data:`MAX_NAME_LENGTH` characters that PostgreSQL can store, without control
+    characters.
 
     Raises:
-        ConfigurationError: naming ``what`` and the rule.
+        ConfigurationError: naming ``what`` and the rule (:class:`~cyclone_mp.errors.UnstorableText`
+            for a NUL or a lone surrogate).
     """
     if not isinstance(value, str) or not value:
         raise ConfigurationError(f"{what} must be a non-empty string, got {_shown(value)}")
     if len(value) > MAX_NAME_LENGTH:
         raise ConfigurationError(f"{what} must be at most {MAX_NAME_LENGTH} characters, got {len(value)}")
+    check_text(value, what)
     if not value.isprintable():
         raise ConfigurationError(f"{what} must not contain control characters (such as NUL), got {value!r}")
     return value

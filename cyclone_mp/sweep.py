@@ -56,15 +56,19 @@ from . import decisions, schedules
 from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
 from .connections import vacuum_hot_tables
 from .dbloop import DatabaseThread
-from .errors import DatabaseError, DatabaseUnavailable
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .health import MaintenanceHealth
 from .history import History, Policy, VacuumWatch
 from .messages import FAIL, RELEASE, Claimed, Fleet, Load, Outcome, Poll
+from .protocol import upstream_limit, upstream_too_big
 from .steps import Mux
 from .store import Store
 from .telemetry import NO_OBSERVER, Observer
 
-LOAD_BOUND = 120.0  # seconds a big payload may take to read
+LOAD_BOUND = 120.0  # seconds a big payload's statement may take (its own statement_timeout)
+#: Seconds the call of a load may take beyond LOAD_BOUND before its connection is taken for
+#: lost: the server's statement_timeout ends a slow load first, as that row's error.
+LOAD_MARGIN = 10.0
 #: Seconds between looks for a child that started a step since the registry row was last
 #: written: its row is then written at once, so ``cyclone-mp workers`` never shows a child
 #: idle for a whole ``registry_interval`` after it took a (wedged) step.
@@ -304,29 +308,40 @@ class Maintenance(DatabaseThread):
         self.observer.queue_depths(rows)
 
     def _load(self, row: dict[str, Any], sent: float) -> None:
-        """Read one big row's payload and hand the row to process control; a row that
-        cannot be read fails alone (``permanent``), one met by an outage is released."""
+        """Read one big row's payload and hand the row to process control. A row that
+        cannot be read fails alone (``permanent``): its upstream outputs over
+        :func:`~cyclone_mp.protocol.upstream_limit` (the message says their size), a
+        statement past LOAD_BOUND, a value the database refuses. One met by an outage is
+        released."""
         key = (row["id"], row["lease_generation"])
+        limit = upstream_limit(self.config.max_payload)
+        unreadable = "the step's input or upstream outputs cannot be read: "
         try:
-            payload = self.call(LOAD_BOUND, lambda store: store.load_payload(row["id"]))
+            payload = self.call(LOAD_BOUND + LOAD_MARGIN, lambda store: store.load_payload(
+                row["id"], statement_timeout=LOAD_BOUND, max_upstream=limit))
         except DatabaseUnavailable:
-            payload, error = None, None
+            payload, message = None, None
+        except DatabaseBusy as exc:  # its own statement_timeout, or a lock wait
+            payload, message = None, f"{unreadable}not within {LOAD_BOUND:g}s ({exc})"
         except DatabaseError as exc:
-            payload, error = None, exc
+            payload, message = None, f"{unreadable}{exc}"
         else:
-            error = None if payload is not None else "the step is gone"
+            message = None if payload is not None else f"{unreadable}the step is gone"
+        if payload is not None:
+            outputs, size = payload.pop("upstream_outputs"), payload.pop("upstream_bytes")
+            if outputs and payload["upstream"] is None:
+                payload, message = None, upstream_too_big(row["node"], outputs, size, limit)
         if payload is not None:
             self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
             return
         workflow = row["run_kind"] == "workflow"
-        if error is None:  # an outage: give it back (its lease is kept until the writer can)
+        if message is None:  # an outage: give it back (its lease is kept until the writer can)
             self.post_outcome(Outcome(key, RELEASE, row["step_name"], row["attempt"], workflow, held=True))
             return
-        log.error("step %d: its input or upstream outputs cannot be read: %s", row["id"], error)
+        log.error("step %d: %s", row["id"], message)
         self.post_outcome(Outcome(key, FAIL, row["step_name"], row["attempt"], workflow, row.get("backoff"),
                                   error_kind=decisions.PERMANENT, entry={
-                                      "type": "cyclone_mp.errors.PayloadError",
-                                      "message": f"the step's input or upstream outputs cannot be read: {error}"[:2000]}))
+                                      "type": "cyclone_mp.errors.PayloadError", "message": message[:2000]}))
 
     def sweep(self) -> dict[str, int]:
         """One sweep pass now (counted in this part's stats)."""

@@ -28,6 +28,18 @@ its commit wait for every other notifying commit of the server, so with no one w
 the supervisors' writes commit side by side (issue 23). A statement that looked for a
 listener just before one connected, and commits after the waiter's own look, notifies
 nobody: the listener polls once more :data:`CATCH_UP` seconds after it starts listening.
+
+A connection can stop answering while its TCP stays up (a wedged PgBouncer or proxy, a
+frozen server backend): no TCP bound sees it, and the server that would enforce
+``statement_timeout`` is the one not answering. So the wait's own timer bounds every read
+it makes (:func:`~cyclone_mp.connections.answered_within`): the lookup of the run, its
+first and last looks and the listener's polls and LISTEN. A read not answered within
+:data:`STALLED_AFTER` seconds (or by the wait's deadline) has its connection closed and
+is made again on a fresh one, with twice the bound each time in a row (a server that is
+only slow still answers); the listener connects and listens again. A wait with a
+``timeout`` returns its run's status or raises :class:`~cyclone_mp.errors.WaitTimeout`
+at most :data:`GRACE` seconds after its deadline; one without goes on waiting, on fresh
+connections.
 """
 
 from __future__ import annotations
@@ -43,8 +55,8 @@ from typing import Any, Callable
 import psycopg
 
 from . import operations
-from .connections import connect, tcp_bounds
-from .errors import CycloneError, DatabaseError, RunCancelled, RunFailed, WaitTimeout
+from .connections import aanswered_within, answered_within, connect, tcp_bounds
+from .errors import CycloneError, DatabaseError, DatabaseStalled, RunCancelled, RunFailed, WaitTimeout
 from .status import TERMINAL_RUN_STATES, RunStatus
 from .store import AsyncStore, Store
 
@@ -62,6 +74,14 @@ POLL_FALLBACK = 0.5  #: seconds between polls when LISTEN cannot be had
 IDLE_CLOSE = 30.0  #: seconds without a waiter after which the listening connection is closed
 LISTEN_READY_WITHIN = 10.0  #: seconds a wait gives the listener to start listening before it polls alone
 TURN_MAX = 1.0  #: seconds at most between two looks of the listener at its own state
+#: Seconds a read of a wait (or of its listener) may go unanswered before its connection
+#: is taken for stalled: closed, and the read made again on a fresh connection. Doubled
+#: after each stall in a row, up to :data:`STALLED_AFTER_MAX`.
+STALLED_AFTER = 3.0
+STALLED_AFTER_MAX = 60.0  #: the longest bound of a read after stalls in a row
+#: Seconds past its deadline a wait may spend on its last look at the run (so that the
+#: timeout's message says the state now, and a run that ended at the deadline is returned).
+GRACE = 0.5
 
 
 def run_ids(payload: str) -> list[str]:
@@ -102,10 +122,62 @@ def statuses(runs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[st
 
 
 
-def timeout_message(run_id: str, status: RunStatus, timeout: float) -> str:
+def read_bound(stalls: int, end: float | None, now: float) -> float:
+    """Seconds the next read of a wait may take: :data:`STALLED_AFTER`, doubled per
+    ``stalls`` in a row (at most :data:`STALLED_AFTER_MAX`), and never past ``end`` (a
+    monotonic time; None: no end). At least 50 ms, so a read at the end is still tried."""
+    bound = min(STALLED_AFTER * 2 ** min(stalls, 16), STALLED_AFTER_MAX)
+    return max(0.05, bound if end is None else min(bound, end - now))
+
+
+def reread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[], None] | None = None,
+           settled: Callable[[], bool] | None = None) -> Any:
+    """``read(within)`` until the database answers it: a read whose connection stalled
+    (:class:`~cyclone_mp.errors.DatabaseStalled`) is made again, on a fresh connection,
+    within :func:`read_bound` (``on_stall()`` is called after each); errors other than
+    a stall leave at once.
+
+    Raises:
+        DatabaseStalled: still no answer at ``end`` (a monotonic time; None: never), or
+            once ``settled()`` says the answer is no longer needed.
+    """
+    stalls = 0
+    while True:
+        try:
+            return read(read_bound(stalls, end, time.monotonic()))
+        except DatabaseStalled as exc:
+            stalls += 1
+            if on_stall is not None:
+                on_stall()
+            if end is not None and time.monotonic() >= end or settled is not None and settled():
+                raise
+            log.info("waiting: %s; reading again on a fresh connection", exc)
+
+
+async def areread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[], None] | None = None,
+                  settled: Callable[[], bool] | None = None) -> Any:
+    """:func:`reread` of an awaitable ``read(within)``."""
+    stalls = 0
+    while True:
+        try:
+            return await read(read_bound(stalls, end, time.monotonic()))
+        except DatabaseStalled as exc:
+            stalls += 1
+            if on_stall is not None:
+                on_stall()
+            if end is not None and time.monotonic() >= end or settled is not None and settled():
+                raise
+            log.info("waiting: %s; reading again on a fresh connection", exc)
+
+
+def timeout_message(run_id: str, status: RunStatus | None, timeout: float) -> str:
     """What :class:`~cyclone_mp.errors.WaitTimeout` says: the run's state now, and for a
     run none of whose steps has started, where it waits (a newcomer's report: "still
-    running" for a run no supervisor had touched)."""
+    running" for a run no supervisor had touched). ``status`` None: the database never
+    answered the wait's reads."""
+    if status is None:
+        return (f"run {run_id} was not seen to end within {timeout:g}s: the database did not answer "
+                f"(its connections stalled)")
     steps = list(status.steps.values())
     if status.state == "running" and steps and all(s.started_at is None and s.state == "available" for s in steps):
         now = dt.datetime.now(dt.timezone.utc)
@@ -120,7 +192,8 @@ def timeout_message(run_id: str, status: RunStatus, timeout: float) -> str:
 
 
 def _say_lost(exc: Exception) -> None:
-    """Log why a listener starts over: a lost connection (info) or anything else (with its traceback)."""
+    """Log why a listener starts over: a lost or stalled connection (info) or anything
+    else (with its traceback)."""
     if isinstance(exc, (psycopg.Error, DatabaseError)):
         log.info("the waiting connection was lost (%s); listening again", exc)
     else:
@@ -188,10 +261,12 @@ def listener_target(dsn: str, listen_dsn: str | None, pgbouncer: bool) -> tuple[
 
 class Waiter:
     """One listening connection and thread for every wait of a sync client (see the module
-    docstring). ``read_status(run_id) -> RunStatus`` is the waiter's own first look;
-    ``listen_dsn``, ``pgbouncer``, ``prepare``: the client's options (:class:`~cyclone_mp.Client`)."""
+    docstring). ``read_status(run_id, within) -> RunStatus`` is a waiter's own look at its
+    run, answered within ``within`` seconds or raising
+    :class:`~cyclone_mp.errors.DatabaseStalled`; ``listen_dsn``, ``pgbouncer``,
+    ``prepare``: the client's options (:class:`~cyclone_mp.Client`)."""
 
-    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], RunStatus], *,
+    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str, float], RunStatus], *,
                  listen_dsn: str | None = None, pgbouncer: bool = False, prepare: bool = True) -> None:
         self._listen_dsn, self._pgbouncer, self._prepare = listen_dsn, pgbouncer, prepare
         self._dsn = dsn
@@ -201,15 +276,19 @@ class Waiter:
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()
         self._closed = False
+        self._poked = False
         self.listening_connections = 0  # connections that LISTEN now (0 or 1)
 
-    def wait(self, run_id: str, timeout: float | None) -> RunStatus:
-        """Block until ``run_id`` (a full id) ends; returns its status.
+    def wait(self, run_id: str, timeout: float | None, deadline: float | None = None) -> RunStatus:
+        """Block until ``run_id`` (a full id) ends; returns its status. ``deadline``: the
+        monotonic time at which ``timeout`` ends (default: ``timeout`` from now).
 
         Raises:
-            WaitTimeout: still not finished after ``timeout`` seconds.
+            WaitTimeout: still not finished after ``timeout`` seconds (raised at most
+                :data:`GRACE` seconds after the deadline, whatever the database does).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout
         slot = _Slot()
         with self._lock:
             self._ensure_thread()
@@ -217,21 +296,44 @@ class Waiter:
         try:
             self._listening.wait(LISTEN_READY_WITHIN if deadline is None
                                  else max(0.0, min(LISTEN_READY_WITHIN, deadline - time.monotonic())))
-            status = self._read_status(run_id)  # subscribed first, then look
-            if status.terminal:
+            status = self._look(run_id, deadline, slot.event.is_set)  # subscribed first, then look
+            if status is not None and status.terminal:
                 return status
             while not slot.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
                 if deadline is not None and time.monotonic() >= deadline:
                     with contextlib.suppress(DatabaseError):  # what it says comes from the latest look
-                        status = self._read_status(run_id)
-                    if status.terminal:  # it ended right at the deadline
+                        status = self._look(run_id, deadline + GRACE, slot.event.is_set) or status
+                    if status is not None and status.terminal:  # it ended right at the deadline
                         return status
+                    assert timeout is not None
                     raise WaitTimeout(timeout_message(run_id, status, timeout))
             assert slot.status is not None
             return slot.status
         finally:
             with self._lock:
                 self.book.remove(run_id, slot)
+
+    def _look(self, run_id: str, end: float | None, delivered: Callable[[], bool]) -> RunStatus | None:
+        """The run's status, read by ``end`` (a monotonic time; None: no end) on fresh
+        connections while they stall (:func:`reread`), or None when none answered by then
+        or the listener ``delivered()`` it meanwhile. A stall also makes the listener poll
+        at once: its connection came the same way.
+
+        Raises:
+            DatabaseError: the read failed otherwise (the server refused the connection...).
+        """
+        if end is not None and time.monotonic() >= end:
+            return None
+        try:
+            return reread(lambda within: self._read_status(run_id, within), end, self.poke, delivered)
+        except DatabaseStalled as exc:
+            log.info("waiting: %s", exc)
+            return None
+
+    def poke(self) -> None:
+        """Make the listener poll now (within :data:`TURN_MAX` seconds): a read of a wait
+        stalled, and the listener's connection may have stalled too."""
+        self._poked = True
 
     def close(self) -> None:
         """Stop listening (the thread ends within :data:`TURN_MAX` seconds)."""
@@ -249,6 +351,7 @@ class Waiter:
         listening = False
         next_poll = reconnect_at = time.monotonic()
         catch_up = False
+        stalls = 0  # polls in a row whose connection stalled (each on a fresh one)
         try:
             while not self._closed:
                 now = time.monotonic()
@@ -265,6 +368,8 @@ class Waiter:
                 if conn is None:  # the server cannot be reached: try again later
                     time.sleep(max(0.0, min(TURN_MAX, reconnect_at - time.monotonic())))
                     continue
+                if self._poked:
+                    self._poked, next_poll = False, time.monotonic()
                 ids: list[str] = []
                 wait = max(0.0, min(TURN_MAX, next_poll - time.monotonic()))
                 try:
@@ -286,10 +391,13 @@ class Waiter:
                         with self._lock:
                             wanted = self.book.wanted(ids)
                     if wanted and conn is not None:
-                        found = self._statuses(conn, wanted)
+                        with answered_within(conn, read_bound(stalls, None, 0.0)):
+                            found = self._statuses(conn, wanted)
+                        stalls = 0
                         with self._lock:
                             self.book.deliver(found)
                 except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
+                    stalls = stalls + 1 if isinstance(exc, DatabaseStalled) else 0
                     _say_lost(exc)
                     with contextlib.suppress(Exception):
                         assert conn is not None
@@ -315,7 +423,12 @@ class Waiter:
         if not listen:
             return conn, False
         try:
-            conn.execute(f"LISTEN {RUNS_CHANNEL}")
+            with answered_within(conn, STALLED_AFTER):
+                conn.execute(f"LISTEN {RUNS_CHANNEL}")
+        except DatabaseStalled as exc:
+            log.info("waiting: %s; connecting again", exc)
+            conn.close()
+            return None, False
         except psycopg.Error as exc:
             log.info("waiting: LISTEN unavailable (%s); polling", exc)
             return conn, False
@@ -343,7 +456,7 @@ class AsyncWaiter:
     """:class:`Waiter` for an :class:`~cyclone_mp.AsyncClient`: one listening connection
     and one task of its event loop for every wait."""
 
-    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str], Any], *,
+    def __init__(self, dsn: Callable[[], str], read_status: Callable[[str, float], Any], *,
                  listen_dsn: str | None = None, pgbouncer: bool = False, prepare: bool = True) -> None:
         self._listen_dsn, self._pgbouncer, self._prepare = listen_dsn, pgbouncer, prepare
         self._dsn = dsn
@@ -352,15 +465,19 @@ class AsyncWaiter:
         self._task: asyncio.Task[None] | None = None
         self._listening: asyncio.Event | None = None
         self._closed = False
+        self._poked = False
         self.listening_connections = 0
 
-    async def wait(self, run_id: str, timeout: float | None) -> RunStatus:
-        """Await the end of ``run_id`` (a full id); returns its status.
+    async def wait(self, run_id: str, timeout: float | None, deadline: float | None = None) -> RunStatus:
+        """Await the end of ``run_id`` (a full id); returns its status. ``deadline``: as
+        :meth:`Waiter.wait`'s.
 
         Raises:
-            WaitTimeout: still not finished after ``timeout`` seconds.
+            WaitTimeout: still not finished after ``timeout`` seconds (raised at most
+                :data:`GRACE` seconds after the deadline, whatever the database does).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout
         slot = _AsyncSlot()
         self._ensure_task()
         assert self._listening is not None
@@ -369,20 +486,35 @@ class AsyncWaiter:
             left = LISTEN_READY_WITHIN if deadline is None else max(0.0, min(LISTEN_READY_WITHIN, deadline - time.monotonic()))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._listening.wait(), left)
-            status = await self._read_status(run_id)  # subscribed first, then look
-            if status.terminal:
+            status = await self._look(run_id, deadline, slot.future.done)  # subscribed first, then look
+            if status is not None and status.terminal:
                 return status
             try:
                 return await asyncio.wait_for(asyncio.shield(slot.future),
                                               None if deadline is None else max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
+                assert deadline is not None and timeout is not None
                 with contextlib.suppress(DatabaseError):  # what it says comes from the latest look
-                    status = await self._read_status(run_id)
-                if status.terminal:  # it ended right at the deadline
+                    status = await self._look(run_id, deadline + GRACE, slot.future.done) or status
+                if status is not None and status.terminal:  # it ended right at the deadline
                     return status
                 raise WaitTimeout(timeout_message(run_id, status, timeout)) from None
         finally:
             self.book.remove(run_id, slot)
+
+    async def _look(self, run_id: str, end: float | None, delivered: Callable[[], bool]) -> RunStatus | None:
+        """:meth:`Waiter._look`, awaited."""
+        if end is not None and time.monotonic() >= end:
+            return None
+        try:
+            return await areread(lambda within: self._read_status(run_id, within), end, self.poke, delivered)
+        except DatabaseStalled as exc:
+            log.info("waiting: %s", exc)
+            return None
+
+    def poke(self) -> None:
+        """:meth:`Waiter.poke`."""
+        self._poked = True
 
     async def close(self) -> None:
         """Stop listening and close the connection."""
@@ -404,6 +536,7 @@ class AsyncWaiter:
         listening = False
         next_poll = reconnect_at = time.monotonic()
         catch_up = False
+        stalls = 0  # polls in a row whose connection stalled (each on a fresh one)
         assert self._listening is not None
         try:
             while not self._closed:
@@ -419,6 +552,8 @@ class AsyncWaiter:
                 if conn is None:  # the server cannot be reached: try again later
                     await asyncio.sleep(max(0.0, min(TURN_MAX, reconnect_at - time.monotonic())))
                     continue
+                if self._poked:
+                    self._poked, next_poll = False, time.monotonic()
                 ids: list[str] = []
                 wait = max(0.0, min(TURN_MAX, next_poll - time.monotonic()))
                 try:
@@ -438,8 +573,12 @@ class AsyncWaiter:
                     else:
                         wanted = self.book.wanted(ids)
                     if wanted and conn is not None:
-                        self.book.deliver(statuses(*await AsyncStore(conn).run(operations.finished_runs(wanted))))
+                        async with aanswered_within(conn, read_bound(stalls, None, 0.0)):
+                            rows = await AsyncStore(conn).run(operations.finished_runs(wanted))
+                        stalls = 0
+                        self.book.deliver(statuses(*rows))
                 except Exception as exc:  # noqa: BLE001 - a waiter must never be left without its listener
+                    stalls = stalls + 1 if isinstance(exc, DatabaseStalled) else 0
                     _say_lost(exc)
                     with contextlib.suppress(Exception):
                         assert conn is not None
@@ -471,7 +610,12 @@ class AsyncWaiter:
         if not listen:
             return conn, False
         try:
-            await conn.execute(f"LISTEN {RUNS_CHANNEL}")
+            async with aanswered_within(conn, STALLED_AFTER):
+                await conn.execute(f"LISTEN {RUNS_CHANNEL}")
+        except DatabaseStalled as exc:
+            log.info("waiting: %s; connecting again", exc)
+            await conn.close()
+            return None, False
         except psycopg.Error as exc:
             log.info("waiting: LISTEN unavailable (%s); polling", exc)
             return conn, False

@@ -131,3 +131,14 @@ signal_flow.signal("payload")
 fan_in = cy.Workflow("h18_fan_in")
 _parts = [fan_in.add(big, name=f"part{i}") for i in range(5)]
 fan_in.add(echo, after=_parts, name="join")
+
+
+@cy.step("h18_noise", max_attempts=1)
+def noise(ctx: cy.Context, inp: dict) -> str:
+    """``inp["bytes"]`` random hex digits (jsonb cannot compress them much on disk)."""
+    return os.urandom(inp["bytes"] // 2).hex()
+
+
+noisy_fan_in = cy.Workflow("h18_noisy_fan_in")
+_noisy = [noisy_fan_in.add(noise, name=f"part{i}") for i in range(5)]
+noisy_fan_in.add(echo, after=_noisy, name="join")

@@ -23,7 +23,8 @@ import pytest
 import cyclone_mp as cy
 from cyclone_mp import decisions, procs, protocol
 from cyclone_mp.errors import (
-    ConfigurationError, DatabaseBusy, DatabaseError, DatabaseUnavailable, PayloadError, QueryRejected,
+    ConfigurationError, DatabaseBusy, DatabaseDiskFull, DatabaseError, DatabaseUnavailable, PayloadError,
+    QueryRejected, UnstorableText,
 )
 from cyclone_mp.store import Q, NodeRow, Store, classify, connect, redact
 
@@ -217,6 +218,8 @@ def test_load_value_reports_each_bad_text():
     (psycopg.errors.QueryCanceled, DatabaseBusy),  # 57014 statement_timeout: nothing done, try again (issue 17)
     (psycopg.errors.LockNotAvailable, DatabaseBusy),  # 55P03 lock_timeout: the same
     (psycopg.errors.UndefinedTable, DatabaseError),  # 42P01: neither
+    (psycopg.errors.DiskFull, DatabaseDiskFull),  # 53100: an outage, named
+    (psycopg.errors.OutOfMemory, DatabaseUnavailable),  # 53200: the same
 ])
 def test_classify_by_sqlstate_not_by_exception_class(error, expected):
     got = classify(error("total size of jsonb object elements exceeds the maximum of 268435455 bytes"))
@@ -262,6 +265,52 @@ def test_a_terminated_session_is_an_outage(cyclone_dsn):
             store.list_runs()
     finally:
         store.close()
+
+
+def test_a_full_disk_is_named_and_is_an_outage_not_a_rejected_call():
+    error = classify(psycopg.errors.DiskFull('could not extend file "base/16384/16390": No space left on device'))
+    assert type(error) is DatabaseDiskFull and isinstance(error, DatabaseUnavailable)
+    assert str(error) == ("the database server's disk is full (SQLSTATE 53100): could not extend file "
+                          '"base/16384/16390": No space left on device')
+    assert str(classify(psycopg.errors.OutOfMemory("out of memory"))).startswith(
+        "the database server is out of memory (SQLSTATE 53200)")
+
+
+DISK_FULL = """
+CREATE FUNCTION cyclone_test_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'could not extend file "base/1/2": No space left on device' USING ERRCODE = 'disk_full';
+END $$;
+CREATE TRIGGER cyclone_test_disk_full BEFORE UPDATE ON cyclone_steps FOR EACH ROW
+    WHEN (NEW.state = 'completed') EXECUTE FUNCTION cyclone_test_disk_full();
+CREATE TRIGGER cyclone_test_disk_full BEFORE INSERT ON cyclone_runs FOR EACH ROW
+    EXECUTE FUNCTION cyclone_test_disk_full();
+"""
+
+
+def test_a_full_disk_is_an_outage_the_supervisor_outlasts(cyclone_env_factory, caplog):
+    """The server refuses writes with SQLSTATE 53100 (here a trigger raises it: on every
+    completion and every new run). An enqueue fails with DatabaseDiskFull, saying so; the
+    supervisor takes it for an outage (it keeps the outcome and writes it again once
+    space is back), never for a bad row: the step completes once, on its first attempt."""
+    env = cyclone_env_factory(worker="thread")
+    env.mux().register(h.ok)
+    run_id = env.enqueue(h.ok, {"n": 1})
+    with connect(env.dsn) as conn:
+        conn.execute(DISK_FULL)
+    caplog.set_level(logging.INFO, logger="cyclone_mp")
+    with pytest.raises(DatabaseDiskFull, match=r"^the database server's disk is full \(SQLSTATE 53100\)"):
+        env.client().enqueue(h.ok, {"n": 2})
+    handle = env.start_worker()
+    wait_for(lambda: any("disk is full" in r.getMessage() and "database lost" in r.getMessage()
+                         for r in caplog.records), 30, "the writer to meet the full disk")
+    with connect(env.dsn) as conn:
+        row = conn.execute("SELECT state, errors FROM cyclone_steps WHERE run_id = %s", (run_id,)).fetchone()
+        assert (row["state"], row["errors"]) == ("running", [])  # not failed as a bad row: kept to write again
+        conn.execute("DROP FUNCTION cyclone_test_disk_full() CASCADE")
+    done = env.run_until_complete(run_id, timeout=30)
+    assert (done.state, done.step.attempt, done.step.errors) == ("completed", 1, [])
+    assert handle.alive()
 
 
 def test_idempotency_key_of_10kB_is_bad_input(cyclone_env):
@@ -310,6 +359,61 @@ def test_a_fan_in_past_jsonbs_limit_is_claimed_and_is_not_an_outage(cyclone_env_
     assert handle.alive()
     lost = [r.getMessage() for r in caplog.records[first:] if "database lost" in r.getMessage()]
     assert not lost, lost[:3]
+
+
+def test_a_fan_in_is_loaded_with_its_own_statement_timeout(cyclone_env):
+    """The upstream outputs too big to come with a claim are loaded by maintenance, whose
+    session's statement_timeout is a write's bound: a big fan-in failed its join as
+    "database busy: statement timeout". The load has its own (here the session's is
+    1 ms), and says the upstream object's size."""
+    run_id = cyclone_env.enqueue(hh.noisy_fan_in, {"bytes": 400_000})
+    with connect(cyclone_env.dsn) as conn:
+        conn.execute("UPDATE cyclone_steps SET state = 'completed', output = to_jsonb("
+                     "(SELECT string_agg(md5(i::text || node), '') FROM generate_series(1, 12500) i))"
+                     " WHERE run_id = %s AND node <> 'join'", (run_id,))
+        join = conn.execute("SELECT id FROM cyclone_steps WHERE run_id = %s AND node = 'join'",
+                            (run_id,)).fetchone()["id"]
+    store = Store.open(cyclone_env.dsn, statement_timeout=0.001)
+    try:
+        with pytest.raises(DatabaseBusy, match="statement timeout"):  # the session's bound alone
+            store.load_payload(join)
+        payload = store.load_payload(join, statement_timeout=60)
+        upstream = json.loads(payload["upstream"])
+        assert sorted(upstream) == [f"part{i}" for i in range(5)] and len(upstream["part0"]) == 400_000
+        assert payload["upstream_outputs"] == 5 and payload["upstream_bytes"] == len(payload["upstream"].encode())
+        over = store.load_payload(join, statement_timeout=60, max_upstream=payload["upstream_bytes"] - 1)
+        assert over["upstream"] is None and over["upstream_bytes"] == payload["upstream_bytes"]
+    finally:
+        store.close()
+
+
+def test_the_upstream_size_message_names_the_size_and_the_limit():
+    limit = protocol.upstream_limit(64 * 1024 * 1024)
+    assert limit == (1 << 30) - 64 * 1024 * 1024 - protocol.FRAME_ENVELOPE
+    assert protocol.upstream_too_big("join", 5, 1_234_500_000, limit) == (
+        "the upstream outputs of step 'join' total 1234.5 MB (5 outputs), over the 1007 MB a step's upstream "
+        "outputs may total (they reach the step as one JSON text, and PostgreSQL's text values hold at most 1 GB)")
+
+
+def test_a_fan_in_over_the_limit_fails_its_join_saying_its_size(cyclone_env_factory, monkeypatch):
+    """A join whose upstream outputs total more than a task can carry (here the limit is
+    made 1 MB, for five 0.4 MB outputs) is discarded at once, permanently, with a
+    message that says their size and the limit: never a statement timeout."""
+    from cyclone_mp import sweep
+
+    monkeypatch.setattr(sweep, "upstream_limit", lambda max_payload: 1_000_000)
+    env = cyclone_env_factory(worker="thread")
+    env.mux().register(hh.noisy_fan_in)
+    run_id = env.enqueue(hh.noisy_fan_in, {"bytes": 400_000})
+    handle = env.start_worker()
+    run = env.run_until_complete(run_id, timeout=60)
+    join = run.steps["join"]
+    assert (run.state, join.state, join.error_kind, join.attempt) == ("discarded", "discarded", "permanent", 1)
+    assert join.error.startswith("the upstream outputs of step 'join' total 2.0 MB (5 outputs), over the 1 MB a "
+                                 "step's upstream outputs may total"), join.error
+    assert "timeout" not in join.error
+    assert all(run.steps[f"part{i}"].state == "completed" for i in range(5))
+    assert handle.alive()
 
 
 # -- 2. the boundary in the producer and in the child --------------------------------------------
@@ -436,7 +540,8 @@ def test_status_shows_the_exception_type_beside_the_message(cyclone_env):
     ({"max_attempts": 2**40}, "max_attempts must be an int from 1 to 2147483647"),
     ({"max_reclaims": 2**40}, "max_reclaims must be an int from 0 to 2147483647"),
     ({"queue": "q" * 10_000}, "queue must be at most 200 characters"),
-    ({"queue": "bad\x00queue"}, "queue must not contain control characters"),
+    ({"queue": "bad\x00queue"}, "queue cannot be stored in PostgreSQL: it contains a NUL character"),
+    ({"queue": "bad\x07queue"}, "queue must not contain control characters"),
 ])
 def test_enqueue_options_out_of_range_are_configuration_errors(options, words):
     """Issue 18 fault 6: these reached the database (bigint out of range, NOTIFY payload
@@ -446,11 +551,46 @@ def test_enqueue_options_out_of_range_are_configuration_errors(options, words):
         client.enqueue(h.ok, {}, **options)
 
 
+NOT_STORABLE = [("a\ud800b", "a lone surrogate (text that is not valid Unicode)"),
+                ("a\x00b", "a NUL character (\\u0000)")]
+
+
+@pytest.mark.parametrize("text,problem", NOT_STORABLE)
+def test_text_postgresql_cannot_store_is_refused_alike_wherever_it_is(text, problem):
+    """A lone surrogate (or a NUL) is refused before any I/O with one type,
+    UnstorableText (a ConfigurationError and a PayloadError both), and one message
+    naming where it was: a concurrency key used to reach the database (QueryRejected)
+    where a queue gave a ConfigurationError about "control characters"."""
+    client = cy.Client("postgresql://nobody@127.0.0.1:1/never-connected", cy.Mux().register(h.ok))
+    by_key = cy.step("h18_keyed", concurrency_key=lambda inp: text)(h.ok.fn)
+    places = {
+        "step name": lambda: cy.step(text)(h.ok.fn),
+        "workflow name": lambda: cy.Workflow(text),
+        "workflow 'w': node name": lambda: cy.Workflow("w").add(h.ok, name=text),
+        "queue": lambda: client.enqueue(h.ok, {}, queue=text),
+        "concurrency_key": lambda: client.enqueue(h.ok, {}, concurrency_key=text),
+        "idempotency_key": lambda: client.enqueue(h.ok, {}, idempotency_key=text),
+        "input": lambda: client.enqueue(h.ok, {text: 1}),
+        "signal name": lambda: client.signal("00000000-0000-0000-0000-000000000000", text),
+        "key": lambda: client.runs(key=text),  # a filter of runs
+    }
+    for what, call in places.items():
+        with pytest.raises(UnstorableText) as info:
+            call()
+        assert str(info.value) == f"{what} cannot be stored in PostgreSQL: it contains {problem}"
+        assert isinstance(info.value, ConfigurationError) and isinstance(info.value, PayloadError)
+    for call in (lambda: client.enqueue(by_key, {}), lambda: client.enqueue_many(h.ok, [{}], concurrency_key=text),
+                 lambda: client.enqueue_many(h.ok, [{}], queue=text),
+                 lambda: cy.Client("postgresql://x@127.0.0.1:1/x", queues=[text])):
+        with pytest.raises(UnstorableText, match="cannot be stored in PostgreSQL"):
+            call()
+
+
 def test_constructors_refuse_bad_values_at_once():
     with pytest.raises(ConfigurationError, match="dsn must be a connection string or None"):
         cy.Client(5)
     with pytest.raises(ConfigurationError, match="step name must not contain control characters"):
-        cy.step("bad\x00name")(h.ok.fn)
+        cy.step("bad\x1bname")(h.ok.fn)
     with pytest.raises(ConfigurationError, match="workflow name must be at most 200"):
         cy.Workflow("w" * 201)
     with pytest.raises(ConfigurationError, match="lease_ttl must be at most 100 years"):

@@ -6,6 +6,7 @@ measured in benchmarks/wait.py, never here)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -15,9 +16,12 @@ import pytest
 import cyclone_mp as cy
 from cyclone_mp import waiting
 from cyclone_mp.store import connect
+from cyclone_mp.testing.env import through, upstream_of
+from cyclone_mp.testing.network import FaultProxy
 
 import handlers as h
 import workflow_handlers as wh
+from clients import SyncOverAsync
 from waiting import wait_for
 
 
@@ -228,3 +232,96 @@ def test_a_wait_outlives_the_loss_of_its_listening_connection(api_env):
     waiter.join(30)
     assert outcome == {"state": "completed"}
     assert sessions(api_env.dsn, "cyclone_mp waiting") == 1  # listening again
+
+
+# -- a link that stops answering while TCP stays up ----------------------------------------------
+#
+# A wedged PgBouncer or proxy, or a frozen backend: the client's connections stay open and
+# acknowledged, and nothing answers. The wait's own timer bounds every read it makes.
+
+
+def test_read_bounds_double_after_each_stall_and_never_pass_the_end():
+    assert waiting.read_bound(0, None, 100.0) == waiting.STALLED_AFTER
+    assert waiting.read_bound(2, None, 100.0) == 4 * waiting.STALLED_AFTER
+    assert waiting.read_bound(50, None, 100.0) == waiting.STALLED_AFTER_MAX
+    assert waiting.read_bound(0, 101.0, 100.0) == 1.0  # the wait's end comes first
+    assert waiting.read_bound(0, 99.0, 100.0) == 0.05  # past it: one short try still
+
+
+def test_a_wait_whose_reads_never_answered_says_so():
+    message = waiting.timeout_message("r1", None, 5)
+    assert message == "run r1 was not seen to end within 5s: the database did not answer (its connections stalled)"
+
+
+@contextlib.contextmanager
+def proxied(kind: str, env):
+    """A client of ``kind`` ("Client" or "AsyncClient", the latter driven from a loop of
+    its own) whose every connection goes through a FaultProxy: ``(client, proxy)``."""
+    proxy = FaultProxy(upstream_of(env.dsn))
+    dsn = through(env.dsn, proxy)
+    client = cy.Client(dsn, env.mux()) if kind == "Client" else SyncOverAsync(cy.AsyncClient(dsn, env.mux()))
+    try:
+        yield client, proxy
+    finally:
+        proxy.heal()
+        client.close()
+        proxy.close()
+
+
+def bounded(fn, limit: float):
+    """Call ``fn`` on a thread of its own; ``(seconds it took, what it returned or raised)``,
+    or fail the test after ``limit`` seconds (it never returned: the bug itself)."""
+    box: dict = {}
+
+    def call() -> None:
+        started = time.monotonic()
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["value"] = exc
+        box["took"] = time.monotonic() - started
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(limit)
+    if thread.is_alive():
+        pytest.fail(f"the call had not returned after {limit:g}s")
+    return box["took"], box["value"]
+
+
+@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+def test_wait_and_result_keep_their_deadline_when_every_connection_stops_answering(cyclone_env, kind):
+    """Every connection of the client, open and new, black-holed (TCP up, nothing
+    answers): ``wait`` and ``result`` with ``timeout=5`` raise WaitTimeout within 6 s."""
+    cyclone_env.mux().register(h.ok)
+    run_id = cyclone_env.enqueue(h.ok, {}, delay=3600)
+    with proxied(kind, cyclone_env) as (client, proxy):
+        with pytest.raises(cy.WaitTimeout):  # the pool and the listener are connected
+            client.wait(run_id, timeout=0.5)
+        proxy.partition()
+        for call in (client.wait, client.result):
+            took, outcome = bounded(lambda: call(run_id, timeout=5), 30)
+            assert isinstance(outcome, cy.WaitTimeout), outcome
+            assert took < 6.0, f"{call.__name__} returned after {took:.1f}s"
+
+
+@pytest.mark.parametrize("kind,timeout,seconds", [("Client", 30, 1.0), ("Client", None, 5.0),
+                                                  ("AsyncClient", 30, 5.0), ("AsyncClient", None, 1.0)])
+def test_a_run_that_ends_while_the_open_connections_are_frozen_is_seen_by_a_fresh_one(cyclone_env, kind, timeout,
+                                                                                     seconds):
+    """The connections open when the link froze never answer again; new ones work. A run
+    that completes meanwhile is seen as completed: the wait's reads and its listener
+    give up on their frozen connections and read again on fresh ones (``timeout=None``
+    too: it reconnects and goes on waiting). A run of 1 s ends before the wait's first
+    look gives up on its frozen connection; one of 5 s ends after it, and is heard by
+    the listener on its fresh connection."""
+    cyclone_env.mux().register(h.sleeper)
+    run_id = cyclone_env.enqueue(h.sleeper, {"seconds": seconds})
+    with proxied(kind, cyclone_env) as (client, proxy):
+        with pytest.raises(cy.WaitTimeout):  # the pool and the listener are connected
+            client.wait(run_id, timeout=0.5)
+        proxy.freeze()
+        cyclone_env.start_worker()  # on a direct connection
+        took, outcome = bounded(lambda: client.result(run_id, timeout=timeout), 60)
+        assert outcome == {"slept": seconds}, outcome
+        assert took < seconds + 3 * waiting.STALLED_AFTER, took

@@ -374,16 +374,31 @@ UPDATE cyclone_steps
 
 -- name: load_payload
 -- A claimed step's input and upstream outputs as JSON text, read alone (they were too big
--- to come with its claim).
-SELECT r.input::text AS input,
-       CASE WHEN s.depends_on <> '{}' THEN
-           (SELECT '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
-                                              ','), '') || '}'
-              FROM cyclone_steps d
-             WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
+-- to come with its claim), with the upstream object's size in bytes and its number of
+-- outputs. Each output is made text once (parts); the object is built only when it is
+-- at most %(max_upstream)s bytes: over it, upstream is NULL and upstream_bytes says why
+-- (a fan-in past PostgreSQL's 1 GB text limit never fails the statement).
+WITH parts AS MATERIALIZED (
+    SELECT to_json(d.node)::text AS key, coalesce(d.output::text, 'null') AS value
+      FROM cyclone_steps s
+      JOIN cyclone_steps d ON d.run_id = s.run_id AND d.node = ANY(s.depends_on)
+     WHERE s.id = %(id)s
+), size AS (
+    SELECT count(*) AS outputs,
+           2 + coalesce(sum(octet_length(key) + 1 + octet_length(value)), 0) + greatest(count(*) - 1, 0) AS bytes
+      FROM parts
+)
+SELECT r.input::text AS input, size.outputs AS upstream_outputs, size.bytes::bigint AS upstream_bytes,
+       CASE WHEN s.depends_on <> '{}' AND size.bytes <= %(max_upstream)s THEN
+           (SELECT '{' || coalesce(string_agg(key || ':' || value, ','), '') || '}' FROM parts) END AS upstream
   FROM cyclone_steps s
   JOIN cyclone_runs r ON r.id = s.run_id
+ CROSS JOIN size
  WHERE s.id = %(id)s;
+
+-- name: local_statement_timeout
+-- Set statement_timeout for the rest of this transaction only (%(timeout)s: "120000ms").
+SELECT set_config('statement_timeout', %(timeout)s, true);
 
 -- name: lease_state
 -- After a renewal matched nothing: why (cancelled, reclaimed, timed out, finished).

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 from psycopg.types.json import Jsonb
 
 from ..connections import translate
+from ..protocol import DEFAULT_MAX_PAYLOAD, upstream_limit
 from .queries import FORENSIC_KEYS, INLINE_MAX, Q, FailedAttempt, Settled, nullable_jsonb, to_us
 
 
@@ -145,10 +146,19 @@ class LeaseQueries:
             return matched
 
     @translate
-    def load_payload(self, id: int) -> dict[str, Any] | None:
-        """A claimed step's ``input`` and ``upstream`` as JSON text (None when the step is gone)."""
-        with self.conn.cursor() as cur:
-            return self._one(cur, "load_payload", {"id": id})
+    def load_payload(self, id: int, *, statement_timeout: float | None = None,
+                     max_upstream: int = upstream_limit(DEFAULT_MAX_PAYLOAD)) -> dict[str, Any] | None:
+        """A claimed step's ``input`` and ``upstream`` as JSON text, and ``upstream_bytes``
+        and ``upstream_outputs`` (the size of its upstream object and how many outputs it
+        holds); ``upstream`` is None when the step has no upstream node or when the object
+        would be over ``max_upstream`` bytes (:func:`~cyclone_mp.protocol.upstream_limit`).
+        None when the step is gone. ``statement_timeout`` (seconds): the statement's own,
+        in place of the session's (a write's bound: building a fan-in of hundreds of
+        megabytes takes longer)."""
+        with self._tx() as cur:
+            if statement_timeout is not None:
+                cur.execute(Q["local_statement_timeout"], {"timeout": f"{max(1, int(statement_timeout * 1000))}ms"})
+            return self._one(cur, "load_payload", {"id": id, "max_upstream": max_upstream})
 
     @translate
     def lease_state(self, id: int) -> dict[str, Any] | None:

@@ -7,6 +7,9 @@ can inject the faults a supervisor on another host meets:
 - :meth:`~FaultProxy.partition`: a black hole. Nothing is forwarded either way and new
   connections are accepted but never answered; connections stay open (no RST), as when a
   link or a firewall silently drops packets. :meth:`~FaultProxy.heal` ends it.
+- :meth:`~FaultProxy.freeze`: the connections open now stop answering (their TCP stays
+  up, nothing is forwarded) while new connections pass, as when a PgBouncer or a
+  server backend wedges; :meth:`~FaultProxy.heal` ends it too.
 - :meth:`~FaultProxy.add_latency`: every byte is held ``seconds / 2`` in each direction
   (``seconds`` of added round trip), in order.
 - :meth:`~FaultProxy.reset`: every open connection is closed at once with an RST.
@@ -37,6 +40,7 @@ class _Link:
         # (due time, bytes) per direction, in order
         self.to_upstream: collections.deque[tuple[float, bytes]] = collections.deque()
         self.to_client: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.frozen = False  # nothing is read or forwarded (freeze)
 
 
 class FaultProxy:
@@ -61,6 +65,7 @@ class FaultProxy:
         self._blackhole = False
         self._delay = 0.0
         self._reset = False
+        self._frozen_now: bool | None = None  # what freeze/heal asked the open links to become
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._run, name="cyclone-fault-proxy", daemon=True)
@@ -75,9 +80,17 @@ class FaultProxy:
         self._wake()
 
     def heal(self) -> None:
-        """End a partition (held connections go on; what was sent meanwhile is delivered)."""
+        """End a partition or a freeze (held connections go on; what was sent meanwhile is delivered)."""
         with self._lock:
             self._blackhole = False
+            self._frozen_now = False
+        self._wake()
+
+    def freeze(self) -> None:
+        """Black-hole the connections open now, until :meth:`heal`; connections opened
+        later are forwarded as usual."""
+        with self._lock:
+            self._frozen_now = True
         self._wake()
 
     def add_latency(self, seconds: float) -> None:
@@ -132,18 +145,22 @@ class FaultProxy:
         while not self._closed:
             with self._lock:
                 blackhole, delay, reset = self._blackhole, self._delay, self._reset
+                frozen_now, self._frozen_now = self._frozen_now, None
                 self._reset = False
             if reset:
                 for link in list(self._links):
                     self._drop(sel, link, rst=True)
+            if frozen_now is not None:
+                for link in self._links:
+                    link.frozen = frozen_now
             now = time.monotonic()
             if not blackhole:
                 for link in list(self._links):
-                    if link.upstream is None and not self._open(sel, link):
+                    if link.frozen or link.upstream is None and not self._open(sel, link):
                         continue
                     self._flush(sel, link, now)
             self._update_interest(sel, blackhole)
-            due = [q[0][0] for link in self._links for q in (link.to_upstream, link.to_client) if q]
+            due = [q[0][0] for link in self._links if not link.frozen for q in (link.to_upstream, link.to_client) if q]
             timeout = None if blackhole or not due else max(0.0, min(due) - time.monotonic())
             for key, _ in sel.select(timeout):
                 kind, link = key.data
@@ -212,7 +229,8 @@ class FaultProxy:
                 queue.popleft()
 
     def _update_interest(self, sel: selectors.BaseSelector, blackhole: bool) -> None:
-        """During a partition nothing is read (so nothing is forwarded or answered)."""
+        """During a partition nothing is read (so nothing is forwarded or answered), nor
+        from a frozen link."""
         for link in self._links:
             for sock, side in ((link.client, "client"), (link.upstream, "upstream")):
                 if sock is None:
@@ -221,13 +239,13 @@ class FaultProxy:
                     key = sel.get_key(sock)
                 except (KeyError, ValueError):
                     continue
-                want = 0 if blackhole else selectors.EVENT_READ
+                want = 0 if blackhole or link.frozen else selectors.EVENT_READ
                 if want and key.events != want:
                     sel.modify(sock, want, (side, link))
                 elif not want:
                     with contextlib.suppress(KeyError, ValueError):
                         sel.unregister(sock)
-            if not blackhole:
+            if not blackhole and not link.frozen:
                 for sock, side in ((link.client, "client"), (link.upstream, "upstream")):
                     if sock is not None and sock.fileno() >= 0:
                         try:
