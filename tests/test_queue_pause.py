@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 import cyclone_mp as cy
 from cyclone_mp.store import connect
 
@@ -19,9 +21,11 @@ def claimed(dsn: str, queue: str) -> int:
                             (queue,)).fetchone()["n"]
 
 
-def test_a_paused_queue_is_not_claimed_across_two_supervisors(cyclone_env_factory):
-    """Two supervisors serve two queues; "slow" is paused: for 10 s nothing of it is
-    claimed (the other queue runs on), then resume: claims within a poll."""
+@pytest.mark.parametrize("paused_for", [2.0, pytest.param(10.0, marks=pytest.mark.slow)])  # (CI runs both)
+def test_a_paused_queue_is_not_claimed_across_two_supervisors(cyclone_env_factory, paused_for):
+    """Two supervisors serve two queues; "slow" is paused: for 10 s (2 s in the default
+    suite) nothing of it is claimed (the other queue runs on), then resume: claims within
+    a poll."""
     poll = 0.5
     env = cyclone_env_factory(workers=2, poll_interval=(0.05, poll), queues=["default", "slow"], registry_interval=0.2)
     env.mux().register(h.ok)
@@ -34,7 +38,7 @@ def test_a_paused_queue_is_not_claimed_across_two_supervisors(cyclone_env_factor
     others = client.enqueue_many(h.ok, [{"i": i} for i in range(20)])  # queue default: runs
     for run_id in others:
         assert env.run_until_complete(run_id, timeout=30).state == "completed"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + paused_for
     while time.monotonic() < deadline:
         assert claimed(env.dsn, "slow") == 0
         time.sleep(0.2)
