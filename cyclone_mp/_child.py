@@ -234,6 +234,7 @@ class Runner:
         self.peak = protocol.PeakRss()
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
+        self.concurrent: Any = None  # the async handlers running side by side (async_concurrency)
         self.held = False  # the last attempt left processes: start nothing until "go"
         self.event_loop: Any = None  # the event loop of async handlers: made once, reused
         self.limits = TaskLimits()  # the rlimits of tasks with resource limits
@@ -248,6 +249,8 @@ class Runner:
         for line in self.cancel_file:
             token, _, reason = line.strip().partition(" ")
             reason = reason or "cancelled"
+            if self.concurrent is not None and self.concurrent.cancel(token, reason):
+                continue  # one of the async handlers running side by side
             with self.lock:
                 if token != self.task:
                     # A task queued behind the current one (or not read yet, or already
@@ -261,6 +264,28 @@ class Runner:
                 elif reason != RELEASED:  # "released" takes back a queued task only: a started one runs
                     self.cancellation.set(reason)
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
+
+    def concurrent_tasks(self) -> Any:
+        """The async handlers running side by side (made at the first such task)."""
+        if self.concurrent is None:
+            from ._concurrent import ConcurrentTasks
+
+            self.concurrent = ConcurrentTasks(self)
+        return self.concurrent
+
+    def send_result(self, result: dict[str, Any]) -> None:
+        """Send one result frame (of a concurrent task: its output checked as any)."""
+        frame = self.checked(result)
+        with self.lock:
+            self.ctrl.sendall(frame)
+
+    def progress_for(self, token: str) -> Any:
+        """The ``ctx.set_progress`` sink of a concurrent task: sent at once (checked)."""
+        def sink(done: Any, total: Any, message: Any) -> None:
+            protocol.check_value([done, total], "progress (done, total)", PROGRESS_MAX_BYTES)
+            self._send_progress({"t": "progress", "task": token, "done": done, "total": total,
+                                 "message": None if message is None else storable(str(message)[:500])})
+        return sink
 
     def resolve(self, ref: dict[str, Any]) -> Any:
         """The handler function a task names (a Step object wraps it). Raises
@@ -326,19 +351,35 @@ class Runner:
         except (TypeError, ValueError):
             pass  # a non-JSON progress value is dropped, never fatal
 
-    def run_task(self, task: dict[str, Any]) -> dict[str, Any]:
-        deadline = None  # the supervisor's worker clock decides it (and may be skewed in tests)
-        if task.get("deadline") is not None:
-            import datetime as dt  # here, not at import: a child starts faster without it
+    @staticmethod
+    def deadline_of(task: dict[str, Any]) -> Any:
+        """``ctx.deadline`` of a task: the supervisor's worker clock decides it (and may be
+        skewed in tests), or None."""
+        if task.get("deadline") is None:
+            return None
+        import datetime as dt  # here, not at import: a child starts faster without it
 
-            deadline = dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
+        return dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
+
+    @staticmethod
+    def inputs_of(task: dict[str, Any]) -> tuple[Any, Any]:
+        """A task's ``(input, upstream)``; raises PayloadError (an input no retry can fix)."""
+        return task_inputs(task)
+
+    def converted(self, fn: Any, inp: Any) -> Any:
+        """``inp`` as ``fn``'s input annotation asks (a dataclass, a pydantic model)."""
+        if fn not in self._handlers:
+            self._handlers[fn] = input_annotation(fn)
+        return convert_input(self._handlers[fn], inp)
+
+    def run_task(self, task: dict[str, Any]) -> dict[str, Any]:
         try:
             inputs = task_inputs(task)
         except PayloadError as exc:  # an input no retry can fix
             return failure("permanent", exc)
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
-            deadline=deadline, upstream=inputs[1], progress_sink=self.progress,
+            deadline=self.deadline_of(task), upstream=inputs[1], progress_sink=self.progress,
             cancellation=self.cancellation,
         )
         hooks = task.get("hooks")
@@ -363,36 +404,44 @@ class Runner:
         fails the attempt as the handler's would): the result, as plain data."""
         try:
             fn = self.resolve(task["ref"])
-            if fn not in self._handlers:
-                self._handlers[fn] = input_annotation(fn)
             for ref in start_hooks or ():
                 self.resolve(ref)(ctx)
-            output = fn(ctx, convert_input(self._handlers[fn], inp))
+            output = fn(ctx, self.converted(fn, inp))
             if is_coroutine(output):  # an async def handler (or a callable that returns a coroutine)
                 output = self.run_async(output)
-        except Cancelled as exc:
-            return failure("cancelled", exc)
-        except unhealable.NotImportable as exc:  # the import's own exception and traceback, with what to fix
-            return failure(NOT_IMPORTABLE, exc.__cause__ or exc, str(exc))
-        except Permanent as exc:
-            return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
-        except Snooze as exc:  # run again later, no attempt spent
-            return {"ok": False, "kind": SNOOZE, "snooze": exc.seconds, "type": "cyclone_mp.errors.Snooze",
-                    "message": str(exc)}
-        except MemoryError as exc:
-            return failure(MEMORY_ERROR, exc, f"MemoryError: {exc}" if str(exc) else
-                           "MemoryError: the handler ran out of memory (an allocation failed)")
-        except SystemExit as exc:
-            return failure(EXIT, exc, exit_message(exc.code))
         except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
-            if self.cancellation.is_set() and is_cancelled_error(exc):  # our cancel, seen as CancelledError
-                return failure("cancelled", exc)
-            kind = getattr(exc, "kind", None) if isinstance(exc, PayloadError) else None
-            return failure(kind or "error", exc)
+            return self.failure_of(exc, self.cancellation)
+        return self.success_of(output)
+
+    @staticmethod
+    def success_of(output: Any) -> dict[str, Any]:
+        """A returned output as a result (``output_invalid`` when it is not a JSON value)."""
         try:
             return {"ok": True, "output": to_json_value(output)}
         except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
             return failure(OUTPUT_INVALID, TypeError(unhealable.not_json(str(exc))))
+
+    @staticmethod
+    def failure_of(exc: BaseException, cancellation: Cancellation) -> dict[str, Any]:
+        """What a handler raised, as a result: its kind, type, message and traceback."""
+        if isinstance(exc, Cancelled):
+            return failure("cancelled", exc)
+        if isinstance(exc, unhealable.NotImportable):  # the import's own exception and traceback, with what to fix
+            return failure(NOT_IMPORTABLE, exc.__cause__ or exc, str(exc))
+        if isinstance(exc, Permanent):
+            return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
+        if isinstance(exc, Snooze):  # run again later, no attempt spent
+            return {"ok": False, "kind": SNOOZE, "snooze": exc.seconds, "type": "cyclone_mp.errors.Snooze",
+                    "message": str(exc)}
+        if isinstance(exc, MemoryError):
+            return failure(MEMORY_ERROR, exc, f"MemoryError: {exc}" if str(exc) else
+                           "MemoryError: the handler ran out of memory (an allocation failed)")
+        if isinstance(exc, SystemExit):
+            return failure(EXIT, exc, exit_message(exc.code))
+        if cancellation.is_set() and is_cancelled_error(exc):  # our cancel, seen as CancelledError
+            return failure("cancelled", exc)
+        kind = getattr(exc, "kind", None) if isinstance(exc, PayloadError) else None
+        return failure(kind or "error", exc)
 
     def run_async(self, coro: Any) -> Any:
         """Run an async handler's coroutine to its end as a task on this child's event
@@ -492,6 +541,9 @@ class Runner:
                 continue
             if self.held:  # a queued task waits until the leftovers of the last one are gone
                 held.append(message)
+                continue
+            if message.get("concurrent"):  # an async handler beside others (async_concurrency)
+                self.concurrent_tasks().submit(message)
                 continue
             with self.lock:
                 if self.dropped.pop(message["task"], None) is not None:

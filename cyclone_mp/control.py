@@ -151,6 +151,9 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
         self._hooks = mux.hook_refs()
+        #: async steps whose attempts run several to a child: step name -> how many at most
+        self.side_by_side = {s.name: s.options.async_concurrency for s in mux.steps.values()
+                             if (s.options.async_concurrency or 1) > 1}
         self.snapshot: dict[str, Any] = {"workers": config.workers, "queues": list(config.queues),
                                          "names": list(mux.step_names), "children": [],
                                          "limits": self.confinement.mechanism.as_dict()}
@@ -458,7 +461,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
         and room); one on its own waits until every outcome sent is written."""
         if self.draining or not self.db_ok or (standalone and not self.writer.idle):
             return 0
-        return max(0, len(self.pool.idle()) + self.prefetch_room() - len(self.held) - self.claiming)
+        return max(0, len(self.pool.idle()) + self.side_by_side_room() + self.prefetch_room() - len(self.held)
+                   - self.claiming)
 
     def _start_now(self, claim: int) -> int:
         """Of a claim of ``claim`` steps, how many idle children can start at once: the
@@ -552,7 +556,12 @@ class ProcessControl(AttemptEndings, HeldSteps):
             self._end(att)
             self._fail(att, decisions.MEMORY_LIMIT, self.limit_watch.below_a_fresh_child(child.pid, limits))
             return True
-        if child.attempt is None:
+        side_by_side = row["step_name"] in self.side_by_side
+        if side_by_side:  # an async attempt beside the others of its step in this child
+            child.concurrent[token] = att
+            att.started_wall = self.wall_clock()
+            self._note_start(att)
+        elif child.attempt is None:
             child.attempt = att
             att.started_wall = self.wall_clock()
             self.limit_watch.arm(att)
@@ -572,6 +581,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
             task["rss"] = True
         if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler
             task["hooks"] = self._hooks
+        if side_by_side:
+            task["concurrent"] = True
         if limits:  # the child sets its rlimits for the task (inherited by what it starts)
             # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
             # process cap), rlimits backstop and the child counts its tree as its handler ends
@@ -673,7 +684,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             return
         att.cancel_reason = reason
         att.killed_by = None
-        if att.child.attempt is att:  # a queued one is dropped by the child, nothing to kill
+        if att.child.attempt is att or att.token in att.child.concurrent:  # a queued one is dropped, nothing to kill
             att.kill_at = now + self.config.kill_grace
         att.child.cancel(att.token, reason)
         self._watch(att.child)
@@ -695,7 +706,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
                 log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
                 self._cancel(att, "lease_lost", now)
             child = att.child
-            if child.attempt is not att:
+            if child.attempt is not att and att.token not in child.concurrent:
                 continue
             kill_by = att.kill_at
             trigger = att.cancel_reason or "kill"
@@ -705,7 +716,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             if kill_by is None or now < kill_by:
                 continue
             self._child_io(child)  # it may have ended just now, and the child started the next
-            if att.ended or child.attempt is not att:
+            if att.ended or (child.attempt is not att and att.token not in child.concurrent):
                 continue
             if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
                 att.cancel_reason, att.fenced = "lease_lost", True
@@ -737,7 +748,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             if child.returncode is not None:
                 continue
             times = []
-            for att in (child.attempt, *child.queued):
+            for att in (child.attempt, *child.queued, *child.concurrent.values()):
                 if att is None or att.ended:
                     continue
                 if att.guards_lease():  # a quarter of the margin after process control's own kill
@@ -787,8 +798,10 @@ class ProcessControl(AttemptEndings, HeldSteps):
         """What ``cyclone-mp workers`` shows, as plain data for maintenance to write."""
         kids = []
         for child in self.pool.children:
-            att = child.attempt
+            att = child.attempt or next(iter(child.concurrent.values()), None)
             info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run, "ready": child.ready}
+            if child.concurrent:
+                info["side_by_side"] = len(child.concurrent)  # async attempts it runs at once
             if child.proc is not None:
                 try:
                     info["cpu_percent"] = child.proc.cpu_percent(None)

@@ -91,6 +91,9 @@ class AttemptEndings:
         if kind == protocol.UNDECODABLE:
             self._on_undecodable(child, message)
             return
+        if child.concurrent and message.get("task") in child.concurrent:  # an async attempt beside others
+            self._on_side_by_side(child.concurrent[message["task"]], message)
+            return
         att = child.attempt
         if att is None or message.get("task") != att.token:
             if kind == "result" and message.get("dropped"):  # a step queued behind ``att``, taken back
@@ -110,6 +113,24 @@ class AttemptEndings:
             self._on_result(att, att.lingering_result or {"t": "result", "task": att.token, "ok": False})
         elif kind == "result":
             self._on_result(att, message)
+
+    def _on_side_by_side(self, att: Attempt, message: dict[str, Any]) -> None:
+        """A message of an async attempt running beside others in its child."""
+        if message.get("t") == "progress":
+            att.progress = {k: message.get(k) for k in ("done", "total", "message")}
+            self.keeper(Progress(att.key, att.progress))
+            return
+        if message.get("t") != "result":
+            return
+        child = att.child
+        del child.concurrent[att.token]
+        self._end(att)
+        self._note_duration(self.clock() - att.started)
+        try:
+            self._settle_result(att, message)
+        finally:
+            self._watch(child)
+            self._take_held()
 
     def _on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
         """A cancelled attempt's handler is over but threads it started still run in the
@@ -364,8 +385,32 @@ class AttemptEndings:
         queued, child.queued = list(child.queued), collections.deque()
         for unstarted in queued:
             self._settle_unstarted(unstarted)
+        side, child.concurrent = list(child.concurrent.values()), {}
+        for other in side:  # async attempts that ran beside others in the child
+            self._end_side_by_side(other, child, code)
         self.pool.after_exit(child, code)
         self.pool.maintain(self.clock(), self.draining)
+
+    def _end_side_by_side(self, att: Attempt, child: ChildProc, code: int | None) -> None:
+        """An async attempt whose child died. The one the supervisor killed it for ends as
+        that kill (its attempt spent); the others ran beside it and are given back, no
+        attempt spent, to run again (said in the log). Had nobody killed the child (it
+        crashed), nothing tells which attempt did it: each ends as ``child_exited``."""
+        if att.ended:
+            return
+        self._end(att)
+        entry = {"pid": child.pid, **procs.exit_description(code), "elapsed": round(self.clock() - att.started, 3)}
+        if att.killed_by:
+            entry.update(killed_by_supervisor=True, trigger=att.killed_by,
+                         message=f"child killed by the supervisor after {att.killed_by}")
+            self._settle_cancelled(att, entry)
+        elif child.killed:
+            log.info("step %s (run %s) ran beside an attempt its child was killed for: it runs again, no attempt "
+                     "spent", att.step_name, att.run_id)
+            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
+        else:
+            entry.update(killed_by_supervisor=False, message="child process exited unexpectedly")
+            self._fail(att, decisions.CHILD_EXITED, entry)
 
     def _maybe_recycle(self, child: ChildProc) -> None:
         cfg = self.config
@@ -381,6 +426,8 @@ class AttemptEndings:
             too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
             child.recycle_due = too_many or too_big  # then nothing more is queued in it
         if not child.recycle_due:
+            return
+        if child.concurrent:  # retired once its async attempts are over
             return
         if child.attempt is not None:  # it finishes the step it runs; the ones queued are taken back
             for att in child.queued:

@@ -44,6 +44,7 @@ class HeldSteps:
     config: Config
     pool: ChildPool
     held: collections.deque[Held]
+    side_by_side: dict[str, int]
     fleet: int
     draining: bool
     db_ok: bool
@@ -98,6 +99,8 @@ class HeldSteps:
         if not self.held or self.draining or not self.db_ok:
             return
         now = self.clock()
+        if self.side_by_side:  # async handlers run several to a child
+            self._take_side_by_side(now)
         for child in self.pool.idle():
             while self.held:
                 item = self.held.popleft()
@@ -112,6 +115,50 @@ class HeldSteps:
             self._pipeline()
         finally:
             self._send_queued()  # each child's new tasks in one write
+
+    def _take_side_by_side(self, now: float) -> None:
+        """Start held steps of ``async_concurrency`` steps beside the others of their step in
+        a child with room (one running that step and fewer than its limit), else on an idle
+        child, oldest claim first."""
+        keep: collections.deque[Held] = collections.deque()
+        for item in self.held:
+            limit = self.side_by_side.get(item.row["step_name"])
+            child = self._room_for(item.row["step_name"], limit) if limit else None
+            if child is None:
+                keep.append(item)
+            elif startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
+                           timeout=item.row["timeout"]):
+                self._start(item, child)
+            else:
+                self._release_held(item)
+        self.held = keep
+
+    def _room_for(self, step_name: str, limit: int) -> Any:
+        """A child that can run one more attempt of ``step_name`` beside its others."""
+        best = None
+        for child in self.pool.children:
+            if not child.ready or child.returncode is not None or child.recycle_due or child.attempt is not None:
+                continue
+            running = child.concurrent
+            if running and len(running) < limit and next(iter(running.values())).step_name == step_name:
+                if best is None or len(running) > len(best.concurrent):  # fill a child before the next
+                    best = child
+        return best if best is not None else next(iter(self.pool.idle()), None)
+
+    def side_by_side_room(self) -> int:
+        """Attempts the children could start beside their running async ones
+        (``async_concurrency``), beyond the idle children."""
+        if not self.side_by_side:
+            return 0
+        most = max(self.side_by_side.values())
+        room = 0
+        for child in self.pool.children:
+            if child.concurrent:
+                step = next(iter(child.concurrent.values())).step_name
+                room += max(0, self.side_by_side.get(step, 1) - len(child.concurrent))
+            elif child.ready and child.attempt is None and child.returncode is None:
+                room += most - 1  # an idle child takes up to the most of one step
+        return room
 
     def _release_held(self, item: Held) -> None:
         self.writer.post(Outcome(item.key, RELEASE, item.row["step_name"], item.row["attempt"],

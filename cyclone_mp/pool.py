@@ -114,6 +114,7 @@ class ChildProc:
         self.ready = False
         self.attempt: Any = None  # the attempt it runs (or starts next)
         self.queued: collections.deque[Any] = collections.deque()  # sent after it, not started yet
+        self.concurrent: dict[str, Any] = {}  # token -> an async attempt running beside others (async_concurrency)
         self.recycle_due = False  # over max_steps_per_child or max_child_rss: retired once idle
         self.steps_run = 0
         self.cpu_total = 0.0  # the child's CPU seconds as of its last report (ready or result)
@@ -430,7 +431,8 @@ class ChildPool:
 
     def idle(self) -> list[ChildProc]:
         """Ready children with no attempt, not due for recycling."""
-        return [c for c in self.children if c.ready and c.attempt is None and c.returncode is None and not c.recycle_due]
+        return [c for c in self.children if c.ready and c.attempt is None and not c.concurrent
+                and c.returncode is None and not c.recycle_due]
 
     def on_ready(self, child: ChildProc, message: dict[str, Any]) -> None:
         child.preloading = None

@@ -201,6 +201,8 @@ class StepOptions:
             attempt spent) before the step is discarded as ``snooze_limit`` (default 100);
             read by the supervisor that registers the step.
         unique: a :class:`Unique` (one run per "same" enqueue), or None.
+        async_concurrency: an ``async def`` step's attempts one child runs at once on its
+            event loop (default 1); read by the supervisor that registers the step.
     """
 
     timeout: float | None = None
@@ -218,6 +220,7 @@ class StepOptions:
     max_open_files: int | None = None
     max_snoozes: int | None = None
     unique: Unique | None = None
+    async_concurrency: int | None = None
 
     @classmethod
     def build(
@@ -238,6 +241,7 @@ class StepOptions:
         max_open_files: int | None = None,
         max_snoozes: int | None = None,
         unique: Unique | None = None,
+        async_concurrency: int | None = None,
     ) -> "StepOptions":
         """Validate and normalise raw option values.
 
@@ -247,6 +251,7 @@ class StepOptions:
         check_int(max_attempts, "max_attempts", 1)
         check_int(max_reclaims, "max_reclaims", 0)
         check_int(max_snoozes, "max_snoozes", 0)
+        check_int(async_concurrency, "async_concurrency", 1)
         if unique is not None and not isinstance(unique, Unique):
             raise ConfigurationError(f"unique takes a cy.Unique(...), not {type(unique).__name__}")
         try:
@@ -275,6 +280,7 @@ class StepOptions:
             max_open_files=check_count(max_open_files, "max_open_files"),
             max_snoozes=max_snoozes,
             unique=unique,
+            async_concurrency=async_concurrency,
         )
 
     def key_for(self, input: Any) -> str:
@@ -397,6 +403,7 @@ def step(
     max_open_files: int | None = None,
     max_snoozes: int | None = None,
     unique: Unique | None = None,
+    async_concurrency: int | None = None,
 ) -> Callable[[Callable[..., Any]], Step]:
     """Decorator that turns ``fn(ctx, input) -> output`` into a :class:`Step`.
 
@@ -421,6 +428,10 @@ def step(
             discarded as ``snooze_limit`` (default 100).
         unique: a :class:`Unique`: an enqueue of the same run as one that holds its place
             returns that run instead of making another.
+        async_concurrency: for an ``async def`` handler, how many of its attempts one child
+            runs at once on its event loop (each with its own lease, timeout and cancel; a
+            kill of one takes the child and its siblings, which run again without spending
+            an attempt). Default 1. Not with resource limits (they cap a whole child).
 
     Raises:
         ConfigurationError: an invalid option.
@@ -432,9 +443,16 @@ def step(
         backoff=backoff, queue=queue, priority=priority, concurrency=concurrency,
         concurrency_key=concurrency_key, rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit,
         max_processes=max_processes, max_open_files=max_open_files, max_snoozes=max_snoozes, unique=unique,
+        async_concurrency=async_concurrency,
     )
 
     def decorate(fn: Callable[..., Any]) -> Step:
+        if (async_concurrency or 1) > 1:
+            if not inspect.iscoroutinefunction(fn):
+                raise ConfigurationError(f"step {name!r}: async_concurrency needs an async def handler")
+            if options.limits:
+                raise ConfigurationError(f"step {name!r}: async_concurrency does not go with resource limits "
+                                         "(they cap a whole child, which runs several attempts at once)")
         return Step(name, fn, options)
 
     return decorate

@@ -96,3 +96,18 @@ async def cancel_wait(ctx: cy.Context, inp: dict) -> dict:
 
 def marker_lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
+
+
+@cy.step("side_by_side", async_concurrency=50, max_attempts=2, timeout=20)
+async def side_by_side(ctx: cy.Context, inp: dict) -> dict:
+    """Awaits ``seconds``, beside up to 49 others in its child; ``wedge``: blocks its
+    child's event loop (time.sleep in an async def) past its timeout."""
+    import time as _time
+
+    if inp.get("log"):
+        with open(inp["log"], "a") as fh:
+            fh.write(f"{ctx.run_id} {ctx.attempt} {__import__('os').getpid()}\n")
+    if inp.get("wedge"):
+        _time.sleep(inp["wedge"])
+    await asyncio.sleep(inp.get("seconds", 1.0))
+    return {"attempt": ctx.attempt}
