@@ -101,6 +101,7 @@ class DeathWatch:
 # -- 0. a kill that always lands, with the defaults -----------------------------------------
 
 
+@pytest.mark.long  # 30 s: the default kill_grace and lease
 def test_a_wedged_child_dies_at_its_own_deadline_with_the_default_settings(cyclone_env_factory, tmp_path):
     """The issue's reproduction: workers=3, kill_grace 5 s, timeout 1 s, max_attempts 3,
     the default backoff (about 1 s, then 16 s), wedged in a C loop. The retry was claimed
@@ -138,7 +139,7 @@ def test_a_wedged_child_dies_at_its_own_deadline_with_the_default_settings(cyclo
 
 
 @pytest.mark.parametrize("graces, backoffs", [
-    pytest.param((0.5, 5.0), (0, 1), id="kill_grace 0.5 and 5, backoff 0 and 1"),
+    pytest.param((0.5, 5.0), (0, 1), id="kill_grace 0.5 and 5, backoff 0 and 1", marks=pytest.mark.long),
     pytest.param((0.5, 5.0), (10,), id="kill_grace 0.5 and 5, backoff 10", marks=pytest.mark.slow),
     pytest.param((30.0,), (0, 1, 10), id="kill_grace 30", marks=pytest.mark.slow),
 ])

@@ -153,11 +153,11 @@ def test_demo_table_fits_80_columns(dsn: str) -> None:  # noqa: F811
     _fits([line for line in lines if not line.startswith(("database:", "look at"))])  # a DSN stays whole
     rows = [line for line in lines if line.startswith("│ demo.")]
     assert len(rows) == 7, lines
-    for line in rows:
+    for line in rows:  # the folding table: state and attempts stay columns; the run id folds in, whole
         cells = [cell.strip() for cell in line.strip("│").split("│")]
-        assert re.fullmatch(r"[0-9a-f]{8}", cells[1]), line  # the run id as shown, never cut
-        assert cells[2] in ("completed", "discarded"), line
-        assert re.fullmatch(r"\d+/\d+", cells[3]), line
+        assert any(c in ("completed", "discarded") for c in cells), line
+        assert any(re.fullmatch(r"\d+/\d+", c) for c in cells), line
+    assert len(set(re.findall(r"\brun ([0-9a-f]{8})\b", proc.stdout))) == 7, proc.stdout  # every run's id, never cut
     assert "2 children killed" in proc.stdout
 
 

@@ -132,8 +132,8 @@ def test_the_retry_waits_for_dead_by_when_the_holder_cannot_report(cyclone_env_f
 # -- a concurrency slot waits for the holder's death ----------------------------------------------
 
 
-@pytest.mark.parametrize("fault", ["none", pytest.param("sigkill", marks=pytest.mark.slow),
-                                   pytest.param("sigstop", marks=pytest.mark.slow)])  # (CI runs the slow ones too)
+@pytest.mark.parametrize("fault", ["none", pytest.param("sigkill", marks=pytest.mark.long),
+                                   pytest.param("sigstop", marks=pytest.mark.long)])  # (CI runs the long ones too)
 def test_concurrency_one_never_admits_a_second_handler_while_the_first_lives(cyclone_env_factory, lives, fault):
     """Two wedged steps of a concurrency=1 group: the second starts only after the first's
     child is dead, also when the holder's supervisor is SIGKILLed or SIGSTOPped during its

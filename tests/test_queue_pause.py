@@ -21,7 +21,7 @@ def claimed(dsn: str, queue: str) -> int:
                             (queue,)).fetchone()["n"]
 
 
-@pytest.mark.parametrize("paused_for", [2.0, pytest.param(10.0, marks=pytest.mark.slow)])  # (CI runs both)
+@pytest.mark.parametrize("paused_for", [2.0, pytest.param(10.0, marks=pytest.mark.long)])  # (CI runs both)
 def test_a_paused_queue_is_not_claimed_across_two_supervisors(cyclone_env_factory, paused_for):
     """Two supervisors serve two queues; "slow" is paused: for 10 s (2 s in the default
     suite) nothing of it is claimed (the other queue runs on), then resume: claims within

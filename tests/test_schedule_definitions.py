@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 import time
 
+import pytest
+
 import cyclone_mp as cy
 from cyclone_mp import schedules
 from cyclone_mp.schedules import Schedule, take_over
@@ -192,6 +194,7 @@ def test_when_the_newest_definition_is_gone_the_older_one_takes_over_counting_wh
     client.close()
 
 
+@pytest.mark.long  # 13 s of two supervisors: the fixed-clock test above runs the same turns in the default suite
 def test_two_supervisors_with_two_definitions_fire_each_slot_once(cyclone_env_factory):
     """A rolling deploy for real: a supervisor of the old definition runs, one of the new
     definition joins, both run together for 13 s. Every one-second slot from the first to

@@ -289,7 +289,7 @@ def bounded(fn, limit: float):
     return box["took"], box["value"]
 
 
-@pytest.mark.parametrize("kind", ["Client", "AsyncClient"])
+@pytest.mark.parametrize("kind", ["Client", pytest.param("AsyncClient", marks=pytest.mark.long)])
 def test_wait_and_result_keep_their_deadline_when_every_connection_stops_answering(cyclone_env, kind):
     """Every connection of the client, open and new, black-holed (TCP up, nothing
     answers): ``wait`` and ``result`` with ``timeout=5`` raise WaitTimeout within 6 s."""

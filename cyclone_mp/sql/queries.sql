@@ -1117,13 +1117,26 @@ ON CONFLICT (run_id, name) DO NOTHING
 RETURNING name;
 
 -- name: insert_run
--- One run row; with an idempotency key or a unique key an existing run wins (returns
--- nothing then).
-INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key, unique_states)
-VALUES (%(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, {unique_key_expr},
-        %(unique_states)s::smallint)
+-- One run row; with an idempotency key or a unique place (cy.Unique) held, the existing run
+-- wins (returns nothing then).
+WITH place AS ({unique_place_ctes})
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key)
+SELECT %(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, (SELECT key FROM place)
+ WHERE %(unique)s::text IS NULL OR EXISTS (SELECT 1 FROM place)
 ON CONFLICT DO NOTHING
 RETURNING id::text AS id;
+
+-- name: unique_place_ctes
+-- (Fragment) take a unique run's place (cy.Unique) for run %(id)s: the client's digest
+-- %(unique)s and, with a period of %(unique_period_us)s, the window of the database clock it
+-- falls in; nothing when another run holds it (or the run has none).
+INSERT INTO cyclone_unique_places (unique_key, run_id, states)
+SELECT {unique_key_expr}, %(id)s, %(unique_states)s::smallint
+ WHERE %(unique)s::text IS NOT NULL
+   -- (an idempotency key's run wins first: its own enqueue inserts nothing, nor a place)
+   AND NOT EXISTS (SELECT 1 FROM cyclone_runs r WHERE r.idempotency_key = %(idempotency_key)s)
+ON CONFLICT DO NOTHING
+RETURNING unique_key AS key
 
 -- name: unique_key_expr
 -- (Fragment) a unique run's key (cy.Unique): the client's digest %(unique)s and, with a
@@ -1133,19 +1146,17 @@ CASE WHEN %(unique)s::text IS NOT NULL
                                                      / %(unique_period_us)s::bigint)::bigint::text, '') END
 
 -- name: run_by_unique
--- The run that holds a unique key now (cy.Unique), if any.
-SELECT id::text AS id FROM cyclone_runs
- WHERE unique_key = {unique_key_expr} AND cyclone_unique_in(unique_states, state)
- LIMIT 1;
+-- The run that holds a unique place now (cy.Unique), if any.
+SELECT run_id::text AS id FROM cyclone_unique_places WHERE unique_key = {unique_key_expr};
 
 -- name: enqueue_step
 -- A single-step run in one statement (run row, step row, NOTIFY): one round trip, one commit.
 -- With an idempotency key already used (or a unique key held), nothing is written and id is NULL. %(input)s is
 -- the input as JSON text (the client's payload check encoded it: it is not encoded twice).
-WITH run AS (
-    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key, unique_states)
-    VALUES (%(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, {unique_key_expr},
-            %(unique_states)s::smallint)
+WITH place AS ({unique_place_ctes}), run AS (
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key)
+    SELECT %(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, (SELECT key FROM place)
+     WHERE %(unique)s::text IS NULL OR EXISTS (SELECT 1 FROM place)
     ON CONFLICT DO NOTHING
     RETURNING id
 ), step AS (
@@ -1904,7 +1915,7 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin,
 
 -- name: run_row_columns_expr
 -- (Fragment) the stored columns of a run row (cyclone_runs and cyclone_runs_archive).
-id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key, unique_states
+id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key
 
 -- name: step_row_columns_expr
 -- (Fragment) the stored columns of a step row (cyclone_steps and cyclone_steps_archive).
