@@ -138,7 +138,7 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: psycopg errors leave as a :class:`DatabaseError` chosen by
     :func:`classify` (cause kept, no DSN in the text). After a :func:`stale_plan` error
     the connection's prepared statements are dropped, so the next call prepares them
-    again (a migration that changed a column type used to fail every later call on
+    again (else a migration that changed a column type would fail every later call on
     that connection)."""
 
     @functools.wraps(fn)

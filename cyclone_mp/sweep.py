@@ -247,7 +247,7 @@ class Maintenance(DatabaseThread):
         timers: a mass expiry) goes on at once, without asking again: recovery is not
         held to one page per interval (others join in once the interval is over)."""
         lo, _ = self.config.poll_interval
-        if not self.sweeping:  # the database failed: as before the turn, a poll interval
+        if not self.sweeping:  # failed_at: when the database fails the ask, look again within a poll interval
             later = self.take_turn("sweep", self.sweep_every, now, failed_at=now + random.uniform(lo, self.sweep_every))
             if later is not None:
                 return later
