@@ -85,8 +85,7 @@ class Client(ClientBase):
         max_open_files: default cap on the descriptors each process of the tree may open.
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never),
-            judged on the RSS the child reports as each step ends (with pipelining, a
-            sample taken then would include the next step's working memory).
+            judged on the RSS the child reports as each step ends.
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
             are rejected with a clear error.
         prefetch: steps the supervisor may claim beyond its idle children and hold
@@ -105,9 +104,8 @@ class Client(ClientBase):
             (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
             :mod:`cyclone_mp.metrics`.
         metrics_host: the address the metrics bind: ``"127.0.0.1"`` (the default, this
-            machine only) or another interface's (``"0.0.0.0"``: all of them). Anyone who
-            reaches it reads step names and counts: bind beyond the loopback only on a
-            trusted network, and preferably with ``metrics_token``.
+            machine only) or another (``"0.0.0.0"``: all); anyone who reaches it reads
+            step names and counts, so prefer ``metrics_token`` beyond the loopback.
         metrics_token: when set, a scrape must send ``Authorization: Bearer <token>``
             (Prometheus: ``authorization: {credentials: ...}``); default none.
         pgbouncer: ``dsn`` goes through PgBouncer in transaction mode: every
@@ -129,10 +127,9 @@ class Client(ClientBase):
             time where it can); None (the default): forever.
         retain_discarded: the same for discarded runs (keep them longer: they can be retried).
         retain_cancelled: the same for cancelled runs.
-        start_method: how the supervisor starts children: ``"zygote"``
-            (default: forked in milliseconds from a process that imported the runner and
-            the handlers' modules once) or ``"spawn"`` (a fresh interpreter each, tens of
-            milliseconds). See docs/operating.md#how-children-start.
+        start_method: how the supervisor starts children: ``"zygote"`` (default: forked
+            in milliseconds from a process that imported the handlers once) or
+            ``"spawn"`` (a fresh interpreter each). See docs/operating.md#how-children-start.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
