@@ -77,7 +77,7 @@ class DatabaseUnavailable(DatabaseError):
 class DatabaseReadOnly(DatabaseUnavailable):
     """The server is a standby or read-only (a failover is under way, or the connection
     reached the wrong host): the connection is dropped and opened again, on the new
-    primary when the DSN lists every host with ``target_session_attrs=read-write``
+    primary when the DSN lists every host with ``target_session_attrs=read-write``.
     Nothing of the call was written."""
 
 
