@@ -1,19 +1,13 @@
 """How the supervisor's helper processes start: ``python -S -P .../cyclone_mp/_boot.py cyclone_mp.MODULE ARGS...``.
 
-A child must start fast, and an editable install of this project (the README's
-``pip install -e .``) is an import hook: setuptools installs a finder for the ``cli/``
-folder's mapping that imports ``pathlib`` at every interpreter start (about 12 ms).
-So the supervisor starts its children and its watchdog without site processing
-(``-S``) and this script rebuilds, from ``CYCLONE_MP_SITE`` (JSON written by
-:func:`cyclone_mp.pool.child_site`), what ``site`` had given the supervisor:
-
-- ``sys.path`` exactly as the supervisor's (site-packages and ``.pth`` path entries
-  included, in the same order);
-- the import lines of every ``.pth`` file but this project's own editable finder
-  (another project's editable finder, for example, so a user's handlers import alike);
-- ``sitecustomize`` / ``usercustomize`` when the supervisor had imported them;
-- ``sys.prefix`` / ``sys.exec_prefix`` (a virtual environment's) and the builtins site
-  adds (``exit``, ``quit``, ``help``...).
+A child must start fast, and an editable install of this project (``pip install -e .``)
+is an import hook that imports ``pathlib`` at every interpreter start (about 12 ms). So
+the supervisor starts its helpers without site processing (``-S``) and this script
+rebuilds, from ``CYCLONE_MP_SITE`` (JSON written by :func:`cyclone_mp.procs.child_site`),
+what ``site`` had given the supervisor: ``sys.path`` exactly as the supervisor's (in the
+same order), the import lines of every ``.pth`` file but this project's own editable
+finder, ``sitecustomize`` / ``usercustomize`` when the supervisor had imported them,
+``sys.prefix`` / ``sys.exec_prefix`` and the builtins site adds (``exit``, ``help``...).
 
 Then ``cyclone_mp.MODULE`` is imported (the package from beside this file, whichever way
 it is installed) and its ``main(ARGS)`` runs; ``ps`` shows the module's full name. Only

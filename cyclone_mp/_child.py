@@ -1,29 +1,20 @@
 """The child runner: runs handlers, one at a time, for the supervisor that started it.
 
-Started by the supervisor as ``_boot.py _child CTRL_FD CANCEL_FD PARENT_PID LIMIT``
-in its own process group, or forked from the zygote (:mod:`cyclone_mp._zygote`, issue
-23), which imported this module and the handlers' once. It owns only the handler call and the pipe (STYLE pattern 9):
-it never touches the database. It dies with its parent (``PR_SET_PDEATHSIG``), reads
-tasks from the control socket, reads cancels from the cancellation pipe on a watcher
-thread, and sends back progress and one result per task, as JSON. Tasks run in the
-order they arrive; some may be queued behind the running one (pipelining): a cancel for
-one drops it unstarted, so does its ``start_by`` time (``time.monotonic()`` seconds,
-the same clock in every process) once passed, and after an attempt that left processes
-behind the next one waits for the supervisor's "go" (it sweeps them first).
+Started by the supervisor as ``_boot.py _child CTRL_FD CANCEL_FD PARENT_PID LIMIT`` in
+its own process group, or forked from the zygote (:mod:`cyclone_mp._zygote`). It owns
+only the handler call and the pipe (STYLE pattern 9): it never touches the database. It
+dies with its parent (``PR_SET_PDEATHSIG``), reads tasks from the control socket and
+cancels from the cancellation pipe (on a watcher thread), and sends back progress and one
+result per task, as JSON. Tasks run in arrival order; one queued behind the running one
+is dropped unstarted when cancelled or past its ``start_by`` (``time.monotonic()``
+seconds, the same clock in every process), and after an attempt that left processes
+behind the next waits for the supervisor's "go" (it sweeps them first).
 
-An ``async def`` handler (issue 24) runs as a task on the child's own event loop, made
-at its first async attempt and reused by the next ones (so a client or a pool a module
-keeps on it lives on); a cancel cancels that task at once, so its ``await`` raises
-``asyncio.CancelledError``. A loop blocked in C hears nothing: the supervisor's kill
-after ``kill_grace`` ends it as it ends a sync handler.
-
-It is a child subreaper (issue 18): a process its handler started that loses its parent
-(``sh -c '(setsid cmd &)'``) is reparented to it, not to the supervisor or init, so it
-counts as a leftover of its attempt and is swept with it, whatever it did to its
-environment or session. A task with resource limits runs under soft rlimits
-(:class:`TaskLimits`: ``RLIMIT_NOFILE``, ``RLIMIT_CPU``, ``RLIMIT_DATA`` where no cgroup
-holds the memory cap, ``RLIMIT_NPROC`` where no pids cgroup holds the process cap and
-this runner was born in a user namespace of its own), which what it starts inherits.
+An ``async def`` handler runs as a task on the child's own event loop, kept between
+attempts (side by side with others of its step under ``async_concurrency``); a cancel
+cancels that task, and a loop blocked in C is ended by the supervisor's kill. The runner
+is a child subreaper, so a process its handler orphaned is swept with its attempt; a task
+with resource limits runs under soft rlimits (:class:`TaskLimits`) that its tree inherits.
 """
 
 from __future__ import annotations
@@ -466,9 +457,8 @@ class Runner:
         return loop.run_until_complete(task)
 
     def preload(self, modules: list[list[Any]]) -> None:
-        """Import the handlers' modules before saying ready (issue 8: children start from
-        a process that has imported the app), so the first attempt in a fresh child does
-        not spend its timeout importing. A module that fails is left for its steps to
+        """Import the handlers' modules before saying ready, so the first attempt in a
+        fresh child does not spend its timeout importing. A module that fails is left for its steps to
         report, as their attempts' error. Each module is announced first: if importing it
         kills or hangs this process, the supervisor leaves it out of the next child's
         preload."""
@@ -840,7 +830,7 @@ def batch_scheduling() -> None:
     preempts the supervisor or PostgreSQL on its core, and keeps its fair share of the
     CPU (same nice value). Without it every dispatch handed the core to the child
     mid-loop: a send to a waiting child took 86 us instead of 18 us, and short steps ran
-    about 12 % slower (issue 8). The supervisor's timers gain from it too.
+    about 12 % slower. The supervisor's timers gain from it too.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))

@@ -1,31 +1,19 @@
-"""The supervisor's watchdog: a process that is not frozen with the supervisor (issue 17).
+"""The supervisor's watchdog: a process that is not frozen when the supervisor is.
 
-``_boot.py _watchdog FD SUPERVISOR_ID``. ``FD`` is a ``SOCK_SEQPACKET`` socket to the
-supervisor (:class:`cyclone_mp.procs.WatchdogLink`). One message per packet:
-
-- ``child PID [CGROUP]`` with the child's pidfd attached (``SCM_RIGHTS``): a new child
-  (``CGROUP``: its slot's v2 cgroup, issue 20);
-- ``cgroup v1|v2 PATH``: one of the supervisor's cgroup directories;
-- ``seen PID START``: a handler's descendant (``START``: its start time per psutil), told
-  where no cgroup holds the tree;
-- ``due PID T``: the child must be dead by ``T`` (``time.monotonic()`` seconds, the same
-  clock in every process of the machine); ``due PID -``: no bound now (an idle child);
-- ``gone PID``: the supervisor reaped it (its pidfd is closed);
-- ``bye 0``: the supervisor is stopping cleanly (it reaped its children and swept their
-  strays), so the EOF that follows needs no look for marked processes.
-
-When a child's due time passes, the watchdog SIGKILLs it (through its pidfd, so a
-recycled pid is never hit) and its tree (its slot's cgroup with ``cgroup.kill``, and its
-descendants through pidfds), and answers ``killed PID``. Process control sets each due time a little after its own kill (the
-local fence, or a cancel's ``kill_grace``): the watchdog acts only when process control
-could not, because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
+Started as ``_boot.py _watchdog FD SUPERVISOR_ID`` and told of each child, its due time
+and its cgroups over a socket (:class:`cyclone_mp.procs.WatchdogLink`; the messages are
+listed in :func:`main`). When a child's due time passes, the watchdog SIGKILLs it
+(through its pidfd, so a recycled pid is never hit) and its tree, and answers ``killed
+PID``. Process control sets each due time a little after its own kill (the local fence,
+or a cancel's ``kill_grace``): the watchdog acts only when process control could not,
+because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
 
 EOF means the supervisor is gone (exited or SIGKILLed): the watchdog kills everything in
 the supervisor's cgroups (then removes them), every child it was told of with its tree,
 every descendant it was told of that still runs, and every process carrying the
-supervisor's marker in its environment, then exits. A handler's escapee that scrubbed its
-environment and left its session is killed by the first rule where cgroups are
-available, by the third if the supervisor saw it (issue 18).
+supervisor's marker in its environment, then exits. So a handler's escapee that scrubbed
+its environment and left its session is still killed: by its cgroup where cgroups are
+available, else if the supervisor saw it.
 """
 
 from __future__ import annotations
@@ -113,6 +101,21 @@ def prompt_wakeups() -> None:
 
 
 def main(argv: list[str]) -> None:
+    """Serve the supervisor until EOF. ``FD`` is a ``SOCK_SEQPACKET`` socket, one message
+    per packet:
+
+    - ``child PID [CGROUP]`` with the child's pidfd attached (``SCM_RIGHTS``): a new child
+      (``CGROUP``: its slot's v2 cgroup);
+    - ``cgroup v1|v2 PATH``: one of the supervisor's cgroup directories;
+    - ``seen PID START``: a handler's descendant (``START``: its start time per psutil),
+      told where no cgroup holds the tree;
+    - ``due PID T``: the child must be dead by ``T`` (``time.monotonic()`` seconds, the
+      same clock in every process of the machine); ``due PID -``: no bound now (an idle
+      child);
+    - ``gone PID``: the supervisor reaped it (its pidfd is closed);
+    - ``bye 0``: the supervisor is stopping cleanly (it reaped its children and swept
+      their strays), so the EOF that follows needs no look for marked processes.
+    """
     fd, supervisor_id = int(argv[0]), argv[1]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,51 +1,19 @@
 """The zygote: a process that imports the child runner and the handlers' modules once, and
-forks the supervisor's children from that state (issue 23: a child ready in milliseconds).
+forks the supervisor's children from that state, so a new child is ready in milliseconds.
 
 Started by the supervisor (:class:`cyclone_mp.zygote.Zygote`) as ``_boot.py _child
-zygote FD SUPERVISOR_PID LIMIT``, a fresh interpreter with a child's scrubbed environment
-(no DSN, no password: :func:`cyclone_mp.procs.helper_env`) in its own process group. It
-never imports the database driver's connection code on its own and never opens a
-connection: it imports the runner, then the handlers' modules named in
-``CYCLONE_MP_PRELOAD``, checking after each one that the process is still safe to fork
-(one thread, no socket the module opened: a connection opened at import would be shared
-by every child). A module that is not is reported (``unsafe``) and the zygote exits; the
-supervisor starts another without that module, whose children import it after the fork,
-as spawned children do.
+zygote FD SUPERVISOR_PID LIMIT``: a fresh interpreter with a child's scrubbed environment
+(no DSN, no password: :func:`cyclone_mp.procs.helper_env`), in its own process group,
+that never opens a database connection. After each handler module named in
+``CYCLONE_MP_PRELOAD`` it checks that the process is still safe to fork (one thread, no
+socket the module opened: a connection opened at import would be shared by every
+child); a module that is not is reported ``unsafe`` and the zygote exits, and the
+supervisor starts another without it.
 
-``FD`` is a ``SOCK_SEQPACKET`` socket to the supervisor, one JSON message per packet:
-
-- from the zygote: ``preloading`` (module, path), ``unsafe`` (module, path, why),
-  ``ready`` (the modules it imported), ``forked`` (``n``, ``pid`` or an ``error``);
-- from the supervisor: ``fork`` (``n``, ``preload``: the handler modules the child imports
-  itself; ``into``: a directory to create it in follows; ``enter``: the keys of the
-  directories it moves itself into) with descriptors attached (``SCM_RIGHTS``): the
-  child's control socket, the read end of its cancellation pipe, maybe its slot's cgroup
-  v2 directory (the child is created in it: ``forked`` then says ``in_cgroup``), then
-  its slot's cgroup directories.
-
-**Whose child a forked child is.** The zygote forks with ``clone(CLONE_PARENT)``: the
-child's parent is the zygote's parent, the supervisor's process-control thread, exactly as
-for a spawned child. So the supervisor reaps it with ``wait4`` (its rusage is the
-forensics), signals its group while it is unreaped, and opens its pidfd race-free; the
-child's ``PR_SET_PDEATHSIG`` fires with that same thread (SPEC 1's two traps: the thread,
-and a forkserver's children having the forkserver as parent, which these do not), and the
-zygote's death changes nothing for it. Around the ``clone`` the interpreter is prepared
-and restored as ``os.fork`` does (``PyOS_BeforeFork``, ``PyOS_AfterFork_Child``/``_Parent``:
-the import lock, the threads' state, ``os.register_at_fork`` hooks such as ``random``'s
-reseeding); the C library's own ``pthread_atfork`` handlers (of native libraries a
-handler module loaded) do not run, and the child's thread id is set where the C library
-keeps it (``CLONE_CHILD_SETTID``). In the child: first its move into its slot's cgroups
-(:func:`enter_cgroups`: the kernel's grace period is waited for here, not by the
-supervisor), asked to, a user namespace of its own (where RLIMIT_NPROC counts its tree
-alone: :mod:`cyclone_mp.proctree`), its own process group, the death signal (then its parent is checked: the
-supervisor, or it exits), a child subreaper (issue 18), the zygote's descriptors closed;
-it says ``entered`` (or why it could not: then it waits for the supervisor's ``start``,
-sent once the supervisor moved it), imports the handler modules the zygote had not (in
-its slot's cgroups by then, issue 20) and says ready.
-Rlimits are set per task in the child (:class:`cyclone_mp._child.TaskLimits`).
-
-The zygote dies with the supervisor too (``PR_SET_PDEATHSIG``; it carries the supervisor's
-marker, so the watchdog's sweep finds it as well).
+It forks with ``clone(CLONE_PARENT)``, so a child's parent is the supervisor's
+process-control thread exactly as for a spawned child (``wait4`` forensics, pidfds and
+``PR_SET_PDEATHSIG`` unchanged; SPEC 1). The zygote dies with the supervisor too.
+docs/operating.md ("How children start") explains the rest.
 """
 
 from __future__ import annotations
@@ -155,7 +123,17 @@ class Title:
 
 
 class Zygote:
-    """The zygote's loop (see the module docstring)."""
+    """The zygote's loop. ``sock`` (``FD``) is a ``SOCK_SEQPACKET`` socket to the
+    supervisor, one JSON message per packet:
+
+    - from the zygote: ``preloading`` (module, path), ``unsafe`` (module, path, why),
+      ``ready`` (the modules it imported), ``forked`` (``n``, ``pid`` or an ``error``);
+    - from the supervisor: ``fork`` (``n``, ``preload``: the handler modules the child
+      imports itself; ``into``: a directory to create it in follows; ``enter``: the keys
+      of the directories it moves itself into) with descriptors attached
+      (``SCM_RIGHTS``): the child's control socket, the read end of its cancellation
+      pipe, maybe its slot's cgroup v2 directory (the child is created in it:
+      ``forked`` then says ``in_cgroup``), then its slot's cgroup directories."""
 
     def __init__(self, sock: socket.socket, supervisor: int, limit: int) -> None:
         self.sock = sock
@@ -273,9 +251,18 @@ class Zygote:
 
     def child(self, ctrl_fd: int, cancel_fd: int, leftover: list[list[Any]], entered: dict[str, Any] | None,
               userns: bool | str | None = None) -> None:
-        """In the forked child (see the module docstring): run tasks until told to exit
-        (``userns``: True, it is in a user namespace of its own, or why it could not be).
-        Never returns."""
+        """In the forked child: run tasks until told to exit (``userns``: True, it is in a
+        user namespace of its own, or why it could not be). Never returns.
+
+        Before this, :meth:`fork` moved it into its slot's cgroups (:func:`enter_cgroups`:
+        the kernel's grace period is waited for here, not by the supervisor) and, asked
+        to, made a user namespace (:mod:`cyclone_mp.proctree`). Here: its own process
+        group, the death signal (then its parent is checked: the supervisor, or it
+        exits), the zygote's socket closed; :func:`~cyclone_mp._child.serve` then makes
+        it a child subreaper, says ``entered`` (or why it could not: it then waits for
+        the supervisor's ``start``), imports the handler modules the zygote had not (in
+        its slot's cgroups by then, so their memory is charged there) and says ready.
+        Rlimits are set per task (:class:`cyclone_mp._child.TaskLimits`)."""
         code = 0
         try:
             os.setpgid(0, 0)  # its own group, as a spawned child (the supervisor sets it too)
@@ -303,8 +290,12 @@ class CloneArgs(ctypes.Structure):
 
 
 class CloneParent:
-    """``clone(CLONE_PARENT | SIGCHLD)`` around the interpreter's own fork preparation
-    (see the module docstring), where this system has it (Linux on x86-64 or arm64).
+    """``clone(CLONE_PARENT | SIGCHLD)`` around the interpreter's own fork preparation,
+    where this system has it (Linux on x86-64 or arm64). The interpreter is prepared and
+    restored as ``os.fork`` does (``PyOS_BeforeFork``, ``PyOS_AfterFork_Child``/``_Parent``:
+    the import lock, the threads' state, ``os.register_at_fork`` hooks); the C library's
+    ``pthread_atfork`` handlers do not run, and the child's thread id is set where the C
+    library keeps it (``CLONE_CHILD_SETTID``).
     Given a cgroup v2 directory, ``clone3`` with ``CLONE_INTO_CGROUP`` creates the child
     in it: no migration, which costs a kernel RCU grace period (about 10 ms) when the
     system did none just before."""

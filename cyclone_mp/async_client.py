@@ -1,4 +1,4 @@
-"""``cy.AsyncClient``: :class:`~cyclone_mp.Client`'s methods, awaitable (issue 24).
+"""``cy.AsyncClient``: :class:`~cyclone_mp.Client`'s methods, awaitable.
 
 Built on psycopg's async connections and psycopg_pool's ``AsyncConnectionPool``. It
 plans every call as :class:`~cyclone_mp.Client` does (:class:`~cyclone_mp.planning.ClientBase`)

@@ -4,7 +4,7 @@ An :class:`Attempt` is one execution of a step in a child, named by its lease
 (``(step id, lease generation)``, :data:`~cyclone_mp.messages.LeaseKey`). It stays an
 object of its own until its child has ended it (a result) or is dead and reaped,
 whatever happened to the step's row meanwhile: a due kill is carried out even after the
-step was retried, reclaimed, cancelled or completed elsewhere (issue 17).
+step was retried, reclaimed, cancelled or completed elsewhere.
 
 The local fence (SPEC 9, "one live execution at a time"): the database stamps a lease's
 expiry as ``now() + lease_ttl`` when a claim or renewal *arrives*, so the lease lasts at
@@ -69,7 +69,7 @@ class Attempt:
     start_by: float | None = None  # queued in a child: the child never starts it after this (time.monotonic())
     started_wall: float | None = None  # wall-clock epoch seconds it started in its child (None: never started)
     trace: Any = None  # the run's stored trace context (a span per attempt links to it)
-    limits: Limits = NO_LIMITS  # its resource caps (issue 20): sampled while it runs when set
+    limits: Limits = NO_LIMITS  # its resource caps: sampled while it runs when set
     base: Any = None  # where its slot's counters stood when it started (slots.Baseline), when limited
     usage: Usage | None = None  # the last sample of its tree
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
@@ -133,7 +133,7 @@ def hold_bound(lease_ttl: float, timeout: float | None, cap: float) -> float:
     """Seconds a held step may wait for a child after it arrived (fairness to other
     supervisors, and its timeout already counting): min(``cap``, ``lease_ttl / 4``,
     ``timeout / 10``). Counted from arrival, never from the claim's sending: a step is
-    never released for having taken long to arrive (issue 17)."""
+    never released for having taken long to arrive."""
     bound = min(cap, lease_ttl / 4)
     return bound if timeout is None else min(bound, timeout / 10)
 

@@ -45,7 +45,7 @@ log = logging.getLogger("cyclone_mp.client")
 
 POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API pool
 #: Seconds between checks, while a call waits for a connection, that the server is still
-#: there: a server that went away fails the call at once, not after POOL_TIMEOUT (issue 19).
+#: there: a server that went away fails the call at once, not after POOL_TIMEOUT.
 POOL_PROBE_EVERY = 1.0
 
 
@@ -85,23 +85,18 @@ class Client(ClientBase):
         max_open_files: default cap on the descriptors each process of the tree may open.
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never),
-            judged on the RSS the child reports as each step ends (with pipelining, a
-            sample taken then would include the next step's working memory).
+            judged on the RSS the child reports as each step ends.
         max_payload: largest input or output in bytes (default 64 MiB); larger ones
             are rejected with a clear error.
         prefetch: steps the supervisor may claim beyond its idle children and hold
             until a child frees up, so a child never waits for the database between
-            short steps (Celery's prefetch). Default 256 (issue 23), an upper bound: the
-            supervisor holds only what its children can start within about 0.25 s (so
-            steps of half a second or more on two children get none), and nothing until
-            it has seen a step end. 0 claims only for idle children (SPEC 4's rule to the
-            letter). A prefetched step shows ``running`` from its claim, its timeout
-            counts from the claim, and it is released (available at once, no attempt
-            used) if no child takes it within min(0.5 s, lease_ttl/4, timeout/10).
-            While attempts are short, held steps are also queued in busy children
-            (pipelining: up to 16 each under 10 ms on average, one under 0.1 s). With
-            n supervisors live on the database each holds at most max(32, 2048 // n);
-            see docs/steps-and-client.md#prefetch.
+            short steps (Celery's prefetch). Default 256, an upper bound: the supervisor
+            holds only what its children can start within about 0.25 s, nothing until it
+            has seen a step end, and with n supervisors live at most max(32, 2048 // n).
+            0 claims only for idle children (SPEC 4's rule to the letter). A prefetched
+            step shows ``running`` and its timeout counts from the claim; it is released
+            (no attempt used) if no child takes it within min(0.5 s, lease_ttl/4,
+            timeout/10). See docs/steps-and-client.md#prefetch.
         registry_interval: seconds between refreshes of this supervisor's row in
             ``cyclone_workers`` (what ``cyclone-mp workers`` shows). Default 2.
         metrics_port: the supervisor serves Prometheus metrics on this TCP port
@@ -109,12 +104,11 @@ class Client(ClientBase):
             (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``; see
             :mod:`cyclone_mp.metrics`.
         metrics_host: the address the metrics bind: ``"127.0.0.1"`` (the default, this
-            machine only) or another interface's (``"0.0.0.0"``: all of them). Anyone who
-            reaches it reads step names and counts: bind beyond the loopback only on a
-            trusted network, and preferably with ``metrics_token``.
+            machine only) or another (``"0.0.0.0"``: all); anyone who reaches it reads
+            step names and counts, so prefer ``metrics_token`` beyond the loopback.
         metrics_token: when set, a scrape must send ``Authorization: Bearer <token>``
             (Prometheus: ``authorization: {credentials: ...}``); default none.
-        pgbouncer: ``dsn`` goes through PgBouncer in transaction mode (issue 22): every
+        pgbouncer: ``dsn`` goes through PgBouncer in transaction mode: every
             connection keeps no session state (its settings are set per transaction),
             and LISTEN happens only on ``listen_dsn`` (without it, the supervisor and
             :meth:`wait` poll). See docs/operating.md#pgbouncer-in-transaction-mode.
@@ -127,16 +121,15 @@ class Client(ClientBase):
             the hot tables before the supervisors' maintenance moves it, with its steps
             and signals, to the archive tables; None: never. Default 600. Archived runs
             are still found by :meth:`status`, :meth:`wait`, :meth:`result`,
-            :meth:`retry` and the dashboard (issue 22; docs/operating.md#history-and-retention).
+            :meth:`retry` and the dashboard (docs/operating.md#history-and-retention).
         retain_completed: seconds (or ``"7d"``) a completed run is kept, hot or archived,
             before the supervisors' maintenance deletes it (a whole archive partition at a
             time where it can); None (the default): forever.
         retain_discarded: the same for discarded runs (keep them longer: they can be retried).
         retain_cancelled: the same for cancelled runs.
-        start_method: how the supervisor starts children (issue 23): ``"zygote"``
-            (default: forked in milliseconds from a process that imported the runner and
-            the handlers' modules once) or ``"spawn"`` (a fresh interpreter each, tens of
-            milliseconds). See docs/operating.md#how-children-start.
+        start_method: how the supervisor starts children: ``"zygote"`` (default: forked
+            in milliseconds from a process that imported the handlers once) or
+            ``"spawn"`` (a fresh interpreter each). See docs/operating.md#how-children-start.
         clock: local monotonic clock in seconds (injectable; schedules local work only).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
@@ -255,7 +248,7 @@ class Client(ClientBase):
 
                 self._pool = ConnectionPool(
                     dsn, min_size=0, max_size=4, open=True, timeout=POOL_TIMEOUT, max_idle=60.0,
-                    # a dead or black-holed server is an error within about lease_ttl, not a hang (issue 17)
+                    # a dead or black-holed server is an error within about lease_ttl, not a hang
                     kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp client",
                             **tcp_bounds(max(5.0, self.config.lease_ttl)),
                             **({"cursor_factory": PooledCursor} if config.pgbouncer else {})},
@@ -270,8 +263,7 @@ class Client(ClientBase):
     def _connection(self, pool: ConnectionPool, within: float | None = None) -> Any:
         """A pooled connection, like ``pool.connection()``. While a call waits for one, an
         embedded server that was stopped fails it within POOL_PROBE_EVERY seconds, with
-        one line that says so (a stopped server used to cost a 30 s pool timeout per
-        call). Any other server may come back (a restart): the call waits up to
+        one line that says so (rather than a 30 s pool timeout per call). Any other server may come back (a restart): the call waits up to
         POOL_TIMEOUT, then fails with why a fresh connection fails; or, given
         ``within`` (the call's bound), raises DatabaseStalled after that many seconds."""
         from .embedded import server_for_dsn
@@ -418,7 +410,7 @@ class Client(ClientBase):
             rate_limit=rate_limit, memory_limit=memory_limit, cpu_limit=cpu_limit, max_processes=max_processes,
             max_open_files=max_open_files,
         )
-        with tracing.enqueue_span(name) as trace:  # the trace context kept on the run (issue 24)
+        with tracing.enqueue_span(name) as trace:  # the trace context kept on the run
             if conn is not None:
                 return Store(conn).run(make(trace), caller_tx=True)[0]
             return self._run(lambda: make(trace))[0]
@@ -694,7 +686,7 @@ class Client(ClientBase):
         the supervisors seen within ``within`` seconds (the ``cyclone_workers`` registry)
         claims from the step's queue, or (when its registry row lists the step names it
         runs) runs the step, or it is draining. ``enqueue --wait`` warns about them at
-        once instead of waiting in silence (issue 19). Empty when every step is served.
+        once instead of waiting in silence. Empty when every step is served.
 
         Raises:
             DatabaseError: the database failed or cannot be reached.
@@ -733,7 +725,7 @@ class Client(ClientBase):
         ConfigurationError, DatabaseError (schema could not be set up).
         """
         # client.run() makes this process the supervisor's: whatever it adopts from now on is a
-        # handler's (issue 18; client.start() leaves an embedding program's children alone)
+        # handler's (client.start() leaves an embedding program's children alone)
         sup = self._make_supervisor(dedicated=True)
         self.close()  # the supervisor has its own connections; idle API connections would only wait
         previous: dict[int, Any] = {}

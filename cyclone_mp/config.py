@@ -24,25 +24,24 @@ KILL_SLACK = 0.5  # seconds past a cancel's kill within which the tree is dead a
 PREFETCH_MAX_WAIT = 0.5  # seconds a prefetched step may wait for a child before it is released
 #: Steps the live supervisors on one database hold together (up to 64 of them; then
 #: PREFETCH_SHARE_MIN each): each holds at most its share, so up to 8 hold the default
-#: whole (issue 23: 16 supervisors holding 256 each ran 20,000 no-ops at 4,400 steps/s, 128
-#: each at 6,800, 64 each at 7,500; 8 holding 128 each ran them at a median 6,700 steps/s
-#: in seven runs, 256 each at 7,900).
+#: whole. More supervisors each holding the default ran slower and released steps they
+#: could not start in time (benchmarks/README.md, "the fleet's prefetch budget").
 PREFETCH_FLEET = 2048
 PREFETCH_SHARE_MIN = 32  # a supervisor's share of PREFETCH_FLEET is never below this
-PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (issue 23; bounded by prefetch_room to what its children start within ~0.25 s)
+PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (bounded by prefetch_room to what its children start within ~0.25 s)
 COALESCE_MAX = 0.1  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement (pgqueuer: 0.1 s)
 COALESCE_PER_WORKER = 4  # outcomes per child that go at once, without waiting COALESCE_MAX (pgqueuer: 10 in all)
 PIPELINE_DEPTH = 16  # steps queued in a busy child, at most (a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
 PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed and the module is left to its steps
 PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets up to PIPELINE_DEPTH queued
-ARCHIVE_AFTER_DEFAULT = 600.0  # seconds a finished run stays in the hot tables before maintenance archives it (issue 22)
+ARCHIVE_AFTER_DEFAULT = 600.0  # seconds a finished run stays in the hot tables before maintenance archives it
 HISTORY_INTERVAL = 5.0  # seconds between two history passes of a supervisor's maintenance (archive, retention)
 HISTORY_BUSY_INTERVAL = 0.5  # seconds until the next pass when the last one left work behind (its budget ran out)
 HISTORY_BUDGET = 1.0  # seconds of history work per pass at most (its batches; the sweep waits for it)
 HISTORY_BATCH = 1000  # finished step rows a history statement looks at, at most (their runs move together)
 HISTORY_WALK_RESTART = 60.0  # seconds between two walks of the finished steps from the oldest (history.py)
 HISTORY_DDL_LOCK_TIMEOUT = 0.2  # seconds a partition's CREATE or DROP may wait for its lock before it gives up
-START_METHODS = ("zygote", "spawn")  # how children start (issue 23); the first is the default
+START_METHODS = ("zygote", "spawn")  # how children start; the first is the default
 VACUUM_WATCH_INTERVAL = 5.0  # seconds between two looks of a supervisor's maintenance at the xmin horizon (history.VacuumWatch)
 VACUUM_HELD_FOR = 10.0  # seconds the same transaction must stay the oldest one running to count as holding vacuum back
 VACUUM_MIN_DEAD = 10_000  # dead row versions in the hot tables worth a VACUUM of them when such a transaction ends
@@ -68,7 +67,7 @@ class Config:
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
         max_payload: largest message (input or output, bytes) crossing the pipe.
         prefetch: steps the supervisor may claim beyond its idle children, held until a
-            child frees up (default :data:`PREFETCH_DEFAULT`, 256, issue 23; 0: claim only
+            child frees up (default :data:`PREFETCH_DEFAULT`, 256; 0: claim only
             for idle children, SPEC 4's rule to the letter). With other supervisors live on
             the database each holds at most its share of :data:`PREFETCH_FLEET`
             (:meth:`cyclone_mp.holding.HeldSteps.prefetch_share`). See
@@ -79,7 +78,7 @@ class Config:
         registry_interval: seconds between refreshes of the ``cyclone_workers`` row (what
             ``cyclone-mp workers`` shows; the live rows, refreshed within ``max(5 s, 3 x
             registry_interval)``, size each supervisor's share of the fleet's prefetch).
-        pgbouncer: the DSN goes through PgBouncer in transaction mode (issue 22): no
+        pgbouncer: the DSN goes through PgBouncer in transaction mode: no
             session state (every setting is set per transaction), no LISTEN on that DSN
             (a direct ``listen_dsn``, else polling only). See docs/operating.md.
         prepared_statements: named prepared statements (psycopg's); default True, and
@@ -87,12 +86,12 @@ class Config:
             ``max_prepared_statements`` above 0 keeps them per server connection).
         archive_after: seconds a finished (completed, discarded, cancelled) run stays in
             the hot tables before the supervisors' maintenance moves it, with its steps
-            and signals, to the archive tables (issue 22); None: never (the hot tables
+            and signals, to the archive tables; None: never (the hot tables
             keep everything). Default 600.
         retain_completed, retain_discarded, retain_cancelled: seconds a run finished in
             that state is kept (hot or archived) before maintenance deletes it, dropping
             whole archive partitions where it can; None (the default): forever.
-        start_method: how children start (issue 23): ``"zygote"`` (default: forked from a
+        start_method: how children start: ``"zygote"`` (default: forked from a
             process that imported the runner and the handlers' modules once, a few
             milliseconds each) or ``"spawn"`` (a fresh interpreter each, tens of
             milliseconds). Both keep every guarantee of SPEC 1; see
@@ -213,7 +212,7 @@ class Config:
     @property
     def retention(self) -> dict[str, float | None]:
         """Seconds each finished state is kept (None: forever): ``{"completed": ...,
-        "discarded": ..., "cancelled": ...}`` (issue 22)."""
+        "discarded": ..., "cancelled": ...}``."""
         return {"completed": self.retain_completed, "discarded": self.retain_discarded,
                 "cancelled": self.retain_cancelled}
 
@@ -237,7 +236,7 @@ class Config:
     def call_bound(self) -> float:
         """Seconds a lease keeper's call (a claim, a renewal) may take before its connection
         is abandoned and opened again: ``lease_ttl / 3``, at least 0.5 s. A black-holed
-        connection is noticed that fast (issue 17)."""
+        connection is noticed that fast."""
         return max(0.5, self.lease_ttl / 3.0)
 
     @property
@@ -251,7 +250,7 @@ class Config:
     def reconnect_cap(self) -> float:
         """Seconds at most between two tries to reconnect after an outage (the delay doubles
         from 0.1 s): ``lease_ttl / 4`` within [0.25, 2] s, so a supervisor cut off from the
-        database is back within about a lease once it is reachable again (issue 17)."""
+        database is back within about a lease once it is reachable again."""
         return max(0.25, min(2.0, self.lease_ttl / 4.0))
 
     @property

@@ -1,4 +1,4 @@
-"""Connections to PostgreSQL and what their errors mean (split out of :mod:`cyclone_mp.store`).
+"""Connections to PostgreSQL and what their errors mean.
 
 - **Errors:** :func:`classify` turns a psycopg error into the engine's
   :class:`~cyclone_mp.errors.DatabaseError` kinds (an outage, a busy row, a read-only
@@ -7,8 +7,8 @@
 - **Bounds on this side:** :class:`CallTimer` (:data:`CALL_TIMER`) shuts the socket of a
   call that outlives its bound; :func:`answered_within` turns that into
   :class:`~cyclone_mp.errors.DatabaseStalled` for the client's waits.
-- **Connections:** :func:`connect` (with TCP bounds, issue 17), the PgBouncer
-  transaction-mode wrappers (``Pooled*``, issue 22), session settings, and the few
+- **Connections:** :func:`connect` (with TCP bounds), the PgBouncer
+  transaction-mode wrappers (``Pooled*``), session settings, and the few
   server-level calls (databases, sessions, the hot tables' VACUUM).
 
 :mod:`cyclone_mp.store` keeps the SQL and the typed methods, and re-exports these names.
@@ -96,7 +96,7 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     psycopg's exception class: ``OperationalError`` covers both a lost connection and a
     jsonb value over 256 MB):
 
-    * :class:`DatabaseReadOnly` (a failover, issue 22): 25006, a write refused by a
+    * :class:`DatabaseReadOnly` (a failover): 25006, a write refused by a
       standby or a read-only session ("cannot execute ... in a read-only transaction",
       "... during recovery"): the connection must be opened again, to the new primary;
     * :class:`DatabaseDiskFull` (an outage, named): 53100, the server's disk is full; the
@@ -109,7 +109,7 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
     * :class:`QueryRejected` (this one call's data): classes 54, 22 and 23;
     * :class:`DatabaseBusy` (nothing was done; try again later): a lock wait past
       ``lock_timeout`` (55P03) or a statement past ``statement_timeout`` (57014) on a
-      connection that is fine (issue 17);
+      connection that is fine;
     * :class:`DatabaseError` otherwise (a bug or a schema problem).
 
     The message never holds the DSN.
@@ -138,7 +138,7 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: psycopg errors leave as a :class:`DatabaseError` chosen by
     :func:`classify` (cause kept, no DSN in the text). After a :func:`stale_plan` error
     the connection's prepared statements are dropped, so the next call prepares them
-    again (a migration that changed a column type used to fail every later call on
+    again (else a migration that changed a column type would fail every later call on
     that connection)."""
 
     @functools.wraps(fn)
@@ -163,7 +163,7 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def tcp_bounds(dead_after: float) -> dict[str, int]:
     """libpq options that make a dead or black-holed TCP peer an error within about
-    ``dead_after`` seconds (issue 17): keepalive probes on an idle connection
+    ``dead_after`` seconds: keepalive probes on an idle connection
     (``keepalives_idle``/``_interval`` in whole seconds, 2 probes) and
     ``tcp_user_timeout`` for data the peer never acknowledges. Unix sockets ignore them."""
     probe = max(1, int(dead_after / 3))
@@ -316,7 +316,7 @@ async def aanswered_within(conn: psycopg.AsyncConnection[Any], seconds: float | 
 
 
 class PooledConnection(psycopg.Connection):  # type: ignore[type-arg]
-    """A connection through PgBouncer in transaction mode (issue 22): it keeps no session
+    """A connection through PgBouncer in transaction mode: it keeps no session
     state. Each server connection serves other clients between two transactions, so what
     a plain connection sets once for its session (:func:`configure_session`) is set here
     inside every transaction instead (``set_config(name, value, true)``, as ``SET LOCAL``):
@@ -434,7 +434,7 @@ def server_spoke(conn: Any) -> bool:
     FATAL and closes; a hung-up socket reads as EOF), or it is closed already. Asks the
     kernel (``poll`` with no wait), not the server: no round trip.
 
-    The API pools' ``check`` (issue 23): a pooled connection is checked with a round trip
+    The API pools' ``check``: a pooled connection is checked with a round trip
     (psycopg_pool's ``check_connection``) only when this says the server spoke; a warm
     connection costs its call nothing more. A server gone without a word (a host
     powered off) is found by the call itself, within the connection's TCP bounds."""
@@ -493,7 +493,7 @@ def configure_session(conn: psycopg.Connection, *, generic_plans: bool = False,
     process frozen inside one of its transactions does not hold row locks that other
     supervisors wait on (the server ends that session; the process reconnects and
     writes again). ``lock_timeout`` and ``statement_timeout`` (seconds) bound what a call
-    may wait for on the server (the supervisor's connections, issue 17). Raises psycopg.Error.
+    may wait for on the server (the supervisor's connections). Raises psycopg.Error.
     """
     settings = session_settings(generic_plans=generic_plans, idle_in_transaction=idle_in_transaction,
                                 lock_timeout=lock_timeout, statement_timeout=statement_timeout)

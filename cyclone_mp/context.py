@@ -5,7 +5,7 @@ sends a cancel over the cancellation pipe (reason ``"timeout"``, ``"cancelled"``
 ``"lease_lost"`` or ``"shutdown"``); after ``kill_grace`` seconds the supervisor
 SIGKILLs the child whatever the handler does. An ``async def`` handler's task is
 cancelled at the same moment (its ``await`` raises ``asyncio.CancelledError``), and
-``await ctx.cancellation`` waits for the cancel in any other task (issue 24).
+``await ctx.cancellation`` waits for the cancel in any other task.
 """
 
 from __future__ import annotations

@@ -1,31 +1,19 @@
 """Process control: children, pipes, deadlines, fences, cancels, kills, reaping (SPEC 1, 4, 9).
 
-This is the supervisor's own thread (children are started from it: ``PR_SET_PDEATHSIG``
-follows the thread that creates them). It never calls the database: claims and
-outcomes are the outcome writer's (:mod:`cyclone_mp.outcomes`), renewals the
-lease keeper's (:mod:`cyclone_mp.leases`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they
-talk by messages (:mod:`cyclone_mp.messages`). So a slow, locked or partitioned
-database delays durable transitions, never a kill.
+This is the supervisor's own thread (``PR_SET_PDEATHSIG`` follows the thread that
+creates a child). It never calls the database: claims and outcomes are the outcome
+writer's (:mod:`cyclone_mp.outcomes`), renewals the lease keeper's
+(:mod:`cyclone_mp.leases`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they talk
+by messages (:mod:`cyclone_mp.messages`). So a slow, locked or partitioned database
+delays durable transitions, never a kill. The watchdog is told when each child must be
+dead at the latest, so the fence holds while this thread is frozen too.
 
-Each turn it reads its inbox (claimed rows, renewals, lost leases) and its children's
-sockets, hands claimed rows to idle children (holding the rest, with ``prefetch``, and
-queuing one behind a busy child while attempts are short), cancels attempts whose
-worker-clock deadline passed, whose lease was lost, or whose lease it could not renew in
-time (the local fence, :mod:`cyclone_mp.attempts`), SIGKILLs the tree of a child still
-running ``kill_grace`` after its cancel (or at the fence, whichever comes first), reaps
-it and starts another, and turns every ended attempt into an
-:class:`~cyclone_mp.messages.Outcome` for the writer. The watchdog is told, for every
-child, when it must be dead at the latest, so the fence holds while this thread is
-frozen too.
-
-Which part owns what (SPEC 4 and 5): a claim is the outcome writer's, a renewal the
-lease keeper's; what a lost lease does to the handler is
-:meth:`ProcessControl.on_lease_lost`; a timeout on the worker clock, the fence, the
-cancel and the kill are :meth:`ProcessControl._enforce`; how an attempt ended (a child's
-result, or its exit) is :mod:`cyclone_mp.endings`; what is held beyond the idle children
-and queued behind busy ones (prefetch, pipelining) is :mod:`cyclone_mp.holding`; an attempt's resource limits,
-sampled, and the cause of its death are :class:`~cyclone_mp.limitwatch.LimitWatch`'s;
-the drain and the hard stop are :meth:`ProcessControl._handle_requests`.
+Where each job lives: a lost lease, :meth:`ProcessControl.on_lease_lost`; the
+worker-clock timeout, the fence, the cancel and the kill, :meth:`ProcessControl._enforce`;
+how an attempt ended, :mod:`cyclone_mp.endings`; prefetch and pipelining,
+:mod:`cyclone_mp.holding`; resource limits and causes of death,
+:class:`~cyclone_mp.limitwatch.LimitWatch`; the drain and the hard stop,
+:meth:`ProcessControl._handle_requests`.
 """
 
 from __future__ import annotations
@@ -103,7 +91,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.inbox.fileno(), selectors.EVENT_READ, ("inbox", None))
         self.selector.register(watchdog.fileno(), selectors.EVENT_READ, ("watchdog", None))
-        # every child imports the handlers' modules before it is ready (issue 8)
+        # every child imports the handlers' modules before it is ready: no first attempt spends its timeout importing
         preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
         self.observer = observer
         self.confinement = confinement or slots.Confinement.none()
@@ -114,7 +102,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.pool = ChildPool(owner, workers=config.workers, limit=config.max_payload, preload=preload,
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
-        self.limit_watch = LimitWatch(self.confinement)  # running attempts with resource limits: sampled (issue 20)
+        self.limit_watch = LimitWatch(self.confinement)  # running attempts with resource limits: sampled
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.held: collections.deque[Held] = collections.deque()
@@ -441,7 +429,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         else:
             self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
             self.next_poll = now + self.poll_delay
-        if message.wait is not None:  # a rate limit held a step back: its slot frees then (issue 21)
+        if message.wait is not None:  # a rate limit held a step back: its slot frees then
             self.next_poll = min(self.next_poll, now + message.wait)
 
     def _read_watchdog(self) -> None:
@@ -501,7 +489,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
     def _start(self, item: Held, child: ChildProc) -> bool:
         """Start one claimed step on ``child``. Its timeout counts from the claim (its
         ``sent`` time), as it does in the database (SPEC 4). Its resource caps are set on
-        the child's slot first (issue 20); False (nothing started) when the child already
+        the child's slot first; False (nothing started) when the child already
         holds more memory than the step's cap: the child is replaced, the step waits."""
         row = item.row
         limits = row_limits(row)
@@ -622,7 +610,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.pool.maintain(self.clock(), self.draining)
         return False
 
-    # -- resource limits (issue 20) -----------------------------------------------------------------
+    # -- resource limits ----------------------------------------------------------------------------
 
     def _kill_for_limit(self, att: Attempt, kind: str) -> None:
         """Kill the tree of an attempt :class:`~cyclone_mp.limitwatch.LimitWatch` found over
@@ -692,7 +680,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
     def _enforce(self, now: float) -> None:
         """Cancel at the worker-clock deadline or when the lease cannot be kept; kill at
         ``kill_at`` or at the fence, whichever comes first. A due kill is carried out
-        whatever happened to the step's row since (issue 17)."""
+        whatever happened to the step's row since."""
         ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
         for att in list(self.attempts.values()):
             if att.ended:
@@ -736,7 +724,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         """Tell the watchdog when each child marked by :meth:`_watch` must be dead at the
         latest: a little after the kill of its cancel, or three quarters of the fence's
         margin before the fence (None: idle). Once per child and turn: pipelined steps
-        change a child's attempts thousands of times a second (issue 17)."""
+        change a child's attempts thousands of times a second."""
         if not self._watch_due:
             return
         ttl = self.config.lease_ttl

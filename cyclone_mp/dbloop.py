@@ -1,4 +1,4 @@
-"""A supervisor part that owns one database connection, on a thread of its own (issue 17).
+"""A supervisor part that owns one database connection, on a thread of its own.
 
 The lease keeper, the outcome writer and maintenance each run on a
 :class:`DatabaseThread`: they wait on their :class:`~cyclone_mp.mailbox.Inbox`, talk to
@@ -179,7 +179,7 @@ class DatabaseThread:
         outage too: the next connection goes to the new primary when the DSN names every
         host with ``target_session_attrs=read-write``. The backoff doubles up to the cap
         until a call succeeds, not merely a connect, so a connection that opens and then
-        fails at once (a host still in recovery) never makes a tight loop (issue 22)."""
+        fails at once (a host still in recovery) never makes a tight loop."""
         if not isinstance(exc, DatabaseUnavailable) and self.store is not None and not self.store.broken:
             return False
         if self.db_ok:

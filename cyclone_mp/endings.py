@@ -152,8 +152,8 @@ class AttemptEndings:
         self._watch(child)
 
     def _on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
-        """A frame the child sent that cannot be read (issue 18: decoding is per frame, so
-        nothing around it is lost). A result of the running attempt fails that attempt
+        """A frame the child sent that cannot be read (decoding is per frame, so nothing
+        around it is lost). A result of the running attempt fails that attempt
         (``output_invalid``) and the child is recycled; a progress value is dropped;
         anything else means the child broke the protocol: it is killed."""
         att = child.attempt
@@ -352,7 +352,7 @@ class AttemptEndings:
             # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
             judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
             death = self.limit_watch.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
-            if death is not None:  # a cause of death (issue 20): a cap, or the kernel's OOM killer
+            if death is not None:  # a cause of death: a cap, or the kernel's OOM killer
                 kind, usage = death
                 entry["killed_by_supervisor"] = att.killed_for is not None
                 if att.killed_for is not None:
@@ -419,7 +419,7 @@ class AttemptEndings:
         if not child.recycle_due:
             too_many = cfg.max_steps_per_child is not None and child.steps_run >= cfg.max_steps_per_child
             # the RSS the child reported as its last task ended: sampled now, with pipelining
-            # it would include the next task's working memory (issue 23's default prefetch)
+            # it would include the next task's working memory
             rss = None
             if cfg.max_child_rss is not None:
                 rss = child.last_rss if child.last_rss is not None else child.rss()

@@ -77,8 +77,8 @@ class DatabaseUnavailable(DatabaseError):
 class DatabaseReadOnly(DatabaseUnavailable):
     """The server is a standby or read-only (a failover is under way, or the connection
     reached the wrong host): the connection is dropped and opened again, on the new
-    primary when the DSN lists every host with ``target_session_attrs=read-write``
-    (issue 22). Nothing of the call was written."""
+    primary when the DSN lists every host with ``target_session_attrs=read-write``.
+    Nothing of the call was written."""
 
 
 class DatabaseDiskFull(DatabaseUnavailable):
@@ -102,7 +102,7 @@ class UnsupportedServer(DatabaseError, ConfigurationError):
 class DatabaseBusy(DatabaseError):
     """The call ran out of time on the server (a lock wait past ``lock_timeout``, a
     statement past ``statement_timeout``): nothing was done; try again later. Neither an
-    outage nor a rejection of the data (issue 17)."""
+    outage nor a rejection of the data."""
 
 
 class QueryRejected(DatabaseError):

@@ -1,39 +1,21 @@
-"""History that stays small (issue 22): finished runs leave the hot tables, retention deletes them,
+"""History that stays small: finished runs leave the hot tables, retention deletes them,
 and the hot tables are vacuumed as soon as a long transaction ends (:class:`VacuumWatch`).
 
-The claim, the renewals and the completions touch ``cyclone_runs`` and ``cyclone_steps``.
 A run that finished (completed, discarded, cancelled) more than ``archive_after`` seconds
-ago is moved, with its steps and signals, to ``cyclone_runs_archive`` and
-``cyclone_steps_archive`` (migration 0017), so the hot tables hold the live work and the
-last minutes of history whatever the volume of the days before. The archive is
-partitioned by (state, UTC day of ``finished_at``); ``retain_completed``,
-``retain_discarded`` and ``retain_cancelled`` are how long each state is kept: a
-partition whose whole day is past it is dropped (no row deleted, no bloat, no vacuum);
-rows are deleted only in the partition its cut-off falls in, and in the hot tables when
-a retention is shorter than ``archive_after`` (or archiving is off).
+ago moves, with its steps and signals, to ``cyclone_runs_archive`` and
+``cyclone_steps_archive``, so the hot tables that the claim, the renewals and the
+completions touch hold the live work and the last minutes of history whatever the
+volume. The archive is partitioned by (state, UTC day of ``finished_at``): a partition
+whose whole day is past its state's ``retain_*`` is dropped (no row deleted, no bloat, no
+vacuum); rows are deleted only in the partition the cut-off falls in, and in the hot
+tables when a retention is shorter than ``archive_after`` (or archiving is off).
 
-:class:`History` is the supervisors' maintenance work (STYLE pattern 4: a
-:meth:`~History.run_once` that returns counts; :class:`cyclone_mp.sweep.Maintenance`
-calls it every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds). Every pass is
-bounded: at most :data:`~cyclone_mp.config.HISTORY_BUDGET` seconds of batches, each
-batch one short transaction over at most :data:`~cyclone_mp.config.HISTORY_BATCH` step
-rows, each partition CREATE or DROP waiting at most
-:data:`~cyclone_mp.config.HISTORY_DDL_LOCK_TIMEOUT` seconds for its lock (it gives up and
-tries at the next pass). Each transaction first takes a transaction-level advisory lock
-(PgBouncer-safe) and does nothing when another supervisor holds it: one supervisor at a
-time does history work, and the others' sweeps never wait for it.
-
-Candidates are found through ``cyclone_steps_finished_idx`` (steps by ``finished_at``):
-``cyclone_runs`` keeps no index on ``finished_at``, so that a run's completion stays a HOT
-update (migration 0004). A pass walks that index with a cursor, so the finished steps of
-runs that are still going (a workflow's first nodes) are looked at once per walk, not
-once per batch; a walk that reached the present goes on from there at the next pass, and
-starts again from the oldest finished step only every
-:data:`~cyclone_mp.config.HISTORY_WALK_RESTART` seconds (for the runs it passed over: one
-locked by an operator, one not old enough yet for its state). Behind a long transaction
-every step archived since it began is still in that index (vacuum may not remove it):
-walking it from the start at every pass would cost a scan of all of them every few
-seconds, just when the database has the least to spare.
+:class:`History` is maintenance work (STYLE pattern 4: :meth:`~History.run_once` returns
+counts). Every pass is bounded (:data:`~cyclone_mp.config.HISTORY_BUDGET` seconds, batches
+of :data:`~cyclone_mp.config.HISTORY_BATCH` step rows, each partition CREATE or DROP
+waiting at most :data:`~cyclone_mp.config.HISTORY_DDL_LOCK_TIMEOUT` for its lock) and one
+supervisor's at a time (a transaction-level advisory lock, PgBouncer-safe), so the others'
+sweeps never wait for it. See docs/operating.md ("History and retention").
 """
 
 from __future__ import annotations
@@ -119,15 +101,25 @@ def missing_partition(exc: DatabaseError) -> bool:
 
 
 class History:
-    """One supervisor's history work (see the module docstring).
+    """One supervisor's history work.
+
+    Candidates are found through ``cyclone_steps_finished_idx`` (steps by
+    ``finished_at``): ``cyclone_runs`` keeps no index on ``finished_at``, so that a run's
+    completion stays a HOT update. A pass walks that index with a cursor, so the finished
+    steps of runs still going (a workflow's first nodes) are looked at once per walk, not
+    once per batch; a walk that reached the present goes on from there at the next pass,
+    and starts again from the oldest finished step only every ``restart_every`` seconds
+    (for the runs it passed over: one locked by an operator, one not old enough yet).
+    Behind a long transaction every step archived since it began is still in that index:
+    walking it from the start at every pass would scan all of them every few seconds,
+    just when the database has the least to spare.
 
     Args:
         policy: when runs leave the hot tables and when they are deleted.
         batch: finished step rows one statement looks at, at most.
         budget: seconds of work per :meth:`run_once`, at most (checked between batches).
         ddl_lock_timeout: seconds a partition's CREATE or DROP may wait for its lock.
-        restart_every: seconds between two walks from the oldest finished step (see the
-            module docstring).
+        restart_every: seconds between two walks from the oldest finished step.
         clock: local monotonic clock in seconds.
     """
 
@@ -276,7 +268,7 @@ class History:
 
 
 class VacuumWatch:
-    """Vacuum the hot tables as soon as a long transaction ends (issue 22).
+    """Vacuum the hot tables as soon as a long transaction ends.
 
     While any transaction of the cluster stays open, no row version newer than it can be
     removed: every claim, completion and archived run leaves dead versions in

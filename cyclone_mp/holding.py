@@ -1,5 +1,5 @@
 """Held steps, for :class:`~cyclone_mp.control.ProcessControl`: what a supervisor claimed
-beyond its idle children (``prefetch``, issues 8 and 23) and what it queued behind busy
+beyond its idle children (``prefetch``) and what it queued behind busy
 children (pipelining).
 
 :class:`~cyclone_mp.control.ProcessControl` inherits these methods. How many steps to hold
@@ -61,8 +61,8 @@ class HeldSteps:
         """The most steps this supervisor may hold beyond its idle children: ``Config.prefetch``,
         and with other supervisors live on the database (:attr:`fleet`, from the registry)
         no more than its share of :data:`~cyclone_mp.config.PREFETCH_FLEET`, never below
-        :data:`~cyclone_mp.config.PREFETCH_SHARE_MIN` (issue 23: claims of many supervisors
-        at once skip each other's locked rows, and their held steps outwait the hold bound
+        :data:`~cyclone_mp.config.PREFETCH_SHARE_MIN` (claims of many supervisors at once
+        skip each other's locked rows, and their held steps outwait the hold bound
         on a busy host)."""
         want = self.config.prefetch
         if self.fleet > 1:

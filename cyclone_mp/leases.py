@@ -1,33 +1,19 @@
-"""The lease keeper: renewals, on a connection of its own (SPEC 4, issue 17).
+"""The lease keeper: renewals, on a connection of its own (SPEC 4).
 
 It renews every lease its supervisor holds until it is told the lease is done
-(:class:`~cyclone_mp.messages.LeaseDone`: the outcome was written, or the step released):
-one renewal per step, addressed by id, with the seed's WHERE clause, every
-``lease_ttl / 3`` with a random initial phase (:func:`first_beat`) and +-10 % jitter.
-It learns of new leases from the claims the outcome writer makes
-(:class:`~cyclone_mp.messages.Track`). The
-renewals due together go in one round trip
-(:meth:`~cyclone_mp.store.Store.renew_many`), so a distant database costs one round
-trip per heartbeat, not one per step. It does nothing else that could delay a renewal:
-claims are the outcome writer's.
+(:class:`~cyclone_mp.messages.LeaseDone`): one renewal per step, addressed by id, with
+the seed's WHERE clause, every ``lease_ttl / 3`` with a random initial phase
+(:func:`first_beat`) and +-10 % jitter. Renewals due together go in one round trip
+(:meth:`~cyclone_mp.store.Store.renew_many`). It does nothing else that could delay a
+renewal: claims are the outcome writer's. It tells process control
+:class:`~cyclone_mp.messages.Renewed` (with the time the renewal was sent: the local
+fence, SPEC 9) or :class:`~cyclone_mp.messages.LeaseLost` (the row says why), and never
+decides what happens to a handler: :meth:`cyclone_mp.control.ProcessControl.on_lease_lost` does.
 
-It tells process control what happened: :class:`~cyclone_mp.messages.Renewed` (with the
-time the renewal was sent: the local fence, SPEC 9) and
-:class:`~cyclone_mp.messages.LeaseLost` (a renewal matched nothing; the row says why).
-It never decides what happens to a handler: process control does.
-
-It also listens for ``NOTIFY`` (on ``listen_dsn`` when given: a direct connection past
-PgBouncer) and tells process control to claim at once
-(:class:`~cyclone_mp.messages.Poll`), or, on the cancel channel, that one of its steps was
-cancelled (:class:`~cyclone_mp.messages.LeaseLost`, reason ``cancelled``: the handler is
-cancelled within a second of ``client.cancel``, not at its next renewal). Through PgBouncer in transaction mode
-(``Config.pgbouncer``) without a ``listen_dsn`` it does not listen at all: a LISTEN there
-lands on a server connection that other clients share, and its notifications reach
-nobody (the supervisor then claims on its poll interval alone).
-
-Which file owns "a step's lease was lost": this one finds it out
-(:meth:`LeaseKeeper._lost`); what it does to the handler is
-:meth:`cyclone_mp.control.ProcessControl.on_lease_lost`.
+It also listens for ``NOTIFY`` (on ``listen_dsn`` when given) to claim at once or to
+cancel a step within a second of ``client.cancel``; through PgBouncer in transaction
+mode without a ``listen_dsn`` it does not listen at all (the notifications would reach
+nobody) and the supervisor claims on its poll interval alone.
 """
 
 from __future__ import annotations
@@ -279,9 +265,8 @@ def first_beat(interval: float) -> float:
     phase in the second half of the interval (SPEC 4's random initial phase). Leases
     claimed together still renew spread out, and a step that ends within half an
     interval (most do: 5 s with the default 30 s lease) is never renewed at all; from
-    the whole interval, 5 % of 0.5 s steps were renewed once, a statement each (issue
-    23: renewals grew with the number of supervisors). The lease stays at least two
-    intervals ahead of its expiry, as before."""
+    the whole interval, some short steps would each cost a renewal statement, which adds
+    up over many supervisors. The lease stays at least two intervals ahead of its expiry."""
     return interval * random.uniform(0.5, 1.0)
 
 

@@ -1,28 +1,20 @@
 """Per-step resource limits and the cause of a death: values and decisions, no I/O.
 
 A step may cap what its attempt's whole process tree (the child and everything it
-starts) uses while it runs:
-
-- ``memory_limit``: bytes (or a size such as ``"512MiB"``) of memory of the tree;
-- ``cpu_limit``: CPU seconds the tree may use, summed over its processes;
-- ``max_processes``: processes of the tree, the child included (the kernel's pids
-  controller also counts the threads a handler starts);
-- ``max_open_files``: descriptors each process of the tree may open (``RLIMIT_NOFILE``,
-  soft and hard, beyond the few the child holds itself).
-
+starts) uses while it runs: ``memory_limit`` (bytes, or a size such as ``"512MiB"``),
+``cpu_limit`` (CPU seconds, summed over the tree), ``max_processes`` (the child included;
+threads count too) and ``max_open_files`` (descriptors per process, ``RLIMIT_NOFILE``).
 They are set on ``cy.step``, per enqueue or client-wide (SPEC 2's precedence), stored on
 the step row, and come back with its claim. How they are enforced is
 :mod:`cyclone_mp.slots`; what a death was is decided here, from the evidence it gathers
 (:class:`Usage`), by :func:`over_limit` (while the attempt runs) and
 :func:`cause_of_death` (once its child is dead or its handler failed).
 
-Two more reasons to kill a tree are no cap's death and keep the kind ``error`` (what a
-handler that meets its ``RLIMIT_NOFILE`` gets, from its own ``OSError``), with the
-trigger and the cause named in the error entry: a process of the tree holding more
-descriptors than its ``max_open_files`` allows (:data:`OPEN_FILES`: only a handler that
-raised its own hard limit can, which root may), and a process of the tree outside the
-slot's cgroups (:data:`LEFT_CGROUPS`: root can move one out, past every cap a cgroup
-holds).
+Two more reasons to kill a tree keep the kind ``error``, the trigger named in the error
+entry: a process holding more descriptors than ``max_open_files`` allows
+(:data:`OPEN_FILES`: it raised its own hard limit, as root may) and a process outside the
+slot's cgroups (:data:`LEFT_CGROUPS`: out of every cap a cgroup holds). See
+docs/resource-limits.md.
 """
 
 from __future__ import annotations

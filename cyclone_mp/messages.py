@@ -1,4 +1,4 @@
-"""What the supervisor's parts tell each other (issue 17): plain, immutable data.
+"""What the supervisor's parts tell each other: plain, immutable data.
 
 The supervisor is four parts that share no mutable state (see :mod:`cyclone_mp.supervisor`):
 
@@ -48,8 +48,8 @@ class Track:
     It does not wake the keeper (:meth:`~cyclone_mp.mailbox.Inbox.post`): the keeper reads
     it on its next turn, at most a heartbeat interval away, so a new lease's first renewal
     comes at most ``lease_ttl / 3`` after its claim was sent, long before the fence's cancel
-    at three quarters of a lease. Waking the keeper for every batch cost the supervisor's
-    loop a tenth of B1's throughput in thread switches (issue 17)."""
+    at three quarters of a lease. Waking the keeper for every batch would cost the
+    supervisor's loop about a tenth of its throughput in thread switches."""
 
     wakes: ClassVar[bool] = False
     keys: tuple[LeaseKey, ...]
@@ -93,7 +93,7 @@ class Written:
     """The outcome writer is done with ``batches`` of the :class:`Batch` messages posted to
     it (written in one statement, or kept to write again). With prefetch, process control
     keeps one statement in flight: what ends meanwhile waits for this, then goes in the
-    next statement together, with a claim for all the room there is (issue 17)."""
+    next statement together, with a claim for all the room there is."""
 
     batches: int
 
@@ -104,7 +104,7 @@ class Claimed:
     was sent; the database stamped the leases later, so they last at least until
     ``sent + lease_ttl``. ``failed``: the claim did not run (an outage, a rejected call).
     ``wait``: seconds after which a step that a rate limit held back from this claim may
-    start (:attr:`cyclone_mp.store.Store.claim_wait`, issue 21), or None: process control
+    start (:attr:`cyclone_mp.store.Store.claim_wait`), or None: process control
     polls again no later than that."""
 
     rows: tuple[dict[str, Any], ...]

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a supervisor (issue 24): ``Client(metrics_port=...)``,
+"""Prometheus metrics of a supervisor: ``Client(metrics_port=...)``,
 ``cyclone-mp worker --metrics-port``.
 
 The supervisor process serves them (``prometheus_client``'s HTTP server, on a thread of

@@ -1,4 +1,4 @@
-"""The client's database operations, written once for the sync and the async driver (issue 24).
+"""The client's database operations, written once for the sync and the async driver.
 
 Each operation is a generator (a "sans-IO" procedure): it yields a :class:`Statement`
 (a named query of ``sql/queries.sql`` and its parameters), receives its
@@ -218,7 +218,7 @@ _enqueue_step_tx = operation(transaction=True)(_insert_step)
 
 def _archived_holder(idempotency_key: str | None, inserted: str) -> Steps[str | None]:
     """After a run with ``idempotency_key`` was inserted (uncommitted, id ``inserted``): the
-    id of an archived run that holds the key already, or None (issue 22). When there is
+    id of an archived run that holds the key already, or None. When there is
     one, the inserted run is deleted again (its steps go with it), so the enqueue returns
     the archived run, as the hot table's unique index makes it do for a hot one. Read in a
     statement after the insert: a holder archived before the insert committed first (the
@@ -234,7 +234,7 @@ def _archived_holder(idempotency_key: str | None, inserted: str) -> Steps[str | 
 
 def _flag_flow(marks: Sequence[tuple[str, bool, bool]]) -> Steps[None]:
     """Mark the queues ``(queue, limited, rate_limited)`` that a step with a key or a limit
-    enters: their claims are the fair or limited ones from then on (issue 21; see
+    enters: their claims are the fair or limited ones from then on (see
     :meth:`cyclone_mp.store.Store._claim_statement`)."""
     if marks:
         yield q("flag_flow_queues", {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks],
@@ -339,8 +339,7 @@ def enqueue_many(
     ``inputs_json`` are the inputs as JSON texts (already checked by the client, so each
     is encoded once); ``trace`` the enqueue's trace context, kept on every run; ``keys``
     their concurrency keys (None: all ''), ``concurrency`` and ``rate_limit``
-    (``(count, seconds)``) the step's limits (issue 21), ``limits`` its resource caps
-    (issue 20).
+    (``(count, seconds)``) the step's limits, ``limits`` its resource caps.
     """
     ids = [uuid.uuid4() for _ in inputs_json]
     keys = list(keys) if keys is not None else [""] * len(ids)
@@ -381,7 +380,7 @@ def advance(run_id: str) -> Steps[None]:
 def _locked_run(run_id: str, restore: Callable[[dict[str, Any]], bool] = lambda archived: False,
                 ) -> Steps[dict[str, Any]]:
     """The run's row (``id``, ``kind``, ``state``), locked. A run that is not in the hot
-    table may be archived (issue 22): when ``restore(archived row)`` says so it is moved
+    table may be archived: when ``restore(archived row)`` says so it is moved
     back first and locked there; otherwise the archived row is returned unlocked (a
     finished run: the action finds nothing to change and says why).
 
@@ -566,7 +565,7 @@ def get_run(run_id: str) -> Steps[tuple[dict[str, Any], list[dict[str, Any]]]]:
     if run is None:
         raise RunNotFound(f"no run with id {rid}")
     scheduled = parse_idempotency_key(run["idempotency_key"])
-    if scheduled is not None:  # a schedule enqueued it: its slot, and the schedule's next one (issue 21)
+    if scheduled is not None:  # a schedule enqueued it: its slot, and the schedule's next one
         name, slot = scheduled
         row = (yield q("get_schedule", {"name": name})).one()
         run = {**run, "schedule": {"name": name, "slot": slot, "next_at": row["next_at"] if row else None}}
@@ -638,7 +637,7 @@ def prune(*, older_than: float, batch: int = 1000, lock_timeout: float = 5.0,
     return total
 
 
-# -- history (issue 22): the archive and retention --------------------------------------------------
+# -- history: the archive and retention ------------------------------------------------------------
 
 FINISHED_STATES = TERMINAL_RUN_STATES  # a finished run's (and its steps') states, the archive's partitions
 HISTORY_LOCK = 0x63796869737479  # "cyhisty": pg_try_advisory_xact_lock key of history work

@@ -1,4 +1,4 @@
-"""The outcome writer: claims and every ended attempt's CAS write, on a connection of its own (issue 17).
+"""The outcome writer: claims and every ended attempt's CAS write, on a connection of its own.
 
 Process control hands it :class:`~cyclone_mp.messages.Batch` values (outcomes: a
 success, a failed attempt, a release; and the claim for the slots they free) and goes

@@ -30,7 +30,7 @@ class ClientBase:
     """What :class:`Client` and :class:`~cyclone_mp.AsyncClient` share: the options, the
     mux, and the planning of every call (checks, then a
     :class:`~cyclone_mp.operations.Op`). No I/O: each client runs the planned operations
-    on its own connections, one sync and one async (issue 24)."""
+    on its own connections, one sync and one async."""
 
     config: Config
     mux: Mux
@@ -150,8 +150,8 @@ class ClientBase:
 
     def _step_row(self, step: Step, input: Any) -> NodeRow:
         """The row of a single-step run of ``step`` with no per-enqueue option: the step's
-        options over the client's, composed once per step and kept (issue 23: a single
-        enqueue composes nothing), with ``input``'s concurrency key when the step's key
+        options over the client's, composed once per step and kept (so a single enqueue
+        composes nothing), with ``input``'s concurrency key when the step's key
         is a callable of the input.
 
         Raises:

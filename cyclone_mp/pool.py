@@ -1,12 +1,11 @@
 """The supervisor's side of one child process: spawn or fork, pipes, kill, reap.
 
-A :class:`ChildProc` is forked from the zygote (:mod:`cyclone_mp.zygote`, issue 23: a
-process that imported the runner and the handlers' modules once; the default
+A :class:`ChildProc` is forked from the zygote (:mod:`cyclone_mp.zygote`: a process
+that imported the runner and the handlers' modules once; the default
 ``start_method="zygote"``) or is a fresh interpreter (``cyclone_mp._child`` started through
 :func:`cyclone_mp.procs.helper_command`, ``start_method="spawn"``), never a fork of the
-grown supervisor. Either way it is this process's own child (a forked one is reparented
-to it), runs in its own process group, in its slot's cgroups where the host has them
-(:mod:`cyclone_mp.slots`, issue 20), carries the supervisor's marker in its environment,
+grown supervisor. Either way it is this process's own child, runs in its own process
+group, in its slot's cgroups where the host has them (:mod:`cyclone_mp.slots`), carries the supervisor's marker in its environment,
 and is reused for many steps until it is killed or recycled. It has imported the
 handlers' modules before it says it is ready.
 """
@@ -49,7 +48,7 @@ class ChildProc:
                  enter: Sequence[tuple[str, int]] = (), userns: bool = False) -> None:
         """Start a child. ``limit``: the largest message in bytes; ``preload``: the
         ``(module, script path or None)`` of the handlers, imported before it is ready;
-        ``zygote``: fork it from this ready zygote (issue 23) instead of spawning a fresh
+        ``zygote``: fork it from this ready zygote instead of spawning a fresh
         interpreter. A forked child imports the modules of ``preload`` the zygote had not,
         once it is in its slot's cgroups; it is created in the cgroup v2 directory
         ``cgroup_fd`` names where the kernel can (:attr:`in_cgroup`), and moves itself
@@ -342,7 +341,7 @@ class ChildPool:
         # started, and (embedded) the program's own, once looked at
         self._foreign: set[int] = protocol.child_pids() or set()
         self.stats = {"children_spawned": 0, "children_forked": 0, "killed": 0, "grandchildren_killed": 0}
-        # issue 23: children forked from a zygote that imported the runner and the handlers once
+        # children forked from a zygote that imported the runner and the handlers once
         self.zygote = Zygote(owner, limit, self.preload, selector=selector, clock=clock,
                              preload_timeout=PRELOAD_TIMEOUT) if start_method == "zygote" else None
 

@@ -4,23 +4,15 @@ Killing (SPEC 4): the child runs in its own process group; a kill is SIGKILL to 
 group and to every descendant psutil still finds (a grandchild that left the group
 with ``setsid()`` included), then reaping, so no zombie and no grandchild survives.
 Where the child's slot has a cgroup, the cgroup is killed first
-(:meth:`cyclone_mp.slots.Slot.kill`: no fork can race it).
+(:meth:`cyclone_mp.slots.Slot.kill`: no fork can race it). Every signal to a process
+the supervisor did not just reap goes through a pidfd opened for the very process
+psutil saw, so a recycled pid is never hit; a process group is signalled by id only
+while its leader, our child, is not reaped.
 
-Every signal to a process the supervisor did not just reap goes through a pidfd
-(``os.pidfd_open`` + ``signal.pidfd_send_signal``) opened for the very process psutil
-saw (its start time is checked after the pidfd is open), so a recycled pid is never
-hit (issue 20). A process group is signalled by id only while its leader, our child,
-is not reaped (its id cannot be reused before).
-
-Adopted processes (issue 18): the supervisor is a child subreaper (Linux
-``PR_SET_CHILD_SUBREAPER``), and so is each child, so an escapee whose parent died is
-reparented to the child while the child lives (and swept with its attempt's
-leftovers), else to the supervisor. The supervisor starts nothing but its children and
-its watchdog, so what it adopts is a handler's (:func:`strays`): found by its cgroup,
-its marker in the environment, or its pid seen as a handler's descendant; and, in a
-process that runs only the supervisor (``client.run()``, ``cyclone-mp worker``),
-anything else it adopts. Only processes this supervisor's children started are ever
-signalled.
+Adopted processes: the supervisor and each child are child subreapers, so an escapee
+whose parent died is reparented to the child (and swept with its attempt's leftovers),
+else to the supervisor, where :func:`strays` tells a handler's from an embedding
+program's. Only processes this supervisor's children started are ever signalled.
 """
 
 from __future__ import annotations
@@ -65,7 +57,7 @@ def set_subreaper(on: bool) -> bool | None:
 
 
 def is_zygote(proc: psutil.Process) -> bool:
-    """True for a supervisor's zygote (issue 23): ``_boot.py cyclone_mp._child zygote ...``
+    """True for a supervisor's zygote: ``_boot.py cyclone_mp._child zygote ...``
     (a child forked from it shows ``forked`` there). Raises psutil.Error when it is gone."""
     cmdline = proc.cmdline()
     return "cyclone_mp._child" in cmdline and "zygote" in cmdline
@@ -330,7 +322,7 @@ def helper_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a helper process: this one's, with :func:`child_site` and
     ``extra``, without secrets: :data:`SECRET_ENV` and every variable whose value holds
     a password (:func:`holds_password`), so handler code cannot read the DSN from its
-    environment (issue 18). Names listed in ``CYCLONE_MP_CHILD_ENV_KEEP`` are kept
+    environment. Names listed in ``CYCLONE_MP_CHILD_ENV_KEEP`` are kept
     (never those of :data:`SECRET_ENV`)."""
     keep = {name.strip() for name in os.environ.get(KEEP_ENV, "").split(",")} - SECRET_ENV
     env = {k: v for k, v in os.environ.items()
@@ -400,8 +392,8 @@ class WatchdogLink:
 
     def cgroups(self, dirs: list[tuple[str, str]]) -> None:
         """The supervisor's cgroup directories (``(hierarchy, path)``): once the supervisor
-        is gone, the watchdog kills everything in them, whatever it did to its environment
-        (issue 18), and removes them."""
+        is gone, the watchdog kills everything in them, whatever it did to its environment,
+        and removes them."""
         for hierarchy, path in dirs:
             self._send(f"cgroup {hierarchy} {path}".encode())
 
@@ -419,7 +411,7 @@ class WatchdogLink:
         sends the held one before the earlier time comes near. A watchdog kill too early
         would thus take the supervisor's loop standing still for ``horizon`` seconds.
         Pipelined steps move a child's due thousands of times a second; a message each
-        time cost the supervisor a third of its CPU (issue 17).
+        time would cost the supervisor a third of its CPU.
         """
         sent = self._due.get(pid, _UNSENT)
         if when == sent:

@@ -2,21 +2,16 @@
 ``RLIMIT_NPROC`` count one tree.
 
 The supervisor looks at a running attempt's tree at every sample (:func:`survey`): its
-processes (which a cgroup's listing alone would miss once one leaves it, and which are
-checked against the slot's cgroups), their descriptors where ``max_open_files`` is set
-(a root handler can raise its own ``RLIMIT_NOFILE``, hard limit included), and, where no
-cgroup counts them, its CPU seconds, resident memory and tasks. ``RLIMIT_NPROC`` counts the
-tasks of a *user* in a *user namespace*, and binds every process but root's: in the
-user's own namespace it would count the supervisor, every other slot and every other
-program of that user, so a cap set from it would refuse a fork for someone else's
-processes or let a tree past its cap when others exit. A child that makes a user
-namespace of its own at birth (:func:`own_user_namespace`, while it is single-threaded)
-is the only process of its user there, so ``RLIMIT_NPROC`` then counts exactly its tree:
-the kernel holds the cap even against a fork bomb. That needs an ordinary user (root is
-never bound) and unprivileged user namespaces (:func:`user_namespaces_refused` says why
-not). The child counts its own tree when its handler ends (:func:`tree_size`), so a
-burst the 50 ms sampling missed is still seen.
+processes (checked against the slot's cgroups, which a cgroup's listing alone would miss
+once one leaves it), their descriptors where ``max_open_files`` is set, and, where no
+cgroup counts them, its CPU seconds, resident memory and tasks.
 
+``RLIMIT_NPROC`` counts the tasks of a *user* in a *user namespace*: in the user's own
+namespace it would count the supervisor and every other program of that user. A child
+that makes a user namespace of its own at birth (:func:`own_user_namespace`) is the only
+process of its user there, so ``RLIMIT_NPROC`` counts exactly its tree and the kernel
+holds the cap even against a fork bomb. That needs an ordinary user (root is never
+bound) and unprivileged user namespaces (:func:`user_namespaces_refused` says why not).
 Imported by the child runner too (it imports nothing the runner does not).
 """
 
@@ -136,7 +131,8 @@ def survey(root: int | None, *, stats: bool = True, fds: bool = False) -> Survey
 
 def tree_size(root: int | None = None) -> tuple[int, int]:
     """``(processes, tasks)`` of ``root`` (default: this process) and its descendants now,
-    zombies included (the kernel counts them until they are reaped)."""
+    zombies included (the kernel counts them until they are reaped). The child counts its
+    own tree with it as its handler ends, so a burst the sampling missed is still seen."""
     root = os.getpid() if root is None else root
     procs = tasks = 0
     todo, seen = [root], set()

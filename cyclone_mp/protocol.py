@@ -7,7 +7,7 @@ unpicklable exception or a non-JSON output can never break the parent (SPEC 2,
 scenario SC-10). The cancellation pipe carries one text line per cancel:
 ``"<task> <reason>\\n"``.
 
-The payload boundary (issue 18): an enqueue input, a signal payload, a handler output
+The payload boundary: an enqueue input, a signal payload, a handler output
 and a progress value must each be a JSON value PostgreSQL can store (no NUL, no lone
 surrogate, no NaN), nested at most :data:`MAX_DEPTH` levels, and at most
 ``max_payload`` bytes as JSON text. :func:`check_value` says so in the producer (a

@@ -1,36 +1,20 @@
 """Periodic steps: ``mux.schedule(step, cron=...)`` and ``every=seconds``.
 
 A :class:`Schedule` is pure: it names the slots of a cron expression (evaluated by
-`cronsim <https://pypi.org/project/cronsim/>`_, which follows Debian's cron, in the
-schedule's time zone) or of an interval (multiples of ``every`` since the Unix epoch), and
-decides which due slots a tick enqueues (:func:`plan`). :func:`run_once` is the
-maintenance pass (STYLE pattern 4): every supervisor whose mux defines schedules calls it
-on its sweep tick. It compares slots with the database clock only, takes each due
-schedule's row with ``FOR NO KEY UPDATE SKIP LOCKED``, enqueues the slot's run (idempotency key
-``cyclone-schedule:<name>:<slot>``) and advances the row in the same transaction: exactly
-one run per (schedule, slot), however many supervisors tick and whatever their clocks say.
+`cronsim <https://pypi.org/project/cronsim/>`_, which follows Debian's cron, daylight
+saving time included, in the schedule's time zone) or of an interval (multiples of
+``every`` since the Unix epoch), and decides which due slots a tick enqueues
+(:func:`plan`). :func:`run_once` is the maintenance pass (STYLE pattern 4): every
+supervisor whose mux defines schedules calls it on its sweep tick. It compares slots with
+the database clock only, takes each due schedule's row with ``FOR NO KEY UPDATE SKIP
+LOCKED``, enqueues the slot's run (idempotency key ``cyclone-schedule:<name>:<slot>``)
+and advances the row in the same transaction: exactly one run per (schedule, slot),
+however many supervisors tick and whatever their clocks say.
 
-Two definitions of one schedule (a rolling deploy runs old and new code side by side):
-each supervisor declares its definition; the one declared most recently among those a
-live supervisor still declares is in force, and only its supervisors enqueue the
-schedule's slots, from the schedule's row (its last slot), so the other definition's
-ticks neither fire nor reset anything. At a handover (:func:`take_over`), the slots the
-previous definition had not enqueued before the new one came into force are enqueued with
-the previous definition's input, or counted as skipped: a slot is never lost silently.
-
-Time zones and daylight saving time (cron expressions only; intervals are UTC): a slot in
-a local hour that a spring-forward transition skips runs right after the transition, once
-(at 03:00 for ``30 2 * * *`` in Europe/Paris); in the hour that a fall-back transition
-repeats, a job with a fixed hour runs once (the first 02:30), while a job that runs
-several times an hour runs in both (``*/30 * * * *`` fires four times between 02:00 and
-03:00). That is Debian's cron, which cronsim matches.
-
-Missed slots (catch-up): a slot counts as missed when no supervisor enqueued it within
-:data:`MISFIRE_GRACE` seconds of its time (all were down, or the database was). Slots
-that are late by less than that are always enqueued, however the schedule is configured.
-Of missed slots, ``catch_up="all"`` enqueues every one (at most :data:`MAX_SLOTS_PER_TICK`
-per tick), ``"latest"`` (the default) only the most recent, and only when no slot was on
-time in the same tick, and ``"none"`` none.
+Of two definitions of one schedule (a rolling deploy), the one declared most recently
+by a live supervisor is in force; at a handover (:func:`take_over`) no slot is lost
+silently. A slot no supervisor enqueued within :data:`MISFIRE_GRACE` seconds is missed
+and follows ``catch_up``. docs/schedules-and-flow-control.md explains both.
 """
 
 from __future__ import annotations

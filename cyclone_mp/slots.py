@@ -3,79 +3,17 @@
 A supervisor detects once, when it starts (:meth:`Confinement.detect`), the best
 mechanism the host offers for each job (:class:`~cyclone_mp.mechanism.Mechanism`, said
 in one line at start), and keeps one :class:`Slot` per child slot (a new child takes the
-slot of the one it replaces):
+slot of the one it replaces). cgroups hold the kill, the caps and the evidence where the
+supervisor can create them (root, or a delegated subtree: ``cyclone-mp-<pid>-<tag>``
+per hierarchy, ``slot-N`` per slot); elsewhere rlimits, a user namespace per child and
+sampling do. ``CYCLONE_MP_CGROUPS=off``, ``v1`` or ``v2`` narrows the choice.
 
-========================  ===============================================  ===============================
-job                       best first                                       fallback (no writable cgroup)
-========================  ===============================================  ===============================
-kill the whole tree       cgroup v2: freeze, list, ``cgroup.kill``          SIGSTOP, then SIGKILL to the
-                          (no fork can race it)                            group and every descendant
-memory (``memory_limit``) cgroup v2 ``memory.max``; cgroup v1              ``RLIMIT_DATA`` in the child,
-                          ``memory.limit_in_bytes`` (the kernel holds      and the tree's RSS sampled
-                          the cap; an OOM kill inside is the evidence)     here every 50 ms
-processes                 cgroup v2 or v1 ``pids.max`` (a refused fork     ordinary user: ``RLIMIT_NPROC``
-(``max_processes``)       is the evidence)                                 in a user namespace of the
-                                                                           child's own, one over the cap
-                                                                           (:mod:`~cyclone_mp.proctree`);
-                                                                           root: nothing binds it. Both:
-                                                                           the tree sampled every 50 ms
-                                                                           and counted when the handler
-                                                                           ends
-CPU (``cpu_limit``)       cgroup v2 ``cpu.stat`` sampled every 50 ms       the tree's ``/proc`` times
-                                                                           sampled, ``RLIMIT_CPU`` in the
-                                                                           child
-open files                ``RLIMIT_NOFILE``, soft and hard, in the child;  the same (a handler without
-(``max_open_files``)      each process's descriptors counted every 50 ms   ``CAP_SYS_RESOURCE`` cannot
-                          (no cgroup counts them; root may raise a hard    raise the hard limit)
-                          limit)
-the tree in its cgroups   each process of the tree checked every 50 ms     no cgroup to leave
-                          against the slot's cgroups (root can move one
-                          out): one outside is killed with the tree
-an attempt's forensics    the memory cgroup's peak restarted as each       the tree's RSS and processes
-                          limited attempt begins; processes: the tree      sampled, the most at once
-                          walked with what the cgroups list, the most
-an OOM kill's evidence    the slot's ``memory.events`` (v2) or             the kernel log's record of
-                          ``memory.oom_control`` (v1) counters             that pid (:mod:`~cyclone_mp.kmsg`,
-                                                                           where readable); else none
-========================  ===============================================  ===============================
-
-cgroups are used where the supervisor can create them: as root, or in a delegated
-subtree (systemd's ``Delegate=yes``). Each supervisor makes one directory per
-hierarchy, ``cyclone-mp-<pid>-<tag>`` under its own cgroup, and in it ``slot-N`` per
-child slot. Moving a process into a cgroup (a ``cgroup.procs`` write) waits, the first
-time after a pause, for a kernel RCU grace period (7-15 ms measured on cgroup v1 here);
-creating it in one does not. So:
-
-- a child forked from the zygote is created in a v2 directory of its slot
-  (``CLONE_INTO_CGROUP``); each later child of the slot gets a fresh one,
-  ``slot-N.G`` (:meth:`Slot.prepare`), which no kill of the last child touched;
-- where cgroup v2 kills the tree and only the caps live in v1 (a hybrid host), a child
-  joins its slot's v1 ``memory`` and ``pids`` cgroups only when an attempt with
-  ``memory_limit`` or ``max_processes`` is about to run in it (:meth:`Slot.join`, once
-  per child; before a ``memory_limit`` one that may hold memory charged outside the
-  slot, which would escape the cap, is replaced instead: a child that ran steps, a
-  spawned child, one that imported modules after its birth). Once a step with those caps is seen (or the handlers declare them),
-  every new child joins them at birth (:attr:`Confinement.v1_at_birth`);
-- a moved child moves itself, first thing after the fork, so the grace period is the
-  child's wait, not process control's (whose stall would hold back every other child's
-  results); a child that cannot is moved from here, as a spawned one is;
-- where no pids cgroup holds ``max_processes`` and the supervisor is an ordinary user,
-  children are born in user namespaces of their own once a step with that cap is seen
-  or declared (:attr:`Confinement.userns_at_birth`); an older child is replaced before
-  its first such attempt (a namespace can only be made while single-threaded).
-
-v2 controllers are enabled in the supervisor's own cgroup
-when they are available there but not yet enabled; a non-root cgroup holding the
-supervisor cannot enable them (no internal processes), so the supervisor first moves
-itself into a leaf of its own (``cyclone-mp-supervisor-<pid>``), as systemd advises
-for delegated units. ``CYCLONE_MP_CGROUPS=off`` turns cgroups off (the fallbacks);
-``CYCLONE_MP_CGROUPS=v1`` or ``v2`` keeps one hierarchy (a v1-only or v2-only host's
-mechanisms, run on a hybrid one).
-
-Sampling happens only while an attempt with a limit runs (process control's loop,
-every :data:`SAMPLE_INTERVAL`), so steps without limits pay nothing. Each look walks the
-attempt's tree (:meth:`Slot.sample`); where cgroups count its memory and CPU, a big
-tree's walks are spaced to take at most :data:`WALK_SHARE` of the time.
+A child is created in its slot's cgroup (``CLONE_INTO_CGROUP``) rather than moved, since
+a move waits for a kernel RCU grace period; it joins v1 caps only once a step needs them.
+Sampling happens only while an attempt with a limit runs (every :data:`SAMPLE_INTERVAL`),
+so steps without limits pay nothing. The table of mechanisms and their fallbacks is in
+docs/resource-limits.md ("How they are enforced"); why children are created in their
+cgroup, in docs/operating.md ("How children start").
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class StepStatus:
             ``limits``, ``tree`` (``peak_memory_kb``, ``cpu_seconds``, ``processes`` of the
             whole process tree), ``cause`` and ``enforced_by``;
             and one per attempt cancelled while it ran (``kind="cancelled"``, with its
-            ``started_at``; no attempt consumed, ``error`` unchanged: issue 19).
+            ``started_at``; no attempt consumed, ``error`` unchanged).
         claimed_at: when the last attempt's row was claimed (the database's ``now()``:
             its timeout counts from it). started_at: when its handler started: the claim
             plus the delay its supervisor reports with the attempt's renewal or outcome (a
@@ -149,7 +149,7 @@ class RunStatus:
     #: schedule's next one on the database clock), else None.
     schedule: dict[str, Any] | None = None
     #: True when the run was read from the archive tables (finished, moved out of the hot
-    #: tables by the supervisors' maintenance after ``archive_after``; issue 22).
+    #: tables by the supervisors' maintenance after ``archive_after``).
     archived: bool = False
 
     @classmethod

@@ -193,7 +193,7 @@ class StepOptions:
         rate_limit: ``(count, seconds)``: at most ``count`` starts per ``seconds`` per
             key, on the database clock (None: no limit). Stored on the row at enqueue.
         memory_limit: bytes of memory the attempt's whole process tree may use (an int,
-            or a size such as ``"512MiB"``); None: no cap (issue 20). Stored on the row.
+            or a size such as ``"512MiB"``); None: no cap. Stored on the row.
         cpu_limit: CPU seconds the tree may use in one attempt (seconds or timedelta).
         max_processes: processes the tree may have at once, the child included.
         max_open_files: descriptors each process of the tree may hold.
@@ -352,7 +352,7 @@ class Step:
     """A registered handler ``fn(ctx, input) -> output`` with its options.
 
     The handler may be an ``async def`` function: its child runs it on an event loop of
-    its own, and a cancel cancels its task (issue 24). Calling a ``Step`` calls the
+    its own, and a cancel cancels its task. Calling a ``Step`` calls the
     handler directly (useful in unit tests; an async handler's call returns its coroutine).
     """
 

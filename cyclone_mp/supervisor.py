@@ -1,8 +1,7 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
-It is four parts with one job each, in the spirit of River's producer, job executor,
-completer and rescuer services. They share no mutable state and talk by the
-plain messages of :mod:`cyclone_mp.messages`:
+It is four parts with one job each (as River's producer, executor, completer and
+rescuer), sharing no mutable state and talking by the messages of :mod:`cyclone_mp.messages`:
 
 ==========================  ===============================================  ===========
 part                        its job                                          its thread
@@ -19,12 +18,8 @@ Each database part has its own connection and bounds every call
 (:mod:`cyclone_mp.dbloop`), so a slow, locked or partitioned database delays durable
 transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) kills a
 child whose fence passed while this process was frozen, and everything it started once
-it is gone.
-
-Owners: claims and the completion CAS, :mod:`~cyclone_mp.outcomes`; renewals,
-:mod:`~cyclone_mp.leases`; deadlines, fences, cancels and kills,
-:mod:`~cyclone_mp.control`; the sweep, :mod:`~cyclone_mp.sweep`; what a failure does to
-a row, :mod:`~cyclone_mp.decisions`; killing a tree, :mod:`~cyclone_mp.procs`.
+it is gone. What a failure does to a row is :mod:`~cyclone_mp.decisions`'; killing a
+tree, :mod:`~cyclone_mp.procs`'.
 """
 
 from __future__ import annotations
@@ -68,7 +63,7 @@ class Supervisor:
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
         dedicated: this process runs only the supervisor (``client.run()``, ``cyclone-mp
-            worker``): every process it adopts is then a handler's (issue 18); False in a
+            worker``): every process it adopts is then a handler's; False in a
             program that embeds it (``client.start()``), whose own children are left alone.
 
     Raises:
@@ -159,7 +154,7 @@ class Supervisor:
         was_subreaper = procs.set_subreaper(True)
         watchdog = procs.WatchdogLink(self.id)
         try:
-            # The child slots' cgroups (issue 20): the watchdog kills them if we die.
+            # The child slots' cgroups: the watchdog kills them if we die.
             self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
             watchdog.cgroups(confinement.dirs)
             log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here

@@ -1,4 +1,4 @@
-"""Maintenance: the recovery sweep, due timers, schedules, the registry and big payloads (SPEC 4, issues 17, 18, 21).
+"""Maintenance: the recovery sweep, due timers, schedules, the registry and big payloads (SPEC 4).
 
 :class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
 :meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
@@ -8,38 +8,15 @@ which asks :func:`cyclone_mp.decisions.expiry`), fires due timers, and returns c
 Tests call it directly.
 
 :class:`Maintenance` is the thin loop around it, on a thread and a connection of its
-own. The sweep is one supervisor's at a time (issue 22): before a pass it takes the
-sweep's turn for all (:meth:`cyclone_mp.store.Store.sweep_turn`, a row of
-``cyclone_maintenance`` whose ``ran_at`` moves forward at most once per interval; a row
-lock for one statement, nothing a session holds, so it works through PgBouncer in
-transaction mode), and when another supervisor has it, asks again once that turn is
-over. So the database sees one pass per ``poll_interval`` maximum (default 1 s) however
-many supervisors run, and each supervisor one small statement per interval. It also
-refreshes the ``cyclone_workers`` row every ``registry_interval`` (from a snapshot that
-process control publishes; the same statement counts the live supervisors, for each
-one's share of the fleet's prefetch), and tells process control to claim at once when
-the sweep made something claimable. Recovery never reads the registry (scenario SC-05).
-
-At a random point of every ``poll_interval`` it also fires the due slots of the mux's
-schedules (:func:`cyclone_mp.schedules.run_once`, issue 21), as a call of its own: a
-schedule the database refuses never costs a sweep, and neither ever waits in process
-control's loop. (Schedules stay every supervisor's: each one's mux has its own.)
-
-Every :data:`~cyclone_mp.config.HISTORY_INTERVAL` seconds one supervisor (the one that
-takes the ``history`` turn, as for the sweep) does the history work of issue 22
-(:class:`cyclone_mp.history.History`): finished runs leave the hot tables for the
-archive, retention drops old archive partitions. A pass is bounded
-(:data:`~cyclone_mp.config.HISTORY_BUDGET`), a call of its own (a failure costs no
-sweep), and its transactions also take an advisory lock each (a pass that ran past its
-turn never overlaps the next one's).
-Every :data:`~cyclone_mp.config.VACUUM_WATCH_INTERVAL` seconds it also looks at the xmin
-horizon (:class:`cyclone_mp.history.VacuumWatch`): when a long transaction that held
-vacuum back ends, the hot tables are vacuumed at once, on a thread of their own.
-
-It also reads, alone and with a bound of their own, the inputs and upstream outputs
-that were too big to come with their claim (:class:`~cyclone_mp.messages.Load`): a fan-in
-of hundreds of megabytes takes seconds, which a claim (bounded by ``lease_ttl / 3``)
-must not; one it cannot read at all fails that attempt alone (``permanent``).
+own. The sweep is one supervisor's at a time: each pass takes the sweep's turn
+(:meth:`cyclone_mp.store.Store.sweep_turn`, a one-statement row lock, so it works through
+PgBouncer), so the database sees at most one pass per ``poll_interval`` however many
+supervisors run. The same loop refreshes the ``cyclone_workers`` registry (which recovery
+never reads), fires the mux's schedules, takes the ``history`` turn for the archive and
+retention (:class:`cyclone_mp.history.History`), watches the xmin horizon
+(:class:`cyclone_mp.history.VacuumWatch`) and reads payloads too big to come with their
+claim (:class:`~cyclone_mp.messages.Load`); each is a call of its own, so one that fails
+never costs a sweep. docs/operating.md explains the turns and the history work.
 """
 
 from __future__ import annotations
@@ -132,7 +109,7 @@ class Maintenance(DatabaseThread):
         post_outcome: hands an :class:`~cyclone_mp.messages.Outcome` to the writer.
         started: set once process control runs (its children started): the first
             registry row waits for it, so it lists them.
-        history: the history work (archive, retention; issue 22); default one from the
+        history: the history work (archive, retention); default one from the
             config's ``archive_after`` and ``retain_*``.
         vacuum_watch: the :class:`~cyclone_mp.history.VacuumWatch` (default: one that
             vacuums over a connection of its own to ``dsn``).
@@ -270,7 +247,7 @@ class Maintenance(DatabaseThread):
         timers: a mass expiry) goes on at once, without asking again: recovery is not
         held to one page per interval (others join in once the interval is over)."""
         lo, _ = self.config.poll_interval
-        if not self.sweeping:  # the database failed: as before the turn, a poll interval
+        if not self.sweeping:  # failed_at: when the database fails the ask, look again within a poll interval
             later = self.take_turn("sweep", self.sweep_every, now, failed_at=now + random.uniform(lo, self.sweep_every))
             if later is not None:
                 return later

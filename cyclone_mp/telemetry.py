@@ -1,4 +1,4 @@
-"""What the supervisor's parts report as it happens, for metrics and traces (issue 24).
+"""What the supervisor's parts report as it happens, for metrics and traces.
 
 The parts call an :class:`Observer` at the events they already handle: the lease keeper
 and the outcome writer when they claim, the writer and maintenance when an attempt's end

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (issue 24), when the ``opentelemetry-api`` package is importable.
+"""OpenTelemetry traces, when the ``opentelemetry-api`` package is importable.
 
 * **Enqueue** opens a ``PRODUCER`` span, ``cyclone_mp enqueue <name>`` (a child of the
   caller's current span, if any), and records its trace context on the run (the
@@ -61,7 +61,7 @@ def tracing_enqueue() -> bool:
     """False when :func:`enqueue_span` would record nothing: no OpenTelemetry, or no SDK
     configured (the API's proxy or no-op provider) and no current trace to continue (the
     span would be the invalid one, its carrier empty). Cheap: the single enqueue asks it
-    on its hot path and skips the span altogether (issue 23)."""
+    on its hot path and skips the span altogether."""
     if not available():
         return False
     _, trace = _api()

@@ -1,45 +1,20 @@
-"""Waiting for runs to end: ``client.wait`` and ``client.result`` (issue 24).
+"""Waiting for runs to end: ``client.wait`` and ``client.result``.
 
-A run that becomes completed, discarded or cancelled sends a ``NOTIFY`` on the channel
-:data:`RUNS_CHANNEL` whose payload is its id: every statement that ends runs sends it
-for each (``run_ended_expr`` in ``sql/queries.sql``: the completion CAS, a discard,
-``client.cancel``, a workflow's refresh); a payload may also name several runs,
-comma-separated. A client
-keeps **one** listening connection for all its waits, however many (a thread for
-:class:`~cyclone_mp.Client`, a task for :class:`~cyclone_mp.AsyncClient`): woken by a
-notification, it reads the statuses of the runs it names that someone waits for, in
-two statements on that same connection, and hands each waiter its
-:class:`~cyclone_mp.RunStatus`. It polls as the fallback: every
-:data:`POLL_LISTENING` seconds while listening (a notification lost with a connection),
-every :data:`POLL_FALLBACK` seconds when LISTEN cannot be had, and at once after a
-reconnect. With nobody waiting for :data:`IDLE_CLOSE` seconds it closes its connection.
-
-Through PgBouncer in transaction mode (``pgbouncer=True``) a LISTEN would land on a
-server connection other clients share: the listener then LISTENs on ``listen_dsn`` (a
-direct connection) when one is given, and otherwise polls every :data:`POLL_FALLBACK`
-seconds through PgBouncer (issue 22).
-
-A waiter subscribes before it looks: once the connection listens, it registers and reads
-the run's state once itself; a run that ends after that read notifies the listener.
-
-Runs that end notify only while a listener is connected to their database (a session
-named :data:`LISTENER_NAME`; ``waiting_expr`` in ``sql/queries.sql``): a NOTIFY makes
-its commit wait for every other notifying commit of the server, so with no one waiting
-the supervisors' writes commit side by side (issue 23). A statement that looked for a
-listener just before one connected, and commits after the waiter's own look, notifies
-nobody: the listener polls once more :data:`CATCH_UP` seconds after it starts listening.
-
-A connection can stop answering while its TCP stays up (a wedged PgBouncer or proxy, a
-frozen server backend): no TCP bound sees it, and the server that would enforce
-``statement_timeout`` is the one not answering. So the wait's own timer bounds every read
-it makes (:func:`~cyclone_mp.connections.answered_within`): the lookup of the run, its
-first and last looks and the listener's polls and LISTEN. A read not answered within
-:data:`STALLED_AFTER` seconds (or by the wait's deadline) has its connection closed and
-is made again on a fresh one, with twice the bound each time in a row (a server that is
-only slow still answers); the listener connects and listens again. A wait with a
-``timeout`` returns its run's status or raises :class:`~cyclone_mp.errors.WaitTimeout`
-at most :data:`GRACE` seconds after its deadline; one without goes on waiting, on fresh
-connections.
+A run that becomes completed, discarded or cancelled sends a ``NOTIFY`` on
+:data:`RUNS_CHANNEL` with its id (``run_ended_expr`` in ``sql/queries.sql``; a payload may
+name several runs, comma-separated), but only while a listener is connected to its
+database (a session named :data:`LISTENER_NAME`, ``waiting_expr``): a NOTIFY makes its
+commit wait for every other notifying commit of the server, so with no one waiting the
+supervisors' writes commit side by side. A client keeps **one** listening connection for
+all its waits (a thread for :class:`~cyclone_mp.Client`, a task for
+:class:`~cyclone_mp.AsyncClient`) and hands each waiter its :class:`~cyclone_mp.RunStatus`.
+A waiter subscribes before it looks, so no end is missed; the listener also polls
+(:data:`POLL_LISTENING`, :data:`POLL_FALLBACK` without LISTEN or through PgBouncer with no
+``listen_dsn``, once more :data:`CATCH_UP` after it starts). Every read is bounded by the
+wait's own timer (:data:`STALLED_AFTER`, :func:`~cyclone_mp.connections.answered_within`),
+since a wedged connection answers nothing: a wait with a ``timeout`` returns or raises
+:class:`~cyclone_mp.errors.WaitTimeout` at most :data:`GRACE` seconds after its deadline.
+See docs/python-apps.md ("Waiting for a run").
 """
 
 from __future__ import annotations

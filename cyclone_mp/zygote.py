@@ -1,24 +1,19 @@
-"""The supervisor's end of its zygote (issue 23): children forked in milliseconds.
+"""The supervisor's end of its zygote: children forked in milliseconds.
 
 A fresh child (``python -S -P _boot.py cyclone_mp._child ...``) takes tens of
 milliseconds to start an interpreter and import the runner and the handlers' modules,
-and every crash, kill and recycle pays it. With ``start_method="zygote"`` (the default,
-:class:`~cyclone_mp.config.Config`) the pool keeps one more process, the zygote
-(:mod:`cyclone_mp._zygote`), which has done that once, and asks it for each new child.
-The child it forks is reparented to this process (a child subreaper), so it is this
-process's own child exactly as a spawned one: same process group of its own, same
-``PR_SET_PDEATHSIG``, same cgroup slot entered before it runs anything, same pidfd,
-same ``wait4`` forensics, same scrubbed environment (SPEC 1, issues 18 and 20).
+and every crash, kill and recycle pays it. With ``start_method="zygote"`` (the default)
+the pool keeps one more process, the zygote (:mod:`cyclone_mp._zygote`), which has done
+that once, and asks it for each new child. The child it forks (``clone(CLONE_PARENT)``)
+is this process's own child exactly as a spawned one: own process group,
+``PR_SET_PDEATHSIG``, slot cgroups, pidfd, ``wait4`` forensics, scrubbed environment
+(SPEC 1).
 
-:class:`Zygote` is driven by process control's thread (it never blocks it for long): it
-is started asynchronously and watched through the selector; :meth:`Zygote.fork` waits at
-most :data:`FORK_TIMEOUT` for the pid. When the zygote dies it is started again; a
-module whose import kills or hangs it is left out of every child's preload, as a spawned
-child's would be; a module that leaves it unsafe to fork (a thread, a socket) is
-imported by each child after the fork instead. After :data:`DEATHS_MAX` deaths within
-:data:`DEATHS_WINDOW` seconds (or on a system without ``clone(CLONE_PARENT)``: Linux on
-x86-64 and arm64 have it) children are spawned as with ``start_method="spawn"``, and a
-warning says so.
+:class:`Zygote` is driven by process control's thread and never blocks it for long:
+:meth:`Zygote.fork` waits at most :data:`FORK_TIMEOUT` for the pid. A dead zygote is
+started again, without a module whose import killed or hung it; after
+:data:`DEATHS_MAX` deaths within :data:`DEATHS_WINDOW` seconds, or without
+``clone(CLONE_PARENT)``, children are spawned instead and a warning says so.
 """
 
 from __future__ import annotations

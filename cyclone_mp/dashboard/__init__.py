@@ -1,4 +1,4 @@
-"""The operator dashboard (issue 7): ``cyclone-mp dashboard``, or ``create_app(client)``.
+"""The operator dashboard: ``cyclone-mp dashboard``, or ``create_app(client)``.
 
 Needs the ``dashboard`` extra (Starlette, Jinja2, uvicorn, PyYAML). Pages: the overview,
 the runs list, a run's detail, and confirmed operator actions; the JSON API behind them

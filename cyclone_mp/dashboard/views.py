@@ -24,7 +24,7 @@ from .params import RUN_STATES, STEP_STATES, BadRequest, RunQuery, encode_cursor
 COUNT_CAP = 10_000  #: the runs list counts matching runs up to this many
 WORKERS_WITHIN = 15.0  #: seconds: a supervisor whose registry row is older is not shown
 KILLS_SHOWN = 20
-HOUR = 60  #: minutes of the latency, kills and durations charts (issue 24)
+HOUR = 60  #: minutes of the latency, kills and durations charts
 DURATIONS_SHOWN = 50  #: steps in the durations table
 NAMES_SHOWN = 200
 FORENSICS = ("pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger", "cpu_seconds",
@@ -362,14 +362,14 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,
         "error_kind": step.error_kind, "progress": step.progress, "output": step.output,
         "failures": len(step.errors), "elapsed": elapsed,
-        # the attempt shown: 0 until a first attempt began (issue 19: "1/3" read as "ran once")
+        # the attempt shown: 0 until a first attempt began ("1/3" would read as "ran once")
         "attempt_shown": step.attempt if step.started_at is not None or step.errors else 0,
         "concurrency_key": step.concurrency_key, "waiting_on": step.waiting_on, "limits": limits_text(step),
     }
 
 
 def limits_text(step: StepStatus) -> str:
-    """A step's key and limits with what they count now (issue 21), or ''."""
+    """A step's key and limits with what they count now, or ''."""
     parts = [f"key {step.concurrency_key}"] if step.concurrency_key else []
     if step.concurrency is not None:
         parts.append(f"{step.running_in_group or 0}/{step.concurrency} running")
@@ -397,7 +397,7 @@ def outputs(steps: Sequence[StepStatus], run_state: str) -> dict[str, Any]:
     "outputs_note": str | None}``. One entry per finished task node: a completed one with
     its output (``note`` says when the handler returned null), a discarded or cancelled
     one with why it has none; ``outputs_note`` when there is no entry ("no output yet"
-    only while the run can still produce one: issue 19)."""
+    only while the run can still produce one)."""
     out = []
     for step in steps:
         if step.kind != "task" or not step.terminal:

@@ -2,7 +2,7 @@
 -- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
 
 -- name: run_ended_expr
--- (Fragment) announce that run r ended, to the waiters of client.wait (issue 24): a NOTIFY on
+-- (Fragment) announce that run r ended, to the waiters of client.wait: a NOTIFY on
 -- channel cyclone_mp_runs with the run's id, sent at commit, while anyone waits on this
 -- database (waiting_expr). Every statement that makes a run completed, discarded or
 -- cancelled returns it (a RETURNING expression is computed for each row, whatever reads it).
@@ -14,7 +14,7 @@ CASE WHEN {waiting_expr} THEN pg_notify('cyclone_mp_runs', r.id::text) END
 -- server's activity array once per statement (about 25 us), no table. A transaction that
 -- NOTIFYs takes, at commit, a lock every other notifying commit of the server waits for,
 -- through its WAL flush: 16 writers committed a third as fast with a NOTIFY each as
--- without (issue 23), so runs that end notify only while someone listens.
+-- without, so runs that end notify only while someone listens.
 EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
          WHERE a.application_name = 'cyclone_mp waiting'
            AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database()))
@@ -43,7 +43,7 @@ CASE WHEN s.state = 'available' AND s.scheduled_at <= now() THEN
               THEN 'rate_limit' END END
 
 -- name: walk_ctes
--- (Fragment) the first half of the fair claims (issue 21): each queue's keys
+-- (Fragment) the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -178,7 +178,7 @@ cslots AS MATERIALIZED (
 
 -- name: claim_ctes
 -- (Fragment) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
--- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits (issue 21): a step with a
+-- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits: a step with a
 -- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
 -- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
 -- concurrency slots are free for this claim.
@@ -410,7 +410,7 @@ SELECT state, lease_owner, lease_generation,
  WHERE id = %(id)s;
 
 -- name: settle_ctes
--- (Fragment) one tick's completions (issue 8). Every row is checked on its own (the
+-- (Fragment) one tick's completions. Every row is checked on its own (the
 -- CAS): still running under the same lease_owner and lease_generation, and before its
 -- DB deadline. The runs of every row of the tick (completions and failures) are locked
 -- first, all at once, by id.
@@ -455,7 +455,7 @@ runs AS (
 )
 
 -- name: fail_ctes
--- (Fragment) one tick's failed attempts (issue 8), after settle_ctes: each row's CAS as a
+-- (Fragment) one tick's failed attempts, after settle_ctes: each row's CAS as a
 -- completion's, and a timeout the worker clock reported must be past its DB deadline.
 -- Rows of workflow runs only when %(in_tx)s: the caller then advances those runs in the
 -- same transaction.
@@ -518,7 +518,7 @@ fail_in AS MATERIALIZED (
 )
 
 -- name: quarantine_error_expr
--- (Fragment) the poison quarantine (issue 20, decisions.discard_message): the error of a
+-- (Fragment) the poison quarantine (decisions.discard_message): the error of a
 -- step discarded by an attempt j that died of a resource cause (its entry has a "cause"),
 -- when the attempts before it died of the same cause: "killed 3 times: memory_limit
 -- 512 MiB, peak 2.1 GiB". NULL otherwise. Earlier entries of cancelled attempts are skipped.
@@ -1028,7 +1028,7 @@ SELECT name, fingerprint, target, spec, first_seen_at, seen_at
 -- running attempt leaves an entry in errors (kind "cancelled", with its started_at, lease
 -- owner and generation, so the supervisor's kill forensics can join it), consuming no
 -- attempt and leaving error and error_kind as they were: after cancel, retry, cancel the
--- history still shows both attempts and when each started (issue 19).
+-- history still shows both attempts and when each started.
 WITH steps AS (
     UPDATE cyclone_steps
        SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL,
@@ -1176,7 +1176,7 @@ SELECT (SELECT id::text FROM run) AS id,
        (SELECT count(pg_notify('cyclone_mp', %(queue)s)) FROM step) AS notified
 
 -- name: run_by_key
--- The run that holds an idempotency key, hot or archived (issue 22).
+-- The run that holds an idempotency key, hot or archived.
 SELECT * FROM (
     (SELECT id::text AS id FROM cyclone_runs WHERE idempotency_key = %(key)s)
     UNION ALL
@@ -1320,7 +1320,7 @@ SELECT queue, paused_at, reason FROM cyclone_queue_pauses ORDER BY paused_at, qu
 SELECT pg_notify('cyclone_mp', %(queue)s);
 
 -- name: get_run
--- The run row of client.status, from the hot table or else from the archive (issue 22):
+-- The run row of client.status, from the hot table or else from the archive:
 -- one statement, so a run moved meanwhile is found in one or the other, and the archive
 -- is read only when the hot table has no such run (the Append stops at the first row).
 SELECT * FROM (
@@ -1349,7 +1349,7 @@ s.snoozes
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
--- with its key and limits (issue 21): running_in_group counts the group's attempts that
+-- with its key and limits: running_in_group counts the group's attempts that
 -- hold a concurrency slot, starts_in_period the starts of the last rate period (both from
 -- step_limits_expr, which the query joins).
 {step_status_columns_expr},
@@ -1492,7 +1492,7 @@ SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.finished_at, p
 -- name: register_worker
 -- Announce or refresh a live supervisor, and count the live ones: this one and every
 -- other whose row was refreshed within live_us (each sizes its prefetch by its share of
--- the fleet's, issue 23). Recovery never reads these rows.
+-- the fleet's). Recovery never reads these rows.
 WITH me AS (
 INSERT INTO cyclone_workers (id, hostname, pid, info)
 VALUES (%(id)s, %(hostname)s, %(pid)s, %(info)s)
@@ -1569,7 +1569,7 @@ UPDATE cyclone_steps s
    AND s.state IN ('pending', 'available', 'waiting_signal', 'waiting_timer');
 
 -- Dashboard reads
--- Read-only queries of the operator dashboard (cyclone_mp.dashboard, issue 7). Optional
+-- Read-only queries of the operator dashboard (cyclone_mp.dashboard). Optional
 -- filters are written "(%(x)s IS NULL OR ...)"; the store runs these queries unprepared,
 -- so PostgreSQL plans each with its actual values, folds away the unused filters and
 -- uses the indexes of migrations/0002_dashboard.sql.
@@ -1614,7 +1614,7 @@ SELECT coalesce(step_name, '(' || kind || ')') AS name, queue, state, count(*)::
  ORDER BY 1, 2, 3;
 
 -- name: recent_steps_expr
--- (Fragment) the step rows finished since bounds.first, hot and archived (issue 22): an
+-- (Fragment) the step rows finished since bounds.first, hot and archived: an
 -- archived step's run finished no earlier than it did, so its partitions are pruned by
 -- run_finished_at; rows keep the columns the charts read.
 (SELECT s.finished_at, s.state, s.kind, s.step_name, s.started_at, s.scheduled_at
@@ -1721,8 +1721,8 @@ SELECT s.step_name AS step, count(*)::bigint AS n,
 
 -- name: dash_recent_kills
 -- Steps whose latest error entry is a kill (timeout, child exit, reclaim limit, a resource
--- cause of issue 20), newest entry first.
--- Hot and archived (issue 22): the newest of each, merged.
+-- cause of death), newest entry first.
+-- Hot and archived: the newest of each, merged.
 SELECT * FROM (
     (SELECT s.id, s.run_id::text AS run_id, s.node, s.step_name, s.queue, s.state, s.attempt, s.max_attempts,
             s.reclaims, s.max_reclaims, s.errors -> -1 AS entry, (s.errors -> -1 ->> 'at') AS at
@@ -1757,7 +1757,7 @@ LIMIT %(limit)s::bigint + %(offset)s::bigint
 -- One page of runs, newest first: optional state, name and created_at filters, a keyset
 -- cursor (created_at, id) of the last row seen, and an offset. The page is chosen first,
 -- so the step counts are computed for its rows only (not for every row an offset skips).
--- Archived runs (issue 22) are listed too: each table's first rows of the page, merged.
+-- Archived runs are listed too: each table's first rows of the page, merged.
 SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.finished_at,
        CASE WHEN p.archived THEN
            (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
@@ -1829,7 +1829,7 @@ SELECT name
 
 -- name: dash_run_signals
 -- The signals a run received (the first of each name is kept); an archived run's are kept
--- on its archive row (issue 22).
+-- on its archive row.
 SELECT name, payload, created_at
   FROM cyclone_signals
  WHERE run_id = %(run_id)s
@@ -1902,7 +1902,7 @@ SELECT DISTINCT id FROM (
  LIMIT 2;
 
 
--- History (issue 22): finished runs move from the hot tables to the archive, retention
+-- History: finished runs move from the hot tables to the archive, retention
 -- deletes them; see migrations/0017_history.sql and cyclone_mp/history.py.
 
 -- name: xmin_horizon
@@ -1931,7 +1931,7 @@ dead_by, kill_within, start_delay, snoozes
 SELECT pg_try_advisory_xact_lock(%(key)s::bigint) AS got;
 
 -- name: history_scan_ctes
--- (Fragment) where a history batch looks (issue 22): policy, per finished state, the age
+-- (Fragment) where a history batch looks: policy, per finished state, the age
 -- in microseconds after which a run leaves the hot tables (move_us: NULL, never) and after
 -- which it is deleted rather than archived (drop_us: NULL, kept); scanned, up to %(limit)s
 -- finished step rows older than %(scan_us)s, from the cursor %(after)s on (finished_at

@@ -39,7 +39,7 @@ class StoreBase:
         self.conn = conn
         self.commits = 0  # transactions this Store committed
         #: Per queue, the concurrency key the last claim's walk ended at: the next claim
-        #: serves the keys after it first (round-robin, issue 21).
+        #: serves the keys after it first (round-robin).
         self.fair_cursors: dict[str, str] = {}
         #: After a claim: seconds until a step that a rate limit held back may start
         #: (the supervisor's next poll need not come sooner), or None.
@@ -50,7 +50,7 @@ class StoreBase:
         self.flow_marks: dict[str, str] | None = None
         self._marks_for: frozenset[str] = frozenset()  # the queues flow_marks covers
         #: ``(step name, error kind)`` of the attempt the last :meth:`fail` or :meth:`expire`
-        #: ended (what it stored), or None: the supervisor's metrics count it (issue 24).
+        #: ended (what it stored), or None: the supervisor's metrics count it.
         self.last_ended: tuple[str | None, str] | None = None
         #: Whether the last :meth:`fail` discarded its step; after :meth:`expire`, the
         #: discarded step's ``{"run_id", "node", "step_name", "error_kind", "error"}`` or None.
@@ -67,7 +67,7 @@ class StoreBase:
         ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
         (``plan_cache_mode = force_generic_plan``) instead of re-planning the many-CTE
         hot-path statements with each call's values: planning them cost more than running
-        them (about 0.7 of 1.4 ms per claim-and-complete, measured for issue 8). Only for
+        them (about half of a claim-and-complete). Only for
         the supervisor's connection, whose statements all read by index whatever the values.
         ``idle_in_transaction``, ``lock_timeout``, ``statement_timeout`` (seconds): see
         :func:`configure_session`; ``dead_after``, ``connect_timeout``, ``application_name``,

@@ -79,7 +79,7 @@ class LeaseQueries:
         """Claim up to ``limit`` available steps (SKIP LOCKED), one statement.
 
         Fair by key (round-robin within each queue) and within the steps' concurrency
-        and rate limits (issue 21); afterwards :attr:`claim_wait` is the seconds until a
+        and rate limits; afterwards :attr:`claim_wait` is the seconds until a
         rate-limited step held back by this claim may start, or None. When the marks
         that came back call for a claim that takes more kinds of steps than the one just
         made (a queue's first keyed or limited step), and it took fewer than ``limit``,
@@ -181,7 +181,7 @@ class LeaseQueries:
         start_now: int | None = None,
         workflows: bool = False,
     ) -> "Settled":
-        """A tick's outcomes and the next claim in one statement (issue 8: the hot path).
+        """A tick's outcomes and the next claim in one statement (the hot path).
 
         ``completions`` are ``(id, generation, output, progress[, start delay])`` items (the
         delay: seconds from the claim to the handler's start, or None); ``failures`` are

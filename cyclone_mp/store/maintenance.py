@@ -1,5 +1,5 @@
 """What keeps the tables right beside the hot path: the recovery sweep and its turns,
-workflow timers, schedules (issue 21) and the supervisors' registry."""
+workflow timers, schedules and the supervisors' registry."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ FORENSIC_KEYS = frozenset({
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the
 #: supervisor loads them alone (:meth:`Store.load_payload`), so one huge row never slows
-#: a claim past its bound nor holds back its neighbours (issue 18).
+#: a claim past its bound nor holds back its neighbours.
 INLINE_MAX = 512 * 1024
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
 NOTIFY_CHANNEL = "cyclone_mp"
@@ -74,9 +74,8 @@ Q = _load_queries()
 
 #: psycopg keeps the parsed form of a query only up to this many characters (its
 #: ``MAX_CACHED_STATEMENT_LENGTH``, 4,096); longer ones are parsed again at every call.
-#: The claim and settle statements grew past it with the fair, limited claim (issue 21):
-#: parsing settle_completions (10,600 characters) took 35 us a call, against 0.07 us
-#: cached. The limit is a module constant read at each call; it is raised to fit them.
+#: The claim and settle statements are longer (the fair, limited claim): parsing
+#: settle_completions (10,600 characters) took 35 us a call, against 0.07 us cached. The limit is a module constant read at each call; it is raised to fit them.
 PARSE_CACHE_LENGTH = 16_384
 
 
@@ -107,7 +106,7 @@ def nullable_jsonb(value: Any) -> Jsonb | None:
 
 
 def node_params(node: "NodeRow") -> dict[str, Any]:
-    """A step row's key, flow limits (issue 21) and resource limits (issue 20) as query parameters."""
+    """A step row's key, flow limits and resource limits as query parameters."""
     return {
         "key": node.concurrency_key, "concurrency": node.concurrency,
         "rate_count": node.rate_limit[0] if node.rate_limit else None,
@@ -117,7 +116,7 @@ def node_params(node: "NodeRow") -> dict[str, Any]:
 
 
 def limit_params(limits: Limits) -> dict[str, Any]:
-    """A step row's resource-limit columns as query parameters (issue 20)."""
+    """A step row's resource-limit columns as query parameters."""
     return {"memory_limit": limits.memory, "cpu_limit": limits.cpu, "max_processes": limits.processes,
             "max_open_files": limits.open_files}
 
@@ -144,7 +143,7 @@ class NodeRow:
     timer_delay: float | None = None
     due_at: dt.datetime | None = None
     backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
-    limits: Limits = NO_LIMITS  # resource caps of each attempt (issue 20)
+    limits: Limits = NO_LIMITS  # resource caps of each attempt
     concurrency_key: str = ""  # its fairness and limit group ('' for none)
     concurrency: int | None = None  # at most this many running per (step, key)
     rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
@@ -154,7 +153,7 @@ class NodeRow:
         """The parameters of ``enqueue_step`` that come from this row alone (its queue,
         priority, attempts, timeout, backoff, key, flow and resource limits), computed once
         per row: a client reuses a step's row for every enqueue without per-enqueue
-        options (issue 23). Callers copy it, never change it."""
+        options. Callers copy it, never change it."""
         return {"queue": self.queue, "priority": self.priority, "max_attempts": self.max_attempts,
                 "max_reclaims": self.max_reclaims, "timeout_us": to_us(self.timeout),
                 "backoff": nullable_jsonb(self.backoff), **node_params(self)}

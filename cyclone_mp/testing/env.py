@@ -67,7 +67,7 @@ class Env:
         worker: ``"process"`` (a real supervisor process) or ``"thread"``.
         proxy: put a :class:`~cyclone_mp.testing.network.FaultProxy` between each
             supervisor started and PostgreSQL, so :meth:`partition`, :meth:`heal`,
-            :meth:`add_latency` and :meth:`reset_connections` can act on it (issue 17).
+            :meth:`add_latency` and :meth:`reset_connections` can act on it.
         **options: any other :class:`~cyclone_mp.Client` option.
 
     Raises:
@@ -310,11 +310,11 @@ class Env:
 
     def child_pids(self) -> list[int]:
         """Pids of every child process (handler runner) of every live supervisor; not its
-        zygote (issue 23), which carries the supervisor's marker too."""
+        zygote, which carries the supervisor's marker too."""
         return self._marked_children(zygote=False)
 
     def zygote_pids(self) -> list[int]:
-        """Pids of the zygotes (issue 23) of every live supervisor (none with
+        """Pids of the zygotes of every live supervisor (none with
         ``start_method="spawn"``)."""
         return self._marked_children(zygote=True)
 

@@ -1,4 +1,4 @@
-"""A fault-injecting TCP proxy between a supervisor and PostgreSQL (issue 17).
+"""A fault-injecting TCP proxy between a supervisor and PostgreSQL.
 
 ``FaultProxy(upstream)`` listens on ``127.0.0.1:<port>`` and forwards every connection to
 ``upstream`` (a ``(host, port)`` pair, or the path of a Unix socket). Between the two it

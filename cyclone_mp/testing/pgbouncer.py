@@ -1,4 +1,4 @@
-"""A PgBouncer of a test's own, in transaction mode, in front of the test server (issue 22).
+"""A PgBouncer of a test's own, in transaction mode, in front of the test server.
 
 :class:`PgBouncer` writes an ini file, runs ``pgbouncer`` as a subprocess listening on a
 free port of 127.0.0.1, and ends it by its pid. Every database of the upstream server is
