@@ -359,6 +359,7 @@ def _rate(cyclone_env_factory, seconds: float):
     assert 9.0 <= (len(starts) - 10) / span <= 10.0 + 1e-9, (len(starts), span)
 
 
+@pytest.mark.long
 def test_rate_limit_ten_per_second(cyclone_env_factory):
     _rate(cyclone_env_factory, 8)
 

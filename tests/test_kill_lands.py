@@ -221,7 +221,7 @@ def active_since(dsn: str, owner: str, since: float) -> list[str]:
 @pytest.mark.parametrize("fault, seconds", [
     pytest.param("proxy", 10, id="black hole (proxy)"),
     pytest.param("netns", 10, id="black hole (network namespace)", marks=pytest.mark.slow),  # the proxy's twin
-    pytest.param("sigstop", 10, id="SIGSTOP"),  # the watchdog's case
+    pytest.param("sigstop", 10, id="SIGSTOP", marks=pytest.mark.long),  # the watchdog's case
     pytest.param("proxy", 20, id="black hole (proxy), 20 s handler", marks=pytest.mark.slow),
     pytest.param("netns", 20, id="black hole (network namespace), 20 s handler", marks=pytest.mark.slow),
     pytest.param("sigstop", 20, id="SIGSTOP, 20 s handler", marks=pytest.mark.slow),
@@ -313,7 +313,8 @@ def test_a_locked_row_stalls_neither_kills_nor_claims(cyclone_env_factory, tmp_p
 # -- 3. latency: no claim/release livelock ---------------------------------------------------
 
 
-@pytest.mark.parametrize("rtt", [pytest.param(0.1, marks=pytest.mark.slow), 0.25])  # 0.25 s is the harder
+@pytest.mark.parametrize("rtt", [pytest.param(0.1, marks=pytest.mark.slow),
+                                 pytest.param(0.25, marks=pytest.mark.long)])  # 0.25 s is the harder
 def test_claims_tolerate_latency(cyclone_env_factory, rtt):
     """100 ms and 250 ms of added round trip: 50 steps of 0.5 s all complete, none is
     released unstarted more than once, no attempt is used (a claim slower than 0.05 s
