@@ -31,7 +31,8 @@ from typing import Any, Callable
 import psutil
 
 from . import decisions, procs, protocol, slots
-from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound
+from .attempts import Attempt, Held, fence_margin, hold_bound
+from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, due_actions, running
 from .holding import HeldSteps, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
@@ -105,6 +106,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.limit_watch = LimitWatch(self.confinement)  # running attempts with resource limits: sampled
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self.attempts: dict[LeaseKey, Attempt] = {}
+        self.deadlines = Deadlines(config.lease_ttl, config.kill_grace)  # when each attempt needs a look
         self.held: collections.deque[Held] = collections.deque()
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
         self._outcomes_since: float | None = None
@@ -299,18 +301,10 @@ class ProcessControl(AttemptEndings, HeldSteps):
         limits_at = self.limit_watch.wake_at()
         if limits_at is not None:
             times.append(limits_at)
-        ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
-        for att in self.attempts.values():
-            if att.ended:
-                continue
-            if att.kill_at is not None:
-                times.append(att.kill_at)
-            elif att.deadline is not None:
-                times.append(att.deadline)
-            if att.guards_lease():
-                times.append(att.fence(ttl) - fence_margin(ttl))
-                if att.cancel_reason is None:
-                    times.append(fence_cancel_at(att, ttl, kill_grace))
+        ttl = self.config.lease_ttl
+        due_at = self.deadlines.next_at()
+        if due_at is not None:
+            times.append(due_at)
         if self.db_ok and not self.draining and (self.pool.idle() or self.prefetch_room()):
             times.append(self.next_poll)
         if self.held:
@@ -557,6 +551,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
+        self.deadlines.push(att)
         ref = step.ref
         task = {
             "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
@@ -674,46 +669,42 @@ class ProcessControl(AttemptEndings, HeldSteps):
         att.killed_by = None
         if att.child.attempt is att or att.token in att.child.concurrent:  # a queued one is dropped, nothing to kill
             att.kill_at = now + self.config.kill_grace
+            self.deadlines.push(att)
         att.child.cancel(att.token, reason)
         self._watch(att.child)
 
     def _enforce(self, now: float) -> None:
-        """Cancel at the worker-clock deadline or when the lease cannot be kept; kill at
-        ``kill_at`` or at the fence, whichever comes first. A due kill is carried out
-        whatever happened to the step's row since."""
-        ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
-        for att in list(self.attempts.values()):
-            if att.ended:
+        """Carry out what :func:`~cyclone_mp.enforcement.due_actions` says is due for the
+        attempts whose deadlines came (:class:`~cyclone_mp.enforcement.Deadlines`): cancel
+        at the worker-clock deadline or when the lease cannot be kept; kill at ``kill_at``
+        or at the fence, whichever comes first. A due kill is carried out whatever
+        happened to the step's row since."""
+        due = self.deadlines.take_due(now)
+        if not due:
+            return
+        for action in due_actions(due, now, self.config.lease_ttl, self.config.kill_grace):
+            att = action.att
+            if isinstance(action, Cancel):
+                if action.reason == LEASE_LOST:  # we could not renew in time: someone else may reclaim it soon
+                    self.stats["lease_lost"] += 1
+                    att.fenced = True
+                    log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
+                self._cancel(att, action.reason, now)
                 continue
-            if att.cancel_reason is None and att.deadline is not None and now >= att.deadline:
-                self._cancel(att, "timeout", now)
-            if att.cancel_reason is None and now >= fence_cancel_at(att, ttl, kill_grace):
-                # We could not renew in time: someone else may reclaim the step soon.
-                self.stats["lease_lost"] += 1
-                att.fenced = True
-                log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
-                self._cancel(att, "lease_lost", now)
             child = att.child
-            if child.attempt is not att and att.token not in child.concurrent:
-                continue
-            kill_by = att.kill_at
-            trigger = att.cancel_reason or "kill"
-            fence_kill = att.fence(ttl) - fence_margin(ttl)
-            if att.guards_lease() and (kill_by is None or fence_kill < kill_by):
-                kill_by, trigger = fence_kill, "lease_fence"
-            if kill_by is None or now < kill_by:
-                continue
             self._child_io(child)  # it may have ended just now, and the child started the next
-            if att.ended or (child.attempt is not att and att.token not in child.concurrent):
+            if att.ended or not running(att):
                 continue
             if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
-                att.cancel_reason, att.fenced = "lease_lost", True
-                child.cancel(att.token, "lease_lost")
-            if trigger == "lease_fence":
+                att.cancel_reason, att.fenced = LEASE_LOST, True
+                child.cancel(att.token, LEASE_LOST)
+            if action.trigger == LEASE_FENCE:
                 self.stats["fence_kills"] += 1
-            att.killed_by = trigger
-            self.pool.kill(child, trigger)
+            att.killed_by = action.trigger
+            self.pool.kill(child, action.trigger)
             self._on_child_exit(child)
+        for att in due:
+            self.deadlines.push(att)
 
     def _watch(self, child: ChildProc) -> None:
         """``child``'s attempts changed: the watchdog hears its due time before this turn

@@ -27,6 +27,7 @@ from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outc
 
 if TYPE_CHECKING:
     from .config import Config
+    from .enforcement import Deadlines
     from .limitwatch import LimitWatch
     from .pool import ChildPool, ChildProc
     from .telemetry import Observer
@@ -57,6 +58,7 @@ class AttemptEndings:
     clock: Callable[[], float]
     wall_clock: Callable[[], float]
     attempts: dict[LeaseKey, Attempt]
+    deadlines: Deadlines
     outcomes: list[tuple[Outcome, float | None]]
     stats: dict[str, int]
     draining: bool
@@ -146,6 +148,7 @@ class AttemptEndings:
             self._cancel(queued, RELEASED, self.clock())
         if att.kill_at is None:
             att.kill_at = self.clock() + self.config.kill_grace
+            self.deadlines.push(att)
         log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
                     "killed at kill_grace unless they end first", att.step_name, att.run_id, len(att.lingering),
                     ", ".join(att.lingering[:3]), child.pid)
@@ -193,6 +196,7 @@ class AttemptEndings:
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
                 nxt.kill_at = nxt.started + self.config.kill_grace
+            self.deadlines.push(nxt)  # running now: its kill times apply
         try:
             self._settle_result(att, result)
         finally:
@@ -447,6 +451,7 @@ class AttemptEndings:
         att.ended = True
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
+        self.deadlines.forget()
         self.limit_watch.disarm(att)
         if att.cancel_reason in REAPED_REPORTED and att.started_wall is not None:
             self.writer.post_dead((att.key,))
