@@ -168,6 +168,14 @@ class Unique:
         return "u:" + hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
 
 
+#: Step options given only where the step is declared (:func:`step`), never per enqueue:
+#: ``max_snoozes`` and ``async_concurrency`` are read by the supervisor that registers the
+#: step, and ``unique`` says what "the same run" is, one rule for every enqueue of it.
+#: Every other option is also an enqueue option (``Client.enqueue``, ``enqueue_many``, their
+#: async twins and ``cyclone-mp enqueue``; a test holds them to this).
+STEP_ONLY_OPTIONS = frozenset({"max_snoozes", "async_concurrency", "unique"})
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """Per-step options; ``None`` means "use the next level's value".
