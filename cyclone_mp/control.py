@@ -40,7 +40,7 @@ from .mechanism import PROCESSES_USERNS, SAMPLING
 from .endings import AttemptEndings
 from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .mailbox import Inbox
-from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
+from .messages import Claimed, DatabaseState, Fleet, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
@@ -112,6 +112,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
+        self._cancelled_unclaimed: dict[LeaseKey, float] = {}  # cancels heard before their claim came back
         self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # endings: log lines said
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
@@ -370,6 +371,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
         """A renewal matched nothing: cancel the attempt with the reason the row gives
         (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
         att = self.attempts.get(message.key)
+        if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
+            self._forget_cancelled(message.key, ours=att is not None or any(h.key == message.key for h in self.held))
         if att is None:
             self.held = collections.deque(h for h in self.held if h.key != message.key)
             return
@@ -381,6 +384,20 @@ class ProcessControl(AttemptEndings, HeldSteps):
             self.stats["lease_lost"] += 1
         self._cancel(att, reason, self.clock())
 
+    def _forget_cancelled(self, key: LeaseKey, *, ours: bool) -> None:
+        """A cancel of ``key`` was heard. Ours: its lease is renewed no more. Not (yet)
+        ours: remembered for a lease's time, since the cancel may have crossed the claim
+        that took it, whose rows are then dropped as they arrive (:meth:`on_claimed`)."""
+        if ours:
+            self.keeper(LeaseDone((key,)))
+            return
+        now = self.clock()
+        cancelled = self._cancelled_unclaimed
+        if len(cancelled) > 1024:
+            for old in [k for k, at in cancelled.items() if now - at > self.config.lease_ttl]:
+                del cancelled[old]
+        cancelled[key] = now
+
     def on_claimed(self, message: Claimed) -> None:
         """Start claimed rows on idle children at once (however long they took to come
         back: their leases count from the claim's sending), hold the rest. The next poll
@@ -390,6 +407,11 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._claim_after_written = False  # this claim's result says when to claim again
         now = self.clock()
         rows = list(message.rows)
+        if self._cancelled_unclaimed:
+            gone = [r for r in rows if self._cancelled_unclaimed.pop((r["id"], r["lease_generation"]), None)]
+            if gone:  # cancelled as the claim came back: nothing to run, nothing to renew
+                self.keeper(LeaseDone(tuple((r["id"], r["lease_generation"]) for r in gone)))
+                rows = [r for r in rows if r not in gone]
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
         rated = [Held((r["id"], r["lease_generation"]), r, message.sent, now, now) for r in rows if r.get("rated")]
         for row in rows:

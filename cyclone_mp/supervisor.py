@@ -1,14 +1,16 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
-It is four parts with one job each (as River's producer, executor, completer and
-rescuer), sharing no mutable state and talking by the messages of :mod:`cyclone_mp.messages`:
+It is five parts with one job each (as River's producer, executor, completer and
+rescuer, and a listener), sharing no mutable state and talking by the messages of
+:mod:`cyclone_mp.messages`:
 
 ==========================  ===============================================  ===========
 part                        its job                                          its thread
 ==========================  ===============================================  ===========
 :mod:`~cyclone_mp.control`  children, pipes, deadlines, the local fence,     this one
                             cancels, kills, reaping; never a database call
-:mod:`~cyclone_mp.leases`   renewals (and LISTEN): nothing delays them       its own
+:mod:`~cyclone_mp.leases`   renewals: nothing delays them                    its own
+:mod:`~cyclone_mp.listener` LISTEN: new work, cancels (a shortcut only)      its own
 :mod:`~cyclone_mp.outcomes` claims, and every ended attempt's CAS write      its own
 :mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, schedules, the   its own
                             registry
@@ -38,6 +40,8 @@ from .config import Config
 from .control import ProcessControl
 from .errors import ConfigurationError
 from .leases import LeaseKeeper
+from .listener import Listener
+from .messages import LeaseLost, Poll
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import DEFAULT_MAX_SNOOZES, Mux
 from .sweep import Maintenance, Sweeper
@@ -97,6 +101,7 @@ class Supervisor:
         self.stopped = threading.Event()
         self.control: ProcessControl | None = None
         self.keeper: LeaseKeeper | None = None
+        self.listener: Listener | None = None
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
@@ -160,7 +165,12 @@ class Supervisor:
             log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
-                                      listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
+                                      observer=self.observer, clock=self.clock)
+            listen_dsn = self.listen_dsn or (None if self.config.pgbouncer else self.dsn)  # PgBouncer: poll only
+            if listen_dsn is not None:
+                self.listener = Listener(listen_dsn, self.config, owner=self.id, poll=lambda: control.tell(Poll()),
+                                         cancelled=lambda key: control.tell(LeaseLost(key, "cancelled")),
+                                         clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
                                         backoff_for=self.backoff_for, max_snoozes=self.max_snoozes, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
@@ -180,8 +190,9 @@ class Supervisor:
             self.maintenance = maintenance
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
-            for part in (self.keeper, self.writer, self.maintenance):
-                part.start()
+            for part in (self.keeper, self.writer, self.maintenance, self.listener):
+                if part is not None:
+                    part.start()
             control.run(self.running)
         finally:
             self._teardown(watchdog)
@@ -206,7 +217,7 @@ class Supervisor:
                 log.exception("stopping the children failed")
         elif self.confinement is not None:
             self.confinement.close()
-        parts = [p for p in (self.writer, self.keeper, self.maintenance) if p is not None]
+        parts = [p for p in (self.writer, self.keeper, self.maintenance, self.listener) if p is not None]
         for part in parts:
             part.request_stop()
         # What is left is written while calls come back; one that has hung past the lease
