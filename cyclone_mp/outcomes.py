@@ -62,7 +62,7 @@ class OutcomeWriter(DatabaseThread):
         backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
         tell_keeper: posts a message to the lease keeper.
         tell_control: posts a message to process control.
-        load: posts a :class:`~cyclone_mp.messages.Load` to maintenance.
+        load: posts a :class:`~cyclone_mp.messages.Load` to the payload loader.
         clock: local monotonic clock in seconds.
     """
 

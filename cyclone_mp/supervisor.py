@@ -1,6 +1,6 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
-It is five parts with one job each (as River's producer, executor, completer and
+It is six parts with one job each (as River's producer, executor, completer and
 rescuer, and a listener), sharing no mutable state and talking by the messages of
 :mod:`cyclone_mp.messages`:
 
@@ -14,6 +14,7 @@ part                        its job                                          its
 :mod:`~cyclone_mp.outcomes` claims, and every ended attempt's CAS write      its own
 :mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, schedules, the   its own
                             registry
+:mod:`~cyclone_mp.loader`   payloads too big to come with their claim        its own
 ==========================  ===============================================  ===========
 
 Each database part has its own connection and bounds every call
@@ -41,6 +42,7 @@ from .control import ProcessControl
 from .errors import ConfigurationError
 from .leases import LeaseKeeper
 from .listener import Listener
+from .loader import PayloadLoader
 from .messages import LeaseLost, Poll
 from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import DEFAULT_MAX_SNOOZES, Mux
@@ -102,6 +104,7 @@ class Supervisor:
         self.control: ProcessControl | None = None
         self.keeper: LeaseKeeper | None = None
         self.listener: Listener | None = None
+        self.loader: PayloadLoader | None = None
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
@@ -174,7 +177,7 @@ class Supervisor:
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
                                         backoff_for=self.backoff_for, max_snoozes=self.max_snoozes, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
-                                        load=lambda m: maintenance.inbox.post(m), observer=self.observer,
+                                        load=lambda m: loader.inbox.post(m), observer=self.observer,
                                         clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,
                                      writer=self.writer, watchdog=watchdog, clock=self.clock,
@@ -185,12 +188,14 @@ class Supervisor:
                                       sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written,
                                                       discarded=self.observer.discarded),
                                       mux=self.mux, owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                      post_outcome=self.writer.post, started=self.running, observer=self.observer,
+                                      started=self.running, observer=self.observer,
                                       clock=self.clock)
             self.maintenance = maintenance
+            self.loader = loader = PayloadLoader(self.dsn, self.config, owner=self.id, tell_control=control.tell,
+                                                 post_outcome=self.writer.post, clock=self.clock)
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
-            for part in (self.keeper, self.writer, self.maintenance, self.listener):
+            for part in (self.keeper, self.writer, self.maintenance, self.loader, self.listener):
                 if part is not None:
                     part.start()
             control.run(self.running)
@@ -217,7 +222,7 @@ class Supervisor:
                 log.exception("stopping the children failed")
         elif self.confinement is not None:
             self.confinement.close()
-        parts = [p for p in (self.writer, self.keeper, self.maintenance, self.listener) if p is not None]
+        parts = [p for p in (self.writer, self.keeper, self.maintenance, self.loader, self.listener) if p is not None]
         for part in parts:
             part.request_stop()
         # What is left is written while calls come back; one that has hung past the lease
@@ -253,7 +258,7 @@ class Supervisor:
         parts: list[dict[str, int]] = []
         if self.control is not None:
             parts += [self.control.stats, self.control.pool.stats]
-        parts += [p.stats for p in (self.keeper, self.writer, self.maintenance) if p is not None]
+        parts += [p.stats for p in (self.keeper, self.writer, self.maintenance, self.loader) if p is not None]
         return parts
 
     @property
