@@ -31,8 +31,8 @@ from typing import Any, Callable
 import psutil
 
 from . import decisions, procs, protocol, slots
-from .attempts import Attempt, Held, fence_margin, hold_bound
-from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, due_actions, running
+from .attempts import Attempt, Held, hold_bound
+from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
 from .holding import HeldSteps, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
@@ -49,10 +49,8 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
-WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close (WatchdogLink.due)
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
-WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
@@ -118,7 +116,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
         self.turned_at = time.monotonic()  # when the loop last began a turn (read by /healthz)
-        self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
+        self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
         start = clock()
@@ -242,7 +240,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             phase("held steps", self._take_held)
         phase("children's messages", self._check_children_io)
         phase("watchdog", self._read_watchdog)
-        phase("watchdog", lambda: self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK))
+        phase("watchdog", self.watch_due.refresh)
         phase("children's starts", self._check_starts)
         now = self.clock()
         if now >= self._next_stray_check:
@@ -302,7 +300,6 @@ class ProcessControl(AttemptEndings, HeldSteps):
         limits_at = self.limit_watch.wake_at()
         if limits_at is not None:
             times.append(limits_at)
-        ttl = self.config.lease_ttl
         due_at = self.deadlines.next_at()
         if due_at is not None:
             times.append(due_at)
@@ -318,7 +315,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         flush_at = self._flush_at()
         if flush_at is not None:
             times.append(flush_at)
-        refresh_at = self.watchdog.next_refresh(ttl * WATCHDOG_HOLD_BACK)
+        refresh_at = self.watch_due.next_refresh()
         if refresh_at is not None:
             times.append(now + refresh_at - mono)
         return max(0.0, min(times) - now)
@@ -730,35 +727,11 @@ class ProcessControl(AttemptEndings, HeldSteps):
 
     def _watch(self, child: ChildProc) -> None:
         """``child``'s attempts changed: the watchdog hears its due time before this turn
-        ends (:meth:`_tell_watchdog`), and before the child is sent another task."""
-        self._watch_due.add(child)
+        ends, and before the child is sent another task (:class:`~cyclone_mp.enforcement.WatchdogDue`)."""
+        self.watch_due.mark(child)
 
     def _tell_watchdog(self) -> None:
-        """Tell the watchdog when each child marked by :meth:`_watch` must be dead at the
-        latest: a little after the kill of its cancel, or three quarters of the fence's
-        margin before the fence (None: idle). Once per child and turn: pipelined steps
-        change a child's attempts thousands of times a second."""
-        if not self._watch_due:
-            return
-        ttl = self.config.lease_ttl
-        margin = fence_margin(ttl)
-        after_kill = max(WATCHDOG_SLACK, margin)
-        mono = time.monotonic()
-        offset = 0.0 if self.clock is time.monotonic else mono - self.clock()
-        for child in self._watch_due:
-            if child.returncode is not None:
-                continue
-            times = []
-            for att in (child.attempt, *child.queued, *child.concurrent.values()):
-                if att is None or att.ended:
-                    continue
-                if att.guards_lease():  # a quarter of the margin after process control's own kill
-                    times.append(att.fence(ttl) - margin * 0.75)
-                if att.kill_at is not None:
-                    times.append(att.kill_at + after_kill)
-            self.watchdog.due(child.pid, min(times) + offset if times else None, now=mono,
-                              horizon=ttl * WATCHDOG_HOLD_BACK)
-        self._watch_due.clear()
+        self.watch_due.tell(self.clock)
 
     # -- outcomes ----------------------------------------------------------------------------------
 

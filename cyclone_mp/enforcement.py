@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from typing import Iterable
+import time
+from typing import Any, Callable, Iterable
 
 from .attempts import Attempt, fence_cancel_at, fence_margin
 
@@ -151,3 +152,65 @@ class Deadlines:
                 seen.add(id(att))
                 due.append(att)
         return due
+
+
+WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close
+WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
+
+
+class WatchdogDue:
+    """When each child must be dead at the latest, as the watchdog process hears it (it
+    kills a child whose time passed while process control was frozen, SPEC 9).
+
+    :meth:`mark` a child whose attempts changed; :meth:`tell` then sends each marked
+    child's time once per turn (pipelined steps change a child's attempts thousands of
+    times a second): a little after the kill of its cancel, or three quarters of the
+    fence's margin before the fence, whichever is first (None: idle). A later time than
+    the one the watchdog holds is sent once that one comes within WATCHDOG_HOLD_BACK of a
+    lease (:meth:`refresh`), so renewals cost no message each.
+
+    Args:
+        link: the :class:`~cyclone_mp.procs.WatchdogLink`.
+        lease_ttl: seconds.
+    """
+
+    def __init__(self, link: Any, lease_ttl: float) -> None:
+        self.link = link
+        self.lease_ttl = lease_ttl
+        self.horizon = lease_ttl * WATCHDOG_HOLD_BACK
+        self._marked: set[Any] = set()
+
+    def mark(self, child: Any) -> None:
+        self._marked.add(child)
+
+    def tell(self, clock: Callable[[], float]) -> None:
+        """Send the due time of every marked child (``clock``: process control's, whose
+        times are converted to ``time.monotonic()``, the watchdog's)."""
+        if not self._marked:
+            return
+        ttl = self.lease_ttl
+        margin = fence_margin(ttl)
+        after_kill = max(WATCHDOG_SLACK, margin)
+        mono = time.monotonic()
+        offset = 0.0 if clock is time.monotonic else mono - clock()
+        for child in self._marked:
+            if child.returncode is not None:
+                continue
+            times = []
+            for att in (child.attempt, *child.queued, *child.concurrent.values()):
+                if att is None or att.ended:
+                    continue
+                if att.guards_lease():  # a quarter of the margin after process control's own kill
+                    times.append(att.fence(ttl) - margin * 0.75)
+                if att.kill_at is not None:
+                    times.append(att.kill_at + after_kill)
+            self.link.due(child.pid, min(times) + offset if times else None, now=mono, horizon=self.horizon)
+        self._marked.clear()
+
+    def refresh(self) -> None:
+        """Send the later due times held back that are now within the horizon."""
+        self.link.refresh(time.monotonic(), self.horizon)
+
+    def next_refresh(self) -> float | None:
+        """When (``time.monotonic()``) :meth:`refresh` next has something to send, or None."""
+        return self.link.next_refresh(self.horizon)

@@ -36,7 +36,6 @@ import uuid
 from typing import Any, Callable
 
 from . import procs, slots
-from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
 from .errors import ConfigurationError
@@ -45,7 +44,7 @@ from .listener import Listener
 from .loader import PayloadLoader
 from .messages import LeaseLost, Poll
 from .outcomes import FINAL_FLUSH, OutcomeWriter
-from .steps import DEFAULT_MAX_SNOOZES, Mux
+from .steps import Mux
 from .sweep import Maintenance, Sweeper
 from .health import DatabaseProbe, liveness, readiness
 from .telemetry import Observer, Probes, Stats, supervisor_observer
@@ -129,18 +128,8 @@ class Supervisor:
     # -- the parts ---------------------------------------------------------------------
 
     def backoff_for(self, step_name: str | None) -> Callable[[int], float]:
-        """The callable backoff for a row that stores none: the step's, else the client's,
-        else the default (a stored spec on the row wins over all of these)."""
-        step = self.mux.steps.get(step_name or "")
-        own = step.options.backoff if step else None
-        fn = own if callable(own) else self.config.defaults.backoff
-        return lambda n: compute_backoff(fn if callable(fn) else None, n)
-
-    def max_snoozes(self, step_name: str | None) -> int:
-        """How many times the step may snooze (``cy.step(max_snoozes=...)``, default 100)."""
-        step = self.mux.steps.get(step_name or "")
-        own = step.options.max_snoozes if step else None
-        return DEFAULT_MAX_SNOOZES if own is None else own
+        """The callable backoff of a row that stores none (:meth:`cyclone_mp.steps.Mux.backoff_for`)."""
+        return self.mux.backoff_for(step_name, self.config.defaults.backoff)
 
     def run(self) -> None:
         """Run until shut down, on this thread (children are created from it: PDEATHSIG
@@ -175,7 +164,7 @@ class Supervisor:
                                          cancelled=lambda key: control.tell(LeaseLost(key, "cancelled")),
                                          clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for, max_snoozes=self.max_snoozes, tell_keeper=self.keeper.inbox.post,
+                                        backoff_for=self.backoff_for, max_snoozes=self.mux.max_snoozes, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
                                         load=lambda m: loader.inbox.post(m), observer=self.observer,
                                         clock=self.clock)
@@ -184,20 +173,16 @@ class Supervisor:
                                      wall_clock=self.wall_clock, observer=self.observer, confinement=confinement,
                                      dedicated=self.dedicated)
             self.control = control
-            maintenance = Maintenance(self.dsn, self.config,
-                                      sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written,
-                                                      discarded=self.observer.discarded),
-                                      mux=self.mux, owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                      started=self.running, observer=self.observer,
-                                      clock=self.clock)
-            self.maintenance = maintenance
+            sweeper = Sweeper(self.id, self.backoff_for, written=self.observer.written, discarded=self.observer.discarded)
+            self.maintenance = Maintenance(self.dsn, self.config, sweeper=sweeper, mux=self.mux, owner=self.id,
+                                           snapshot=self._snapshot, tell_control=control.tell, started=self.running,
+                                           observer=self.observer, clock=self.clock)
             self.loader = loader = PayloadLoader(self.dsn, self.config, owner=self.id, tell_control=control.tell,
                                                  post_outcome=self.writer.post, clock=self.clock)
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
-            for part in (self.keeper, self.writer, self.maintenance, self.loader, self.listener):
-                if part is not None:
-                    part.start()
+            for part in self._threads():
+                part.start()
             control.run(self.running)
         finally:
             self._teardown(watchdog)
@@ -222,7 +207,7 @@ class Supervisor:
                 log.exception("stopping the children failed")
         elif self.confinement is not None:
             self.confinement.close()
-        parts = [p for p in (self.writer, self.keeper, self.maintenance, self.loader, self.listener) if p is not None]
+        parts = self._threads()
         for part in parts:
             part.request_stop()
         # What is left is written while calls come back; one that has hung past the lease
@@ -233,6 +218,10 @@ class Supervisor:
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close(clean=True)
         self._close_observers()
+
+    def _threads(self) -> list[Any]:
+        """The parts on threads of their own (the writer first: what is left is written first)."""
+        return [p for p in (self.writer, self.keeper, self.maintenance, self.loader, self.listener) if p is not None]
 
     def _close_observers(self) -> None:
         self.observer.close()  # the metrics server stops (an observer's failure is only logged)

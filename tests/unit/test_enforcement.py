@@ -161,3 +161,38 @@ def test_hold_bound_and_startable():
     assert not startable(5.0, claim_sent=0.0, lease_sent=0.0, lease_ttl=TTL, timeout=None)  # half the lease spent
     assert startable(5.0, claim_sent=0.0, lease_sent=2.0, lease_ttl=TTL, timeout=None)  # renewed meanwhile
     assert not startable(3.0, claim_sent=0.0, lease_sent=2.0, lease_ttl=TTL, timeout=3.0)  # its DB deadline
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.said: list[tuple[int, float | None]] = []
+
+    def due(self, pid, when, *, now, horizon):
+        self.said.append((pid, when))
+
+
+def test_the_watchdog_hears_each_marked_child_once_per_turn():
+    import time
+
+    from cyclone_mp.enforcement import WatchdogDue
+
+    link = FakeLink()
+    watch = WatchdogDue(link, TTL)
+    child = FakeChild()
+    child.pid, child.returncode = 42, None
+    att = attempt(child=child, lease_sent=100.0)
+    clock = time.monotonic
+    for _ in range(3):
+        watch.mark(child)  # marked three times: told once
+    watch.tell(clock)
+    assert link.said == [(42, 100.0 + TTL - fence_margin(TTL) * 0.75)]  # a quarter margin after our own kill
+    cancel(att, "timeout", 101.0)  # no longer guards its lease: a little after its cancel's kill
+    watch.mark(child)
+    watch.tell(clock)
+    assert link.said[-1] == (42, 103.0 + max(0.25, fence_margin(TTL)))
+    att.ended, child.attempt = True, None
+    watch.mark(child)
+    watch.tell(clock)
+    assert link.said[-1] == (42, None)  # idle
+    watch.tell(clock)
+    assert len(link.said) == 3  # nothing marked: nothing said
