@@ -33,7 +33,7 @@ import psutil
 from . import decisions, procs, protocol, slots
 from .attempts import Attempt, Held, hold_bound
 from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
-from .holding import HeldSteps, row_limits
+from .holding import Holding, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
 from .mechanism import PROCESSES_USERNS, SAMPLING
@@ -54,7 +54,7 @@ START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running ste
 SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
-class ProcessControl(AttemptEndings, HeldSteps):
+class ProcessControl(AttemptEndings):
     """The supervisor's process-control loop (see the module docstring).
 
     Args:
@@ -105,7 +105,6 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.deadlines = Deadlines(config.lease_ttl, config.kill_grace)  # when each attempt needs a look
-        self.held: collections.deque[Held] = collections.deque()
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
@@ -135,9 +134,6 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._shutdown_req = False
         self._stop_req = False
         self.step_seconds: float | None = None  # moving average of attempt durations
-        self.fleet = 1  # live supervisors on the database, this one included (maintenance reads the registry)
-        self._prefetch_hold = False  # a held step waited too long: none until the next result
-        self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
         self._hooks = mux.hook_refs()
         #: async steps whose attempts run several to a child: step name -> how many at most
@@ -148,10 +144,28 @@ class ProcessControl(AttemptEndings, HeldSteps):
                                          "limits": self.confinement.mechanism.as_dict()}
         self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
                       "lease_lost": 0, "late_completions_dropped": 0, "limit_kills": 0}
+        self.holding = Holding(config, self.pool, writer=writer, keeper=keeper, clock=clock,
+                               side_by_side=self.side_by_side, start=self._start, flush=self._send_queued,
+                               stats=self.stats)
 
     @property
     def children(self) -> list[ChildProc]:
         return self.pool.children
+
+    @property
+    def held(self) -> collections.deque[Held]:
+        """Claimed steps no child has taken yet (:class:`~cyclone_mp.holding.Holding`)."""
+        return self.holding.held
+
+    def prefetch_room(self) -> int:
+        """Steps to hold beyond the idle children (:meth:`~cyclone_mp.holding.Holding.prefetch_room`)."""
+        return self.holding.prefetch_room(draining=self.draining, step_seconds=self.step_seconds)
+
+    def _take_held(self) -> None:
+        """Start held steps on idle children and queue more behind busy ones (none while
+        the lease keeper is disconnected: their leases cannot be kept, nor when draining)."""
+        if self.holding.held and not self.draining and self.db_ok:
+            self.holding.take(step_seconds=self.step_seconds)
 
     def in_flight(self) -> list[Attempt]:
         """The attempts running now (a copy, safe to read from another thread)."""
@@ -250,7 +264,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
             phase("sampling", self._sample_peaks)
-        phase("held steps", lambda: self._expire_held(self.clock()))
+        phase("held steps", lambda: self.holding.expire(self.clock(), draining=self.draining))
         phase("queued steps", lambda: self._release_queued(self.clock()))
         phase("deadlines and kills", lambda: self._enforce(self.clock()))
         phase("outcomes", self._send_outcomes)
@@ -305,8 +319,9 @@ class ProcessControl(AttemptEndings, HeldSteps):
             times.append(due_at)
         if self.db_ok and not self.draining and (self.pool.idle() or self.prefetch_room()):
             times.append(self.next_poll)
-        if self.held:
-            times.append(min(h.release_at for h in self.held))
+        release_at = self.holding.release_at()
+        if release_at is not None:
+            times.append(release_at)
         mono = time.monotonic()
         for child in self.pool.children:
             times.extend(now + a.start_by - mono for a in child.queued if a.start_by is not None)
@@ -346,7 +361,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             elif isinstance(message, Poll):
                 self.next_poll = min(self.next_poll, self.clock())
             elif isinstance(message, Fleet):
-                self.fleet = max(1, message.live)
+                self.holding.fleet = max(1, message.live)
             elif isinstance(message, DatabaseState):
                 self.db_ok = message.ok
                 if message.ok:
@@ -359,10 +374,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             att.lease_sent = max(att.lease_sent, message.sent)
             self._watch(att.child)
             return
-        for held in self.held:
-            if held.key == message.key:
-                held.lease_sent = max(held.lease_sent, message.sent)
-                return
+        self.holding.renewed(message.key, message.sent)
 
     def on_lease_lost(self, message: LeaseLost) -> None:
         """A renewal matched nothing: cancel the attempt with the reason the row gives
@@ -371,7 +383,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
             self._forget_cancelled(message.key, ours=att is not None or any(h.key == message.key for h in self.held))
         if att is None:
-            self.held = collections.deque(h for h in self.held if h.key != message.key)
+            self.holding.drop(message.key)
             return
         if att.ended:
             return
@@ -409,26 +421,14 @@ class ProcessControl(AttemptEndings, HeldSteps):
             if gone:  # cancelled as the claim came back: nothing to run, nothing to renew
                 self.keeper(LeaseDone(tuple((r["id"], r["lease_generation"]) for r in gone)))
                 rows = [r for r in rows if r not in gone]
-        cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
-        rated = [Held((r["id"], r["lease_generation"]), r, message.sent, now, now) for r in rows if r.get("rated")]
-        for row in rows:
-            if not row.get("rated"):
-                key = (row["id"], row["lease_generation"])
-                bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
-                self.held.append(Held(key, row, message.sent, now, now + bound))
         # a rate-limited step took its rate slot with this claim: it starts on an idle child
         # now, ahead of what is held, or is given back at once (never held or queued)
-        self.held.extendleft(reversed(rated))
-        if rows:
-            self._claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+        rated = self.holding.add(rows, message.sent, now)
         if self.draining:
-            self._expire_held(now)
+            self.holding.expire(now, draining=True)
         self._take_held()
-        if rated and any(h.row.get("rated") for h in self.held):
-            keep = collections.deque()
-            for item in self.held:
-                (self._release_held if item.row.get("rated") else keep.append)(item)
-            self.held = keep
+        if rated:
+            self.holding.give_back_rated()
         lo, hi = self.config.poll_interval
         if message.failed:
             self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
@@ -462,7 +462,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         and room); one on its own waits until every outcome sent is written."""
         if self.draining or not self.db_ok or (standalone and not self.writer.idle):
             return 0
-        return max(0, len(self.pool.idle()) + self.side_by_side_room() + self.prefetch_room() - len(self.held)
+        return max(0, len(self.pool.idle()) + self.holding.side_by_side_room() + self.prefetch_room() - len(self.held)
                    - self.claiming)
 
     def _start_now(self, claim: int) -> int:
@@ -791,7 +791,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.snapshot = {
             "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
             "draining": self.draining, "children": kids, "prefetched": len(self.held),
-            "prefetch": self.prefetch_share(), "limits": self.confinement.mechanism.as_dict(),
+            "prefetch": self.holding.prefetch_share(), "limits": self.confinement.mechanism.as_dict(),
         }
 
     # -- teardown -------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ class DatabaseThread:
                 except Exception:  # noqa: BLE001 - nothing may end a part of the supervisor
                     log.exception("%s: unexpected error; carrying on", self.name)
                     wake_at = self.clock() + 0.1
-                if not self.db_ok:
+                if not self.db_ok and self.wants_connection():
                     wake_at = min(wake_at, self._reconnect_at)
                 self.wait(max(0.0, wake_at - self.clock()))
             self.finish()

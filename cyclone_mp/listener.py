@@ -119,7 +119,7 @@ class Listener:
     def _listen(self) -> None:
         try:
             conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound),
-                           dead_after=self.config.call_bound, application_name=f"cyclone_mp listen {self.owner}")
+                           dead_after=self.config.call_bound, application_name=f"cyclone_mp listener {self.owner}")
         except Exception as exc:  # noqa: BLE001 - polling still works without LISTEN
             self._retry_later(f"LISTEN unavailable ({exc}); polling only")
             return

@@ -48,7 +48,7 @@ class PayloadLoader(DatabaseThread):
 
     def __init__(self, dsn: str, config: Config, *, owner: str, tell_control: Callable[[Any], None],
                  post_outcome: Callable[[Outcome], None], clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__("loader", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
+        super().__init__("payload loader", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
                          clock=clock)
         self.config = config
         self.tell_control = tell_control
