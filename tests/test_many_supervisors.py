@@ -173,3 +173,23 @@ def test_each_supervisor_holds_its_share_of_the_fleets_prefetch(cyclone_env_fact
     wait_for(lambda: not b.alive(), 15, "B to exit")
     wait_for(lambda: shares().get(a.supervisor_id) == 4096, 15, "A alone again to hold its whole prefetch")
     env.stop_workers()
+
+
+def test_an_idle_supervisor_spends_almost_no_cpu(cyclone_env_factory):
+    """No part of an idle supervisor spins: with nothing to do (no steps, no big payloads,
+    a poll interval of 0.05-0.5 s), its process uses well under a tenth of a core over
+    3 s, threads and all. A part that waits for nothing (a zero timeout in a loop) would
+    use a whole core."""
+    import psutil
+
+    env = cyclone_env_factory(workers=1, lease_ttl=3.0, poll_interval=(0.05, 0.5))
+    env.mux().register(h.ok)
+    handle = env.start_worker()
+    assert env.run_until_complete(env.enqueue(h.ok, {}), timeout=30).state == "completed"
+    proc = psutil.Process(handle.pid)
+    time.sleep(1.0)  # settled
+    before = proc.cpu_times()
+    time.sleep(3.0)
+    after = proc.cpu_times()
+    used = (after.user + after.system) - (before.user + before.system)
+    assert used < 0.3, f"an idle supervisor used {used:.2f} s of CPU in 3 s"
