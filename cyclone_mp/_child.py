@@ -778,6 +778,12 @@ def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         upstream = protocol.load_value(task["upstream_json"], "the upstream outputs")
     else:
         upstream = task.get("upstream")
+    if task.get("maps"):  # upstream map nodes: their outputs in the files the supervisor wrote
+        from . import mapped
+
+        upstream = dict(upstream or {})
+        for node, outputs in task["maps"].items():
+            upstream[node] = mapped.read(outputs["path"], outputs["count"])
     return inp, upstream or {}
 
 

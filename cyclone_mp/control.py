@@ -565,6 +565,9 @@ class ProcessControl(AttemptEndings, HeldSteps):
             "input_json": row["input"], "upstream_json": row["upstream"],
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
         }
+        if row.get("maps"):  # upstream map nodes: their outputs in files (deleted when the attempt ends)
+            task["maps"] = row["maps"]
+            att.files = tuple(m["path"] for m in row["maps"].values())
         if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
         if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import decisions, procs, protocol, unhealable
+from . import decisions, mapped, procs, protocol, unhealable
 from .attempts import Attempt
 from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outcome, Progress
 
@@ -445,6 +445,8 @@ class AttemptEndings:
     def _end(self, att: Attempt) -> None:
         """The attempt is over in its child: forget it here (its outcome follows)."""
         att.ended = True
+        for path in att.files:  # the outputs files of its upstream maps: read by now
+            mapped.discard(path)
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
         self.limit_watch.disarm(att)

@@ -316,6 +316,7 @@ def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequenc
         "cpu_limits": [n.limits.cpu for n in nodes],
         "max_processes": [n.limits.processes for n in nodes],
         "max_open_files": [n.limits.open_files for n in nodes],
+        "allow_failures": [n.allow_failures for n in nodes],
     })
     yield from _flag_flow([(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
     yield from _ensure_slots([(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit) for n in nodes if n.limited])
@@ -364,13 +365,17 @@ def enqueue_many(
 
 
 def advance(run_id: str) -> Steps[None]:
-    """Under the run lock: promote ready nodes, fire signals and timers, refresh the run's
-    state, and NOTIFY the queues that have claimable steps now."""
+    """Under the run lock: promote ready nodes, map the lists of map nodes whose node
+    mapped over completed (``expand_maps``), fire signals and timers, end the map nodes
+    whose items have all ended (``settle_maps``), refresh the run's state, and NOTIFY the
+    queues that have claimable steps now."""
     yield q("hold_paused", {"run_id": run_id})
     for _ in range(10_000):
         promoted = (yield q("promote_ready", {"run_id": run_id})).rowcount
+        mapped = (yield q("expand_maps", {"run_id": run_id})).rowcount
         fired = (yield q("fire_nodes", {"run_id": run_id})).rowcount
-        if promoted == 0 and fired == 0:
+        ended = (yield q("settle_maps", {"run_id": run_id})).rowcount
+        if promoted == 0 and mapped == 0 and fired == 0 and ended == 0:
             break
     yield q("refresh_run_state", {"run_id": run_id})
     for row in (yield q("available_queues", {"run_id": run_id})).rows:
@@ -570,6 +575,17 @@ def get_run(run_id: str) -> Steps[tuple[dict[str, Any], list[dict[str, Any]]]]:
         row = (yield q("get_schedule", {"name": name})).one()
         run = {**run, "schedule": {"name": name, "slot": slot, "next_at": row["next_at"] if row else None}}
     return run, (yield q("get_steps", {"run_id": rid})).rows
+
+
+@operation(transaction=False)
+def map_items(run_id: str, node: str, *, states: Sequence[str] | None = None, after: int = -1,
+              limit: int = 100) -> Steps[list[dict[str, Any]]]:
+    """A page of the items of map node ``node``: those after item index ``after`` (-1:
+    from the first), at most ``limit``, in item order, in one of ``states`` when given
+    (rows as ``get_steps``', with ``item``). Raises RunNotFound."""
+    rid = yield from resolve(run_id)
+    return (yield q("map_items", {"run_id": rid, "node": node, "after": after, "limit": limit,
+                                  "states": list(states) if states else None})).rows
 
 
 @operation(transaction=False)

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from . import decisions, schedules
+from . import decisions, mapped, schedules
 from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
 from .connections import vacuum_hot_tables
 from .dbloop import DatabaseThread
@@ -285,7 +285,9 @@ class Maintenance(DatabaseThread):
         self.observer.queue_depths(rows)
 
     def _load(self, row: dict[str, Any], sent: float) -> None:
-        """Read one big row's payload and hand the row to process control. A row that
+        """Read one big row's payload and hand the row to process control (the outputs
+        of its upstream map nodes are written to files, page by page:
+        :func:`cyclone_mp.mapped.write_outputs`). A row that
         cannot be read fails alone (``permanent``): its upstream outputs over
         :func:`~cyclone_mp.protocol.upstream_limit` (the message says their size), a
         statement past LOAD_BOUND, a value the database refuses. One met by an outage is
@@ -308,6 +310,14 @@ class Maintenance(DatabaseThread):
             outputs, size = payload.pop("upstream_outputs"), payload.pop("upstream_bytes")
             if outputs and payload["upstream"] is None:
                 payload, message = None, upstream_too_big(row["node"], outputs, size, limit)
+        if payload is not None and payload.get("maps"):  # upstream map nodes: their outputs, page by page, to files
+            try:
+                payload["maps"] = mapped.write_outputs(
+                    lambda fn: self.call(LOAD_BOUND + LOAD_MARGIN, fn), row["run_id"], payload["maps"])
+            except DatabaseUnavailable:
+                payload, message = None, None
+            except (DatabaseError, OSError) as exc:
+                payload, message = None, f"{unreadable}{exc}"
         if payload is not None:
             self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
             return

@@ -318,12 +318,13 @@ claimed AS (
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
               (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
+              s.input AS item_input,  -- a map item's input (NULL: the run's)
               s.depends_on <> '{}' AS has_upstream,
               CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
                   -- a JSON object as text, built as text (a fan-in past jsonb's 256 MB is
                   -- still read: text holds 1 GB), and only when small: a big one (stored
                   -- size over %(inline_max)s bytes) is loaded alone, off the claim's path
-                  (SELECT CASE WHEN sum(pg_column_size(d.output)) <= %(inline_max)s THEN
+                  (SELECT CASE WHEN sum(pg_column_size(d.output)) <= %(inline_max)s AND bool_and(d.kind <> 'map') THEN
                               '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
                                                          ','), '') || '}' END
                      FROM cyclone_steps d
@@ -382,19 +383,33 @@ WITH parts AS MATERIALIZED (
     SELECT to_json(d.node)::text AS key, coalesce(d.output::text, 'null') AS value
       FROM cyclone_steps s
       JOIN cyclone_steps d ON d.run_id = s.run_id AND d.node = ANY(s.depends_on)
-     WHERE s.id = %(id)s
+     WHERE s.id = %(id)s AND d.kind <> 'map'  -- (a map's outputs are read in pages: map_outputs_page)
 ), size AS (
     SELECT count(*) AS outputs,
            2 + coalesce(sum(octet_length(key) + 1 + octet_length(value)), 0) + greatest(count(*) - 1, 0) AS bytes
       FROM parts
 )
-SELECT r.input::text AS input, size.outputs AS upstream_outputs, size.bytes::bigint AS upstream_bytes,
+SELECT coalesce(s.input, r.input)::text AS input, size.outputs AS upstream_outputs, size.bytes::bigint AS upstream_bytes,
        CASE WHEN s.depends_on <> '{}' AND size.bytes <= %(max_upstream)s THEN
-           (SELECT '{' || coalesce(string_agg(key || ':' || value, ','), '') || '}' FROM parts) END AS upstream
+           (SELECT '{' || coalesce(string_agg(key || ':' || value, ','), '') || '}' FROM parts) END AS upstream,
+       -- its upstream map nodes: [[node, items], ...] (NULL: none)
+       (SELECT jsonb_agg(jsonb_build_array(d.node, d.items_total) ORDER BY d.node)
+          FROM cyclone_steps d
+         WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.kind = 'map') AS maps
   FROM cyclone_steps s
   JOIN cyclone_runs r ON r.id = s.run_id
  CROSS JOIN size
  WHERE s.id = %(id)s;
+
+-- name: map_outputs_page
+-- One page of a map's items in item order, after item %(after)s, at most %(limit)s (keyset, by
+-- cyclone_steps_items_idx): each item's index, whether it completed, its output as JSON text
+-- (what its join reads), its error and error kind (a discarded item's, with allow_failures).
+SELECT i.item, i.state = 'completed' AS ok, coalesce(i.output::text, 'null') AS output, i.error, i.error_kind
+  FROM cyclone_steps i
+ WHERE i.run_id = %(run_id)s AND i.map_node = %(node)s AND i.item > %(after)s
+ ORDER BY i.item
+ LIMIT %(limit)s;
 
 -- name: local_statement_timeout
 -- Set statement_timeout for the rest of this transaction only (%(timeout)s: "120000ms").
@@ -445,7 +460,18 @@ runs AS (
        AND s.lease_owner = %(owner)s
        AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
-    RETURNING s.id, s.run_id, s.lease_generation
+    RETURNING s.id, s.run_id, s.lease_generation, s.map_node
+), items_done AS (
+    -- completed items count down their map row (its run is locked above); over: no item
+    -- of that map is left to run (its run moves on: the map ends, and its join may start)
+    UPDATE cyclone_steps m
+       SET items_left = m.items_left - d.n
+      FROM (SELECT run_id, map_node, count(*) AS n FROM done WHERE map_node IS NOT NULL
+             GROUP BY run_id, map_node) d
+     WHERE m.run_id = d.run_id AND m.node = d.map_node AND m.kind = 'map'
+    RETURNING m.run_id, m.node,
+              m.items_left <= (SELECT count(*) FROM cyclone_steps f
+                                WHERE f.run_id = m.run_id AND f.map_node = m.node AND f.state = 'discarded') AS over
 ), completed_runs AS (
     UPDATE cyclone_runs r
        SET state = 'completed', finished_at = now(), updated_at = now()
@@ -507,7 +533,7 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state
+    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state, s.map_node
 ), discarded_runs AS (
     -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
@@ -534,13 +560,15 @@ CASE WHEN j.kind IN ('memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
 END
 
 -- name: claimed_input_expr
--- (Fragment) a claimed row's input as JSON text, unless its stored size is over
--- %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
-CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::text END
+-- (Fragment) a claimed row's input as JSON text (a map item's own, else the run's), unless
+-- its stored size is over %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
+CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
+     THEN coalesce(c.item_input, (c.run).input)::text END
 
 -- name: claimed_big_expr
--- (Fragment) true when a claimed row's input or upstream outputs were left out for size.
-(pg_column_size((c.run).input) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL))
+-- (Fragment) true when a claimed row's input or upstream outputs were left out: for size,
+-- or because a map node is among its upstream nodes (its outputs are read in pages).
+(pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL))
 
 -- name: claim
 -- Claim up to %(limit)s available steps in one statement. The input and the upstream
@@ -579,13 +607,17 @@ settled_completed AS (
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
            runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup,
            NULL::jsonb AS trace, NULL::bigint AS memory_limit, NULL::float8 AS cpu_limit, NULL::integer AS max_processes,
-           NULL::integer AS max_open_files, NULL::boolean AS rated
+           NULL::integer AS max_open_files, NULL::boolean AS rated,
+           -- its workflow run must move on now: not an item, or the last item of its map
+           (d.map_node IS NULL OR EXISTS (SELECT 1 FROM items_done i
+                                           WHERE i.run_id = d.run_id AND i.node = d.map_node AND i.over)) AS moves_run
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
            c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
-           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files, c.rated
+           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files, c.rated,
+           NULL::boolean
       FROM claimed c
 )
 
@@ -605,16 +637,18 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 -- name: settle_rows_expr
 -- (Fragment) what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
+-- moves_run: a completed or failed row whose workflow run must move on (an item that
+-- neither was its map's last nor was discarded leaves it as it is).
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.map_node IS NULL OR e.state = 'discarded'
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL
+       NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_rows_expr
@@ -624,7 +658,7 @@ UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL
+       NULL, NULL
   FROM claim_meta m
 
 -- name: settle
@@ -815,11 +849,13 @@ SELECT EXISTS (SELECT 1 FROM took UNION ALL SELECT 1 FROM made) AS mine,
 UPDATE cyclone_maintenance SET succeeded_at = now() WHERE task = %(task)s;
 
 -- name: sweep_candidates
--- Recovery sweep page: running rows whose lease expired or whose DB deadline passed.
+-- Recovery sweep page: running rows whose lease expired or whose DB deadline passed (a
+-- running map row holds no lease: its items do).
 SELECT id, run_id::text AS run_id
   FROM cyclone_steps
  WHERE state = 'running'
    AND (lease_expiry < now() OR (timeout IS NOT NULL AND started_at + timeout <= now()))
+   AND kind <> 'map'
  ORDER BY id
  LIMIT %(limit)s;
 
@@ -855,7 +891,8 @@ SELECT DISTINCT run_id::text AS run_id
  LIMIT %(limit)s;
 
 -- name: promote_ready
--- Nodes whose dependencies all completed leave pending (or stay paused, remembering where to go).
+-- Nodes whose dependencies all completed leave pending (or stay paused, remembering where to
+-- go); map nodes are expand_maps'.
 WITH ready AS (
     SELECT s.id,
            CASE s.kind WHEN 'task' THEN 'available'
@@ -863,6 +900,7 @@ WITH ready AS (
                        ELSE 'waiting_timer' END AS target
       FROM cyclone_steps s
      WHERE s.run_id = %(run_id)s
+       AND s.kind <> 'map'
        AND (s.state = 'pending' OR (s.state = 'paused' AND s.paused_from = 'pending'))
        AND NOT EXISTS (
             SELECT 1 FROM cyclone_steps d
@@ -875,6 +913,97 @@ UPDATE cyclone_steps s
        due_at = CASE WHEN s.kind = 'timer' THEN coalesce(s.due_at, now() + s.timer_delay) ELSE s.due_at END
   FROM ready
  WHERE s.id = ready.id;
+
+-- name: expand_maps
+-- Map nodes whose node mapped over (depends_on[1]) completed: one item row per element of
+-- its output list, inserted in one statement with the map row's options, the element as
+-- input and "<map>[<index>]" as node (paused, to be available, in a paused run); the map
+-- row becomes running and counts them (items_total, items_left). An output that is not a
+-- list discards the map row (output_invalid) with an error that says so. Runs under the
+-- run lock, in the transaction of the completion that made the node ready: the map row
+-- leaves pending there, so a list is mapped once whatever completes later.
+WITH ready AS MATERIALIZED (
+    -- (a map over a map maps the items' outputs: read from its items, never aggregated)
+    SELECT m.id, m.node, o.node AS over, o.kind = 'map' AS over_map, o.output AS list,
+           o.kind = 'map' OR jsonb_typeof(o.output) = 'array' AS ok,
+           CASE WHEN o.kind = 'map' THEN o.items_total
+                WHEN jsonb_typeof(o.output) = 'array' THEN jsonb_array_length(o.output) END AS total,
+           coalesce(jsonb_typeof(o.output), 'nothing') AS got,
+           (SELECT r.state FROM cyclone_runs r WHERE r.id = m.run_id) = 'paused' AS paused
+      FROM cyclone_steps m
+      JOIN cyclone_steps o ON o.run_id = m.run_id AND o.node = m.depends_on[1]
+     WHERE m.run_id = %(run_id)s AND m.kind = 'map'
+       AND (m.state = 'pending' OR (m.state = 'paused' AND m.paused_from = 'pending'))
+       AND o.state = 'completed'
+), elements AS (
+    SELECT r.id, e.v, (e.i - 1)::int AS i
+      FROM ready r
+     CROSS JOIN LATERAL jsonb_array_elements(CASE WHEN r.ok AND NOT r.over_map THEN r.list ELSE '[]'::jsonb END)
+           WITH ORDINALITY AS e(v, i)
+    UNION ALL
+    SELECT r.id, coalesce(x.output, 'null'::jsonb), x.item
+      FROM ready r
+      JOIN cyclone_steps m ON m.id = r.id
+      JOIN cyclone_steps x ON x.run_id = m.run_id AND x.map_node = r.over AND r.over_map
+), items AS (
+    INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, paused_from,
+                               max_attempts, max_reclaims, timeout, backoff, scheduled_at,
+                               concurrency_key, concurrency, rate_count, rate_period,
+                               memory_limit, cpu_limit, max_processes, max_open_files, input, map_node, item)
+    SELECT m.run_id, m.node || '[' || e.i || ']', m.step_name, 'item', m.queue, m.priority,
+           CASE WHEN r.paused THEN 'paused' ELSE 'available' END, CASE WHEN r.paused THEN 'available' END,
+           m.max_attempts, m.max_reclaims, m.timeout, m.backoff, now(),
+           m.concurrency_key, m.concurrency, m.rate_count, m.rate_period,
+           m.memory_limit, m.cpu_limit, m.max_processes, m.max_open_files, e.v, m.node, e.i
+      FROM elements e
+      JOIN ready r ON r.id = e.id
+      JOIN cyclone_steps m ON m.id = e.id
+    RETURNING 1
+)
+UPDATE cyclone_steps m
+   SET state = CASE WHEN r.ok THEN 'running' ELSE 'discarded' END,
+       paused_from = NULL,
+       items_total = r.total,
+       items_left = r.total,
+       finished_at = CASE WHEN r.ok THEN NULL ELSE now() END,
+       error = CASE WHEN r.ok THEN NULL
+                    ELSE 'map ' || m.node || ': the output of ' || r.over || ' is not a JSON list (it is '
+                         || r.got || '): map() runs its step once per item of a list' END,
+       error_kind = CASE WHEN r.ok THEN NULL ELSE 'output_invalid' END
+  FROM ready r
+ WHERE m.id = r.id
+RETURNING m.id, (SELECT count(*) FROM items) AS items;
+
+-- name: settle_maps
+-- Running map nodes none of whose items is left to run (items_left counts the items not
+-- completed; the discarded ones are found by cyclone_steps_failed_items_idx): completed when
+-- every item completed, or with allow_failures; else discarded, with the first discarded
+-- item's error kind and an error that names it.
+WITH maps AS MATERIALIZED (
+    SELECT m.id, m.node, m.run_id,
+           (SELECT count(*) FROM cyclone_steps f
+             WHERE f.run_id = m.run_id AND f.map_node = m.node AND f.state = 'discarded') AS failed
+      FROM cyclone_steps m
+     WHERE m.run_id = %(run_id)s AND m.kind = 'map' AND m.state = 'running'
+), over AS (
+    SELECT x.id, x.failed,
+           (SELECT f FROM cyclone_steps f
+             WHERE f.run_id = x.run_id AND f.map_node = x.node AND f.state = 'discarded'
+             ORDER BY f.item LIMIT 1) AS first
+      FROM maps x
+      JOIN cyclone_steps m ON m.id = x.id
+     WHERE m.items_left <= x.failed
+)
+UPDATE cyclone_steps m
+   SET state = CASE WHEN o.failed = 0 OR m.allow_failures THEN 'completed' ELSE 'discarded' END,
+       finished_at = now(),
+       error = CASE WHEN o.failed > 0 AND NOT coalesce(m.allow_failures, false)
+                    THEN 'item ' || (o.first).item || ' of ' || m.items_total || ' discarded'
+                         || CASE WHEN o.failed > 1 THEN ' (and ' || (o.failed - 1) || ' more)' ELSE '' END
+                         || ': ' || coalesce((o.first).error, (o.first).error_kind) END,
+       error_kind = CASE WHEN o.failed > 0 AND NOT coalesce(m.allow_failures, false) THEN (o.first).error_kind END
+  FROM over o
+ WHERE m.id = o.id;
 
 -- name: fire_nodes
 -- Signal nodes whose signal arrived and timer nodes due (DB clock) complete.
@@ -895,7 +1024,7 @@ SELECT DISTINCT queue FROM cyclone_steps WHERE run_id = %(run_id)s AND state = '
 
 -- name: refresh_run_state
 -- Keep the run state in step with its steps: completed when all are, discarded when a
--- discarded step leaves nothing that can progress.
+-- discarded step leaves nothing that can progress (a map node stands for its items).
 UPDATE cyclone_runs r
    SET state = x.new_state,
        finished_at = CASE WHEN x.new_state IN ('completed', 'discarded') THEN now() ELSE NULL END,
@@ -908,6 +1037,7 @@ UPDATE cyclone_runs r
                   THEN 'discarded'
              ELSE NULL END AS new_state
       FROM cyclone_steps WHERE run_id = %(run_id)s
+       AND kind <> 'item'  -- a map's items count through their map row (with allow_failures some may be discarded)
   ) x
  WHERE r.id = %(run_id)s
    AND (r.state IN ('running', 'discarded') OR (r.state = 'paused' AND x.new_state = 'completed'))
@@ -1035,10 +1165,10 @@ WITH steps AS (
            -- a running attempt lives on until its supervisor hears of the cancel (LISTEN, or
            -- its next renewal, before lease_expiry) and kills it (kill_within): its
            -- concurrency slot and a retry wait for that, or for the supervisor's report
-           dead_by = CASE WHEN state = 'running'
+           dead_by = CASE WHEN state = 'running' AND kind <> 'map'  -- (a running map row holds no lease)
                           THEN coalesce(dead_by, greatest(lease_expiry, now()) + coalesce(kill_within, interval '0'))
                           ELSE dead_by END,
-           errors = CASE WHEN state = 'running' THEN errors || jsonb_build_array(jsonb_build_object(
+           errors = CASE WHEN state = 'running' AND kind <> 'map' THEN errors || jsonb_build_array(jsonb_build_object(
                         'attempt', attempt, 'kind', 'cancelled', 'message', 'cancelled while running (client.cancel)',
                         'started_at', started_at, 'at', {utc_now_expr},
                         'elapsed', round(extract(epoch FROM now() - started_at)::numeric, 3),
@@ -1068,17 +1198,19 @@ RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr},
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
 -- discarded by its attempts gets max_attempts raised to attempt + 1, as River does. A
 -- cancelled step keeps its attempt: its error_kind may be an earlier attempt's, already
--- counted when that attempt ended.
+-- counted when that attempt ended. A discarded map row runs again (its discarded items
+-- are reopened here too; the completed ones stay completed), or, when its list was never
+-- mapped, waits to be mapped again.
 UPDATE cyclone_steps
-   SET state = 'available',
-       attempt = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
+   SET state = CASE WHEN kind <> 'map' THEN 'available' WHEN items_total IS NULL THEN 'pending' ELSE 'running' END,
+       attempt = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr}) AND kind <> 'map'
                       THEN attempt + 1 ELSE attempt END,
-       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
+       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr}) AND kind <> 'map'
                            THEN greatest(max_attempts, attempt + 1) ELSE max_attempts END,
        reclaims = CASE WHEN state = 'discarded' AND error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
        scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
        error = NULL, error_kind = NULL
- WHERE run_id = %(run_id)s AND state = %(from_state)s AND kind = 'task';
+ WHERE run_id = %(run_id)s AND state = %(from_state)s AND kind IN ('task', 'map', 'item');
 
 -- name: reopen_run
 -- After a retry: the run is running again.
@@ -1196,7 +1328,7 @@ SELECT id::text AS id FROM cyclone_runs_archive WHERE idempotency_key = %(key)s 
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
                            max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at,
                            concurrency_key, concurrency, rate_count, rate_period,
-                           memory_limit, cpu_limit, max_processes, max_open_files)
+                           memory_limit, cpu_limit, max_processes, max_open_files, allow_failures)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
@@ -1204,16 +1336,17 @@ SELECT %(run_id)s, t.node, t.step_name, t.kind,
        t.backoff,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
        t.key, t.concurrency, t.rate_count, t.rate_period_us * interval '1 microsecond',
-       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files
+       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files, t.allow_failures
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
               %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[], %(keys)s::text[], %(concurrencies)s::int[],
               %(rate_counts)s::int[], %(rate_periods_us)s::bigint[], %(memory_limits)s::bigint[],
-              %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[])
+              %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[],
+              %(allow_failures)s::boolean[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
          timeout_us, timer_delay_us, due_at, backoff, key, concurrency, rate_count, rate_period_us,
-         memory_limit, cpu_limit, max_processes, max_open_files);
+         memory_limit, cpu_limit, max_processes, max_open_files, allow_failures);
 
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load), each with its concurrency key.
@@ -1345,7 +1478,7 @@ s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
 s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
 CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by,  -- ('epoch': its processes were reaped)
-s.snoozes
+s.snoozes, s.items_total
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
@@ -1353,13 +1486,21 @@ s.snoozes
 -- hold a concurrency slot, starts_in_period the starts of the last rate period (both from
 -- step_limits_expr, which the query joins).
 {step_status_columns_expr},
-g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
+g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on,
+CASE WHEN s.kind = 'map' AND s.items_total IS NOT NULL THEN  -- a map's items by state (StepStatus.items)
+    (SELECT jsonb_object_agg(x.state, x.n) FROM (SELECT i.state, count(*) AS n FROM cyclone_steps i
+                                                   WHERE i.run_id = s.run_id AND i.map_node = s.node
+                                                   GROUP BY i.state) x) END AS items
 
 -- name: archived_step_columns_expr
 -- (Fragment) step_columns_expr of an archived step row s (cyclone_steps_archive): its
 -- limits hold nothing back any more (running_in_group, starts_in_period, waiting_on NULL).
 {step_status_columns_expr},
-NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text AS waiting_on
+NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text AS waiting_on,
+CASE WHEN s.kind = 'map' AND s.items_total IS NOT NULL THEN
+    (SELECT jsonb_object_agg(x.state, x.n) FROM (SELECT i.state, count(*) AS n FROM cyclone_steps_archive i
+                                                   WHERE i.run_id = s.run_id AND i.map_node = s.node
+                                                   GROUP BY i.state) x) END AS items
 
 -- name: step_limits_expr
 -- (Fragment) the join of step_columns_expr's group counts, for a step row s.
@@ -1375,17 +1516,40 @@ LEFT JOIN LATERAL (
        WHERE s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL) g ON true
 
 -- name: get_steps
--- Every step row of a run, in definition order: from the hot table, or from the archive
--- when the hot table has none (one statement: a run's steps are all in one table).
+-- Every step row of a run, in definition order, but a map's items (its row counts them:
+-- map_items lists them): from the hot table, or from the archive when the hot table has
+-- none (one statement: a run's steps are all in one table).
 SELECT {step_columns_expr}
   FROM cyclone_steps s {step_limits_expr}
- WHERE s.run_id = %(run_id)s
+ WHERE s.run_id = %(run_id)s AND s.map_node IS NULL
 UNION ALL
 SELECT {archived_step_columns_expr}
   FROM cyclone_steps_archive s
- WHERE s.run_id = %(run_id)s
+ WHERE s.run_id = %(run_id)s AND s.map_node IS NULL
    AND NOT EXISTS (SELECT 1 FROM cyclone_steps h WHERE h.run_id = %(run_id)s)
  ORDER BY id;
+
+-- name: map_items
+-- A page of a map's items in item order (keyset: after item %(after)s, at most %(limit)s),
+-- those in %(states)s when given, as get_steps gives steps; the hot table's, or the
+-- archive's when the hot table has none.
+SELECT * FROM (
+    SELECT {step_columns_expr}, s.item
+      FROM cyclone_steps s {step_limits_expr}
+     WHERE s.run_id = %(run_id)s AND s.map_node = %(node)s AND s.item > %(after)s
+       AND (%(states)s::text[] IS NULL OR s.state = ANY(%(states)s::text[]))
+     ORDER BY s.item
+     LIMIT %(limit)s) h
+UNION ALL
+SELECT * FROM (
+    SELECT {archived_step_columns_expr}, s.item
+      FROM cyclone_steps_archive s
+     WHERE s.run_id = %(run_id)s AND s.map_node = %(node)s AND s.item > %(after)s
+       AND (%(states)s::text[] IS NULL OR s.state = ANY(%(states)s::text[]))
+       AND NOT EXISTS (SELECT 1 FROM cyclone_steps x WHERE x.run_id = %(run_id)s)
+     ORDER BY s.item
+     LIMIT %(limit)s) a
+ ORDER BY item;
 
 -- name: finished_runs
 -- The runs among some ids that are completed, discarded or cancelled (what a waiter reads
@@ -1406,11 +1570,11 @@ SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_
 -- archived rows, as get_steps).
 SELECT s.run_id::text AS run_id, {step_columns_expr}
   FROM cyclone_steps s {step_limits_expr}
- WHERE s.run_id = ANY(%(ids)s::uuid[])
+ WHERE s.run_id = ANY(%(ids)s::uuid[]) AND s.map_node IS NULL
 UNION ALL
 SELECT s.run_id::text, {archived_step_columns_expr}
   FROM cyclone_steps_archive s
- WHERE s.run_id = ANY(ARRAY(SELECT unnest(%(ids)s::uuid[])
+ WHERE s.map_node IS NULL AND s.run_id = ANY(ARRAY(SELECT unnest(%(ids)s::uuid[])
                             EXCEPT SELECT h.run_id FROM cyclone_steps h WHERE h.run_id = ANY(%(ids)s::uuid[])))
  ORDER BY run_id, id;
 
@@ -1923,7 +2087,7 @@ id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_fr
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
 concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
-dead_by, kill_within, start_delay, snoozes
+dead_by, kill_within, start_delay, snoozes, input, map_node, item, items_total, items_left, allow_failures
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this

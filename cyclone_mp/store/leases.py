@@ -195,7 +195,9 @@ class LeaseQueries:
         steps of ``queues``/``names`` are claimed with a ``ttl``-second lease (``kill_within``
         and ``start_now`` as for :meth:`claim`). With
         ``workflows`` (some outcome belongs to a workflow run) the workflow runs of the
-        settled rows are advanced in the same transaction; otherwise it is one round
+        settled rows are advanced in the same transaction (a map's item only when it was
+        the map's last to end, or was discarded: the others count down their map row in
+        the statement, and leave the run as it is); otherwise it is one round
         trip and one commit. A tick without failures runs ``settle_completions``, the
         same statement without the failure CTEs (a smaller plan to start and run).
 
@@ -224,7 +226,9 @@ class LeaseQueries:
             })
             rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
-            for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
+            for run_id in sorted({r["run_id"] for r in rows
+                                  if r["what"] in ("completed", "failed") and r["run_kind"] == "workflow"
+                                  and r["moves_run"] is not False}):
                 self._advance(cur, run_id)
         failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
         return Settled(
