@@ -8,7 +8,8 @@ the steps:
   ``end ...`` lines to ``<dir>/items.log`` (``O_APPEND``: lines never interleave);
 - ``fail``: items whose input is in it raise (``permanent``: ``cy.Permanent``) until
   the file ``fail_until`` exists;
-- ``hold``: items wait (cooperatively) until the file ``hold`` exists.
+- ``hold``: items wait (cooperatively) until the file ``hold`` exists;
+- ``stubborn``: items whose input is in it ignore cancellation while they wait for ``hold``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _log(folder: str | None, line: str) -> None:
 def numbers(ctx: cy.Context, inp: dict) -> list:
     if "items" in inp:
         return inp["items"]
-    return [{"x": i, **{k: inp[k] for k in ("dir", "fail", "fail_until", "hold", "permanent") if k in inp}}
+    return [{"x": i, **{k: inp[k] for k in ("dir", "fail", "fail_until", "hold", "permanent", "stubborn") if k in inp}}
             for i in range(inp["n"])]
 
 
@@ -47,7 +48,11 @@ def numbers(ctx: cy.Context, inp: dict) -> list:
 def square(ctx: cy.Context, item: dict) -> int:
     x = item["x"]
     _log(item.get("dir"), f"start {x} {ctx.attempt} {os.getpid()}")
-    if item.get("hold"):
+    if item.get("hold") and x in (item.get("stubborn") or ()):
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not os.path.exists(item["hold"]) and time.monotonic() < deadline:
+            time.sleep(0.02)  # deaf to cancellation: killed after kill_grace
+    elif item.get("hold"):
         deadline = time.monotonic() + HOLD_LIMIT
         while not os.path.exists(item["hold"]):
             if ctx.cancellation.wait(0.02):

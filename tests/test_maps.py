@@ -7,6 +7,7 @@ executions.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,15 @@ def log_lines(folder: Path, kind: str) -> list[list[str]]:
     if not path.exists():
         return []
     return [line.split() for line in path.read_text().splitlines() if line.startswith(kind + " ")]
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def item_rows(dsn: str, run_id: str) -> list[dict]:
@@ -75,3 +85,120 @@ def test_an_empty_list_completes_the_map_at_once(cyclone_env):
     assert run.state == "completed"
     assert run.steps["square"].items == {"total": 0}
     assert run.steps["total"].output["count"] == 0
+
+
+def test_a_discarded_item_discards_the_run_once_the_others_end_and_retry_reruns_only_it(cyclone_env, tmp_path):
+    env = cyclone_env
+    fixed = tmp_path / "fixed"
+    run_id = env.enqueue(mh.squares, {"n": 6, "dir": str(tmp_path), "fail": [2], "permanent": True,
+                                      "fail_until": str(fixed)})
+    env.start_worker()
+    run = env.run_until_complete(run_id, timeout=30)
+    assert run.state == "discarded"
+    square = run.steps["square"]
+    assert (square.state, square.error_kind) == ("discarded", "permanent")
+    assert square.error == "item 2 of 6 discarded: item 2 is bad"
+    assert square.items == {"total": 6, "completed": 5, "discarded": 1}
+    assert run.steps["total"].state == "pending"
+    assert [i.item for i in env.client().map_items(run_id, "square", state="discarded")] == [2]
+    assert sorted(int(line[1]) for line in log_lines(tmp_path, "end")) == [0, 1, 3, 4, 5]
+
+    fixed.write_text("ok")
+    assert env.client().retry(run_id) == 2  # the map row and its one discarded item
+    run = env.run_until_complete(run_id, timeout=30)
+    assert run.state == "completed"
+    assert run.steps["total"].output["sum"] == sum(i * i for i in range(6))
+    starts = sorted(int(line[1]) for line in log_lines(tmp_path, "start"))
+    assert starts == [0, 1, 2, 2, 3, 4, 5]  # only the discarded item ran again
+    rows = {r["item"]: r for r in item_rows(env.dsn, run_id)}
+    assert rows[2]["attempt"] == 2 and all(rows[i]["attempt"] == 1 for i in (0, 1, 3, 4, 5))
+
+
+def test_allow_failures_lets_the_join_see_each_failed_item(cyclone_env, tmp_path):
+    env = cyclone_env
+    run_id = env.enqueue(mh.tolerant, {"n": 5, "fail": [1, 3], "permanent": True})
+    env.start_worker()
+    run = env.run_until_complete(run_id, timeout=30)
+    assert run.state == "completed"
+    assert run.steps["square"].state == "completed" and run.steps["square"].error is None
+    assert run.steps["square"].items == {"total": 5, "completed": 3, "discarded": 2}
+    out = run.steps["total"].output
+    assert (out["count"], out["failed"], out["sum"]) == (5, [1, 3], 0 + 4 + 16)
+
+
+def test_cancel_mid_map_cancels_every_item_and_kills_the_deaf_ones_after_kill_grace(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(workers=3, lease_ttl=0.6, kill_grace=0.5, prefetch=0)
+    run_id = env.enqueue(mh.squares, {"n": 8, "dir": str(tmp_path), "hold": str(tmp_path / "never"),
+                                      "stubborn": [0, 1]})
+    env.start_worker()
+    wait_for(lambda: len(log_lines(tmp_path, "start")) == 3, 20, "three items to start")
+    started = {int(line[1]): int(line[3]) for line in log_lines(tmp_path, "start")}
+    assert sorted(started) == [0, 1, 2]  # claimed in item order
+    t0 = time.monotonic()
+    assert env.client().cancel(run_id) == 10  # the map row, its 8 items and the join
+    run = env.status(run_id)
+    assert run.state == "cancelled"
+    assert {n: s.state for n, s in run.steps.items()} == {"numbers": "completed", "square": "cancelled",
+                                                          "total": "cancelled"}
+    assert run.steps["square"].items == {"total": 8, "cancelled": 8}
+    # the cooperative item returns (its child lives on), the two deaf ones are killed after kill_grace
+    wait_for(lambda: not alive(started[0]) and not alive(started[1]), 0.6 + 0.5 + 3.0, "the deaf children's kill")
+    assert time.monotonic() - t0 >= 0.5  # not before kill_grace
+    wait_for(lambda: len(log_lines(tmp_path, "cancelled")) == 1, 5, "the cooperative item to see the cancel")
+    assert alive(started[2])
+    assert log_lines(tmp_path, "end") == []
+    assert len(log_lines(tmp_path, "start")) == 3  # nothing started after the cancel
+    items = env.client().map_items(run_id, "square")
+    running_before = [i for i in items if i.errors]
+    assert len(running_before) == 3 and all(i.errors[-1]["kind"] == "cancelled" for i in running_before)
+    assert all(i.attempt == 1 and i.error is None for i in items)
+
+
+def test_pause_holds_the_items_and_resume_finishes_the_map(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(workers=2, prefetch=0)
+    release = tmp_path / "release"
+    run_id = env.enqueue(mh.squares, {"n": 6, "dir": str(tmp_path), "hold": str(release)})
+    env.start_worker()
+    wait_for(lambda: len(log_lines(tmp_path, "start")) == 2, 20, "two items to start")
+    assert env.client().pause(run_id) == 5  # four available items and the pending join
+    release.write_text("go")
+    wait_for(lambda: env.status(run_id).steps["square"].items.get("completed") == 2, 20, "the running items to end")
+    run = env.status(run_id)
+    assert run.state == "paused" and run.steps["square"].items == {"total": 6, "completed": 2, "paused": 4}
+    assert len(log_lines(tmp_path, "start")) == 2
+    env.client().resume(run_id)
+    run = env.run_until_complete(run_id, timeout=30)
+    assert run.state == "completed" and run.steps["total"].output["count"] == 6
+
+
+def test_the_upstream_result_arriving_twice_maps_once(cyclone_env):
+    """A stale attempt of the node mapped over (its lease expired, the step was reclaimed
+    and completed by another supervisor) completes late, and the winner's completion is
+    delivered twice: the list is mapped once, by the completion whose CAS held."""
+    from cyclone_mp.store import Store
+    from cyclone_mp.sweep import Sweeper
+
+    env = cyclone_env
+    env.mux().register(mh.squares)
+    run_id = env.client().enqueue(mh.squares, {"n": 4})
+    a, b = Store.open(env.dsn), Store.open(env.dsn)
+    try:
+        [stale] = a.claim(owner="a", queues=["default"], names=["numbers"], limit=5, ttl=30)
+        env.expire_lease(run_id, "numbers")
+        assert Sweeper("sweeper", lambda name: lambda attempt: 0.0).run_once(a)["reclaim"] == 1
+        [fresh] = b.claim(owner="b", queues=["default"], names=["numbers"], limit=5, ttl=30)
+        assert fresh["lease_generation"] == stale["lease_generation"] + 1
+        listed = [{"x": i} for i in range(4)]
+        won = b.complete(owner="b", items=[(fresh["id"], fresh["lease_generation"], listed, None)])
+        assert won == {(fresh["id"], fresh["lease_generation"])}
+        assert len(item_rows(env.dsn, run_id)) == 4
+        late = [{"x": i} for i in range(9)]  # the stale attempt's (different) list
+        assert a.complete(owner="a", items=[(stale["id"], stale["lease_generation"], late, None)]) == set()
+        assert b.complete(owner="b", items=[(fresh["id"], fresh["lease_generation"], listed, None)]) == set()
+        rows = item_rows(env.dsn, run_id)
+        assert [(r["node"], r["input"]) for r in rows] == [(f"square[{i}]", {"x": i}) for i in range(4)]
+        square = env.status(run_id).steps["square"]
+        assert (square.state, square.items) == ("running", {"total": 4, "available": 4})
+    finally:
+        a.close()
+        b.close()
