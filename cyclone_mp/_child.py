@@ -765,7 +765,9 @@ def exit_message(code: Any) -> str:
 def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The task's input and upstream outputs. Either is a value (``input``,
     ``upstream``) or, from a supervisor that hands them on undecoded, JSON text
-    (``input_json``, ``upstream_json``), decoded here with the payload rules.
+    (``input_json``, ``upstream_json``), decoded here with the payload rules; the outputs
+    of upstream map nodes (``maps``) are read from the files the supervisor wrote
+    (:func:`cyclone_mp.mapped.read`).
 
     Raises:
         PayloadError: a text that cannot be decoded (nested deeper than ``MAX_DEPTH``...).
@@ -783,7 +785,7 @@ def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
         upstream = dict(upstream or {})
         for node, outputs in task["maps"].items():
-            upstream[node] = mapped.read(outputs["path"], outputs["count"])
+            upstream[node] = mapped.read(outputs["path"], outputs["count"], outputs.get("list", True))
     return inp, upstream or {}
 
 

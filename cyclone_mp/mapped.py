@@ -107,7 +107,8 @@ def write_outputs(call: Callable[[Callable[[Any], Any]], Any], run_id: str,
                   maps: list[list[Any]]) -> dict[str, dict[str, Any]]:
     """Write the outputs of each of ``maps`` (``[node, items]`` pairs, as ``load_payload``
     gives them) of run ``run_id`` to a file of its own, :data:`PAGE_ITEMS` items per
-    statement; returns ``{node: {"path", "count"}}`` for the join's task. ``call(fn)`` runs
+    statement; returns ``{node: {"path", "count", "list"}}`` for the join's task (``list``:
+    the file is at most :data:`LIST_BYTES`, the child reads it whole into a list). ``call(fn)`` runs
     ``fn(store)`` on the caller's bounded connection. Files written before an error are
     deleted.
 
@@ -128,6 +129,7 @@ def write_outputs(call: Callable[[Callable[[Any], Any]], Any], run_id: str,
                     if len(rows) < PAGE_ITEMS:
                         break
                 written[node]["count"] = out.count
+            written[node]["list"] = os.path.getsize(path) <= LIST_BYTES
     except BaseException:
         for entry in written.values():
             discard(entry["path"])
@@ -195,10 +197,11 @@ class Outputs:
         return f"<map outputs: {self._count} items>"
 
 
-def read(path: str, count: int) -> list[Any] | Outputs:
-    """A map's outputs for the join's ``ctx.upstream``: a list when the file is at most
-    :data:`LIST_BYTES`, else an :class:`Outputs` sequence over it."""
-    if os.path.getsize(path) <= LIST_BYTES:
+def read(path: str, count: int, as_list: bool) -> list[Any] | Outputs:
+    """A map's outputs for the join's ``ctx.upstream``: a list when ``as_list`` (the
+    supervisor found the file at most :data:`LIST_BYTES`), else an :class:`Outputs`
+    sequence over it."""
+    if as_list:
         with open(path, encoding="utf-8") as f:
             return [_decode(line) for line in f]
     return Outputs(path, count)

@@ -9,7 +9,8 @@ the steps:
 - ``fail``: items whose input is in it raise (``permanent``: ``cy.Permanent``) until
   the file ``fail_until`` exists;
 - ``hold``: items wait (cooperatively) until the file ``hold`` exists;
-- ``stubborn``: items whose input is in it ignore cancellation while they wait for ``hold``.
+- ``stubborn``: items whose input is in it ignore cancellation while they wait for ``hold``;
+- ``sleep``: seconds each item sleeps.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _log(folder: str | None, line: str) -> None:
 def numbers(ctx: cy.Context, inp: dict) -> list:
     if "items" in inp:
         return inp["items"]
-    return [{"x": i, **{k: inp[k] for k in ("dir", "fail", "fail_until", "hold", "permanent", "stubborn") if k in inp}}
+    return [{"x": i, **{k: inp[k] for k in ("dir", "fail", "fail_until", "hold", "permanent", "stubborn", "sleep")
+                             if k in inp}}
             for i in range(inp["n"])]
 
 
@@ -48,6 +50,8 @@ def numbers(ctx: cy.Context, inp: dict) -> list:
 def square(ctx: cy.Context, item: dict) -> int:
     x = item["x"]
     _log(item.get("dir"), f"start {x} {ctx.attempt} {os.getpid()}")
+    if item.get("sleep"):
+        time.sleep(item["sleep"])
     if item.get("hold") and x in (item.get("stubborn") or ()):
         deadline = time.monotonic() + HOLD_LIMIT
         while not os.path.exists(item["hold"]) and time.monotonic() < deadline:

@@ -202,3 +202,86 @@ def test_the_upstream_result_arriving_twice_maps_once(cyclone_env):
     finally:
         a.close()
         b.close()
+
+
+def _map_across_two_supervisors_with_a_crash(env, tmp_path, n: int, crash_after: int, timeout: float,
+                                            sleep: float = 0.0) -> None:
+    """Acceptance 1: a map of ``n`` items across 2 supervisors completes, one of them
+    SIGKILLed once ``crash_after`` items completed: nothing is lost, the join sees the
+    ``n`` outputs in item order, and no item runs again after its completion was written
+    (an item whose handler ended on the crashed supervisor, its completion unwritten, ran
+    twice: only those, each reclaimed once)."""
+    run_id = env.enqueue(mh.squares, {"n": n, "dir": str(tmp_path), "sleep": sleep})
+    first, second = env.start_worker(), env.start_worker()
+    wait_for(lambda: (env.status(run_id).steps["square"].items or {}).get("completed", 0) >= crash_after,
+             timeout, f"{crash_after} items to complete")
+    env.crash_worker()  # the newest: second
+    run = env.run_until_complete(run_id, timeout=timeout)
+    assert run.state == "completed"
+    assert run.steps["square"].items == {"total": n, "completed": n}
+    out = run.steps["total"].output
+    assert (out["count"], out["sum"], out["ordered"]) == (n, sum(i * i for i in range(n)), True)
+    items, after = [], -1
+    while True:
+        page = env.client().map_items(run_id, "square", after=after, limit=10_000)
+        if not page:
+            break
+        items += page
+        after = page[-1].item
+    assert [i.item for i in items] == list(range(n))
+    assert all(i.state == "completed" and i.attempt == 1 and i.output == i.item ** 2 for i in items)
+    ends: dict[int, int] = {}
+    for line in log_lines(tmp_path, "end"):
+        ends[int(line[1])] = ends.get(int(line[1]), 0) + 1
+    assert sorted(ends) == list(range(n))
+    twice = {x for x, count in ends.items() if count > 1}
+    reclaimed = {i.item for i in items if i.reclaims}
+    assert twice <= reclaimed and all(ends[x] == 2 for x in twice)
+    assert all(i.reclaims <= 1 for i in items)
+    assert reclaimed and {i.lease_owner for i in items} == {first.supervisor_id, second.supervisor_id}
+
+
+def test_a_map_of_10000_items_across_two_supervisors_survives_a_sigkill(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(workers=2, lease_ttl=1.0)
+    _map_across_two_supervisors_with_a_crash(env, tmp_path, n=10_000, crash_after=3_000, timeout=300)
+
+
+def test_a_big_map_reaches_its_join_as_a_sequence_read_in_pages(cyclone_env_factory, monkeypatch):
+    """Past LIST_BYTES the join's child gets a lazy sequence over the outputs file, which
+    its supervisor wrote PAGE_ITEMS items per statement (both made small here: the
+    supervisor runs in this process); the file is gone once the join ended."""
+    import os
+
+    from cyclone_mp import mapped
+
+    monkeypatch.setattr(mapped, "LIST_BYTES", 0)
+    monkeypatch.setattr(mapped, "PAGE_ITEMS", 7)
+    env = cyclone_env_factory(worker="thread")
+    run_id = env.enqueue(mh.squares, {"n": 50})
+    env.start_worker()
+    run = env.run_until_complete(run_id, timeout=30)
+    out = run.steps["total"].output
+    assert (out["kind"], out["count"], out["sum"], out["first"], out["ordered"]) == (
+        "Outputs", 50, sum(i * i for i in range(50)), [0, 1, 4], True)
+    assert os.listdir(mapped.folder()) == []
+
+
+def test_outputs_read_from_a_file_index_slice_and_compare(tmp_path):
+    from cyclone_mp import mapped
+
+    path = str(tmp_path / "out.jsonl")
+    with mapped.OutputsFile(path) as out:
+        out.write_page([{"item": 0, "ok": True, "output": '{"a": 1}', "error": None, "error_kind": None},
+                        {"item": 1, "ok": False, "output": "null", "error": "boom", "error_kind": "permanent"}])
+        out.write_page([{"item": 2, "ok": True, "output": "[1, 2]", "error": None, "error_kind": None}])
+    assert (out.count, out.last) == (3, 2)
+    seq = mapped.read(path, 3, as_list=False)
+    failed = cy.ItemFailed(1, "boom", "permanent")
+    assert len(seq) == 3 and list(seq) == [{"a": 1}, failed, [1, 2]]
+    assert (seq[2], seq[-3], seq[1:]) == ([1, 2], {"a": 1}, [failed, [1, 2]])
+    assert seq == [{"a": 1}, failed, [1, 2]] and seq != [{"a": 1}]
+    with pytest.raises(IndexError):
+        seq[3]
+    assert mapped.read(path, 3, as_list=True) == [{"a": 1}, failed, [1, 2]]
+    assert mapped.summary({"total": 10000, "completed": 9120, "running": 850, "available": 30}) == \
+        "10,000 items: 9,120 completed, 850 running, 30 available"
