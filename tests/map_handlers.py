@@ -4,7 +4,7 @@ Worker processes rebuild their mux by importing this module. The run's input dri
 the steps:
 
 - ``n``: how many items ``numbers`` lists (``0 .. n-1``), or ``items``: the list itself;
-- ``dir``: each execution of an item appends ``start <item> <attempt> <pid>`` and
+- ``dir``: each execution of an item appends ``start <item> <attempt> <pid> <time>`` and
   ``end ...`` lines to ``<dir>/items.log`` (``O_APPEND``: lines never interleave);
 - ``fail``: items whose input is in it raise (``permanent``: ``cy.Permanent``) until
   the file ``fail_until`` exists;
@@ -49,7 +49,7 @@ def numbers(ctx: cy.Context, inp: dict) -> list:
 @cy.step("square", backoff=_no_backoff, max_attempts=2)
 def square(ctx: cy.Context, item: dict) -> int:
     x = item["x"]
-    _log(item.get("dir"), f"start {x} {ctx.attempt} {os.getpid()}")
+    _log(item.get("dir"), f"start {x} {ctx.attempt} {os.getpid()} {time.time()}")
     if item.get("sleep"):
         time.sleep(item["sleep"])
     if item.get("hold") and x in (item.get("stubborn") or ()):
@@ -69,7 +69,7 @@ def square(ctx: cy.Context, item: dict) -> int:
         if item.get("permanent"):
             raise cy.Permanent(f"item {x} is bad")
         raise RuntimeError(f"item {x} failed")
-    _log(item.get("dir"), f"end {x} {ctx.attempt} {os.getpid()}")
+    _log(item.get("dir"), f"end {x} {ctx.attempt} {os.getpid()} {time.time()}")
     return x * x
 
 
@@ -96,3 +96,8 @@ tolerant = cy.Workflow("tolerant")
 _tn = tolerant.add(numbers)
 _ts = tolerant.map(square, over=_tn, allow_failures=True)
 tolerant.add(total, after=[_ts])
+
+one_at_a_time = cy.Workflow("one_at_a_time")
+_on = one_at_a_time.add(numbers)
+_os = one_at_a_time.map(square, over=_on, concurrency=1, priority=5, queue="maps", max_attempts=4)
+one_at_a_time.add(total, after=[_os])

@@ -285,3 +285,30 @@ def test_outputs_read_from_a_file_index_slice_and_compare(tmp_path):
     assert mapped.read(path, 3, as_list=True) == [{"a": 1}, failed, [1, 2]]
     assert mapped.summary({"total": 10000, "completed": 9120, "running": 850, "available": 30}) == \
         "10,000 items: 9,120 completed, 850 running, 30 available"
+
+
+def test_map_options_apply_to_every_item_and_a_concurrency_limit_holds_across_them(cyclone_env_factory, tmp_path):
+    env = cyclone_env_factory(workers=3, queues=["default", "maps"])
+    run_id = env.enqueue(mh.one_at_a_time, {"n": 5, "dir": str(tmp_path), "sleep": 0.1})
+    env.start_worker()
+    run = env.run_until_complete(run_id, timeout=30)
+    assert run.state == "completed" and run.steps["total"].output["count"] == 5
+    items = env.client().map_items(run_id, "square")
+    assert {(i.queue, i.priority, i.concurrency, i.max_attempts) for i in items} == {("maps", 5, 1, 4)}
+    spans = {int(s[1]): (float(s[4]), float(e[4]))
+             for s in log_lines(tmp_path, "start") for e in log_lines(tmp_path, "end") if s[1] == e[1]}
+    ordered = sorted(spans.values())
+    assert len(ordered) == 5 and all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))  # never two at once
+
+
+def test_a_big_map_of_one_tenant_does_not_starve_a_small_map_of_another(cyclone_env_factory, tmp_path):
+    """Items are claimed round-robin by concurrency key (here the enqueue's, one per
+    tenant), as any steps are: the small map ends while the big one is far from done."""
+    env = cyclone_env_factory(workers=2, prefetch=0)
+    big = env.enqueue(mh.squares, {"n": 200, "sleep": 0.01}, concurrency_key="tenant-a")
+    small = env.enqueue(mh.squares, {"n": 10, "sleep": 0.01}, concurrency_key="tenant-b")
+    env.start_worker()
+    assert env.run_until_complete(small, timeout=30).state == "completed"
+    left = env.status(big).steps["square"].items
+    assert left.get("completed", 0) < 100, left
+    assert env.run_until_complete(big, timeout=60).state == "completed"
