@@ -16,6 +16,7 @@ is).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import decimal
 import json
@@ -28,7 +29,7 @@ from rich.console import Console, Group
 from rich.measure import Measurement
 from rich.text import Text
 
-from cyclone_mp import RunStatus
+from cyclone_mp import RunStatus, StepStatus
 
 from .formats import (  # noqa: F401 - the formatters the commands use, by render's name
     attempt_text, count, error_text, last_error, limits_text, run_state_text, secs, short, when,
@@ -105,11 +106,13 @@ def last_traceback(status: RunStatus) -> tuple[str, dict[str, Any]] | None:
     return node, entry
 
 
-def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceback: bool = False) -> None:
+def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceback: bool = False,
+                 items: dict[str, list[StepStatus]] | None = None) -> None:
     """The full ``cyclone-mp status`` view of one run: the run, a table of its steps (node
-    name, state, attempt, last error as ``Type: message``), the whole error of each
-    discarded step, each output under its node's name, the failed attempts' forensics
-    and, with ``traceback``, the last traceback."""
+    name, state, attempt, last error as ``Type: message``), each map node's items by state
+    (and with ``items``, ``{map node: its items}``, a table of them), the whole error of
+    each discarded step, each output under its node's name, the failed attempts'
+    forensics and, with ``traceback``, the last traceback."""
     con.print(Text.assemble(
         ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", run_state_text(status),
         f"  created {when(status.created_at)}  finished {when(status.finished_at)}",
@@ -120,6 +123,12 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
         con.print(Text(f"schedule: {status.schedule['name']}  slot {when(status.schedule['slot'])}"
                        f"  next slot {when(status.schedule.get('next_at'))}"))
     put(con, steps_table(status), wide)
+    for step in status.steps.values():
+        if step.items is not None:  # a map node: its items by state (--items lists them)
+            con.print(Text.assemble((f"{step.name}: ", "bold"), step.items_summary or ""))
+    for name, items in (items or {}).items():
+        con.print(Text(f"items of {name}:", style="bold"))
+        put(con, steps_table(dataclasses.replace(status, steps={i.name: i for i in items})), wide)
     for step in status.steps.values():
         if step.state == "discarded" and (step.error or step.error_kind):  # why, in full: it may say what to fix
             con.print(Text.assemble((f"{step.name} discarded ({step.error_kind}): ", "bold"),

@@ -52,10 +52,13 @@ def steps_table(status: RunStatus, *, live: bool = False) -> FoldingTable:
     errors = any(step.error or step.error_kind for step in steps)
     rows = []
     for step in steps:
+        # a map node's progress is its items' (how many of them completed)
+        progress = step.progress if step.items is None else {
+            "done": step.items.get("completed", 0), "total": step.items["total"], "message": "items"}
         row: dict[str, Any] = {
             "node": Text(step.name), "state": state_text(step.state), "attempt": attempt_text(step),
             "key / limit": limit_text(step),
-            "progress": Cell(progress_cell(step.progress), progress_text(step.progress)),
+            "progress": Cell(progress_cell(progress), progress_text(progress)),
             "last error": Text(short(last_error(step), 160), style="red"),
         }
         if not live:

@@ -312,3 +312,34 @@ def test_a_big_map_of_one_tenant_does_not_starve_a_small_map_of_another(cyclone_
     left = env.status(big).steps["square"].items
     assert left.get("completed", 0) < 100, left
     assert env.run_until_complete(big, timeout=60).state == "completed"
+
+
+def test_cli_status_summarises_a_map_and_lists_its_items(cyclone_env, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    env = cyclone_env
+    fixed = tmp_path / "never"
+    run_id = env.enqueue(mh.squares, {"n": 4, "fail": [3], "permanent": True, "fail_until": str(fixed)})
+    env.start_worker()
+    env.run_until_complete(run_id, timeout=30)
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", env.dsn, *args],
+                              capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
+                                                                               "COLUMNS": "200"})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    text = cli("status", run_id)
+    assert "square: 4 items: 3 completed, 1 discarded" in text
+    assert "square[0]" not in text  # items are listed only when asked
+    listed = cli("status", run_id, "--items")
+    assert "items of square:" in listed and all(f"square[{i}]" in listed for i in range(4))
+    data = json.loads(cli("status", run_id, "--json", "--items"))
+    assert data["steps"]["square"]["items"] == {"total": 4, "completed": 3, "discarded": 1}
+    assert [(i["name"], i["item"], i["state"]) for i in data["items"]["square"]] == [
+        ("square[0]", 0, "completed"), ("square[1]", 1, "completed"), ("square[2]", 2, "completed"),
+        ("square[3]", 3, "discarded")]
+    assert data["items"]["square"][3]["error"] == "item 3 is bad"
