@@ -711,3 +711,27 @@ def test_ctrl_c_stops_the_dashboard_quietly_with_exit_0(cyclone_dsn: str) -> Non
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_map_node_is_summarised_on_its_run_page(fresh: tuple[cy.Client, TestClient]) -> None:
+    """Issue 37: a map node's row says how many items it has in each state, and counts the
+    completed ones as its progress."""
+    from cyclone_mp.store import Store
+
+    import map_handlers as mh
+
+    client, tc = fresh
+    run_id = client.enqueue(mh.squares, {"n": 3})
+    store = Store.open(client.dsn)
+    try:
+        [row] = store.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=60)
+        store.complete(owner="t", items=[(row["id"], row["lease_generation"], [{"x": 1}, {"x": 2}, {"x": 3}], None)])
+        [item] = store.claim(owner="t", queues=["default"], names=["square"], limit=1, ttl=60)
+        store.complete(owner="t", items=[(item["id"], item["lease_generation"], 1, None)])
+    finally:
+        store.close()
+    square = next(s for s in tc.get(f"/api/runs/{run_id}").json()["steps"] if s["name"] == "square")
+    assert (square["kind"], square["state"], square["items_summary"]) == ("map", "running",
+                                                                         "3 items: 1 completed, 2 available")
+    assert square["progress"] == {"done": 1, "total": 3, "message": "items"}
+    assert "3 items: 1 completed, 2 available" in tc.get(f"/runs/{run_id}").text

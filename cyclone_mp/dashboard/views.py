@@ -360,7 +360,11 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "finished_at": iso(step.finished_at), "heartbeat_at": iso(step.heartbeat_at),
         "lease_owner": step.lease_owner, "lease_expiry": iso(step.lease_expiry),
         "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,
-        "error_kind": step.error_kind, "progress": step.progress, "output": step.output,
+        "error_kind": step.error_kind, "output": step.output,
+        # a map node: its items by state in one line, and as its progress how many completed
+        "items": step.items, "items_summary": step.items_summary,
+        "progress": step.progress if step.items is None else {
+            "done": step.items.get("completed", 0), "total": step.items["total"], "message": "items"},
         "failures": len(step.errors), "elapsed": elapsed,
         # the attempt shown: 0 until a first attempt began ("1/3" would read as "ran once")
         "attempt_shown": step.attempt if step.started_at is not None or step.errors else 0,
@@ -400,7 +404,11 @@ def outputs(steps: Sequence[StepStatus], run_state: str) -> dict[str, Any]:
     only while the run can still produce one)."""
     out = []
     for step in steps:
-        if step.kind != "task" or not step.terminal:
+        if step.kind not in ("task", "map") or not step.terminal:
+            continue
+        if step.kind == "map":  # its items' outputs are rows of their own (cyclone-mp status RUN --items)
+            note = f"the outputs of its items: {step.items_summary}" if step.items is not None else None
+            out.append({"node": step.name, "state": "", "output": None, "note": note or f"no output: {step.state}"})
             continue
         if step.state == "completed":
             note = "the handler returned null" if step.output is None else None

@@ -257,7 +257,8 @@
       return h("tr", {"data-node": st.name},
         td([h("strong", {}, st.name), st.step_name && st.step_name !== st.name ?
           [" ", h("span", {"class": "muted"}, "(" + st.step_name + ")")] : null, h("div", {"class": "muted sub"}, sub),
-          st.limits ? h("div", {"class": "muted sub limits"}, st.limits) : null]),
+          st.limits ? h("div", {"class": "muted sub limits"}, st.limits) : null,
+          st.items_summary ? h("div", {"class": "sub items"}, st.items_summary) : null]),
         td([badge(st.state), st.paused_from ? [" ", h("span", {"class": "muted"}, "from " + st.paused_from)] : null]),
         td(st.attempt_shown + "/" + st.max_attempts, "num"),
         td(st.reclaims + (st.max_reclaims !== null && st.max_reclaims !== undefined ? "/" + st.max_reclaims : ""), "num"),
