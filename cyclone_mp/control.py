@@ -533,7 +533,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         att = Attempt(
             key=item.key, run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
             attempt=row["attempt"], timeout=timeout, token=token, child=child,
-            workflow=row["run_kind"] == "workflow", started=now,
+            workflow=row["run_kind"] != "step", started=now,  # (a workflow run, or a spawned one: "child")
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
             backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
             claimed=(item.sent + item.arrived) / 2,
@@ -565,6 +565,8 @@ class ProcessControl(AttemptEndings, HeldSteps):
             "input_json": row["input"], "upstream_json": row["upstream"],
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
         }
+        if row.get("spawned") is not None:  # it waited for the runs its upstream spawned: ctx.spawned
+            task["spawned_json"] = row["spawned"]
         if row.get("maps"):  # upstream map nodes: their outputs in files (deleted when the attempt ends)
             task["maps"] = row["maps"]
             att.files = tuple(m["path"] for m in row["maps"].values())

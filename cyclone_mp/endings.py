@@ -236,7 +236,8 @@ class AttemptEndings:
                 return
             self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
                                        att.backoff_spec, output=result.get("output"), progress=att.progress,
-                                       entry=entry))
+                                       entry=entry, run_id=att.run_id, node=att.node,
+                                       spawns=tuple(result.get("spawns") or ())))
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
         if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent

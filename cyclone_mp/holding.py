@@ -162,7 +162,7 @@ class HeldSteps:
 
     def _release_held(self, item: Held) -> None:
         self.writer.post(Outcome(item.key, RELEASE, item.row["step_name"], item.row["attempt"],
-                                 item.row["run_kind"] == "workflow", held=True))
+                                 item.row["run_kind"] != "step", held=True))
 
     def _pipeline(self) -> None:
         """Pipelining: while attempts are short, a busy child also gets the next held steps,

@@ -323,7 +323,8 @@ def node_rows(definition: Step | Workflow, input: Any, defaults: StepOptions,
         for node in definition.nodes:
             if node.kind == "task":
                 opts = overrides.over(node.step.options).over(defaults)
-                nodes.append(_task_row(node.name, node.step, opts, input, node.after, "pending"))
+                row = _task_row(node.name, node.step, opts, input, node.after, "pending")
+                nodes.append(dataclasses.replace(row, wait_spawned=True) if node.wait_for_spawned else row)
             elif node.kind == "map":  # the row its items are made from: map()'s options over the step's
                 opts = overrides.over(node.options).over(node.step.options).over(defaults)
                 row = _task_row(node.name, node.step, opts, input, node.after, "pending")

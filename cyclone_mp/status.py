@@ -174,6 +174,14 @@ class RunStatus:
     #: True when the run was read from the archive tables (finished, moved out of the hot
     #: tables by the supervisors' maintenance after ``archive_after``).
     archived: bool = False
+    #: For a run a handler spawned (``ctx.spawn``): the run, the node and the spawn's key
+    #: it came from; None otherwise.
+    parent_id: str | None = None
+    parent_node: str | None = None
+    parent_key: str | None = None
+    #: The runs this run's handlers spawned, by node and key (at most 1,000): each
+    #: ``{"id", "name", "state", "parent_node", "parent_key"}``.
+    children: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_rows(cls, run: dict[str, Any], steps: list[dict[str, Any]]) -> "RunStatus":
@@ -183,7 +191,9 @@ class RunStatus:
             id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
             created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
             steps={row["node"]: StepStatus.from_row(row) for row in steps}, schedule=run.get("schedule"),
-            archived=bool(run.get("archived", False)),
+            archived=bool(run.get("archived", False)), parent_id=run.get("parent_id"),
+            parent_node=run.get("parent_node"), parent_key=run.get("parent_key"),
+            children=list(run.get("children") or ()),
         )
 
     @property

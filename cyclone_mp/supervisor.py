@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from . import procs, slots
+from . import procs, slots, spawning
 from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
@@ -134,6 +134,11 @@ class Supervisor:
         own = step.options.max_snoozes if step else None
         return DEFAULT_MAX_SNOOZES if own is None else own
 
+    def plan_spawns(self, outcome: Any) -> Any:
+        """The runs a completed attempt spawned (``ctx.spawn``), planned with this mux's
+        steps and the client's defaults (:func:`cyclone_mp.spawning.plan`)."""
+        return spawning.plan(self.mux, self.config.defaults, outcome.run_id, outcome.node, outcome.spawns)
+
     def run(self) -> None:
         """Run until shut down, on this thread (children are created from it: PDEATHSIG
         follows the thread that creates a child)."""
@@ -162,7 +167,8 @@ class Supervisor:
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
                                       listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for, max_snoozes=self.max_snoozes, tell_keeper=self.keeper.inbox.post,
+                                        backoff_for=self.backoff_for, max_snoozes=self.max_snoozes,
+                                        plan_spawns=self.plan_spawns, tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
                                         load=lambda m: maintenance.inbox.post(m), observer=self.observer,
                                         clock=self.clock)

@@ -321,7 +321,7 @@ class Maintenance(DatabaseThread):
         if payload is not None:
             self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
             return
-        workflow = row["run_kind"] == "workflow"
+        workflow = row["run_kind"] != "step"  # (a workflow run, or a spawned one: "child")
         if message is None:  # an outage: give it back (its lease is kept until the writer can)
             self.post_outcome(Outcome(key, RELEASE, row["step_name"], row["attempt"], workflow, held=True))
             return

@@ -34,6 +34,8 @@ class Node:
         until: timer nodes: an absolute UTC instant.
         allow_failures: map nodes: a discarded item does not discard the map.
         options: map nodes: options of its items, over the step's own.
+        wait_for_spawned: task nodes: pending until the runs its dependencies spawned
+            (``ctx.spawn``) have ended, too.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Node:
     until: dt.datetime | None = None
     allow_failures: bool = False
     options: StepOptions = StepOptions()
+    wait_for_spawned: bool = False
 
 
 class Workflow:
@@ -78,15 +81,25 @@ class Workflow:
         self._nodes[node.name] = node
         return node
 
-    def add(self, step: Step, after: Iterable[NodeRef] | None = None, name: str | None = None) -> Node:
+    def add(self, step: Step, after: Iterable[NodeRef] | None = None, name: str | None = None, *,
+            wait_for_spawned: bool = False) -> Node:
         """Add a task node running ``step``; returns the node (use it in ``after=``).
 
+        With ``wait_for_spawned=True`` the node also waits until every run its
+        dependencies spawned (``ctx.spawn``) has ended (completed, discarded or
+        cancelled), and reads them as ``ctx.spawned``.
+
         Raises:
-            ConfigurationError: not a Step, duplicate name, unknown dependency.
+            ConfigurationError: not a Step, duplicate name, unknown dependency,
+                ``wait_for_spawned`` without a dependency.
         """
         if not isinstance(step, Step):
             raise ConfigurationError(f"workflow {self.name!r}: add() takes a cy.step, not {type(step).__name__}")
-        return self._put(Node(name=name or step.name, kind="task", after=self._deps(after), step=step))
+        deps = self._deps(after)
+        if wait_for_spawned and not deps:
+            raise ConfigurationError(f"workflow {self.name!r}: wait_for_spawned needs after= (the nodes that spawn)")
+        return self._put(Node(name=name or step.name, kind="task", after=deps, step=step,
+                              wait_for_spawned=bool(wait_for_spawned)))
 
     def map(self, step: Step, over: NodeRef, name: str | None = None, allow_failures: bool = False,
             **options: Any) -> Node:

@@ -101,3 +101,43 @@ one_at_a_time = cy.Workflow("one_at_a_time")
 _on = one_at_a_time.add(numbers)
 _os = one_at_a_time.map(square, over=_on, concurrency=1, priority=5, queue="maps", max_attempts=4)
 one_at_a_time.add(total, after=[_os])
+
+
+# -- spawning (ctx.spawn) --------------------------------------------------------------------------
+
+
+@cy.step("child")
+def child(ctx: cy.Context, inp: dict) -> dict:
+    if inp.get("fail"):
+        raise cy.Permanent(f"child {inp['i']} failed")
+    if inp.get("sleep"):
+        time.sleep(inp["sleep"])
+    return {"double": inp["i"] * 2}
+
+
+@cy.step("fanout", backoff=_no_backoff, max_attempts=3)
+def fanout(ctx: cy.Context, inp: dict) -> dict:
+    """Spawns ``inp["children"]`` child runs (keys ``c0``, ``c1``...); with ``hold``, waits
+    for that file after spawning (so a test can take its lease away); fails its first
+    attempt with ``fail_first``."""
+    ids = [ctx.spawn(child, {"i": i, "fail": i in (inp.get("fail") or ()), "sleep": inp.get("sleep", 0)},
+                     key=f"c{i}") for i in range(inp.get("children", 3))]
+    _log(inp.get("dir"), f"spawned {ctx.attempt} {' '.join(ids)}")
+    if inp.get("hold"):
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not os.path.exists(inp["hold"]) and time.monotonic() < deadline:
+            time.sleep(0.02)  # deaf to cancellation: its lease is taken away meanwhile
+    if inp.get("fail_first") and ctx.attempt == 1:
+        raise RuntimeError("first attempt fails after spawning")
+    return {"spawned": ids}
+
+
+@cy.step("gather")
+def gather(ctx: cy.Context, inp: dict) -> dict:
+    runs = ctx.spawned["fanout"]
+    return {key: [run["state"], run["output"], run["error"]] for key, run in sorted(runs.items())}
+
+
+spawner = cy.Workflow("spawner")
+_f = spawner.add(fanout)
+spawner.add(gather, after=[_f], wait_for_spawned=True)

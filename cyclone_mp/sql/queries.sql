@@ -319,6 +319,7 @@ claimed AS (
               -- built on small tables
               (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
               s.input AS item_input,  -- a map item's input (NULL: the run's)
+              coalesce(s.wait_spawned, false) AS wait_spawned,
               s.depends_on <> '{}' AS has_upstream,
               CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
                   -- a JSON object as text, built as text (a fan-in past jsonb's 256 MB is
@@ -395,11 +396,38 @@ SELECT coalesce(s.input, r.input)::text AS input, size.outputs AS upstream_outpu
        -- its upstream map nodes: [[node, items], ...] (NULL: none)
        (SELECT jsonb_agg(jsonb_build_array(d.node, d.items_total) ORDER BY d.node)
           FROM cyclone_steps d
-         WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.kind = 'map') AS maps
+         WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.kind = 'map') AS maps,
+       CASE WHEN s.wait_spawned THEN {spawned_expr} END AS spawned
   FROM cyclone_steps s
   JOIN cyclone_runs r ON r.id = s.run_id
  CROSS JOIN size
  WHERE s.id = %(id)s;
+
+-- name: spawned_expr
+-- (Fragment) for a step row s: the runs its upstream nodes spawned, hot or archived, as JSON
+-- text {node: {key: {run_id, state, output, error, error_kind}}} (ctx.spawned); output: a
+-- single-step run's step output, else {node: output} of its nodes; error: its first
+-- discarded step's.
+(SELECT coalesce(jsonb_object_agg(x.node, x.runs), '{}'::jsonb)::text FROM (
+    SELECT c.parent_node AS node,
+           jsonb_object_agg(c.parent_key, jsonb_build_object('run_id', c.id, 'state', c.state, 'output', o.output,
+                                                             'error', o.error, 'error_kind', o.error_kind)) AS runs
+      FROM (SELECT r.id, r.kind, r.state, r.parent_node, r.parent_key FROM cyclone_runs r
+             WHERE r.parent_id = s.run_id AND r.parent_node = ANY(s.depends_on)
+            UNION ALL
+            SELECT a.id, a.kind, a.state, a.parent_node, a.parent_key FROM cyclone_runs_archive a
+             WHERE a.parent_id = s.run_id AND a.parent_node = ANY(s.depends_on)) c
+     CROSS JOIN LATERAL (
+            SELECT CASE WHEN c.kind = 'step' THEN (array_agg(t.output ORDER BY t.id))[1]
+                        ELSE jsonb_object_agg(t.node, t.output) END AS output,
+                   (array_agg(t.error ORDER BY t.id) FILTER (WHERE t.state = 'discarded'))[1] AS error,
+                   (array_agg(t.error_kind ORDER BY t.id) FILTER (WHERE t.state = 'discarded'))[1] AS error_kind
+              FROM (SELECT h.id, h.node, h.state, h.output, h.error, h.error_kind
+                      FROM cyclone_steps h WHERE h.run_id = c.id AND h.map_node IS NULL
+                    UNION ALL
+                    SELECT h.id, h.node, h.state, h.output, h.error, h.error_kind
+                      FROM cyclone_steps_archive h WHERE h.run_id = c.id AND h.map_node IS NULL) t) o
+     GROUP BY c.parent_node) x)
 
 -- name: map_outputs_page
 -- One page of a map's items in item order, after item %(after)s, at most %(limit)s (keyset, by
@@ -431,7 +459,7 @@ SELECT state, lease_owner, lease_generation,
 -- first, all at once, by id.
 runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
-    SELECT r.id, r.kind, r.state
+    SELECT r.id, r.kind, r.state, r.parent_id
       FROM cyclone_runs r
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
@@ -498,7 +526,7 @@ fail_in AS MATERIALIZED (
     -- holds); in a paused run a retried step is held paused, as hold_paused does.
     SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
            (i.kind IN ({permanent_kinds_expr}) AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
-           runs.kind AS run_kind, runs.state AS run_state
+           runs.kind AS run_kind, runs.state AS run_state, runs.parent_id AS run_parent
       FROM cyclone_steps s
       JOIN fail_in i ON i.id = s.id
       JOIN runs ON runs.id = s.run_id AND runs.state IN ('running', 'paused')
@@ -533,7 +561,8 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state, s.map_node
+    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state, s.map_node,
+              j.run_parent
 ), discarded_runs AS (
     -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
@@ -565,10 +594,18 @@ END
 CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
      THEN coalesce(c.item_input, (c.run).input)::text END
 
+-- name: claimed_kind_expr
+-- (Fragment) a claimed row's run kind as the supervisor reads it: 'step', 'workflow', or
+-- 'child' for a spawned single-step run (its outcome is written in a transaction that
+-- moves its parent run on, which may wait for it).
+CASE WHEN (c.run).parent_id IS NOT NULL AND (c.run).kind = 'step' THEN 'child' ELSE (c.run).kind END
+
 -- name: claimed_big_expr
 -- (Fragment) true when a claimed row's input or upstream outputs were left out: for size,
--- or because a map node is among its upstream nodes (its outputs are read in pages).
-(pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL))
+-- or because a map node is among its upstream nodes (its outputs are read in pages), or
+-- it waited for spawned runs (their outcomes are read with its payload).
+(pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL)
+ OR c.wait_spawned)
 
 -- name: claim
 -- Claim up to %(limit)s available steps in one statement. The input and the upstream
@@ -610,14 +647,15 @@ settled_completed AS (
            NULL::integer AS max_open_files, NULL::boolean AS rated,
            -- its workflow run must move on now: not an item, or the last item of its map
            (d.map_node IS NULL OR EXISTS (SELECT 1 FROM items_done i
-                                           WHERE i.run_id = d.run_id AND i.node = d.map_node AND i.over)) AS moves_run
+                                           WHERE i.run_id = d.run_id AND i.node = d.map_node AND i.over)) AS moves_run,
+           runs.parent_id::text AS parent_id  -- a spawned run's parent (it may wait for it)
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
+           c.timeout, c.lease_generation, {claimed_input_expr}, {claimed_kind_expr}, c.upstream, {claimed_big_expr},
            c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files, c.rated,
-           NULL::boolean
+           NULL::boolean, NULL::text
       FROM claimed c
 )
 
@@ -625,7 +663,7 @@ settled_completed AS (
 -- (Fragment) what a claim statement returns: the claimed rows, then the claim's meta row
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       c.lease_generation, {claimed_input_expr} AS input, {claimed_kind_expr} AS run_kind, c.upstream,
        {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files,
        c.rated
   FROM claimed c
@@ -642,13 +680,14 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.map_node IS NULL OR e.state = 'discarded'
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.map_node IS NULL OR e.state = 'discarded',
+       e.run_parent::text
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL
+       NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_rows_expr
@@ -658,7 +697,7 @@ UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL
+       NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle
@@ -891,8 +930,9 @@ SELECT DISTINCT run_id::text AS run_id
  LIMIT %(limit)s;
 
 -- name: promote_ready
--- Nodes whose dependencies all completed leave pending (or stay paused, remembering where to
--- go); map nodes are expand_maps'.
+-- Nodes whose dependencies all completed (and, for one with wait_spawned, whose upstream
+-- nodes' spawned runs all ended) leave pending (or stay paused, remembering where to go);
+-- map nodes are expand_maps'.
 WITH ready AS (
     SELECT s.id,
            CASE s.kind WHEN 'task' THEN 'available'
@@ -905,6 +945,10 @@ WITH ready AS (
        AND NOT EXISTS (
             SELECT 1 FROM cyclone_steps d
              WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.state <> 'completed')
+       AND (s.wait_spawned IS NOT TRUE OR NOT EXISTS (  -- the runs its upstream nodes spawned have ended
+            SELECT 1 FROM cyclone_runs c
+             WHERE c.parent_id = s.run_id AND c.parent_node = ANY(s.depends_on)
+               AND c.state NOT IN ('completed', 'discarded', 'cancelled')))
 )
 UPDATE cyclone_steps s
    SET state = CASE WHEN s.state = 'paused' THEN 'paused' ELSE ready.target END,
@@ -1017,6 +1061,12 @@ UPDATE cyclone_steps s
    AND ((s.state = 'waiting_signal'
          AND EXISTS (SELECT 1 FROM cyclone_signals g WHERE g.run_id = s.run_id AND g.name = s.node))
      OR (s.state = 'waiting_timer' AND s.due_at <= now()));
+
+-- name: parent_to_advance
+-- The parent of run %(run_id)s when it is a spawned run that has ended (its parent may wait for it).
+SELECT parent_id::text AS parent_id
+  FROM cyclone_runs
+ WHERE id = %(run_id)s AND parent_id IS NOT NULL AND state IN ('completed', 'discarded', 'cancelled');
 
 -- name: available_queues
 -- The queues in which a run has claimable steps (each gets a NOTIFY after the run moved on).
@@ -1249,11 +1299,13 @@ ON CONFLICT (run_id, name) DO NOTHING
 RETURNING name;
 
 -- name: insert_run
--- One run row; with an idempotency key or a unique place (cy.Unique) held, the existing run
--- wins (returns nothing then).
+-- One run row (a spawned run's with its parent); with an idempotency key or a unique place
+-- (cy.Unique) held, or its id taken (a spawn made before), the existing run wins (returns
+-- nothing then).
 WITH place AS ({unique_place_ctes})
-INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key)
-SELECT %(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, (SELECT key FROM place)
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key, parent_id, parent_node, parent_key)
+SELECT %(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, (SELECT key FROM place),
+       %(parent_id)s::uuid, %(parent_node)s, %(parent_key)s
  WHERE %(unique)s::text IS NULL OR EXISTS (SELECT 1 FROM place)
 ON CONFLICT DO NOTHING
 RETURNING id::text AS id;
@@ -1286,8 +1338,10 @@ SELECT run_id::text AS id FROM cyclone_unique_places WHERE unique_key = {unique_
 -- With an idempotency key already used (or a unique key held), nothing is written and id is NULL. %(input)s is
 -- the input as JSON text (the client's payload check encoded it: it is not encoded twice).
 WITH place AS ({unique_place_ctes}), run AS (
-    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key)
-    SELECT %(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, (SELECT key FROM place)
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key,
+                              parent_id, parent_node, parent_key)
+    SELECT %(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, (SELECT key FROM place),
+           %(parent_id)s::uuid, %(parent_node)s, %(parent_key)s
      WHERE %(unique)s::text IS NULL OR EXISTS (SELECT 1 FROM place)
     ON CONFLICT DO NOTHING
     RETURNING id
@@ -1328,7 +1382,7 @@ SELECT id::text AS id FROM cyclone_runs_archive WHERE idempotency_key = %(key)s 
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
                            max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at,
                            concurrency_key, concurrency, rate_count, rate_period,
-                           memory_limit, cpu_limit, max_processes, max_open_files, allow_failures)
+                           memory_limit, cpu_limit, max_processes, max_open_files, allow_failures, wait_spawned)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
@@ -1336,17 +1390,17 @@ SELECT %(run_id)s, t.node, t.step_name, t.kind,
        t.backoff,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
        t.key, t.concurrency, t.rate_count, t.rate_period_us * interval '1 microsecond',
-       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files, t.allow_failures
+       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files, t.allow_failures, t.wait_spawned
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
               %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[], %(keys)s::text[], %(concurrencies)s::int[],
               %(rate_counts)s::int[], %(rate_periods_us)s::bigint[], %(memory_limits)s::bigint[],
               %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[],
-              %(allow_failures)s::boolean[])
+              %(allow_failures)s::boolean[], %(wait_spawned)s::boolean[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
          timeout_us, timer_delay_us, due_at, backoff, key, concurrency, rate_count, rate_period_us,
-         memory_limit, cpu_limit, max_processes, max_open_files, allow_failures);
+         memory_limit, cpu_limit, max_processes, max_open_files, allow_failures, wait_spawned);
 
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load), each with its concurrency key.
@@ -1458,13 +1512,25 @@ SELECT pg_notify('cyclone_mp', %(queue)s);
 -- is read only when the hot table has no such run (the Append stops at the first row).
 SELECT * FROM (
     (SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at,
-            false AS archived
+            false AS archived, parent_id::text AS parent_id, parent_node, parent_key
        FROM cyclone_runs WHERE id = %(run_id)s)
     UNION ALL
-    (SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, true
+    (SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, true,
+            parent_id::text, parent_node, parent_key
        FROM cyclone_runs_archive WHERE id = %(run_id)s)
 ) x
 LIMIT 1;
+
+-- name: children_of_run
+-- The runs run %(run_id)s spawned (ctx.spawn), hot and archived, by node and key, at most
+-- %(limit)s (cyclone_runs_parent_idx).
+SELECT * FROM (
+    (SELECT id::text AS id, name, state, parent_node, parent_key FROM cyclone_runs WHERE parent_id = %(run_id)s)
+    UNION ALL
+    (SELECT id::text, name, state, parent_node, parent_key FROM cyclone_runs_archive WHERE parent_id = %(run_id)s)
+) x
+ORDER BY parent_node, parent_key
+LIMIT %(limit)s;
 
 -- name: step_status_columns_expr
 -- (Fragment) the columns a step row s (hot or archived) gives to step_columns_expr and
@@ -2079,7 +2145,8 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin,
 
 -- name: run_row_columns_expr
 -- (Fragment) the stored columns of a run row (cyclone_runs and cyclone_runs_archive).
-id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key
+id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key,
+parent_id, parent_node, parent_key
 
 -- name: step_row_columns_expr
 -- (Fragment) the stored columns of a step row (cyclone_steps and cyclone_steps_archive).
@@ -2087,7 +2154,8 @@ id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_fr
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
 concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
-dead_by, kill_within, start_delay, snoozes, input, map_node, item, items_total, items_left, allow_failures
+dead_by, kill_within, start_delay, snoozes, input, map_node, item, items_total, items_left, allow_failures,
+wait_spawned
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this
