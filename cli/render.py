@@ -38,6 +38,7 @@ from .tables import attempts_table, children_table, demo_table, runs_table, sche
 
 WIDE = 160  #: table width when the output is not a terminal (pipes, logs, tests) and COLUMNS is unset
 MAX_WIDE = 400  #: the widest a --wide table is drawn
+SPAWNED_LISTED = 20  #: the spawned runs `status` lists one per line (--json has them all)
 
 
 def console(stderr: bool = False) -> Console:
@@ -122,6 +123,19 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
     if status.schedule:
         con.print(Text(f"schedule: {status.schedule['name']}  slot {when(status.schedule['slot'])}"
                        f"  next slot {when(status.schedule.get('next_at'))}"))
+    if status.parent_id:  # a handler of another run spawned it (ctx.spawn)
+        con.print(Text(f"parent: {status.parent_id}  node {status.parent_node}  key {status.parent_key}"))
+    if status.children:
+        states: dict[str, int] = {}
+        for kid in status.children:
+            states[kid["state"]] = states.get(kid["state"], 0) + 1
+        con.print(Text(f"spawned: {count(len(status.children), 'run')} ("
+                       + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + ")"))
+        for kid in status.children[:SPAWNED_LISTED]:
+            con.print(Text(f"  {kid['id']}  {kid['name']}  {kid['state']}  node {kid['parent_node']}"
+                           f"  key {kid['parent_key']}"))
+        if len(status.children) > SPAWNED_LISTED:
+            con.print(Text(f"  ... {len(status.children) - SPAWNED_LISTED} more (--json lists them)", style="dim"))
     put(con, steps_table(status), wide)
     for step in status.steps.values():
         if step.items is not None:  # a map node: its items by state (--items lists them)

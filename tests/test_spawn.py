@@ -98,3 +98,35 @@ def test_spawn_from_an_attempt_that_loses_its_cas_spawns_nothing(cyclone_env):
     finally:
         a.close()
         b.close()
+
+
+def test_children_link_to_their_parent_in_status_runs_and_json(cyclone_env):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = cyclone_env
+    env.mux().register(mh.child)
+    run_id = env.enqueue(mh.spawner, {"children": 2})
+    env.start_worker()
+    env.run_until_complete(run_id, timeout=30)
+    kids = children_of(env.dsn, run_id)
+
+    def cli(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", env.dsn, *args],
+                              capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "250"})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    parent_text = cli("status", run_id)
+    assert "spawned: 2 runs (2 completed)" in parent_text and all(k["id"] in parent_text for k in kids)
+    child_text = cli("status", kids[0]["id"])
+    assert f"parent: {run_id}  node fanout  key c0" in child_text
+    data = json.loads(cli("status", kids[1]["id"], "--json"))
+    assert (data["parent_id"], data["parent_node"], data["parent_key"]) == (run_id, "fanout", "c1")
+    assert [c["id"] for c in json.loads(cli("status", run_id, "--json"))["children"]] == [k["id"] for k in kids]
+    runs = json.loads(cli("runs", "--json"))
+    assert {r["id"]: r["parent_id"] for r in runs} == {run_id: None, kids[0]["id"]: run_id, kids[1]["id"]: run_id}
+    child_line = next(line for line in cli("runs").splitlines() if kids[0]["id"] in line)
+    assert run_id[:8] in child_line  # the parent column, beside the child

@@ -123,6 +123,10 @@ class Dashboard:
             "input": run["input"], "idempotency_key": run["idempotency_key"],
             "created_at": iso(run["created_at"]), "updated_at": iso(run["updated_at"]),
             "finished_at": iso(run["finished_at"]),
+            # spawned runs (ctx.spawn): the run that spawned this one, and those it spawned
+            "parent": ({"id": run["parent_id"], "node": run["parent_node"], "key": run["parent_key"]}
+                       if run.get("parent_id") else None),
+            "children": list(run.get("children") or ()),
             "steps": views,
             "attempts": attempts(steps, now),
             **outputs(steps, run["state"]),
@@ -341,6 +345,7 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
         "id": row["id"], "name": row["name"], "kind": row["kind"], "state": row["state"],
         "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
         "finished_at": iso(row["finished_at"]), "steps": steps, "steps_total": sum(steps.values()),
+        "parent_id": row.get("parent_id"),  # the run that spawned it (ctx.spawn), or None
     }
 
 

@@ -1666,7 +1666,8 @@ AND (%(key)s::text IS NULL OR s.concurrency_key = %(key)s::text)
 
 -- name: list_runs
 -- Recent runs, newest first, that match runs_filter_expr and have a step that matches
--- steps_filter_expr (when a step, queue or key is asked for); archived runs too when
+-- steps_filter_expr (when a step, queue or key is asked for), each with the run that spawned
+-- it (parent_id) and its steps counted without a map's items; archived runs too when
 -- %(archived)s (an archived run finished after it was created: since also bounds its
 -- finished_at, which prunes the archive's partitions). The page is chosen first; then,
 -- for its rows only: how many steps, the concurrency keys of its steps (key), the limit
@@ -1675,7 +1676,7 @@ AND (%(key)s::text IS NULL OR s.concurrency_key = %(key)s::text)
 WITH page AS (
     SELECT u.*
       FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key,
-                    false AS archived
+                    false AS archived, r.parent_id
                FROM cyclone_runs r
               WHERE {runs_filter_expr}
                 AND (%(step)s::text IS NULL AND %(queue)s::text IS NULL AND %(key)s::text IS NULL
@@ -1683,7 +1684,8 @@ WITH page AS (
               ORDER BY r.created_at DESC, r.id DESC
               LIMIT %(limit)s)
             UNION ALL
-            (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key, true
+            (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key, true,
+                    r.parent_id
                FROM cyclone_runs_archive r
               WHERE %(archived)s::boolean
                 AND {runs_filter_expr}
@@ -1700,10 +1702,12 @@ WITH page AS (
      LIMIT %(limit)s
 )
 SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.finished_at, p.archived,
+       p.parent_id::text AS parent_id,  -- the run that spawned it (ctx.spawn), or NULL
        CASE WHEN p.archived THEN
            (SELECT count(*) FROM cyclone_steps_archive s
-             WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at)
-       ELSE (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = p.id) END AS steps,
+             WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at
+               AND s.map_node IS NULL)
+       ELSE (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = p.id AND s.map_node IS NULL) END AS steps,
        CASE WHEN p.archived THEN
            (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps_archive s
              WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at
@@ -1986,9 +1990,12 @@ LIMIT %(limit)s::bigint + %(offset)s::bigint
 -- name: dash_runs
 -- One page of runs, newest first: optional state, name and created_at filters, a keyset
 -- cursor (created_at, id) of the last row seen, and an offset. The page is chosen first,
--- so the step counts are computed for its rows only (not for every row an offset skips).
--- Archived runs are listed too: each table's first rows of the page, merged.
+-- so the step counts are computed for its rows only (not for every row an offset skips; a
+-- map's items are counted, by state, with the other steps). Each row says the run that
+-- spawned it (parent_id). Archived runs are listed too: each table's first rows of the
+-- page, merged.
 SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.finished_at,
+       p.parent_id::text AS parent_id,
        CASE WHEN p.archived THEN
            (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
               FROM (SELECT s.state, count(*) AS n
@@ -2003,11 +2010,12 @@ SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.
                      GROUP BY s.state) x)
        END AS steps
   FROM (SELECT u.*
-          FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, false AS archived
+          FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, false AS archived,
+                        r.parent_id
                    FROM cyclone_runs r
                  {dash_runs_page_expr})
                 UNION ALL
-                (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, true
+                (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, true, r.parent_id
                    FROM cyclone_runs_archive r
                  {dash_runs_page_expr})) u
          ORDER BY u.created_at DESC, u.id DESC

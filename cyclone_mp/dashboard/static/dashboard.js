@@ -218,7 +218,9 @@
       var chips = STEP_STATES.filter(function (st) { return r.steps[st]; }).map(function (st) {
         return h("span", {"class": "chip s-" + st, title: st}, r.steps[st] + " " + st);
       });
-      return h("tr", {"data-run": r.id}, td(runLink(r.id)), td(r.name), td(r.kind), td(badge(r.state)),
+      return h("tr", {"data-run": r.id}, td(runLink(r.id)),
+        td([r.name, r.parent_id ? [" ", h("span", {"class": "muted sub"}, "spawned by ", runLink(r.parent_id))] : null]),
+        td(r.kind), td(badge(r.state)),
         td(chips, "steps"), td(when(r.created_at)), td(when(r.finished_at)));
     });
     fill("runs-rows", rows.length ? rows : [emptyRow(7, "no runs match")]);
