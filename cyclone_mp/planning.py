@@ -257,7 +257,8 @@ class ClientBase:
                        (info.get("names") is None or step.step_name in info["names"]) for info in serving)
 
         return [step for step in status.steps.values()
-                if step.kind == "task" and not step.terminal and step.state != "running" and not served(step)]
+                if step.kind in ("task", "map") and not step.terminal and step.state != "running"
+                and not served(step)]
 
 
 #: Longest idempotency key, in UTF-8 bytes: the key is indexed (UNIQUE), and a btree
