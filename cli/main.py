@@ -37,7 +37,7 @@ from cyclone_mp.waiting import timeout_message
 from . import render, runs
 from .common import Settings, current_settings, make_client, out
 from .drain import DrainReporter
-from .params import BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS, Seconds
+from .params import BACKOFF, BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS, Seconds
 
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -339,6 +339,9 @@ def migrate() -> None:
 @click.option("--max-attempts", type=click.IntRange(1, INT_MAX), default=None, help="Attempts before discard.")
 @click.option("--max-reclaims", type=click.IntRange(0, INT_MAX), default=None,
               help="Lease expiries (crashes) reclaimed before discard (overrides the step's).")
+@click.option("--backoff", type=BACKOFF, default=None,
+              help="Seconds before each retry: one for all, or one per failed attempt, e.g. 1s,10s,1m "
+                   "(the last repeats; overrides the step's).")
 @click.option("--queue", default=None, metavar="NAME",
               help=f"Queue (overrides the step's); at most {MAX_NAME_LENGTH} characters.")
 @click.option("--priority", type=click.IntRange(INT_MIN, INT_MAX), default=None,
@@ -362,7 +365,7 @@ def migrate() -> None:
               help="Descriptors each process of the tree may open (overrides the step's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the run id, or with --wait the final status).")
 def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None,
-            max_reclaims: int | None, queue: str | None, priority: int | None, delay: float | None,
+            max_reclaims: int | None, backoff: float | list[float] | None, queue: str | None, priority: int | None, delay: float | None,
             idempotency_key: str | None, concurrency_key: str | None, concurrency: int | None,
             rate_limit: tuple[int, float] | None, wait: bool, wait_timeout: float | None, memory_limit: int | None,
             cpu_limit: float | None, max_processes: int | None, max_open_files: int | None, as_json: bool) -> None:
@@ -375,7 +378,8 @@ def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempt
     try:
         client.migrate()
         run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts,
-                                max_reclaims=max_reclaims, queue=queue, priority=priority, delay=delay,
+                                max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
+                                delay=delay,
                                 idempotency_key=idempotency_key, concurrency_key=concurrency_key,
                                 concurrency=concurrency, rate_limit=rate_limit, memory_limit=memory_limit,
                                 cpu_limit=cpu_limit, max_processes=max_processes, max_open_files=max_open_files)

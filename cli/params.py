@@ -1,5 +1,5 @@
 """Click parameter types for the CLI: JSON values, durations, byte sizes, poll intervals, rate limits,
-the history settings (a duration or never), and points in time (a duration before now, or a date).
+backoffs, the history settings (a duration or never), and points in time (a duration before now, or a date).
 
 Each converts one option value and fails with ``click.BadParameter`` (exit code 2, one
 line naming the option) on malformed input.
@@ -163,10 +163,28 @@ class RateLimit(click.ParamType):
         return int(count), seconds
 
 
+class BackoffSeconds(click.ParamType):
+    """A retry backoff: one duration for every failed attempt (``30s``), or a comma list,
+    one per failed attempt, the last repeated (``1s,10s,1m``). Converts to float seconds or
+    a list of them; the library checks the ranges."""
+
+    name = "SECONDS[,SECONDS...]"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float | list[float]:
+        if isinstance(value, (int, float, list)) and not isinstance(value, bool):
+            return value
+        parts = [part.strip() for part in str(value).split(",")]
+        if not all(parts):
+            self.fail(f"{value!r} is not SECONDS or a comma list of them (e.g. 30s, or 1s,10s,1m)", param, ctx)
+        seconds = [Seconds().convert(part, param, ctx) for part in parts]
+        return seconds[0] if len(seconds) == 1 else seconds
+
+
 JSON = JsonValue()
 SECONDS = Seconds()
 BYTES = ByteSize()
 POLL = PollInterval()
 RATE = RateLimit()
+BACKOFF = BackoffSeconds()
 DURATION_OR_NEVER = DurationOrNever()
 WHEN = When()

@@ -70,8 +70,8 @@ class Config:
             child frees up (default :data:`PREFETCH_DEFAULT`, 256; 0: claim only
             for idle children, SPEC 4's rule to the letter). With other supervisors live on
             the database each holds at most its share of :data:`PREFETCH_FLEET`
-            (:meth:`cyclone_mp.holding.HeldSteps.prefetch_share`). See
-            :meth:`cyclone_mp.holding.HeldSteps.prefetch_room` for the bounds; while
+            (:meth:`cyclone_mp.holding.Holding.prefetch_share`). See
+            :meth:`cyclone_mp.holding.Holding.prefetch_room` for the bounds; while
             attempts are short a busy child also gets held steps queued (up to
             ``PIPELINE_DEPTH`` under ``PIPELINE_MAX_STEP``, one under
             ``PIPELINE_ONE_MAX_STEP``).

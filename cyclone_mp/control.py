@@ -31,15 +31,16 @@ from typing import Any, Callable
 import psutil
 
 from . import decisions, procs, protocol, slots
-from .attempts import Attempt, Held, fence_cancel_at, fence_margin, hold_bound
-from .holding import HeldSteps, row_limits
+from .attempts import Attempt, Held, hold_bound
+from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
+from .holding import Holding, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
 from .mechanism import PROCESSES_USERNS, SAMPLING
 from .endings import AttemptEndings
 from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .mailbox import Inbox
-from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
+from .messages import Claimed, DatabaseState, Fleet, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
 from .steps import Mux
@@ -48,14 +49,12 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
-WATCHDOG_HOLD_BACK = 0.5  # fraction of lease_ttl: a child's later due time is sent to the watchdog once the earlier one sent is this close (WatchdogLink.due)
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
-WATCHDOG_SLACK = 0.25  # seconds the watchdog waits past a cancel's kill before it kills (the fence: half its margin)
 SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
-class ProcessControl(AttemptEndings, HeldSteps):
+class ProcessControl(AttemptEndings):
     """The supervisor's process-control loop (see the module docstring).
 
     Args:
@@ -105,17 +104,18 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.limit_watch = LimitWatch(self.confinement)  # running attempts with resource limits: sampled
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self.attempts: dict[LeaseKey, Attempt] = {}
-        self.held: collections.deque[Held] = collections.deque()
+        self.deadlines = Deadlines(config.lease_ttl, config.kill_grace)  # when each attempt needs a look
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
         self._outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self._watchdog_killed: set[int] = set()
+        self._cancelled_unclaimed: dict[LeaseKey, float] = {}  # cancels heard before their claim came back
         self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # endings: log lines said
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
         self.turned_at = time.monotonic()  # when the loop last began a turn (read by /healthz)
-        self._watch_due: set[ChildProc] = set()  # children whose due time the watchdog must hear (_tell_watchdog)
+        self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
         start = clock()
@@ -134,9 +134,6 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._shutdown_req = False
         self._stop_req = False
         self.step_seconds: float | None = None  # moving average of attempt durations
-        self.fleet = 1  # live supervisors on the database, this one included (maintenance reads the registry)
-        self._prefetch_hold = False  # a held step waited too long: none until the next result
-        self._claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
         self._tokens = itertools.count(1)
         self._hooks = mux.hook_refs()
         #: async steps whose attempts run several to a child: step name -> how many at most
@@ -147,10 +144,28 @@ class ProcessControl(AttemptEndings, HeldSteps):
                                          "limits": self.confinement.mechanism.as_dict()}
         self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
                       "lease_lost": 0, "late_completions_dropped": 0, "limit_kills": 0}
+        self.holding = Holding(config, self.pool, writer=writer, keeper=keeper, clock=clock,
+                               side_by_side=self.side_by_side, start=self._start, flush=self._send_queued,
+                               stats=self.stats)
 
     @property
     def children(self) -> list[ChildProc]:
         return self.pool.children
+
+    @property
+    def held(self) -> collections.deque[Held]:
+        """Claimed steps no child has taken yet (:class:`~cyclone_mp.holding.Holding`)."""
+        return self.holding.held
+
+    def prefetch_room(self) -> int:
+        """Steps to hold beyond the idle children (:meth:`~cyclone_mp.holding.Holding.prefetch_room`)."""
+        return self.holding.prefetch_room(draining=self.draining, step_seconds=self.step_seconds)
+
+    def _take_held(self) -> None:
+        """Start held steps on idle children and queue more behind busy ones (none while
+        the lease keeper is disconnected: their leases cannot be kept, nor when draining)."""
+        if self.holding.held and not self.draining and self.db_ok:
+            self.holding.take(step_seconds=self.step_seconds)
 
     def in_flight(self) -> list[Attempt]:
         """The attempts running now (a copy, safe to read from another thread)."""
@@ -239,7 +254,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             phase("held steps", self._take_held)
         phase("children's messages", self._check_children_io)
         phase("watchdog", self._read_watchdog)
-        phase("watchdog", lambda: self.watchdog.refresh(time.monotonic(), self.config.lease_ttl * WATCHDOG_HOLD_BACK))
+        phase("watchdog", self.watch_due.refresh)
         phase("children's starts", self._check_starts)
         now = self.clock()
         if now >= self._next_stray_check:
@@ -249,7 +264,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
             phase("sampling", self._sample_peaks)
-        phase("held steps", lambda: self._expire_held(self.clock()))
+        phase("held steps", lambda: self.holding.expire(self.clock(), draining=self.draining))
         phase("queued steps", lambda: self._release_queued(self.clock()))
         phase("deadlines and kills", lambda: self._enforce(self.clock()))
         phase("outcomes", self._send_outcomes)
@@ -299,22 +314,14 @@ class ProcessControl(AttemptEndings, HeldSteps):
         limits_at = self.limit_watch.wake_at()
         if limits_at is not None:
             times.append(limits_at)
-        ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
-        for att in self.attempts.values():
-            if att.ended:
-                continue
-            if att.kill_at is not None:
-                times.append(att.kill_at)
-            elif att.deadline is not None:
-                times.append(att.deadline)
-            if att.guards_lease():
-                times.append(att.fence(ttl) - fence_margin(ttl))
-                if att.cancel_reason is None:
-                    times.append(fence_cancel_at(att, ttl, kill_grace))
+        due_at = self.deadlines.next_at()
+        if due_at is not None:
+            times.append(due_at)
         if self.db_ok and not self.draining and (self.pool.idle() or self.prefetch_room()):
             times.append(self.next_poll)
-        if self.held:
-            times.append(min(h.release_at for h in self.held))
+        release_at = self.holding.release_at()
+        if release_at is not None:
+            times.append(release_at)
         mono = time.monotonic()
         for child in self.pool.children:
             times.extend(now + a.start_by - mono for a in child.queued if a.start_by is not None)
@@ -323,7 +330,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         flush_at = self._flush_at()
         if flush_at is not None:
             times.append(flush_at)
-        refresh_at = self.watchdog.next_refresh(ttl * WATCHDOG_HOLD_BACK)
+        refresh_at = self.watch_due.next_refresh()
         if refresh_at is not None:
             times.append(now + refresh_at - mono)
         return max(0.0, min(times) - now)
@@ -354,7 +361,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
             elif isinstance(message, Poll):
                 self.next_poll = min(self.next_poll, self.clock())
             elif isinstance(message, Fleet):
-                self.fleet = max(1, message.live)
+                self.holding.fleet = max(1, message.live)
             elif isinstance(message, DatabaseState):
                 self.db_ok = message.ok
                 if message.ok:
@@ -367,17 +374,16 @@ class ProcessControl(AttemptEndings, HeldSteps):
             att.lease_sent = max(att.lease_sent, message.sent)
             self._watch(att.child)
             return
-        for held in self.held:
-            if held.key == message.key:
-                held.lease_sent = max(held.lease_sent, message.sent)
-                return
+        self.holding.renewed(message.key, message.sent)
 
     def on_lease_lost(self, message: LeaseLost) -> None:
         """A renewal matched nothing: cancel the attempt with the reason the row gives
         (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
         att = self.attempts.get(message.key)
+        if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
+            self._forget_cancelled(message.key, ours=att is not None or any(h.key == message.key for h in self.held))
         if att is None:
-            self.held = collections.deque(h for h in self.held if h.key != message.key)
+            self.holding.drop(message.key)
             return
         if att.ended:
             return
@@ -386,6 +392,20 @@ class ProcessControl(AttemptEndings, HeldSteps):
         if reason == "lease_lost":
             self.stats["lease_lost"] += 1
         self._cancel(att, reason, self.clock())
+
+    def _forget_cancelled(self, key: LeaseKey, *, ours: bool) -> None:
+        """A cancel of ``key`` was heard. Ours: its lease is renewed no more. Not (yet)
+        ours: remembered for a lease's time, since the cancel may have crossed the claim
+        that took it, whose rows are then dropped as they arrive (:meth:`on_claimed`)."""
+        if ours:
+            self.keeper(LeaseDone((key,)))
+            return
+        now = self.clock()
+        cancelled = self._cancelled_unclaimed
+        if len(cancelled) > 1024:
+            for old in [k for k, at in cancelled.items() if now - at > self.config.lease_ttl]:
+                del cancelled[old]
+        cancelled[key] = now
 
     def on_claimed(self, message: Claimed) -> None:
         """Start claimed rows on idle children at once (however long they took to come
@@ -396,26 +416,19 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self._claim_after_written = False  # this claim's result says when to claim again
         now = self.clock()
         rows = list(message.rows)
-        cap = PREFETCH_MAX_WAIT if self.config.prefetch else math.inf
-        rated = [Held((r["id"], r["lease_generation"]), r, message.sent, now, now) for r in rows if r.get("rated")]
-        for row in rows:
-            if not row.get("rated"):
-                key = (row["id"], row["lease_generation"])
-                bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
-                self.held.append(Held(key, row, message.sent, now, now + bound))
+        if self._cancelled_unclaimed:
+            gone = [r for r in rows if self._cancelled_unclaimed.pop((r["id"], r["lease_generation"]), None)]
+            if gone:  # cancelled as the claim came back: nothing to run, nothing to renew
+                self.keeper(LeaseDone(tuple((r["id"], r["lease_generation"]) for r in gone)))
+                rows = [r for r in rows if r not in gone]
         # a rate-limited step took its rate slot with this claim: it starts on an idle child
         # now, ahead of what is held, or is given back at once (never held or queued)
-        self.held.extendleft(reversed(rated))
-        if rows:
-            self._claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+        rated = self.holding.add(rows, message.sent, now)
         if self.draining:
-            self._expire_held(now)
+            self.holding.expire(now, draining=True)
         self._take_held()
-        if rated and any(h.row.get("rated") for h in self.held):
-            keep = collections.deque()
-            for item in self.held:
-                (self._release_held if item.row.get("rated") else keep.append)(item)
-            self.held = keep
+        if rated:
+            self.holding.give_back_rated()
         lo, hi = self.config.poll_interval
         if message.failed:
             self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
@@ -449,7 +462,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         and room); one on its own waits until every outcome sent is written."""
         if self.draining or not self.db_ok or (standalone and not self.writer.idle):
             return 0
-        return max(0, len(self.pool.idle()) + self.side_by_side_room() + self.prefetch_room() - len(self.held)
+        return max(0, len(self.pool.idle()) + self.holding.side_by_side_room() + self.prefetch_room() - len(self.held)
                    - self.claiming)
 
     def _start_now(self, claim: int) -> int:
@@ -557,6 +570,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
+        self.deadlines.push(att)
         ref = step.ref
         task = {
             "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
@@ -679,78 +693,50 @@ class ProcessControl(AttemptEndings, HeldSteps):
         att.killed_by = None
         if att.child.attempt is att or att.token in att.child.concurrent:  # a queued one is dropped, nothing to kill
             att.kill_at = now + self.config.kill_grace
+            self.deadlines.push(att)
         att.child.cancel(att.token, reason)
         self._watch(att.child)
 
     def _enforce(self, now: float) -> None:
-        """Cancel at the worker-clock deadline or when the lease cannot be kept; kill at
-        ``kill_at`` or at the fence, whichever comes first. A due kill is carried out
-        whatever happened to the step's row since."""
-        ttl, kill_grace = self.config.lease_ttl, self.config.kill_grace
-        for att in list(self.attempts.values()):
-            if att.ended:
+        """Carry out what :func:`~cyclone_mp.enforcement.due_actions` says is due for the
+        attempts whose deadlines came (:class:`~cyclone_mp.enforcement.Deadlines`): cancel
+        at the worker-clock deadline or when the lease cannot be kept; kill at ``kill_at``
+        or at the fence, whichever comes first. A due kill is carried out whatever
+        happened to the step's row since."""
+        due = self.deadlines.take_due(now)
+        if not due:
+            return
+        for action in due_actions(due, now, self.config.lease_ttl, self.config.kill_grace):
+            att = action.att
+            if isinstance(action, Cancel):
+                if action.reason == LEASE_LOST:  # we could not renew in time: someone else may reclaim it soon
+                    self.stats["lease_lost"] += 1
+                    att.fenced = True
+                    log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
+                self._cancel(att, action.reason, now)
                 continue
-            if att.cancel_reason is None and att.deadline is not None and now >= att.deadline:
-                self._cancel(att, "timeout", now)
-            if att.cancel_reason is None and now >= fence_cancel_at(att, ttl, kill_grace):
-                # We could not renew in time: someone else may reclaim the step soon.
-                self.stats["lease_lost"] += 1
-                att.fenced = True
-                log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
-                self._cancel(att, "lease_lost", now)
             child = att.child
-            if child.attempt is not att and att.token not in child.concurrent:
-                continue
-            kill_by = att.kill_at
-            trigger = att.cancel_reason or "kill"
-            fence_kill = att.fence(ttl) - fence_margin(ttl)
-            if att.guards_lease() and (kill_by is None or fence_kill < kill_by):
-                kill_by, trigger = fence_kill, "lease_fence"
-            if kill_by is None or now < kill_by:
-                continue
             self._child_io(child)  # it may have ended just now, and the child started the next
-            if att.ended or (child.attempt is not att and att.token not in child.concurrent):
+            if att.ended or not running(att):
                 continue
             if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
-                att.cancel_reason, att.fenced = "lease_lost", True
-                child.cancel(att.token, "lease_lost")
-            if trigger == "lease_fence":
+                att.cancel_reason, att.fenced = LEASE_LOST, True
+                child.cancel(att.token, LEASE_LOST)
+            if action.trigger == LEASE_FENCE:
                 self.stats["fence_kills"] += 1
-            att.killed_by = trigger
-            self.pool.kill(child, trigger)
+            att.killed_by = action.trigger
+            self.pool.kill(child, action.trigger)
             self._on_child_exit(child)
+        for att in due:
+            self.deadlines.push(att)
 
     def _watch(self, child: ChildProc) -> None:
         """``child``'s attempts changed: the watchdog hears its due time before this turn
-        ends (:meth:`_tell_watchdog`), and before the child is sent another task."""
-        self._watch_due.add(child)
+        ends, and before the child is sent another task (:class:`~cyclone_mp.enforcement.WatchdogDue`)."""
+        self.watch_due.mark(child)
 
     def _tell_watchdog(self) -> None:
-        """Tell the watchdog when each child marked by :meth:`_watch` must be dead at the
-        latest: a little after the kill of its cancel, or three quarters of the fence's
-        margin before the fence (None: idle). Once per child and turn: pipelined steps
-        change a child's attempts thousands of times a second."""
-        if not self._watch_due:
-            return
-        ttl = self.config.lease_ttl
-        margin = fence_margin(ttl)
-        after_kill = max(WATCHDOG_SLACK, margin)
-        mono = time.monotonic()
-        offset = 0.0 if self.clock is time.monotonic else mono - self.clock()
-        for child in self._watch_due:
-            if child.returncode is not None:
-                continue
-            times = []
-            for att in (child.attempt, *child.queued, *child.concurrent.values()):
-                if att is None or att.ended:
-                    continue
-                if att.guards_lease():  # a quarter of the margin after process control's own kill
-                    times.append(att.fence(ttl) - margin * 0.75)
-                if att.kill_at is not None:
-                    times.append(att.kill_at + after_kill)
-            self.watchdog.due(child.pid, min(times) + offset if times else None, now=mono,
-                              horizon=ttl * WATCHDOG_HOLD_BACK)
-        self._watch_due.clear()
+        self.watch_due.tell(self.clock)
 
     # -- outcomes ----------------------------------------------------------------------------------
 
@@ -810,7 +796,7 @@ class ProcessControl(AttemptEndings, HeldSteps):
         self.snapshot = {
             "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
             "draining": self.draining, "children": kids, "prefetched": len(self.held),
-            "prefetch": self.prefetch_share(), "limits": self.confinement.mechanism.as_dict(),
+            "prefetch": self.holding.prefetch_share(), "limits": self.confinement.mechanism.as_dict(),
         }
 
     # -- teardown -------------------------------------------------------------------------------------

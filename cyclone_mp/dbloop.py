@@ -121,14 +121,14 @@ class DatabaseThread:
         try:
             while not self._stopping.is_set():
                 now = self.clock()
-                if not self.db_ok and now >= self._reconnect_at:
+                if not self.db_ok and now >= self._reconnect_at and self.wants_connection():
                     self._connect()
                 try:
                     wake_at = self.turn(self.clock())
                 except Exception:  # noqa: BLE001 - nothing may end a part of the supervisor
                     log.exception("%s: unexpected error; carrying on", self.name)
                     wake_at = self.clock() + 0.1
-                if not self.db_ok:
+                if not self.db_ok and self.wants_connection():
                     wake_at = min(wake_at, self._reconnect_at)
                 self.wait(max(0.0, wake_at - self.clock()))
             self.finish()
@@ -138,6 +138,11 @@ class DatabaseThread:
     def wait(self, timeout: float) -> None:
         """Wait for a message or ``timeout`` seconds (subclasses may watch more)."""
         self.inbox.wait(timeout)
+
+    def wants_connection(self) -> bool:
+        """Whether to (re)connect now; default always. A part with occasional work may
+        connect only when it has some (and close its connection when idle)."""
+        return True
 
     def turn(self, now: float) -> float:  # pragma: no cover - abstract
         raise NotImplementedError

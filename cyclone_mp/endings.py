@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import decisions, mapped, procs, protocol, unhealable
@@ -27,6 +28,8 @@ from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outc
 
 if TYPE_CHECKING:
     from .config import Config
+    from .enforcement import Deadlines
+    from .holding import Holding
     from .limitwatch import LimitWatch
     from .pool import ChildPool, ChildProc
     from .telemetry import Observer
@@ -57,12 +60,14 @@ class AttemptEndings:
     clock: Callable[[], float]
     wall_clock: Callable[[], float]
     attempts: dict[LeaseKey, Attempt]
+    deadlines: Deadlines
     outcomes: list[tuple[Outcome, float | None]]
     stats: dict[str, int]
     draining: bool
     step_seconds: float | None
     _outcomes_since: float | None
-    _prefetch_hold: bool
+    holding: Holding
+    next_poll: float
     _watchdog_killed: set[int]
     _unhealable_said: dict[tuple[str, str], tuple[float, int]]  # (step, kind) -> (last line, attempts since)
 
@@ -73,6 +78,7 @@ class AttemptEndings:
         def _kill_for(self, child: ChildProc, trigger: str) -> None: ...
         def _cancel(self, att: Attempt, reason: str, now: float) -> None: ...
         def _note_start(self, att: Attempt) -> None: ...
+        def _child_io(self, child: ChildProc) -> None: ...
 
     # -- a child's messages ---------------------------------------------------------------------------
 
@@ -146,6 +152,7 @@ class AttemptEndings:
             self._cancel(queued, RELEASED, self.clock())
         if att.kill_at is None:
             att.kill_at = self.clock() + self.config.kill_grace
+            self.deadlines.push(att)
         log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
                     "killed at kill_grace unless they end first", att.step_name, att.run_id, len(att.lingering),
                     ", ".join(att.lingering[:3]), child.pid)
@@ -183,7 +190,7 @@ class AttemptEndings:
         self._end(att)
         if not dropped:
             self._note_duration(self.clock() - att.started)
-        self._prefetch_hold = False
+        self.holding.hold_off = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
@@ -193,6 +200,7 @@ class AttemptEndings:
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
                 nxt.kill_at = nxt.started + self.config.kill_grace
+            self.deadlines.push(nxt)  # running now: its kill times apply
         try:
             self._settle_result(att, result)
         finally:
@@ -322,6 +330,35 @@ class AttemptEndings:
             self._settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
                                          "cancel_reason": att.cancel_reason})
 
+    def _release_queued(self, now: float) -> None:
+        """Take back steps queued in children that waited too long behind a longer attempt,
+        as a held step would be: released, no attempt used. A child never starts a queued
+        task after its ``start_by`` (the same monotonic clock in both processes), and it
+        sends the result of the attempt in front before it looks; so once ``start_by`` has
+        passed, a step still queued after this reads the child's socket never runs there.
+        When draining, queued steps are cancelled over the pipe at once."""
+        mono = time.monotonic()
+
+        def past_start_by(att: Attempt) -> bool:
+            return att.start_by is not None and mono >= att.start_by
+
+        for child in list(self.pool.children):
+            if self.draining:
+                for att in child.queued:
+                    self._cancel(att, RELEASED, now)
+            if not any(map(past_start_by, child.queued)):
+                continue
+            self._child_io(child)  # a result sent before the child looked is handled first
+            overdue = list(filter(past_start_by, child.queued))
+            if not overdue:
+                continue
+            child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
+            self.holding.hold_off = True
+            self.next_poll = min(self.next_poll, now)  # a free child takes it back at once
+            for att in overdue:
+                att.cancel_reason = att.cancel_reason or RELEASED
+                self._settle_unstarted(att)
+
     # -- a child's exit -------------------------------------------------------------------------------
 
     def _on_child_exit(self, child: ChildProc) -> None:
@@ -450,6 +487,7 @@ class AttemptEndings:
             mapped.discard(path)
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
+        self.deadlines.forget()
         self.limit_watch.disarm(att)
         if att.cancel_reason in REAPED_REPORTED and att.started_wall is not None:
             self.writer.post_dead((att.key,))

@@ -1,32 +1,29 @@
-"""Held steps, for :class:`~cyclone_mp.control.ProcessControl`: what a supervisor claimed
-beyond its idle children (``prefetch``) and what it queued behind busy
-children (pipelining).
+"""Held steps: what a supervisor claimed beyond its idle children (``prefetch``) and what it
+queues behind busy children (pipelining). A part of process control with its own state.
 
-:class:`~cyclone_mp.control.ProcessControl` inherits these methods. How many steps to hold
-is :meth:`HeldSteps.prefetch_room` (what the children can start within about 0.25 s, at
-most the supervisor's share of the fleet's budget, :meth:`HeldSteps.prefetch_share`); idle
-children take held steps oldest claim first (:meth:`HeldSteps._take_held`), busy ones get
-the next few queued while attempts are short (:meth:`HeldSteps._pipeline`); a held or
-queued step nobody started in time is released, available at once with no attempt used
-(:meth:`HeldSteps._expire_held`, :meth:`HeldSteps._release_queued`). Never a database
-call: releases go to the outcome writer.
+How many steps to hold is :meth:`Holding.prefetch_room` (what the children can start
+within about 0.25 s, at most the supervisor's share of the fleet's budget,
+:meth:`Holding.prefetch_share`); idle children take held steps oldest claim first
+(:meth:`Holding.take`), busy ones get the next few queued while attempts are short
+(pipelining); a held step nobody started in time is released, available at once with no
+attempt used (:meth:`Holding.expire`). Never a database call: releases go to the outcome
+writer. Starting a step on a child is process control's (the ``start`` it is given).
 """
 
 from __future__ import annotations
 
 import collections
-import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from .attempts import Attempt, Held, fence_margin, startable
-from .config import PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_FLEET, PREFETCH_SHARE_MIN
-from .endings import RELEASED
+from .attempts import Held, fence_margin, hold_bound, startable
+from .config import (PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_FLEET, PREFETCH_MAX_WAIT,
+                     PREFETCH_SHARE_MIN)
 from .limits import Limits
-from .messages import RELEASE, LeaseDone, Outcome
+from .messages import RELEASE, LeaseDone, LeaseKey, Outcome
 
 if TYPE_CHECKING:
     from .config import Config
-    from .pool import ChildPool
+    from .pool import ChildPool, ChildProc
 
 
 def row_limits(row: dict[str, Any]) -> Limits:
@@ -37,25 +34,43 @@ def row_limits(row: dict[str, Any]) -> Limits:
     return limits
 
 
-class HeldSteps:
-    """Prefetch and pipelining, for :class:`cyclone_mp.control.ProcessControl` (see the
-    module docstring); the attributes are process control's."""
+class Holding:
+    """Held steps and pipelining (see the module docstring).
 
-    config: Config
-    pool: ChildPool
-    held: collections.deque[Held]
-    side_by_side: dict[str, int]
-    fleet: int
-    draining: bool
-    db_ok: bool
-    step_seconds: float | None
-    next_poll: float
-    stats: dict[str, int]
-    writer: Any
-    keeper: Callable[[Any], None]
-    clock: Callable[[], float]
-    _prefetch_hold: bool
-    _claim_hold: float
+    Args:
+        config: the supervisor's :class:`~cyclone_mp.config.Config`.
+        pool: the :class:`~cyclone_mp.pool.ChildPool` (idle and busy children).
+        writer: the outcome writer (``post``: a held step's release).
+        keeper: posts a message to the lease keeper (a lease given up).
+        clock: local monotonic clock in seconds.
+        side_by_side: async steps that run several attempts to a child: name -> at most how many.
+        start: ``start(item, child) -> bool`` starts a held step on a child (False: the
+            child was replaced first, the step waits).
+        flush: writes every child's queued tasks (one write per child).
+        stats: process control's counters (``pipelined``).
+    """
+
+    def __init__(self, config: Config, pool: ChildPool, *, writer: Any, keeper: Callable[[Any], None],
+                 clock: Callable[[], float], side_by_side: dict[str, int],
+                 start: Callable[[Held, ChildProc], bool], flush: Callable[[], None], stats: dict[str, int]) -> None:
+        self.config = config
+        self.pool = pool
+        self.writer = writer
+        self.keeper = keeper
+        self.clock = clock
+        self.side_by_side = side_by_side
+        self.start = start
+        self.flush = flush
+        self.stats = stats
+        self.held: collections.deque[Held] = collections.deque()
+        self.fleet = 1  # live supervisors on the database, this one included (from the registry)
+        self.hold_off = False  # a held step waited too long: hold none until the next result
+        self.claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    # -- how many to hold -------------------------------------------------------------------------
 
     def prefetch_share(self) -> int:
         """The most steps this supervisor may hold beyond its idle children: ``Config.prefetch``,
@@ -69,22 +84,22 @@ class HeldSteps:
             want = min(want, max(PREFETCH_SHARE_MIN, PREFETCH_FLEET // self.fleet))
         return want
 
-    def prefetch_room(self) -> int:
+    def prefetch_room(self, *, draining: bool, step_seconds: float | None) -> int:
         """How many steps to hold beyond the idle children (:meth:`prefetch_share`).
 
-        Zero unless ``prefetch`` is set, and zero until attempt durations are known. The
-        expected wait of a held step, ``len(held) / workers`` attempts, is kept under half
-        the time a held step may wait (:func:`~cyclone_mp.attempts.hold_bound`). An attempt
-        counts with its share of a new child's start-up when ``max_steps_per_child``
-        recycles children. A held step released for waiting too long stops prefetching
-        until the next attempt ends. The buffer is refilled once it is half empty, so
-        refills ride on few statements.
+        Zero unless ``prefetch`` is set, and zero until attempt durations are known
+        (``step_seconds``, a moving average). The expected wait of a held step,
+        ``len(held) / workers`` attempts, is kept under half the time a held step may wait
+        (:func:`~cyclone_mp.attempts.hold_bound`). An attempt counts with its share of a
+        new child's start-up when ``max_steps_per_child`` recycles children. A held step
+        released for waiting too long stops prefetching until the next attempt ends. The
+        buffer is refilled once it is half empty, so refills ride on few statements.
         """
         want = self.prefetch_share()
-        if not want or self.draining or self.step_seconds is None or self._prefetch_hold:
+        if not want or draining or step_seconds is None or self.hold_off:
             return 0
-        wait = self._claim_hold / 2
-        cycle = max(self.step_seconds, 1e-4)
+        wait = self.claim_hold / 2
+        cycle = max(step_seconds, 1e-4)
         ready = self.pool.ready_seconds
         if self.config.max_steps_per_child is not None and ready is not None:
             cycle += ready / self.config.max_steps_per_child  # a recycled slot's restart, shared
@@ -92,58 +107,6 @@ class HeldSteps:
         if len(self.held) > cap // 2:
             return 0
         return cap
-
-    def _take_held(self) -> None:
-        """Start held steps on idle children, oldest claim first (none while the lease keeper
-        is disconnected: their leases cannot be kept)."""
-        if not self.held or self.draining or not self.db_ok:
-            return
-        now = self.clock()
-        if self.side_by_side:  # async handlers run several to a child
-            self._take_side_by_side(now)
-        for child in self.pool.idle():
-            while self.held:
-                item = self.held.popleft()
-                if startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
-                             timeout=item.row["timeout"]):
-                    if not self._start(item, child):  # the child holds more than the step's memory cap: replaced
-                        self.held.appendleft(item)
-                    break
-                self._release_held(item)  # frozen or stalled past half its lease: never start it
-        self._send_queued()  # an idle child starts now, before the others' queues are filled
-        try:
-            self._pipeline()
-        finally:
-            self._send_queued()  # each child's new tasks in one write
-
-    def _take_side_by_side(self, now: float) -> None:
-        """Start held steps of ``async_concurrency`` steps beside the others of their step in
-        a child with room (one running that step and fewer than its limit), else on an idle
-        child, oldest claim first."""
-        keep: collections.deque[Held] = collections.deque()
-        for item in self.held:
-            limit = self.side_by_side.get(item.row["step_name"])
-            child = self._room_for(item.row["step_name"], limit) if limit else None
-            if child is None:
-                keep.append(item)
-            elif startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
-                           timeout=item.row["timeout"]):
-                self._start(item, child)
-            else:
-                self._release_held(item)
-        self.held = keep
-
-    def _room_for(self, step_name: str, limit: int) -> Any:
-        """A child that can run one more attempt of ``step_name`` beside its others."""
-        best = None
-        for child in self.pool.children:
-            if not child.ready or child.returncode is not None or child.recycle_due or child.attempt is not None:
-                continue
-            running = child.concurrent
-            if running and len(running) < limit and next(iter(running.values())).step_name == step_name:
-                if best is None or len(running) > len(best.concurrent):  # fill a child before the next
-                    best = child
-        return best if best is not None else next(iter(self.pool.idle()), None)
 
     def side_by_side_room(self) -> int:
         """Attempts the children could start beside their running async ones
@@ -160,20 +123,121 @@ class HeldSteps:
                 room += most - 1  # an idle child takes up to the most of one step
         return room
 
-    def _release_held(self, item: Held) -> None:
+    # -- claimed rows in, held steps out ------------------------------------------------------------
+
+    def add(self, rows: Iterable[dict[str, Any]], sent: float, now: float) -> bool:
+        """Hold the rows of a claim sent at ``sent`` (local monotonic seconds), arrived at
+        ``now``. A rate-limited row took its rate slot with the claim: it goes first, to
+        start on an idle child now or be given back (:meth:`give_back_rated`). True when
+        a rate-limited row came."""
+        cap = PREFETCH_MAX_WAIT if self.config.prefetch else float("inf")
+        rows = list(rows)
+        rated = [Held((r["id"], r["lease_generation"]), r, sent, now, now) for r in rows if r.get("rated")]
+        for row in rows:
+            if not row.get("rated"):
+                bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
+                self.held.append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound))
+        self.held.extendleft(reversed(rated))
+        if rows:
+            self.claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+        return bool(rated)
+
+    def give_back_rated(self) -> None:
+        """Release the rate-limited rows no idle child took: a rate limit counts handler
+        starts, so they are never held or queued."""
+        if any(h.row.get("rated") for h in self.held):
+            keep: collections.deque[Held] = collections.deque()
+            for item in self.held:
+                (self.release if item.row.get("rated") else keep.append)(item)
+            self.held = keep
+
+    def drop(self, key: LeaseKey) -> bool:
+        """Forget the held step of lease ``key`` (its lease is gone); True if it was held."""
+        before = len(self.held)
+        self.held = collections.deque(h for h in self.held if h.key != key)
+        return len(self.held) != before
+
+    def renewed(self, key: LeaseKey, sent: float) -> None:
+        """A renewal of a held step's lease held: it lasts until ``sent + lease_ttl``."""
+        for held in self.held:
+            if held.key == key:
+                held.lease_sent = max(held.lease_sent, sent)
+                return
+
+    def release(self, item: Held) -> None:
+        """Give a held step back: available at once, no attempt used."""
         self.writer.post(Outcome(item.key, RELEASE, item.row["step_name"], item.row["attempt"],
                                  item.row["run_kind"] != "step", held=True))
 
-    def _pipeline(self) -> None:
+    def release_at(self) -> float | None:
+        """When the first held step is due for release (None: none is held)."""
+        return min((h.release_at for h in self.held), default=None)
+
+    # -- starting them -------------------------------------------------------------------------------
+
+    def take(self, *, step_seconds: float | None) -> None:
+        """Start held steps on idle children, oldest claim first, then queue the next ones
+        behind busy children (pipelining). Process control calls this only while the
+        lease keeper is connected (their leases can be kept) and not draining."""
+        if not self.held:
+            return
+        now = self.clock()
+        if self.side_by_side:  # async handlers run several to a child
+            self._take_side_by_side(now)
+        for child in self.pool.idle():
+            while self.held:
+                item = self.held.popleft()
+                if startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
+                             timeout=item.row["timeout"]):
+                    if not self.start(item, child):  # the child holds more than the step's memory cap: replaced
+                        self.held.appendleft(item)
+                    break
+                self.release(item)  # frozen or stalled past half its lease: never start it
+        self.flush()  # an idle child starts now, before the others' queues are filled
+        try:
+            self._pipeline(step_seconds)
+        finally:
+            self.flush()  # each child's new tasks in one write
+
+    def _take_side_by_side(self, now: float) -> None:
+        """Start held steps of ``async_concurrency`` steps beside the others of their step in
+        a child with room (one running that step and fewer than its limit), else on an idle
+        child, oldest claim first."""
+        keep: collections.deque[Held] = collections.deque()
+        for item in self.held:
+            limit = self.side_by_side.get(item.row["step_name"])
+            child = self._room_for(item.row["step_name"], limit) if limit else None
+            if child is None:
+                keep.append(item)
+            elif startable(now, claim_sent=item.sent, lease_sent=item.lease_sent, lease_ttl=self.config.lease_ttl,
+                           timeout=item.row["timeout"]):
+                self.start(item, child)
+            else:
+                self.release(item)
+        self.held = keep
+
+    def _room_for(self, step_name: str, limit: int) -> Any:
+        """A child that can run one more attempt of ``step_name`` beside its others."""
+        best = None
+        for child in self.pool.children:
+            if not child.ready or child.returncode is not None or child.recycle_due or child.attempt is not None:
+                continue
+            running = child.concurrent
+            if running and len(running) < limit and next(iter(running.values())).step_name == step_name:
+                if best is None or len(running) > len(best.concurrent):  # fill a child before the next
+                    best = child
+        return best if best is not None else next(iter(self.pool.idle()), None)
+
+    def _pipeline(self, step_seconds: float | None) -> None:
         """Pipelining: while attempts are short, a busy child also gets the next held steps,
-        so it starts each the moment the one before ends instead of waiting for this loop.
-        Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH; under
+        so it starts each the moment the one before ends instead of waiting for process
+        control. Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH; under
         PIPELINE_ONE_MAX_STEP (0.1 s) one; longer ones none, and nothing is queued behind
         an attempt that has run that long. A queued step that has not started within its
-        hold bound is released (:meth:`_release_queued`)."""
-        if self.step_seconds is None or self.step_seconds >= PIPELINE_ONE_MAX_STEP:
+        hold bound is released (process control's ``_release_queued``)."""
+        if step_seconds is None or step_seconds >= PIPELINE_ONE_MAX_STEP:
             return
-        depth = PIPELINE_DEPTH if self.step_seconds < PIPELINE_MAX_STEP else 1
+        depth = PIPELINE_DEPTH if step_seconds < PIPELINE_MAX_STEP else 1
         cap = self.config.max_steps_per_child
         young = self.clock() - PIPELINE_ONE_MAX_STEP
         low = [c for c in self.pool.children
@@ -191,11 +255,11 @@ class HeldSteps:
                         and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)
                         # the slot's caps are set per attempt: only behind an attempt with the same
                         and row_limits(self.held[0].row) == child.attempt.limits):
-                    self._start(self.held.popleft(), child)
+                    self.start(self.held.popleft(), child)
                     self.stats["pipelined"] += 1
                     took = True
 
-    def _expire_held(self, now: float) -> None:
+    def expire(self, now: float, *, draining: bool) -> None:
         """Release held steps nobody took in time, and all of them when draining (available
         at once, no attempt or reclaim counted); drop those whose lease could not be kept
         (their lease expires; the sweep reclaims them)."""
@@ -207,39 +271,10 @@ class HeldSteps:
             if now >= item.lease_sent + ttl - fence_margin(ttl):
                 self.keeper(LeaseDone((item.key,)))
                 continue
-            if self.draining or now >= item.release_at:
-                if not self.draining:
-                    self._prefetch_hold = True
-                self._release_held(item)
+            if draining or now >= item.release_at:
+                if not draining:
+                    self.hold_off = True
+                self.release(item)
                 continue
             keep.append(item)
         self.held = keep
-
-    def _release_queued(self, now: float) -> None:
-        """Take back steps queued in children that waited too long behind a longer attempt,
-        as a held step would be: released, no attempt used. A child never starts a queued
-        task after its ``start_by`` (the same monotonic clock in both processes), and it
-        sends the result of the attempt in front before it looks; so once ``start_by`` has
-        passed, a step still queued after this reads the child's socket never runs there.
-        When draining, queued steps are cancelled over the pipe at once."""
-        mono = time.monotonic()
-
-        def past_start_by(att: Attempt) -> bool:
-            return att.start_by is not None and mono >= att.start_by
-
-        for child in list(self.pool.children):
-            if self.draining:
-                for att in child.queued:
-                    self._cancel(att, RELEASED, now)
-            if not any(map(past_start_by, child.queued)):
-                continue
-            self._child_io(child)  # a result sent before the child looked is handled first
-            overdue = list(filter(past_start_by, child.queued))
-            if not overdue:
-                continue
-            child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
-            self._prefetch_hold = True
-            self.next_poll = min(self.next_poll, now)  # a free child takes it back at once
-            for att in overdue:
-                att.cancel_reason = att.cancel_reason or RELEASED
-                self._settle_unstarted(att)

@@ -10,10 +10,9 @@ renewal: claims are the outcome writer's. It tells process control
 fence, SPEC 9) or :class:`~cyclone_mp.messages.LeaseLost` (the row says why), and never
 decides what happens to a handler: :meth:`cyclone_mp.control.ProcessControl.on_lease_lost` does.
 
-It also listens for ``NOTIFY`` (on ``listen_dsn`` when given) to claim at once or to
-cancel a step within a second of ``client.cancel``; through PgBouncer in transaction
-mode without a ``listen_dsn`` it does not listen at all (the notifications would reach
-nobody) and the supervisor claims on its poll interval alone.
+``LISTEN`` (new work, cancels) is the :class:`~cyclone_mp.listener.Listener`'s, on a
+thread of its own: opening that connection can take seconds, which a renewal must
+never wait for.
 """
 
 from __future__ import annotations
@@ -26,13 +25,11 @@ from typing import Any, Callable
 
 from . import decisions
 from .config import Config
-from .connections import connect
 from .dbloop import DatabaseThread
 from .errors import DatabaseError, DatabaseUnavailable
 from .messages import (
-    DatabaseState, LeaseDone, LeaseKey, LeaseLost, Poll, Progress, Renewed, Started, Track,
+    DatabaseState, LeaseDone, LeaseKey, LeaseLost, Progress, Renewed, Started, Track,
 )
-from .store import CANCEL_CHANNEL, NOTIFY_CHANNEL
 from .telemetry import NO_OBSERVER, Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -58,22 +55,19 @@ class LeaseKeeper(DatabaseThread):
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         owner: the supervisor's id (``lease_owner``).
         tell: posts a message to process control.
-        listen_dsn: where to LISTEN (default ``dsn``, or nowhere when ``config.pgbouncer``).
         observer: told of the heartbeat lag (:mod:`cyclone_mp.telemetry`).
         clock: local monotonic clock in seconds.
     """
 
     def __init__(self, dsn: str, config: Config, *, owner: str, tell: Callable[[Any], None],
-                 listen_dsn: str | None = None, observer: Observer = NO_OBSERVER,
+                 observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("lease keeper", dsn, config, owner=owner, bound=config.call_bound, clock=clock)
         self.observer = observer
         self.config = config
         self.owner = owner
         self.tell = tell
-        self.listen_dsn: str | None = listen_dsn or (None if config.pgbouncer else dsn)
         self.leases: dict[LeaseKey, Lease] = {}
-        self.listen_conn: Any = None
 
     # -- messages ----------------------------------------------------------------------------
 
@@ -180,84 +174,14 @@ class LeaseKeeper(DatabaseThread):
         log.info("renewal of step %d matched nothing (%s)", step_id, reason)
         self.tell(LeaseLost(lease.key, reason))
 
-    # -- the connection, and LISTEN ------------------------------------------------------------
+    # -- the connection -------------------------------------------------------------------------
 
     def connected(self) -> None:
         self.tell(DatabaseState(True))
-        self._listen()
         log.info("connected; supervisor %s", self.owner)
 
     def disconnected(self) -> None:
-        self._unlisten()
         self.tell(DatabaseState(False))
-
-    def _listen(self) -> None:
-        self._unlisten()
-        if self.listen_dsn is None:  # PgBouncer in transaction mode and no direct listen_dsn: poll only
-            return
-        self.call_started = self.clock()
-        try:
-            conn = connect(self.listen_dsn, timeout=max(2.0, self.config.call_bound), dead_after=self.config.call_bound,
-                           application_name=f"cyclone_mp listen {self.owner}")
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            conn.execute(f"LISTEN {CANCEL_CHANNEL}")
-            self.listen_conn = conn
-        except Exception as exc:  # noqa: BLE001 - polling still works without LISTEN
-            log.warning("LISTEN unavailable (%s); polling only", exc)
-            self.listen_conn = None
-        finally:
-            self.call_started = None
-
-    def _unlisten(self) -> None:
-        if self.listen_conn is not None:
-            try:
-                self.listen_conn.close()
-            except Exception:  # noqa: BLE001
-                pass
-            self.listen_conn = None
-
-    def wait(self, timeout: float) -> None:
-        conn = self.listen_conn
-        fd = None
-        if conn is not None:
-            try:
-                fd = conn.pgconn.socket
-            except Exception:  # noqa: BLE001
-                self._unlisten()
-        if not self.inbox.wait(timeout, *([fd] if fd is not None else [])):
-            return
-        try:
-            conn.pgconn.consume_input()
-            got = False
-            while (note := conn.pgconn.notifies()) is not None:
-                if note.relname.decode() == CANCEL_CHANNEL:
-                    self._cancelled(note.extra.decode())
-                else:
-                    got = True
-            if got:
-                self.tell(Poll())
-        except Exception as exc:  # noqa: BLE001 - a lost LISTEN connection is opened again
-            log.info("the LISTEN connection was lost (%s); listening again", exc)
-            self._unlisten()
-            if self.db_ok:
-                self._listen()
-
-    def _cancelled(self, payload: str) -> None:
-        """An operator cancelled the step of ``"<id>.<generation>"`` (client.cancel NOTIFYs
-        at commit): if it is one of ours, process control cancels its handler now, not at
-        the next renewal (SPEC 9: cancels are pushed)."""
-        try:
-            step_id, generation = (int(part) for part in payload.split("."))
-        except ValueError:
-            return
-        self._read_inbox()  # the claim's Track may not have woken this thread yet
-        lease = self.leases.pop((step_id, generation), None)
-        if lease is not None:
-            log.info("step %d was cancelled (notified)", step_id)
-            self.tell(LeaseLost(lease.key, "cancelled"))
-
-    def finish(self) -> None:
-        self._unlisten()
 
 
 def first_beat(interval: float) -> float:

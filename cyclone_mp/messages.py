@@ -153,13 +153,14 @@ class Fleet:
     live: int
 
 
-# -- lease keeper, outcome writer -> maintenance ------------------------------------------------
+# -- outcome writer -> payload loader -----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Load:
     """Claimed rows whose input or upstream outputs were too big to come with the claim
-    (``big``): maintenance reads them alone, with a bound of their own, and hands the rows
-    to process control (:class:`Claimed`, ``limit`` 0); a row it cannot read fails alone."""
+    (``big``): the payload loader reads them alone, with a bound of their own, and hands
+    the rows to process control (:class:`Claimed`, ``limit`` 0); a row it cannot read
+    fails alone."""
 
     rows: tuple[dict[str, Any], ...]
     sent: float

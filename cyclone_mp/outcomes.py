@@ -65,7 +65,7 @@ class OutcomeWriter(DatabaseThread):
             for a spawn this supervisor cannot enqueue, which fails the attempt instead.
         tell_keeper: posts a message to the lease keeper.
         tell_control: posts a message to process control.
-        load: posts a :class:`~cyclone_mp.messages.Load` to maintenance.
+        load: posts a :class:`~cyclone_mp.messages.Load` to the payload loader.
         clock: local monotonic clock in seconds.
     """
 

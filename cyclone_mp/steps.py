@@ -12,7 +12,7 @@ import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from .backoff import Backoff, check_backoff
+from .backoff import Backoff, check_backoff, compute_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError, UnknownStep
 from .limits import Limits, check_count, parse_size
@@ -166,6 +166,14 @@ class Unique:
         if "key" in self.by:
             parts.append(concurrency_key)
         return "u:" + hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
+
+
+#: Step options given only where the step is declared (:func:`step`), never per enqueue:
+#: ``max_snoozes`` and ``async_concurrency`` are read by the supervisor that registers the
+#: step, and ``unique`` says what "the same run" is, one rule for every enqueue of it.
+#: Every other option is also an enqueue option (``Client.enqueue``, ``enqueue_many``, their
+#: async twins and ``cyclone-mp enqueue``; a test holds them to this).
+STEP_ONLY_OPTIONS = frozenset({"max_snoozes", "async_concurrency", "unique"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -645,3 +653,19 @@ class Mux:
     def workflows(self) -> dict[str, "Workflow"]:
         """A copy of the name -> Workflow mapping."""
         return dict(self._workflows)
+
+    def backoff_for(self, step_name: str | None, default: Backoff | None = None) -> Callable[[int], float]:
+        """The callable backoff for a failed attempt of ``step_name`` whose row stores no
+        spec: the step's own callable, else ``default`` (the client's) if callable, else
+        ``attempt**4`` +-10 % (a spec stored on the row wins over all of these)."""
+        step = self._steps.get(step_name or "")
+        own = step.options.backoff if step else None
+        fn = own if callable(own) else default
+        return lambda n: compute_backoff(fn if callable(fn) else None, n)
+
+    def max_snoozes(self, step_name: str | None) -> int:
+        """How many times ``step_name`` may raise ``cy.Snooze`` (``cy.step(max_snoozes=...)``,
+        default :data:`DEFAULT_MAX_SNOOZES`)."""
+        step = self._steps.get(step_name or "")
+        own = step.options.max_snoozes if step else None
+        return DEFAULT_MAX_SNOOZES if own is None else own

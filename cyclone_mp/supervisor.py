@@ -1,17 +1,20 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
-It is four parts with one job each (as River's producer, executor, completer and
-rescuer), sharing no mutable state and talking by the messages of :mod:`cyclone_mp.messages`:
+It is six parts with one job each (as River's producer, executor, completer and
+rescuer, and a listener), sharing no mutable state and talking by the messages of
+:mod:`cyclone_mp.messages`:
 
 ==========================  ===============================================  ===========
 part                        its job                                          its thread
 ==========================  ===============================================  ===========
 :mod:`~cyclone_mp.control`  children, pipes, deadlines, the local fence,     this one
                             cancels, kills, reaping; never a database call
-:mod:`~cyclone_mp.leases`   renewals (and LISTEN): nothing delays them       its own
+:mod:`~cyclone_mp.leases`   renewals: nothing delays them                    its own
+:mod:`~cyclone_mp.listener` LISTEN: new work, cancels (a shortcut only)      its own
 :mod:`~cyclone_mp.outcomes` claims, and every ended attempt's CAS write      its own
 :mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, schedules, the   its own
                             registry
+:mod:`~cyclone_mp.loader`   payloads too big to come with their claim        its own
 ==========================  ===============================================  ===========
 
 Each database part has its own connection and bounds every call
@@ -33,13 +36,15 @@ import uuid
 from typing import Any, Callable
 
 from . import procs, slots, spawning
-from .backoff import compute_backoff
 from .config import Config
 from .control import ProcessControl
 from .errors import ConfigurationError
 from .leases import LeaseKeeper
+from .listener import Listener
+from .loader import PayloadLoader
+from .messages import LeaseLost, Poll
 from .outcomes import FINAL_FLUSH, OutcomeWriter
-from .steps import DEFAULT_MAX_SNOOZES, Mux
+from .steps import Mux
 from .sweep import Maintenance, Sweeper
 from .health import DatabaseProbe, liveness, readiness
 from .telemetry import Observer, Probes, Stats, supervisor_observer
@@ -97,6 +102,8 @@ class Supervisor:
         self.stopped = threading.Event()
         self.control: ProcessControl | None = None
         self.keeper: LeaseKeeper | None = None
+        self.listener: Listener | None = None
+        self.loader: PayloadLoader | None = None
         self.writer: OutcomeWriter | None = None
         self.maintenance: Maintenance | None = None
         self._requests: list[str] = []
@@ -121,23 +128,8 @@ class Supervisor:
     # -- the parts ---------------------------------------------------------------------
 
     def backoff_for(self, step_name: str | None) -> Callable[[int], float]:
-        """The callable backoff for a row that stores none: the step's, else the client's,
-        else the default (a stored spec on the row wins over all of these)."""
-        step = self.mux.steps.get(step_name or "")
-        own = step.options.backoff if step else None
-        fn = own if callable(own) else self.config.defaults.backoff
-        return lambda n: compute_backoff(fn if callable(fn) else None, n)
-
-    def max_snoozes(self, step_name: str | None) -> int:
-        """How many times the step may snooze (``cy.step(max_snoozes=...)``, default 100)."""
-        step = self.mux.steps.get(step_name or "")
-        own = step.options.max_snoozes if step else None
-        return DEFAULT_MAX_SNOOZES if own is None else own
-
-    def plan_spawns(self, outcome: Any) -> Any:
-        """The runs a completed attempt spawned (``ctx.spawn``), planned with this mux's
-        steps and the client's defaults (:func:`cyclone_mp.spawning.plan`)."""
-        return spawning.plan(self.mux, self.config.defaults, outcome.run_id, outcome.node, outcome.spawns)
+        """The callable backoff of a row that stores none (:meth:`cyclone_mp.steps.Mux.backoff_for`)."""
+        return self.mux.backoff_for(step_name, self.config.defaults.backoff)
 
     def run(self) -> None:
         """Run until shut down, on this thread (children are created from it: PDEATHSIG
@@ -165,28 +157,34 @@ class Supervisor:
             log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here
             # Each part reaches the others only through their inboxes (posted messages).
             self.keeper = LeaseKeeper(self.dsn, self.config, owner=self.id, tell=lambda m: control.tell(m),
-                                      listen_dsn=self.listen_dsn, observer=self.observer, clock=self.clock)
+                                      observer=self.observer, clock=self.clock)
+            listen_dsn = self.listen_dsn or (None if self.config.pgbouncer else self.dsn)  # PgBouncer: poll only
+            if listen_dsn is not None:
+                self.listener = Listener(listen_dsn, self.config, owner=self.id, poll=lambda: control.tell(Poll()),
+                                         cancelled=lambda key: control.tell(LeaseLost(key, "cancelled")),
+                                         clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for, max_snoozes=self.max_snoozes,
-                                        plan_spawns=self.plan_spawns, tell_keeper=self.keeper.inbox.post,
+                                        backoff_for=self.backoff_for, max_snoozes=self.mux.max_snoozes,
+                                        plan_spawns=lambda o: spawning.plan(self.mux, self.config.defaults, o.run_id,
+                                                                            o.node, o.spawns),
+                                        tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
-                                        load=lambda m: maintenance.inbox.post(m), observer=self.observer,
+                                        load=lambda m: loader.inbox.post(m), observer=self.observer,
                                         clock=self.clock)
             control = ProcessControl(self.id, self.mux, self.config, keeper=self.keeper.inbox.post,
                                      writer=self.writer, watchdog=watchdog, clock=self.clock,
                                      wall_clock=self.wall_clock, observer=self.observer, confinement=confinement,
                                      dedicated=self.dedicated)
             self.control = control
-            maintenance = Maintenance(self.dsn, self.config,
-                                      sweeper=Sweeper(self.id, self.backoff_for, written=self.observer.written,
-                                                      discarded=self.observer.discarded),
-                                      mux=self.mux, owner=self.id, snapshot=self._snapshot, tell_control=control.tell,
-                                      post_outcome=self.writer.post, started=self.running, observer=self.observer,
-                                      clock=self.clock)
-            self.maintenance = maintenance
+            sweeper = Sweeper(self.id, self.backoff_for, written=self.observer.written, discarded=self.observer.discarded)
+            self.maintenance = Maintenance(self.dsn, self.config, sweeper=sweeper, mux=self.mux, owner=self.id,
+                                           snapshot=self._snapshot, tell_control=control.tell, started=self.running,
+                                           observer=self.observer, clock=self.clock)
+            self.loader = loader = PayloadLoader(self.dsn, self.config, owner=self.id, tell_control=control.tell,
+                                                 post_outcome=self.writer.post, clock=self.clock)
             for request in self._requests:  # asked before the parts existed
                 (control.request_stop if request == "stop" else control.request_shutdown)()
-            for part in (self.keeper, self.writer, self.maintenance):
+            for part in self._threads():
                 part.start()
             control.run(self.running)
         finally:
@@ -212,7 +210,7 @@ class Supervisor:
                 log.exception("stopping the children failed")
         elif self.confinement is not None:
             self.confinement.close()
-        parts = [p for p in (self.writer, self.keeper, self.maintenance) if p is not None]
+        parts = self._threads()
         for part in parts:
             part.request_stop()
         # What is left is written while calls come back; one that has hung past the lease
@@ -223,6 +221,10 @@ class Supervisor:
                 log.warning("%s did not stop in time (a database call hangs); leaving it", part.name)
         watchdog.close(clean=True)
         self._close_observers()
+
+    def _threads(self) -> list[Any]:
+        """The parts on threads of their own (the writer first: what is left is written first)."""
+        return [p for p in (self.writer, self.keeper, self.maintenance, self.loader, self.listener) if p is not None]
 
     def _close_observers(self) -> None:
         self.observer.close()  # the metrics server stops (an observer's failure is only logged)
@@ -248,7 +250,7 @@ class Supervisor:
         parts: list[dict[str, int]] = []
         if self.control is not None:
             parts += [self.control.stats, self.control.pool.stats]
-        parts += [p.stats for p in (self.keeper, self.writer, self.maintenance) if p is not None]
+        parts += [p.stats for p in (self.keeper, self.writer, self.maintenance, self.loader) if p is not None]
         return parts
 
     @property

@@ -1,4 +1,4 @@
-"""Maintenance: the recovery sweep, due timers, schedules, the registry and big payloads (SPEC 4).
+"""Maintenance: the recovery sweep, due timers, schedules and the registry (SPEC 4).
 
 :class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
 :meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
@@ -14,9 +14,10 @@ PgBouncer), so the database sees at most one pass per ``poll_interval`` however 
 supervisors run. The same loop refreshes the ``cyclone_workers`` registry (which recovery
 never reads), fires the mux's schedules, takes the ``history`` turn for the archive and
 retention (:class:`cyclone_mp.history.History`), watches the xmin horizon
-(:class:`cyclone_mp.history.VacuumWatch`) and reads payloads too big to come with their
-claim (:class:`~cyclone_mp.messages.Load`); each is a call of its own, so one that fails
-never costs a sweep. docs/operating.md explains the turns and the history work.
+(:class:`cyclone_mp.history.VacuumWatch`); each is a call of its own, so one that fails
+never costs a sweep. Payloads too big to come with their claim are the
+:class:`~cyclone_mp.loader.PayloadLoader`'s, on a thread of its own: a load may take
+minutes, which no sweep waits for. docs/operating.md explains the turns and the history work.
 """
 
 from __future__ import annotations
@@ -29,23 +30,18 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from . import decisions, mapped, schedules
+from . import decisions, schedules
 from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
 from .connections import vacuum_hot_tables
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .health import MaintenanceHealth
 from .history import History, Policy, VacuumWatch
-from .messages import FAIL, RELEASE, Claimed, Fleet, Load, Outcome, Poll
-from .protocol import upstream_limit, upstream_too_big
+from .messages import Fleet, Outcome, Poll
 from .steps import Mux
 from .store import Store
 from .telemetry import NO_OBSERVER, Observer
 
-LOAD_BOUND = 120.0  # seconds a big payload's statement may take (its own statement_timeout)
-#: Seconds the call of a load may take beyond LOAD_BOUND before its connection is taken for
-#: lost: the server's statement_timeout ends a slow load first, as that row's error.
-LOAD_MARGIN = 10.0
 #: Seconds between looks for a child that started a step since the registry row was last
 #: written: its row is then written at once, so ``cyclone-mp workers`` never shows a child
 #: idle for a whole ``registry_interval`` after it took a (wedged) step.
@@ -106,7 +102,6 @@ class Maintenance(DatabaseThread):
         snapshot: returns the registry's ``info`` (plain data) as process control last
             published it.
         tell_control: posts a message to process control.
-        post_outcome: hands an :class:`~cyclone_mp.messages.Outcome` to the writer.
         started: set once process control runs (its children started): the first
             registry row waits for it, so it lists them.
         history: the history work (archive, retention); default one from the
@@ -118,7 +113,7 @@ class Maintenance(DatabaseThread):
 
     def __init__(self, dsn: str, config: Config, *, sweeper: Sweeper, mux: Mux, owner: str,
                  snapshot: Callable[[], dict[str, Any]], tell_control: Callable[[Any], None],
-                 post_outcome: Callable[[Outcome], None], started: threading.Event | None = None,
+                 started: threading.Event | None = None,
                  observer: Observer = NO_OBSERVER, history: History | None = None,
                  vacuum_watch: VacuumWatch | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("maintenance", dsn, config, owner=owner, bound=config.write_bound, generic_plans=False,
@@ -129,9 +124,7 @@ class Maintenance(DatabaseThread):
         self.owner = owner
         self.snapshot = snapshot
         self.tell_control = tell_control
-        self.post_outcome = post_outcome
         self.started = started
-        self.loads: list[Load] = []
         self.observer = observer
         now = clock()
         self.next_sweep = now
@@ -158,11 +151,7 @@ class Maintenance(DatabaseThread):
         return self.config.poll_interval[1]
 
     def turn(self, now: float) -> float:
-        self.loads.extend(m for m in self.inbox.take() if isinstance(m, Load))
-        while self.loads:
-            load = self.loads.pop(0)
-            for row in load.rows:
-                self._load(row, load.sent)
+        self.inbox.take()  # nothing is posted here: the inbox only wakes the thread
         lo, hi = self.config.poll_interval
         if self.db_ok and now >= self.next_sweep:
             self.next_sweep = self.sweep_tick(now)
@@ -283,52 +272,6 @@ class Maintenance(DatabaseThread):
             return
         self.count("queue_depth_reads")
         self.observer.queue_depths(rows)
-
-    def _load(self, row: dict[str, Any], sent: float) -> None:
-        """Read one big row's payload and hand the row to process control (the outputs
-        of its upstream map nodes are written to files, page by page:
-        :func:`cyclone_mp.mapped.write_outputs`). A row that
-        cannot be read fails alone (``permanent``): its upstream outputs over
-        :func:`~cyclone_mp.protocol.upstream_limit` (the message says their size), a
-        statement past LOAD_BOUND, a value the database refuses. One met by an outage is
-        released."""
-        key = (row["id"], row["lease_generation"])
-        limit = upstream_limit(self.config.max_payload)
-        unreadable = "the step's input or upstream outputs cannot be read: "
-        try:
-            payload = self.call(LOAD_BOUND + LOAD_MARGIN, lambda store: store.load_payload(
-                row["id"], statement_timeout=LOAD_BOUND, max_upstream=limit))
-        except DatabaseUnavailable:
-            payload, message = None, None
-        except DatabaseBusy as exc:  # its own statement_timeout, or a lock wait
-            payload, message = None, f"{unreadable}not within {LOAD_BOUND:g}s ({exc})"
-        except DatabaseError as exc:
-            payload, message = None, f"{unreadable}{exc}"
-        else:
-            message = None if payload is not None else f"{unreadable}the step is gone"
-        if payload is not None:
-            outputs, size = payload.pop("upstream_outputs"), payload.pop("upstream_bytes")
-            if outputs and payload["upstream"] is None:
-                payload, message = None, upstream_too_big(row["node"], outputs, size, limit)
-        if payload is not None and payload.get("maps"):  # upstream map nodes: their outputs, page by page, to files
-            try:
-                payload["maps"] = mapped.write_outputs(
-                    lambda fn: self.call(LOAD_BOUND + LOAD_MARGIN, fn), row["run_id"], payload["maps"])
-            except DatabaseUnavailable:
-                payload, message = None, None
-            except (DatabaseError, OSError) as exc:
-                payload, message = None, f"{unreadable}{exc}"
-        if payload is not None:
-            self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
-            return
-        workflow = row["run_kind"] != "step"  # (a workflow run, or a spawned one: "child")
-        if message is None:  # an outage: give it back (its lease is kept until the writer can)
-            self.post_outcome(Outcome(key, RELEASE, row["step_name"], row["attempt"], workflow, held=True))
-            return
-        log.error("step %d: %s", row["id"], message)
-        self.post_outcome(Outcome(key, FAIL, row["step_name"], row["attempt"], workflow, row.get("backoff"),
-                                  error_kind=decisions.PERMANENT, entry={
-                                      "type": "cyclone_mp.errors.PayloadError", "message": message[:2000]}))
 
     def sweep(self) -> dict[str, int]:
         """One sweep pass now (counted in this part's stats)."""

@@ -317,6 +317,8 @@ def test_unknown_run_id(dsn: str) -> None:
     (["enqueue", APP, "echo", "--rate-limit", "ten"], "is not COUNT/SECONDS"),
     (["enqueue", APP, "echo", "--rate-limit", "0/1s"], "rate_limit count must be an int from 1"),
     (["enqueue", APP, "echo", "--concurrency", "0"], "--concurrency"),
+    (["enqueue", APP, "echo", "--backoff", "1s,,2s"], "is not SECONDS or a comma list"),
+    (["enqueue", APP, "echo", "--backoff", "soon"], "is not a duration"),
 ])
 def test_bad_usage_one_line(dsn: str, args: list[str], words: str) -> None:
     proc = run_cli(*args, dsn=dsn)
@@ -334,6 +336,19 @@ def test_enqueue_with_a_key_and_limits(dsn: str) -> None:
     assert (step["concurrency_key"], step["concurrency"], step["rate_limit"]) == ("acme", 2, [10, 60.0])
     shown = run_cli("status", proc.stdout.strip(), dsn=dsn).stdout
     assert "key acme, 0/2 running, 0/10 starts per 60s" in shown
+
+
+def test_enqueue_with_a_backoff(dsn: str) -> None:
+    """--backoff stores the step's retry schedule on its row: one duration, or one per
+    failed attempt (the last repeats)."""
+    import psycopg
+
+    for given, stored in (("30s", 30.0), ("1s,10s,1m", [1.0, 10.0, 60.0])):
+        proc = run_cli("enqueue", APP, "echo", "--input", "{}", "--backoff", given, dsn=dsn)
+        assert proc.returncode == 0, proc.stderr
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute("SELECT backoff FROM cyclone_steps WHERE run_id = %s", (proc.stdout.strip(),)).fetchone()
+        assert row == (stored,)
 
 
 def test_app_that_raises_on_import(dsn: str, tmp_path: pathlib.Path) -> None:

@@ -209,7 +209,7 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
 def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_dsn, step, variant):
     """The plain, fair, concurrency and full limited claims, alone (Store.claim: the lease keeper's) and with
     a batch of outcomes (Store.settle: the outcome writer's), return the input as JSON text,
-    unparsed, and leave out an input stored bigger than INLINE_MAX (``big``: maintenance
+    unparsed, and leave out an input stored bigger than INLINE_MAX (``big``: the payload loader
     loads it alone); (id, generation) pairs say which outcomes were written."""
     import base64
     import json

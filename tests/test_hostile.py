@@ -399,9 +399,9 @@ def test_a_fan_in_over_the_limit_fails_its_join_saying_its_size(cyclone_env_fact
     """A join whose upstream outputs total more than a task can carry (here the limit is
     made 1 MB, for five 0.4 MB outputs) is discarded at once, permanently, with a
     message that says their size and the limit: never a statement timeout."""
-    from cyclone_mp import sweep
+    from cyclone_mp import loader
 
-    monkeypatch.setattr(sweep, "upstream_limit", lambda max_payload: 1_000_000)
+    monkeypatch.setattr(loader, "upstream_limit", lambda max_payload: 1_000_000)
     env = cyclone_env_factory(worker="thread")
     env.mux().register(hh.noisy_fan_in)
     run_id = env.enqueue(hh.noisy_fan_in, {"bytes": 400_000})

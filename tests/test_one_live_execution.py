@@ -25,12 +25,13 @@ from test_cli import run_cli
 
 
 class Lives:
-    """Watches the pids that the handlers note in ``log``: when each was first seen dead
-    (gone, or a zombie), polled every 10 ms on a thread of its own."""
+    """Watches the pids that the handlers note in ``log``: when each was last seen alive
+    and first seen dead (gone, or a zombie), polled every 10 ms on a thread of its own."""
 
     def __init__(self, log: str) -> None:
         self.log = log
         self.dead: dict[int, float] = {}
+        self.alive: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -48,6 +49,8 @@ class Lives:
                     gone = True
                 if gone:
                     self.dead[pid] = now
+                else:
+                    self.alive[pid] = time.time()  # alive at least until this instant
             time.sleep(0.01)
 
     def close(self) -> None:
@@ -55,9 +58,13 @@ class Lives:
         self._thread.join(5)
 
     def intervals(self) -> list[tuple[float, float, int]]:
-        """(start, death or now, pid) of every execution noted, by start."""
+        """(start, end, pid) of every execution noted, by start: ``end`` is when a dead one
+        was last seen alive (its death came within the next 10 ms poll), now for one that
+        lives. Two intervals that overlap were both alive at one instant, for certain: a
+        handler that starts between a death and the poll that sees it is no overlap."""
         now = time.time()
-        return sorted((r["t"], self.dead.get(r["pid"], now), r["pid"]) for r in lh.records(self.log, "start"))
+        return sorted((r["t"], self.alive.get(r["pid"], r["t"]) if r["pid"] in self.dead else now, r["pid"])
+                      for r in lh.records(self.log, "start"))
 
 
 def overlaps(intervals: list[tuple[float, float, int]]) -> list[tuple]:

@@ -141,15 +141,40 @@ def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5)
     env.mux().register(h.ok)
     sup = env.start_worker().client.supervisor
-    wait_for(lambda: sup.keeper is not None and sup.keeper.listen_conn is not None, 15, "a LISTEN connection")
-    pid = sup.keeper.listen_conn.info.backend_pid
+    wait_for(lambda: sup.listener is not None and sup.listener.conn is not None, 15, "a LISTEN connection")
+    pid = sup.listener.conn.info.backend_pid
     with caplog.at_level(logging.INFO, logger="cyclone_mp.supervisor"):
         with connect(env.dsn) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        wait_for(lambda: sup.keeper.listen_conn is not None and sup.keeper.listen_conn.info.backend_pid != pid, 15,
+        wait_for(lambda: sup.listener.conn is not None and sup.listener.conn.info.backend_pid != pid, 15,
                  "a new LISTEN connection")
     assert not [r for r in caplog.records if "rejected" in r.getMessage()]
     assert env.run_until_complete(env.enqueue(h.ok, {"after": "listen lost"}), timeout=30).state == "completed"
+
+
+def test_a_listen_dsn_that_never_answers_delays_no_renewal(cyclone_env_factory, caplog):
+    """LISTEN has a thread of its own: a ``listen_dsn`` whose connects hang (black-holed,
+    each for its 2 s connect timeout, again and again) leaves renewals on time. A 3 s
+    step under a 1 s lease completes on its first attempt, never fenced or reclaimed; it
+    is claimed by polling alone."""
+    from cyclone_mp.testing.env import through, upstream_of
+    from cyclone_mp.testing.network import FaultProxy
+
+    proxy = FaultProxy(upstream_of(cyclone_env_factory().dsn))
+    proxy.partition()
+    try:
+        env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=1.0, listen_dsn=through(
+            cyclone_env_factory().dsn, proxy))
+        env.mux().register(h.sleeper)
+        sup = env.start_worker().client.supervisor
+        with caplog.at_level(logging.INFO, logger="cyclone_mp.supervisor"):
+            status = env.run_until_complete(env.enqueue(h.sleeper, {"seconds": 3.0}), timeout=60)
+        assert (status.state, status.step.attempt, status.step.reclaims) == ("completed", 1, 0)
+        assert sup.control.stats["lease_lost"] == 0 and sup.control.stats["fence_kills"] == 0
+        assert sup.listener is not None and sup.listener.conn is None  # it never got to listen
+        assert any("LISTEN unavailable" in r.getMessage() for r in caplog.records)
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("prefetch", [0, 16])

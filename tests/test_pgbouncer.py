@@ -155,7 +155,7 @@ def test_waits_poll_through_pgbouncer_and_listen_on_listen_dsn(bounced, cyclone_
     assert listening.client()._waiter().listening_connections == 1
     with psycopg.connect(cyclone_dsn) as conn:  # the supervisors' LISTEN connections, all direct
         listeners = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                                 " AND application_name LIKE 'cyclone_mp listen %%'").fetchone()[0]
+                                 " AND application_name LIKE 'cyclone_mp listener %%'").fetchone()[0]
     assert listeners == 1  # the one with listen_dsn; the other polls
 
 

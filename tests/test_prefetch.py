@@ -594,7 +594,7 @@ def test_a_supervisor_holds_its_share_of_the_fleets_prefetch():
             control.inbox.post(Fleet(live))
             control._read_inbox()
             control.step_seconds = 0.0001  # no-op steps: only the share bounds the room
-            assert control.prefetch_share() == share, (prefetch, live)
+            assert control.holding.prefetch_share() == share, (prefetch, live)
             assert control.prefetch_room() == share, (prefetch, live)
         finally:
             control.close()

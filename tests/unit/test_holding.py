@@ -1,0 +1,95 @@
+"""Held steps (prefetch and pipelining) as a part of their own, on a fake clock and fake
+children: how many to hold, which start where, which are given back and when."""
+
+from __future__ import annotations
+
+import types
+
+from cyclone_mp.config import PREFETCH_FLEET, PREFETCH_MAX_WAIT, PREFETCH_SHARE_MIN, Config
+from cyclone_mp.holding import Holding
+from cyclone_mp.messages import RELEASE, LeaseDone
+
+NOW = [100.0]
+
+
+class FakePool:
+    def __init__(self, idle: int = 0) -> None:
+        self.children = [types.SimpleNamespace(pid=i, attempt=None, queued=[], concurrent={}, ready=True,
+                                               returncode=None, recycle_due=False) for i in range(idle)]
+        self.ready_seconds = None
+
+    def idle(self):
+        return [c for c in self.children if c.attempt is None]
+
+
+def holding(config: Config, pool: FakePool | None = None, started: list | None = None):
+    posted, kept = [], []
+
+    def start(item, child):
+        child.attempt = item
+        (started if started is not None else []).append((item.key, child.pid))
+        return True
+
+    part = Holding(config, pool or FakePool(), writer=types.SimpleNamespace(post=posted.append), keeper=kept.append,
+                   clock=lambda: NOW[0], side_by_side={}, start=start, flush=lambda: None, stats={"pipelined": 0})
+    return part, posted, kept
+
+
+def rows(n: int, *, timeout=None, rated=False, start=1):
+    return [{"id": i, "lease_generation": 1, "timeout": timeout, "step_name": "s", "attempt": 1,
+             "run_kind": "task", "rated": rated} for i in range(start, start + n)]
+
+
+def test_the_share_of_the_fleet_and_the_room_to_hold():
+    part, _, _ = holding(Config.build(workers=2, prefetch=256))
+    assert part.prefetch_share() == 256
+    part.fleet = 16
+    assert part.prefetch_share() == PREFETCH_FLEET // 16
+    part.fleet = 10_000
+    assert part.prefetch_share() == PREFETCH_SHARE_MIN
+    part.fleet = 1
+    assert part.prefetch_room(draining=False, step_seconds=None) == 0  # durations unknown: none
+    assert part.prefetch_room(draining=True, step_seconds=0.001) == 0
+    # 2 workers, a held step may wait half of PREFETCH_MAX_WAIT: 2 * 0.25 / 0.01 = 50 steps of 10 ms
+    assert PREFETCH_MAX_WAIT == 0.5 and part.prefetch_room(draining=False, step_seconds=0.01) == 50
+    part.add(rows(26), sent=NOW[0], now=NOW[0])
+    assert part.prefetch_room(draining=False, step_seconds=0.01) == 0  # over half full: no refill yet
+    part.hold_off = True
+    part.held.clear()
+    assert part.prefetch_room(draining=False, step_seconds=0.01) == 0  # one waited too long: none until a result
+
+
+def test_idle_children_take_the_oldest_claim_first_and_stale_ones_are_released():
+    started: list = []
+    part, posted, _ = holding(Config.build(workers=2, prefetch=16, lease_ttl=10), FakePool(idle=2), started)
+    part.add(rows(1, start=1), sent=NOW[0] - 6.0, now=NOW[0])  # claimed 6 s ago: over half its lease spent
+    part.add(rows(3, start=2), sent=NOW[0], now=NOW[0])
+    part.take(step_seconds=None)
+    assert started == [((2, 1), 0), ((3, 1), 1)]
+    assert [o.key for o in posted] == [(1, 1)] and posted[0].kind == RELEASE  # given back, never started
+    assert [h.key for h in part.held] == [(4, 1)]
+
+
+def test_held_steps_are_released_at_their_bound_and_dropped_when_their_lease_cannot_be_kept():
+    part, posted, kept = holding(Config.build(workers=1, prefetch=16, lease_ttl=10))
+    part.add(rows(1, start=1), sent=NOW[0], now=NOW[0])
+    release_at = part.release_at()
+    assert release_at == NOW[0] + PREFETCH_MAX_WAIT  # (under lease_ttl / 4)
+    part.expire(release_at - 0.01, draining=False)
+    assert not posted
+    part.expire(release_at, draining=False)
+    assert [o.key for o in posted] == [(1, 1)] and part.hold_off
+    part.add(rows(1, start=2), sent=NOW[0] - 9.5, now=NOW[0])  # its lease expires within the fence's margin
+    part.expire(NOW[0], draining=False)
+    assert kept == [LeaseDone(((2, 1),))] and not part.held
+
+
+def test_rate_limited_rows_go_first_and_are_never_held():
+    started: list = []
+    part, posted, _ = holding(Config.build(workers=1, prefetch=16), FakePool(idle=1), started)
+    assert part.add(rows(2, start=1) + rows(2, rated=True, start=10), sent=NOW[0], now=NOW[0]) is True
+    part.take(step_seconds=None)
+    assert started == [((10, 1), 0)]  # the rated one first, on the one idle child
+    part.give_back_rated()
+    assert [o.key for o in posted] == [(11, 1)]  # the other rated one is given back at once
+    assert [h.key for h in part.held] == [(1, 1), (2, 1)]
