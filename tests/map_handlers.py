@@ -141,3 +141,9 @@ def gather(ctx: cy.Context, inp: dict) -> dict:
 spawner = cy.Workflow("spawner")
 _f = spawner.add(fanout)
 spawner.add(gather, after=[_f], wait_for_spawned=True)
+
+
+@cy.step("aspawn", async_concurrency=2)
+async def aspawn(ctx: cy.Context, inp: dict) -> dict:
+    """An async handler run beside others in its child: spawns one child run."""
+    return {"child": ctx.spawn("child", {"i": inp["i"]}, key="only")}

@@ -127,7 +127,7 @@ def test_peers_summary_ratios_and_targets():
     assert rows["s2_pool2_pgq_batch1"]["median"]["pgqueuer"] == 0.5
 
 
-@pytest.mark.slow  # benchmarks/maps.py end to end, small counts (~40 s)
+@pytest.mark.slow  # benchmarks/maps.py end to end, small counts (~10 s)
 def test_quick_map_benchmark_run(tmp_path):
     out = tmp_path / "maps.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "maps.py"), "--quick", "--repeat", "1", "--out", str(out)]

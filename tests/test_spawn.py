@@ -130,3 +130,15 @@ def test_children_link_to_their_parent_in_status_runs_and_json(cyclone_env):
     assert {r["id"]: r["parent_id"] for r in runs} == {run_id: None, kids[0]["id"]: run_id, kids[1]["id"]: run_id}
     child_line = next(line for line in cli("runs").splitlines() if kids[0]["id"] in line)
     assert run_id[:8] in child_line  # the parent column, beside the child
+
+
+def test_an_async_single_step_run_spawns_too(cyclone_env):
+    env = cyclone_env
+    env.mux().register(mh.child)
+    runs = [env.enqueue(mh.aspawn, {"i": i}) for i in range(2)]
+    env.start_worker()
+    for i, run_id in enumerate(runs):
+        run = env.run_until_complete(run_id, timeout=30)
+        [kid] = children_of(env.dsn, run_id)
+        assert run.step.output == {"child": kid["id"]} and kid["parent_node"] == "aspawn"
+        assert env.run_until_complete(kid["id"], timeout=30).step.output == {"double": 2 * i}
