@@ -63,6 +63,7 @@ from common import (  # noqa: E402
     run_until_completed, step_times, wait_until,
 )
 from cyclone_mp import mapped  # noqa: E402
+from cyclone_mp.operations import MAX_MAP_ITEMS  # noqa: E402
 from cyclone_mp.store import Q, Store  # noqa: E402
 
 FULL = {"m1_items": 20_000, "m2_items": 20_000, "m3_items": 100_000, "m3_chars": 200}
@@ -164,7 +165,7 @@ class MapBenches:
         store.conn.execute("VACUUM ANALYZE cyclone_steps")
         with store.conn.transaction():
             t = time.perf_counter()
-            cur = store.conn.execute(Q["expand_maps"], {"run_id": run_id})
+            cur = store.conn.execute(Q["expand_maps"], {"run_id": run_id, "max_items": MAX_MAP_ITEMS})
             seconds = time.perf_counter() - t
             [row] = cur.fetchall()
             assert row["items"] == n, row

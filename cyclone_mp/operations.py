@@ -373,6 +373,11 @@ def enqueue_many(
 # -- moving a run on (shared with the supervisor's writes) ----------------------------------------
 
 
+#: The most items one map node may have: its items are inserted in one statement, in the
+#: transaction of a completion, within the outcome writer's statement_timeout (20,000 took
+#: 0.15 s; a list past this fails its map with a clear error, never its writer's statements).
+MAX_MAP_ITEMS = 1_000_000
+
 def advance(run_id: str) -> Steps[None]:
     """Under the run lock: promote ready nodes, map the lists of map nodes whose node
     mapped over completed (``expand_maps``), fire signals and timers, end the map nodes
@@ -382,7 +387,7 @@ def advance(run_id: str) -> Steps[None]:
     yield q("hold_paused", {"run_id": run_id})
     for _ in range(10_000):
         promoted = (yield q("promote_ready", {"run_id": run_id})).rowcount
-        mapped = (yield q("expand_maps", {"run_id": run_id})).rowcount
+        mapped = (yield q("expand_maps", {"run_id": run_id, "max_items": MAX_MAP_ITEMS})).rowcount
         fired = (yield q("fire_nodes", {"run_id": run_id})).rowcount
         ended = (yield q("settle_maps", {"run_id": run_id})).rowcount
         if promoted == 0 and mapped == 0 and fired == 0 and ended == 0:

@@ -343,3 +343,25 @@ def test_cli_status_summarises_a_map_and_lists_its_items(cyclone_env, tmp_path):
         ("square[0]", 0, "completed"), ("square[1]", 1, "completed"), ("square[2]", 2, "completed"),
         ("square[3]", 3, "discarded")]
     assert data["items"]["square"][3]["error"] == "item 3 is bad"
+
+
+def test_a_list_over_the_most_items_a_map_may_have_fails_the_map_alone(cyclone_env, monkeypatch):
+    from cyclone_mp import operations
+    from cyclone_mp.store import Store
+
+    monkeypatch.setattr(operations, "MAX_MAP_ITEMS", 3)
+    env = cyclone_env
+    env.mux().register(mh.squares)
+    run_id = env.client().enqueue(mh.squares, {})
+    store = Store.open(env.dsn)
+    try:
+        [row] = store.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=30)
+        lease = (row["id"], row["lease_generation"])
+        assert store.complete(owner="t", items=[(*lease, [1, 2, 3, 4], None)]) == {lease}
+    finally:
+        store.close()
+    run = env.status(run_id)
+    square = run.steps["square"]
+    assert (run.state, square.state, square.error_kind) == ("discarded", "discarded", "output_invalid")
+    assert square.error == "map square: the list of numbers has 4 items, over the 3 a map may have (map over a list of batches instead)"
+    assert item_rows(env.dsn, run_id) == []

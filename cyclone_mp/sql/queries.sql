@@ -963,13 +963,16 @@ UPDATE cyclone_steps s
 -- its output list, inserted in one statement with the map row's options, the element as
 -- input and "<map>[<index>]" as node (paused, to be available, in a paused run); the map
 -- row becomes running and counts them (items_total, items_left). An output that is not a
--- list discards the map row (output_invalid) with an error that says so. Runs under the
+-- list, or a list of more than %(max_items)s items, discards the map row (output_invalid)
+-- with an error that says so. Runs under the
 -- run lock, in the transaction of the completion that made the node ready: the map row
 -- leaves pending there, so a list is mapped once whatever completes later.
 WITH ready AS MATERIALIZED (
     -- (a map over a map maps the items' outputs: read from its items, never aggregated)
     SELECT m.id, m.node, o.node AS over, o.kind = 'map' AS over_map, o.output AS list,
-           o.kind = 'map' OR jsonb_typeof(o.output) = 'array' AS ok,
+           (o.kind = 'map' OR jsonb_typeof(o.output) = 'array')
+           AND coalesce(CASE WHEN o.kind = 'map' THEN o.items_total ELSE jsonb_array_length(o.output) END, 0)
+               <= %(max_items)s AS ok,
            CASE WHEN o.kind = 'map' THEN o.items_total
                 WHEN jsonb_typeof(o.output) = 'array' THEN jsonb_array_length(o.output) END AS total,
            coalesce(jsonb_typeof(o.output), 'nothing') AS got,
@@ -1007,10 +1010,13 @@ WITH ready AS MATERIALIZED (
 UPDATE cyclone_steps m
    SET state = CASE WHEN r.ok THEN 'running' ELSE 'discarded' END,
        paused_from = NULL,
-       items_total = r.total,
-       items_left = r.total,
+       items_total = CASE WHEN r.ok THEN r.total END,
+       items_left = CASE WHEN r.ok THEN r.total END,
        finished_at = CASE WHEN r.ok THEN NULL ELSE now() END,
        error = CASE WHEN r.ok THEN NULL
+                    WHEN r.total IS NOT NULL
+                    THEN 'map ' || m.node || ': the list of ' || r.over || ' has ' || r.total || ' items, over the '
+                         || %(max_items)s || ' a map may have (map over a list of batches instead)'
                     ELSE 'map ' || m.node || ': the output of ' || r.over || ' is not a JSON list (it is '
                          || r.got || '): map() runs its step once per item of a list' END,
        error_kind = CASE WHEN r.ok THEN NULL ELSE 'output_invalid' END
