@@ -266,27 +266,6 @@ def test_a_big_map_reaches_its_join_as_a_sequence_read_in_pages(cyclone_env_fact
     assert os.listdir(mapped.folder()) == []
 
 
-def test_outputs_read_from_a_file_index_slice_and_compare(tmp_path):
-    from cyclone_mp import mapped
-
-    path = str(tmp_path / "out.jsonl")
-    with mapped.OutputsFile(path) as out:
-        out.write_page([{"item": 0, "ok": True, "output": '{"a": 1}', "error": None, "error_kind": None},
-                        {"item": 1, "ok": False, "output": "null", "error": "boom", "error_kind": "permanent"}])
-        out.write_page([{"item": 2, "ok": True, "output": "[1, 2]", "error": None, "error_kind": None}])
-    assert (out.count, out.last) == (3, 2)
-    seq = mapped.read(path, 3, as_list=False)
-    failed = cy.ItemFailed(1, "boom", "permanent")
-    assert len(seq) == 3 and list(seq) == [{"a": 1}, failed, [1, 2]]
-    assert (seq[2], seq[-3], seq[1:]) == ([1, 2], {"a": 1}, [failed, [1, 2]])
-    assert seq == [{"a": 1}, failed, [1, 2]] and seq != [{"a": 1}]
-    with pytest.raises(IndexError):
-        seq[3]
-    assert mapped.read(path, 3, as_list=True) == [{"a": 1}, failed, [1, 2]]
-    assert mapped.summary({"total": 10000, "completed": 9120, "running": 850, "available": 30}) == \
-        "10,000 items: 9,120 completed, 850 running, 30 available"
-
-
 def test_map_options_apply_to_every_item_and_a_concurrency_limit_holds_across_them(cyclone_env_factory, tmp_path):
     env = cyclone_env_factory(workers=3, queues=["default", "maps"])
     run_id = env.enqueue(mh.one_at_a_time, {"n": 5, "dir": str(tmp_path), "sleep": 0.1})
