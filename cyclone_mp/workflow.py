@@ -16,7 +16,7 @@ from typing import Any, Iterable, Union
 from .durations import Duration
 from .durations import seconds as to_seconds
 from .errors import ConfigurationError
-from .steps import Step, StepOptions, check_name
+from .steps import STEP_ONLY_OPTIONS, Step, StepOptions, check_name
 
 NodeRef = Union["Node", str]
 
@@ -115,7 +115,9 @@ class Workflow:
         ``concurrency``, ``rate_limit``...) apply to every item, over the step's own.
 
         Raises:
-            ConfigurationError: not a Step, an unknown ``over``, a duplicate name, a bad option.
+            ConfigurationError: not a Step, an unknown ``over``, a duplicate name, a bad
+                option, or one only ``cy.step`` takes (``max_snoozes``, ``unique``,
+                ``async_concurrency``).
         """
         if not isinstance(step, Step):
             raise ConfigurationError(f"workflow {self.name!r}: map() takes a cy.step, not {type(step).__name__}")
@@ -123,6 +125,10 @@ class Workflow:
             raise ConfigurationError(f"workflow {self.name!r}: map() needs over= (the node whose list it maps)")
         if not isinstance(allow_failures, bool):
             raise ConfigurationError(f"workflow {self.name!r}: allow_failures must be True or False")
+        step_only = sorted(STEP_ONLY_OPTIONS & set(options))
+        if step_only:  # read from the step by the supervisor that registers it, never from a row
+            raise ConfigurationError(f"workflow {self.name!r}: map({step_only[0]}=...) is an option of cy.step, "
+                                     f"not of a node")
         if callable(options.get("concurrency_key")):
             raise ConfigurationError(
                 f"workflow {self.name!r}: map(concurrency_key=...) takes a string (a callable belongs to cy.step)")

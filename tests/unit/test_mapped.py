@@ -53,6 +53,8 @@ def test_map_definition_errors_are_configuration_errors():
         wf.map(u_item, over=listed, concurrency_key=lambda inp: "k")
     with pytest.raises(cy.ConfigurationError):
         wf.map(u_item, over=listed, max_attempts=0)
+    with pytest.raises(cy.ConfigurationError, match="an option of cy.step"):
+        wf.map(u_item, over=listed, max_snoozes=3)
     node = wf.map(u_item, over=listed, allow_failures=True, queue="maps", priority=3)
     assert (node.kind, node.after, node.allow_failures, node.options.queue, node.options.priority) == (
         "map", ("u_list",), True, "maps", 3)
