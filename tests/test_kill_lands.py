@@ -274,6 +274,7 @@ def test_a_cut_off_supervisors_handler_is_dead_before_the_step_runs_elsewhere(cy
 # -- 2. one locked row holds back its own renewal, nothing else -------------------------------
 
 
+@pytest.mark.long
 def test_a_locked_row_stalls_neither_kills_nor_claims(cyclone_env_factory, tmp_path):
     """Another session holds ``SELECT ... FOR UPDATE`` on one running step's row for 10 s.
     The same supervisor kills a wedged handler in its other slot within timeout +
@@ -336,6 +337,7 @@ def test_claims_tolerate_latency(cyclone_env_factory, rtt):
 # -- 4. SIGTERM during a partition ------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_sigterm_during_a_partition_exits_in_time_and_leaves_nothing(cyclone_env_factory, tmp_path):
     """SIGTERM while cut off: the supervisor exits within shutdown_grace + kill_grace +
     1 s (it never waits on a hung call), leaves no process, and the step completes

@@ -263,6 +263,7 @@ def _one_run_per_slot(cyclone_env_factory, seconds: float):
     assert sum(r["state"] == "completed" for r in rows) >= len(rows) - 3  # the last ones may still run
 
 
+@pytest.mark.long
 def test_one_run_per_slot_with_skewed_supervisors_one_killed(cyclone_env_factory):
     _one_run_per_slot(cyclone_env_factory, 12)
 
