@@ -66,3 +66,37 @@ def noop_limited(ctx: cy.Context, inp: object) -> None:
     """B8: the same with a per-key concurrency limit that never binds (its slots are taken
     and freed by every claim, so the limit's whole cost is paid)."""
     return None
+
+
+@cy.step("bench_list")
+def make_list(ctx: cy.Context, inp: dict) -> list:
+    """M1-M3 (benchmarks/maps.py): the list a map runs over, ``inp["n"]`` copies of
+    ``inp.get("item")``."""
+    return [inp.get("item")] * int(inp["n"])
+
+
+@cy.step("bench_item")
+def item(ctx: cy.Context, inp: object) -> object:
+    """M1-M3: one mapped item; returns its input (None: a no-op)."""
+    return inp
+
+
+@cy.step("bench_join")
+def join(ctx: cy.Context, inp: dict) -> dict:
+    """M1-M3: the map's join: iterates every output once; returns how many, their total
+    length, what ``ctx.upstream`` held them in, and this child's peak RSS (KiB)."""
+    import resource
+
+    outputs = ctx.upstream["bench_item"]
+    count = size = 0
+    for out in outputs:
+        count += 1
+        size += len(out) if isinstance(out, str) else 0
+    return {"count": count, "chars": size, "kind": type(outputs).__name__,
+            "child_maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+
+bench_map = cy.Workflow("bench_map")
+_listed = bench_map.add(make_list)
+_items = bench_map.map(item, over=_listed)
+bench_map.add(join, after=[_items])

@@ -210,10 +210,12 @@ class SupervisorProcess:
     """A supervisor in its own process: ``python -m cyclone_mp.testing.worker CONFIG``
     (the entry point ``Env(worker="process")`` uses; it dies with this process)."""
 
-    def __init__(self, dsn: str, steps: list[cy.Step], options: dict[str, Any], tmp: str) -> None:
+    def __init__(self, dsn: str, steps: list[cy.Step], options: dict[str, Any], tmp: str,
+                 workflows: tuple[cy.Workflow, ...] = ()) -> None:
         ready = os.path.join(tmp, f"ready-{uuid.uuid4().hex[:8]}")
         config = {
-            "dsn": dsn, "workflows": [], "options": options, "ready_file": ready, "parent_pid": os.getpid(),
+            "dsn": dsn, "workflows": [{"module": w.module, "name": w.name} for w in workflows],
+            "options": options, "ready_file": ready, "parent_pid": os.getpid(),
             "sys_path": [p for p in sys.path if p],
             "steps": [{"module": s.ref.module, "qualname": s.ref.qualname, "path": s.ref.path} for s in steps],
         }

@@ -16,6 +16,7 @@ is).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import decimal
 import json
@@ -28,7 +29,7 @@ from rich.console import Console, Group
 from rich.measure import Measurement
 from rich.text import Text
 
-from cyclone_mp import RunStatus
+from cyclone_mp import RunStatus, StepStatus
 
 from .formats import (  # noqa: F401 - the formatters the commands use, by render's name
     attempt_text, count, error_text, last_error, limits_text, run_state_text, secs, short, when,
@@ -37,6 +38,7 @@ from .tables import attempts_table, children_table, demo_table, runs_table, sche
 
 WIDE = 160  #: table width when the output is not a terminal (pipes, logs, tests) and COLUMNS is unset
 MAX_WIDE = 400  #: the widest a --wide table is drawn
+SPAWNED_LISTED = 20  #: the spawned runs `status` lists one per line (--json has them all)
 
 
 def console(stderr: bool = False) -> Console:
@@ -105,11 +107,13 @@ def last_traceback(status: RunStatus) -> tuple[str, dict[str, Any]] | None:
     return node, entry
 
 
-def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceback: bool = False) -> None:
+def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceback: bool = False,
+                 items: dict[str, list[StepStatus]] | None = None) -> None:
     """The full ``cyclone-mp status`` view of one run: the run, a table of its steps (node
-    name, state, attempt, last error as ``Type: message``), the whole error of each
-    discarded step, each output under its node's name, the failed attempts' forensics
-    and, with ``traceback``, the last traceback."""
+    name, state, attempt, last error as ``Type: message``), each map node's items by state
+    (and with ``items``, ``{map node: its items}``, a table of them), the whole error of
+    each discarded step, each output under its node's name, the failed attempts'
+    forensics and, with ``traceback``, the last traceback."""
     con.print(Text.assemble(
         ("run ", "bold"), (status.id, "bold"), f"  {status.kind} {status.name!r}  ", run_state_text(status),
         f"  created {when(status.created_at)}  finished {when(status.finished_at)}",
@@ -119,7 +123,26 @@ def print_status(con: Console, status: RunStatus, *, wide: bool = False, traceba
     if status.schedule:
         con.print(Text(f"schedule: {status.schedule['name']}  slot {when(status.schedule['slot'])}"
                        f"  next slot {when(status.schedule.get('next_at'))}"))
+    if status.parent_id:  # a handler of another run spawned it (ctx.spawn)
+        con.print(Text(f"parent: {status.parent_id}  node {status.parent_node}  key {status.parent_key}"))
+    if status.children:
+        states: dict[str, int] = {}
+        for kid in status.children:
+            states[kid["state"]] = states.get(kid["state"], 0) + 1
+        con.print(Text(f"spawned: {count(len(status.children), 'run')} ("
+                       + ", ".join(f"{n} {s}" for s, n in sorted(states.items())) + ")"))
+        for kid in status.children[:SPAWNED_LISTED]:
+            con.print(Text(f"  {kid['id']}  {kid['name']}  {kid['state']}  node {kid['parent_node']}"
+                           f"  key {kid['parent_key']}"))
+        if len(status.children) > SPAWNED_LISTED:
+            con.print(Text(f"  ... {len(status.children) - SPAWNED_LISTED} more (--json lists them)", style="dim"))
     put(con, steps_table(status), wide)
+    for step in status.steps.values():
+        if step.items is not None:  # a map node: its items by state (--items lists them)
+            con.print(Text.assemble((f"{step.name}: ", "bold"), step.items_summary or ""))
+    for name, items in (items or {}).items():
+        con.print(Text(f"items of {name}:", style="bold"))
+        put(con, steps_table(dataclasses.replace(status, steps={i.name: i for i in items})), wide)
     for step in status.steps.values():
         if step.state == "discarded" and (step.error or step.error_kind):  # why, in full: it may say what to fix
             con.print(Text.assemble((f"{step.name} discarded ({step.error_kind}): ", "bold"),

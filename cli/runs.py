@@ -27,19 +27,37 @@ from .params import JSON, SECONDS, WHEN
 @click.option("--traceback", "show_traceback", is_flag=True, help="Also print the last traceback a handler raised.")
 @click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(run_id: str, show_traceback: bool, wide: bool, as_json: bool) -> None:
+@click.option("--items", "show_items", is_flag=True,
+              help="Also list the items of each map node (one row each; in the JSON, \"items\": {node: [...]}).")
+def status(run_id: str, show_traceback: bool, wide: bool, as_json: bool, show_items: bool) -> None:
     """Show a run: every step (node, state, attempt, last error as `Type: message`), each
-    output under its node's name, and the forensics of every failed attempt."""
+    map node's items by state, each output under its node's name, and the forensics of
+    every failed attempt."""
     client = make_client()
     try:
         client.migrate()
         result = client.status(run_id)
+        items = {name: all_items(client, result.id, name) for name, step in result.steps.items()
+                 if step.items is not None} if show_items else None
     finally:
         client.close()
     if as_json:
-        render.print_json(result.to_dict())
+        data = result.to_dict()
+        if items is not None:
+            data["items"] = {name: [i.to_dict() for i in rows] for name, rows in items.items()}
+        render.print_json(data)
     else:
-        render.print_status(out(), result, wide=wide, traceback=show_traceback)
+        render.print_status(out(), result, wide=wide, traceback=show_traceback, items=items)
+
+
+def all_items(client: Any, run_id: str, node: str, page: int = 1000) -> list[Any]:
+    """Every item of map node ``node``, in item order, read a page at a time."""
+    items: list[Any] = []
+    while True:
+        rows = client.map_items(run_id, node, after=items[-1].item if items else -1, limit=page)
+        items += rows
+        if len(rows) < page:
+            return items
 
 
 def run_filters(states: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

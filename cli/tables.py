@@ -52,10 +52,13 @@ def steps_table(status: RunStatus, *, live: bool = False) -> FoldingTable:
     errors = any(step.error or step.error_kind for step in steps)
     rows = []
     for step in steps:
+        # a map node's progress is its items' (how many of them completed)
+        progress = step.progress if step.items is None else {
+            "done": step.items.get("completed", 0), "total": step.items["total"], "message": "items"}
         row: dict[str, Any] = {
             "node": Text(step.name), "state": state_text(step.state), "attempt": attempt_text(step),
             "key / limit": limit_text(step),
-            "progress": Cell(progress_cell(step.progress), progress_text(step.progress)),
+            "progress": Cell(progress_cell(progress), progress_text(progress)),
             "last error": Text(short(last_error(step), 160), style="red"),
         }
         if not live:
@@ -125,12 +128,14 @@ RUN_COLUMNS = (
     Column("key", keep=60, min_width=8),
     Column("waiting on", keep=65, min_width=8),
     Column("schedule", keep=40, min_width=8),
+    Column("parent", keep=35, whole=True),
 )
 
 
 def runs_table(rows: list[dict[str, Any]]) -> FoldingTable:
     """``client.runs()`` rows: id, name, kind, state, steps, created, finished; and, when
-    any row has one, its key, the limit it waits on and its schedule. The id and the
+    any row has one, its key, the limit it waits on, its schedule and the run that spawned
+    it (its first 8 digits: ``status`` takes a prefix). The id and the
     state always show whole; as the terminal narrows, the rest folds under the name,
     and the name under the id."""
     return FoldingTable(RUN_COLUMNS, [{
@@ -140,6 +145,7 @@ def runs_table(rows: list[dict[str, Any]]) -> FoldingTable:
         "key": Text(str(row.get("key") or "")),
         "waiting on": Text(str(row.get("waiting_on") or "").replace("_", " "), style="yellow"),
         "schedule": Text(str(row.get("schedule") or "")),
+        "parent": str(row.get("parent_id") or "")[:8],  # the run that spawned it (ctx.spawn)
     } for row in rows], host="name")
 
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run
         UnsupportedServer,
         WaitTimeout,
     )
+    from .mapped import ItemFailed
     from .schedules import Schedule
     from .status import RunStatus, StepStatus
     from .steps import Mux, Step, Unique, step
@@ -62,7 +63,7 @@ _LAZY = {
     "RunFailed": "errors", "RunCancelled": "errors", "Snooze": "errors", "UnsupportedServer": "errors", "WaitTimeout": "errors",
     "RunStatus": "status", "StepStatus": "status", "Schedule": "schedules",
     "Mux": "steps", "Step": "steps", "step": "steps", "Unique": "steps",
-    "Workflow": "workflow",
+    "Workflow": "workflow", "ItemFailed": "mapped",
 }
 
 __all__ = sorted(_LAZY)

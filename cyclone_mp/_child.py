@@ -371,7 +371,7 @@ class Runner:
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
             deadline=self.deadline_of(task), upstream=inputs[1], progress_sink=self.progress,
-            cancellation=self.cancellation,
+            cancellation=self.cancellation, spawned=spawned_of(task),
         )
         hooks = task.get("hooks")
         result = self.run_handler(task, ctx, inputs[0], hooks.get("start") if hooks else None)
@@ -402,7 +402,7 @@ class Runner:
                 output = self.run_async(output)
         except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
             return self.failure_of(exc, self.cancellation)
-        return self.success_of(output)
+        return with_spawns(self.success_of(output), ctx)
 
     @staticmethod
     def success_of(output: Any) -> dict[str, Any]:
@@ -765,7 +765,9 @@ def exit_message(code: Any) -> str:
 def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The task's input and upstream outputs. Either is a value (``input``,
     ``upstream``) or, from a supervisor that hands them on undecoded, JSON text
-    (``input_json``, ``upstream_json``), decoded here with the payload rules.
+    (``input_json``, ``upstream_json``), decoded here with the payload rules; the outputs
+    of upstream map nodes (``maps``) are read from the files the supervisor wrote
+    (:func:`cyclone_mp.mapped.read`).
 
     Raises:
         PayloadError: a text that cannot be decoded (nested deeper than ``MAX_DEPTH``...).
@@ -778,7 +780,28 @@ def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         upstream = protocol.load_value(task["upstream_json"], "the upstream outputs")
     else:
         upstream = task.get("upstream")
+    if task.get("maps"):  # upstream map nodes: their outputs in the files the supervisor wrote
+        from . import mapped
+
+        upstream = dict(upstream or {})
+        for node, outputs in task["maps"].items():
+            upstream[node] = mapped.read(outputs["path"], outputs["count"], outputs.get("list", True))
     return inp, upstream or {}
+
+
+def spawned_of(task: dict[str, Any]) -> Any:
+    """The runs the upstream nodes spawned (``ctx.spawned``), sent as JSON text for a node
+    that waits for them; None otherwise."""
+    text = task.get("spawned_json")
+    return protocol.load_value(text, "the spawned runs") if text is not None else None
+
+
+def with_spawns(result: dict[str, Any], ctx: Context) -> dict[str, Any]:
+    """A successful result carries what the handler spawned (``ctx.spawn``): the
+    supervisor enqueues it with the completion; a failed one drops it."""
+    if result.get("ok") and ctx.spawns:
+        result["spawns"] = ctx.spawns
+    return result
 
 
 def input_annotation(fn: Any) -> Any:

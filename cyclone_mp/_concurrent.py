@@ -19,6 +19,7 @@ from typing import Any
 
 from .context import Cancellation, Context
 from .errors import Permanent, Snooze
+from ._child import spawned_of, with_spawns
 
 
 class ConcurrentTasks:
@@ -76,7 +77,8 @@ class ConcurrentTasks:
         inputs = self.runner.inputs_of(message)
         ctx = Context(run_id=message["run_id"], step_name=message["step"], node=message["node"],
                       attempt=message["attempt"], deadline=self.runner.deadline_of(message), upstream=inputs[1],
-                      progress_sink=self.runner.progress_for(message["task"]), cancellation=cancellation)
+                      progress_sink=self.runner.progress_for(message["task"]), cancellation=cancellation,
+                      spawned=spawned_of(message))
         fn = self.runner.resolve(message["ref"])
         hooks = message.get("hooks") or {}
         for ref in hooks.get("start") or ():
@@ -90,7 +92,7 @@ class ConcurrentTasks:
             task.cancel, f"cyclone_mp: attempt cancelled ({reason})"))
         try:
             output = await task
-            result = self.runner.success_of(output)
+            result = with_spawns(self.runner.success_of(output), ctx)
         except (Permanent, Snooze, Exception, asyncio.CancelledError) as exc:
             result = self.runner.failure_of(exc, cancellation)
         if hooks.get("end"):

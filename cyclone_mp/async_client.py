@@ -282,6 +282,12 @@ class AsyncClient(ClientBase):
         """:meth:`Client.status <cyclone_mp.Client.status>`, awaitable."""
         return RunStatus.from_rows(*await self._run(lambda: operations.get_run(run_id)))
 
+    async def map_items(self, run_id: str, node: str, *, state: str | Iterable[str] | None = None, after: int = -1,
+                        limit: int = 100) -> list[StepStatus]:
+        """:meth:`Client.map_items <cyclone_mp.Client.map_items>`, awaitable."""
+        plan = self._plan_map_items(run_id, node, state, after, limit)
+        return [StepStatus.from_row(row) for row in await self._run(plan)]
+
     async def wait(self, run_id: str, timeout: Duration | None = None) -> RunStatus:
         """:meth:`Client.wait <cyclone_mp.Client.wait>`, awaitable: every wait of this
         client shares one listening connection and one task, and its own timer bounds

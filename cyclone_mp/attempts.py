@@ -77,6 +77,7 @@ class Attempt:
     lingering: list[str] | None = None  # its handler ended after a cancel, these threads of it did not
     lingering_result: dict[str, Any] | None = None  # the result the child sent meanwhile (used if they end)
     processes_by: str | None = None  # what held its max_processes (a Mechanism word), when it has one
+    files: tuple[str, ...] = ()  # the outputs files of its upstream map nodes (cyclone_mp.mapped), deleted at its end
 
     def start_delay(self) -> float | None:
         """Seconds from its claim to its handler's start (None: it never started)."""

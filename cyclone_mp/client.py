@@ -473,6 +473,20 @@ class Client(ClientBase):
         """
         return RunStatus.from_rows(*self._run(lambda: operations.get_run(run_id)))
 
+    def map_items(self, run_id: str, node: str, *, state: str | Iterable[str] | None = None, after: int = -1,
+                  limit: int = 100) -> list[StepStatus]:
+        """The items of map node ``node`` (``wf.map``) in item order, a page at a time:
+        those after item index ``after`` (-1: from the first), at most ``limit`` (up to
+        10,000), in ``state`` (a state or several) when given. Each is a
+        :class:`StepStatus` with ``kind="item"`` and ``item`` its index; pass the last
+        one's ``item`` as ``after`` for the next page.
+
+        Raises:
+            RunNotFound: no run has that id. ConfigurationError: a bad argument.
+        """
+        plan = self._plan_map_items(run_id, node, state, after, limit)
+        return [StepStatus.from_row(row) for row in self._run(plan)]
+
     def wait(self, run_id: str, timeout: Duration | None = None) -> RunStatus:
         """Block until the run is completed, discarded or cancelled; returns its final status.
 

@@ -17,7 +17,12 @@ if TYPE_CHECKING:
     import datetime as dt
     from typing import Any, Callable
 
-from .errors import Cancelled
+from .errors import Cancelled, ConfigurationError
+
+#: The namespace of spawned runs' ids: uuid5 of ``"<parent run>/<node>/<key>"``, so a spawn
+#: has one id whichever attempt makes it, and the id is known before it commits.
+SPAWN_NAMESPACE = "6b3f3c1e-8a53-4c2e-9a61-0c5e2f7d9b10"
+MAX_SPAWN_KEY = 200  #: characters of a spawn's key
 
 
 class Cancellation:
@@ -93,7 +98,11 @@ class Context:
             a reclaim re-runs with the same number.
         deadline: worker-clock deadline of this attempt (aware UTC datetime) or None.
             The database clock stays authoritative (seed).
-        upstream: ``{node: output}`` of the nodes this one depends on.
+        upstream: ``{node: output}`` of the nodes this one depends on (a map node's: the
+            list of its items' outputs, see ``wf.map``).
+        spawned: for a node added with ``wait_for_spawned=True``: ``{node: {key: run}}``,
+            the runs each node it depends on spawned (``ctx.spawn``), each
+            ``{"run_id", "state", "output", "error", "error_kind"}`` once it ended; else {}.
         cancellation: the :class:`Cancellation` handle.
     """
 
@@ -108,6 +117,7 @@ class Context:
         upstream: dict[str, Any] | None = None,
         progress_sink: Callable[[Any, Any, Any], None] | None = None,
         cancellation: Cancellation | None = None,
+        spawned: dict[str, Any] | None = None,
     ) -> None:
         self.run_id = run_id
         self.step_name = step_name
@@ -115,8 +125,10 @@ class Context:
         self.attempt = attempt
         self.deadline = deadline
         self.upstream = dict(upstream or {})
+        self.spawned = dict(spawned or {})
         self.cancellation = cancellation or Cancellation()
         self._progress_sink = progress_sink
+        self.spawns: list[dict[str, Any]] = []  # what ctx.spawn asked for, sent with a successful result
 
     @property
     def cancelled(self) -> bool:
@@ -148,6 +160,50 @@ class Context:
         """
         if self._progress_sink is not None:
             self._progress_sink(done, total, message)
+
+    def spawn(self, step: Any, input: Any = None, *, key: str | None = None) -> str:
+        """Enqueue a child run of ``step`` (a ``cy.step``, a workflow or a registered name)
+        with ``input``, linked to this run and node; returns its run id.
+
+        The child is written in the transaction of this attempt's completion, and only if
+        this attempt's result wins its CAS (SPEC 1): an attempt that fails, times out or
+        loses its lease spawns nothing. Its id is derived from this run, node and ``key``
+        (default: the spawn's number in this attempt, "0", "1", ...), so a retried
+        attempt spawning the same key never makes a second run. The supervisor that runs
+        this step enqueues it: ``step`` must be registered in its mux. A node added with
+        ``wait_for_spawned=True`` after this one waits until the children have ended.
+
+        Raises:
+            ConfigurationError: not a step or name, a key that is not a non-empty string
+                of at most 200 characters or was used already in this attempt, an input
+                that is not JSON.
+        """
+        import json
+        import uuid
+
+        name = step if isinstance(step, str) else getattr(step, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"ctx.spawn takes a cy.step, a cy.Workflow or a registered name, "
+                                     f"not {type(step).__name__}")
+        key = str(len(self.spawns)) if key is None else key
+        if not isinstance(key, str) or not key or len(key) > MAX_SPAWN_KEY:
+            raise ConfigurationError(f"ctx.spawn: key must be a non-empty string of at most {MAX_SPAWN_KEY} "
+                                     f"characters, got {key!r:.80}")
+        if any(s["key"] == key for s in self.spawns):
+            raise ConfigurationError(f"ctx.spawn: key {key!r} was used already in this attempt")
+        if hasattr(type(input), "__dataclass_fields__") and not isinstance(input, type):
+            import dataclasses
+
+            input = dataclasses.asdict(input)
+        elif hasattr(input, "model_dump") and callable(input.model_dump):
+            input = input.model_dump(mode="json")
+        try:
+            json.dumps(input, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"ctx.spawn: the input of {name!r} is not JSON ({exc})") from None
+        run_id = str(uuid.uuid5(uuid.UUID(SPAWN_NAMESPACE), f"{self.run_id}/{self.node}/{key}"))
+        self.spawns.append({"step": name, "input": input, "key": key, "run_id": run_id})
+        return run_id
 
     def __repr__(self) -> str:
         return f"Context(run_id={self.run_id!r}, node={self.node!r}, attempt={self.attempt})"

@@ -546,7 +546,7 @@ class ProcessControl(AttemptEndings):
         att = Attempt(
             key=item.key, run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
             attempt=row["attempt"], timeout=timeout, token=token, child=child,
-            workflow=row["run_kind"] == "workflow", started=now,
+            workflow=row["run_kind"] != "step", started=now,  # (a workflow run, or a spawned one: "child")
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
             backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
             claimed=(item.sent + item.arrived) / 2,
@@ -579,6 +579,11 @@ class ProcessControl(AttemptEndings):
             "input_json": row["input"], "upstream_json": row["upstream"],
             "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
         }
+        if row.get("spawned") is not None:  # it waited for the runs its upstream spawned: ctx.spawned
+            task["spawned_json"] = row["spawned"]
+        if row.get("maps"):  # upstream map nodes: their outputs in files (deleted when the attempt ends)
+            task["maps"] = row["maps"]
+            att.files = tuple(m["path"] for m in row["maps"].values())
         if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
         if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler

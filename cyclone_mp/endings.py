@@ -22,7 +22,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import decisions, procs, protocol, unhealable
+from . import decisions, mapped, procs, protocol, unhealable
 from .attempts import Attempt
 from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outcome, Progress
 
@@ -244,7 +244,8 @@ class AttemptEndings:
                 return
             self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
                                        att.backoff_spec, output=result.get("output"), progress=att.progress,
-                                       entry=entry))
+                                       entry=entry, run_id=att.run_id, node=att.node,
+                                       spawns=tuple(result.get("spawns") or ())))
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
         if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent
@@ -482,6 +483,8 @@ class AttemptEndings:
     def _end(self, att: Attempt) -> None:
         """The attempt is over in its child: forget it here (its outcome follows)."""
         att.ended = True
+        for path in att.files:  # the outputs files of its upstream maps: read by now
+            mapped.discard(path)
         if self.attempts.get(att.key) is att:
             del self.attempts[att.key]
         self.deadlines.forget()

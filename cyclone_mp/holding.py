@@ -167,7 +167,7 @@ class Holding:
     def release(self, item: Held) -> None:
         """Give a held step back: available at once, no attempt used."""
         self.writer.post(Outcome(item.key, RELEASE, item.row["step_name"], item.row["attempt"],
-                                 item.row["run_kind"] == "workflow", held=True))
+                                 item.row["run_kind"] != "step", held=True))
 
     def release_at(self) -> float | None:
         """When the first held step is due for release (None: none is held)."""

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from . import decisions
+from . import decisions, mapped
 from .config import Config
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
@@ -73,8 +73,9 @@ class PayloadLoader(DatabaseThread):
         return now + IDLE_CLOSE
 
     def load(self, row: dict[str, Any], sent: float) -> None:
-        """Read one big row's payload and hand the row to process control. A row that
-        cannot be read fails alone (``permanent``): its upstream outputs over
+        """Read one big row's payload and hand the row to process control (the outputs
+        of its upstream map nodes are written to files, page by page:
+        :func:`cyclone_mp.mapped.write_outputs`). A row that cannot be read fails alone (``permanent``): its upstream outputs over
         :func:`~cyclone_mp.protocol.upstream_limit` (the message says their size), a
         statement past LOAD_BOUND, a value the database refuses. One met by an outage is
         released."""
@@ -97,10 +98,18 @@ class PayloadLoader(DatabaseThread):
             outputs, size = payload.pop("upstream_outputs"), payload.pop("upstream_bytes")
             if outputs and payload["upstream"] is None:
                 payload, message = None, upstream_too_big(row["node"], outputs, size, limit)
+        if payload is not None and payload.get("maps"):  # upstream map nodes: their outputs, page by page, to files
+            try:
+                payload["maps"] = mapped.write_outputs(
+                    lambda fn: self.call(LOAD_BOUND + LOAD_MARGIN, fn), row["run_id"], payload["maps"])
+            except DatabaseUnavailable:
+                payload, message = None, None
+            except (DatabaseError, OSError) as exc:
+                payload, message = None, f"{unreadable}{exc}"
         if payload is not None:
             self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
             return
-        workflow = row["run_kind"] == "workflow"
+        workflow = row["run_kind"] != "step"  # (a workflow run, or a spawned one: "child")
         if message is None:  # an outage: give it back (its lease is kept until the writer can)
             self.post_outcome(Outcome(key, RELEASE, row["step_name"], row["attempt"], workflow, held=True))
             return

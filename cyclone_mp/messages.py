@@ -210,6 +210,7 @@ class Outcome:
     snooze: float = 0.0  # SNOOZE: seconds until the step runs again (no attempt spent)
     run_id: str = ""  # its run and node (what on_step_discarded hooks are told)
     node: str = ""
+    spawns: tuple[dict[str, Any], ...] = ()  # COMPLETE: the runs its handler spawned (ctx.spawn), written with it
 
     @property
     def step_id(self) -> int:

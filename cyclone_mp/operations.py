@@ -175,15 +175,18 @@ class UniquePlace:
 
 
 NO_UNIQUE = {"unique": None, "unique_period_us": None, "unique_states": None}
+#: The parent columns of a run nobody spawned (cyclone_mp.spawning.Parent.params).
+NO_PARENT = {"parent_id": None, "parent_node": None, "parent_key": None}
 
 
 def _insert_step(run_id: str, name: str, input_json: str, node: NodeRow, delay: float,
                  scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any,
-                 unique: UniquePlace | None = None) -> Steps[tuple[str, bool]]:
+                 unique: UniquePlace | None = None, parent: Any = None) -> Steps[tuple[str, bool]]:
     row = (yield q("enqueue_step", {
         **node.enqueue_params, "id": run_id, "name": name, "input": input_json, "idempotency_key": idempotency_key,
         "scheduled_at": scheduled_at, "delay_us": to_us(delay),
         "trace": nullable_jsonb(trace), **(unique.params() if unique else NO_UNIQUE),
+        **(parent.params() if parent else NO_PARENT),
     })).one()
     if row is not None and row["id"] is not None:
         archived = yield from _archived_holder(idempotency_key, row["id"])
@@ -194,6 +197,8 @@ def _insert_step(run_id: str, name: str, input_json: str, node: NodeRow, delay: 
             yield from _ensure_slots([(node.step_name, node.concurrency_key, node.concurrency, node.rate_limit)]
                                      if node.limited else [])
         return row["id"], True
+    if parent is not None:  # spawned before (its id is derived from its parent, node and key)
+        return run_id, False
     return (yield from _existing(idempotency_key, unique)), False
 
 
@@ -281,12 +286,15 @@ def _existing(idempotency_key: str | None, unique: UniquePlace | None = None) ->
 @operation(transaction=True)
 def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequence[NodeRow], delay: float,
                    scheduled_at: dt.datetime | None, idempotency_key: str | None, trace: Any,
-                   unique: UniquePlace | None = None) -> Steps[tuple[str, bool]]:
+                   unique: UniquePlace | None = None, parent: Any = None) -> Steps[tuple[str, bool]]:
     inserted = (yield q("insert_run", {
         "id": run_id, "name": name, "kind": kind, "input": Jsonb(input), "idempotency_key": idempotency_key,
         "trace": nullable_jsonb(trace), **(unique.params() if unique else NO_UNIQUE),
+        **(parent.params() if parent else NO_PARENT),
     })).one()
     if inserted is None:
+        if parent is not None:  # spawned before (its id is derived from its parent, node and key)
+            return run_id, False
         return (yield from _existing(idempotency_key, unique)), False
     archived = yield from _archived_holder(idempotency_key, run_id)
     if archived is not None:
@@ -316,6 +324,8 @@ def _enqueue_nodes(run_id: str, name: str, kind: str, input: Any, nodes: Sequenc
         "cpu_limits": [n.limits.cpu for n in nodes],
         "max_processes": [n.limits.processes for n in nodes],
         "max_open_files": [n.limits.open_files for n in nodes],
+        "allow_failures": [n.allow_failures for n in nodes],
+        "wait_spawned": [n.wait_spawned for n in nodes],
     })
     yield from _flag_flow([(n.queue, n.limited, n.rate_limit is not None) for n in nodes if n.flow])
     yield from _ensure_slots([(n.step_name, n.concurrency_key, n.concurrency, n.rate_limit) for n in nodes if n.limited])
@@ -363,18 +373,39 @@ def enqueue_many(
 # -- moving a run on (shared with the supervisor's writes) ----------------------------------------
 
 
+#: The most items one map node may have: its items are inserted in one statement, in the
+#: transaction of a completion, within the outcome writer's statement_timeout (20,000 took
+#: 0.15 s; a list past this fails its map with a clear error, never its writer's statements).
+MAX_MAP_ITEMS = 1_000_000
+
 def advance(run_id: str) -> Steps[None]:
-    """Under the run lock: promote ready nodes, fire signals and timers, refresh the run's
-    state, and NOTIFY the queues that have claimable steps now."""
+    """Under the run lock: promote ready nodes, map the lists of map nodes whose node
+    mapped over completed (``expand_maps``), fire signals and timers, end the map nodes
+    whose items have all ended (``settle_maps``), refresh the run's state, NOTIFY the
+    queues that have claimable steps now, and, for a spawned run that has ended, move its
+    parent on (:func:`advance_parent`)."""
     yield q("hold_paused", {"run_id": run_id})
     for _ in range(10_000):
         promoted = (yield q("promote_ready", {"run_id": run_id})).rowcount
+        mapped = (yield q("expand_maps", {"run_id": run_id, "max_items": MAX_MAP_ITEMS})).rowcount
         fired = (yield q("fire_nodes", {"run_id": run_id})).rowcount
-        if promoted == 0 and fired == 0:
+        ended = (yield q("settle_maps", {"run_id": run_id})).rowcount
+        if promoted == 0 and mapped == 0 and fired == 0 and ended == 0:
             break
     yield q("refresh_run_state", {"run_id": run_id})
     for row in (yield q("available_queues", {"run_id": run_id})).rows:
         yield q("notify", {"queue": row["queue"]})
+    yield from advance_parent(run_id)
+
+
+def advance_parent(run_id: str) -> Steps[None]:
+    """When run ``run_id`` was spawned (``ctx.spawn``) and has ended: take its parent run's
+    lock and move the parent on (a node of it may wait for the runs it spawned). Locks go
+    from a child to its parent, never the other way, so two of them never wait on each other."""
+    row = (yield q("parent_to_advance", {"run_id": run_id})).one()
+    if row is not None:
+        yield q("lock_run", {"run_id": row["parent_id"]})
+        yield from advance(row["parent_id"])
 
 
 def _locked_run(run_id: str, restore: Callable[[dict[str, Any]], bool] = lambda archived: False,
@@ -471,6 +502,7 @@ def cancel_run(run_id: str) -> Steps[int]:
     row = (yield q("cancel_run", {"run_id": rid})).one()
     if row is None:
         raise InvalidTransition(f"run {rid} is {run['state']}; only running or paused runs can be cancelled")
+    yield from advance_parent(rid)  # a spawned run: its parent may wait for it
     return int(row["steps"])
 
 
@@ -557,9 +589,14 @@ def signal(run_id: str, name: str, payload: Any) -> Steps[bool]:
 # -- reads ---------------------------------------------------------------------------------------
 
 
+#: The most spawned runs ``client.status`` lists under a run (``RunStatus.children``).
+CHILDREN_SHOWN = 1000
+
+
 @operation(transaction=False)
 def get_run(run_id: str) -> Steps[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """The run row and its step rows. Raises RunNotFound."""
+    """The run row (with ``children``: the runs it spawned, at most :data:`CHILDREN_SHOWN`)
+    and its step rows. Raises RunNotFound."""
     rid = yield from resolve(run_id)
     run = (yield q("get_run", {"run_id": rid})).one()
     if run is None:
@@ -569,7 +606,19 @@ def get_run(run_id: str) -> Steps[tuple[dict[str, Any], list[dict[str, Any]]]]:
         name, slot = scheduled
         row = (yield q("get_schedule", {"name": name})).one()
         run = {**run, "schedule": {"name": name, "slot": slot, "next_at": row["next_at"] if row else None}}
-    return run, (yield q("get_steps", {"run_id": rid})).rows
+    children = (yield q("children_of_run", {"run_id": rid, "limit": CHILDREN_SHOWN})).rows
+    return {**run, "children": children}, (yield q("get_steps", {"run_id": rid})).rows
+
+
+@operation(transaction=False)
+def map_items(run_id: str, node: str, *, states: Sequence[str] | None = None, after: int = -1,
+              limit: int = 100) -> Steps[list[dict[str, Any]]]:
+    """A page of the items of map node ``node``: those after item index ``after`` (-1:
+    from the first), at most ``limit``, in item order, in one of ``states`` when given
+    (rows as ``get_steps``', with ``item``). Raises RunNotFound."""
+    rid = yield from resolve(run_id)
+    return (yield q("map_items", {"run_id": rid, "node": node, "after": after, "limit": limit,
+                                  "states": list(states) if states else None})).rows
 
 
 @operation(transaction=False)

@@ -30,7 +30,7 @@ from .backoff import delay_after
 from .config import Config
 from .connections import stale_plan
 from .dbloop import DatabaseThread
-from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
+from .errors import ConfigurationError, DatabaseBusy, DatabaseError, DatabaseUnavailable, UnknownStep
 from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
 from .protocol import storable
 from .steps import DEFAULT_MAX_SNOOZES
@@ -60,6 +60,9 @@ class OutcomeWriter(DatabaseThread):
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         owner: the supervisor's id (``lease_owner``).
         backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
+        plan_spawns: a completion's spawned runs (``Outcome.spawns``) as the rows to insert
+            with it (:func:`cyclone_mp.spawning.plan`); raises ConfigurationError (UnknownStep)
+            for a spawn this supervisor cannot enqueue, which fails the attempt instead.
         tell_keeper: posts a message to the lease keeper.
         tell_control: posts a message to process control.
         load: posts a :class:`~cyclone_mp.messages.Load` to the payload loader.
@@ -69,6 +72,7 @@ class OutcomeWriter(DatabaseThread):
     def __init__(self, dsn: str, config: Config, *, owner: str, names: list[str],
                  backoff_for: Callable[[str | None], Callable[[int], float]],
                  max_snoozes: Callable[[str | None], int] = lambda name: DEFAULT_MAX_SNOOZES,
+                 plan_spawns: Callable[[Outcome], Any] = lambda outcome: [],
                  tell_keeper: Callable[[Any], None], tell_control: Callable[[Any], None],
                  load: Callable[[Any], None], observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -79,6 +83,7 @@ class OutcomeWriter(DatabaseThread):
         self.names = names
         self.backoff_for = backoff_for
         self.max_snoozes = max_snoozes
+        self.plan_spawns = plan_spawns
         self.tell_keeper = tell_keeper
         self.tell_control = tell_control
         self.load = load
@@ -164,8 +169,9 @@ class OutcomeWriter(DatabaseThread):
         batch, self.batch = self.batch, []
         claim, self.claim = self.claim, 0
         start_now, self.start_now = min(self.start_now, claim), 0
-        releases = [o for o in batch if o.kind in (RELEASE, SNOOZE)]  # (written alone: rare)
-        done = [o for o in batch if o.kind == COMPLETE]
+        # (written alone: rare) releases, snoozes, and completions that spawned runs
+        releases = [o for o in batch if o.kind in (RELEASE, SNOOZE) or o.spawns]
+        done = [o for o in batch if o.kind == COMPLETE and not o.spawns]
         failed = [o for o in batch if o.kind == FAIL]
         if claim and not (done or failed):
             self._claim_alone(claim, start_now)
@@ -336,10 +342,18 @@ class OutcomeWriter(DatabaseThread):
         outcome = write.outcome
         try:
             if outcome.kind == COMPLETE:
+                try:
+                    spawns = {outcome.key: self.plan_spawns(outcome)} if outcome.spawns else None
+                except (ConfigurationError, UnknownStep) as exc:  # a spawn this worker cannot enqueue: the attempt fails
+                    write.outcome = dataclasses.replace(outcome, kind=FAIL, error_kind=decisions.ERROR, output=None,
+                                                        spawns=(), entry={**(outcome.entry or {}),
+                                                                          "type": type(exc).__name__,
+                                                                          "message": str(exc)})
+                    return self._apply(write)
                 applied = self.call(self.config.write_bound, lambda store: store.complete(
                     owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress,
                                               outcome.start_delay)],
-                    workflows=outcome.workflow))
+                    workflows=outcome.workflow, spawns=spawns))
                 if applied:
                     self.count("completed")
                     self.observer.written(outcome.step_name, "completed")

@@ -7,6 +7,7 @@ the clients, schedules and ``Mux.check_enqueue``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
@@ -21,7 +22,7 @@ from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, Databas
 from .filters import RunFilter
 from .operations import Op
 from .protocol import check_text, check_value
-from .status import TERMINAL_RUN_STATES, RunStatus, StepStatus
+from .status import STEP_STATES, TERMINAL_RUN_STATES, RunStatus, StepStatus
 from .steps import Mux, Step, StepOptions, check_name
 from .store import NodeRow
 from .workflow import Workflow
@@ -213,6 +214,21 @@ class ClientBase:
         return lambda: operations.signal(run_id, name, payload)
 
     @staticmethod
+    def _plan_map_items(run_id: str, node: str, state: str | Iterable[str] | None, after: int,
+                        limit: int) -> Callable[[], Op]:
+        """Check a ``map_items`` call's arguments; a maker of its operation."""
+        check_name(node, "node")
+        states = [state] if isinstance(state, str) else (list(state) if state is not None else None)
+        for value in states or ():
+            if value not in STEP_STATES:
+                raise ConfigurationError(f"unknown step state {value!r} (one of {', '.join(STEP_STATES)})")
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 10_000:
+            raise ConfigurationError(f"limit must be an int from 1 to 10000, got {limit!r}")
+        if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+            raise ConfigurationError(f"after must be an item index (or -1), got {after!r}")
+        return lambda: operations.map_items(run_id, node, states=states, after=after, limit=limit)
+
+    @staticmethod
     def _plan_runs(state: str | Iterable[str] | None, limit: int, archived: bool, filters: dict[str, Any]
                    ) -> Callable[[], Op]:
         found = RunFilter.of(state=state, **filters)
@@ -241,7 +257,8 @@ class ClientBase:
                        (info.get("names") is None or step.step_name in info["names"]) for info in serving)
 
         return [step for step in status.steps.values()
-                if step.kind == "task" and not step.terminal and step.state != "running" and not served(step)]
+                if step.kind in ("task", "map") and not step.terminal and step.state != "running"
+                and not served(step)]
 
 
 #: Longest idempotency key, in UTF-8 bytes: the key is indexed (UNIQUE), and a btree
@@ -295,7 +312,9 @@ def _task_row(node: str, step: Step, opts: StepOptions, input: Any, after: Seque
 def node_rows(definition: Step | Workflow, input: Any, defaults: StepOptions,
               overrides: StepOptions = StepOptions()) -> tuple[str, list[NodeRow]]:
     """The run kind and the step rows of one run of ``definition`` with ``input``: per
-    node, the enqueue's ``overrides`` over the step's options over ``defaults`` (SPEC 2).
+    node, the enqueue's ``overrides`` over the step's options over ``defaults`` (SPEC 2);
+    a map node's row (the options of its items) has ``map()``'s options between the
+    enqueue's and the step's. Every node's concurrency key comes from the run's input.
 
     Raises:
         ConfigurationError: a concurrency key callable failed.
@@ -305,7 +324,12 @@ def node_rows(definition: Step | Workflow, input: Any, defaults: StepOptions,
         for node in definition.nodes:
             if node.kind == "task":
                 opts = overrides.over(node.step.options).over(defaults)
-                nodes.append(_task_row(node.name, node.step, opts, input, node.after, "pending"))
+                row = _task_row(node.name, node.step, opts, input, node.after, "pending")
+                nodes.append(dataclasses.replace(row, wait_spawned=True) if node.wait_for_spawned else row)
+            elif node.kind == "map":  # the row its items are made from: map()'s options over the step's
+                opts = overrides.over(node.options).over(node.step.options).over(defaults)
+                row = _task_row(node.name, node.step, opts, input, node.after, "pending")
+                nodes.append(dataclasses.replace(row, kind="map", allow_failures=node.allow_failures))
             else:
                 nodes.append(NodeRow(
                     node=node.name, step_name=None, kind=node.kind, depends_on=node.after,

@@ -6,6 +6,8 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
+STEP_STATES = ("pending", "available", "running", "waiting_signal", "waiting_timer", "paused", "completed",
+               "discarded", "cancelled")
 TERMINAL_STEP_STATES = ("completed", "discarded", "cancelled")
 TERMINAL_RUN_STATES = ("completed", "discarded", "cancelled")
 
@@ -49,6 +51,12 @@ class StepStatus:
             last attempt (ended by a timeout or a cancel) may still run, else None;
             running_in_group and starts_in_period: what the limits count now.
         snoozes: how many times its handler raised ``cy.Snooze`` (no attempt spent).
+        items: a map node (``kind="map"``) once its list was mapped: ``{"total": n}`` and
+            how many of its items are in each state (``{"total": 3, "completed": 2,
+            "running": 1}``); None otherwise. Its items are not in ``RunStatus.steps``
+            (``client.map_items`` lists them).
+        item: a map's item (``kind="item"``, from ``client.map_items``): its index in the
+            list mapped; None otherwise.
         dead_by: after a timeout or a cancel settled while the attempt's process may still
             run, the DB-clock time by which it is dead at the latest (the step runs
             again, and its concurrency slot goes to another, only after that or once its
@@ -97,6 +105,8 @@ class StepStatus:
     dead_by: dt.datetime | None = None
     claimed_at: dt.datetime | None = None
     snoozes: int = 0
+    items: dict[str, int] | None = None
+    item: int | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "StepStatus":
@@ -119,12 +129,25 @@ class StepStatus:
             max_processes=row.get("max_processes"), max_open_files=row.get("max_open_files"),
             dead_by=row.get("dead_by"), claimed_at=row.get("claimed_at", row["started_at"]),
             snoozes=row.get("snoozes") or 0,
+            items=({"total": row["items_total"], **(row.get("items") or {})}
+                   if row.get("items_total") is not None else None),
+            item=row.get("item"),
         )
 
     @property
     def terminal(self) -> bool:
         """True for completed, discarded and cancelled."""
         return self.state in TERMINAL_STEP_STATES
+
+    @property
+    def items_summary(self) -> str | None:
+        """A map node's items in one line (``10,000 items: 9,120 completed, 850 running,
+        30 available``), or None for any other step."""
+        if self.items is None:
+            return None
+        from .mapped import summary
+
+        return summary(self.items)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (datetimes as ISO 8601 strings)."""
@@ -151,6 +174,14 @@ class RunStatus:
     #: True when the run was read from the archive tables (finished, moved out of the hot
     #: tables by the supervisors' maintenance after ``archive_after``).
     archived: bool = False
+    #: For a run a handler spawned (``ctx.spawn``): the run, the node and the spawn's key
+    #: it came from; None otherwise.
+    parent_id: str | None = None
+    parent_node: str | None = None
+    parent_key: str | None = None
+    #: The runs this run's handlers spawned, by node and key (at most 1,000): each
+    #: ``{"id", "name", "state", "parent_node", "parent_key"}``.
+    children: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_rows(cls, run: dict[str, Any], steps: list[dict[str, Any]]) -> "RunStatus":
@@ -160,7 +191,9 @@ class RunStatus:
             id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
             created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],
             steps={row["node"]: StepStatus.from_row(row) for row in steps}, schedule=run.get("schedule"),
-            archived=bool(run.get("archived", False)),
+            archived=bool(run.get("archived", False)), parent_id=run.get("parent_id"),
+            parent_node=run.get("parent_node"), parent_key=run.get("parent_key"),
+            children=list(run.get("children") or ()),
         )
 
     @property
@@ -178,7 +211,7 @@ class RunStatus:
         """True while the run is ``running`` and no supervisor has claimed any of its task
         steps yet: each is ``pending`` or ``available`` and was never started (its signal
         and timer nodes, which no supervisor runs, do not count)."""
-        tasks = [s for s in self.steps.values() if s.kind == "task"]
+        tasks = [s for s in self.steps.values() if s.kind in ("task", "map")]
         return self.state == "running" and bool(tasks) and all(
             s.state in ("pending", "available") and s.started_at is None for s in tasks)
 

@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from . import procs, slots
+from . import procs, slots, spawning
 from .config import Config
 from .control import ProcessControl
 from .errors import ConfigurationError
@@ -164,7 +164,10 @@ class Supervisor:
                                          cancelled=lambda key: control.tell(LeaseLost(key, "cancelled")),
                                          clock=self.clock)
             self.writer = OutcomeWriter(self.dsn, self.config, owner=self.id, names=self.mux.step_names,
-                                        backoff_for=self.backoff_for, max_snoozes=self.mux.max_snoozes, tell_keeper=self.keeper.inbox.post,
+                                        backoff_for=self.backoff_for, max_snoozes=self.mux.max_snoozes,
+                                        plan_spawns=lambda o: spawning.plan(self.mux, self.config.defaults, o.run_id,
+                                                                            o.node, o.spawns),
+                                        tell_keeper=self.keeper.inbox.post,
                                         tell_control=lambda m: control.tell(m),
                                         load=lambda m: loader.inbox.post(m), observer=self.observer,
                                         clock=self.clock)

@@ -125,3 +125,16 @@ def test_peers_summary_ratios_and_targets():
     assert rows["s2_pool2"]["median"]["pgqueuer"] == 0.80  # its defaults layout, not batch 1
     assert rows["s2_pool2"]["target"]["cyclone_mp-defaults"]["met"] is True
     assert rows["s2_pool2_pgq_batch1"]["median"]["pgqueuer"] == 0.5
+
+
+@pytest.mark.slow  # benchmarks/maps.py end to end, small counts (~10 s)
+def test_quick_map_benchmark_run(tmp_path):
+    out = tmp_path / "maps.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "maps.py"), "--quick", "--repeat", "1", "--out", str(out)]
+    if os.environ.get("CYCLONE_TEST_DSN"):
+        cmd += ["--dsn", os.environ["CYCLONE_TEST_DSN"]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    results = json.loads(out.read_text())["results"]
+    assert results["M1"][0]["ratio"] > 0 and results["M2"][0]["fanout_s"] > 0
+    assert results["M3"][0]["join_kind"] in ("list", "Outputs")

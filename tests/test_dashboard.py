@@ -711,3 +711,58 @@ def test_ctrl_c_stops_the_dashboard_quietly_with_exit_0(cyclone_dsn: str) -> Non
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_map_node_is_summarised_on_its_run_page(fresh: tuple[cy.Client, TestClient]) -> None:
+    """Issue 37: a map node's row says how many items it has in each state, and counts the
+    completed ones as its progress."""
+    from cyclone_mp.store import Store
+
+    import map_handlers as mh
+
+    client, tc = fresh
+    run_id = client.enqueue(mh.squares, {"n": 3})
+    store = Store.open(client.dsn)
+    try:
+        [row] = store.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=60)
+        store.complete(owner="t", items=[(row["id"], row["lease_generation"], [{"x": 1}, {"x": 2}, {"x": 3}], None)])
+        [item] = store.claim(owner="t", queues=["default"], names=["square"], limit=1, ttl=60)
+        store.complete(owner="t", items=[(item["id"], item["lease_generation"], 1, None)])
+    finally:
+        store.close()
+    square = next(s for s in tc.get(f"/api/runs/{run_id}").json()["steps"] if s["name"] == "square")
+    assert (square["kind"], square["state"], square["items_summary"]) == ("map", "running",
+                                                                         "3 items: 1 completed, 2 available")
+    assert square["progress"] == {"done": 1, "total": 3, "message": "items"}
+    assert "3 items: 1 completed, 2 available" in tc.get(f"/runs/{run_id}").text
+
+
+def test_spawned_runs_link_to_their_parent_and_back(fresh: tuple[cy.Client, TestClient]) -> None:
+    """Issue 37: a run's page lists the runs its handlers spawned; a spawned run's page and
+    its line in the runs list link to the run that spawned it."""
+    from cyclone_mp import spawning
+    from cyclone_mp.store import Store
+
+    import map_handlers as mh
+
+    client, tc = fresh
+    mux = cy.Mux().register(mh.spawner, mh.child)
+    run_id = client.enqueue(mh.spawner, {})
+    ctx = cy.Context(run_id=run_id, step_name="fanout", node="fanout", attempt=1, deadline=None)
+    kid = ctx.spawn(mh.child, {"i": 1}, key="only")
+    store = Store.open(client.dsn)
+    try:
+        [row] = store.claim(owner="t", queues=["default"], names=["fanout"], limit=1, ttl=60)
+        lease = (row["id"], row["lease_generation"])
+        plans = spawning.plan(mux, client.config.defaults, run_id, "fanout", ctx.spawns)
+        assert store.complete(owner="t", items=[(*lease, {}, None)], spawns={lease: plans}) == {lease}
+    finally:
+        store.close()
+    parent = tc.get(f"/api/runs/{run_id}").json()
+    assert [(c["id"], c["parent_key"]) for c in parent["children"]] == [(kid, "only")]
+    assert kid[:8] in tc.get(f"/runs/{run_id}").text
+    child = tc.get(f"/api/runs/{kid}").json()
+    assert child["parent"] == {"id": run_id, "node": "fanout", "key": "only"}
+    assert "spawned by" in tc.get(f"/runs/{kid}").text
+    line = next(r for r in tc.get("/api/runs").json()["runs"] if r["id"] == kid)
+    assert line["parent_id"] == run_id

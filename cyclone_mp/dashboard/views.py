@@ -123,6 +123,10 @@ class Dashboard:
             "input": run["input"], "idempotency_key": run["idempotency_key"],
             "created_at": iso(run["created_at"]), "updated_at": iso(run["updated_at"]),
             "finished_at": iso(run["finished_at"]),
+            # spawned runs (ctx.spawn): the run that spawned this one, and those it spawned
+            "parent": ({"id": run["parent_id"], "node": run["parent_node"], "key": run["parent_key"]}
+                       if run.get("parent_id") else None),
+            "children": list(run.get("children") or ()),
             "steps": views,
             "attempts": attempts(steps, now),
             **outputs(steps, run["state"]),
@@ -341,6 +345,7 @@ def run_row(row: dict[str, Any]) -> dict[str, Any]:
         "id": row["id"], "name": row["name"], "kind": row["kind"], "state": row["state"],
         "created_at": iso(row["created_at"]), "updated_at": iso(row["updated_at"]),
         "finished_at": iso(row["finished_at"]), "steps": steps, "steps_total": sum(steps.values()),
+        "parent_id": row.get("parent_id"),  # the run that spawned it (ctx.spawn), or None
     }
 
 
@@ -360,7 +365,11 @@ def step_view(step: StepStatus, now: dt.datetime) -> dict[str, Any]:
         "finished_at": iso(step.finished_at), "heartbeat_at": iso(step.heartbeat_at),
         "lease_owner": step.lease_owner, "lease_expiry": iso(step.lease_expiry),
         "lease_generation": step.lease_generation, "due_at": iso(step.due_at), "error": step.error,
-        "error_kind": step.error_kind, "progress": step.progress, "output": step.output,
+        "error_kind": step.error_kind, "output": step.output,
+        # a map node: its items by state in one line, and as its progress how many completed
+        "items": step.items, "items_summary": step.items_summary,
+        "progress": step.progress if step.items is None else {
+            "done": step.items.get("completed", 0), "total": step.items["total"], "message": "items"},
         "failures": len(step.errors), "elapsed": elapsed,
         # the attempt shown: 0 until a first attempt began ("1/3" would read as "ran once")
         "attempt_shown": step.attempt if step.started_at is not None or step.errors else 0,
@@ -400,7 +409,11 @@ def outputs(steps: Sequence[StepStatus], run_state: str) -> dict[str, Any]:
     only while the run can still produce one)."""
     out = []
     for step in steps:
-        if step.kind != "task" or not step.terminal:
+        if step.kind not in ("task", "map") or not step.terminal:
+            continue
+        if step.kind == "map":  # its items' outputs are rows of their own (cyclone-mp status RUN --items)
+            note = f"the outputs of its items: {step.items_summary}" if step.items is not None else None
+            out.append({"node": step.name, "state": "", "output": None, "note": note or f"no output: {step.state}"})
             continue
         if step.state == "completed":
             note = "the handler returned null" if step.output is None else None

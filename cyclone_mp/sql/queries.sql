@@ -318,12 +318,14 @@ claimed AS (
               -- a join here became a hash join over a scan of every run in generic plans
               -- built on small tables
               (SELECT r FROM cyclone_runs r WHERE r.id = s.run_id) AS run,
+              s.input AS item_input,  -- a map item's input (NULL: the run's)
+              coalesce(s.wait_spawned, false) AS wait_spawned,
               s.depends_on <> '{}' AS has_upstream,
               CASE WHEN s.depends_on <> '{}' THEN  -- NULL for a step without upstream nodes
                   -- a JSON object as text, built as text (a fan-in past jsonb's 256 MB is
                   -- still read: text holds 1 GB), and only when small: a big one (stored
                   -- size over %(inline_max)s bytes) is loaded alone, off the claim's path
-                  (SELECT CASE WHEN sum(pg_column_size(d.output)) <= %(inline_max)s THEN
+                  (SELECT CASE WHEN sum(pg_column_size(d.output)) <= %(inline_max)s AND bool_and(d.kind <> 'map') THEN
                               '{' || coalesce(string_agg(to_json(d.node)::text || ':' || coalesce(d.output::text, 'null'),
                                                          ','), '') || '}' END
                      FROM cyclone_steps d
@@ -382,19 +384,60 @@ WITH parts AS MATERIALIZED (
     SELECT to_json(d.node)::text AS key, coalesce(d.output::text, 'null') AS value
       FROM cyclone_steps s
       JOIN cyclone_steps d ON d.run_id = s.run_id AND d.node = ANY(s.depends_on)
-     WHERE s.id = %(id)s
+     WHERE s.id = %(id)s AND d.kind <> 'map'  -- (a map's outputs are read in pages: map_outputs_page)
 ), size AS (
     SELECT count(*) AS outputs,
            2 + coalesce(sum(octet_length(key) + 1 + octet_length(value)), 0) + greatest(count(*) - 1, 0) AS bytes
       FROM parts
 )
-SELECT r.input::text AS input, size.outputs AS upstream_outputs, size.bytes::bigint AS upstream_bytes,
+SELECT coalesce(s.input, r.input)::text AS input, size.outputs AS upstream_outputs, size.bytes::bigint AS upstream_bytes,
        CASE WHEN s.depends_on <> '{}' AND size.bytes <= %(max_upstream)s THEN
-           (SELECT '{' || coalesce(string_agg(key || ':' || value, ','), '') || '}' FROM parts) END AS upstream
+           (SELECT '{' || coalesce(string_agg(key || ':' || value, ','), '') || '}' FROM parts) END AS upstream,
+       -- its upstream map nodes: [[node, items], ...] (NULL: none)
+       (SELECT jsonb_agg(jsonb_build_array(d.node, d.items_total) ORDER BY d.node)
+          FROM cyclone_steps d
+         WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.kind = 'map') AS maps,
+       CASE WHEN s.wait_spawned THEN {spawned_expr} END AS spawned
   FROM cyclone_steps s
   JOIN cyclone_runs r ON r.id = s.run_id
  CROSS JOIN size
  WHERE s.id = %(id)s;
+
+-- name: spawned_expr
+-- (Fragment) for a step row s: the runs its upstream nodes spawned, hot or archived, as JSON
+-- text {node: {key: {run_id, state, output, error, error_kind}}} (ctx.spawned); output: a
+-- single-step run's step output, else {node: output} of its nodes; error: its first
+-- discarded step's.
+(SELECT coalesce(jsonb_object_agg(x.node, x.runs), '{}'::jsonb)::text FROM (
+    SELECT c.parent_node AS node,
+           jsonb_object_agg(c.parent_key, jsonb_build_object('run_id', c.id, 'state', c.state, 'output', o.output,
+                                                             'error', o.error, 'error_kind', o.error_kind)) AS runs
+      FROM (SELECT r.id, r.kind, r.state, r.parent_node, r.parent_key FROM cyclone_runs r
+             WHERE r.parent_id = s.run_id AND r.parent_node = ANY(s.depends_on)
+            UNION ALL
+            SELECT a.id, a.kind, a.state, a.parent_node, a.parent_key FROM cyclone_runs_archive a
+             WHERE a.parent_id = s.run_id AND a.parent_node = ANY(s.depends_on)) c
+     CROSS JOIN LATERAL (
+            SELECT CASE WHEN c.kind = 'step' THEN (array_agg(t.output ORDER BY t.id))[1]
+                        ELSE jsonb_object_agg(t.node, t.output) END AS output,
+                   (array_agg(t.error ORDER BY t.id) FILTER (WHERE t.state = 'discarded'))[1] AS error,
+                   (array_agg(t.error_kind ORDER BY t.id) FILTER (WHERE t.state = 'discarded'))[1] AS error_kind
+              FROM (SELECT h.id, h.node, h.state, h.output, h.error, h.error_kind
+                      FROM cyclone_steps h WHERE h.run_id = c.id AND h.map_node IS NULL
+                    UNION ALL
+                    SELECT h.id, h.node, h.state, h.output, h.error, h.error_kind
+                      FROM cyclone_steps_archive h WHERE h.run_id = c.id AND h.map_node IS NULL) t) o
+     GROUP BY c.parent_node) x)
+
+-- name: map_outputs_page
+-- One page of a map's items in item order, after item %(after)s, at most %(limit)s (keyset, by
+-- cyclone_steps_items_idx): each item's index, whether it completed, its output as JSON text
+-- (what its join reads), its error and error kind (a discarded item's, with allow_failures).
+SELECT i.item, i.state = 'completed' AS ok, coalesce(i.output::text, 'null') AS output, i.error, i.error_kind
+  FROM cyclone_steps i
+ WHERE i.run_id = %(run_id)s AND i.map_node = %(node)s AND i.item > %(after)s
+ ORDER BY i.item
+ LIMIT %(limit)s;
 
 -- name: local_statement_timeout
 -- Set statement_timeout for the rest of this transaction only (%(timeout)s: "120000ms").
@@ -416,7 +459,7 @@ SELECT state, lease_owner, lease_generation,
 -- first, all at once, by id.
 runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
-    SELECT r.id, r.kind, r.state
+    SELECT r.id, r.kind, r.state, r.parent_id
       FROM cyclone_runs r
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
@@ -445,7 +488,18 @@ runs AS (
        AND s.lease_owner = %(owner)s
        AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
-    RETURNING s.id, s.run_id, s.lease_generation
+    RETURNING s.id, s.run_id, s.lease_generation, s.map_node
+), items_done AS (
+    -- completed items count down their map row (its run is locked above); over: no item
+    -- of that map is left to run (its run moves on: the map ends, and its join may start)
+    UPDATE cyclone_steps m
+       SET items_left = m.items_left - d.n
+      FROM (SELECT run_id, map_node, count(*) AS n FROM done WHERE map_node IS NOT NULL
+             GROUP BY run_id, map_node) d
+     WHERE m.run_id = d.run_id AND m.node = d.map_node AND m.kind = 'map'
+    RETURNING m.run_id, m.node,
+              m.items_left <= (SELECT count(*) FROM cyclone_steps f
+                                WHERE f.run_id = m.run_id AND f.map_node = m.node AND f.state = 'discarded') AS over
 ), completed_runs AS (
     UPDATE cyclone_runs r
        SET state = 'completed', finished_at = now(), updated_at = now()
@@ -472,7 +526,7 @@ fail_in AS MATERIALIZED (
     -- holds); in a paused run a retried step is held paused, as hold_paused does.
     SELECT s.id, i.generation, i.kind, i.entry, i.delay_us, i.require_timed_out, i.progress, t.t,
            (i.kind IN ({permanent_kinds_expr}) AND NOT t.t) OR s.attempt >= s.max_attempts AS d,
-           runs.kind AS run_kind, runs.state AS run_state
+           runs.kind AS run_kind, runs.state AS run_state, runs.parent_id AS run_parent
       FROM cyclone_steps s
       JOIN fail_in i ON i.id = s.id
       JOIN runs ON runs.id = s.run_id AND runs.state IN ('running', 'paused')
@@ -507,7 +561,8 @@ fail_in AS MATERIALIZED (
        AND s.lease_owner = %(owner)s
        AND s.lease_generation = j.generation
        AND (NOT j.require_timed_out OR j.t)
-    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state
+    RETURNING s.id, s.run_id, s.state, s.lease_generation, s.error_kind, j.run_kind, j.run_state, s.map_node,
+              j.run_parent
 ), discarded_runs AS (
     -- a workflow's run state is refresh_run_state's; a paused run stays paused
     UPDATE cyclone_runs r
@@ -534,13 +589,23 @@ CASE WHEN j.kind IN ('memory_limit', 'cpu_limit', 'process_limit', 'oom_killed')
 END
 
 -- name: claimed_input_expr
--- (Fragment) a claimed row's input as JSON text, unless its stored size is over
--- %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
-CASE WHEN pg_column_size((c.run).input) <= %(inline_max)s THEN (c.run).input::text END
+-- (Fragment) a claimed row's input as JSON text (a map item's own, else the run's), unless
+-- its stored size is over %(inline_max)s bytes (then NULL, and "big": the supervisor loads it alone).
+CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
+     THEN coalesce(c.item_input, (c.run).input)::text END
+
+-- name: claimed_kind_expr
+-- (Fragment) a claimed row's run kind as the supervisor reads it: 'step', 'workflow', or
+-- 'child' for a spawned single-step run (its outcome is written in a transaction that
+-- moves its parent run on, which may wait for it).
+CASE WHEN (c.run).parent_id IS NOT NULL AND (c.run).kind = 'step' THEN 'child' ELSE (c.run).kind END
 
 -- name: claimed_big_expr
--- (Fragment) true when a claimed row's input or upstream outputs were left out for size.
-(pg_column_size((c.run).input) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL))
+-- (Fragment) true when a claimed row's input or upstream outputs were left out: for size,
+-- or because a map node is among its upstream nodes (its outputs are read in pages), or
+-- it waited for spawned runs (their outcomes are read with its payload).
+(pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL)
+ OR c.wait_spawned)
 
 -- name: claim
 -- Claim up to %(limit)s available steps in one statement. The input and the upstream
@@ -579,13 +644,18 @@ settled_completed AS (
            NULL::float8 AS timeout, d.lease_generation, NULL::text AS input,
            runs.kind AS run_kind, NULL::text AS upstream, NULL::boolean AS big, NULL::float8 AS pickup,
            NULL::jsonb AS trace, NULL::bigint AS memory_limit, NULL::float8 AS cpu_limit, NULL::integer AS max_processes,
-           NULL::integer AS max_open_files, NULL::boolean AS rated
+           NULL::integer AS max_open_files, NULL::boolean AS rated,
+           -- its workflow run must move on now: not an item, or the last item of its map
+           (d.map_node IS NULL OR EXISTS (SELECT 1 FROM items_done i
+                                           WHERE i.run_id = d.run_id AND i.node = d.map_node AND i.over)) AS moves_run,
+           runs.parent_id::text AS parent_id  -- a spawned run's parent (it may wait for it)
       FROM done d
       JOIN runs ON runs.id = d.run_id
 ), settled_claimed AS (
     SELECT 'claimed' AS what, c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff,
-           c.timeout, c.lease_generation, {claimed_input_expr}, (c.run).kind, c.upstream, {claimed_big_expr},
-           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files, c.rated
+           c.timeout, c.lease_generation, {claimed_input_expr}, {claimed_kind_expr}, c.upstream, {claimed_big_expr},
+           c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files, c.rated,
+           NULL::boolean, NULL::text
       FROM claimed c
 )
 
@@ -593,7 +663,7 @@ settled_completed AS (
 -- (Fragment) what a claim statement returns: the claimed rows, then the claim's meta row
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
-       c.lease_generation, {claimed_input_expr} AS input, (c.run).kind AS run_kind, c.upstream,
+       c.lease_generation, {claimed_input_expr} AS input, {claimed_kind_expr} AS run_kind, c.upstream,
        {claimed_big_expr} AS big, c.pickup, (c.run).trace, c.memory_limit, c.cpu_limit, c.max_processes, c.max_open_files,
        c.rated
   FROM claimed c
@@ -605,16 +675,19 @@ SELECT NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait,
 -- name: settle_rows_expr
 -- (Fragment) what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
+-- moves_run: a completed or failed row whose workflow run must move on (an item that
+-- neither was its map's last nor was discarded leaves it as it is).
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, e.map_node IS NULL OR e.state = 'discarded',
+       e.run_parent::text
   FROM ended e
 UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL
+       NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle_completions_rows_expr
@@ -624,7 +697,7 @@ UNION ALL
 SELECT * FROM settled_claimed
 UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, {flow_marks_expr}, NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL
+       NULL, NULL, NULL
   FROM claim_meta m
 
 -- name: settle
@@ -815,11 +888,13 @@ SELECT EXISTS (SELECT 1 FROM took UNION ALL SELECT 1 FROM made) AS mine,
 UPDATE cyclone_maintenance SET succeeded_at = now() WHERE task = %(task)s;
 
 -- name: sweep_candidates
--- Recovery sweep page: running rows whose lease expired or whose DB deadline passed.
+-- Recovery sweep page: running rows whose lease expired or whose DB deadline passed (a
+-- running map row holds no lease: its items do).
 SELECT id, run_id::text AS run_id
   FROM cyclone_steps
  WHERE state = 'running'
    AND (lease_expiry < now() OR (timeout IS NOT NULL AND started_at + timeout <= now()))
+   AND kind <> 'map'
  ORDER BY id
  LIMIT %(limit)s;
 
@@ -855,7 +930,9 @@ SELECT DISTINCT run_id::text AS run_id
  LIMIT %(limit)s;
 
 -- name: promote_ready
--- Nodes whose dependencies all completed leave pending (or stay paused, remembering where to go).
+-- Nodes whose dependencies all completed (and, for one with wait_spawned, whose upstream
+-- nodes' spawned runs all ended) leave pending (or stay paused, remembering where to go);
+-- map nodes are expand_maps'.
 WITH ready AS (
     SELECT s.id,
            CASE s.kind WHEN 'task' THEN 'available'
@@ -863,10 +940,15 @@ WITH ready AS (
                        ELSE 'waiting_timer' END AS target
       FROM cyclone_steps s
      WHERE s.run_id = %(run_id)s
+       AND s.kind <> 'map'
        AND (s.state = 'pending' OR (s.state = 'paused' AND s.paused_from = 'pending'))
        AND NOT EXISTS (
             SELECT 1 FROM cyclone_steps d
              WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on) AND d.state <> 'completed')
+       AND (s.wait_spawned IS NOT TRUE OR NOT EXISTS (  -- the runs its upstream nodes spawned have ended
+            SELECT 1 FROM cyclone_runs c
+             WHERE c.parent_id = s.run_id AND c.parent_node = ANY(s.depends_on)
+               AND c.state NOT IN ('completed', 'discarded', 'cancelled')))
 )
 UPDATE cyclone_steps s
    SET state = CASE WHEN s.state = 'paused' THEN 'paused' ELSE ready.target END,
@@ -875,6 +957,103 @@ UPDATE cyclone_steps s
        due_at = CASE WHEN s.kind = 'timer' THEN coalesce(s.due_at, now() + s.timer_delay) ELSE s.due_at END
   FROM ready
  WHERE s.id = ready.id;
+
+-- name: expand_maps
+-- Map nodes whose node mapped over (depends_on[1]) completed: one item row per element of
+-- its output list, inserted in one statement with the map row's options, the element as
+-- input and "<map>[<index>]" as node (paused, to be available, in a paused run); the map
+-- row becomes running and counts them (items_total, items_left). An output that is not a
+-- list, or a list of more than %(max_items)s items, discards the map row (output_invalid)
+-- with an error that says so. Runs under the
+-- run lock, in the transaction of the completion that made the node ready: the map row
+-- leaves pending there, so a list is mapped once whatever completes later.
+WITH ready AS MATERIALIZED (
+    -- (a map over a map maps the items' outputs: read from its items, never aggregated)
+    SELECT m.id, m.node, o.node AS over, o.kind = 'map' AS over_map, o.output AS list,
+           (o.kind = 'map' OR jsonb_typeof(o.output) = 'array')
+           AND coalesce(CASE WHEN o.kind = 'map' THEN o.items_total ELSE jsonb_array_length(o.output) END, 0)
+               <= %(max_items)s AS ok,
+           CASE WHEN o.kind = 'map' THEN o.items_total
+                WHEN jsonb_typeof(o.output) = 'array' THEN jsonb_array_length(o.output) END AS total,
+           coalesce(jsonb_typeof(o.output), 'nothing') AS got,
+           (SELECT r.state FROM cyclone_runs r WHERE r.id = m.run_id) = 'paused' AS paused
+      FROM cyclone_steps m
+      JOIN cyclone_steps o ON o.run_id = m.run_id AND o.node = m.depends_on[1]
+     WHERE m.run_id = %(run_id)s AND m.kind = 'map'
+       AND (m.state = 'pending' OR (m.state = 'paused' AND m.paused_from = 'pending'))
+       AND o.state = 'completed'
+), elements AS (
+    SELECT r.id, e.v, (e.i - 1)::int AS i
+      FROM ready r
+     CROSS JOIN LATERAL jsonb_array_elements(CASE WHEN r.ok AND NOT r.over_map THEN r.list ELSE '[]'::jsonb END)
+           WITH ORDINALITY AS e(v, i)
+    UNION ALL
+    SELECT r.id, coalesce(x.output, 'null'::jsonb), x.item
+      FROM ready r
+      JOIN cyclone_steps m ON m.id = r.id
+      JOIN cyclone_steps x ON x.run_id = m.run_id AND x.map_node = r.over AND r.over_map
+), items AS (
+    INSERT INTO cyclone_steps (run_id, node, step_name, kind, queue, priority, state, paused_from,
+                               max_attempts, max_reclaims, timeout, backoff, scheduled_at,
+                               concurrency_key, concurrency, rate_count, rate_period,
+                               memory_limit, cpu_limit, max_processes, max_open_files, input, map_node, item)
+    SELECT m.run_id, m.node || '[' || e.i || ']', m.step_name, 'item', m.queue, m.priority,
+           CASE WHEN r.paused THEN 'paused' ELSE 'available' END, CASE WHEN r.paused THEN 'available' END,
+           m.max_attempts, m.max_reclaims, m.timeout, m.backoff, now(),
+           m.concurrency_key, m.concurrency, m.rate_count, m.rate_period,
+           m.memory_limit, m.cpu_limit, m.max_processes, m.max_open_files, e.v, m.node, e.i
+      FROM elements e
+      JOIN ready r ON r.id = e.id
+      JOIN cyclone_steps m ON m.id = e.id
+    RETURNING 1
+)
+UPDATE cyclone_steps m
+   SET state = CASE WHEN r.ok THEN 'running' ELSE 'discarded' END,
+       paused_from = NULL,
+       items_total = CASE WHEN r.ok THEN r.total END,
+       items_left = CASE WHEN r.ok THEN r.total END,
+       finished_at = CASE WHEN r.ok THEN NULL ELSE now() END,
+       error = CASE WHEN r.ok THEN NULL
+                    WHEN r.total IS NOT NULL
+                    THEN 'map ' || m.node || ': the list of ' || r.over || ' has ' || r.total || ' items, over the '
+                         || %(max_items)s || ' a map may have (map over a list of batches instead)'
+                    ELSE 'map ' || m.node || ': the output of ' || r.over || ' is not a JSON list (it is '
+                         || r.got || '): map() runs its step once per item of a list' END,
+       error_kind = CASE WHEN r.ok THEN NULL ELSE 'output_invalid' END
+  FROM ready r
+ WHERE m.id = r.id
+RETURNING m.id, (SELECT count(*) FROM items) AS items;
+
+-- name: settle_maps
+-- Running map nodes none of whose items is left to run (items_left counts the items not
+-- completed; the discarded ones are found by cyclone_steps_failed_items_idx): completed when
+-- every item completed, or with allow_failures; else discarded, with the first discarded
+-- item's error kind and an error that names it.
+WITH maps AS MATERIALIZED (
+    SELECT m.id, m.node, m.run_id,
+           (SELECT count(*) FROM cyclone_steps f
+             WHERE f.run_id = m.run_id AND f.map_node = m.node AND f.state = 'discarded') AS failed
+      FROM cyclone_steps m
+     WHERE m.run_id = %(run_id)s AND m.kind = 'map' AND m.state = 'running'
+), over AS (
+    SELECT x.id, x.failed,
+           (SELECT f FROM cyclone_steps f
+             WHERE f.run_id = x.run_id AND f.map_node = x.node AND f.state = 'discarded'
+             ORDER BY f.item LIMIT 1) AS first
+      FROM maps x
+      JOIN cyclone_steps m ON m.id = x.id
+     WHERE m.items_left <= x.failed
+)
+UPDATE cyclone_steps m
+   SET state = CASE WHEN o.failed = 0 OR m.allow_failures THEN 'completed' ELSE 'discarded' END,
+       finished_at = now(),
+       error = CASE WHEN o.failed > 0 AND NOT coalesce(m.allow_failures, false)
+                    THEN 'item ' || (o.first).item || ' of ' || m.items_total || ' discarded'
+                         || CASE WHEN o.failed > 1 THEN ' (and ' || (o.failed - 1) || ' more)' ELSE '' END
+                         || ': ' || coalesce((o.first).error, (o.first).error_kind) END,
+       error_kind = CASE WHEN o.failed > 0 AND NOT coalesce(m.allow_failures, false) THEN (o.first).error_kind END
+  FROM over o
+ WHERE m.id = o.id;
 
 -- name: fire_nodes
 -- Signal nodes whose signal arrived and timer nodes due (DB clock) complete.
@@ -889,13 +1068,19 @@ UPDATE cyclone_steps s
          AND EXISTS (SELECT 1 FROM cyclone_signals g WHERE g.run_id = s.run_id AND g.name = s.node))
      OR (s.state = 'waiting_timer' AND s.due_at <= now()));
 
+-- name: parent_to_advance
+-- The parent of run %(run_id)s when it is a spawned run that has ended (its parent may wait for it).
+SELECT parent_id::text AS parent_id
+  FROM cyclone_runs
+ WHERE id = %(run_id)s AND parent_id IS NOT NULL AND state IN ('completed', 'discarded', 'cancelled');
+
 -- name: available_queues
 -- The queues in which a run has claimable steps (each gets a NOTIFY after the run moved on).
 SELECT DISTINCT queue FROM cyclone_steps WHERE run_id = %(run_id)s AND state = 'available';
 
 -- name: refresh_run_state
 -- Keep the run state in step with its steps: completed when all are, discarded when a
--- discarded step leaves nothing that can progress.
+-- discarded step leaves nothing that can progress (a map node stands for its items).
 UPDATE cyclone_runs r
    SET state = x.new_state,
        finished_at = CASE WHEN x.new_state IN ('completed', 'discarded') THEN now() ELSE NULL END,
@@ -908,6 +1093,7 @@ UPDATE cyclone_runs r
                   THEN 'discarded'
              ELSE NULL END AS new_state
       FROM cyclone_steps WHERE run_id = %(run_id)s
+       AND kind <> 'item'  -- a map's items count through their map row (with allow_failures some may be discarded)
   ) x
  WHERE r.id = %(run_id)s
    AND (r.state IN ('running', 'discarded') OR (r.state = 'paused' AND x.new_state = 'completed'))
@@ -1035,10 +1221,10 @@ WITH steps AS (
            -- a running attempt lives on until its supervisor hears of the cancel (LISTEN, or
            -- its next renewal, before lease_expiry) and kills it (kill_within): its
            -- concurrency slot and a retry wait for that, or for the supervisor's report
-           dead_by = CASE WHEN state = 'running'
+           dead_by = CASE WHEN state = 'running' AND kind <> 'map'  -- (a running map row holds no lease)
                           THEN coalesce(dead_by, greatest(lease_expiry, now()) + coalesce(kill_within, interval '0'))
                           ELSE dead_by END,
-           errors = CASE WHEN state = 'running' THEN errors || jsonb_build_array(jsonb_build_object(
+           errors = CASE WHEN state = 'running' AND kind <> 'map' THEN errors || jsonb_build_array(jsonb_build_object(
                         'attempt', attempt, 'kind', 'cancelled', 'message', 'cancelled while running (client.cancel)',
                         'started_at', started_at, 'at', {utc_now_expr},
                         'elapsed', round(extract(epoch FROM now() - started_at)::numeric, 3),
@@ -1068,17 +1254,19 @@ RETURNING (SELECT count(*) FROM steps) AS steps, {run_ended_expr},
 -- client.retry: reopen discarded (or cancelled) steps; no attempt consumed. A step
 -- discarded by its attempts gets max_attempts raised to attempt + 1, as River does. A
 -- cancelled step keeps its attempt: its error_kind may be an earlier attempt's, already
--- counted when that attempt ended.
+-- counted when that attempt ended. A discarded map row runs again (its discarded items
+-- are reopened here too; the completed ones stay completed), or, when its list was never
+-- mapped, waits to be mapped again.
 UPDATE cyclone_steps
-   SET state = 'available',
-       attempt = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
+   SET state = CASE WHEN kind <> 'map' THEN 'available' WHEN items_total IS NULL THEN 'pending' ELSE 'running' END,
+       attempt = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr}) AND kind <> 'map'
                       THEN attempt + 1 ELSE attempt END,
-       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr})
+       max_attempts = CASE WHEN state = 'discarded' AND error_kind IN ({attempt_kinds_expr}) AND kind <> 'map'
                            THEN greatest(max_attempts, attempt + 1) ELSE max_attempts END,
        reclaims = CASE WHEN state = 'discarded' AND error_kind = 'reclaim_limit' THEN 0 ELSE reclaims END,
        scheduled_at = now(), finished_at = NULL, lease_owner = NULL, lease_expiry = NULL,
        error = NULL, error_kind = NULL
- WHERE run_id = %(run_id)s AND state = %(from_state)s AND kind = 'task';
+ WHERE run_id = %(run_id)s AND state = %(from_state)s AND kind IN ('task', 'map', 'item');
 
 -- name: reopen_run
 -- After a retry: the run is running again.
@@ -1117,11 +1305,13 @@ ON CONFLICT (run_id, name) DO NOTHING
 RETURNING name;
 
 -- name: insert_run
--- One run row; with an idempotency key or a unique place (cy.Unique) held, the existing run
--- wins (returns nothing then).
+-- One run row (a spawned run's with its parent); with an idempotency key or a unique place
+-- (cy.Unique) held, or its id taken (a spawn made before), the existing run wins (returns
+-- nothing then).
 WITH place AS ({unique_place_ctes})
-INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key)
-SELECT %(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, (SELECT key FROM place)
+INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key, parent_id, parent_node, parent_key)
+SELECT %(id)s, %(name)s, %(kind)s, %(input)s, %(idempotency_key)s, %(trace)s, (SELECT key FROM place),
+       %(parent_id)s::uuid, %(parent_node)s, %(parent_key)s
  WHERE %(unique)s::text IS NULL OR EXISTS (SELECT 1 FROM place)
 ON CONFLICT DO NOTHING
 RETURNING id::text AS id;
@@ -1154,8 +1344,10 @@ SELECT run_id::text AS id FROM cyclone_unique_places WHERE unique_key = {unique_
 -- With an idempotency key already used (or a unique key held), nothing is written and id is NULL. %(input)s is
 -- the input as JSON text (the client's payload check encoded it: it is not encoded twice).
 WITH place AS ({unique_place_ctes}), run AS (
-    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key)
-    SELECT %(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, (SELECT key FROM place)
+    INSERT INTO cyclone_runs (id, name, kind, input, idempotency_key, trace, unique_key,
+                              parent_id, parent_node, parent_key)
+    SELECT %(id)s, %(name)s, 'step', %(input)s::jsonb, %(idempotency_key)s, %(trace)s, (SELECT key FROM place),
+           %(parent_id)s::uuid, %(parent_node)s, %(parent_key)s
      WHERE %(unique)s::text IS NULL OR EXISTS (SELECT 1 FROM place)
     ON CONFLICT DO NOTHING
     RETURNING id
@@ -1196,7 +1388,7 @@ SELECT id::text AS id FROM cyclone_runs_archive WHERE idempotency_key = %(key)s 
 INSERT INTO cyclone_steps (run_id, node, step_name, kind, depends_on, queue, priority, state,
                            max_attempts, max_reclaims, timeout, timer_delay, due_at, backoff, scheduled_at,
                            concurrency_key, concurrency, rate_count, rate_period,
-                           memory_limit, cpu_limit, max_processes, max_open_files)
+                           memory_limit, cpu_limit, max_processes, max_open_files, allow_failures, wait_spawned)
 SELECT %(run_id)s, t.node, t.step_name, t.kind,
        coalesce((SELECT array_agg(x) FROM jsonb_array_elements_text(t.depends_on) x), '{}'),
        t.queue, t.priority, t.state, t.max_attempts, t.max_reclaims,
@@ -1204,16 +1396,17 @@ SELECT %(run_id)s, t.node, t.step_name, t.kind,
        t.backoff,
        coalesce(%(scheduled_at)s::timestamptz, now() + (%(delay_us)s::bigint * interval '1 microsecond')),
        t.key, t.concurrency, t.rate_count, t.rate_period_us * interval '1 microsecond',
-       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files
+       t.memory_limit, t.cpu_limit, t.max_processes, t.max_open_files, t.allow_failures, t.wait_spawned
   FROM unnest(%(nodes)s::text[], %(step_names)s::text[], %(kinds)s::text[], %(depends_on)s::jsonb[],
               %(queues)s::text[], %(priorities)s::int[], %(states)s::text[], %(max_attempts)s::int[],
               %(max_reclaims)s::int[], %(timeouts_us)s::bigint[], %(timer_delays_us)s::bigint[],
               %(due_ats)s::timestamptz[], %(backoffs)s::jsonb[], %(keys)s::text[], %(concurrencies)s::int[],
               %(rate_counts)s::int[], %(rate_periods_us)s::bigint[], %(memory_limits)s::bigint[],
-              %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[])
+              %(cpu_limits)s::float8[], %(max_processes)s::int[], %(max_open_files)s::int[],
+              %(allow_failures)s::boolean[], %(wait_spawned)s::boolean[])
     AS t(node, step_name, kind, depends_on, queue, priority, state, max_attempts, max_reclaims,
          timeout_us, timer_delay_us, due_at, backoff, key, concurrency, rate_count, rate_period_us,
-         memory_limit, cpu_limit, max_processes, max_open_files);
+         memory_limit, cpu_limit, max_processes, max_open_files, allow_failures, wait_spawned);
 
 -- name: enqueue_many
 -- Many single-step runs in one statement (bulk load), each with its concurrency key.
@@ -1325,13 +1518,25 @@ SELECT pg_notify('cyclone_mp', %(queue)s);
 -- is read only when the hot table has no such run (the Append stops at the first row).
 SELECT * FROM (
     (SELECT id::text AS id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at,
-            false AS archived
+            false AS archived, parent_id::text AS parent_id, parent_node, parent_key
        FROM cyclone_runs WHERE id = %(run_id)s)
     UNION ALL
-    (SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, true
+    (SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, true,
+            parent_id::text, parent_node, parent_key
        FROM cyclone_runs_archive WHERE id = %(run_id)s)
 ) x
 LIMIT 1;
+
+-- name: children_of_run
+-- The runs run %(run_id)s spawned (ctx.spawn), hot and archived, by node and key, at most
+-- %(limit)s (cyclone_runs_parent_idx).
+SELECT * FROM (
+    (SELECT id::text AS id, name, state, parent_node, parent_key FROM cyclone_runs WHERE parent_id = %(run_id)s)
+    UNION ALL
+    (SELECT id::text, name, state, parent_node, parent_key FROM cyclone_runs_archive WHERE parent_id = %(run_id)s)
+) x
+ORDER BY parent_node, parent_key
+LIMIT %(limit)s;
 
 -- name: step_status_columns_expr
 -- (Fragment) the columns a step row s (hot or archived) gives to step_columns_expr and
@@ -1345,7 +1550,7 @@ s.lease_generation, s.heartbeat_at, s.error, s.error_kind, s.errors, s.output, s
 s.concurrency_key, s.concurrency, s.rate_count, extract(epoch FROM s.rate_period)::float8 AS rate_seconds,
 s.memory_limit, s.cpu_limit, s.max_processes, s.max_open_files,
 CASE WHEN s.dead_by > 'epoch' THEN s.dead_by END AS dead_by,  -- ('epoch': its processes were reaped)
-s.snoozes
+s.snoozes, s.items_total
 
 -- name: step_columns_expr
 -- (Fragment) the columns of a step row s as client.status shows it (StepStatus.from_row),
@@ -1353,13 +1558,21 @@ s.snoozes
 -- hold a concurrency slot, starts_in_period the starts of the last rate period (both from
 -- step_limits_expr, which the query joins).
 {step_status_columns_expr},
-g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on
+g.running_in_group, g.starts_in_period, {waiting_on_expr} AS waiting_on,
+CASE WHEN s.kind = 'map' AND s.items_total IS NOT NULL THEN  -- a map's items by state (StepStatus.items)
+    (SELECT jsonb_object_agg(x.state, x.n) FROM (SELECT i.state, count(*) AS n FROM cyclone_steps i
+                                                   WHERE i.run_id = s.run_id AND i.map_node = s.node
+                                                   GROUP BY i.state) x) END AS items
 
 -- name: archived_step_columns_expr
 -- (Fragment) step_columns_expr of an archived step row s (cyclone_steps_archive): its
 -- limits hold nothing back any more (running_in_group, starts_in_period, waiting_on NULL).
 {step_status_columns_expr},
-NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text AS waiting_on
+NULL::bigint AS running_in_group, NULL::bigint AS starts_in_period, NULL::text AS waiting_on,
+CASE WHEN s.kind = 'map' AND s.items_total IS NOT NULL THEN
+    (SELECT jsonb_object_agg(x.state, x.n) FROM (SELECT i.state, count(*) AS n FROM cyclone_steps_archive i
+                                                   WHERE i.run_id = s.run_id AND i.map_node = s.node
+                                                   GROUP BY i.state) x) END AS items
 
 -- name: step_limits_expr
 -- (Fragment) the join of step_columns_expr's group counts, for a step row s.
@@ -1375,17 +1588,40 @@ LEFT JOIN LATERAL (
        WHERE s.concurrency IS NOT NULL OR s.rate_count IS NOT NULL) g ON true
 
 -- name: get_steps
--- Every step row of a run, in definition order: from the hot table, or from the archive
--- when the hot table has none (one statement: a run's steps are all in one table).
+-- Every step row of a run, in definition order, but a map's items (its row counts them:
+-- map_items lists them): from the hot table, or from the archive when the hot table has
+-- none (one statement: a run's steps are all in one table).
 SELECT {step_columns_expr}
   FROM cyclone_steps s {step_limits_expr}
- WHERE s.run_id = %(run_id)s
+ WHERE s.run_id = %(run_id)s AND s.map_node IS NULL
 UNION ALL
 SELECT {archived_step_columns_expr}
   FROM cyclone_steps_archive s
- WHERE s.run_id = %(run_id)s
+ WHERE s.run_id = %(run_id)s AND s.map_node IS NULL
    AND NOT EXISTS (SELECT 1 FROM cyclone_steps h WHERE h.run_id = %(run_id)s)
  ORDER BY id;
+
+-- name: map_items
+-- A page of a map's items in item order (keyset: after item %(after)s, at most %(limit)s),
+-- those in %(states)s when given, as get_steps gives steps; the hot table's, or the
+-- archive's when the hot table has none.
+SELECT * FROM (
+    SELECT {step_columns_expr}, s.item
+      FROM cyclone_steps s {step_limits_expr}
+     WHERE s.run_id = %(run_id)s AND s.map_node = %(node)s AND s.item > %(after)s
+       AND (%(states)s::text[] IS NULL OR s.state = ANY(%(states)s::text[]))
+     ORDER BY s.item
+     LIMIT %(limit)s) h
+UNION ALL
+SELECT * FROM (
+    SELECT {archived_step_columns_expr}, s.item
+      FROM cyclone_steps_archive s
+     WHERE s.run_id = %(run_id)s AND s.map_node = %(node)s AND s.item > %(after)s
+       AND (%(states)s::text[] IS NULL OR s.state = ANY(%(states)s::text[]))
+       AND NOT EXISTS (SELECT 1 FROM cyclone_steps x WHERE x.run_id = %(run_id)s)
+     ORDER BY s.item
+     LIMIT %(limit)s) a
+ ORDER BY item;
 
 -- name: finished_runs
 -- The runs among some ids that are completed, discarded or cancelled (what a waiter reads
@@ -1406,11 +1642,11 @@ SELECT id::text, name, kind, state, input, idempotency_key, created_at, updated_
 -- archived rows, as get_steps).
 SELECT s.run_id::text AS run_id, {step_columns_expr}
   FROM cyclone_steps s {step_limits_expr}
- WHERE s.run_id = ANY(%(ids)s::uuid[])
+ WHERE s.run_id = ANY(%(ids)s::uuid[]) AND s.map_node IS NULL
 UNION ALL
 SELECT s.run_id::text, {archived_step_columns_expr}
   FROM cyclone_steps_archive s
- WHERE s.run_id = ANY(ARRAY(SELECT unnest(%(ids)s::uuid[])
+ WHERE s.map_node IS NULL AND s.run_id = ANY(ARRAY(SELECT unnest(%(ids)s::uuid[])
                             EXCEPT SELECT h.run_id FROM cyclone_steps h WHERE h.run_id = ANY(%(ids)s::uuid[])))
  ORDER BY run_id, id;
 
@@ -1436,7 +1672,8 @@ AND (%(key)s::text IS NULL OR s.concurrency_key = %(key)s::text)
 
 -- name: list_runs
 -- Recent runs, newest first, that match runs_filter_expr and have a step that matches
--- steps_filter_expr (when a step, queue or key is asked for); archived runs too when
+-- steps_filter_expr (when a step, queue or key is asked for), each with the run that spawned
+-- it (parent_id) and its steps counted without a map's items; archived runs too when
 -- %(archived)s (an archived run finished after it was created: since also bounds its
 -- finished_at, which prunes the archive's partitions). The page is chosen first; then,
 -- for its rows only: how many steps, the concurrency keys of its steps (key), the limit
@@ -1445,7 +1682,7 @@ AND (%(key)s::text IS NULL OR s.concurrency_key = %(key)s::text)
 WITH page AS (
     SELECT u.*
       FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key,
-                    false AS archived
+                    false AS archived, r.parent_id
                FROM cyclone_runs r
               WHERE {runs_filter_expr}
                 AND (%(step)s::text IS NULL AND %(queue)s::text IS NULL AND %(key)s::text IS NULL
@@ -1453,7 +1690,8 @@ WITH page AS (
               ORDER BY r.created_at DESC, r.id DESC
               LIMIT %(limit)s)
             UNION ALL
-            (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key, true
+            (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.finished_at, r.idempotency_key, true,
+                    r.parent_id
                FROM cyclone_runs_archive r
               WHERE %(archived)s::boolean
                 AND {runs_filter_expr}
@@ -1470,10 +1708,12 @@ WITH page AS (
      LIMIT %(limit)s
 )
 SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.finished_at, p.archived,
+       p.parent_id::text AS parent_id,  -- the run that spawned it (ctx.spawn), or NULL
        CASE WHEN p.archived THEN
            (SELECT count(*) FROM cyclone_steps_archive s
-             WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at)
-       ELSE (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = p.id) END AS steps,
+             WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at
+               AND s.map_node IS NULL)
+       ELSE (SELECT count(*) FROM cyclone_steps s WHERE s.run_id = p.id AND s.map_node IS NULL) END AS steps,
        CASE WHEN p.archived THEN
            (SELECT string_agg(DISTINCT s.concurrency_key, ',') FROM cyclone_steps_archive s
              WHERE s.run_id = p.id AND s.run_state = p.state AND s.run_finished_at = p.finished_at
@@ -1756,9 +1996,12 @@ LIMIT %(limit)s::bigint + %(offset)s::bigint
 -- name: dash_runs
 -- One page of runs, newest first: optional state, name and created_at filters, a keyset
 -- cursor (created_at, id) of the last row seen, and an offset. The page is chosen first,
--- so the step counts are computed for its rows only (not for every row an offset skips).
--- Archived runs are listed too: each table's first rows of the page, merged.
+-- so the step counts are computed for its rows only (not for every row an offset skips; a
+-- map's items are counted, by state, with the other steps). Each row says the run that
+-- spawned it (parent_id). Archived runs are listed too: each table's first rows of the
+-- page, merged.
 SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.finished_at,
+       p.parent_id::text AS parent_id,
        CASE WHEN p.archived THEN
            (SELECT coalesce(jsonb_object_agg(x.state, x.n), '{}'::jsonb)
               FROM (SELECT s.state, count(*) AS n
@@ -1773,11 +2016,12 @@ SELECT p.id::text AS id, p.name, p.kind, p.state, p.created_at, p.updated_at, p.
                      GROUP BY s.state) x)
        END AS steps
   FROM (SELECT u.*
-          FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, false AS archived
+          FROM ((SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, false AS archived,
+                        r.parent_id
                    FROM cyclone_runs r
                  {dash_runs_page_expr})
                 UNION ALL
-                (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, true
+                (SELECT r.id, r.name, r.kind, r.state, r.created_at, r.updated_at, r.finished_at, true, r.parent_id
                    FROM cyclone_runs_archive r
                  {dash_runs_page_expr})) u
          ORDER BY u.created_at DESC, u.id DESC
@@ -1915,7 +2159,8 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS xmin,
 
 -- name: run_row_columns_expr
 -- (Fragment) the stored columns of a run row (cyclone_runs and cyclone_runs_archive).
-id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key
+id, name, kind, state, input, idempotency_key, created_at, updated_at, finished_at, trace, unique_key,
+parent_id, parent_node, parent_key
 
 -- name: step_row_columns_expr
 -- (Fragment) the stored columns of a step row (cyclone_steps and cyclone_steps_archive).
@@ -1923,7 +2168,8 @@ id, run_id, node, step_name, kind, depends_on, queue, priority, state, paused_fr
 reclaims, max_reclaims, timeout, timer_delay, due_at, scheduled_at, started_at, finished_at, lease_owner,
 lease_expiry, lease_generation, heartbeat_at, error, error_kind, errors, output, progress, backoff,
 concurrency_key, concurrency, rate_count, rate_period, memory_limit, cpu_limit, max_processes, max_open_files,
-dead_by, kill_within, start_delay, snoozes
+dead_by, kill_within, start_delay, snoozes, input, map_node, item, items_total, items_left, allow_failures,
+wait_spawned
 
 -- name: history_lock
 -- One supervisor at a time does history work: each of its transactions first takes this

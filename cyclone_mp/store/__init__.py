@@ -16,7 +16,8 @@ their locks and asks :mod:`cyclone_mp.decisions`.
   failure CAS, releases);
 - ``runs.py``: enqueue, the operator's actions and the reads of runs;
 - ``maintenance.py``: the recovery sweep, timers, schedules and the registry (with
-  their reads).
+  their reads);
+- ``maps.py``: a join's reads of the outputs of a map node's items.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..connections import (  # the connections and their errors, re-exported for
 from .base import AsyncStore, StoreBase, adrive, drive
 from .leases import LeaseQueries
 from .maintenance import MaintenanceQueries
+from .maps import MapQueries
 from .queries import (
     CANCEL_CHANNEL, FORENSIC_KEYS, INLINE_MAX, MIGRATION_LOCK, NOTIFY_CHANNEL, PARSE_CACHE_LENGTH, Q, FailedAttempt, NodeRow, Settled,
     limit_params, node_params, nullable_jsonb, to_us,
@@ -36,7 +38,7 @@ from .queries import (
 from .runs import RunQueries
 
 
-class Store(LeaseQueries, RunQueries, MaintenanceQueries, StoreBase):
+class Store(LeaseQueries, RunQueries, MaintenanceQueries, MapQueries, StoreBase):
     """Typed access to the cyclone tables over one autocommit connection.
 
     Methods that change several rows run in one transaction. All methods raise

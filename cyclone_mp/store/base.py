@@ -68,7 +68,9 @@ class StoreBase:
         (``plan_cache_mode = force_generic_plan``) instead of re-planning the many-CTE
         hot-path statements with each call's values: planning them cost more than running
         them (about half of a claim-and-complete). Only for
-        the supervisor's connection, whose statements all read by index whatever the values.
+        the supervisor's connection, whose statements all read by index whatever the values
+        (``enable_seqscan = off`` holds the plans to it, whatever the table's size when
+        they were made).
         ``idle_in_transaction``, ``lock_timeout``, ``statement_timeout`` (seconds): see
         :func:`configure_session`; ``dead_after``, ``connect_timeout``, ``application_name``,
         ``pgbouncer``, ``prepare``: see :func:`connect` (without prepared statements,

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from psycopg.types.json import Jsonb
 
 from ..connections import translate
 from ..protocol import DEFAULT_MAX_PAYLOAD, upstream_limit
+from .base import drive
 from .queries import FORENSIC_KEYS, INLINE_MAX, Q, FailedAttempt, Settled, nullable_jsonb, to_us
+
+if TYPE_CHECKING:
+    from ..spawning import SpawnPlan
 
 
 class LeaseQueries:
@@ -151,7 +155,10 @@ class LeaseQueries:
         """A claimed step's ``input`` and ``upstream`` as JSON text, and ``upstream_bytes``
         and ``upstream_outputs`` (the size of its upstream object and how many outputs it
         holds); ``upstream`` is None when the step has no upstream node or when the object
-        would be over ``max_upstream`` bytes (:func:`~cyclone_mp.protocol.upstream_limit`).
+        would be over ``max_upstream`` bytes (:func:`~cyclone_mp.protocol.upstream_limit`);
+        ``maps``: its upstream map nodes, ``[[node, items], ...]`` or None (their outputs are
+        read in pages: :meth:`map_outputs_page`); ``spawned``: for a step that waited for
+        the runs its upstream spawned, those runs as JSON text (``ctx.spawned``), else None.
         None when the step is gone. ``statement_timeout`` (seconds): the statement's own,
         in place of the session's (a write's bound: building a fan-in of hundreds of
         megabytes takes longer)."""
@@ -180,6 +187,7 @@ class LeaseQueries:
         kill_within: float = 0.0,
         start_now: int | None = None,
         workflows: bool = False,
+        spawns: dict[tuple[int, int], Sequence["SpawnPlan"]] | None = None,
     ) -> "Settled":
         """A tick's outcomes and the next claim in one statement (the hot path).
 
@@ -195,15 +203,20 @@ class LeaseQueries:
         steps of ``queues``/``names`` are claimed with a ``ttl``-second lease (``kill_within``
         and ``start_now`` as for :meth:`claim`). With
         ``workflows`` (some outcome belongs to a workflow run) the workflow runs of the
-        settled rows are advanced in the same transaction; otherwise it is one round
+        settled rows are advanced in the same transaction (a map's item only when it was
+        the map's last to end, or was discarded: the others count down their map row in
+        the statement, and leave the run as it is); otherwise it is one round
         trip and one commit. A tick without failures runs ``settle_completions``, the
         same statement without the failure CTEs (a smaller plan to start and run).
+        ``spawns``: per completion's lease, the runs its handler spawned
+        (:mod:`cyclone_mp.spawning`), inserted in the same transaction when its CAS held,
+        before the runs move on; a spawned single-step run that ended moves its parent on.
 
         Raises:
             DatabaseUnavailable, QueryRejected: see :func:`translate`.
         """
         statement = self._claim_statement("settle" if failures else "settle_completions", queues, limit)
-        with (self._tx() if workflows else self.conn.cursor()) as cur:
+        with (self._tx() if workflows or spawns else self.conn.cursor()) as cur:
             cur.execute(Q[statement], {
                 "owner": owner,
                 "ids": [i[0] for i in completions],
@@ -224,8 +237,20 @@ class LeaseQueries:
             })
             rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
-            for run_id in sorted({r["run_id"] for r in rows if r["what"] != "claimed" and r["run_kind"] == "workflow"}):
+            completed = {(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"}
+            from .. import operations, spawning  # (they import the store: here, not at the module's import)
+
+            for lease, plans in (spawns or {}).items():  # before the run moves on: a node may wait for them
+                if lease in completed:
+                    drive(cur, spawning.insert(plans))
+            for run_id in sorted({r["run_id"] for r in rows
+                                  if r["what"] in ("completed", "failed") and r["run_kind"] == "workflow"
+                                  and r["moves_run"] is not False}):
                 self._advance(cur, run_id)
+            for run_id in sorted({r["run_id"] for r in rows  # a spawned single-step run ended: its parent
+                                  if r["what"] in ("completed", "failed") and r["parent_id"] is not None
+                                  and r["run_kind"] == "step"}):
+                drive(cur, operations.advance_parent(run_id))
         failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
         return Settled(
             completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
@@ -238,12 +263,14 @@ class LeaseQueries:
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
-                 workflows: bool = True) -> set[tuple[int, int]]:
+                 workflows: bool = True,
+                 spawns: dict[tuple[int, int], Sequence["SpawnPlan"]] | None = None) -> set[tuple[int, int]]:
         """Success CASes for ``(id, generation, output, progress)`` items (:meth:`settle`
-        without failures or claim); returns the ``(id, generation)`` leases whose CAS held."""
+        without failures or claim, with its ``spawns``); returns the ``(id, generation)``
+        leases whose CAS held."""
         if not items:
             return set()
-        return self.settle(owner=owner, completions=items, workflows=workflows).completed
+        return self.settle(owner=owner, completions=items, workflows=workflows, spawns=spawns).completed
 
     def fail_many(self, *, owner: str, items: Sequence["FailedAttempt"],
                   workflows: bool = False) -> set[tuple[int, int]]:

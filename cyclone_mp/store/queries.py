@@ -147,6 +147,8 @@ class NodeRow:
     concurrency_key: str = ""  # its fairness and limit group ('' for none)
     concurrency: int | None = None  # at most this many running per (step, key)
     rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
+    allow_failures: bool | None = None  # map nodes: discarded items do not discard the map
+    wait_spawned: bool | None = None  # pending until the runs its dependencies spawned have ended
 
     @functools.cached_property
     def enqueue_params(self) -> dict[str, Any]:

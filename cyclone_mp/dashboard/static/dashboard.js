@@ -218,7 +218,9 @@
       var chips = STEP_STATES.filter(function (st) { return r.steps[st]; }).map(function (st) {
         return h("span", {"class": "chip s-" + st, title: st}, r.steps[st] + " " + st);
       });
-      return h("tr", {"data-run": r.id}, td(runLink(r.id)), td(r.name), td(r.kind), td(badge(r.state)),
+      return h("tr", {"data-run": r.id}, td(runLink(r.id)),
+        td([r.name, r.parent_id ? [" ", h("span", {"class": "muted sub"}, "spawned by ", runLink(r.parent_id))] : null]),
+        td(r.kind), td(badge(r.state)),
         td(chips, "steps"), td(when(r.created_at)), td(when(r.finished_at)));
     });
     fill("runs-rows", rows.length ? rows : [emptyRow(7, "no runs match")]);
@@ -257,7 +259,8 @@
       return h("tr", {"data-node": st.name},
         td([h("strong", {}, st.name), st.step_name && st.step_name !== st.name ?
           [" ", h("span", {"class": "muted"}, "(" + st.step_name + ")")] : null, h("div", {"class": "muted sub"}, sub),
-          st.limits ? h("div", {"class": "muted sub limits"}, st.limits) : null]),
+          st.limits ? h("div", {"class": "muted sub limits"}, st.limits) : null,
+          st.items_summary ? h("div", {"class": "sub items"}, st.items_summary) : null]),
         td([badge(st.state), st.paused_from ? [" ", h("span", {"class": "muted"}, "from " + st.paused_from)] : null]),
         td(st.attempt_shown + "/" + st.max_attempts, "num"),
         td(st.reclaims + (st.max_reclaims !== null && st.max_reclaims !== undefined ? "/" + st.max_reclaims : ""), "num"),
