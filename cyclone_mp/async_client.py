@@ -38,7 +38,7 @@ from .planning import ClientBase
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, check_name
 from .store import AsyncStore
-from .waiting import AsyncWaiter, areread, result_of
+from .waiting import MAP_PAGE, AsyncWaiter, areread, map_output, needs_map_outputs, result_of, with_outputs
 from .workflow import Workflow
 
 
@@ -311,7 +311,18 @@ class AsyncClient(ClientBase):
 
     async def result(self, run_id: str, timeout: Duration | None = None) -> Any:
         """:meth:`Client.result <cyclone_mp.Client.result>`, awaitable."""
-        return result_of(await self.wait(run_id, timeout))
+        status = await self.wait(run_id, timeout)
+        outputs = {}
+        for node in needs_map_outputs(status):
+            out, after = [], -1
+            while True:
+                page = await self.map_items(status.id, node, after=after, limit=MAP_PAGE)
+                out += map_output(page)
+                if len(page) < MAP_PAGE:
+                    break
+                after = page[-1].item
+            outputs[node] = out
+        return result_of(with_outputs(status, outputs))
 
     async def cancel(self, run_id: str) -> int:
         """:meth:`Client.cancel <cyclone_mp.Client.cancel>`, awaitable."""

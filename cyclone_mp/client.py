@@ -38,7 +38,7 @@ from .schedules import ACTIVE_WITHIN
 from .status import RunStatus, StepStatus
 from .steps import Mux, Step, check_name
 from .store import Store
-from .waiting import Waiter, reread, result_of
+from .waiting import MAP_PAGE, Waiter, map_output, needs_map_outputs, reread, result_of, with_outputs
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
@@ -514,7 +514,9 @@ class Client(ClientBase):
 
     def result(self, run_id: str, timeout: Duration | None = None) -> Any:
         """:meth:`wait` for the run, then return its output: a single-step run's output, or
-        a workflow's ``{node: output}``.
+        a workflow's ``{node: output}``, where a map node's output (``wf.map``, SPEC 10) is
+        the list of its items' outputs in item order (an :class:`~cyclone_mp.mapped.ItemFailed`
+        for an item discarded under ``allow_failures``), read from its items in pages.
 
         Raises:
             RunNotFound: no run has that id.
@@ -522,7 +524,20 @@ class Client(ClientBase):
             RunFailed: the run was discarded (``.status`` has every step's errors).
             RunCancelled: the run was cancelled.
         """
-        return result_of(self.wait(run_id, timeout))
+        status = self.wait(run_id, timeout)
+        return result_of(with_outputs(status, {node: self._map_output(status.id, node)
+                                               for node in needs_map_outputs(status)}))
+
+    def _map_output(self, run_id: str, node: str) -> list[Any]:
+        """A completed map node's output: its items' outputs in item order, read a page at a time."""
+        out: list[Any] = []
+        after = -1
+        while True:
+            page = self.map_items(run_id, node, after=after, limit=MAP_PAGE)
+            out += map_output(page)
+            if len(page) < MAP_PAGE:
+                return out
+            after = page[-1].item
 
     def _status_within(self, run_id: str, within: float) -> RunStatus:
         """:meth:`status`, answered within ``within`` seconds (else DatabaseStalled)."""

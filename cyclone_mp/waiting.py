@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import threading
@@ -32,7 +33,8 @@ import psycopg
 from . import operations
 from .connections import aanswered_within, answered_within, connect, tcp_bounds
 from .errors import CycloneError, DatabaseError, DatabaseStalled, RunCancelled, RunFailed, WaitTimeout
-from .status import TERMINAL_RUN_STATES, RunStatus
+from .mapped import ItemFailed
+from .status import TERMINAL_RUN_STATES, RunStatus, StepStatus
 from .store import AsyncStore, Store
 
 log = logging.getLogger("cyclone_mp.client")
@@ -70,6 +72,33 @@ def outputs(status: RunStatus) -> Any:
     if status.kind == "step":
         return status.step.output
     return {name: step.output for name, step in status.steps.items()}
+
+
+MAP_PAGE = 10_000  # items read per statement when a map node's outputs are gathered for client.result
+
+
+def map_output(items: list[StepStatus]) -> list[Any]:
+    """A map node's output from its items (in item order): each completed item's output,
+    and an :class:`~cyclone_mp.mapped.ItemFailed` for one discarded under ``allow_failures``."""
+    return [item.output if item.state == "completed" else ItemFailed(item.item, item.error, item.error_kind)
+            for item in items]
+
+
+def needs_map_outputs(status: RunStatus) -> list[str]:
+    """The map nodes of a completed run, whose output (the list of their items' outputs,
+    SPEC 10) is read from the items rather than stored on the node."""
+    if status.state != "completed":
+        return []
+    return [name for name, step in status.steps.items() if step.kind == "map" and step.output is None]
+
+
+def with_outputs(status: RunStatus, outputs_by_node: dict[str, list[Any]]) -> RunStatus:
+    """``status`` with each map node's output given."""
+    if not outputs_by_node:
+        return status
+    steps = {name: dataclasses.replace(step, output=outputs_by_node[name]) if name in outputs_by_node else step
+             for name, step in status.steps.items()}
+    return dataclasses.replace(status, steps=steps)
 
 
 def result_of(status: RunStatus) -> Any:

@@ -63,6 +63,29 @@ def test_map_runs_each_item_once_and_the_join_sees_outputs_in_order(cyclone_env,
     assert [(i.name, i.item, i.kind, i.output) for i in items[:2]] == [("square[0]", 0, "item", 0), ("square[1]", 1, "item", 1)]
     more = env.client().map_items(run_id, "square", after=items[-1].item, limit=100)
     assert [i.item for i in more] == list(range(10, 25))
+    # client.result: the map node's output is the list of its items' outputs, in item order (SPEC 10)
+    result = env.client().result(run_id)
+    assert result["square"] == [i * i for i in range(25)] and result["total"]["count"] == 25
+
+
+def test_result_reads_a_big_maps_output_in_pages_sync_and_async(cyclone_env, monkeypatch):
+    import asyncio
+
+    from cyclone_mp import AsyncClient, client, async_client
+
+    monkeypatch.setattr(client, "MAP_PAGE", 7)
+    monkeypatch.setattr(async_client, "MAP_PAGE", 7)
+    env = cyclone_env
+    run_id = env.enqueue(mh.squares, {"n": 30})
+    env.start_worker()
+    assert env.run_until_complete(run_id, timeout=30).state == "completed"
+    assert env.client().result(run_id)["square"] == [i * i for i in range(30)]
+
+    async def read():
+        async with AsyncClient(env.dsn) as aclient:
+            return await aclient.result(run_id)
+
+    assert asyncio.run(read())["square"] == [i * i for i in range(30)]
 
 
 def test_an_output_that_is_not_a_list_discards_the_run_with_a_clear_error(cyclone_env):
@@ -124,6 +147,9 @@ def test_allow_failures_lets_the_join_see_each_failed_item(cyclone_env, tmp_path
     assert run.steps["square"].items == {"total": 5, "completed": 3, "discarded": 2}
     out = run.steps["total"].output
     assert (out["count"], out["failed"], out["sum"]) == (5, [1, 3], 0 + 4 + 16)
+    listed = env.client().result(run_id)["square"]
+    assert [x if not isinstance(x, cy.ItemFailed) else ("failed", x.item) for x in listed] == [
+        0, ("failed", 1), 4, ("failed", 3), 16]
 
 
 def test_cancel_mid_map_cancels_every_item_and_kills_the_deaf_ones_after_kill_grace(cyclone_env_factory, tmp_path):
