@@ -663,8 +663,9 @@ def test_max_processes_holds_a_fork_bomb(cyclone_env_factory, tmp_path, mechanis
 
 def test_max_processes_names_a_fork_burst_no_look_saw(cyclone_env_factory, tmp_path, mechanism):
     """A step that forks 10 sleeping processes at once under ``max_processes=4`` and
-    returns before the 50 ms sampling looks: with a pids cgroup the kernel refuses the
-    fork past the cap; without one (root: no rlimit binds it) the child counts its tree
+    returns before the 50 ms sampling looks: with a pids cgroup, or as an ordinary user
+    (RLIMIT_NPROC in the child's user namespace), the kernel refuses the fork past the
+    cap; without either (root: no rlimit binds it) the child counts its tree
     as the handler ends, and the attempt fails with ``process_limit`` all the same,
     instead of completing with 10 processes."""
     env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5)
@@ -678,6 +679,9 @@ def test_max_processes_names_a_fork_burst_no_look_saw(cyclone_env_factory, tmp_p
     forked = [w for w in lines(log) if w[0] == "forked"]
     if expect(mechanism).kernel_process_cap:
         assert len(forked) <= 3, forked  # the runner is one of 4
+    elif expect(mechanism).userns_processes:  # an ordinary user: RLIMIT_NPROC refuses the fork past the cap
+        assert len(forked) <= 4, forked
+        assert entry["enforced_by"] == expect(mechanism).processes and entry["tree"]["processes"] <= 5, entry
     else:
         assert entry["enforced_by"] == "sampling" and entry["tree"]["processes"] > 4, entry
         assert "over the cap as its handler ended" in entry["message"] or entry["killed_by_supervisor"], entry
