@@ -47,7 +47,8 @@ from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .steps import Mux
 from .sweep import Maintenance, Sweeper
 from .health import DatabaseProbe, liveness, readiness
-from .telemetry import Observer, Probes, Stats, supervisor_observer
+from .observers import supervisor_observer
+from .telemetry import Observer, Probes, Stats
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -64,7 +65,7 @@ class Supervisor:
         metrics_port: serve Prometheus metrics on this port (0: any free one); None: none.
         metrics_host: the address the metrics bind (default ``127.0.0.1``).
         metrics_token: the bearer token a scrape must carry, or None.
-        observer: what the parts report to (default: :func:`~cyclone_mp.telemetry.supervisor_observer`).
+        observer: what the parts report to (default: :func:`~cyclone_mp.observers.supervisor_observer`).
         clock: local monotonic clock in seconds (injectable; only schedules work).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` only.
         dedicated: this process runs only the supervisor (``client.run()``, ``cyclone-mp
