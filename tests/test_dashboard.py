@@ -37,7 +37,8 @@ from starlette.testclient import TestClient
 import cyclone_mp as cy
 from cyclone_mp.dashboard import create_app
 from cyclone_mp.dashboard.params import BadRequest, RunQuery, decode_cursor, encode_cursor
-from cyclone_mp.dashboard.views import chart, graph_layout
+from cyclone_mp.dashboard.charts import chart
+from cyclone_mp.dashboard.views import graph_layout
 from cyclone_mp.store import connect
 from cyclone_mp.testing import Env
 

@@ -32,7 +32,8 @@ from ..errors import (ConfigurationError, CycloneError, DatabaseError, InvalidTr
                       RunNotFound)
 from . import params as P
 from .security import CSRF_FIELD, CSRF_HEADER, Guard, csrf_cookie, csrf_problem, csrf_token, wants_json
-from .views import Dashboard, chart, parse_payload
+from .charts import chart
+from .views import Dashboard, parse_payload
 
 log = logging.getLogger("cyclone_mp.dashboard")
 
