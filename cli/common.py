@@ -1,5 +1,6 @@
-"""What the ``cyclone-mp`` commands share (:mod:`main` and :mod:`runs`): the global
-options and the client and console made from them."""
+"""What the ``cyclone-mp`` commands share (:mod:`main`, :mod:`runs`, :mod:`submit` and
+:mod:`local`): the global options, the client and console made from them, the user's
+app loaded from its ``APP`` argument, and the database named without its password."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import dataclasses
 from typing import Any
 
 import click
+
+from cyclone_mp.apps import load_app
+from cyclone_mp.client import Client
+from cyclone_mp.connections import redact
+from cyclone_mp.errors import ConfigurationError
 
 from . import render
 
@@ -27,8 +33,6 @@ def current_settings() -> Settings:
 
 def make_client(mux: Any = None, **options: Any) -> Any:
     """A Client on the global ``--dsn`` (None: the embedded default server)."""
-    from cyclone_mp.client import Client
-
     settings = current_settings()
     return Client(settings.dsn, mux, **settings.connection, **options)
 
@@ -36,3 +40,17 @@ def make_client(mux: Any = None, **options: Any) -> Any:
 def out() -> Any:
     """The console the commands print to (:func:`render.console`)."""
     return render.console()
+
+
+def load_app_or_fail(app: str) -> Any:
+    """Import APP (``module:attribute``, :func:`cyclone_mp.apps.load_app`); a failure is
+    bad usage (exit 2) naming the APP."""
+    try:
+        return load_app(app)
+    except ConfigurationError as exc:
+        raise click.BadParameter(str(exc).replace("cannot load APP ", "", 1), param_hint="APP") from exc
+
+
+def describe_dsn(dsn: str) -> str:
+    """What the worker and dashboard banners say about the database (never a password)."""
+    return redact(dsn) if dsn else "from libpq's environment (PGHOST, PGSERVICE, ...)"

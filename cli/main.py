@@ -4,8 +4,9 @@ A thin layer: each command parses its options, sets up logging, calls one librar
 function (a :class:`cyclone_mp.Client` method, :func:`cyclone_mp.apps.load_app`, the
 embedded server, :func:`cyclone_mp.demo.run_demo`) and prints the result with
 :mod:`render`. No SQL and no process logic live here. The commands that read runs and
-act on them are in :mod:`runs`; what the commands share (the global options, the client
-made from them) is :mod:`common`.
+act on them are in :mod:`runs`, ``enqueue`` in :mod:`submit`, ``db``, ``demo`` and
+``dashboard`` in :mod:`local`; what the commands share (the global options, the client
+made from them) is :mod:`common`. This module holds the group, ``worker`` and ``migrate``.
 
 Exit codes: 0 ok; 1 the run or the command failed (unreachable database, unknown run
 id, a run that did not complete); 2 bad usage (malformed JSON, unknown step name, an
@@ -25,23 +26,21 @@ import traceback
 from typing import Any, NoReturn
 
 import click
+from click.core import ParameterSource
 
 from cyclone_mp.config import PREFETCH_DEFAULT, START_METHODS
 from cyclone_mp.connections import redact
-from cyclone_mp.errors import (
-    ConfigurationError, CycloneError, PayloadError, UnknownStep, WaitTimeout,
-)
-from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
-from cyclone_mp.waiting import timeout_message
+from cyclone_mp.errors import ConfigurationError, CycloneError, PayloadError, UnknownStep
+from cyclone_mp.procs import holds_password
+from cyclone_mp.steps import INT_MAX
 
-from . import render, runs
-from .common import Settings, current_settings, make_client, out
+from . import local, render, runs, submit
+from .common import Settings, describe_dsn, load_app_or_fail, make_client
 from .drain import DrainReporter
-from .params import BACKOFF, BYTES, DURATION_OR_NEVER, JSON, POLL, RATE, SECONDS, Seconds
+from .params import BYTES, DURATION_OR_NEVER, POLL, SECONDS
 
 USAGE_ERRORS = (UnknownStep, PayloadError, ConfigurationError)  # the caller's input is wrong: exit 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-WAIT_REFRESH = 0.25  # seconds between refreshes of enqueue --wait's live view (the end itself wakes it at once)
 
 
 class LibraryUsageError(click.UsageError):
@@ -63,16 +62,6 @@ class CycloneGroup(click.Group):
             if isinstance(exc, USAGE_ERRORS):
                 raise LibraryUsageError(message, ctx) from exc
             raise LibraryError(message) from exc
-
-
-def _load(app: str) -> Any:
-    """Import APP; a failure is bad usage (exit 2) naming the APP."""
-    from cyclone_mp.apps import load_app
-
-    try:
-        return load_app(app)
-    except ConfigurationError as exc:
-        raise click.BadParameter(str(exc).replace("cannot load APP ", "", 1), param_hint="APP") from exc
 
 
 # -- the group ---------------------------------------------------------------------------------------
@@ -131,10 +120,6 @@ def _choose_dsn(ctx: click.Context, dsn: str | None, dsn_file: str | None) -> st
     own variables) when one of :data:`LIBPQ_SERVER_ENV` is set, else None (the embedded
     server). A password given on the command line gets one warning line, and a
     long-lived command is run again without it (:func:`_hide_dsn`)."""
-    from click.core import ParameterSource
-
-    from cyclone_mp.procs import holds_password
-
     on_command_line = ctx.get_parameter_source("dsn") == ParameterSource.COMMANDLINE
     if dsn_file and ctx.get_parameter_source("dsn_file") == ParameterSource.COMMANDLINE and on_command_line and dsn:
         raise click.UsageError("give --dsn or --dsn-file, not both", ctx)
@@ -186,11 +171,6 @@ def _hide_dsn(dsn: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv[:len(sys.orig_argv) - len(args)]) + kept, env)
-
-
-def describe_dsn(dsn: str) -> str:
-    """What the worker and dashboard banners say about the database (never a password)."""
-    return redact(dsn) if dsn else "from libpq's environment (PGHOST, PGSERVICE, ...)"
 
 
 # -- worker, migrate ---------------------------------------------------------------------------------
@@ -257,7 +237,7 @@ def worker(app: str, workers: int, lease_ttl: float, kill_grace: float, shutdown
     in-flight steps finish for up to --shutdown-grace; the worker says which steps it
     waits for), a second one stops hard. Exits 0 after a drain.
     """
-    mux = _load(app)
+    mux = load_app_or_fail(app)
     client = make_client(mux, workers=workers, lease_ttl=lease_ttl, kill_grace=kill_grace,
                          shutdown_grace=shutdown_grace, max_reclaims=max_reclaims, queues=list(queues) or None,
                          poll_interval=poll_interval, max_steps_per_child=max_steps_per_child,
@@ -327,285 +307,11 @@ def migrate() -> None:
     click.echo(f"applied {', '.join(applied)}" if applied else "schema up to date")
 
 
-# -- enqueue -------------------------------------------------------------------------------------------
+# -- the commands of runs.py, submit.py and local.py ----------------------------------------------------
 
 
-@cli.command()
-@click.argument("app")
-@click.argument("name")
-@click.option("--input", "input_", type=JSON, default=None, metavar="JSON|@FILE",
-              help="The run's input: JSON, @file.json, or @- for stdin [default: null].")
-@click.option("--timeout", type=SECONDS, default=None, help="Seconds per attempt (overrides the step's).")
-@click.option("--max-attempts", type=click.IntRange(1, INT_MAX), default=None, help="Attempts before discard.")
-@click.option("--max-reclaims", type=click.IntRange(0, INT_MAX), default=None,
-              help="Lease expiries (crashes) reclaimed before discard (overrides the step's).")
-@click.option("--backoff", type=BACKOFF, default=None,
-              help="Seconds before each retry: one for all, or one per failed attempt, e.g. 1s,10s,1m "
-                   "(the last repeats; overrides the step's).")
-@click.option("--queue", default=None, metavar="NAME",
-              help=f"Queue (overrides the step's); at most {MAX_NAME_LENGTH} characters.")
-@click.option("--priority", type=click.IntRange(INT_MIN, INT_MAX), default=None,
-              help="Priority; lower runs first (overrides the step's).")
-@click.option("--delay", type=SECONDS, default=None, help="Seconds before the first claim.")
-@click.option("--idempotency-key", default=None, metavar="KEY", help="Return the existing run for this key.")
-@click.option("--concurrency-key", default=None, metavar="KEY",
-              help="The run's key: its queue serves keys round-robin, limits count per key (overrides the step's).")
-@click.option("--concurrency", type=click.IntRange(1, INT_MAX), default=None,
-              help="At most this many running at once per (step, key) (overrides the step's).")
-@click.option("--rate-limit", type=RATE, default=None,
-              help="At most COUNT starts per SECONDS per (step, key), e.g. 10/1s (overrides the step's).")
-@click.option("--wait", is_flag=True, help="Show live progress until the run ends; exit 1 unless it completed.")
-@click.option("--wait-timeout", type=SECONDS, default=None, help="With --wait: give up after these seconds (exit 1).")
-@click.option("--memory-limit", type=BYTES, default=None, metavar="SIZE",
-              help="Memory cap of each attempt's whole process tree, e.g. 512M (overrides the step's).")
-@click.option("--cpu-limit", type=SECONDS, default=None, help="CPU seconds of each attempt's tree (overrides the step's).")
-@click.option("--max-processes", type=click.IntRange(1, 1 << 22), default=None,
-              help="Processes of each attempt's tree at once (overrides the step's).")
-@click.option("--max-open-files", type=click.IntRange(1, 1 << 22), default=None,
-              help="Descriptors each process of the tree may open (overrides the step's).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (the run id, or with --wait the final status).")
-def enqueue(app: str, name: str, input_: Any, timeout: float | None, max_attempts: int | None,
-            max_reclaims: int | None, backoff: float | list[float] | None, queue: str | None, priority: int | None, delay: float | None,
-            idempotency_key: str | None, concurrency_key: str | None, concurrency: int | None,
-            rate_limit: tuple[int, float] | None, wait: bool, wait_timeout: float | None, memory_limit: int | None,
-            cpu_limit: float | None, max_processes: int | None, max_open_files: int | None, as_json: bool) -> None:
-    """Enqueue a run of step or workflow NAME registered in APP; print its run id."""
-    if wait_timeout is not None and not wait:
-        raise click.UsageError("--wait-timeout needs --wait")
-    mux = _load(app)
-    mux.lookup(name)  # an unknown name is bad usage, before touching the database
-    client = make_client(mux)
-    try:
-        client.migrate()
-        run_id = client.enqueue(name, input_, timeout=timeout, max_attempts=max_attempts,
-                                max_reclaims=max_reclaims, backoff=backoff, queue=queue, priority=priority,
-                                delay=delay,
-                                idempotency_key=idempotency_key, concurrency_key=concurrency_key,
-                                concurrency=concurrency, rate_limit=rate_limit, memory_limit=memory_limit,
-                                cpu_limit=cpu_limit, max_processes=max_processes, max_open_files=max_open_files)
-        if not wait:
-            render.print_json({"run_id": run_id}) if as_json else click.echo(run_id)
-            return
-        if not as_json:
-            click.echo(run_id)
-        _warn_unserved(client, client.status(run_id), app)
-        status = _wait(client, run_id, wait_timeout, live=not as_json)
-    finally:
-        client.close()
-    if as_json:
-        render.print_json(status.to_dict())
-    else:
-        took = (status.finished_at - status.created_at).total_seconds() if status.finished_at else None
-        click.echo(f"run {run_id} {status.state}" + (f" in {took:.2f}s" if took is not None else ""))
-        for step in status.steps.values():
-            if step.state == "completed" and step.output is not None:
-                click.echo(f"output[{step.name}]: {render.dumps(step.output, indent=None)}")
-            elif step.error or step.error_kind:
-                click.echo(f"{step.name}: {step.state} ({step.error_kind}): {render.short(render.last_error(step), 200)}",
-                           err=True)
-    if status.state != "completed":
-        click.get_current_context().exit(1)
-
-
-def _warn_unserved(client: Any, status: Any, app: str) -> None:
-    """Say at once (one line per queue, on stderr) when no live supervisor serves a step
-    of the run: the wait would otherwise last until one starts, in silence."""
-    by_queue: dict[str, list[str]] = {}
-    for step in client.unserved_steps(status):
-        by_queue.setdefault(step.queue, []).append(step.step_name or step.name)
-    for queue, names in by_queue.items():
-        option = "" if queue == "default" else f" --queue {queue}"
-        steps = ", ".join(sorted(set(names)))
-        click.echo(f"Warning: no live supervisor serves queue {queue!r} with step {steps} (none runs it there); "
-                   f"the run waits until one starts: cyclone-mp worker {app}{option}", err=True)
-
-
-def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any:
-    """``client.wait`` for the run (woken by LISTEN/NOTIFY when it ends), showing a live
-    view on stderr refreshed from ``client.status`` every WAIT_REFRESH seconds."""
-    from rich.live import Live
-
-    start = time.monotonic()
-    con = render.console(stderr=True)
-    status = client.status(run_id)
-    view = Live(render.wait_view(status, 0.0), console=con, refresh_per_second=8, transient=False) if live else None
-    try:
-        if view is not None:
-            view.start()
-        while not status.terminal:
-            left = None if timeout is None else timeout - (time.monotonic() - start)
-            if left is not None and left <= 0:
-                break
-            try:
-                status = client.wait(run_id, timeout=WAIT_REFRESH if left is None else min(WAIT_REFRESH, left))
-            except WaitTimeout:
-                status = client.status(run_id)  # the progress to show
-            if view is not None:
-                view.update(render.wait_view(status, time.monotonic() - start))
-    except KeyboardInterrupt:
-        if view is not None:
-            view.stop()
-        raise click.ClickException(f"stopped waiting; run {run_id} goes on (cyclone-mp status {run_id})") from None
-    finally:
-        if view is not None:
-            view.stop()
-            if not con.is_terminal:
-                con.line()  # a non-terminal Live leaves its last frame without a newline
-    if not status.terminal:
-        raise click.ClickException(timeout_message(run_id, status, timeout))
-    return status
-
-
-# -- read commands and operator actions: runs.py ----------------------------------------------------
-
-
-for _command in runs.COMMANDS:  # status, runs, schedules, workers, and the operator's actions on a run
+for _command in (*runs.COMMANDS, *submit.COMMANDS, *local.COMMANDS):  # each module's commands
     cli.add_command(_command)
-
-
-# -- the embedded server --------------------------------------------------------------------------------
-
-
-@cli.group()
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-              help="The cluster directory [default: $CYCLONE_EMBEDDED_DATA_DIR, else the per-user default].")
-@click.pass_context
-def db(ctx: click.Context, data_dir: str | None) -> None:
-    """Manage the embedded PostgreSQL server (the default when --dsn is not given).
-
-    It is shared by every process (as root: every user) that uses the default; nothing
-    but `db stop` stops it."""
-    from cyclone_mp.embedded import EmbeddedServer, default_server
-
-    ctx.obj = default_server() if data_dir is None else EmbeddedServer(data_dir)
-
-
-def _server() -> Any:
-    from cyclone_mp.embedded import EmbeddedServer
-
-    return click.get_current_context().find_object(EmbeddedServer)
-
-
-@db.command("start")
-def db_start() -> None:
-    """Start the server (initialising it the first time); print its URI."""
-    click.echo(_server().start())
-
-
-@db.command("stop")
-def db_stop() -> None:
-    """Stop the server, ending every session connected to it (workers reconnect once it
-    is started again). Nothing else stops it: not the demo, not a worker."""
-    server = _server()
-    sessions = server.sessions() if server.is_running() else None
-    if not server.stop():
-        click.echo("not running")
-        return
-    ended = "" if sessions is None else f" (ended {sessions} connected session{'s' if sessions != 1 else ''})"
-    click.echo("stopped" + ended)
-
-
-@db.command("status")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def db_status(as_json: bool) -> None:
-    """Show whether the server runs, its pid, data directory and URI."""
-    info = _server().status()
-    render.print_json(info) if as_json else render.print_db_status(out(), info)
-
-
-@db.command("uri")
-def db_uri() -> None:
-    """Print the server's connection URI (fails when it is not running)."""
-    click.echo(_server().uri())
-
-
-# -- demo -----------------------------------------------------------------------------------------------
-
-
-@cli.command()
-@click.option("--cpu-steps", type=click.IntRange(1, 1000), default=24, show_default=True,
-              help="CPU-bound steps to run besides the three bad ones.")
-@click.option("--keep", is_flag=True,
-              help="Keep the demo's data (its own database on the embedded server, or its runs in --dsn) "
-                   "instead of removing it at the end.")
-@click.option("--wide", is_flag=True, help="Every column, however narrow the terminal.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def demo(cpu_steps: int, keep: bool, wide: bool, as_json: bool) -> None:
-    """Run a CPU-bound workload with a wedged, a crashing and a grandchild-spawning
-    handler on 2 children, then show what happened. Exits 0 when everything ended as
-    expected and no process is left behind.
-
-    On the embedded server the demo uses a database of its own, dropped at the end
-    (--keep keeps it); the server itself is left running for the next commands and for
-    anyone else using it (`cyclone-mp db stop` stops it)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from cyclone_mp.demo import run_demo
-
-    if current_settings().verbose == 0:
-        logging.getLogger("cyclone_mp").setLevel(logging.ERROR)  # the demo's kills are expected
-    progress = None if as_json else Progress(
-        SpinnerColumn(), TextColumn("[bold]demo"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.description}"), console=render.console(stderr=True), transient=True,
-    )
-    task = progress.add_task("starting", total=None) if progress is not None else None
-
-    def tick(done: int, total: int, states: dict[str, int], elapsed: float) -> None:
-        if progress is not None and task is not None:
-            text = " · ".join(f"{state} {n}" for state, n in sorted(states.items()))
-            progress.update(task, completed=done, total=total, description=text)
-
-    if progress is not None:
-        progress.start()
-    try:
-        report = run_demo(current_settings().dsn, cpu_steps=cpu_steps, keep=keep, on_tick=tick)
-    finally:
-        if progress is not None:
-            progress.stop()
-    if as_json:
-        render.print_json(report.to_dict())
-    else:
-        render.print_demo(out(), report, wide=wide)
-    if not report.ok:
-        click.get_current_context().exit(1)
-
-
-# -- dashboard ------------------------------------------------------------------------------------------
-
-
-@cli.command()
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on. Anything but loopback needs --token.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8777, show_default=True,
-              help="Port to listen on (0: any free port; the URL is printed).")
-@click.option("--token", envvar="CYCLONE_DASHBOARD_TOKEN", default=None, metavar="TOKEN",
-              help="Require this token on every request [env CYCLONE_DASHBOARD_TOKEN]: "
-                   "'Authorization: Bearer TOKEN', or open the URL once with ?token=TOKEN.")
-@click.option("--refresh", type=Seconds(most=3600), default=None, metavar="SECONDS",
-              help="Seconds between a page's refreshes from the API, up to an hour (0: pages do not "
-                   "refresh themselves). [default: 2]")
-def dashboard(host: str, port: int, token: str | None, refresh: float | None) -> None:
-    """Serve the web dashboard: counts, throughput, supervisors and their children,
-    recent kills, runs, each run's attempts and forensics, and operator actions.
-    Its JSON API is under /api/ (OpenAPI at /api/openapi.json). Runs until Ctrl-C or
-    SIGTERM, then says "stopped" and exits 0."""
-    try:
-        from cyclone_mp.dashboard import check_bind, serve
-    except ImportError as exc:
-        raise click.ClickException(
-            f"the dashboard needs its extra: pip install 'cyclone-mp[dashboard]' (missing: {exc.name})") from exc
-    check_bind(host, token or None)  # before touching the database: a refusal needs none
-    client = make_client()
-    try:
-        client.migrate()
-        serve(client, host=host, port=port, token=token or None, refresh=refresh,
-              on_ready=lambda url: click.echo(f"cyclone-mp dashboard: {url} (database {describe_dsn(client.dsn)}; "
-                                              "Ctrl-C stops)", err=True))
-    except KeyboardInterrupt:  # (a Ctrl-C before the server's start): stopped all the same
-        pass
-    finally:
-        client.close()
-    click.echo("cyclone-mp dashboard: stopped", err=True)  # how a dashboard is meant to stop: exit 0
 
 
 # -- entry point ------------------------------------------------------------------------------------------
