@@ -17,6 +17,8 @@ so a child process starts fast.
 
 from __future__ import annotations
 
+import importlib
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: a child starts faster
 
 if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run time
@@ -73,7 +75,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'cyclone_mp' has no attribute {name!r}")
-    import importlib
 
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value

@@ -178,8 +178,8 @@ class Context:
                 of at most 200 characters or was used already in this attempt, an input
                 that is not JSON.
         """
-        import json
-        import uuid
+        import json  # lazy: this module is on the child's start-up path, kept light
+        import uuid  # lazy: as json
 
         name = step if isinstance(step, str) else getattr(step, "name", None)
         if not isinstance(name, str) or not name:
@@ -192,7 +192,7 @@ class Context:
         if any(s["key"] == key for s in self.spawns):
             raise ConfigurationError(f"ctx.spawn: key {key!r} was used already in this attempt")
         if hasattr(type(input), "__dataclass_fields__") and not isinstance(input, type):
-            import dataclasses
+            import dataclasses  # lazy: on the child's start-up path (dataclasses imports inspect)
 
             input = dataclasses.asdict(input)
         elif hasattr(input, "model_dump") and callable(input.model_dump):

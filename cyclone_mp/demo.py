@@ -224,7 +224,7 @@ def _grandchild_pids(statuses: list[RunStatus]) -> list[int]:
 
 
 def _alive(pids: list[int]) -> list[int]:
-    import psutil
+    import psutil  # lazy: children import demo for its handlers
 
     return [pid for pid in pids if psutil.pid_exists(pid)]
 
@@ -232,9 +232,9 @@ def _alive(pids: list[int]) -> list[int]:
 def _leftover_processes(supervisor_id: str | None) -> list[int]:
     """Pids of processes this demo left behind: any process carrying our supervisor's
     marker, and any descendant of this process."""
-    import psutil
+    import psutil  # lazy: children import demo for its handlers
 
-    from .procs import MARKER_ENV
+    from .procs import MARKER_ENV  # lazy: children import demo for its handlers
 
     left: set[int] = set()
     with contextlib.suppress(psutil.Error):
@@ -312,9 +312,9 @@ DEMO_DB_PREFIX = "cyclone_demo_"  #: databases the demo makes on the embedded se
 def _drop_stale_demo_databases(admin_dsn: str) -> None:
     """Drop demo databases whose demo process is gone (``cyclone_demo_<pid>_<hex>``: the
     embedded server takes Unix-socket connections only, so every demo ran on this host)."""
-    from .connections import drop_database, list_databases
+    from .connections import drop_database, list_databases  # lazy: children import demo for its handlers
 
-    import psutil
+    import psutil  # lazy: children import demo for its handlers
 
     for name in list_databases(admin_dsn, DEMO_DB_PREFIX):
         pid = name[len(DEMO_DB_PREFIX):].split("_", 1)[0]
@@ -353,9 +353,9 @@ def run_demo(
         (DatabaseUnavailable, in one line, when it goes away during the demo).
         EmbeddedError: the embedded server could not be started.
     """
-    from .client import Client
-    from .embedded import default_server
-    from .connections import create_database, drop_database, redact
+    from .client import Client  # lazy: children import demo for its handlers
+    from .embedded import default_server  # lazy: children import demo for its handlers
+    from .connections import create_database, drop_database, redact  # lazy: children import demo for its handlers
 
     if not isinstance(cpu_steps, int) or cpu_steps < 1:
         raise cy.ConfigurationError(f"cpu_steps must be an int >= 1, got {cpu_steps!r}")

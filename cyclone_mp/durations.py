@@ -6,6 +6,8 @@ import datetime as dt
 import math
 import re
 
+from .errors import ConfigurationError
+
 Duration = float | int | dt.timedelta
 #: The longest duration accepted (a timeout, a delay, a lease, ...): 100 years of 365.25
 #: days. Durations reach SQL as whole microseconds in a bigint and are added to
@@ -35,8 +37,6 @@ def seconds(value: Duration | str | None, name: str, *, allow_none: bool = True,
         ConfigurationError: ``value`` is negative, not finite, of the wrong type, or
             ``None`` where ``allow_none`` is false.
     """
-    from .errors import ConfigurationError
-
     if value is None:
         if allow_none:
             return None

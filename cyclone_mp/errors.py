@@ -160,8 +160,8 @@ class Snooze(Exception):
     """
 
     def __init__(self, seconds: float | Any = 0.0) -> None:
-        import datetime as dt
-        import math
+        import datetime as dt  # lazy: errors is on the child's start-up path, kept light
+        import math  # lazy: as datetime
 
         value = seconds.total_seconds() if isinstance(seconds, dt.timedelta) else seconds
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable
+
+from .connections import connect
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -148,8 +151,6 @@ class DatabaseProbe:
     """
 
     def __init__(self, connect: Callable[[], Any], clock: Callable[[], float] = time.monotonic) -> None:
-        import threading
-
         self._connect = connect
         self.clock = clock
         self._conn: Any = None
@@ -160,8 +161,6 @@ class DatabaseProbe:
     @classmethod
     def started(cls, dsn: str, *, pgbouncer: bool, owner: str) -> "DatabaseProbe":
         """A probe of ``dsn`` (through PgBouncer when ``pgbouncer``), started."""
-        from .connections import connect
-
         probe = cls(lambda: connect(dsn, timeout=PROBE_TIMEOUT, dead_after=PROBE_TIMEOUT, pgbouncer=pgbouncer,
                                     prepare=False, application_name=f"cyclone_mp readiness {owner}"))
         probe.start()

@@ -15,9 +15,13 @@ An item a map with ``allow_failures=True`` discarded appears as an :class:`ItemF
 from __future__ import annotations
 
 import array
+import atexit
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
+import uuid
 TYPE_CHECKING = False  # annotations only: a child imports this module when a join starts
 if TYPE_CHECKING:
     from typing import Any, Callable, Iterator
@@ -93,10 +97,6 @@ _folder: list[str] = []  # this process's folder of outputs files, made on first
 def folder() -> str:
     """This supervisor's folder for outputs files (private to its user, removed at exit)."""
     if not _folder:
-        import atexit
-        import shutil
-        import tempfile
-
         path = tempfile.mkdtemp(prefix="cyclone-mp-maps-")
         atexit.register(shutil.rmtree, path, True)
         _folder.append(path)
@@ -115,8 +115,6 @@ def write_outputs(call: Callable[[Callable[[Any], Any]], Any], run_id: str,
     Raises:
         DatabaseError: a page could not be read; OSError: a file could not be written.
     """
-    import uuid
-
     written: dict[str, dict[str, Any]] = {}
     try:
         for node, _items in maps:

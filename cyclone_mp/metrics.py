@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigurationError
+from .httpd import BoundedServer
 from .telemetry import Observer, Probes
 
 QUEUE_DEPTH_INTERVAL = 5.0  #: seconds between maintenance's reads of the queues' depth
@@ -63,7 +64,7 @@ class Metrics(Observer):
 
     def __init__(self, port: int, *, host: str = "127.0.0.1", token: str | None = None) -> None:
         try:
-            import prometheus_client as prom
+            import prometheus_client as prom  # lazy: an optional extra, said so when missing
         except ImportError:
             raise ConfigurationError(
                 "metrics_port needs prometheus_client: pip install 'cyclone-mp[metrics]'") from None
@@ -113,8 +114,6 @@ class Metrics(Observer):
     def start(self, probes: Probes) -> None:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` (:class:`~cyclone_mp.httpd.BoundedServer`,
         a thread of its own)."""
-        from .httpd import BoundedServer
-
         self.children.set_function(lambda: float(probes.children_alive()))
         self.sweep_age.set_function(lambda: _number(probes.last_sweep_age()))
         prom = self._prom

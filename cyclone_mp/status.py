@@ -6,6 +6,8 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
+from .mapped import summary
+
 STEP_STATES = ("pending", "available", "running", "waiting_signal", "waiting_timer", "paused", "completed",
                "discarded", "cancelled")
 TERMINAL_STEP_STATES = ("completed", "discarded", "cancelled")
@@ -145,7 +147,6 @@ class StepStatus:
         30 available``), or None for any other step."""
         if self.items is None:
             return None
-        from .mapped import summary
 
         return summary(self.items)
 

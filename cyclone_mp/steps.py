@@ -8,6 +8,8 @@ module path of its handler so a child process can import it by name.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import inspect
 import sys
 from typing import TYPE_CHECKING, Any, Callable
@@ -155,9 +157,6 @@ class Unique:
 
     def key(self, step_name: str, input_json: str, queue: str, concurrency_key: str) -> str:
         """The run's unique key (without the period's window, which the database adds)."""
-        import hashlib
-        import json
-
         parts: list[Any] = [step_name]
         if "input" in self.by:
             parts.append(json.dumps(json.loads(input_json), sort_keys=True, separators=(",", ":")))

@@ -51,7 +51,7 @@ def _api() -> tuple[Any, Any]:
     """``opentelemetry.propagate`` and ``opentelemetry.trace``, imported on first use."""
     global _modules
     if _modules is None:
-        from opentelemetry import propagate, trace
+        from opentelemetry import propagate, trace  # lazy: an optional extra (tracing is off without it)
 
         _modules = (propagate, trace)
     return _modules
@@ -94,7 +94,7 @@ def link_to(trace_context: Any) -> list[Any]:
     """The span links to a run's stored trace context (none when it has none)."""
     if not isinstance(trace_context, dict) or not trace_context:
         return []
-    from opentelemetry import propagate, trace
+    propagate, trace = _api()
 
     ctx = propagate.extract(trace_context)
     span_context = trace.get_current_span(ctx).get_span_context()
@@ -110,8 +110,7 @@ class Tracer(Observer):
     """The supervisor's side: a span per attempt (see the module docstring)."""
 
     def __init__(self) -> None:
-        from opentelemetry import trace
-
+        _propagate, trace = _api()
         self._trace = trace
         self._tracer = trace.get_tracer(INSTRUMENTATION)
         self._no_sdk_until = 0.0  # time.monotonic() until which "no SDK" is taken as still true

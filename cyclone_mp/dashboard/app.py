@@ -31,8 +31,8 @@ from starlette.staticfiles import StaticFiles
 from ..errors import (ConfigurationError, CycloneError, DatabaseError, InvalidTransition, PayloadError,
                       RunNotFound)
 from . import params as P
-from .security import CSRF_FIELD, CSRF_HEADER, Guard, csrf_cookie, csrf_problem, csrf_token, wants_json
 from .charts import chart
+from .security import CSRF_FIELD, CSRF_HEADER, Guard, csrf_cookie, csrf_problem, csrf_token, wants_json
 from .views import Dashboard, parse_payload
 
 log = logging.getLogger("cyclone_mp.dashboard")

@@ -20,12 +20,17 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import secrets
+from collections import Counter
+from html import escape
 from typing import Any, Awaitable, Callable, Iterable
 from urllib.parse import parse_qsl, urlencode
 
 from starlette.datastructures import MutableHeaders
 from starlette.requests import HTTPConnection, Request
+
+from ..errors import ConfigurationError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -70,9 +75,6 @@ def token_bits(token: str) -> float:
     """An estimate of a token's entropy in bits: its length times the Shannon entropy of
     its own characters (repeats and small alphabets score low: ``"a" * 40`` is 0), capped
     by the length times log2 of the alphabet its character classes span."""
-    import math
-    from collections import Counter
-
     if not token:
         return 0.0
     n = len(token)
@@ -93,8 +95,6 @@ def check_token(token: str | None, public: bool) -> None:
     Raises:
         ConfigurationError: saying which rule, never the token.
     """
-    from ..errors import ConfigurationError
-
     if token is None:
         return
     if not token.strip():
@@ -217,8 +217,6 @@ async def _error(send: Send, status: int, as_json: bool, code: str, message: str
         body = json.dumps({"error": code, "message": message}).encode()
         ctype = b"application/json"
     else:
-        from html import escape
-
         body = (f"<!doctype html><meta charset=utf-8><title>{status}</title>"
                 f"<h1>{status}</h1><p>{escape(message)}</p>").encode()
         ctype = b"text/html; charset=utf-8"

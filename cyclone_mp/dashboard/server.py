@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+
+import uvicorn
 import socket
 from typing import Any, Callable
 
 from ..errors import ConfigurationError, CycloneError
+from .app import create_app
 from .params import REFRESH_SECONDS
 from .security import check_token, is_loopback
 
@@ -76,13 +81,6 @@ def serve(client: Any, *, host: str = "127.0.0.1", port: int = 8777, token: str 
     Raises:
         ConfigurationError: non-loopback ``host`` without ``token``. CycloneError: the port cannot be bound.
     """
-    import signal
-    import threading
-
-    import uvicorn
-
-    from .app import create_app
-
     check_bind(host, token)
     sock = listen(host, port)
     app = create_app(client, token=token, refresh=REFRESH_SECONDS if refresh is None else refresh)

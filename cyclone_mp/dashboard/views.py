@@ -12,6 +12,7 @@ elapsed times are computed against the database's ``now()`` of the same read.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import PayloadError
@@ -429,8 +430,6 @@ def graph_layout(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def parse_payload(text: str | None) -> Any:
     """The JSON payload of a signal form (empty means null). Raises PayloadError."""
-    import json
-
     if text is None or not text.strip():
         return None
     try:

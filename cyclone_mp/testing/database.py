@@ -23,6 +23,7 @@ import shutil
 import queue
 import tempfile
 import threading
+import time
 import uuid
 from typing import Any, Iterator
 
@@ -30,6 +31,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from ..embedded import EmbeddedServer
 from ..store import Store, redact
 from . import servers
 from .servers import ENV_POSTGRES
@@ -47,7 +49,7 @@ def docker_available(timeout: float = 2.0) -> bool:
     if not host and not os.path.exists("/var/run/docker.sock"):
         return False
     try:
-        import docker
+        import docker  # lazy: testcontainers' dependency, present only where it is installed
 
         client = docker.from_env(timeout=int(max(1, timeout)))
         try:
@@ -110,7 +112,7 @@ class TestServer:
         log.info("test database server: %s (%s)", self.source, redact(self.admin_dsn))
 
     def _start_container(self, image: str) -> None:
-        from testcontainers.postgres import PostgresContainer
+        from testcontainers.postgres import PostgresContainer  # lazy: used only where Docker answers
 
         self._container = PostgresContainer(image, driver=None)
         self._container.start()
@@ -119,8 +121,6 @@ class TestServer:
     def _start_local(self, bin_dir: Any) -> None:
         """The embedded server (``bin_dir`` None) or the one of ``bin_dir``, on a temporary
         data directory."""
-        from ..embedded import EmbeddedServer
-
         self._tmpdir = tempfile.mkdtemp(prefix="cyclone-mp-test-")
         os.chmod(self._tmpdir, 0o755)  # the server runs as its own user when we are root
         self._embedded = EmbeddedServer(os.path.join(self._tmpdir, "pgdata"), bin_dir=bin_dir)
@@ -144,8 +144,6 @@ class TestServer:
         Raises:
             RuntimeError: the server is not one this object started.
         """
-        import time
-
         if self._embedded is None:
             raise RuntimeError("only an embedded test server can be restarted")
         with self.quiet():

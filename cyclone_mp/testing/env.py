@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import time
 from typing import Any
 
 import psutil
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .. import procs
 from ..client import Client
@@ -188,7 +190,6 @@ class Env:
                       "input": s.input, "catch_up": s.catch_up} for s in self._mux.schedules.values()]
         where, identity = self._tmp, {}
         if user is not None:  # the worker writes its ready file where that user can
-            import pwd
 
             account = pwd.getpwnam(user)
             where = tempfile.mkdtemp(prefix="ready-", dir=self._tmp)
@@ -424,8 +425,6 @@ class Env:
 
 def upstream_of(dsn: str) -> tuple[str, int] | str:
     """Where a DSN's connections go: ``(host, port)``, or a Unix socket's path."""
-    from psycopg.conninfo import conninfo_to_dict
-
     params = conninfo_to_dict(dsn)
     host = str(params.get("host") or "/var/run/postgresql").split(",")[0]
     port = int(str(params.get("port") or 5432).split(",")[0])
@@ -436,8 +435,6 @@ def upstream_of(dsn: str) -> tuple[str, int] | str:
 
 def through(dsn: str, proxy: FaultProxy) -> str:
     """``dsn`` with its host and port replaced by the proxy's."""
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
     params = conninfo_to_dict(dsn)
     params.update(proxy.dsn_options())
     params.pop("hostaddr", None)

@@ -26,7 +26,9 @@ import tempfile
 import time
 from typing import Any
 
+import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
 
 from ..embedded_host import SERVER_USER, server_user
 
@@ -175,9 +177,6 @@ class PgBouncer:
 
     def show(self, what: str) -> list[dict[str, Any]]:
         """Rows of ``SHOW <what>`` on the admin console (``what`` is a word: POOLS, SERVERS, ...)."""
-        import psycopg
-        from psycopg.rows import dict_row
-
         if not what.isalpha():
             raise ValueError(f"not a SHOW command: {what!r}")
         with psycopg.connect(self.admin_dsn(), autocommit=True, prepare_threshold=None,

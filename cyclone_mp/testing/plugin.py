@@ -31,7 +31,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 @pytest.fixture(scope="session")
 def cyclone_server() -> Iterator[Any]:
     """The session's test PostgreSQL server (see module docstring)."""
-    from .database import TestServer
+    from .database import TestServer  # lazy: pytest loads the plugin everywhere; servers only when used
 
     server = TestServer()
     _servers.append(server.describe())
@@ -54,7 +54,7 @@ def cyclone_dsn(cyclone_server: Any) -> Iterator[str]:
 @pytest.fixture
 def cyclone_env_factory(cyclone_dsn: str) -> Iterator[Callable[..., Any]]:
     """``factory(**options) -> Env``; every Env shares this test's database."""
-    from .env import Env
+    from .env import Env  # lazy: as TestServer
 
     made: list[Env] = []
 

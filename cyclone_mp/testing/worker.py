@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from .._child import die_with_parent, import_ref
+from ..client import Client
 from ..steps import Mux, Step
 from ..workflow import Workflow
 
@@ -54,7 +55,6 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=os.environ.get("CYCLONE_MP_LOG", "WARNING"),
                         format="%(asctime)s worker %(process)d %(name)s: %(message)s")
     sys.path[:0] = [p for p in config.get("sys_path", []) if p not in sys.path]
-    from ..client import Client
 
     skew = float(config.get("clock_skew", 0.0))
     client = Client(
