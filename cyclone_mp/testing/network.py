@@ -1,22 +1,16 @@
 """A fault-injecting TCP proxy between a supervisor and PostgreSQL.
 
 ``FaultProxy(upstream)`` listens on ``127.0.0.1:<port>`` and forwards every connection to
-``upstream`` (a ``(host, port)`` pair, or the path of a Unix socket). Between the two it
-can inject the faults a supervisor on another host meets:
-
-- :meth:`~FaultProxy.partition`: a black hole. Nothing is forwarded either way and new
-  connections are accepted but never answered; connections stay open (no RST), as when a
-  link or a firewall silently drops packets. :meth:`~FaultProxy.heal` ends it.
-- :meth:`~FaultProxy.freeze`: the connections open now stop answering (their TCP stays
-  up, nothing is forwarded) while new connections pass, as when a PgBouncer or a
-  server backend wedges; :meth:`~FaultProxy.heal` ends it too.
-- :meth:`~FaultProxy.add_latency`: every byte is held ``seconds / 2`` in each direction
-  (``seconds`` of added round trip), in order.
-- :meth:`~FaultProxy.reset`: every open connection is closed at once with an RST.
+``upstream`` (a ``(host, port)`` pair, or a Unix socket's path). Between the two it injects
+the faults a supervisor on another host meets: :meth:`~FaultProxy.partition` (a black hole:
+nothing forwarded, new connections accepted but never answered, no RST),
+:meth:`~FaultProxy.freeze` (the open connections stop answering, new ones pass: a wedged
+PgBouncer or backend), :meth:`~FaultProxy.add_latency` (``seconds`` of added round trip)
+and :meth:`~FaultProxy.reset` (an RST on every open connection); :meth:`~FaultProxy.heal`
+ends a partition or a freeze.
 
 The pytest plugin's ``Env(proxy=True)`` puts one proxy in front of each supervisor it
-starts, so ``env.partition()`` and ``env.add_latency(seconds)`` act on one supervisor as
-``env.freeze_worker()`` does. All of it runs on one daemon thread of the test process.
+starts (``env.partition()``, ``env.add_latency(seconds)``). It runs on one daemon thread.
 """
 
 from __future__ import annotations
