@@ -63,7 +63,7 @@ from common import (  # noqa: E402
     run_until_completed, step_times, wait_until,
 )
 from cyclone_mp import mapped  # noqa: E402
-from cyclone_mp.operations import MAX_MAP_ITEMS  # noqa: E402
+from cyclone_mp.store.operations import MAX_MAP_ITEMS  # noqa: E402
 from cyclone_mp.store import Q, Store  # noqa: E402
 
 FULL = {"m1_items": 20_000, "m2_items": 20_000, "m3_items": 100_000, "m3_chars": 200}

@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # visible to type checkers and API docs; loaded lazily at run
     from .mapped import ItemFailed
     from .schedules import Schedule
     from .status import RunStatus, StepStatus
-    from .steps import Mux, Step, Unique, step
+    from .mux import Mux
+    from .steps import Step, Unique, step
     from .workflow import Workflow
 
 __version__ = "0.1.0"
@@ -64,7 +65,7 @@ _LAZY = {
     "PayloadError": "errors", "Permanent": "errors", "QueryRejected": "errors", "RunNotFound": "errors", "UnknownStep": "errors",
     "RunFailed": "errors", "RunCancelled": "errors", "Snooze": "errors", "UnsupportedServer": "errors", "WaitTimeout": "errors",
     "RunStatus": "status", "StepStatus": "status", "Schedule": "schedules",
-    "Mux": "steps", "Step": "steps", "step": "steps", "Unique": "steps",
+    "Mux": "mux", "Step": "steps", "step": "steps", "Unique": "steps",
     "Workflow": "workflow", "ItemFailed": "mapped",
 }
 

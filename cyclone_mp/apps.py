@@ -1,11 +1,11 @@
-"""Load a user's app (its :class:`~cyclone_mp.steps.Mux`) from an ``APP`` string.
+"""Load a user's app (its :class:`~cyclone_mp.mux.Mux`) from an ``APP`` string.
 
 ``APP`` is ``module:attr`` (``examples.app:mux``) or ``path/to/file.py:attr``
 (``./jobs.py:mux``); ``attr`` defaults to ``mux``. This is what ``cyclone-mp worker APP``
 and ``cyclone-mp enqueue APP NAME`` take.
 
 A file is loaded under the module name ``cyclone_mp_app_<stem>``: steps defined in a
-module with that prefix remember their file path (see ``steps._handler_ref``), so a
+module with that prefix remember their file path (see ``steps.handler_ref``), so a
 child process re-imports their handlers from the same file. The file's directory goes
 on ``sys.path`` so its sibling modules import. For a module name, the current
 directory goes on ``sys.path`` (as ``python -m`` would do), so ``examples.app:mux``
@@ -23,7 +23,8 @@ import sys
 from typing import Any
 
 from .errors import ConfigurationError
-from .steps import Mux, Step
+from .mux import Mux
+from .steps import Step
 from .workflow import Workflow
 
 FILE_MODULE_PREFIX = "cyclone_mp_app_"  #: steps.py recognises handlers loaded from files by it

@@ -24,7 +24,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from . import operations, tracing
+from . import tracing
+from .store import operations
 from .client import POOL_PROBE_EVERY, POOL_TIMEOUT
 from .config import Config
 from .connections import (
@@ -33,10 +34,11 @@ from .connections import (
 from .durations import Duration
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, WaitTimeout
 from .filters import When
-from .operations import Op
+from .store.operations import Op
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step, check_name
+from .mux import Mux
+from .steps import Step, check_name
 from .store import AsyncStore
 from .waiting import MAP_PAGE, AsyncWaiter, areread, map_output, needs_map_outputs, result_of, with_outputs
 from .workflow import Workflow

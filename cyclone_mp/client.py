@@ -20,7 +20,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from . import operations, tracing
+from . import tracing
+from .store import operations
 from .config import ARCHIVE_AFTER_DEFAULT, PREFETCH_DEFAULT, START_METHODS, Config
 from .connections import (
     PooledConnection, PooledCursor, answered_within, check_pooled, classify, configure_session, connect, redact,
@@ -32,11 +33,12 @@ from .errors import (
     InvalidTransition, WaitTimeout,
 )
 from .filters import When
-from .operations import Op
+from .store.operations import Op
 from .planning import ClientBase
 from .schedules import ACTIVE_WITHIN
 from .status import RunStatus, StepStatus
-from .steps import Mux, Step, check_name
+from .mux import Mux
+from .steps import Step, check_name
 from .store import Store
 from .waiting import MAP_PAGE, Waiter, map_output, needs_map_outputs, reread, result_of, with_outputs
 from .workflow import Workflow

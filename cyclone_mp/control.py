@@ -43,7 +43,7 @@ from .mailbox import Inbox
 from .messages import Claimed, DatabaseState, Fleet, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .pool import ChildPool, ChildProc
 from .telemetry import NO_OBSERVER, Observer
-from .steps import Mux
+from .mux import Mux
 
 log = logging.getLogger("cyclone_mp.supervisor")
 

@@ -5,7 +5,7 @@
 They run unprepared (``prepare=False``): PostgreSQL then plans each with its actual
 parameter values, so an unused optional filter folds away and the index is used (a
 generic prepared plan of "(x IS NULL OR col = x)" would scan the table). Database
-errors are translated as the store's are (:func:`~cyclone_mp.connections.translate`).
+errors are translated as the store's are (:func:`~cyclone_mp.store.base.translate`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from .connections import translate
+from .store import translate
 from .store import Q, Store
 
 

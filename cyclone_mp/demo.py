@@ -312,7 +312,7 @@ DEMO_DB_PREFIX = "cyclone_demo_"  #: databases the demo makes on the embedded se
 def _drop_stale_demo_databases(admin_dsn: str) -> None:
     """Drop demo databases whose demo process is gone (``cyclone_demo_<pid>_<hex>``: the
     embedded server takes Unix-socket connections only, so every demo ran on this host)."""
-    from .connections import drop_database, list_databases  # lazy: children import demo for its handlers
+    from .store.server import drop_database, list_databases  # lazy: children import demo for its handlers
 
     import psutil  # lazy: children import demo for its handlers
 
@@ -355,7 +355,8 @@ def run_demo(
     """
     from .client import Client  # lazy: children import demo for its handlers
     from .embedded import default_server  # lazy: children import demo for its handlers
-    from .connections import create_database, drop_database, redact  # lazy: children import demo for its handlers
+    from .connections import redact  # lazy: children import demo for its handlers
+    from .store.server import create_database, drop_database  # lazy: as above
 
     if not isinstance(cpu_steps, int) or cpu_steps < 1:
         raise cy.ConfigurationError(f"cpu_steps must be an int >= 1, got {cpu_steps!r}")

@@ -131,7 +131,7 @@ class EmbeddedServer:
     def sessions(self) -> int | None:
         """How many client sessions are connected now (other than this call's own), or
         None when the server is not running or does not answer."""
-        from .connections import client_sessions  # lazy: connections finds its server here
+        from .store.server import client_sessions  # lazy: the store finds its server here
 
         try:
             return len(client_sessions(self.uri()))

@@ -29,13 +29,13 @@ from typing import Any, Callable
 
 import psycopg
 
-from . import operations
+from .store import operations
 from .config import (
     HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, HISTORY_WALK_RESTART, VACUUM_HELD_FOR, VACUUM_MIN_DEAD,
     Config,
 )
 from .errors import DatabaseBusy, DatabaseError
-from .operations import FINISHED_STATES, day_end
+from .store.operations import FINISHED_STATES, day_end
 from .store import Store, to_us
 
 log = logging.getLogger("cyclone_mp.supervisor")
@@ -281,7 +281,7 @@ class VacuumWatch:
     still running (``xmin`` of a fresh snapshot): when the same one was the oldest for at
     least ``held_for`` seconds and then ends, with at least ``min_dead`` dead versions in
     the hot tables, it runs ``VACUUM cyclone_steps, cyclone_runs`` at once, on a thread and
-    a connection of its own (:func:`cyclone_mp.connections.vacuum_hot_tables`: one supervisor at
+    a connection of its own (:func:`cyclone_mp.store.server.vacuum_hot_tables`: one supervisor at
     a time; an autovacuum worker in its way, started while the transaction was still open
     and unable to remove anything, is cancelled by the server).
 

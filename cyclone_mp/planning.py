@@ -1,36 +1,36 @@
 """Planning the clients' calls (SPEC section 2): what :class:`~cyclone_mp.Client` and
 :class:`~cyclone_mp.AsyncClient` share, with no I/O. Each call's arguments are checked
-and turned into an :class:`~cyclone_mp.operations.Op` (or a maker of one) that the client
+and turned into an :class:`~cyclone_mp.store.operations.Op` (or a maker of one) that the client
 runs on its own connections; :func:`node_rows` composes the step rows of one run, for
 the clients, schedules and ``Mux.check_enqueue``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
 import psycopg
 
-from . import operations
+from .store import operations
 from .backoff import storable_backoff
 from .config import Config
 from .connections import stale_plan
 from .durations import Duration, seconds
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
 from .filters import RunFilter
-from .operations import Op
+from .store.operations import Op
 from .protocol import check_text, check_value
 from .status import STEP_STATES, TERMINAL_RUN_STATES, RunStatus, StepStatus
-from .steps import Mux, Step, StepOptions, check_name
-from .store import NodeRow
+from .mux import Mux
+from .steps import Step, StepOptions, check_name
+from .noderows import NodeRow, node_rows, task_row
 from .workflow import Workflow
 
 class ClientBase:
     """What :class:`Client` and :class:`~cyclone_mp.AsyncClient` share: the options, the
     mux, and the planning of every call (checks, then a
-    :class:`~cyclone_mp.operations.Op`). No I/O: each client runs the planned operations
+    :class:`~cyclone_mp.store.operations.Op`). No I/O: each client runs the planned operations
     on its own connections, one sync and one async."""
 
     config: Config
@@ -163,10 +163,10 @@ class ClientBase:
         kept = cache.get(step)
         if kept is None or kept[0] is not step.options:  # composed afresh when its options changed
             opts = step.options.over(self.config.defaults)
-            row = None if callable(opts.concurrency_key) else _task_row(step.name, step, opts, None, (), "available")
+            row = None if callable(opts.concurrency_key) else task_row(step.name, step, opts, None, (), "available")
             kept = cache[step] = (step.options, opts, row)
         _, opts, row = kept
-        return row if row is not None else _task_row(step.name, step, opts, input, (), "available")
+        return row if row is not None else task_row(step.name, step, opts, input, (), "available")
 
     def _plan_enqueue_many(
         self, target: Step | str, inputs: Iterable[Any], *, timeout: Duration | None, max_attempts: int | None,
@@ -196,7 +196,7 @@ class ClientBase:
         delay_s = seconds(delay, "delay", allow_zero=True) or 0.0
         check_scheduled_at(scheduled_at)
         if definition.options.unique is not None:  # each input's place is looked at: one run at a time
-            nodes = [_task_row(definition.name, definition, opts, item, (), "available") for item in originals]
+            nodes = [task_row(definition.name, definition, opts, item, (), "available") for item in originals]
             places = [unique_place(definition, text, node) for text, node in zip(items, nodes)]
             return definition.name, lambda trace: operations.enqueue_unique_many(
                 name=definition.name, inputs_json=items, nodes=nodes, delay=delay_s, scheduled_at=scheduled_at,
@@ -299,43 +299,3 @@ def check_scheduled_at(value: object) -> None:
         raise ConfigurationError(f"scheduled_at must be a timezone-aware datetime, not {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:
         raise ConfigurationError("scheduled_at must be a timezone-aware datetime")
-def _task_row(node: str, step: Step, opts: StepOptions, input: Any, after: Sequence[str], state: str) -> NodeRow:
-    return NodeRow(
-        node=node, step_name=step.name, kind="task", depends_on=tuple(after), queue=opts.queue or "default",
-        priority=opts.priority or 0, state=state, max_attempts=opts.max_attempts or 25,
-        max_reclaims=opts.max_reclaims, timeout=opts.timeout, backoff=storable_backoff(opts.backoff),
-        concurrency_key=opts.key_for(input), concurrency=opts.concurrency, rate_limit=opts.rate_limit,
-        limits=opts.limits,
-    )
-
-
-def node_rows(definition: Step | Workflow, input: Any, defaults: StepOptions,
-              overrides: StepOptions = StepOptions()) -> tuple[str, list[NodeRow]]:
-    """The run kind and the step rows of one run of ``definition`` with ``input``: per
-    node, the enqueue's ``overrides`` over the step's options over ``defaults`` (SPEC 2);
-    a map node's row (the options of its items) has ``map()``'s options between the
-    enqueue's and the step's. Every node's concurrency key comes from the run's input.
-
-    Raises:
-        ConfigurationError: a concurrency key callable failed.
-    """
-    if isinstance(definition, Workflow):
-        nodes = []
-        for node in definition.nodes:
-            if node.kind == "task":
-                opts = overrides.over(node.step.options).over(defaults)
-                row = _task_row(node.name, node.step, opts, input, node.after, "pending")
-                nodes.append(dataclasses.replace(row, wait_spawned=True) if node.wait_for_spawned else row)
-            elif node.kind == "map":  # the row its items are made from: map()'s options over the step's
-                opts = overrides.over(node.options).over(node.step.options).over(defaults)
-                row = _task_row(node.name, node.step, opts, input, node.after, "pending")
-                nodes.append(dataclasses.replace(row, kind="map", allow_failures=node.allow_failures))
-            else:
-                nodes.append(NodeRow(
-                    node=node.name, step_name=None, kind=node.kind, depends_on=node.after,
-                    queue=overrides.queue or defaults.queue or "default", priority=0, state="pending",
-                    max_attempts=1, max_reclaims=None, timeout=None, timer_delay=node.delay, due_at=node.until,
-                ))
-        return "workflow", nodes
-    opts = overrides.over(definition.options).over(defaults)
-    return "step", [_task_row(definition.name, definition, opts, input, (), "available")]

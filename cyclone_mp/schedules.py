@@ -29,12 +29,14 @@ from cronsim import CronSim, CronSimError
 
 from .durations import seconds
 from .errors import ConfigurationError, PayloadError, UnknownStep
+from .noderows import node_rows
 from .protocol import DEFAULT_MAX_PAYLOAD, check_value
-from .steps import check_name
+from .steps import StepOptions, check_name
 
 if TYPE_CHECKING:
     from .config import Config
-    from .steps import Mux, Step
+    from .mux import Mux
+    from .steps import Step
     from .store import Store
     from .workflow import Workflow
 
@@ -183,6 +185,20 @@ class Plan:
     inherited: tuple[dt.datetime, ...] = ()
 
 
+def define(target: "Step | Workflow", *, name: str | None, cron: str | None, every: Any, tz: str, input: Any,
+           catch_up: str) -> Schedule:
+    """The :class:`Schedule` of ``mux.schedule(target, ...)`` (named ``name``, default the
+    target's name), checked now: its expression, zone, interval and policy, and that the
+    target's concurrency key callable takes ``input``.
+
+    Raises:
+        ConfigurationError: any of those is bad.
+    """
+    node_rows(target, input, StepOptions())
+    return Schedule(name=name if name is not None else target.name, target=target, cron=cron, every=every, tz=tz,
+                    input=input, catch_up=catch_up)
+
+
 def plan(schedule: Schedule, *, last_slot: dt.datetime | None, now: dt.datetime) -> Plan:
     """Decide a tick (pure): the slots in ``(last_slot, now]`` and the catch-up policy.
 
@@ -272,8 +288,6 @@ def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
     Raises:
         DatabaseError: the database failed (the caller treats it as the sweep does).
     """
-    from .planning import node_rows
-
     counts = {"enqueued": 0, "skipped": 0, "schedules": 0}
     schedules = mux.schedules
     if not schedules:
@@ -323,8 +337,6 @@ def _can_enqueue(target: "Step | Workflow | None", previous: Schedule | None, co
     """Whether this supervisor can enqueue the previous definition's runs: its code
     registers the target and the target accepts the input (a concurrency key callable of
     the new code may not), so a handover never fails a tick over an old definition."""
-    from .planning import node_rows
-
     if target is None or previous is None:
         return False
     try:

@@ -5,10 +5,10 @@ The child process only lists what its handler spawned (step name, input, key and
 run id derived from them: :meth:`cyclone_mp.Context.spawn`) and sends it with its
 successful result. The supervisor plans each run here (:func:`plan`: its rows, from the
 step's options in the supervisor's mux, as an enqueue would make them), and the outcome
-writer inserts them (:func:`insert`) in the transaction of the completion, after its CAS
-held and before the parent run moves on: an attempt whose result loses its CAS spawns
-nothing, and a spawn whose run exists already (its id is derived from the parent's run,
-node and key) is not made twice.
+writer inserts them (:func:`cyclone_mp.store.operations.insert_spawned`) in the
+transaction of the completion, after its CAS held and before the parent run moves on:
+an attempt whose result loses its CAS spawns nothing, and a spawn whose run exists
+already (its id is derived from the parent's run, node and key) is not made twice.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import json
 from typing import Any, Sequence
 
 from .errors import UnknownStep
-from .steps import Mux, StepOptions
-from .store import NodeRow
+from .mux import Mux
+from .noderows import NodeRow, node_rows
+from .steps import StepOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class SpawnPlan:
 
 def plan(mux: Mux, defaults: StepOptions, run_id: str, node: str, spawns: Sequence[dict[str, Any]]) -> list[SpawnPlan]:
     """The runs a completed attempt of ``node`` in run ``run_id`` spawned, planned with the
-    step's (or workflow's) options over ``defaults``, as :func:`cyclone_mp.planning.node_rows`
+    step's (or workflow's) options over ``defaults``, as :func:`cyclone_mp.noderows.node_rows`
     makes an enqueue's rows.
 
     Raises:
@@ -59,8 +60,6 @@ def plan(mux: Mux, defaults: StepOptions, run_id: str, node: str, spawns: Sequen
             runs the spawning step enqueues its children, so it must know them).
         ConfigurationError: a concurrency key callable failed on the input.
     """
-    from .planning import node_rows
-
     plans = []
     for spawn in spawns:
         try:
@@ -73,18 +72,3 @@ def plan(mux: Mux, defaults: StepOptions, run_id: str, node: str, spawns: Sequen
                                input_json=json.dumps(spawn["input"]), nodes=tuple(nodes),
                                parent=Parent(run_id, node, spawn["key"])))
     return plans
-
-
-def insert(plans: Sequence[SpawnPlan]) -> Any:
-    """The statements that insert ``plans`` (an operation's steps, for ``yield from``), each
-    run with its parent; a run whose id exists already is left as it is."""
-    from . import operations
-
-    for p in plans:
-        if p.kind == "step":
-            yield from operations._insert_step(p.run_id, p.name, p.input_json, p.nodes[0], 0.0, None, None, None,
-                                               parent=p.parent)
-        else:
-            yield from operations._enqueue_nodes(p.run_id, p.name, p.kind, p.input, p.nodes, 0.0, None, None, None,
-                                                 parent=p.parent)
-

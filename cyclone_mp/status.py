@@ -187,7 +187,7 @@ class RunStatus:
     @classmethod
     def from_rows(cls, run: dict[str, Any], steps: list[dict[str, Any]]) -> "RunStatus":
         """Build from a ``get_run`` row (with ``schedule`` when
-        :func:`cyclone_mp.operations.get_run` found one) and its ``get_steps`` rows."""
+        :func:`cyclone_mp.store.operations.get_run` found one) and its ``get_steps`` rows."""
         return cls(
             id=run["id"], name=run["name"], kind=run["kind"], state=run["state"], input=run["input"],
             created_at=run["created_at"], finished_at=run["finished_at"], idempotency_key=run["idempotency_key"],

@@ -44,7 +44,7 @@ from .listener import Listener
 from .loader import PayloadLoader
 from .messages import LeaseLost, Poll
 from .outcomes import FINAL_FLUSH, OutcomeWriter
-from .steps import Mux
+from .mux import Mux
 from .sweep import Maintenance, Sweeper
 from .health import DatabaseProbe, liveness, readiness
 from .observers import supervisor_observer
@@ -129,7 +129,7 @@ class Supervisor:
     # -- the parts ---------------------------------------------------------------------
 
     def backoff_for(self, step_name: str | None) -> Callable[[int], float]:
-        """The callable backoff of a row that stores none (:meth:`cyclone_mp.steps.Mux.backoff_for`)."""
+        """The callable backoff of a row that stores none (:meth:`cyclone_mp.mux.Mux.backoff_for`)."""
         return self.mux.backoff_for(step_name, self.config.defaults.backoff)
 
     def run(self) -> None:

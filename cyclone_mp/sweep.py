@@ -32,13 +32,13 @@ from typing import Any, Callable, TypeVar
 
 from . import decisions, schedules
 from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
-from .connections import vacuum_hot_tables
+from .store.server import vacuum_hot_tables
 from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .health import MaintenanceHealth
 from .history import History, Policy, VacuumWatch
 from .messages import Fleet, Outcome, Poll
-from .steps import Mux
+from .mux import Mux
 from .store import Store
 from .telemetry import NO_OBSERVER, Observer
 

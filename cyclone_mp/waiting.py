@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import psycopg
 
-from . import operations
+from .store import operations
 from .connections import aanswered_within, answered_within, connect, tcp_bounds
 from .errors import CycloneError, DatabaseError, DatabaseStalled, RunCancelled, RunFailed, WaitTimeout
 from .mapped import ItemFailed

@@ -2,7 +2,8 @@
 
 Every ``import`` counts, at module level or inside a function, since either can close
 a loop at run time. ``from . import name`` is an edge to the module ``name`` when it is
-one, else to the package itself. A loop is a strongly connected component of more than
+one, else to the package itself; importing ``pkg.mod`` from outside ``pkg`` is an edge to
+``pkg`` too (its ``__init__`` runs first). A loop is a strongly connected component of more than
 one module. The child's trampoline (``_child``, ``_zygote``, ``_concurrent``: a child's
 start-up path, which imports lazily on purpose) is the one loop allowed.
 
@@ -56,7 +57,8 @@ def collect(root: Path = ROOT) -> dict[str, Module]:
         for node, nested in _imports(tree):
             if nested:
                 module.lazy.append((node.lineno, _spelled(node)))
-            module.imports.update(t for t in _targets(module, node, modules) if t != module.name)
+            for target in _targets(module, node, modules):
+                module.imports.update(t for t in (target, *_entered(module, target, modules)) if t != module.name)
     return modules
 
 
@@ -104,6 +106,18 @@ def _targets(module: Module, node: ast.Import | ast.ImportFrom, modules: dict[st
         owner = candidate if candidate in modules else _owner(stem, modules)
         if owner:
             found.append(owner)
+    return found
+
+
+def _entered(module: Module, target: str, modules: dict[str, Module]) -> list[str]:
+    """The packages whose ``__init__`` importing ``target`` runs first: each package
+    above it that ``module`` is not inside of (inside, the package is already loading)."""
+    parts = target.split(".")
+    found = []
+    for end in range(1, len(parts)):
+        package = ".".join(parts[:end])
+        if package in modules and not module.name.startswith(package + "."):
+            found.append(package)
     return found
 
 

@@ -31,7 +31,7 @@ from cyclone_mp import sweep
 from cyclone_mp.dashboard.params import RunQuery
 from cyclone_mp.dashboard.views import Dashboard
 from cyclone_mp.history import History, Policy, VacuumWatch
-from cyclone_mp.operations import HISTORY_LOCK
+from cyclone_mp.store.operations import HISTORY_LOCK
 from cyclone_mp.store import Q, Store, connect, vacuum_hot_tables
 
 import handlers as h

@@ -23,11 +23,10 @@ their locks and asks :mod:`cyclone_mp.decisions`.
 from __future__ import annotations
 
 from ..connections import (  # the connections and their errors, re-exported for the store's callers
-    PooledAsyncConnection, PooledConnection, PooledCursor, check_pooled, classify, client_sessions,
-    configure_session, connect, create_database, database_dsn, drop_database, list_databases, redact, server_spoke,
-    session_settings, stale_plan, tcp_bounds, translate, vacuum_hot_tables,
+    PooledAsyncConnection, PooledConnection, PooledCursor, check_pooled, classify, configure_session, connect,
+    database_dsn, redact, server_spoke, session_settings, stale_plan, tcp_bounds,
 )
-from .base import AsyncStore, StoreBase, adrive, drive
+from .base import AsyncStore, StoreBase, adrive, drive, translate
 from .leases import LeaseQueries
 from .maintenance import MaintenanceQueries
 from .maps import MapQueries
@@ -36,6 +35,7 @@ from .queries import (
     limit_params, node_params, nullable_jsonb, to_us,
 )
 from .runs import RunQueries
+from .server import client_sessions, create_database, drop_database, list_databases, vacuum_hot_tables
 
 
 class Store(LeaseQueries, RunQueries, MaintenanceQueries, MapQueries, StoreBase):

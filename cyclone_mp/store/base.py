@@ -8,6 +8,7 @@ psycopg errors become :class:`~cyclone_mp.errors.DatabaseError` with the cause k
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -19,6 +20,7 @@ from .. import decisions
 from ..backoff import delay_after
 from ..connections import STALE_PLAN_LOG, classify, configure_session, connect, redact, stale_plan
 from ..errors import DatabaseError, DatabaseUnavailable, QueryRejected
+from . import operations
 from .queries import Q, nullable_jsonb, to_us
 
 if TYPE_CHECKING:
@@ -195,12 +197,12 @@ class StoreBase:
         return cur.fetchone()["run_id"]
 
     def _advance(self, cur: psycopg.Cursor, run_id: str) -> None:
-        """Under the run lock: :func:`cyclone_mp.operations.advance` on this cursor."""
+        """Under the run lock: :func:`cyclone_mp.store.operations.advance` on this cursor."""
         drive(cur, operations.advance(run_id))
 
 
 def drive(cur: psycopg.Cursor, op: Any) -> Any:
-    """Run the steps of ``op`` (a :class:`cyclone_mp.operations.Op`, or its generator) on
+    """Run the steps of ``op`` (a :class:`cyclone_mp.store.operations.Op`, or its generator) on
     a sync cursor: each yielded statement is executed and its result sent back; returns
     what the operation returns."""
     steps = iter(op)
@@ -274,6 +276,27 @@ class AsyncStore:
             raise QueryRejected(f"value rejected: {exc}") from exc
 
 
-# Operations are planned in cyclone_mp.operations, which reads the named SQL; imported
-# last so that either module may be imported first.
-from .. import operations  # noqa: E402
+def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: psycopg errors leave as a :class:`DatabaseError` chosen by
+    :func:`classify` (cause kept, no DSN in the text). After a :func:`stale_plan` error
+    the connection's prepared statements are dropped, so the next call prepares them
+    again (else a migration that changed a column type would fail every later call on
+    that connection)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except psycopg.Error as exc:
+            owner = args[0] if args else None  # a Store, or a reader on one (its ``store``)
+            store = owner if isinstance(owner, StoreBase) else getattr(owner, "store", None)
+            store = store if isinstance(store, StoreBase) else None
+            error = classify(exc, broken=store is not None and store.broken)
+            if store is not None and not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
+                store.forget_prepared(error)
+            raise error from exc
+        except UnicodeEncodeError as exc:  # a value psycopg cannot send (a lone surrogate)
+            raise QueryRejected(f"value rejected: {exc}") from exc
+
+    return wrapper
+

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from psycopg.types.json import Jsonb
 
-from ..connections import translate
+from .base import translate
 from ..protocol import DEFAULT_MAX_PAYLOAD, upstream_limit
 from .base import drive
+from . import operations
 from .queries import FORENSIC_KEYS, INLINE_MAX, Q, FailedAttempt, Settled, nullable_jsonb, to_us
 
 if TYPE_CHECKING:
@@ -238,11 +239,9 @@ class LeaseQueries:
             rows = cur.fetchall()
             self._claim_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
             completed = {(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"}
-            from .. import operations, spawning  # (they import the store: here, not at the module's import)
-
             for lease, plans in (spawns or {}).items():  # before the run moves on: a node may wait for them
                 if lease in completed:
-                    drive(cur, spawning.insert(plans))
+                    drive(cur, operations.insert_spawned(plans))
             for run_id in sorted({r["run_id"] for r in rows
                                   if r["what"] in ("completed", "failed") and r["run_kind"] == "workflow"
                                   and r["moves_run"] is not False}):

@@ -8,7 +8,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 from psycopg.types.json import Jsonb
 
 from .. import decisions
-from ..connections import translate
+from .base import translate
+from . import operations
 from .queries import Q, to_us
 
 
@@ -244,4 +245,3 @@ class MaintenanceQueries:
         return self.run(operations.list_workers(within))
 
 
-from .. import operations  # noqa: E402  (see base.py)

@@ -7,7 +7,7 @@ from typing import Any
 
 import psycopg
 
-from ..connections import translate
+from .base import translate
 from .queries import Q
 
 

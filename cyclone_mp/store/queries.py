@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as dt
-import functools
 import importlib.resources
 import re
-from typing import Any, Sequence
+from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from ..limits import NO_LIMITS, Limits
+from ..noderows import NodeRow, limit_params, node_params, to_us  # noqa: F401 - the rows' shapes, for the store
+
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -103,72 +102,6 @@ def _migrations() -> list[tuple[int, str, str]]:
 def nullable_jsonb(value: Any) -> Jsonb | None:
     """``value`` as a jsonb parameter, or SQL NULL (not JSON ``null``) for None."""
     return None if value is None else Jsonb(value)
-
-
-def node_params(node: "NodeRow") -> dict[str, Any]:
-    """A step row's key, flow limits and resource limits as query parameters."""
-    return {
-        "key": node.concurrency_key, "concurrency": node.concurrency,
-        "rate_count": node.rate_limit[0] if node.rate_limit else None,
-        "rate_period_us": to_us(node.rate_limit[1]) if node.rate_limit else None,
-        **limit_params(node.limits),
-    }
-
-
-def limit_params(limits: Limits) -> dict[str, Any]:
-    """A step row's resource-limit columns as query parameters."""
-    return {"memory_limit": limits.memory, "cpu_limit": limits.cpu, "max_processes": limits.processes,
-            "max_open_files": limits.open_files}
-
-
-def to_us(seconds: float | None) -> int | None:
-    """Seconds to whole microseconds (how durations reach SQL)."""
-    return None if seconds is None else int(round(seconds * 1_000_000))
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeRow:
-    """One step row to insert at enqueue (a node of the run)."""
-
-    node: str
-    step_name: str | None
-    kind: str
-    depends_on: Sequence[str]
-    queue: str
-    priority: int
-    state: str
-    max_attempts: int
-    max_reclaims: int | None
-    timeout: float | None
-    timer_delay: float | None = None
-    due_at: dt.datetime | None = None
-    backoff: Any = None  # a stored backoff spec (seconds or a list of seconds), or None
-    limits: Limits = NO_LIMITS  # resource caps of each attempt
-    concurrency_key: str = ""  # its fairness and limit group ('' for none)
-    concurrency: int | None = None  # at most this many running per (step, key)
-    rate_limit: tuple[int, float] | None = None  # at most count starts per seconds per (step, key)
-    allow_failures: bool | None = None  # map nodes: discarded items do not discard the map
-    wait_spawned: bool | None = None  # pending until the runs its dependencies spawned have ended
-
-    @functools.cached_property
-    def enqueue_params(self) -> dict[str, Any]:
-        """The parameters of ``enqueue_step`` that come from this row alone (its queue,
-        priority, attempts, timeout, backoff, key, flow and resource limits), computed once
-        per row: a client reuses a step's row for every enqueue without per-enqueue
-        options. Callers copy it, never change it."""
-        return {"queue": self.queue, "priority": self.priority, "max_attempts": self.max_attempts,
-                "max_reclaims": self.max_reclaims, "timeout_us": to_us(self.timeout),
-                "backoff": nullable_jsonb(self.backoff), **node_params(self)}
-
-    @property
-    def flow(self) -> bool:
-        """True when the step has a key or a limit: its queue needs the fair, limited claim."""
-        return bool(self.concurrency_key) or self.limited
-
-    @property
-    def limited(self) -> bool:
-        """True when a limit needs slots (made at enqueue: ``operations._ensure_slots``)."""
-        return self.concurrency is not None or self.rate_limit is not None
 
 
 @dataclasses.dataclass(frozen=True)

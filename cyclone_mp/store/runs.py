@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import psycopg
 
 from ..filters import RunFilter
+from . import operations
 from .queries import NodeRow
 
 
@@ -29,7 +30,7 @@ class RunQueries:
         conn: psycopg.Connection | None = None,
     ) -> tuple[str, bool]:
         """Insert one run and its step rows, and NOTIFY; returns ``(run_id, created)``
-        (:func:`cyclone_mp.operations.enqueue_run`).
+        (:func:`cyclone_mp.store.operations.enqueue_run`).
 
         With ``conn`` the rows are written in the caller's open transaction (they exist
         only if it commits). With an ``idempotency_key`` already used, returns the
@@ -42,29 +43,29 @@ class RunQueries:
         return self.run(op)
 
     def enqueue_many(self, **kwargs: Any) -> list[str]:
-        """Insert many single-step runs in one statement (:func:`cyclone_mp.operations.enqueue_many`)."""
+        """Insert many single-step runs in one statement (:func:`cyclone_mp.store.operations.enqueue_many`)."""
         return self.run(operations.enqueue_many(**kwargs))
 
     # -- operator actions (cyclone_mp.operations) -----------------------------------------
 
     def cancel_run(self, run_id: str) -> int:
-        """:func:`cyclone_mp.operations.cancel_run`."""
+        """:func:`cyclone_mp.store.operations.cancel_run`."""
         return self.run(operations.cancel_run(run_id))
 
     def retry_run(self, run_id: str) -> int:
-        """:func:`cyclone_mp.operations.retry_run`."""
+        """:func:`cyclone_mp.store.operations.retry_run`."""
         return self.run(operations.retry_run(run_id))
 
     def pause_run(self, run_id: str) -> int:
-        """:func:`cyclone_mp.operations.pause_run`."""
+        """:func:`cyclone_mp.store.operations.pause_run`."""
         return self.run(operations.pause_run(run_id))
 
     def resume_run(self, run_id: str) -> int:
-        """:func:`cyclone_mp.operations.resume_run`."""
+        """:func:`cyclone_mp.store.operations.resume_run`."""
         return self.run(operations.resume_run(run_id))
 
     def signal(self, run_id: str, name: str, payload: Any) -> bool:
-        """:func:`cyclone_mp.operations.signal`."""
+        """:func:`cyclone_mp.store.operations.signal`."""
         return self.run(operations.signal(run_id, name, payload))
 
     # -- reads ----------------------------------------------------------------------------
@@ -79,16 +80,15 @@ class RunQueries:
 
     def list_runs(self, *, filters: RunFilter = RunFilter(), limit: int = 50, archived: bool = False
                   ) -> list[dict[str, Any]]:
-        """:func:`cyclone_mp.operations.list_runs`."""
+        """:func:`cyclone_mp.store.operations.list_runs`."""
         return self.run(operations.list_runs(filters=filters, limit=limit, archived=archived))
 
     def prune(self, *, older_than: float, batch: int = 1000) -> int:
-        """:func:`cyclone_mp.operations.prune`."""
+        """:func:`cyclone_mp.store.operations.prune`."""
         return self.run(operations.prune(older_than=older_than, batch=batch))
 
     def delete_runs(self, run_ids: Sequence[str]) -> int:
-        """:func:`cyclone_mp.operations.delete_runs`."""
+        """:func:`cyclone_mp.store.operations.delete_runs`."""
         return self.run(operations.delete_runs(run_ids))
 
 
-from .. import operations  # noqa: E402  (see base.py)

@@ -29,7 +29,8 @@ from .. import procs
 from ..client import Client
 from ..errors import ConfigurationError
 from ..status import RunStatus, StepStatus
-from ..steps import Mux, Step
+from ..mux import Mux
+from ..steps import Step
 from ..store import connect
 from ..workflow import Workflow
 from .network import FaultProxy

@@ -21,7 +21,8 @@ from typing import Any
 
 from .._child import die_with_parent, import_ref
 from ..client import Client
-from ..steps import Mux, Step
+from ..mux import Mux
+from ..steps import Step
 from ..workflow import Workflow
 
 
