@@ -40,7 +40,7 @@ def rebuild_site(spec: dict) -> None:
 
 
 def main() -> None:
-    import json
+    import json  # lazy: the child's first module imports only what it runs
 
     rebuild_site(json.loads(os.environ.get("CYCLONE_MP_SITE") or "null") or {
         "path": sys.path, "prefix": sys.prefix, "exec_prefix": sys.exec_prefix, "pth": [], "custom": []})

@@ -259,7 +259,7 @@ class Runner:
     def concurrent_tasks(self) -> Any:
         """The async handlers running side by side (made at the first such task)."""
         if self.concurrent is None:
-            from ._concurrent import ConcurrentTasks
+            from ._concurrent import ConcurrentTasks  # lazy: only async handlers need it (the child's start stays light)
 
             self.concurrent = ConcurrentTasks(self)
         return self.concurrent
@@ -741,7 +741,7 @@ def failure(kind: str, exc: BaseException, message: str | None = None) -> dict[s
     except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the failure
         message = f"<{exc_type.__name__}: str() failed>"
     try:
-        import traceback
+        import traceback  # lazy: only a failure needs it
 
         tb = "".join(traceback.format_exception(exc))
     except BaseException:  # noqa: BLE001
@@ -781,7 +781,7 @@ def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     else:
         upstream = task.get("upstream")
     if task.get("maps"):  # upstream map nodes: their outputs in the files the supervisor wrote
-        from . import mapped
+        from . import mapped  # lazy: only a join's task reads map outputs
 
         upstream = dict(upstream or {})
         for node, outputs in task["maps"].items():
@@ -806,7 +806,7 @@ def with_spawns(result: dict[str, Any], ctx: Context) -> dict[str, Any]:
 
 def input_annotation(fn: Any) -> Any:
     """The annotation of the handler's second parameter (its input), or None."""
-    import inspect
+    import inspect  # lazy: inspect is slow to import; only typed inputs need it
 
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -838,7 +838,7 @@ def convert_input(ann: Any, inp: Any) -> Any:
 def to_json_value(output: Any) -> Any:
     """dataclass and pydantic outputs become plain JSON values."""
     if hasattr(type(output), "__dataclass_fields__") and not isinstance(output, type):
-        import dataclasses
+        import dataclasses  # lazy: only dataclass outputs need it
 
         return dataclasses.asdict(output)
     if hasattr(output, "model_dump") and callable(output.model_dump):
@@ -899,7 +899,7 @@ def main(argv: list[str]) -> None:
     SUPERVISOR_PID LIMIT`` (the zygote, :mod:`cyclone_mp._zygote`: its children show
     ``forked`` there instead)."""
     if argv and argv[0] == "zygote":
-        from . import _zygote
+        from . import _zygote  # lazy: the zygote's own path
 
         _zygote.main(argv[1:])
         return

@@ -45,12 +45,12 @@ def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
             pass
     descendants = []
     try:
-        import psutil
+        import psutil  # lazy: the watchdog process imports what a kill needs when it kills
 
         descendants = psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - psutil missing or the process gone
         pass
-    from .procs import open_pidfd, send
+    from .procs import open_pidfd, send  # lazy: as psutil
 
     fds = [(target, open_pidfd(target)) for target in descendants]
     try:
@@ -73,9 +73,9 @@ def kill_seen(seen: dict[int, float]) -> int:
     still run as the same process (a pid reused since is left alone); returns how many."""
     hit = 0
     try:
-        import psutil
+        import psutil  # lazy: as above
 
-        from .procs import signal_process
+        from .procs import signal_process  # lazy: as above
     except Exception:  # noqa: BLE001
         return 0
     for pid, started in seen.items():
@@ -185,14 +185,14 @@ def main(argv: list[str]) -> None:
                     pass
                 kill_child(pid, children.get(pid), groups.get(pid))
     if not clean and cgroups:
-        from .slots import kill_dirs
+        from .slots import kill_dirs  # lazy: as above
 
         kill_dirs(cgroups)  # first: whole cgroups at once, no fork can race it
     for pid, pidfd in children.items():
         kill_child(pid, pidfd, groups.get(pid))
     if not clean:
         kill_seen(seen)
-        from .procs import kill_marked
+        from .procs import kill_marked  # lazy: as above
 
         for _ in range(3):  # a fork may race one pass
             if not kill_marked(supervisor_id, exclude={os.getpid()}):

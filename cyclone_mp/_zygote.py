@@ -377,8 +377,8 @@ def thread_id_address() -> int | None:
     when it is not found exactly once (the child then keeps the zygote's there, which
     only matters to native code comparing it)."""
     try:
-        import struct
-        import threading
+        import struct  # lazy: the zygote's start-up stays light; only a clone needs them
+        import threading  # lazy: as struct
 
         libc = ctypes.CDLL(None)
         libc.pthread_self.restype = ctypes.c_void_p

@@ -1,8 +1,8 @@
 """``cy.AsyncClient``: :class:`~cyclone_mp.Client`'s methods, awaitable.
 
-Built on psycopg's async connections and psycopg_pool's ``AsyncConnectionPool``. It
+Built on async connections and an async pool (:mod:`cyclone_mp.store.pools`). It
 plans every call as :class:`~cyclone_mp.Client` does (:class:`~cyclone_mp.planning.ClientBase`)
-and runs the same operations (:mod:`cyclone_mp.operations`), so the SQL, its parameters
+and runs the same operations (:mod:`cyclone_mp.store.operations`), so the SQL, its parameters
 and the handling of its rows exist once. It enqueues and manages runs; the supervisor
 runs elsewhere (``cyclone-mp worker``, or ``Client.run`` in a worker process).
 
@@ -20,18 +20,13 @@ import datetime as dt
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import psycopg
-from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
-
 from . import tracing
 from .store import operations
-from .client import POOL_PROBE_EVERY, POOL_TIMEOUT
+from .client import POOL_PROBE_EVERY
 from .config import Config
-from .connections import (
-    PooledAsyncConnection, aanswered_within, acheck_pooled, aconfigure_session, classify, redact, tcp_bounds,
-)
+from .connections import AsyncConnection, DriverError, aanswered_within, classify, redact
 from .durations import Duration
+from .embedded import server_for_dsn
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, WaitTimeout
 from .filters import When
 from .store.operations import Op
@@ -40,6 +35,7 @@ from .status import RunStatus, StepStatus
 from .mux import Mux
 from .steps import Step, check_name
 from .store import AsyncStore
+from .store.pools import POOL_TIMEOUT, AsyncConnectionPool, PoolTimeout, aprobe, async_api_pool
 from .waiting import MAP_PAGE, AsyncWaiter, areread, map_output, needs_map_outputs, result_of, with_outputs
 from .workflow import Workflow
 
@@ -96,40 +92,20 @@ class AsyncClient(ClientBase):
             if self._pool is None:
                 dsn = self._dsn if self._dsn is not None else await asyncio.to_thread(lambda: self.dsn)
                 try:  # fail fast, with a clear message, when unreachable
-                    conn = await psycopg.AsyncConnection.connect(
-                        dsn, connect_timeout=10 if within is None else max(2, int(min(10.0, within))))
-                    await conn.close()
-                except psycopg.Error as exc:
-                    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise self._explain(DatabaseUnavailable(
-                        f"cannot connect to PostgreSQL at {redact(dsn)}: {redact(detail)}")) from exc
-                limit = self.config.idle_in_transaction_limit
-
-                prepared, pgbouncer = self.config.prepared_statements, self.config.pgbouncer
-
-                async def configure(conn: psycopg.AsyncConnection[Any]) -> None:
-                    if not prepared:
-                        conn.prepare_threshold = None
-                    # a client frozen inside cancel/retry/... must not stall the supervisors
-                    await aconfigure_session(conn, idle_in_transaction=limit)
-
-                pool = AsyncConnectionPool(
-                    dsn, min_size=0, max_size=self._pool_size, open=False, timeout=POOL_TIMEOUT, max_idle=60.0,
-                    kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp async client",
-                            **tcp_bounds(max(5.0, self.config.lease_ttl))}, name="cyclone-mp-async-client",
-                    connection_class=PooledAsyncConnection if pgbouncer else psycopg.AsyncConnection,
-                    check=acheck_pooled, configure=configure,
-                )
-                await pool.open(wait=False)
-                self._pool = pool
+                    await aprobe(dsn, 10.0 if within is None else min(10.0, within))
+                except DatabaseUnavailable as exc:
+                    raise self._explain(exc) from exc.__cause__
+                config = self.config
+                self._pool = await async_api_pool(
+                    dsn, pgbouncer=config.pgbouncer, prepared_statements=config.prepared_statements,
+                    idle_in_transaction=config.idle_in_transaction_limit, lease_ttl=config.lease_ttl,
+                    max_size=self._pool_size)
             return self._pool
 
-    async def _getconn(self, pool: AsyncConnectionPool, within: float | None = None) -> psycopg.AsyncConnection[Any]:
+    async def _getconn(self, pool: AsyncConnectionPool, within: float | None = None) -> AsyncConnection[Any]:
         """A pooled connection; an embedded server that was stopped fails the call within
         POOL_PROBE_EVERY seconds (as :meth:`Client._connection` does); given ``within``,
         DatabaseStalled after that many seconds without one."""
-        from .embedded import server_for_dsn
-
         deadline = time.monotonic() + (POOL_TIMEOUT if within is None else within)
         server: Any = False  # looked up once a wait is long (it reads files: not on every call)
         while True:
@@ -172,7 +148,7 @@ class AsyncClient(ClientBase):
                 except DatabaseError as exc:
                     if isinstance(exc, DatabaseStalled) or not self._retryable(exc, store, tries_left):
                         raise
-        except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
+        except DriverError as exc:  # from the pool (a timeout waiting for a connection: an outage)
             raise classify(exc) from exc
         except DatabaseError as exc:
             failed = self._call_failed(exc)
@@ -216,7 +192,7 @@ class AsyncClient(ClientBase):
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConnection[Any] | None = None,
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
@@ -253,7 +229,7 @@ class AsyncClient(ClientBase):
         backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
-        conn: psycopg.AsyncConnection[Any] | None = None,
+        conn: AsyncConnection[Any] | None = None,
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,

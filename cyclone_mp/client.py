@@ -1,6 +1,6 @@
 """The public entry point: enqueue and manage runs, and run the supervisor (SPEC section 2).
 
-``Client`` holds a psycopg_pool pool for API calls; the supervisor it starts opens its
+``Client`` holds a connection pool (:mod:`cyclone_mp.store.pools`) for API calls; the supervisor it starts opens its
 own connections (so it can reconnect on its own after an outage). Each call's checks and
 its operation are planned in :mod:`cyclone_mp.planning` (shared with
 :class:`~cyclone_mp.AsyncClient`).
@@ -16,22 +16,18 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import psycopg
-from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool, PoolTimeout
-
 from . import tracing
 from .store import operations
 from .config import ARCHIVE_AFTER_DEFAULT, PREFETCH_DEFAULT, START_METHODS, Config
-from .connections import (
-    PooledConnection, PooledCursor, answered_within, check_pooled, classify, configure_session, connect, redact,
-    tcp_bounds,
-)
+from .connections import Connection, DriverError, answered_within, classify, connect, redact
 from .durations import Duration
 from .errors import (
     ConfigurationError, CycloneError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable,
     InvalidTransition, WaitTimeout,
 )
+from .embedded import server_for_dsn
+from .procs import refuse_in_child
+from .supervisor import Supervisor
 from .filters import When
 from .store.operations import Op
 from .planning import ClientBase
@@ -40,12 +36,12 @@ from .status import RunStatus, StepStatus
 from .mux import Mux
 from .steps import Step, check_name
 from .store import Store
+from .store.pools import POOL_TIMEOUT, ConnectionPool, PoolTimeout, api_pool
 from .waiting import MAP_PAGE, Waiter, map_output, needs_map_outputs, reread, result_of, with_outputs
 from .workflow import Workflow
 
 log = logging.getLogger("cyclone_mp.client")
 
-POOL_TIMEOUT = 30.0  #: seconds a call waits for a free connection of the API pool
 #: Seconds between checks, while a call waits for a connection, that the server is still
 #: there: a server that went away fails the call at once, not after POOL_TIMEOUT.
 POOL_PROBE_EVERY = 1.0
@@ -240,25 +236,9 @@ class Client(ClientBase):
                     connect(dsn, timeout=10.0 if within is None else min(10.0, within)).close()
                 except DatabaseUnavailable as exc:
                     raise self._explain(exc) from exc.__cause__
-                limit, config = self.config.idle_in_transaction_limit, self.config
-
-                def configure(conn: psycopg.Connection[Any]) -> None:
-                    if not config.prepared_statements:
-                        conn.prepare_threshold = None
-                    # a client frozen inside cancel/retry/... must not stall the supervisors
-                    configure_session(conn, idle_in_transaction=limit)
-
-                self._pool = ConnectionPool(
-                    dsn, min_size=0, max_size=4, open=True, timeout=POOL_TIMEOUT, max_idle=60.0,
-                    # a dead or black-holed server is an error within about lease_ttl, not a hang
-                    kwargs={"autocommit": True, "row_factory": dict_row, "application_name": "cyclone_mp client",
-                            **tcp_bounds(max(5.0, self.config.lease_ttl)),
-                            **({"cursor_factory": PooledCursor} if config.pgbouncer else {})},
-                    connection_class=PooledConnection if config.pgbouncer else psycopg.Connection,
-                    name="cyclone-mp-client",
-                    check=check_pooled,  # a restarted server leaves dead connections (a round trip only then)
-                    configure=configure,
-                )
+                config = self.config
+                self._pool = api_pool(dsn, pgbouncer=config.pgbouncer, prepared_statements=config.prepared_statements,
+                                      idle_in_transaction=config.idle_in_transaction_limit, lease_ttl=config.lease_ttl)
             return self._pool
 
     @contextlib.contextmanager
@@ -268,8 +248,6 @@ class Client(ClientBase):
         one line that says so (rather than a 30 s pool timeout per call). Any other server may come back (a restart): the call waits up to
         POOL_TIMEOUT, then fails with why a fresh connection fails; or, given
         ``within`` (the call's bound), raises DatabaseStalled after that many seconds."""
-        from .embedded import server_for_dsn
-
         deadline = time.monotonic() + (POOL_TIMEOUT if within is None else within)
         server: Any = False  # looked up once a wait is long (it reads files: not on every call)
         while True:
@@ -323,7 +301,7 @@ class Client(ClientBase):
                 except DatabaseError as exc:
                     if isinstance(exc, DatabaseStalled) or not self._retryable(exc, store, tries_left):
                         raise
-        except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
+        except DriverError as exc:  # from the pool (a timeout waiting for a connection: an outage)
             raise classify(exc) from exc
         except DatabaseError as exc:
             failed = self._call_failed(exc)
@@ -378,7 +356,7 @@ class Client(ClientBase):
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
         idempotency_key: str | None = None,
-        conn: psycopg.Connection | None = None,
+        conn: Connection | None = None,
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
@@ -430,7 +408,7 @@ class Client(ClientBase):
         backoff: float | Sequence[float] | None = None,
         delay: Duration | None = None,
         scheduled_at: dt.datetime | None = None,
-        conn: psycopg.Connection | None = None,
+        conn: Connection | None = None,
         concurrency: int | None = None,
         concurrency_key: str | None = None,
         rate_limit: tuple[int, Duration] | None = None,
@@ -727,9 +705,6 @@ class Client(ClientBase):
     # -- the supervisor -------------------------------------------------------------------------
 
     def _make_supervisor(self, dedicated: bool = False) -> Any:
-        from .procs import refuse_in_child
-        from .supervisor import Supervisor
-
         refuse_in_child()  # before migrate(): a handler's child never touches the cyclone tables
         if not self.mux.step_names:
             raise ConfigurationError("the mux registers no steps: nothing to run")

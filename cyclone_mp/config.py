@@ -81,7 +81,7 @@ class Config:
         pgbouncer: the DSN goes through PgBouncer in transaction mode: no
             session state (every setting is set per transaction), no LISTEN on that DSN
             (a direct ``listen_dsn``, else polling only). See docs/operating.md.
-        prepared_statements: named prepared statements (psycopg's); default True, and
+        prepared_statements: named prepared statements (the driver's); default True, and
             False with ``pgbouncer`` unless asked for (PgBouncer 1.21 or later with
             ``max_prepared_statements`` above 0 keeps them per server connection).
         archive_after: seconds a finished (completed, discarded, cancelled) run stays in

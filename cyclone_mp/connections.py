@@ -1,42 +1,58 @@
 """Connections to PostgreSQL and what their errors mean.
 
-- **Errors:** :func:`classify` turns a psycopg error into the engine's
+- **Errors:** :func:`classify` turns a driver error into the engine's
   :class:`~cyclone_mp.errors.DatabaseError` kinds (an outage, a busy row, a read-only
-  primary, a rejected value), and :func:`translate` does it for every
+  primary, a rejected value), and :func:`~cyclone_mp.store.base.translate` does it for every
   :class:`~cyclone_mp.store.Store` method. :func:`redact` keeps passwords out of messages.
-- **Bounds on this side:** :class:`CallTimer` (:data:`CALL_TIMER`) shuts the socket of a
-  call that outlives its bound; :func:`answered_within` turns that into
-  :class:`~cyclone_mp.errors.DatabaseStalled` for the client's waits.
-- **Connections:** :func:`connect` (with TCP bounds), the PgBouncer
-  transaction-mode wrappers (``Pooled*``), session settings, and the few
-  server-level calls (databases, sessions, the hot tables' VACUUM).
+- **Bounds on this side:** :func:`answered_within` turns a call cut short by
+  :data:`~cyclone_mp.calltimer.CALL_TIMER` into :class:`~cyclone_mp.errors.DatabaseStalled`
+  for the client's waits.
+- **Connections:** :func:`connect` (with TCP bounds), the PgBouncer transaction-mode
+  wrappers (``Pooled*``), session settings, and the driver's names other modules use
+  (:data:`DriverError`, :data:`Connection`, :data:`AsyncConnection`, :data:`dict_row`).
 
-:mod:`cyclone_mp.store` keeps the SQL and the typed methods, and re-exports these names.
+This module and :mod:`cyclone_mp.store` are the only ones that import the driver
+(psycopg); the store keeps the SQL and the typed methods.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
-import itertools
-import os
 import re
 import select
-import socket
-import threading
-import time
 from typing import Any, Iterator
 
 import psycopg
 import psycopg.sql
 from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import ConnectionPool
 
+from .calltimer import CALL_TIMER
 from .errors import (
     DatabaseBusy, DatabaseDiskFull, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, QueryRejected,
 )
 
 log = logging.getLogger("cyclone_mp.store")
+
+#: The driver's names that other modules use, so that only this module and the store import it.
+DriverError = psycopg.Error
+Connection = psycopg.Connection
+AsyncConnection = psycopg.AsyncConnection
+
+
+def undefined_table(exc: BaseException | None) -> bool:
+    """True when ``exc`` (or the driver error it was raised from) says a table is missing
+    (the schema is not migrated)."""
+    return isinstance(exc, psycopg.errors.UndefinedTable) or isinstance(
+        getattr(exc, "__cause__", None), psycopg.errors.UndefinedTable)
+
+
+def no_partition(exc: BaseException | None) -> bool:
+    """True when ``exc`` (or its cause) says a row fits no partition of its table."""
+    cause = exc if isinstance(exc, psycopg.Error) else getattr(exc, "__cause__", None)
+    return isinstance(cause, psycopg.errors.CheckViolation) and "no partition" in str(cause)
 
 
 def redact(text: str) -> str:
@@ -141,100 +157,6 @@ def tcp_bounds(dead_after: float) -> dict[str, int]:
     probe = max(1, int(dead_after / 3))
     return {"keepalives": 1, "keepalives_idle": probe, "keepalives_interval": probe, "keepalives_count": 2,
             "tcp_user_timeout": max(1000, int(dead_after * 1000))}
-
-
-class Bound:
-    """One call armed on a :class:`CallTimer`: ``fired`` turns True when its socket was shut down."""
-
-    __slots__ = ("fd", "fired")
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.fired = fd, False
-
-
-class CallTimer:
-    """Shuts down the socket of a call that outlives its bound (one thread per process).
-
-    ``with timer.bound(store, seconds): store.method(...)`` arms a timer for the call
-    (``store``: a :class:`~cyclone_mp.store.Store`, or a sync or async psycopg
-    connection); leaving the block disarms it. A shut-down socket makes psycopg raise at
-    once, which the store reports as :class:`~cyclone_mp.errors.DatabaseUnavailable`;
-    the block's :class:`Bound` says whether it was this timer.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._heap: list[tuple[float, int, int]] = []
-        self._armed: dict[int, Bound] = {}  # token -> the call's socket
-        self._tokens = itertools.count()
-        self._thread: threading.Thread | None = None
-        self.fired = 0  # calls cut short (for tests and stats)
-
-    @contextlib.contextmanager
-    def bound(self, store: Any, seconds: float) -> Iterator[Bound]:
-        """Bound the calls made on ``store`` inside the block to ``seconds``."""
-        try:
-            fd = getattr(store, "conn", store).pgconn.socket
-        except Exception:  # noqa: BLE001 - a closed connection: the call fails on its own
-            yield Bound(-1)
-            return
-        token = next(self._tokens)
-        due = time.monotonic() + seconds
-        armed = Bound(fd)
-        with self._lock:
-            self._armed[token] = armed
-            # The timer thread sleeps until the heap's first entry is due (armed or not): it
-            # needs waking only for a call due before that. A part's calls share one bound,
-            # so on the hot path (a statement per batch) a call is rarely due first and wakes
-            # no thread; finished calls stay in the heap until the first is due (about calls
-            # per second x bound entries), then go in one pass.
-            earlier = not self._heap or due < self._heap[0][0]
-            heapq.heappush(self._heap, (due, token, fd))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="cyclone-call-timer", daemon=True)
-                self._thread.start()
-            if earlier:
-                self._lock.notify()
-        try:
-            yield armed
-        finally:
-            with self._lock:
-                self._armed.pop(token, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while self._heap and self._heap[0][1] not in self._armed:
-                    heapq.heappop(self._heap)  # disarmed
-                if not self._heap:
-                    self._lock.wait()
-                    continue
-                due, token, fd = self._heap[0]
-                wait = due - time.monotonic()
-                if wait > 0:
-                    self._lock.wait(wait)
-                    continue
-                heapq.heappop(self._heap)
-                armed = self._armed.pop(token, None)
-                if armed is None:
-                    continue
-                self.fired += 1
-                armed.fired = True
-                _shutdown(fd)
-
-
-def _shutdown(fd: int) -> None:
-    """Shut a connection's socket down (both ways) without closing its descriptor, which
-    psycopg still owns: its waiting call wakes up with an error."""
-    with contextlib.suppress(OSError):
-        sock = socket.socket(fileno=os.dup(fd))
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
-
-
-CALL_TIMER = CallTimer()
 
 
 def _stalled(seconds: float) -> DatabaseStalled:
@@ -425,16 +347,12 @@ def check_pooled(conn: psycopg.Connection) -> None:
     """A client pool's ``check``: raises when a pooled connection is no longer usable,
     with a round trip only if :func:`server_spoke` (else none)."""
     if server_spoke(conn):
-        from psycopg_pool import ConnectionPool
-
         ConnectionPool.check_connection(conn)
 
 
 async def acheck_pooled(conn: psycopg.AsyncConnection[Any]) -> None:
     """:func:`check_pooled` for the async client's pool."""
     if server_spoke(conn):
-        from psycopg_pool import AsyncConnectionPool
-
         await AsyncConnectionPool.check_connection(conn)
 
 

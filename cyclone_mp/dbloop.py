@@ -17,13 +17,12 @@ Every call is bounded (SPEC 9, "every database call has a client-side bound"):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from typing import Any, Callable
 
-from .connections import CALL_TIMER
+from .calltimer import CALL_TIMER
 from .errors import DatabaseError, DatabaseUnavailable
 from .mailbox import Inbox
 from .store import Store

@@ -27,13 +27,13 @@ import threading
 import time
 from typing import Any, Callable
 
-import psycopg
 
 from .store import operations
 from .config import (
     HISTORY_BATCH, HISTORY_BUDGET, HISTORY_DDL_LOCK_TIMEOUT, HISTORY_WALK_RESTART, VACUUM_HELD_FOR, VACUUM_MIN_DEAD,
     Config,
 )
+from .connections import no_partition
 from .errors import DatabaseBusy, DatabaseError
 from .store.operations import FINISHED_STATES, day_end
 from .store import Store, to_us
@@ -96,8 +96,7 @@ class Policy:
 
 def missing_partition(exc: DatabaseError) -> bool:
     """True when ``exc`` is an insert into the archive that found no partition for a row."""
-    cause = exc.__cause__
-    return isinstance(cause, psycopg.errors.CheckViolation) and "no partition" in str(cause)
+    return no_partition(exc)
 
 
 class History:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
-import psycopg
 
+from .embedded import ensure_default_dsn
+from .embedded import server_for_dsn
 from .store import operations
 from .backoff import storable_backoff
 from .config import Config
-from .connections import stale_plan
+from .connections import stale_plan, undefined_table
 from .durations import Duration, seconds
 from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
 from .filters import RunFilter
@@ -41,16 +42,12 @@ class ClientBase:
     def dsn(self) -> str:
         """The DSN in use (the embedded default's, started on first use, when None was given)."""
         if self._dsn is None:
-            from .embedded import ensure_default_dsn
-
             self._dsn = ensure_default_dsn()
         return self._dsn
 
     def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
         """``exc``, or when the DSN is an embedded server that is going away, the one line
         that says so (a connection refused or closed by a stopping server is why)."""
-        from .embedded import server_for_dsn
-
         server = server_for_dsn(self.dsn)
         if server is not None and server.stopping():
             return DatabaseUnavailable(server.not_running_message())
@@ -59,7 +56,7 @@ class ClientBase:
     def _call_failed(self, exc: DatabaseError) -> DatabaseError:
         """The error a failed call raises: a missing schema and an embedded server going
         away say so in one line; anything else as it is."""
-        if isinstance(exc.__cause__, psycopg.errors.UndefinedTable):
+        if undefined_table(exc):
             return DatabaseError("the cyclone tables do not exist: run client.migrate() or `cyclone-mp migrate`")
         if isinstance(exc, DatabaseUnavailable):  # lost mid-call, or refused: say why when we can
             return self._explain(exc)

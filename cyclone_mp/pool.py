@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import select
 import selectors
@@ -350,8 +351,6 @@ class ChildPool:
     def spawn(self) -> ChildProc | None:
         """Start one child, forked from the zygote when it is ready, else spawned (None
         when the system refuses: tried again after a backoff)."""
-        import logging
-
         log = logging.getLogger("cyclone_mp.supervisor")
         zygote = self.zygote if self.zygote is not None and self.zygote.ready else None
         used = {c.slot.index for c in self.children if c.slot is not None}
@@ -474,8 +473,6 @@ class ChildPool:
 
     def kill(self, child: ChildProc, trigger: str) -> None:
         """SIGKILL the child's tree and reap it (SPEC 4)."""
-        import logging
-
         child.note_descendants()
         self.unregister(child)
         hit = child.kill()
@@ -514,8 +511,6 @@ class ChildPool:
 
     def after_exit(self, child: ChildProc, code: int | None) -> None:
         """Preload bookkeeping and the respawn backoff after a child is gone."""
-        import logging
-
         log = logging.getLogger("cyclone_mp.supervisor")
         if not child.ready and child.preloading in self.preload:
             # Importing that module killed or wedged the child: later children leave it to

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import glob
 import json
+import logging
 import os
 import re
 import signal
@@ -272,7 +273,7 @@ def helper_command(module: str, *args: str) -> list[str]:
 def _pth_import_lines() -> tuple[str, ...]:
     """The import lines of every ``.pth`` file in the site directories, in site's order,
     but this project's editable finder (read once: site ran them at this process's start)."""
-    import site
+    import site  # lazy: children run without site (python -S); only the supervisor reads .pth files
 
     dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
     if site.ENABLE_USER_SITE and hasattr(site, "getusersitepackages"):
@@ -380,7 +381,6 @@ class WatchdogLink:
         except OSError as exc:
             if not self._warned:
                 self._warned = True
-                import logging
 
                 logging.getLogger("cyclone_mp.supervisor").warning("the watchdog does not listen (%s)", exc)
 

@@ -151,7 +151,7 @@ def tree_size(root: int | None = None) -> tuple[int, int]:
 
 
 def _unshare() -> object:
-    import ctypes
+    import ctypes  # lazy: on the child's start-up path; only a capped child needs ctypes
 
     return ctypes.CDLL(None, use_errno=True).unshare
 
@@ -162,7 +162,7 @@ def own_user_namespace() -> str | None:
     process must be single-threaded (the kernel's rule): a child calls it at birth. Inside,
     the ids of other users read as the overflow id (65534) and set-user-ID programs gain
     nothing; what a handler may access is unchanged (the kernel checks the real ids)."""
-    import ctypes
+    import ctypes  # lazy: as above
 
     uid, gid = os.getuid(), os.getgid()
     if _unshare()(CLONE_NEWUSER) != 0:  # type: ignore[operator]
@@ -186,7 +186,7 @@ def user_namespaces_refused() -> str | None:
         return "user namespaces are disabled (user.max_user_namespaces = 0)"
     if (read_text("/proc/sys/kernel/unprivileged_userns_clone") or "").strip() == "0":
         return "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0)"
-    import warnings
+    import warnings  # lazy: as above
 
     unshare = _unshare()
     with warnings.catch_warnings():  # (3.12+ warns of fork in a threaded process: the child below is safe)

@@ -44,7 +44,7 @@ MAX_PAYLOAD_LIMIT = 268_435_455
 #: Levels of nesting a JSON value may have (``[[1]]`` has 2). Python's json module
 #: recurses once per level, in C but against the interpreter's recursion limit (1,000
 #: by default, shared with the Python frames below the call in 3.11): a value about
-#: 990 deep encoded in a shallow child failed to decode in the parent, and psycopg's
+#: 990 deep encoded in a shallow child failed to decode in the parent, and the driver's
 #: jsonb loader, dataclass and pydantic conversion recurse the same way. 200 levels plus
 #: the 2 that frames wrap around a value leave about 800 frames for the code that calls
 #: the decoder, in every process. (Ruby's JSON parser stops at 100 by default,
@@ -283,8 +283,6 @@ def has_own_children() -> bool:
     """True when this process still has a live child. Exited ones (zombies a handler
     never waited for) are reaped first, so they do not count as leftovers forever.
     Usually one ``waitpid``; cheaper than :func:`has_children` for the calling process."""
-    import os
-
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass  # reaped a zombie: look again
@@ -302,8 +300,6 @@ def has_children(pid: int | str = "self") -> bool:
 def child_pids(pid: int | str = "self") -> set[int] | None:
     """The pids of the process's children now, from ``/proc/PID/task/*/children``
     (every thread's); None when they cannot be read."""
-    import os
-
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:

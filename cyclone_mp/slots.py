@@ -37,6 +37,7 @@ from .kmsg import KMSG, KernelLog
 from .limits import Limits, Usage
 from .mechanism import (CGROUP_COUNTERS, CGROUP_V1, CGROUP_V2, KERNEL_LOG, MEMORY_FALLBACK, PROCESSES_USERNS,
                         SAMPLING, SIGNALS, Mechanism)
+from .procs import pidfd_kill
 from .proctree import exiting as _exiting
 from .proctree import open_files as _open_files
 from .proctree import stat as _stat
@@ -773,7 +774,6 @@ class Slot:
                 with contextlib.suppress(OSError):
                     _write(os.path.join(v2, "cgroup.freeze"), "0")
             return pids
-        from .procs import pidfd_kill
 
         hit: set[int] = set()
         for _ in range(50):  # a v1 cgroup cannot be killed at once: until nothing is left (pids.max bounds forks)
@@ -800,8 +800,6 @@ def kill_dirs(dirs: list[tuple[str, str]], timeout: float = 2.0) -> int:
     """Kill every process in a supervisor's cgroups (``(hierarchy, directory)``), then
     remove them; returns how many processes were listed. v2: ``cgroup.kill`` of the
     supervisor's directory kills every slot at once."""
-    from .procs import pidfd_kill
-
     listed = 0
     deadline = time.monotonic() + timeout
     while True:

@@ -28,14 +28,14 @@ import threading
 import time
 from typing import Any, Callable
 
-import psycopg
 
 from .store import operations
-from .connections import aanswered_within, answered_within, connect, tcp_bounds
+from .connections import AsyncConnection, Connection, DriverError, aanswered_within, answered_within, connect
 from .errors import CycloneError, DatabaseError, DatabaseStalled, RunCancelled, RunFailed, WaitTimeout
 from .mapped import ItemFailed
 from .status import TERMINAL_RUN_STATES, RunStatus, StepStatus
 from .store import AsyncStore, Store
+from .store.pools import aconnect
 
 log = logging.getLogger("cyclone_mp.client")
 
@@ -198,7 +198,7 @@ def timeout_message(run_id: str, status: RunStatus | None, timeout: float) -> st
 def _say_lost(exc: Exception) -> None:
     """Log why a listener starts over: a lost or stalled connection (info) or anything
     else (with its traceback)."""
-    if isinstance(exc, (psycopg.Error, DatabaseError)):
+    if isinstance(exc, (DriverError, DatabaseError)):
         log.info("the waiting connection was lost (%s); listening again", exc)
     else:
         log.exception("waiting: unexpected error; listening again")
@@ -351,7 +351,7 @@ class Waiter:
             self._thread.start()
 
     def _run(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
+        conn: Connection[Any] | None = None
         listening = False
         next_poll = reconnect_at = time.monotonic()
         catch_up = False
@@ -415,7 +415,7 @@ class Waiter:
                 with contextlib.suppress(Exception):
                     conn.close()
 
-    def _connect(self) -> tuple[psycopg.Connection[Any] | None, bool]:
+    def _connect(self) -> tuple[Connection[Any] | None, bool]:
         dsn, listen = listener_target(self._dsn(), self._listen_dsn, self._pgbouncer)
         pooled = self._pgbouncer and dsn != self._listen_dsn
         try:
@@ -433,14 +433,14 @@ class Waiter:
             log.info("waiting: %s; connecting again", exc)
             conn.close()
             return None, False
-        except psycopg.Error as exc:
+        except DriverError as exc:
             log.info("waiting: LISTEN unavailable (%s); polling", exc)
             return conn, False
         self.listening_connections = 1
         return conn, True
 
     @staticmethod
-    def _statuses(conn: psycopg.Connection[Any], ids: list[str]) -> dict[str, RunStatus]:
+    def _statuses(conn: Connection[Any], ids: list[str]) -> dict[str, RunStatus]:
         return statuses(*Store(conn).run(operations.finished_runs(ids)))
 
 
@@ -536,7 +536,7 @@ class AsyncWaiter:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="cyclone-mp-waiter")
 
     async def _run(self) -> None:
-        conn: psycopg.AsyncConnection[Any] | None = None
+        conn: AsyncConnection[Any] | None = None
         listening = False
         next_poll = reconnect_at = time.monotonic()
         catch_up = False
@@ -598,15 +598,11 @@ class AsyncWaiter:
                 with contextlib.suppress(Exception):
                     await conn.close()
 
-    async def _connect(self) -> tuple[psycopg.AsyncConnection[Any] | None, bool]:
-        from psycopg.rows import dict_row
-
+    async def _connect(self) -> tuple[AsyncConnection[Any] | None, bool]:
         dsn, listen = listener_target(self._dsn(), self._listen_dsn, self._pgbouncer)
         try:
-            conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row,
-                                                          application_name=LISTENER_NAME, connect_timeout=10,
-                                                          **tcp_bounds(30.0))
-        except psycopg.Error as exc:
+            conn = await aconnect(dsn, application_name=LISTENER_NAME, timeout=10, dead_after=30.0)
+        except DriverError as exc:
             log.info("waiting: cannot connect (%s); polling", exc)
             return None, False
         if not (self._prepare or dsn == self._listen_dsn):
@@ -620,7 +616,7 @@ class AsyncWaiter:
             log.info("waiting: %s; connecting again", exc)
             await conn.close()
             return None, False
-        except psycopg.Error as exc:
+        except DriverError as exc:
             log.info("waiting: LISTEN unavailable (%s); polling", exc)
             return conn, False
         self.listening_connections = 1

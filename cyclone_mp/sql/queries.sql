@@ -1,5 +1,5 @@
 -- Every query cyclone_mp runs, one per "-- name:" header, with a one-line purpose.
--- Loaded once by cyclone_mp.store; parameters are psycopg named placeholders.
+-- Loaded once by cyclone_mp.store; parameters are named placeholders: %(name)s.
 
 -- name: run_ended_expr
 -- (Fragment) announce that run r ended, to the waiters of client.wait: a NOTIFY on

@@ -79,7 +79,7 @@ PARSE_CACHE_LENGTH = 16_384
 
 
 def _fit_parse_cache() -> None:
-    from psycopg import _queries
+    from psycopg import _queries  # lazy: a private module of psycopg: absent from some versions
 
     if getattr(_queries, "MAX_CACHED_STATEMENT_LENGTH", PARSE_CACHE_LENGTH) < PARSE_CACHE_LENGTH:
         _queries.MAX_CACHED_STATEMENT_LENGTH = PARSE_CACHE_LENGTH

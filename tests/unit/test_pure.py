@@ -237,7 +237,7 @@ def test_the_call_timer_cuts_a_call_due_before_the_one_it_sleeps_for() -> None:
     import time
     import types
 
-    from cyclone_mp.connections import CallTimer
+    from cyclone_mp.calltimer import CallTimer
 
     def store(sock: socket.socket) -> types.SimpleNamespace:
         return types.SimpleNamespace(conn=types.SimpleNamespace(pgconn=types.SimpleNamespace(socket=sock.fileno())))
