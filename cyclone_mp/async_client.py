@@ -15,28 +15,32 @@ Use it from one event loop (its pool and its waiting task belong to that loop)::
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import tracing
-from .store import operations
-from .client import POOL_PROBE_EVERY
 from .config import Config
-from .connections import AsyncConnection, DriverError, aanswered_within, classify, redact
+from .connections import AsyncConnection, redact
 from .durations import Duration
-from .embedded import server_for_dsn
-from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseStalled, DatabaseUnavailable, WaitTimeout
+from .errors import ConfigurationError, DatabaseStalled, WaitTimeout
 from .filters import When
-from .store.operations import Op
+from .mux import Mux
 from .planning import ClientBase
 from .status import RunStatus, StepStatus
-from .mux import Mux
 from .steps import Step, check_name
-from .store import AsyncStore
-from .store.pools import POOL_TIMEOUT, AsyncConnectionPool, PoolTimeout, aprobe, async_api_pool
-from .waiting import MAP_PAGE, AsyncWaiter, areread, map_output, needs_map_outputs, result_of, with_outputs
+from .store import AsyncStore, operations
+from .store.calls import AsyncPooledCalls
+from .store.operations import Op
+from .waiting import (
+    MAP_PAGE,
+    AsyncWaiter,
+    areread,
+    map_output,
+    needs_map_outputs,
+    result_of,
+    with_outputs,
+)
 from .workflow import Workflow
 
 
@@ -76,95 +80,22 @@ class AsyncClient(ClientBase):
         self.mux = mux if mux is not None else Mux()
         self._dsn = dsn
         self._pool_size = pool_size
-        self._pool: AsyncConnectionPool | None = None
-        self._pool_lock: asyncio.Lock | None = None
+        self._calls = AsyncPooledCalls(self, pool_size)
         self._waiting: AsyncWaiter | None = None
 
     # -- connection -------------------------------------------------------------------------
 
-    async def _store_pool(self, within: float | None = None) -> AsyncConnectionPool:
-        """The pool, made at the first call (as :meth:`Client._store_pool <cyclone_mp.Client._store_pool>`)."""
-        if self._pool is not None:  # the common case: no lock to take
-            return self._pool
-        if self._pool_lock is None:
-            self._pool_lock = asyncio.Lock()
-        async with self._pool_lock:
-            if self._pool is None:
-                dsn = self._dsn if self._dsn is not None else await asyncio.to_thread(lambda: self.dsn)
-                try:  # fail fast, with a clear message, when unreachable
-                    await aprobe(dsn, 10.0 if within is None else min(10.0, within))
-                except DatabaseUnavailable as exc:
-                    raise self._explain(exc) from exc.__cause__
-                config = self.config
-                self._pool = await async_api_pool(
-                    dsn, pgbouncer=config.pgbouncer, prepared_statements=config.prepared_statements,
-                    idle_in_transaction=config.idle_in_transaction_limit, lease_ttl=config.lease_ttl,
-                    max_size=self._pool_size)
-            return self._pool
-
-    async def _getconn(self, pool: AsyncConnectionPool, within: float | None = None) -> AsyncConnection[Any]:
-        """A pooled connection; an embedded server that was stopped fails the call within
-        POOL_PROBE_EVERY seconds (as :meth:`Client._connection` does); given ``within``,
-        DatabaseStalled after that many seconds without one."""
-        deadline = time.monotonic() + (POOL_TIMEOUT if within is None else within)
-        server: Any = False  # looked up once a wait is long (it reads files: not on every call)
-        while True:
-            try:
-                return await pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
-            except PoolTimeout:
-                if server is False:
-                    server = server_for_dsn(self.dsn)
-                if server is not None and server.stopping():
-                    raise DatabaseUnavailable(server.not_running_message()) from None
-                if time.monotonic() >= deadline and within is not None:
-                    raise DatabaseStalled(f"no connection to the database within {within:.3g}s") from None
-                if time.monotonic() >= deadline:
-                    raise
-
     async def _run(self, plan: Callable[[], Op], within: float | None = None) -> Any:
-        """Run the operation ``plan()`` makes on a pooled connection; once more on another
-        connection when the call surely did nothing; ``within``: seconds the call may
-        take (as :meth:`Client._call`)."""
-        deadline = None if within is None else time.monotonic() + within
-        pool = await self._store_pool(within)
-        try:
-            for tries_left in (1, 0):
-                store: AsyncStore | None = None
-                try:
-                    conn = await self._getconn(pool, None if deadline is None else max(0.0, deadline - time.monotonic()))
-                    try:
-                        store = AsyncStore(conn)
-                        async with aanswered_within(conn, None if deadline is None else deadline - time.monotonic()):
-                            return await store.run(plan())
-                    except DatabaseReadOnly:  # a failover: no pooled connection is worth keeping
-                        await conn.close()
-                        await pool.drain()
-                        raise
-                    except DatabaseStalled:  # the pool's other connections came the same way
-                        await pool.drain()
-                        raise
-                    finally:
-                        await pool.putconn(conn)
-                except DatabaseError as exc:
-                    if isinstance(exc, DatabaseStalled) or not self._retryable(exc, store, tries_left):
-                        raise
-        except DriverError as exc:  # from the pool (a timeout waiting for a connection: an outage)
-            raise classify(exc) from exc
-        except DatabaseError as exc:
-            failed = self._call_failed(exc)
-            if failed is not exc:
-                raise failed from exc
-            raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        """Run the operation ``plan()`` makes on a pooled connection, bounded to ``within``
+        seconds (:meth:`cyclone_mp.store.calls.AsyncPooledCalls.run`)."""
+        return await self._calls.run(plan, within)
 
     async def close(self) -> None:
         """Stop listening for waits and close the pool."""
         waiting, self._waiting = self._waiting, None
         if waiting is not None:
             await waiting.close()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.close()
+        await self._calls.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

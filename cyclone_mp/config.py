@@ -54,18 +54,22 @@ class Config:
     """Everything a Client and its supervisor need besides the DSN and the mux.
 
     Attributes:
-        workers: child slots (handlers running at once), >= 1.
-        lease_ttl: seconds a lease lasts without renewal; renewed every ``lease_ttl/3``.
-        kill_grace: seconds between the cooperative cancel and the SIGKILL.
-        poll_interval: ``(min, max)`` seconds between claims when idle; the recovery
-            sweep ticks at a random point of this range.
-        shutdown_grace: seconds in-flight handlers may run on after a soft shutdown.
-        queues: the queues this supervisor claims from.
+        workers: child slots (handlers running at once), >= 1. Default 4.
+        lease_ttl: seconds a lease lasts without renewal (crash-detection latency);
+            renewed every ``lease_ttl/3`` (seed "Lease TTL"). Default 30.
+        kill_grace: seconds between the cooperative cancel and the SIGKILL of the
+            child's process tree (SPEC 4). Default 5.
+        poll_interval: ``(min, max)`` seconds between claims when idle (one number: both);
+            the recovery sweep ticks at a random point of this range. Default (0.1, 1.0).
+        shutdown_grace: seconds in-flight handlers may run on after a soft shutdown
+            before they are cancelled and released (SPEC 5). Default 30.
+        queues: the queues this supervisor claims from; default ``("default",)``.
         defaults: client-wide step options (``timeout``, ``max_attempts`` 25,
             ``max_reclaims``, ``backoff``, ``queue``, ``priority``).
         max_steps_per_child: recycle a child after this many steps (None: never).
         max_child_rss: recycle a child whose RSS exceeds this many bytes (None: never).
-        max_payload: largest message (input or output, bytes) crossing the pipe.
+        max_payload: largest input or output in bytes (default 64 MiB); larger ones are
+            rejected with a clear error.
         prefetch: steps the supervisor may claim beyond its idle children, held until a
             child frees up (default :data:`PREFETCH_DEFAULT`, 256; 0: claim only
             for idle children, SPEC 4's rule to the letter). With other supervisors live on
@@ -84,11 +88,11 @@ class Config:
         prepared_statements: named prepared statements (the driver's); default True, and
             False with ``pgbouncer`` unless asked for (PgBouncer 1.21 or later with
             ``max_prepared_statements`` above 0 keeps them per server connection).
-        archive_after: seconds a finished (completed, discarded, cancelled) run stays in
+        archive_after: seconds (or text: ``"10m"``) a finished (completed, discarded, cancelled) run stays in
             the hot tables before the supervisors' maintenance moves it, with its steps
             and signals, to the archive tables; None: never (the hot tables
             keep everything). Default 600.
-        retain_completed, retain_discarded, retain_cancelled: seconds a run finished in
+        retain_completed, retain_discarded, retain_cancelled: seconds (or ``"7d"``) a run finished in
             that state is kept (hot or archived) before maintenance deletes it, dropping
             whole archive partitions where it can; None (the default): forever.
         start_method: how children start: ``"zygote"`` (default: forked from a
@@ -228,7 +232,9 @@ class Config:
         is frozen (a quarter second, or the fence's margin), and :data:`KILL_SLACK` to reap.
         Written on every claimed row: after a timeout or a cancel, the step waits that long
         for its supervisor to report the child dead before it may run again (SPEC 9)."""
-        from .attempts import fence_margin  # (attempts is a leaf module; config is below most)
+        from .attempts import (
+            fence_margin,  # (attempts is a leaf module; config is below most)
+        )
 
         return self.kill_grace + max(0.25, fence_margin(self.lease_ttl)) + KILL_SLACK
 

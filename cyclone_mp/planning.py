@@ -10,23 +10,28 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Callable, Iterable, Sequence
 
-
-from .embedded import ensure_default_dsn
-from .embedded import server_for_dsn
-from .store import operations
 from .backoff import storable_backoff
 from .config import Config
 from .connections import stale_plan, undefined_table
 from .durations import Duration, seconds
-from .errors import ConfigurationError, DatabaseError, DatabaseReadOnly, DatabaseUnavailable, UnknownStep
+from .embedded import ensure_default_dsn, server_for_dsn
+from .errors import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseReadOnly,
+    DatabaseUnavailable,
+    UnknownStep,
+)
 from .filters import RunFilter
-from .store.operations import Op
+from .mux import Mux
+from .noderows import NodeRow, node_rows, task_row
 from .protocol import check_text, check_value
 from .status import STEP_STATES, TERMINAL_RUN_STATES, RunStatus, StepStatus
-from .mux import Mux
 from .steps import Step, StepOptions, check_name
-from .noderows import NodeRow, node_rows, task_row
+from .store import operations
+from .store.operations import Op
 from .workflow import Workflow
+
 
 class ClientBase:
     """What :class:`Client` and :class:`~cyclone_mp.AsyncClient` share: the options, the
@@ -45,10 +50,14 @@ class ClientBase:
             self._dsn = ensure_default_dsn()
         return self._dsn
 
+    def _embedded(self) -> Any:
+        """The embedded server the DSN names (:class:`~cyclone_mp.embedded.EmbeddedServer`), or None."""
+        return server_for_dsn(self.dsn)
+
     def _explain(self, exc: DatabaseUnavailable) -> DatabaseUnavailable:
         """``exc``, or when the DSN is an embedded server that is going away, the one line
         that says so (a connection refused or closed by a stopping server is why)."""
-        server = server_for_dsn(self.dsn)
+        server = self._embedded()
         if server is not None and server.stopping():
             return DatabaseUnavailable(server.not_running_message())
         return exc

@@ -220,7 +220,7 @@ def test_the_client_drops_a_read_only_connection_and_retries_on_a_new_one(cyclon
     try:
         client.mux.register(h.ok)
         first = client.enqueue(h.ok, {"x": 1})
-        pool = client._store_pool()
+        pool = client._calls.pool()
         poisoned = pool.getconn()
         poisoned.execute("SET default_transaction_read_only = on")  # session-level: this connection only
         pool.putconn(poisoned)

@@ -32,10 +32,10 @@ def prioritized(ctx: cy.Context, inp: dict) -> None:
 def _pool_conn(client):
     """(get, put) of the one pooled connection of a warm client, sync or async."""
     if isinstance(client, cy.Client):
-        pool = client._store_pool()
+        pool = client._calls.pool()
         return pool.getconn, pool.putconn
     facade = client  # clients.SyncOverAsync
-    pool = facade.call(facade.async_client._store_pool())
+    pool = facade.call(facade.async_client._calls.pool())
     return (lambda: facade.call(pool.getconn())), (lambda conn: facade.call(pool.putconn(conn)))
 
 
