@@ -45,21 +45,22 @@ class Client(RunAdmin):
 
     Durations are seconds (``int``/``float``) or ``datetime.timedelta`` (SPEC section 2).
 
+    The supervisor's options (``workers``, ``lease_ttl``, ``kill_grace``,
+    ``poll_interval``, ``shutdown_grace``, ``queues``, ``max_steps_per_child``,
+    ``max_child_rss``, ``max_payload``, ``prefetch``, ``registry_interval``,
+    ``pgbouncer``, ``prepared_statements``, ``archive_after``, ``retain_completed``,
+    ``retain_discarded``, ``retain_cancelled``, ``start_method``) are each described by
+    the attribute of that name of :class:`~cyclone_mp.config.Config`; their defaults are
+    in the signature. ``timeout``, ``max_attempts``, ``max_reclaims``, ``backoff``,
+    ``queue``, ``priority``, ``memory_limit``, ``cpu_limit``, ``max_processes`` and
+    ``max_open_files`` are client-wide defaults of the steps this client enqueues, under
+    each step's own options (:func:`cyclone_mp.step` describes each).
+
     Args:
         dsn: PostgreSQL connection string; None means the embedded default server,
             started or reused on first use (SPEC 2).
         mux: the registered steps and workflows; required to run a supervisor, and to
             enqueue by name.
-        workers, lease_ttl, kill_grace, poll_interval, shutdown_grace, queues,
-            max_steps_per_child, max_child_rss, max_payload, prefetch, registry_interval,
-            pgbouncer, prepared_statements, archive_after, retain_completed,
-            retain_discarded, retain_cancelled, start_method: the supervisor's options,
-            each described by the attribute of that name of :class:`~cyclone_mp.config.Config`
-            (defaults in the signature above).
-        timeout, max_attempts, max_reclaims, backoff, queue, priority, memory_limit,
-            cpu_limit, max_processes, max_open_files: client-wide defaults of the steps
-            this client enqueues, under each step's own options (:func:`cyclone_mp.step`
-            describes each; None: the engine's default).
         metrics_port: the supervisor serves Prometheus metrics on this TCP port
             (``/metrics``; 0 picks a free one: ``client.supervisor.metrics.port``); None
             (the default): no metrics. Needs ``pip install 'cyclone-mp[metrics]'``.
