@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import tracing
+from .async_waiting import AsyncWaiter, areread
 from .config import Config
 from .connections import AsyncConnection, redact
 from .durations import Duration
@@ -32,15 +33,7 @@ from .steps import Step, check_name
 from .store import AsyncStore, operations
 from .store.calls import AsyncPooledCalls
 from .store.operations import Op
-from .waiting import (
-    MAP_PAGE,
-    AsyncWaiter,
-    areread,
-    map_output,
-    needs_map_outputs,
-    result_of,
-    with_outputs,
-)
+from .waiting import MAP_PAGE, map_output, needs_map_outputs, result_of, with_outputs
 from .workflow import Workflow
 
 
