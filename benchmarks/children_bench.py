@@ -30,7 +30,7 @@ class ChildBenches:
         starts it, via :class:`cyclone_mp.pool.ChildProc`) and its RSS once ready."""
         import selectors
 
-        from cyclone_mp.pool import ChildProc
+        from cyclone_mp.childproc import ChildProc
         from cyclone_mp.protocol import DEFAULT_MAX_PAYLOAD
 
         times, rss = [], []

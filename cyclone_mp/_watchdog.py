@@ -1,7 +1,7 @@
 """The supervisor's watchdog: a process that is not frozen when the supervisor is.
 
 Started as ``_boot.py _watchdog FD SUPERVISOR_ID`` and told of each child, its due time
-and its cgroups over a socket (:class:`cyclone_mp.procs.WatchdogLink`; the messages are
+and its cgroups over a socket (:class:`cyclone_mp.watchdoglink.WatchdogLink`; the messages are
 listed in :func:`main`). When a child's due time passes, the watchdog SIGKILLs it
 (through its pidfd, so a recycled pid is never hit) and its tree, and answers ``killed
 PID``. Process control sets each due time a little after its own kill (the local fence,

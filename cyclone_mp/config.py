@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from .attempts import fence_margin
 from .durations import Duration, seconds
 from .errors import ConfigurationError
 from .protocol import DEFAULT_MAX_PAYLOAD, MAX_PAYLOAD_LIMIT
@@ -232,10 +233,6 @@ class Config:
         is frozen (a quarter second, or the fence's margin), and :data:`KILL_SLACK` to reap.
         Written on every claimed row: after a timeout or a cancel, the step waits that long
         for its supervisor to report the child dead before it may run again (SPEC 9)."""
-        from .attempts import (
-            fence_margin,  # (attempts is a leaf module; config is below most)
-        )
-
         return self.kill_grace + max(0.25, fence_margin(self.lease_ttl)) + KILL_SLACK
 
     @property

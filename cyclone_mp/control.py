@@ -30,20 +30,34 @@ from typing import Any, Callable
 
 import psutil
 
-from . import decisions, procs, protocol, slots
+from . import decisions, protocol, slots
 from .attempts import Attempt, Held, hold_bound
+from .childproc import ChildProc
+from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
+from .endings import AttemptEndings
 from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
 from .holding import Holding, row_limits
 from .limits import format_size
 from .limitwatch import LimitWatch
-from .mechanism import PROCESSES_USERNS, SAMPLING
-from .endings import AttemptEndings
-from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .mailbox import Inbox
-from .messages import Claimed, DatabaseState, Fleet, LeaseDone, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
-from .pool import ChildPool, ChildProc
-from .telemetry import NO_OBSERVER, Observer
+from .mechanism import PROCESSES_USERNS, SAMPLING
+from .messages import (
+    Claimed,
+    DatabaseState,
+    Fleet,
+    LeaseDone,
+    LeaseKey,
+    LeaseLost,
+    Outcome,
+    Poll,
+    Renewed,
+    Started,
+    Written,
+)
 from .mux import Mux
+from .pool import ChildPool
+from .telemetry import NO_OBSERVER, Observer
+from .watchdoglink import WatchdogLink
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -63,7 +77,7 @@ class ProcessControl(AttemptEndings):
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         keeper: posts a message to the lease keeper.
         writer: the :class:`~cyclone_mp.outcomes.OutcomeWriter` (``post``, ``idle``).
-        watchdog: the :class:`~cyclone_mp.procs.WatchdogLink`.
+        watchdog: the :class:`~cyclone_mp.watchdoglink.WatchdogLink`.
         clock: local monotonic clock in seconds (injectable; schedules work only).
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` (and the start
             time of an attempt's span) only.
@@ -75,7 +89,7 @@ class ProcessControl(AttemptEndings):
     """
 
     def __init__(self, owner: str, mux: Mux, config: Config, *, keeper: Callable[[Any], None], writer: Any,
-                 watchdog: procs.WatchdogLink, clock: Callable[[], float] = time.monotonic,
+                 watchdog: WatchdogLink, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, observer: Observer = NO_OBSERVER,
                  confinement: slots.Confinement | None = None, dedicated: bool = False) -> None:
         self.owner = owner

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from .enforcement import Deadlines
     from .holding import Holding
     from .limitwatch import LimitWatch
-    from .pool import ChildPool, ChildProc
+    from .childproc import ChildProc
+    from .pool import ChildPool
     from .telemetry import Observer
 
 log = logging.getLogger("cyclone_mp.supervisor")

@@ -170,7 +170,7 @@ class WatchdogDue:
     lease (:meth:`refresh`), so renewals cost no message each.
 
     Args:
-        link: the :class:`~cyclone_mp.procs.WatchdogLink`.
+        link: the :class:`~cyclone_mp.watchdoglink.WatchdogLink`.
         lease_ttl: seconds.
     """
 

@@ -23,7 +23,8 @@ from .messages import RELEASE, LeaseDone, LeaseKey, Outcome
 
 if TYPE_CHECKING:
     from .config import Config
-    from .pool import ChildPool, ChildProc
+    from .childproc import ChildProc
+    from .pool import ChildPool
 
 
 def row_limits(row: dict[str, Any]) -> Limits:

@@ -1,8 +1,7 @@
 """The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
 
-It is six parts with one job each (as River's producer, executor, completer and
-rescuer, and a listener), sharing no mutable state and talking by the messages of
-:mod:`cyclone_mp.messages`:
+It is six parts with one job each, sharing no mutable state and talking by the
+messages of :mod:`cyclone_mp.messages`:
 
 ==========================  ===============================================  ===========
 part                        its job                                          its thread
@@ -21,8 +20,7 @@ Each database part has its own connection and bounds every call
 (:mod:`cyclone_mp.dbloop`), so a slow, locked or partitioned database delays durable
 transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) kills a
 child whose fence passed while this process was frozen, and everything it started once
-it is gone. What a failure does to a row is :mod:`~cyclone_mp.decisions`'; killing a
-tree, :mod:`~cyclone_mp.procs`'.
+it is gone (docs/operating.md explains the whole).
 """
 
 from __future__ import annotations
@@ -39,16 +37,17 @@ from . import procs, slots, spawning
 from .config import Config
 from .control import ProcessControl
 from .errors import ConfigurationError
+from .health import DatabaseProbe, liveness, readiness
 from .leases import LeaseKeeper
 from .listener import Listener
 from .loader import PayloadLoader
 from .messages import LeaseLost, Poll
-from .outcomes import FINAL_FLUSH, OutcomeWriter
 from .mux import Mux
-from .sweep import Maintenance, Sweeper
-from .health import DatabaseProbe, liveness, readiness
 from .observers import supervisor_observer
+from .outcomes import FINAL_FLUSH, OutcomeWriter
+from .sweep import Maintenance, Sweeper
 from .telemetry import Observer, Probes, Stats
+from .watchdoglink import WatchdogLink
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -150,7 +149,7 @@ class Supervisor:
             self.stopped.set()
             raise
         was_subreaper = procs.set_subreaper(True)
-        watchdog = procs.WatchdogLink(self.id)
+        watchdog = WatchdogLink(self.id)
         try:
             # The child slots' cgroups: the watchdog kills them if we die.
             self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
@@ -199,7 +198,7 @@ class Supervisor:
         info["stats"] = dict(self.stats)
         return info
 
-    def _teardown(self, watchdog: procs.WatchdogLink) -> None:
+    def _teardown(self, watchdog: WatchdogLink) -> None:
         """Stop the children, write what is left, stop the database parts, then the
         watchdog. At most about :data:`~cyclone_mp.outcomes.FINAL_FLUSH` seconds once the
         children are gone: a call that hangs (a partition) is left behind, never waited

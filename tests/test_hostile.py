@@ -89,7 +89,7 @@ def test_one_turn_reads_at_most_a_megabyte_of_a_child_and_a_reaped_child_all():
     more to give, so the bound is what stops a call."""
     import io
 
-    from cyclone_mp.pool import READS_PER_CALL, ChildProc
+    from cyclone_mp.childproc import READS_PER_CALL, ChildProc
 
     class Stream:
         def __init__(self, data: bytes) -> None:
@@ -128,7 +128,7 @@ def test_a_child_answers_every_task_even_one_it_cannot_decode():
     result for their own task (never silence); the task after them runs."""
     import select
 
-    from cyclone_mp.pool import ChildProc
+    from cyclone_mp.childproc import ChildProc
 
     child = ChildProc("h18-test", 1 << 20)
     try:

@@ -389,7 +389,8 @@ def test_the_layout_is_the_design_cards_and_process_control_has_no_database():
     supervisor = REPO / "cyclone_mp" / "supervisor.py"
     assert len(supervisor.read_text().splitlines()) < 300  # it composes; it does no work of its own
     assert not _imports(supervisor) & {".store", ".connections", "psycopg", "selectors", "subprocess", ".pool"}
-    for module in ("control.py", "endings.py", "pool.py", "procs.py", "attempts.py", "messages.py", "mailbox.py", "zygote.py",
+    for module in ("control.py", "endings.py", "pool.py", "childproc.py", "procs.py", "watchdoglink.py", "attempts.py",
+                   "messages.py", "mailbox.py", "zygote.py",
                    "_zygote.py", "_child.py", "limitwatch.py", "slots.py", "cgroups.py", "limits.py"):
         imported = _imports(REPO / "cyclone_mp" / module)
         assert not imported & {".store", ".connections", ".dbloop", ".leases", ".outcomes", ".sweep", "psycopg", "psycopg_pool"}, (

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import cyclone_mp as cy
-from cyclone_mp.pool import ChildProc
+from cyclone_mp.childproc import ChildProc
 from cyclone_mp.store import Store, connect
 
 import handlers as h

@@ -136,7 +136,7 @@ def test_the_watchdog_hears_an_earlier_due_at_once_and_a_later_one_before_the_ea
     """WatchdogLink.due (issue 17): a message per pipelined step cost the supervisor a third
     of its CPU. The time the watchdog holds is never later than the child's real due; a
     later one (or None: idle) is sent once the earlier one is ``horizon`` away."""
-    from cyclone_mp.procs import WatchdogLink
+    from cyclone_mp.watchdoglink import WatchdogLink
 
     link = WatchdogLink.__new__(WatchdogLink)  # its bookkeeping alone: no watchdog process
     link._due, link._held, link._warned = {}, {}, False
