@@ -68,7 +68,7 @@ START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running ste
 SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
-class ProcessControl(AttemptEndings):
+class ProcessControl:
     """The supervisor's process-control loop (see the module docstring).
 
     Args:
@@ -120,11 +120,10 @@ class ProcessControl(AttemptEndings):
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.deadlines = Deadlines(config.lease_ttl, config.kill_grace)  # when each attempt needs a look
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
-        self._outcomes_since: float | None = None
+        self.outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
-        self._watchdog_killed: set[int] = set()
+        self.watchdog_killed: set[int] = set()
         self._cancelled_unclaimed: dict[LeaseKey, float] = {}  # cancels heard before their claim came back
-        self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # endings: log lines said
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self._claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
@@ -148,6 +147,7 @@ class ProcessControl(AttemptEndings):
         self._shutdown_req = False
         self._stop_req = False
         self.step_seconds: float | None = None  # moving average of attempt durations
+        self.endings = AttemptEndings(self)  # how each attempt ends, from its child's messages and exit
         self._tokens = itertools.count(1)
         self._hooks = mux.hook_refs()
         #: async steps whose attempts run several to a child: step name -> how many at most
@@ -175,7 +175,7 @@ class ProcessControl(AttemptEndings):
         """Steps to hold beyond the idle children (:meth:`~cyclone_mp.holding.Holding.prefetch_room`)."""
         return self.holding.prefetch_room(draining=self.draining, step_seconds=self.step_seconds)
 
-    def _take_held(self) -> None:
+    def take_held(self) -> None:
         """Start held steps on idle children and queue more behind busy ones (none while
         the lease keeper is disconnected: their leases cannot be kept, nor when draining)."""
         if self.holding.held and not self.draining and self.db_ok:
@@ -256,7 +256,7 @@ class ProcessControl(AttemptEndings):
             self.drain_deadline = now
         if self.draining and self.drain_deadline is not None and now >= self.drain_deadline:
             for att in list(self.attempts.values()):
-                self._cancel(att, "shutdown", now)
+                self.cancel(att, "shutdown", now)
 
     def _turn(self, now: float) -> None:
         """One pass of the loop. Each phase runs on its own (:meth:`_phase`): one that fails
@@ -265,9 +265,9 @@ class ProcessControl(AttemptEndings):
         phase = self._phase
         phase("inbox", self._read_inbox)
         if self.held and self.pool.idle():
-            phase("held steps", self._take_held)
+            phase("held steps", self.take_held)
         phase("children's messages", self._check_children_io)
-        phase("watchdog", self._read_watchdog)
+        phase("watchdog", self.read_watchdog)
         phase("watchdog", self.watch_due.refresh)
         phase("children's starts", self._check_starts)
         now = self.clock()
@@ -279,7 +279,7 @@ class ProcessControl(AttemptEndings):
             self._next_sample = now + self.config.heartbeat_interval
             phase("sampling", self._sample_peaks)
         phase("held steps", lambda: self.holding.expire(self.clock(), draining=self.draining))
-        phase("queued steps", lambda: self._release_queued(self.clock()))
+        phase("queued steps", lambda: self.endings.release_queued(self.clock()))
         phase("deadlines and kills", lambda: self._enforce(self.clock()))
         phase("outcomes", self._send_outcomes)
         now = self.clock()
@@ -306,7 +306,7 @@ class ProcessControl(AttemptEndings):
 
     def _check_starts(self) -> None:
         for child in self.pool.stuck_preloads(self.clock()):
-            self._on_child_exit(child)
+            self.endings.on_child_exit(child)
         self.pool.maintain(self.clock(), self.draining)
 
     def _check_strays(self) -> None:
@@ -386,7 +386,7 @@ class ProcessControl(AttemptEndings):
         att = self.attempts.get(message.key)
         if att is not None:
             att.lease_sent = max(att.lease_sent, message.sent)
-            self._watch(att.child)
+            self.watch(att.child)
             return
         self.holding.renewed(message.key, message.sent)
 
@@ -405,7 +405,7 @@ class ProcessControl(AttemptEndings):
         att.fenced = False  # the row says so: nothing to write for it
         if reason == "lease_lost":
             self.stats["lease_lost"] += 1
-        self._cancel(att, reason, self.clock())
+        self.cancel(att, reason, self.clock())
 
     def _forget_cancelled(self, key: LeaseKey, *, ours: bool) -> None:
         """A cancel of ``key`` was heard. Ours: its lease is renewed no more. Not (yet)
@@ -440,7 +440,7 @@ class ProcessControl(AttemptEndings):
         rated = self.holding.add(rows, message.sent, now)
         if self.draining:
             self.holding.expire(now, draining=True)
-        self._take_held()
+        self.take_held()
         if rated:
             self.holding.give_back_rated()
         lo, hi = self.config.poll_interval
@@ -459,9 +459,9 @@ class ProcessControl(AttemptEndings):
         if message.wait is not None:  # a rate limit held a step back: its slot frees then
             self.next_poll = min(self.next_poll, now + message.wait)
 
-    def _read_watchdog(self) -> None:
+    def read_watchdog(self) -> None:
         for pid in self.watchdog.reports():
-            self._watchdog_killed.add(pid)
+            self.watchdog_killed.add(pid)
             self.stats["watchdog_kills"] += 1
             self.observer.killed("watchdog")
             log.warning("the watchdog killed child %d (the supervisor was late: frozen or stalled)", pid)
@@ -568,19 +568,19 @@ class ProcessControl(AttemptEndings):
         att.cpu_start = child.cpu_total
         self.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it
-            self._end(att)
-            self._fail(att, decisions.MEMORY_LIMIT, self.limit_watch.below_a_fresh_child(child.pid, limits))
+            self.endings.end(att)
+            self.endings.fail(att, decisions.MEMORY_LIMIT, self.limit_watch.below_a_fresh_child(child.pid, limits))
             return True
         side_by_side = row["step_name"] in self.side_by_side
         if side_by_side:  # an async attempt beside the others of its step in this child
             child.concurrent[token] = att
             att.started_wall = self.wall_clock()
-            self._note_start(att)
+            self.note_start(att)
         elif child.attempt is None:
             child.attempt = att
             att.started_wall = self.wall_clock()
             self.limit_watch.arm(att)
-            self._note_start(att)
+            self.note_start(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
@@ -622,10 +622,10 @@ class ProcessControl(AttemptEndings):
                     "count_tree": flags[3]}
             task["limits"] = cached
         child.queue(task)  # written by the caller, with the other tasks of this round
-        self._watch(child)
+        self.watch(child)
         return True
 
-    def _note_start(self, att: Attempt) -> None:
+    def note_start(self, att: Attempt) -> None:
         """An attempt whose handler started well after its claim (it waited for a child):
         its lease's next renewal records when (``started_at`` of a running step). And
         ``cyclone-mp workers`` shows the child busy within SNAPSHOT_AFTER_START, not idle
@@ -649,7 +649,7 @@ class ProcessControl(AttemptEndings):
         """Kill the tree of an attempt :class:`~cyclone_mp.limitwatch.LimitWatch` found over
         a cap (unless it ended meanwhile)."""
         child = att.child
-        self._child_io(child)  # it may have ended just now
+        self.child_io(child)  # it may have ended just now
         if att.ended or child.attempt is not att:
             return
         att.killed_for = att.killed_by = kind
@@ -659,7 +659,7 @@ class ProcessControl(AttemptEndings):
             with contextlib.suppress(psutil.Error):
                 child.descendants_seen.setdefault(pid, psutil.Process(pid))
         self.pool.kill(child, kind)
-        self._on_child_exit(child)
+        self.endings.on_child_exit(child)
 
     # -- the children's messages ------------------------------------------------------------------
 
@@ -675,24 +675,24 @@ class ProcessControl(AttemptEndings):
         self._io_ready.clear()
         for child in ready:
             if child in self.pool.children:
-                self._child_io(child)
+                self.child_io(child)
 
-    def _child_io(self, child: ChildProc) -> None:
+    def child_io(self, child: ChildProc) -> None:
         """Write what is queued for ``child``, then read and handle all it has sent."""
         child.flush()
         try:
             messages, eof = child.receive()
         except protocol.ProtocolError as exc:
             log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
-            self._kill_for(child, "protocol_error")
+            self.kill_for(child, "protocol_error")
             messages, eof = [], True
         for message in messages:
-            self._on_message(child, message)
+            self.endings.on_message(child, message)
         if eof:
-            self._on_child_exit(child)
+            self.endings.on_child_exit(child)
         self.pool.update_write_interest(child)
 
-    def _kill_for(self, child: ChildProc, trigger: str) -> None:
+    def kill_for(self, child: ChildProc, trigger: str) -> None:
         """Kill ``child`` for breaking the pipe protocol: its attempt fails as an error."""
         if child.attempt is not None:
             child.attempt.killed_by = trigger
@@ -700,7 +700,7 @@ class ProcessControl(AttemptEndings):
 
     # -- deadlines, fences, cancels, kills ---------------------------------------------------------
 
-    def _cancel(self, att: Attempt, reason: str, now: float) -> None:
+    def cancel(self, att: Attempt, reason: str, now: float) -> None:
         if att.cancel_reason is not None or att.ended:
             return
         att.cancel_reason = reason
@@ -709,7 +709,7 @@ class ProcessControl(AttemptEndings):
             att.kill_at = now + self.config.kill_grace
             self.deadlines.push(att)
         att.child.cancel(att.token, reason)
-        self._watch(att.child)
+        self.watch(att.child)
 
     def _enforce(self, now: float) -> None:
         """Carry out what :func:`~cyclone_mp.enforcement.due_actions` says is due for the
@@ -727,10 +727,10 @@ class ProcessControl(AttemptEndings):
                     self.stats["lease_lost"] += 1
                     att.fenced = True
                     log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
-                self._cancel(att, action.reason, now)
+                self.cancel(att, action.reason, now)
                 continue
             child = att.child
-            self._child_io(child)  # it may have ended just now, and the child started the next
+            self.child_io(child)  # it may have ended just now, and the child started the next
             if att.ended or not running(att):
                 continue
             if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
@@ -740,11 +740,11 @@ class ProcessControl(AttemptEndings):
                 self.stats["fence_kills"] += 1
             att.killed_by = action.trigger
             self.pool.kill(child, action.trigger)
-            self._on_child_exit(child)
+            self.endings.on_child_exit(child)
         for att in due:
             self.deadlines.push(att)
 
-    def _watch(self, child: ChildProc) -> None:
+    def watch(self, child: ChildProc) -> None:
         """``child``'s attempts changed: the watchdog hears its due time before this turn
         ends, and before the child is sent another task (:class:`~cyclone_mp.enforcement.WatchdogDue`)."""
         self.watch_due.mark(child)
@@ -762,7 +762,7 @@ class ProcessControl(AttemptEndings):
         outcome never waits into the last COALESCE_MAX before its attempt's deadline."""
         if not self.outcomes:
             return None
-        since = self._outcomes_since if self._outcomes_since is not None else self.clock()
+        since = self.outcomes_since if self.outcomes_since is not None else self.clock()
         due = [d - COALESCE_MAX for _, d in self.outcomes if d is not None]
         if self.config.prefetch and self.batches_out and not self.draining:
             # One statement in flight: these go in the next one, with all that ends meanwhile
@@ -779,7 +779,7 @@ class ProcessControl(AttemptEndings):
         flush_at = self._flush_at()
         if flush_at is None or (not force and flush_at > self.clock()):
             return
-        outcomes, self.outcomes, self._outcomes_since = self.outcomes, [], None
+        outcomes, self.outcomes, self.outcomes_since = self.outcomes, [], None
         claim = self._claim_limit(standalone=False)  # the freed slots' next steps ride along (one statement)
         self.claiming += claim
         self.batches_out += 1

@@ -1,17 +1,17 @@
 """How an attempt ends: a child's messages and its exit, turned into outcomes (SPEC 1, 3, 4).
 
 Part of process control (:mod:`cyclone_mp.control`), on its thread, with its state:
-:class:`~cyclone_mp.control.ProcessControl` inherits these methods. A child's ``result`` ends its attempt
-(:meth:`AttemptEndings._on_result`): a success becomes a ``complete`` outcome unless a
+its :class:`AttemptEndings` reads and changes process control's state. A child's ``result`` ends its attempt
+(:meth:`AttemptEndings.on_result`): a success becomes a ``complete`` outcome unless a
 cancel already decided the step (a late completion changes nothing), a failure a
 ``fail`` outcome whose kind is the child's, or a cap's, or the cancel's
-(:meth:`AttemptEndings._settle_cancelled`: ``timeout``, a shutdown's release, an
+(:meth:`AttemptEndings.settle_cancelled`: ``timeout``, a shutdown's release, an
 operator's cancel, a lost lease); the step queued behind it starts at once. A child's
-exit (:meth:`AttemptEndings._on_child_exit`: it died, or was killed) reaps it and says
+exit (:meth:`AttemptEndings.on_child_exit`: it died, or was killed) reaps it and says
 what its attempt became from the evidence (who killed it and why, its exit code or
 signal, a cause of death of :class:`~cyclone_mp.limitwatch.LimitWatch`), and gives back
 the steps queued behind it unstarted. Every outcome is gathered for the outcome writer
-(:meth:`AttemptEndings._outcome`); a child due for recycling is retired here.
+(:meth:`AttemptEndings.outcome`); a child due for recycling is retired here.
 """
 
 from __future__ import annotations
@@ -20,20 +20,15 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from . import decisions, mapped, procs, protocol, unhealable
 from .attempts import Attempt
-from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, LeaseKey, Outcome, Progress
+from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, Outcome, Progress
 
 if TYPE_CHECKING:
-    from .config import Config
-    from .enforcement import Deadlines
-    from .holding import Holding
-    from .limitwatch import LimitWatch
     from .childproc import ChildProc
-    from .pool import ChildPool
-    from .telemetry import Observer
+    from .control import ProcessControl
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -49,57 +44,33 @@ UNHEALABLE_LOG_EVERY = 60.0
 
 
 class AttemptEndings:
-    """The ending of attempts, for :class:`cyclone_mp.control.ProcessControl` (see the
-    module docstring); the attributes below are process control's."""
+    """The ending of attempts for process control (see the module docstring): its
+    methods read and change the state of ``control``, a
+    :class:`~cyclone_mp.control.ProcessControl`, on its thread."""
 
-    config: Config
-    pool: ChildPool
-    limit_watch: LimitWatch
-    observer: Observer
-    keeper: Callable[[Any], None]
-    writer: Any
-    clock: Callable[[], float]
-    wall_clock: Callable[[], float]
-    attempts: dict[LeaseKey, Attempt]
-    deadlines: Deadlines
-    outcomes: list[tuple[Outcome, float | None]]
-    stats: dict[str, int]
-    draining: bool
-    step_seconds: float | None
-    _outcomes_since: float | None
-    holding: Holding
-    next_poll: float
-    _watchdog_killed: set[int]
-    _unhealable_said: dict[tuple[str, str], tuple[float, int]]  # (step, kind) -> (last line, attempts since)
-
-    if TYPE_CHECKING:  # process control's own methods, called here
-        def _take_held(self) -> None: ...
-        def _read_watchdog(self) -> None: ...
-        def _watch(self, child: ChildProc) -> None: ...
-        def _kill_for(self, child: ChildProc, trigger: str) -> None: ...
-        def _cancel(self, att: Attempt, reason: str, now: float) -> None: ...
-        def _note_start(self, att: Attempt) -> None: ...
-        def _child_io(self, child: ChildProc) -> None: ...
+    def __init__(self, control: ProcessControl) -> None:
+        self.control = control
+        self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # (step, kind) -> (last line, count)
 
     # -- a child's messages ---------------------------------------------------------------------------
 
-    def _on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
+    def on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
         kind = message.get("t")
         if kind == "preloading":
-            child.preloading, child.preloading_since = (message.get("module"), message.get("path")), self.clock()
+            child.preloading, child.preloading_since = (message.get("module"), message.get("path")), self.control.clock()
             return
         if kind == "ready":
-            self.pool.on_ready(child, message)
-            self._take_held()
+            self.control.pool.on_ready(child, message)
+            self.control.take_held()
             return
         if kind == "entered":
-            self.pool.on_entered(child, message)
+            self.control.pool.on_entered(child, message)
             return
         if kind == protocol.UNDECODABLE:
-            self._on_undecodable(child, message)
+            self.on_undecodable(child, message)
             return
         if child.concurrent and message.get("task") in child.concurrent:  # an async attempt beside others
-            self._on_side_by_side(child.concurrent[message["task"]], message)
+            self.on_side_by_side(child.concurrent[message["task"]], message)
             return
         att = child.attempt
         if att is None or message.get("task") != att.token:
@@ -107,39 +78,39 @@ class AttemptEndings:
                 for queued in child.queued:
                     if queued.token == message.get("task"):
                         child.queued.remove(queued)
-                        self._settle_dropped(queued, message)
+                        self.settle_dropped(queued, message)
                         break
             return
         if kind == "progress":
             att.progress = {k: message.get(k) for k in ("done", "total", "message")}
-            self.keeper(Progress(att.key, att.progress))
+            self.control.keeper(Progress(att.key, att.progress))
         elif kind == "result" and message.get("lingering") and att.lingering is None:
-            self._on_lingering(att, message)
+            self.on_lingering(att, message)
         elif kind == "threads_done" and att.lingering is not None:  # they ended before its kill
             att.lingering = None
-            self._on_result(att, att.lingering_result or {"t": "result", "task": att.token, "ok": False})
+            self.on_result(att, att.lingering_result or {"t": "result", "task": att.token, "ok": False})
         elif kind == "result":
-            self._on_result(att, message)
+            self.on_result(att, message)
 
-    def _on_side_by_side(self, att: Attempt, message: dict[str, Any]) -> None:
+    def on_side_by_side(self, att: Attempt, message: dict[str, Any]) -> None:
         """A message of an async attempt running beside others in its child."""
         if message.get("t") == "progress":
             att.progress = {k: message.get(k) for k in ("done", "total", "message")}
-            self.keeper(Progress(att.key, att.progress))
+            self.control.keeper(Progress(att.key, att.progress))
             return
         if message.get("t") != "result":
             return
         child = att.child
         del child.concurrent[att.token]
-        self._end(att)
-        self._note_duration(self.clock() - att.started)
+        self.end(att)
+        self.note_duration(self.control.clock() - att.started)
         try:
-            self._settle_result(att, message)
+            self.settle_result(att, message)
         finally:
-            self._watch(child)
-            self._take_held()
+            self.control.watch(child)
+            self.control.take_held()
 
-    def _on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
+    def on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
         """A cancelled attempt's handler is over but threads it started still run in the
         child (``asyncio.to_thread``, an executor, its own): the attempt is not over until
         they are. The child takes nothing more until they end (it then says
@@ -150,16 +121,16 @@ class AttemptEndings:
         att.lingering_result = result
         child = att.child
         for queued in child.queued:  # they would wait behind the kill: given back now
-            self._cancel(queued, RELEASED, self.clock())
+            self.control.cancel(queued, RELEASED, self.control.clock())
         if att.kill_at is None:
-            att.kill_at = self.clock() + self.config.kill_grace
-            self.deadlines.push(att)
+            att.kill_at = self.control.clock() + self.control.config.kill_grace
+            self.control.deadlines.push(att)
         log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
                     "killed at kill_grace unless they end first", att.step_name, att.run_id, len(att.lingering),
                     ", ".join(att.lingering[:3]), child.pid)
-        self._watch(child)
+        self.control.watch(child)
 
-    def _on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
+    def on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
         """A frame the child sent that cannot be read (decoding is per frame, so nothing
         around it is lost). A result of the running attempt fails that attempt
         (``output_invalid``) and the child is recycled; a progress value is dropped;
@@ -169,7 +140,7 @@ class AttemptEndings:
             return
         if marker.get("of") == "result" and att is not None and marker.get("task") == att.token:
             child.recycle_due = True
-            self._on_result(att, {
+            self.on_result(att, {
                 "t": "result", "task": att.token, "ok": False, "kind": decisions.OUTPUT_INVALID,
                 "type": "cyclone_mp.errors.PayloadError", "children": True,
                 "message": unhealable.undecodable(marker.get("error")),
@@ -177,9 +148,9 @@ class AttemptEndings:
             return
         if child.returncode is None:
             log.error("child %d sent an undecodable message (%s); killing it", child.pid, marker.get("error"))
-            self._kill_for(child, "protocol_error")
+            self.control.kill_for(child, "protocol_error")
 
-    def _on_result(self, att: Attempt, result: dict[str, Any]) -> None:
+    def on_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
         child.attempt = None
         dropped = bool(result.get("dropped"))  # a queued step the child never started
@@ -188,42 +159,42 @@ class AttemptEndings:
         child.last_rss = result.get("rss") if isinstance(result.get("rss"), int) else None
         if result.get("nofile_pinned") and att.limits.open_files is not None:  # its hard RLIMIT_NOFILE stays lowered
             child.open_files_ceiling = min(child.open_files_ceiling or att.limits.open_files, att.limits.open_files)
-        self._end(att)
+        self.end(att)
         if not dropped:
-            self._note_duration(self.clock() - att.started)
-        self.holding.hold_off = False
+            self.note_duration(self.control.clock() - att.started)
+        self.control.holding.hold_off = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
-            nxt.started, nxt.start_by, nxt.started_wall = self.clock(), None, self.wall_clock()
-            self.limit_watch.arm(nxt)
-            self._note_start(nxt)
+            nxt.started, nxt.start_by, nxt.started_wall = self.control.clock(), None, self.control.wall_clock()
+            self.control.limit_watch.arm(nxt)
+            self.control.note_start(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
-                nxt.kill_at = nxt.started + self.config.kill_grace
-            self.deadlines.push(nxt)  # running now: its kill times apply
+                nxt.kill_at = nxt.started + self.control.config.kill_grace
+            self.control.deadlines.push(nxt)  # running now: its kill times apply
         try:
-            self._settle_result(att, result)
+            self.settle_result(att, result)
         finally:
-            self._watch(child)
-            self._take_held()  # the freed child starts its next step now, not after a round trip
+            self.control.watch(child)
+            self.control.take_held()  # the freed child starts its next step now, not after a round trip
 
-    def _settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
+    def settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
         if result.get("dropped"):
-            self._settle_dropped(att, result)
-            self._maybe_recycle(child)  # due for recycling, it takes nothing more (its next step was this one)
+            self.settle_dropped(att, result)
+            self.maybe_recycle(child)  # due for recycling, it takes nothing more (its next step was this one)
             return
         if result.get("progress"):
             att.progress = {k: result["progress"].get(k) for k in ("done", "total", "message")}
         if att.limits and not result.get("ok") and att.killed_for is None:
-            self.limit_watch.final_sample(att)  # its tree as the handler left it: the sweep empties it
+            self.control.limit_watch.final_sample(att)  # its tree as the handler left it: the sweep empties it
         if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
-            self.pool.sweep_leftovers(child)
-        self._maybe_recycle(child)
+            self.control.pool.sweep_leftovers(child)
+        self.maybe_recycle(child)
         entry = {
             "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
-            "elapsed": round(self.clock() - att.started, 3),
+            "elapsed": round(self.control.clock() - att.started, 3),
         }
         att.forensics = entry
         reason = att.cancel_reason
@@ -231,57 +202,57 @@ class AttemptEndings:
         if result.get("ok") and reason is None and tree_count:
             # its handler returned, but its tree was over its process cap as it ended (a
             # burst no look saw, where no pids cgroup refused it): the cap's failure
-            over = self.limit_watch.over_at_end(att, tree_count)
+            over = self.control.limit_watch.over_at_end(att, tree_count)
             if over is not None:
                 kind, usage = over
                 entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
-                self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
+                self.fail(att, kind, self.control.limit_watch.death_entry(att, kind, usage, entry))
                 return
         if result.get("ok"):
             if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
-                self.stats["late_completions_dropped"] += 1
-                self._observe_end(att, "late", entry)
-                self.keeper(LeaseDone((att.key,)))
+                self.control.stats["late_completions_dropped"] += 1
+                self.observe_end(att, "late", entry)
+                self.control.keeper(LeaseDone((att.key,)))
                 return
-            self._outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
+            self.outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
                                        att.backoff_spec, output=result.get("output"), progress=att.progress,
                                        entry=entry, run_id=att.run_id, node=att.node,
                                        spawns=tuple(result.get("spawns") or ())))
             return
         entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
         if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent
-            self._outcome(att, Outcome(att.key, SNOOZE, att.step_name, att.attempt, att.workflow,
+            self.outcome(att, Outcome(att.key, SNOOZE, att.step_name, att.attempt, att.workflow,
                                        progress=att.progress, entry=entry, snooze=float(result.get("snooze") or 0.0)))
             return
         if reason is not None:
             entry["cancel_reason"] = reason
-            self._settle_cancelled(att, entry)
+            self.settle_cancelled(att, entry)
             return
         kind = decisions.reported_kind(result.get("kind"))
         if att.limits:  # the handler failed: maybe because a cap killed part of its tree, or refused a fork
             kids = result.get("children_maxrss_kb")
             memory_error = kind == decisions.MEMORY_ERROR
             peak = ((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None
-            death = self.limit_watch.death(att, exit_signal=None, memory_error=memory_error, reported_peak=peak,
+            death = self.control.limit_watch.death(att, exit_signal=None, memory_error=memory_error, reported_peak=peak,
                                            tree_count=tree_count)
             if death is not None:
                 kind, usage = death
                 entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
-                entry = self.limit_watch.death_entry(att, kind, usage, entry)
+                entry = self.control.limit_watch.death_entry(att, kind, usage, entry)
                 if memory_error and kind == decisions.MEMORY_LIMIT:
                     # the runner itself reached the cap's backstop (RLIMIT_DATA, before the
                     # sampling saw the tree cross it): it is retired, as a killed tree would be
                     child.recycle_due = True
-                    self._maybe_recycle(child)
+                    self.maybe_recycle(child)
         if kind in decisions.UNHEALABLE_KINDS:
-            self._say_unhealable(att, kind, entry)
-        self._fail(att, kind, entry)
+            self.say_unhealable(att, kind, entry)
+        self.fail(att, kind, entry)
 
-    def _say_unhealable(self, att: Attempt, kind: str, entry: dict[str, Any]) -> None:
+    def say_unhealable(self, att: Attempt, kind: str, entry: dict[str, Any]) -> None:
         """One line in the worker's log for an error no retry can heal (its step is
         discarded without retry): what is wrong and how to fix it, as stored on the step.
         At most one line a minute per step and kind, counting the attempts in between."""
-        now, key = self.clock(), (att.step_name, kind)
+        now, key = self.control.clock(), (att.step_name, kind)
         said = self._unhealable_said.get(key)
         if said is not None and now - said[0] < UNHEALABLE_LOG_EVERY:
             self._unhealable_said[key] = (said[0], said[1] + 1)
@@ -291,47 +262,47 @@ class AttemptEndings:
         log.error("step %r of run %s cannot succeed (%s, discarded without retry): %s%s",
                   att.step_name, att.run_id, kind, entry.get("message"), more)
 
-    def _settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
+    def settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
         """An attempt that ended after a cancel: its reason decides what is written."""
         reason = att.cancel_reason
         if reason == "timeout":
             entry.setdefault("message", "timed out")
-            self._fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
+            self.fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
         elif reason == "shutdown":  # given back: available at once, nothing counted (SPEC 5)
-            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
+            self.outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
         elif reason == "cancelled" and entry.get("killed_by_supervisor"):
             # An operator's cancel, ended by our kill: the row is cancelled already (its
             # CAS cannot apply), but the kill's forensics join the attempt's cancel entry.
-            self.stats["cancelled_attempts"] += 1
-            self._fail(att, decisions.ERROR, entry)
+            self.control.stats["cancelled_attempts"] += 1
+            self.fail(att, decisions.ERROR, entry)
         elif reason in ("cancelled", "lease_lost"):
             # An operator's cancel or someone else's lease: the row already says what
             # happened. Killed at the local fence: the lease is left to expire, and the
             # sweep reclaims the step as after a crash (reclaims + 1, bounded by
             # max_reclaims). Either way nothing is written and the lease is not renewed.
-            self.stats["cancelled_attempts"] += 1
-            self._observe_end(att, reason, entry)
-            self.keeper(LeaseDone((att.key,)))
+            self.control.stats["cancelled_attempts"] += 1
+            self.observe_end(att, reason, entry)
+            self.control.keeper(LeaseDone((att.key,)))
         else:  # killed for breaking the pipe protocol: a failed attempt like any error
-            self._fail(att, decisions.ERROR, entry)
+            self.fail(att, decisions.ERROR, entry)
 
-    def _settle_dropped(self, att: Attempt, result: dict[str, Any]) -> None:
+    def settle_dropped(self, att: Attempt, result: dict[str, Any]) -> None:
         """The child gave back a queued step unstarted: our cancel reason, else its own."""
         att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
-        self._settle_unstarted(att)
+        self.settle_unstarted(att)
 
-    def _settle_unstarted(self, att: Attempt) -> None:
+    def settle_unstarted(self, att: Attempt) -> None:
         """A step queued in a child that never started it: nothing ran. It is released
         (available at once, nothing counted) unless a cancel already decided it."""
-        self._end(att)
+        self.end(att)
         if att.cancel_reason in (None, "shutdown", RELEASED):
-            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow,
+            self.outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow,
                                        held=att.cancel_reason == RELEASED))
         else:
-            self._settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
+            self.settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
                                          "cancel_reason": att.cancel_reason})
 
-    def _release_queued(self, now: float) -> None:
+    def release_queued(self, now: float) -> None:
         """Take back steps queued in children that waited too long behind a longer attempt,
         as a held step would be: released, no attempt used. A child never starts a queued
         task after its ``start_by`` (the same monotonic clock in both processes), and it
@@ -343,43 +314,43 @@ class AttemptEndings:
         def past_start_by(att: Attempt) -> bool:
             return att.start_by is not None and mono >= att.start_by
 
-        for child in list(self.pool.children):
-            if self.draining:
+        for child in list(self.control.pool.children):
+            if self.control.draining:
                 for att in child.queued:
-                    self._cancel(att, RELEASED, now)
+                    self.control.cancel(att, RELEASED, now)
             if not any(map(past_start_by, child.queued)):
                 continue
-            self._child_io(child)  # a result sent before the child looked is handled first
+            self.control.child_io(child)  # a result sent before the child looked is handled first
             overdue = list(filter(past_start_by, child.queued))
             if not overdue:
                 continue
             child.queued = collections.deque(att for att in child.queued if all(att is not o for o in overdue))
-            self.holding.hold_off = True
-            self.next_poll = min(self.next_poll, now)  # a free child takes it back at once
+            self.control.holding.hold_off = True
+            self.control.next_poll = min(self.control.next_poll, now)  # a free child takes it back at once
             for att in overdue:
                 att.cancel_reason = att.cancel_reason or RELEASED
-                self._settle_unstarted(att)
+                self.settle_unstarted(att)
 
     # -- a child's exit -------------------------------------------------------------------------------
 
-    def _on_child_exit(self, child: ChildProc) -> None:
+    def on_child_exit(self, child: ChildProc) -> None:
         """The child's socket closed (it died, or was killed): reap it, then decide what its
         attempt (and the steps queued behind it) became."""
-        self._read_watchdog()
+        self.control.read_watchdog()
         unread, child.unread = child.unread, []
         for message in unread:  # sent before it died: e.g. the result of the attempt we killed it for
-            self._on_message(child, message)
+            self.on_message(child, message)
         att = child.attempt  # then maybe the queued step it had started since
-        by_watchdog = child.pid in self._watchdog_killed
-        code = self.pool.reap(child, ended_alone=not child.killed and (att is None or not att.killed_by)
+        by_watchdog = child.pid in self.control.watchdog_killed
+        code = self.control.pool.reap(child, ended_alone=not child.killed and (att is None or not att.killed_by)
                               and not by_watchdog)
-        self._watchdog_killed.discard(child.pid)
+        self.control.watchdog_killed.discard(child.pid)
         child.attempt = None
         if att is not None and not att.ended:
-            self._end(att)
-            self._note_duration(self.clock() - att.started)
+            self.end(att)
+            self.note_duration(self.control.clock() - att.started)
             entry = {"pid": child.pid, **procs.exit_description(code), **child.usage(since=att.cpu_start),
-                     "elapsed": round(self.clock() - att.started, 3)}
+                     "elapsed": round(self.control.clock() - att.started, 3)}
             if child.peak_rss_kb is None and att.peak_rss_kb is not None:
                 entry["peak_rss_kb"] = att.peak_rss_kb  # wait4's maxrss would include the pre-exec parent
             if by_watchdog and not att.killed_by:
@@ -390,13 +361,13 @@ class AttemptEndings:
             signo = procs.exit_description(code).get("signal")
             # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
             judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
-            death = self.limit_watch.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
+            death = self.control.limit_watch.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
             if death is not None:  # a cause of death: a cap, or the kernel's OOM killer
                 kind, usage = death
                 entry["killed_by_supervisor"] = att.killed_for is not None
                 if att.killed_for is not None:
                     entry["trigger"] = att.killed_for
-                self._fail(att, kind, self.limit_watch.death_entry(att, kind, usage, entry))
+                self.fail(att, kind, self.control.limit_watch.death_entry(att, kind, usage, entry))
             elif att.killed_by:
                 entry["killed_by_supervisor"] = True
                 entry["trigger"] = att.killed_by
@@ -405,12 +376,12 @@ class AttemptEndings:
                     entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}: threads the "
                                                 f"handler started were still running ({', '.join(att.lingering[:3])})")
                 entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
-                self._settle_cancelled(att, entry)
+                self.settle_cancelled(att, entry)
             elif child.killed and att.cancel_reason is None:  # started as the attempt in front, being killed, ended
                 entry.update(killed_by_supervisor=True, trigger="previous_attempt", message=(
                     "child killed by the supervisor to end the attempt before this one, "
                     "which ended as this one started"))
-                self._fail(att, decisions.CHILD_EXITED, entry)
+                self.fail(att, decisions.CHILD_EXITED, entry)
             else:
                 entry["killed_by_supervisor"] = False
                 desc = procs.exit_description(code)
@@ -418,41 +389,41 @@ class AttemptEndings:
                 entry["message"] = f"child process exited unexpectedly ({what})"
                 if att.cancel_reason is not None:
                     entry["cancel_reason"] = att.cancel_reason
-                    self._settle_cancelled(att, entry)
+                    self.settle_cancelled(att, entry)
                 else:
-                    self._fail(att, decisions.CHILD_EXITED, entry)
+                    self.fail(att, decisions.CHILD_EXITED, entry)
         queued, child.queued = list(child.queued), collections.deque()
         for unstarted in queued:
-            self._settle_unstarted(unstarted)
+            self.settle_unstarted(unstarted)
         side, child.concurrent = list(child.concurrent.values()), {}
         for other in side:  # async attempts that ran beside others in the child
-            self._end_side_by_side(other, child, code)
-        self.pool.after_exit(child, code)
-        self.pool.maintain(self.clock(), self.draining)
+            self.end_side_by_side(other, child, code)
+        self.control.pool.after_exit(child, code)
+        self.control.pool.maintain(self.control.clock(), self.control.draining)
 
-    def _end_side_by_side(self, att: Attempt, child: ChildProc, code: int | None) -> None:
+    def end_side_by_side(self, att: Attempt, child: ChildProc, code: int | None) -> None:
         """An async attempt whose child died. The one the supervisor killed it for ends as
         that kill (its attempt spent); the others ran beside it and are given back, no
         attempt spent, to run again (said in the log). Had nobody killed the child (it
         crashed), nothing tells which attempt did it: each ends as ``child_exited``."""
         if att.ended:
             return
-        self._end(att)
-        entry = {"pid": child.pid, **procs.exit_description(code), "elapsed": round(self.clock() - att.started, 3)}
+        self.end(att)
+        entry = {"pid": child.pid, **procs.exit_description(code), "elapsed": round(self.control.clock() - att.started, 3)}
         if att.killed_by:
             entry.update(killed_by_supervisor=True, trigger=att.killed_by,
                          message=f"child killed by the supervisor after {att.killed_by}")
-            self._settle_cancelled(att, entry)
+            self.settle_cancelled(att, entry)
         elif child.killed:
             log.info("step %s (run %s) ran beside an attempt its child was killed for: it runs again, no attempt "
                      "spent", att.step_name, att.run_id)
-            self._outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
+            self.outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
         else:
             entry.update(killed_by_supervisor=False, message="child process exited unexpectedly")
-            self._fail(att, decisions.CHILD_EXITED, entry)
+            self.fail(att, decisions.CHILD_EXITED, entry)
 
-    def _maybe_recycle(self, child: ChildProc) -> None:
-        cfg = self.config
+    def maybe_recycle(self, child: ChildProc) -> None:
+        cfg = self.control.config
         if child.returncode is not None:
             return  # dead already (a result read after its kill): its exit is being handled
         if not child.recycle_due:
@@ -470,35 +441,35 @@ class AttemptEndings:
             return
         if child.attempt is not None:  # it finishes the step it runs; the ones queued are taken back
             for att in child.queued:
-                self._cancel(att, RELEASED, self.clock())
+                self.control.cancel(att, RELEASED, self.control.clock())
             return
-        self.pool.retire(child)
-        self.pool.maintain(self.clock(), self.draining)
+        self.control.pool.retire(child)
+        self.control.pool.maintain(self.control.clock(), self.control.draining)
 
-    def _note_duration(self, seconds: float) -> None:
-        prev = self.step_seconds
-        self.step_seconds = seconds if prev is None else 0.9 * prev + 0.1 * seconds
+    def note_duration(self, seconds: float) -> None:
+        prev = self.control.step_seconds
+        self.control.step_seconds = seconds if prev is None else 0.9 * prev + 0.1 * seconds
 
     # -- the outcome ---------------------------------------------------------------------------------
 
-    def _end(self, att: Attempt) -> None:
+    def end(self, att: Attempt) -> None:
         """The attempt is over in its child: forget it here (its outcome follows)."""
         att.ended = True
         for path in att.files:  # the outputs files of its upstream maps: read by now
             mapped.discard(path)
-        if self.attempts.get(att.key) is att:
-            del self.attempts[att.key]
-        self.deadlines.forget()
-        self.limit_watch.disarm(att)
+        if self.control.attempts.get(att.key) is att:
+            del self.control.attempts[att.key]
+        self.control.deadlines.forget()
+        self.control.limit_watch.disarm(att)
         if att.cancel_reason in REAPED_REPORTED and att.started_wall is not None:
-            self.writer.post_dead((att.key,))
+            self.control.writer.post_dead((att.key,))
 
-    def _fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
-        self._outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,
+    def fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
+        self.outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,
                                    progress=att.progress, error_kind=kind, entry=entry,
                                    require_timed_out=require_timed_out))
 
-    def _outcome(self, att: Attempt, outcome: Outcome) -> None:
+    def outcome(self, att: Attempt, outcome: Outcome) -> None:
         if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended
             if outcome.kind == COMPLETE:
                 label = "completed"
@@ -506,15 +477,15 @@ class AttemptEndings:
                 label = "released" if outcome.kind == RELEASE else "snoozed"
             else:
                 label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
-            self._observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
+            self.observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
         if getattr(att, "started_wall", None) is not None and outcome.kind != RELEASE:
             outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
                                           run_id=att.run_id, node=att.node)
-        self.outcomes.append((outcome, att.deadline))
-        if self._outcomes_since is None:
-            self._outcomes_since = self.clock()
+        self.control.outcomes.append((outcome, att.deadline))
+        if self.control.outcomes_since is None:
+            self.control.outcomes_since = self.control.clock()
 
-    def _observe_end(self, att: Attempt, outcome: str, entry: dict[str, Any]) -> None:
+    def observe_end(self, att: Attempt, outcome: str, entry: dict[str, Any]) -> None:
         """Tell the observer (metrics, traces) how an attempt that ran ended."""
         if att.started_wall is not None:
-            self.observer.attempt_ended(att, outcome, entry)
+            self.control.observer.attempt_ended(att, outcome, entry)

@@ -235,7 +235,7 @@ class Holding:
         control. Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH; under
         PIPELINE_ONE_MAX_STEP (0.1 s) one; longer ones none, and nothing is queued behind
         an attempt that has run that long. A queued step that has not started within its
-        hold bound is released (process control's ``_release_queued``)."""
+        hold bound is released (``AttemptEndings.release_queued``)."""
         if step_seconds is None or step_seconds >= PIPELINE_ONE_MAX_STEP:
             return
         depth = PIPELINE_DEPTH if step_seconds < PIPELINE_MAX_STEP else 1

@@ -458,10 +458,10 @@ def test_a_held_back_outcome_is_written_before_its_attempts_deadline():
     control, watchdog, _ = control_alone(Config.build(workers=2, prefetch=16), clock=lambda: now[0])
     try:
         control.held.extend([object()] * 8)  # held steps keep both children busy
-        control._outcome(SimpleNamespace(deadline=None), None)
+        control.endings.outcome(SimpleNamespace(deadline=None), None)
         assert control._flush_at() == pytest.approx(100.0 + COALESCE_MAX)  # waits for company
         now[0] = 100.01
-        control._outcome(SimpleNamespace(deadline=100.07), None)
+        control.endings.outcome(SimpleNamespace(deadline=100.07), None)
         assert control._flush_at() == pytest.approx(100.07 - COALESCE_MAX)  # but not into its deadline's margin
         control.held.clear()  # nothing held: the claim must go now
         assert control._flush_at() == pytest.approx(100.0)
@@ -484,9 +484,9 @@ def test_with_prefetch_one_outcome_statement_is_in_flight():
     control, watchdog, _ = control_alone(config, clock=lambda: now[0])
     try:
         control.batches_out = 1  # a statement in flight
-        control._outcome(SimpleNamespace(deadline=None), None)
+        control.endings.outcome(SimpleNamespace(deadline=None), None)
         assert control._flush_at() == pytest.approx(100.0 + config.write_bound)  # waits for Written
-        control._outcome(SimpleNamespace(deadline=100.5), None)
+        control.endings.outcome(SimpleNamespace(deadline=100.5), None)
         assert control._flush_at() == pytest.approx(100.5 - COALESCE_MAX)  # never into a deadline's margin
         control.inbox.post(Written(1))
         control._read_inbox()
@@ -529,7 +529,7 @@ def test_a_child_due_for_recycling_whose_next_step_was_dropped_is_retired_not_re
         child.attempt = att
         control.attempts[att.key] = att
         assert control.pool.idle() == []  # busy
-        control._on_result(att, {"t": "result", "task": "t1", "ok": False, "dropped": True, "cancel_reason": "released"})
+        control.endings.on_result(att, {"t": "result", "task": "t1", "ok": False, "dropped": True, "cancel_reason": "released"})
         assert child not in control.pool.children and child.returncode is not None  # retired once idle
         control._send_outcomes(force=True)
         assert [o.kind for o in writer.outcomes] == ["release"]  # the dropped step goes back, unstarted
