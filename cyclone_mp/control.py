@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import math
 import selectors
@@ -30,17 +29,15 @@ from typing import Any, Callable
 
 import psutil
 
-from . import decisions, protocol, slots
-from .attempts import Attempt, Held, hold_bound
+from . import protocol, slots
+from .attempts import Attempt, Held
 from .childproc import ChildProc
-from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
+from .config import COALESCE_MAX, COALESCE_PER_WORKER, Config
 from .endings import AttemptEndings
 from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
-from .holding import Holding, row_limits
-from .limits import format_size
+from .holding import Holding
 from .limitwatch import LimitWatch
 from .mailbox import Inbox
-from .mechanism import PROCESSES_USERNS, SAMPLING
 from .messages import (
     Claimed,
     DatabaseState,
@@ -56,6 +53,7 @@ from .messages import (
 )
 from .mux import Mux
 from .pool import ChildPool
+from .starting import AttemptStarts
 from .telemetry import NO_OBSERVER, Observer
 from .watchdoglink import WatchdogLink
 
@@ -116,7 +114,6 @@ class ProcessControl:
                               selector=self.selector, watchdog=watchdog, clock=clock, on_kill=observer.killed,
                               confinement=self.confinement, dedicated=dedicated, start_method=config.start_method)
         self.limit_watch = LimitWatch(self.confinement)  # running attempts with resource limits: sampled
-        self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self.attempts: dict[LeaseKey, Attempt] = {}
         self.deadlines = Deadlines(config.lease_ttl, config.kill_grace)  # when each attempt needs a look
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
@@ -148,8 +145,7 @@ class ProcessControl:
         self._stop_req = False
         self.step_seconds: float | None = None  # moving average of attempt durations
         self.endings = AttemptEndings(self)  # how each attempt ends, from its child's messages and exit
-        self._tokens = itertools.count(1)
-        self._hooks = mux.hook_refs()
+        self.starts = AttemptStarts(self)  # how each attempt starts on a child
         #: async steps whose attempts run several to a child: step name -> how many at most
         self.side_by_side = {s.name: s.options.async_concurrency for s in mux.steps.values()
                              if (s.options.async_concurrency or 1) > 1}
@@ -159,7 +155,7 @@ class ProcessControl:
         self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
                       "lease_lost": 0, "late_completions_dropped": 0, "limit_kills": 0}
         self.holding = Holding(config, self.pool, writer=writer, keeper=keeper, clock=clock,
-                               side_by_side=self.side_by_side, start=self._start, flush=self._send_queued,
+                               side_by_side=self.side_by_side, start=self.starts.start, flush=self._send_queued,
                                stats=self.stats)
 
     @property
@@ -511,120 +507,6 @@ class ProcessControl:
                 child.flush()
                 self.pool.update_write_interest(child)
 
-    # -- starting an attempt -----------------------------------------------------------------------
-
-    def _start(self, item: Held, child: ChildProc) -> bool:
-        """Start one claimed step on ``child``. Its timeout counts from the claim (its
-        ``sent`` time), as it does in the database (SPEC 4). Its resource caps are set on
-        the child's slot first; False (nothing started) when the child already
-        holds more memory than the step's cap: the child is replaced, the step waits."""
-        row = item.row
-        limits = row_limits(row)
-        slot = child.slot
-        fits = True
-        ceiling = child.open_files_ceiling
-        if ceiling is not None and child.attempt is None and (limits.open_files is None or limits.open_files > ceiling):
-            # its hard RLIMIT_NOFILE was lowered for a smaller max_open_files, and it cannot raise it back
-            log.info("child %d cannot raise its RLIMIT_NOFILE back (lowered for max_open_files %d), which step %s "
-                     "needs %s: replacing it", child.pid, ceiling, row["step_name"],
-                     "without a cap" if limits.open_files is None else f"at {limits.open_files}")
-            return self._replace(child)
-        if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
-            joining = slot.unjoined(limits) if limits else []
-            if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)
-                self.confinement.v1_at_birth = True  # from now on new children join those at birth
-                # what a child holds stays charged where it was when it joins (v1): one that ran
-                # steps, was spawned, or imported modules after its birth would take that past the cap
-                if "memory" in joining and (child.steps_run or not child.forked or child.leftover):
-                    log.info("child %d may hold memory charged outside its slot's memory cgroup, which would "
-                             "escape memory_limit %s of step %s: replacing it", child.pid,
-                             format_size(limits.memory), row["step_name"])
-                    return self._replace(child)
-                slot.join(joining)
-            if limits.processes is not None and not child.userns and self.confinement.mechanism.userns_processes:
-                # no pids cgroup: children hold max_processes with RLIMIT_NPROC in a user
-                # namespace of their own, which only a child single-threaded at birth can make
-                self.confinement.wants_userns()  # from now on new children are born in one
-                log.info("child %d has no user namespace of its own to hold max_processes %d of step %s: "
-                         "replacing it", child.pid, limits.processes, row["step_name"])
-                return self._replace(child)
-            fits = slot.configure(limits)
-            if not fits and child.steps_run:
-                log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
-                         format_size(limits.memory), row["step_name"])
-                return self._replace(child)
-        now = self.clock()
-        step = self.mux.steps[row["step_name"]]
-        timeout = row["timeout"]
-        token = f"{child.pid}.{next(self._tokens)}"
-        att = Attempt(
-            key=item.key, run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
-            attempt=row["attempt"], timeout=timeout, token=token, child=child,
-            workflow=row["run_kind"] != "step", started=now,  # (a workflow run, or a spawned one: "child")
-            deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
-            backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
-            claimed=(item.sent + item.arrived) / 2,
-        )
-        att.cpu_start = child.cpu_total
-        self.attempts[att.key] = att
-        if not fits:  # a fresh child alone is over the cap: no handler can run under it
-            self.endings.end(att)
-            self.endings.fail(att, decisions.MEMORY_LIMIT, self.limit_watch.below_a_fresh_child(child.pid, limits))
-            return True
-        side_by_side = row["step_name"] in self.side_by_side
-        if side_by_side:  # an async attempt beside the others of its step in this child
-            child.concurrent[token] = att
-            att.started_wall = self.wall_clock()
-            self.note_start(att)
-        elif child.attempt is None:
-            child.attempt = att
-            att.started_wall = self.wall_clock()
-            self.limit_watch.arm(att)
-            self.note_start(att)
-        else:  # pipelined: it starts when the child's current attempt ends, if by start_by
-            att.start_by = time.monotonic() + hold_bound(self.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
-            child.queued.append(att)
-        self.deadlines.push(att)
-        ref = step.ref
-        task = {
-            "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
-            "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
-            "deadline": (self.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
-            "input_json": row["input"], "upstream_json": row["upstream"],
-            "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
-        }
-        if row.get("spawned") is not None:  # it waited for the runs its upstream spawned: ctx.spawned
-            task["spawned_json"] = row["spawned"]
-        if row.get("maps"):  # upstream map nodes: their outputs in files (deleted when the attempt ends)
-            task["maps"] = row["maps"]
-            att.files = tuple(m["path"] for m in row["maps"].values())
-        if self.config.max_child_rss is not None:  # the child says its RSS at the end of the task
-            task["rss"] = True
-        if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler
-            task["hooks"] = self._hooks
-        if side_by_side:
-            task["concurrent"] = True
-        if limits:  # the child sets its rlimits for the task (inherited by what it starts)
-            # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
-            # process cap), rlimits backstop and the child counts its tree as its handler ends
-            pids_cgroup = slot is not None and slot.kernel_process_cap
-            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined),
-                     not pids_cgroup and child.userns, not pids_cgroup)
-            if limits.processes is not None:
-                att.processes_by = (self.confinement.mechanism.processes if pids_cgroup else
-                                    PROCESSES_USERNS if child.userns else SAMPLING)
-            cached = self._task_limits.get((limits, flags))
-            if cached is None:
-                if len(self._task_limits) > 256:
-                    self._task_limits.clear()
-                cached = self._task_limits[(limits, flags)] = {
-                    **limits.as_json(), "rlimit_data": flags[0], "rlimit_cpu": flags[1], "rlimit_nproc": flags[2],
-                    "count_tree": flags[3]}
-            task["limits"] = cached
-        child.queue(task)  # written by the caller, with the other tasks of this round
-        self.watch(child)
-        return True
-
     def note_start(self, att: Attempt) -> None:
         """An attempt whose handler started well after its claim (it waited for a child):
         its lease's next renewal records when (``started_at`` of a running step). And
@@ -634,14 +516,6 @@ class ProcessControl:
         delay = att.start_delay()
         if delay is not None and delay > START_NOTED_AFTER:
             self.keeper(Started(att.key, delay))
-
-    def _replace(self, child: ChildProc) -> bool:
-        """Retire the idle ``child`` for a fresh one before a step with caps (which waits
-        for it: False, nothing started)."""
-        child.recycle_due = True
-        self.pool.retire(child)
-        self.pool.maintain(self.clock(), self.draining)
-        return False
 
     # -- resource limits ----------------------------------------------------------------------------
 

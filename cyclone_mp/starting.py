@@ -1,0 +1,158 @@
+"""Starting an attempt on a child: the child's slot made to hold the step's caps first
+(joined to the slot's cgroups, its caps written, or the child replaced when it cannot
+hold them: a lowered RLIMIT_NOFILE, memory charged outside the cgroup, no user namespace
+for ``max_processes``), then the :class:`~cyclone_mp.attempts.Attempt` recorded and its
+task message queued: at once on an idle child, queued behind the running one
+(pipelined), or beside it (an async step's ``async_concurrency``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import decisions
+from .attempts import Attempt, Held, hold_bound
+from .config import PREFETCH_MAX_WAIT
+from .holding import row_limits
+from .limits import format_size
+from .mechanism import PROCESSES_USERNS, SAMPLING
+
+if TYPE_CHECKING:
+    from .childproc import ChildProc
+    from .control import ProcessControl
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+
+class AttemptStarts:
+    """Starts claimed steps on the children of ``control`` (a
+    :class:`~cyclone_mp.control.ProcessControl`), on its thread."""
+
+    def __init__(self, control: ProcessControl) -> None:
+        self.control = control
+        self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
+        self._tokens = itertools.count(1)
+        self._hooks = control.mux.hook_refs()
+
+    def start(self, item: Held, child: ChildProc) -> bool:
+        """Start one claimed step on ``child``. Its timeout counts from the claim (its
+        ``sent`` time), as it does in the database (SPEC 4). Its resource caps are set on
+        the child's slot first; False (nothing started) when the child already
+        holds more memory than the step's cap: the child is replaced, the step waits."""
+        row = item.row
+        limits = row_limits(row)
+        slot = child.slot
+        fits = True
+        ceiling = child.open_files_ceiling
+        if ceiling is not None and child.attempt is None and (limits.open_files is None or limits.open_files > ceiling):
+            # its hard RLIMIT_NOFILE was lowered for a smaller max_open_files, and it cannot raise it back
+            log.info("child %d cannot raise its RLIMIT_NOFILE back (lowered for max_open_files %d), which step %s "
+                     "needs %s: replacing it", child.pid, ceiling, row["step_name"],
+                     "without a cap" if limits.open_files is None else f"at {limits.open_files}")
+            return self.replace(child)
+        if slot is not None and (limits or slot.caps != (None, None)) and child.attempt is None:
+            joining = slot.unjoined(limits) if limits else []
+            if joining:  # its caps live in v1 cgroups the child is not in (a hybrid host)
+                self.control.confinement.v1_at_birth = True  # from now on new children join those at birth
+                # what a child holds stays charged where it was when it joins (v1): one that ran
+                # steps, was spawned, or imported modules after its birth would take that past the cap
+                if "memory" in joining and (child.steps_run or not child.forked or child.leftover):
+                    log.info("child %d may hold memory charged outside its slot's memory cgroup, which would "
+                             "escape memory_limit %s of step %s: replacing it", child.pid,
+                             format_size(limits.memory), row["step_name"])
+                    return self.replace(child)
+                slot.join(joining)
+            if limits.processes is not None and not child.userns and self.control.confinement.mechanism.userns_processes:
+                # no pids cgroup: children hold max_processes with RLIMIT_NPROC in a user
+                # namespace of their own, which only a child single-threaded at birth can make
+                self.control.confinement.wants_userns()  # from now on new children are born in one
+                log.info("child %d has no user namespace of its own to hold max_processes %d of step %s: "
+                         "replacing it", child.pid, limits.processes, row["step_name"])
+                return self.replace(child)
+            fits = slot.configure(limits)
+            if not fits and child.steps_run:
+                log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
+                         format_size(limits.memory), row["step_name"])
+                return self.replace(child)
+        now = self.control.clock()
+        step = self.control.mux.steps[row["step_name"]]
+        timeout = row["timeout"]
+        token = f"{child.pid}.{next(self._tokens)}"
+        att = Attempt(
+            key=item.key, run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
+            attempt=row["attempt"], timeout=timeout, token=token, child=child,
+            workflow=row["run_kind"] != "step", started=now,  # (a workflow run, or a spawned one: "child")
+            deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
+            backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
+            claimed=(item.sent + item.arrived) / 2,
+        )
+        att.cpu_start = child.cpu_total
+        self.control.attempts[att.key] = att
+        if not fits:  # a fresh child alone is over the cap: no handler can run under it
+            self.control.endings.end(att)
+            self.control.endings.fail(att, decisions.MEMORY_LIMIT, self.control.limit_watch.below_a_fresh_child(child.pid, limits))
+            return True
+        side_by_side = row["step_name"] in self.control.side_by_side
+        if side_by_side:  # an async attempt beside the others of its step in this child
+            child.concurrent[token] = att
+            att.started_wall = self.control.wall_clock()
+            self.control.note_start(att)
+        elif child.attempt is None:
+            child.attempt = att
+            att.started_wall = self.control.wall_clock()
+            self.control.limit_watch.arm(att)
+            self.control.note_start(att)
+        else:  # pipelined: it starts when the child's current attempt ends, if by start_by
+            att.start_by = time.monotonic() + hold_bound(self.control.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
+            child.queued.append(att)
+        self.control.deadlines.push(att)
+        ref = step.ref
+        task = {
+            "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
+            "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
+            "deadline": (self.control.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
+            "input_json": row["input"], "upstream_json": row["upstream"],
+            "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
+        }
+        if row.get("spawned") is not None:  # it waited for the runs its upstream spawned: ctx.spawned
+            task["spawned_json"] = row["spawned"]
+        if row.get("maps"):  # upstream map nodes: their outputs in files (deleted when the attempt ends)
+            task["maps"] = row["maps"]
+            att.files = tuple(m["path"] for m in row["maps"].values())
+        if self.control.config.max_child_rss is not None:  # the child says its RSS at the end of the task
+            task["rss"] = True
+        if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler
+            task["hooks"] = self._hooks
+        if side_by_side:
+            task["concurrent"] = True
+        if limits:  # the child sets its rlimits for the task (inherited by what it starts)
+            # where no cgroup holds the memory (or none counts the tree's CPU, or holds the
+            # process cap), rlimits backstop and the child counts its tree as its handler ends
+            pids_cgroup = slot is not None and slot.kernel_process_cap
+            flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined),
+                     not pids_cgroup and child.userns, not pids_cgroup)
+            if limits.processes is not None:
+                att.processes_by = (self.control.confinement.mechanism.processes if pids_cgroup else
+                                    PROCESSES_USERNS if child.userns else SAMPLING)
+            cached = self._task_limits.get((limits, flags))
+            if cached is None:
+                if len(self._task_limits) > 256:
+                    self._task_limits.clear()
+                cached = self._task_limits[(limits, flags)] = {
+                    **limits.as_json(), "rlimit_data": flags[0], "rlimit_cpu": flags[1], "rlimit_nproc": flags[2],
+                    "count_tree": flags[3]}
+            task["limits"] = cached
+        child.queue(task)  # written by the caller, with the other tasks of this round
+        self.control.watch(child)
+        return True
+
+    def replace(self, child: ChildProc) -> bool:
+        """Retire the idle ``child`` for a fresh one before a step with caps (which waits
+        for it: False, nothing started)."""
+        child.recycle_due = True
+        self.control.pool.retire(child)
+        self.control.pool.maintain(self.control.clock(), self.control.draining)
+        return False
