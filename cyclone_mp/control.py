@@ -19,7 +19,6 @@ how an attempt ended, :mod:`cyclone_mp.endings`; prefetch and pipelining,
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
 import selectors
@@ -27,32 +26,21 @@ import threading
 import time
 from typing import Any, Callable
 
-import psutil
-
 from . import protocol, slots
 from .attempts import Attempt, Held
 from .childproc import ChildProc
-from .config import COALESCE_MAX, COALESCE_PER_WORKER, Config
+from .claiming import Claims
+from .config import Config
 from .endings import AttemptEndings
-from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
+from .enforcement import Deadlines, WatchdogDue
 from .holding import Holding
+from .kills import Kills
 from .limitwatch import LimitWatch
 from .mailbox import Inbox
-from .messages import (
-    Claimed,
-    DatabaseState,
-    Fleet,
-    LeaseDone,
-    LeaseKey,
-    LeaseLost,
-    Outcome,
-    Poll,
-    Renewed,
-    Started,
-    Written,
-)
+from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .mux import Mux
 from .pool import ChildPool
+from .reports import Reports
 from .starting import AttemptStarts
 from .telemetry import NO_OBSERVER, Observer
 from .watchdoglink import WatchdogLink
@@ -120,9 +108,9 @@ class ProcessControl:
         self.outcomes_since: float | None = None
         self._io_ready: set[ChildProc] = set()
         self.watchdog_killed: set[int] = set()
-        self._cancelled_unclaimed: dict[LeaseKey, float] = {}  # cancels heard before their claim came back
+        self.cancelled_unclaimed: dict[LeaseKey, float] = {}  # cancels heard before their claim came back
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
-        self._claim_after_written = False  # a claim on its own waited for the statement in flight
+        self.claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
         self.turned_at = time.monotonic()  # when the loop last began a turn (read by /healthz)
         self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
@@ -146,6 +134,9 @@ class ProcessControl:
         self.step_seconds: float | None = None  # moving average of attempt durations
         self.endings = AttemptEndings(self)  # how each attempt ends, from its child's messages and exit
         self.starts = AttemptStarts(self)  # how each attempt starts on a child
+        self.claims = Claims(self)  # how many steps to claim, and what a claim that came back does
+        self.kills = Kills(self)  # deadlines, fences, cancels and kills
+        self.reports = Reports(self)  # outcomes to the writer, snapshots to the registry
         #: async steps whose attempts run several to a child: step name -> how many at most
         self.side_by_side = {s.name: s.options.async_concurrency for s in mux.steps.values()
                              if (s.options.async_concurrency or 1) > 1}
@@ -215,7 +206,7 @@ class ProcessControl:
         self.pool.maintain(self.clock(), draining=False)
         if self.pool.await_zygote(ZYGOTE_START_WAIT, stop=lambda: self._shutdown_req):
             self.pool.maintain(self.clock(), draining=False)
-        self._publish_snapshot(self.clock())  # before maintenance's first registry row
+        self.reports.publish_snapshot(self.clock())  # before maintenance's first registry row
         if running is not None:
             running.set()
         while True:
@@ -226,12 +217,12 @@ class ProcessControl:
                 if self._drained(now):
                     break
                 self._turn(now)
-                self._tell_watchdog()
+                self.kills.tell_watchdog()
                 self._wait(self._next_wake(self.clock()))
             except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
                 log.exception("unexpected error in the process-control loop; carrying on")
                 time.sleep(0.1)
-        self._send_outcomes()
+        self.reports.send_outcomes()
 
     def _drained(self, now: float) -> bool:
         """Draining and nothing left: no attempt, no held step, and no claim on its way
@@ -252,7 +243,7 @@ class ProcessControl:
             self.drain_deadline = now
         if self.draining and self.drain_deadline is not None and now >= self.drain_deadline:
             for att in list(self.attempts.values()):
-                self.cancel(att, "shutdown", now)
+                self.kills.cancel(att, "shutdown", now)
 
     def _turn(self, now: float) -> None:
         """One pass of the loop. Each phase runs on its own (:meth:`_phase`): one that fails
@@ -263,7 +254,7 @@ class ProcessControl:
         if self.held and self.pool.idle():
             phase("held steps", self.take_held)
         phase("children's messages", self._check_children_io)
-        phase("watchdog", self.read_watchdog)
+        phase("watchdog", self.kills.read_watchdog)
         phase("watchdog", self.watch_due.refresh)
         phase("children's starts", self._check_starts)
         now = self.clock()
@@ -276,14 +267,14 @@ class ProcessControl:
             phase("sampling", self._sample_peaks)
         phase("held steps", lambda: self.holding.expire(self.clock(), draining=self.draining))
         phase("queued steps", lambda: self.endings.release_queued(self.clock()))
-        phase("deadlines and kills", lambda: self._enforce(self.clock()))
-        phase("outcomes", self._send_outcomes)
+        phase("deadlines and kills", lambda: self.kills.enforce(self.clock()))
+        phase("outcomes", self.reports.send_outcomes)
         now = self.clock()
         if self.db_ok and not self.draining and now >= self.next_poll:
-            phase("claim", lambda: self._request_claim(now))
+            phase("claim", lambda: self.claims.request_claim(now))
         if now >= self._next_snapshot:
             self._next_snapshot = now + self.config.registry_interval
-            phase("snapshot", lambda: self._publish_snapshot(now))
+            phase("snapshot", lambda: self.reports.publish_snapshot(now))
 
     def _phase(self, name: str, fn: Callable[[], Any]) -> None:
         """Run one phase of a turn; an error is logged (at most once a minute per phase,
@@ -312,7 +303,7 @@ class ProcessControl:
 
     def _enforce_limits(self, now: float) -> None:
         for att, kind in self.limit_watch.due(now):
-            self._kill_for_limit(att, kind)
+            self.kills.kill_for_limit(att, kind)
 
     def _sample_peaks(self) -> None:
         for att in self.attempts.values():  # a crashed child cannot be read afterwards
@@ -337,7 +328,7 @@ class ProcessControl:
             times.extend(now + a.start_by - mono for a in child.queued if a.start_by is not None)
         if self.draining and self.drain_deadline is not None:
             times.append(self.drain_deadline)
-        flush_at = self._flush_at()
+        flush_at = self.reports.flush_at()
         if flush_at is not None:
             times.append(flush_at)
         refresh_at = self.watch_due.next_refresh()
@@ -360,11 +351,11 @@ class ProcessControl:
             if isinstance(message, Renewed):
                 self.on_renewed(message)
             elif isinstance(message, Claimed):
-                self.on_claimed(message)
+                self.claims.on_claimed(message)
             elif isinstance(message, Written):
                 self.batches_out = max(0, self.batches_out - message.batches)
-                if self._claim_after_written and not self.batches_out:  # a claim waited for it
-                    self._claim_after_written = False
+                if self.claim_after_written and not self.batches_out:  # a claim waited for it
+                    self.claim_after_written = False
                     self.next_poll = min(self.next_poll, self.clock())
             elif isinstance(message, LeaseLost):
                 self.on_lease_lost(message)
@@ -382,7 +373,7 @@ class ProcessControl:
         att = self.attempts.get(message.key)
         if att is not None:
             att.lease_sent = max(att.lease_sent, message.sent)
-            self.watch(att.child)
+            self.kills.watch(att.child)
             return
         self.holding.renewed(message.key, message.sent)
 
@@ -391,7 +382,7 @@ class ProcessControl:
         (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
         att = self.attempts.get(message.key)
         if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
-            self._forget_cancelled(message.key, ours=att is not None or any(h.key == message.key for h in self.held))
+            self.claims.forget_cancelled(message.key, ours=att is not None or any(h.key == message.key for h in self.held))
         if att is None:
             self.holding.drop(message.key)
             return
@@ -401,107 +392,12 @@ class ProcessControl:
         att.fenced = False  # the row says so: nothing to write for it
         if reason == "lease_lost":
             self.stats["lease_lost"] += 1
-        self.cancel(att, reason, self.clock())
-
-    def _forget_cancelled(self, key: LeaseKey, *, ours: bool) -> None:
-        """A cancel of ``key`` was heard. Ours: its lease is renewed no more. Not (yet)
-        ours: remembered for a lease's time, since the cancel may have crossed the claim
-        that took it, whose rows are then dropped as they arrive (:meth:`on_claimed`)."""
-        if ours:
-            self.keeper(LeaseDone((key,)))
-            return
-        now = self.clock()
-        cancelled = self._cancelled_unclaimed
-        if len(cancelled) > 1024:
-            for old in [k for k, at in cancelled.items() if now - at > self.config.lease_ttl]:
-                del cancelled[old]
-        cancelled[key] = now
-
-    def on_claimed(self, message: Claimed) -> None:
-        """Start claimed rows on idle children at once (however long they took to come
-        back: their leases count from the claim's sending), hold the rest. The next poll
-        comes after the poll interval's backoff, and no later than the claim's ``wait``
-        (a rate-limited step's next free slot) when it has one."""
-        self.claiming = max(0, self.claiming - message.limit)
-        self._claim_after_written = False  # this claim's result says when to claim again
-        now = self.clock()
-        rows = list(message.rows)
-        if self._cancelled_unclaimed:
-            gone = [r for r in rows if self._cancelled_unclaimed.pop((r["id"], r["lease_generation"]), None)]
-            if gone:  # cancelled as the claim came back: nothing to run, nothing to renew
-                self.keeper(LeaseDone(tuple((r["id"], r["lease_generation"]) for r in gone)))
-                rows = [r for r in rows if r not in gone]
-        # a rate-limited step took its rate slot with this claim: it starts on an idle child
-        # now, ahead of what is held, or is given back at once (never held or queued)
-        rated = self.holding.add(rows, message.sent, now)
-        if self.draining:
-            self.holding.expire(now, draining=True)
-        self.take_held()
-        if rated:
-            self.holding.give_back_rated()
-        lo, hi = self.config.poll_interval
-        if message.failed:
-            self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
-            self.next_poll = now + self.poll_delay
-        elif rows and len(rows) == message.limit:
-            self.poll_delay = lo
-            self.next_poll = now  # maybe more to take once a slot frees
-        elif rows:
-            self.poll_delay = lo
-            self.next_poll = now + lo
-        else:
-            self.poll_delay = min(hi, max(lo, self.poll_delay * 2))
-            self.next_poll = now + self.poll_delay
-        if message.wait is not None:  # a rate limit held a step back: its slot frees then
-            self.next_poll = min(self.next_poll, now + message.wait)
-
-    def read_watchdog(self) -> None:
-        for pid in self.watchdog.reports():
-            self.watchdog_killed.add(pid)
-            self.stats["watchdog_kills"] += 1
-            self.observer.killed("watchdog")
-            log.warning("the watchdog killed child %d (the supervisor was late: frozen or stalled)", pid)
+        self.kills.cancel(att, reason, self.clock())
 
     # -- claiming -----------------------------------------------------------------------------------
 
-    def _claim_limit(self, *, standalone: bool) -> int:
-        """Steps to claim now: free slots plus room to hold, minus what is held and what
-        claims on their way will bring (0 when draining or disconnected). A claim rides
-        with the outcomes that free its slots (:meth:`_send_outcomes`: one statement
-        writes them and claims, so a supervisor never holds more rows than it has slots
-        and room); one on its own waits until every outcome sent is written."""
-        if self.draining or not self.db_ok or (standalone and not self.writer.idle):
-            return 0
-        return max(0, len(self.pool.idle()) + self.holding.side_by_side_room() + self.prefetch_room() - len(self.held)
-                   - self.claiming)
-
-    def _start_now(self, claim: int) -> int:
-        """Of a claim of ``claim`` steps, how many idle children can start at once: the
-        claim takes no more rate-limited steps (a rate limit counts handler starts)."""
-        return max(0, min(claim, len(self.pool.idle()) - len(self.held)))
-
-    def _request_claim(self, now: float) -> None:
-        """A claim on its own (on the poll interval, or when woken), through the outcome
-        writer, which makes every claim: the lease keeper only renews. With prefetch one
-        statement is in flight at a time (see :meth:`_flush_at`): the claim waits for it
-        (``Written``)."""
-        if self.config.prefetch and self.batches_out:
-            self._claim_after_written = True
-            self.next_poll = now + self.poll_delay
-            return
-        limit = self._claim_limit(standalone=True)
-        if limit <= 0:
-            self.next_poll = now + self.poll_delay
-            return
-        if self.outcomes:  # what ended goes with it, in the same statement
-            self._send_outcomes(force=True)
-            return
-        self.claiming += limit
-        self.batches_out += 1
-        self.writer.post_batch((), limit, self._start_now(limit))
-
     def _send_queued(self) -> None:
-        self._tell_watchdog()  # the watchdog knows a task's due time before the child has the task
+        self.kills.tell_watchdog()  # the watchdog knows a task's due time before the child has the task
         for child in self.pool.children:
             if child.outbox:
                 child.flush()
@@ -518,22 +414,6 @@ class ProcessControl:
             self.keeper(Started(att.key, delay))
 
     # -- resource limits ----------------------------------------------------------------------------
-
-    def _kill_for_limit(self, att: Attempt, kind: str) -> None:
-        """Kill the tree of an attempt :class:`~cyclone_mp.limitwatch.LimitWatch` found over
-        a cap (unless it ended meanwhile)."""
-        child = att.child
-        self.child_io(child)  # it may have ended just now
-        if att.ended or child.attempt is not att:
-            return
-        att.killed_for = att.killed_by = kind
-        self.stats["limit_kills"] += 1
-        self.limit_watch.final_sample(att)  # the tree as it was, before the kill empties it
-        for pid, _ in att.usage.left if att.usage is not None else ():  # out of the cgroups the kill goes through
-            with contextlib.suppress(psutil.Error):
-                child.descendants_seen.setdefault(pid, psutil.Process(pid))
-        self.pool.kill(child, kind)
-        self.endings.on_child_exit(child)
 
     # -- the children's messages ------------------------------------------------------------------
 
@@ -558,7 +438,7 @@ class ProcessControl:
             messages, eof = child.receive()
         except protocol.ProtocolError as exc:
             log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
-            self.kill_for(child, "protocol_error")
+            self.kills.kill_for(child, "protocol_error")
             messages, eof = [], True
         for message in messages:
             self.endings.on_message(child, message)
@@ -566,132 +446,17 @@ class ProcessControl:
             self.endings.on_child_exit(child)
         self.pool.update_write_interest(child)
 
-    def kill_for(self, child: ChildProc, trigger: str) -> None:
-        """Kill ``child`` for breaking the pipe protocol: its attempt fails as an error."""
-        if child.attempt is not None:
-            child.attempt.killed_by = trigger
-        self.pool.kill(child, trigger)
-
     # -- deadlines, fences, cancels, kills ---------------------------------------------------------
-
-    def cancel(self, att: Attempt, reason: str, now: float) -> None:
-        if att.cancel_reason is not None or att.ended:
-            return
-        att.cancel_reason = reason
-        att.killed_by = None
-        if att.child.attempt is att or att.token in att.child.concurrent:  # a queued one is dropped, nothing to kill
-            att.kill_at = now + self.config.kill_grace
-            self.deadlines.push(att)
-        att.child.cancel(att.token, reason)
-        self.watch(att.child)
-
-    def _enforce(self, now: float) -> None:
-        """Carry out what :func:`~cyclone_mp.enforcement.due_actions` says is due for the
-        attempts whose deadlines came (:class:`~cyclone_mp.enforcement.Deadlines`): cancel
-        at the worker-clock deadline or when the lease cannot be kept; kill at ``kill_at``
-        or at the fence, whichever comes first. A due kill is carried out whatever
-        happened to the step's row since."""
-        due = self.deadlines.take_due(now)
-        if not due:
-            return
-        for action in due_actions(due, now, self.config.lease_ttl, self.config.kill_grace):
-            att = action.att
-            if isinstance(action, Cancel):
-                if action.reason == LEASE_LOST:  # we could not renew in time: someone else may reclaim it soon
-                    self.stats["lease_lost"] += 1
-                    att.fenced = True
-                    log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
-                self.cancel(att, action.reason, now)
-                continue
-            child = att.child
-            self.child_io(child)  # it may have ended just now, and the child started the next
-            if att.ended or not running(att):
-                continue
-            if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
-                att.cancel_reason, att.fenced = LEASE_LOST, True
-                child.cancel(att.token, LEASE_LOST)
-            if action.trigger == LEASE_FENCE:
-                self.stats["fence_kills"] += 1
-            att.killed_by = action.trigger
-            self.pool.kill(child, action.trigger)
-            self.endings.on_child_exit(child)
-        for att in due:
-            self.deadlines.push(att)
-
-    def watch(self, child: ChildProc) -> None:
-        """``child``'s attempts changed: the watchdog hears its due time before this turn
-        ends, and before the child is sent another task (:class:`~cyclone_mp.enforcement.WatchdogDue`)."""
-        self.watch_due.mark(child)
-
-    def _tell_watchdog(self) -> None:
-        self.watch_due.tell(self.clock)
 
     # -- outcomes ----------------------------------------------------------------------------------
 
-    def _flush_at(self) -> float | None:
-        """When the gathered outcomes go to the writer (None: there are none). At once,
-        except with prefetch while held steps keep every child busy: then they wait up to
-        COALESCE_MAX (0.1 s) for COALESCE_PER_WORKER (4) outcomes per child, so steps of
-        about 20 ms share statements (pgqueuer buffers its completions the same way). An
-        outcome never waits into the last COALESCE_MAX before its attempt's deadline."""
-        if not self.outcomes:
-            return None
-        since = self.outcomes_since if self.outcomes_since is not None else self.clock()
-        due = [d - COALESCE_MAX for _, d in self.outcomes if d is not None]
-        if self.config.prefetch and self.batches_out and not self.draining:
-            # One statement in flight: these go in the next one, with all that ends meanwhile
-            # and a claim for all the room there is (Written says when; the writer could not
-            # start another statement before then anyway).
-            return min([since + self.config.write_bound, *due])
-        workers = self.config.workers
-        if (not self.config.prefetch or self.draining or len(self.outcomes) >= COALESCE_PER_WORKER * workers
-                or len(self.held) < workers):
-            return since
-        return min([since + COALESCE_MAX, *due])
-
-    def _send_outcomes(self, force: bool = False) -> None:
-        flush_at = self._flush_at()
-        if flush_at is None or (not force and flush_at > self.clock()):
-            return
-        outcomes, self.outcomes, self.outcomes_since = self.outcomes, [], None
-        claim = self._claim_limit(standalone=False)  # the freed slots' next steps ride along (one statement)
-        self.claiming += claim
-        self.batches_out += 1
-        self.writer.post_batch(tuple(o for o, _ in outcomes), claim, self._start_now(claim))
-
     # -- the registry snapshot -----------------------------------------------------------------------
-
-    def _publish_snapshot(self, now: float) -> None:
-        """What ``cyclone-mp workers`` shows, as plain data for maintenance to write."""
-        kids = []
-        for child in self.pool.children:
-            att = child.attempt or next(iter(child.concurrent.values()), None)
-            info: dict[str, Any] = {"pid": child.pid, "steps_run": child.steps_run, "ready": child.ready}
-            if child.concurrent:
-                info["side_by_side"] = len(child.concurrent)  # async attempts it runs at once
-            if child.proc is not None:
-                try:
-                    info["cpu_percent"] = child.proc.cpu_percent(None)
-                    info["rss"] = child.proc.memory_info().rss
-                except psutil.Error:
-                    pass
-            if att is not None:
-                info.update({"run_id": att.run_id, "node": att.node, "step": att.step_name,
-                             "attempt": att.attempt, "elapsed": round(now - att.started, 3)})
-                if att.limits:
-                    info["limits"] = att.limits.as_json()
-            kids.append(info)
-        self.snapshot = {
-            "workers": self.config.workers, "queues": list(self.config.queues), "names": list(self.mux.step_names),
-            "draining": self.draining, "children": kids, "prefetched": len(self.held),
-            "prefetch": self.holding.prefetch_share(), "limits": self.confinement.mechanism.as_dict(),
-        }
 
     # -- teardown -------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop every child and release this loop's descriptors."""
-        self._send_outcomes(force=True)
+        self.reports.send_outcomes(force=True)
         self.pool.teardown()
         try:
             self.selector.close()

@@ -107,7 +107,7 @@ class AttemptEndings:
         try:
             self.settle_result(att, message)
         finally:
-            self.control.watch(child)
+            self.control.kills.watch(child)
             self.control.take_held()
 
     def on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
@@ -121,14 +121,14 @@ class AttemptEndings:
         att.lingering_result = result
         child = att.child
         for queued in child.queued:  # they would wait behind the kill: given back now
-            self.control.cancel(queued, RELEASED, self.control.clock())
+            self.control.kills.cancel(queued, RELEASED, self.control.clock())
         if att.kill_at is None:
             att.kill_at = self.control.clock() + self.control.config.kill_grace
             self.control.deadlines.push(att)
         log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
                     "killed at kill_grace unless they end first", att.step_name, att.run_id, len(att.lingering),
                     ", ".join(att.lingering[:3]), child.pid)
-        self.control.watch(child)
+        self.control.kills.watch(child)
 
     def on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
         """A frame the child sent that cannot be read (decoding is per frame, so nothing
@@ -148,7 +148,7 @@ class AttemptEndings:
             return
         if child.returncode is None:
             log.error("child %d sent an undecodable message (%s); killing it", child.pid, marker.get("error"))
-            self.control.kill_for(child, "protocol_error")
+            self.control.kills.kill_for(child, "protocol_error")
 
     def on_result(self, att: Attempt, result: dict[str, Any]) -> None:
         child = att.child
@@ -176,7 +176,7 @@ class AttemptEndings:
         try:
             self.settle_result(att, result)
         finally:
-            self.control.watch(child)
+            self.control.kills.watch(child)
             self.control.take_held()  # the freed child starts its next step now, not after a round trip
 
     def settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
@@ -317,7 +317,7 @@ class AttemptEndings:
         for child in list(self.control.pool.children):
             if self.control.draining:
                 for att in child.queued:
-                    self.control.cancel(att, RELEASED, now)
+                    self.control.kills.cancel(att, RELEASED, now)
             if not any(map(past_start_by, child.queued)):
                 continue
             self.control.child_io(child)  # a result sent before the child looked is handled first
@@ -336,7 +336,7 @@ class AttemptEndings:
     def on_child_exit(self, child: ChildProc) -> None:
         """The child's socket closed (it died, or was killed): reap it, then decide what its
         attempt (and the steps queued behind it) became."""
-        self.control.read_watchdog()
+        self.control.kills.read_watchdog()
         unread, child.unread = child.unread, []
         for message in unread:  # sent before it died: e.g. the result of the attempt we killed it for
             self.on_message(child, message)
@@ -441,7 +441,7 @@ class AttemptEndings:
             return
         if child.attempt is not None:  # it finishes the step it runs; the ones queued are taken back
             for att in child.queued:
-                self.control.cancel(att, RELEASED, self.control.clock())
+                self.control.kills.cancel(att, RELEASED, self.control.clock())
             return
         self.control.pool.retire(child)
         self.control.pool.maintain(self.control.clock(), self.control.draining)

@@ -146,7 +146,7 @@ class AttemptStarts:
                     "count_tree": flags[3]}
             task["limits"] = cached
         child.queue(task)  # written by the caller, with the other tasks of this round
-        self.control.watch(child)
+        self.control.kills.watch(child)
         return True
 
     def replace(self, child: ChildProc) -> bool:

@@ -450,11 +450,11 @@ def test_process_control_polls_when_the_rate_limit_frees_a_slot():
     control, watchdog, _ = control_alone(Config.build(workers=2, poll_interval=(0.5, 5.0)), clock=lambda: now[0])
     try:
         control.poll_delay = 4.0
-        control.on_claimed(Claimed((), sent=100.0, limit=2))
+        control.claims.on_claimed(Claimed((), sent=100.0, limit=2))
         assert control.next_poll == pytest.approx(105.0)  # empty: the backoff doubles (capped at 5 s)
-        control.on_claimed(Claimed((), sent=100.0, limit=2, wait=0.3))
+        control.claims.on_claimed(Claimed((), sent=100.0, limit=2, wait=0.3))
         assert control.next_poll == pytest.approx(100.3)  # a rate slot frees then
-        control.on_claimed(Claimed((), sent=100.0, limit=2, wait=60.0))
+        control.claims.on_claimed(Claimed((), sent=100.0, limit=2, wait=60.0))
         assert control.next_poll == pytest.approx(105.0)  # never later than without a wait
     finally:
         control.close()

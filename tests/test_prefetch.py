@@ -459,12 +459,12 @@ def test_a_held_back_outcome_is_written_before_its_attempts_deadline():
     try:
         control.held.extend([object()] * 8)  # held steps keep both children busy
         control.endings.outcome(SimpleNamespace(deadline=None), None)
-        assert control._flush_at() == pytest.approx(100.0 + COALESCE_MAX)  # waits for company
+        assert control.reports.flush_at() == pytest.approx(100.0 + COALESCE_MAX)  # waits for company
         now[0] = 100.01
         control.endings.outcome(SimpleNamespace(deadline=100.07), None)
-        assert control._flush_at() == pytest.approx(100.07 - COALESCE_MAX)  # but not into its deadline's margin
+        assert control.reports.flush_at() == pytest.approx(100.07 - COALESCE_MAX)  # but not into its deadline's margin
         control.held.clear()  # nothing held: the claim must go now
-        assert control._flush_at() == pytest.approx(100.0)
+        assert control.reports.flush_at() == pytest.approx(100.0)
     finally:
         control.close()
         watchdog.close()
@@ -485,12 +485,12 @@ def test_with_prefetch_one_outcome_statement_is_in_flight():
     try:
         control.batches_out = 1  # a statement in flight
         control.endings.outcome(SimpleNamespace(deadline=None), None)
-        assert control._flush_at() == pytest.approx(100.0 + config.write_bound)  # waits for Written
+        assert control.reports.flush_at() == pytest.approx(100.0 + config.write_bound)  # waits for Written
         control.endings.outcome(SimpleNamespace(deadline=100.5), None)
-        assert control._flush_at() == pytest.approx(100.5 - COALESCE_MAX)  # never into a deadline's margin
+        assert control.reports.flush_at() == pytest.approx(100.5 - COALESCE_MAX)  # never into a deadline's margin
         control.inbox.post(Written(1))
         control._read_inbox()
-        assert control.batches_out == 0 and control._flush_at() == pytest.approx(100.0)  # nothing held: now
+        assert control.batches_out == 0 and control.reports.flush_at() == pytest.approx(100.0)  # nothing held: now
     finally:
         control.close()
         watchdog.close()
@@ -531,7 +531,7 @@ def test_a_child_due_for_recycling_whose_next_step_was_dropped_is_retired_not_re
         assert control.pool.idle() == []  # busy
         control.endings.on_result(att, {"t": "result", "task": "t1", "ok": False, "dropped": True, "cancel_reason": "released"})
         assert child not in control.pool.children and child.returncode is not None  # retired once idle
-        control._send_outcomes(force=True)
+        control.reports.send_outcomes(force=True)
         assert [o.kind for o in writer.outcomes] == ["release"]  # the dropped step goes back, unstarted
     finally:
         for c in [child, *control.pool.children]:  # a replacement may have been started

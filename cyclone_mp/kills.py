@@ -1,0 +1,111 @@
+"""Deadlines, fences, cancels and kills for process control: the due actions of
+:func:`~cyclone_mp.enforcement.due_actions` carried out (a cooperative cancel over the
+child's pipe, then the SIGKILL of its tree at ``kill_grace`` or at the lease's fence),
+a cap's kill, and the watchdog told when each child must be dead at the latest (and
+what it killed itself while this process was frozen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+
+from .attempts import Attempt
+from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, due_actions, running
+
+if TYPE_CHECKING:
+    from .childproc import ChildProc
+    from .control import ProcessControl
+
+log = logging.getLogger("cyclone_mp.supervisor")
+
+
+class Kills:
+    """The kills of ``control`` (a :class:`~cyclone_mp.control.ProcessControl`), on its thread."""
+
+    def __init__(self, control: ProcessControl) -> None:
+        self.control = control
+
+    def cancel(self, att: Attempt, reason: str, now: float) -> None:
+        if att.cancel_reason is not None or att.ended:
+            return
+        att.cancel_reason = reason
+        att.killed_by = None
+        if att.child.attempt is att or att.token in att.child.concurrent:  # a queued one is dropped, nothing to kill
+            att.kill_at = now + self.control.config.kill_grace
+            self.control.deadlines.push(att)
+        att.child.cancel(att.token, reason)
+        self.watch(att.child)
+
+    def enforce(self, now: float) -> None:
+        """Carry out what :func:`~cyclone_mp.enforcement.due_actions` says is due for the
+        attempts whose deadlines came (:class:`~cyclone_mp.enforcement.Deadlines`): cancel
+        at the worker-clock deadline or when the lease cannot be kept; kill at ``kill_at``
+        or at the fence, whichever comes first. A due kill is carried out whatever
+        happened to the step's row since."""
+        due = self.control.deadlines.take_due(now)
+        if not due:
+            return
+        for action in due_actions(due, now, self.control.config.lease_ttl, self.control.config.kill_grace):
+            att = action.att
+            if isinstance(action, Cancel):
+                if action.reason == LEASE_LOST:  # we could not renew in time: someone else may reclaim it soon
+                    self.control.stats["lease_lost"] += 1
+                    att.fenced = True
+                    log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
+                self.cancel(att, action.reason, now)
+                continue
+            child = att.child
+            self.control.child_io(child)  # it may have ended just now, and the child started the next
+            if att.ended or not running(att):
+                continue
+            if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
+                att.cancel_reason, att.fenced = LEASE_LOST, True
+                child.cancel(att.token, LEASE_LOST)
+            if action.trigger == LEASE_FENCE:
+                self.control.stats["fence_kills"] += 1
+            att.killed_by = action.trigger
+            self.control.pool.kill(child, action.trigger)
+            self.control.endings.on_child_exit(child)
+        for att in due:
+            self.control.deadlines.push(att)
+
+    def kill_for_limit(self, att: Attempt, kind: str) -> None:
+        """Kill the tree of an attempt :class:`~cyclone_mp.limitwatch.LimitWatch` found over
+        a cap (unless it ended meanwhile)."""
+        child = att.child
+        self.control.child_io(child)  # it may have ended just now
+        if att.ended or child.attempt is not att:
+            return
+        att.killed_for = att.killed_by = kind
+        self.control.stats["limit_kills"] += 1
+        self.control.limit_watch.final_sample(att)  # the tree as it was, before the kill empties it
+        for pid, _ in att.usage.left if att.usage is not None else ():  # out of the cgroups the kill goes through
+            with contextlib.suppress(psutil.Error):
+                child.descendants_seen.setdefault(pid, psutil.Process(pid))
+        self.control.pool.kill(child, kind)
+        self.control.endings.on_child_exit(child)
+
+    def kill_for(self, child: ChildProc, trigger: str) -> None:
+        """Kill ``child`` for breaking the pipe protocol: its attempt fails as an error."""
+        if child.attempt is not None:
+            child.attempt.killed_by = trigger
+        self.control.pool.kill(child, trigger)
+
+    def watch(self, child: ChildProc) -> None:
+        """``child``'s attempts changed: the watchdog hears its due time before this turn
+        ends, and before the child is sent another task (:class:`~cyclone_mp.enforcement.WatchdogDue`)."""
+        self.control.watch_due.mark(child)
+
+    def tell_watchdog(self) -> None:
+        self.control.watch_due.tell(self.control.clock)
+
+    def read_watchdog(self) -> None:
+        for pid in self.control.watchdog.reports():
+            self.control.watchdog_killed.add(pid)
+            self.control.stats["watchdog_kills"] += 1
+            self.control.observer.killed("watchdog")
+            log.warning("the watchdog killed child %d (the supervisor was late: frozen or stalled)", pid)
