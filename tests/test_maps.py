@@ -351,10 +351,10 @@ def test_cli_status_summarises_a_map_and_lists_its_items(cyclone_env, tmp_path):
 
 
 def test_a_list_over_the_most_items_a_map_may_have_fails_the_map_alone(cyclone_env, monkeypatch):
-    from cyclone_mp import operations
     from cyclone_mp.store import Store
+    from cyclone_mp.store.operations import enqueue
 
-    monkeypatch.setattr(operations, "MAX_MAP_ITEMS", 3)
+    monkeypatch.setattr(enqueue, "MAX_MAP_ITEMS", 3)  # where advance() reads it
     env = cyclone_env
     env.mux().register(mh.squares)
     run_id = env.client().enqueue(mh.squares, {})

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 import cyclone_mp as cy
-from cyclone_mp import operations
+from cyclone_mp.store import operations
 from cyclone_mp.store import connect
 from cyclone_mp.store.queries import Q
 
@@ -76,7 +76,7 @@ def test_every_named_statement_is_accepted_by_this_server(cyclone_dsn: str) -> N
 def test_a_server_older_than_14_is_refused_in_one_line(cyclone_dsn: str, monkeypatch) -> None:
     """migrate() checks server_version_num first; a supervisor migrates before it starts,
     so it refuses too, before any child or lease exists."""
-    monkeypatch.setattr(operations, "MIN_SERVER_VERSION", server_version_num(cyclone_dsn) + 1)
+    monkeypatch.setattr(operations.core, "MIN_SERVER_VERSION", server_version_num(cyclone_dsn) + 1)
     client = cy.Client(cyclone_dsn, cy.Mux().register(h.ok))
     try:
         with pytest.raises(cy.UnsupportedServer) as caught:
