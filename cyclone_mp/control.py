@@ -30,17 +30,19 @@ from typing import Any, Callable
 
 import psutil
 
-from . import decisions, protocol, slots
+from . import decisions, protocol
 from .attempts import Attempt, Held, hold_bound
 from .childproc import ChildProc
 from .config import COALESCE_MAX, COALESCE_PER_WORKER, PREFETCH_MAX_WAIT, Config
 from .endings import AttemptEndings
 from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Deadlines, WatchdogDue, due_actions, running
-from .holding import Holding, row_limits
-from .limits import format_size
-from .limitwatch import LimitWatch
+from .holding import Holding
+from .limits.confinement import Confinement
+from .limits.declared import format_size, row_limits
+from .limits.procfs import peak_rss_kb
+from .limits.watch import LimitWatch
 from .mailbox import Inbox
-from .mechanism import PROCESSES_USERNS, SAMPLING
+from .limits.mechanism import PROCESSES_USERNS, SAMPLING
 from .messages import (
     Claimed,
     DatabaseState,
@@ -83,7 +85,7 @@ class ProcessControl:
             time of an attempt's span) only.
         observer: told how each attempt ended and of each kill (:mod:`cyclone_mp.telemetry`).
         confinement: the child slots' cgroups and how limits are enforced
-            (:class:`~cyclone_mp.slots.Confinement`; default: none, rlimits and sampling).
+            (:class:`~cyclone_mp.limits.confinement.Confinement`; default: none, rlimits and sampling).
         dedicated: this process runs only the supervisor (``client.run()``): every
             process it adopts is a handler's.
     """
@@ -91,7 +93,7 @@ class ProcessControl:
     def __init__(self, owner: str, mux: Mux, config: Config, *, keeper: Callable[[Any], None], writer: Any,
                  watchdog: WatchdogLink, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, observer: Observer = NO_OBSERVER,
-                 confinement: slots.Confinement | None = None, dedicated: bool = False) -> None:
+                 confinement: Confinement | None = None, dedicated: bool = False) -> None:
         self.owner = owner
         self.mux = mux
         self.config = config
@@ -107,7 +109,7 @@ class ProcessControl:
         # every child imports the handlers' modules before it is ready: no first attempt spends its timeout importing
         preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
         self.observer = observer
-        self.confinement = confinement or slots.Confinement.none()
+        self.confinement = confinement or Confinement.none()
         if any(s.options.memory_limit is not None or s.options.max_processes is not None for s in mux.steps.values()):
             self.confinement.v1_at_birth = True  # the handlers declare caps held in v1 cgroups (where they are)
         if any(s.options.max_processes is not None for s in mux.steps.values()):
@@ -321,7 +323,7 @@ class ProcessControl:
     def _sample_peaks(self) -> None:
         for att in self.attempts.values():  # a crashed child cannot be read afterwards
             if att.child.attempt is att:
-                att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
+                att.peak_rss_kb = peak_rss_kb(att.child.pid) or att.peak_rss_kb
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]

@@ -18,21 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from .attempts import Held, fence_margin, hold_bound, startable
 from .config import (PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_FLEET, PREFETCH_MAX_WAIT,
                      PREFETCH_SHARE_MIN)
-from .limits import Limits
+from .limits.declared import row_limits
 from .messages import RELEASE, LeaseDone, LeaseKey, Outcome
 
 if TYPE_CHECKING:
     from .config import Config
     from .childproc import ChildProc
     from .pool import ChildPool
-
-
-def row_limits(row: dict[str, Any]) -> Limits:
-    """A claimed row's resource limits (read once, kept in the row)."""
-    limits = row.get("limits")
-    if limits is None:
-        limits = row["limits"] = Limits.of_row(row)
-    return limits
 
 
 class Holding:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from .backoff import Backoff, check_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError
-from .limits import Limits, check_count, parse_size
+from .limits.declared import Limits, check_count, parse_size
 from .protocol import check_text
 
 #: A concurrency key: a callable of the step's input, or (at enqueue) a string.
