@@ -30,7 +30,7 @@ from .errors import PayloadError, UnstorableText
 
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
-SLOT_CGROUPS = ("v2", "memory", "pids")  # a slot's cgroup directories by hierarchy (slots.Slot.dirs' keys)
+SLOT_CGROUPS = ("v2", "memory", "pids")  # a slot's cgroup directories by hierarchy (limits.slot.Slot.dirs' keys)
 #: Bytes asked of one ``recv`` on a child's socket (either end): under glibc's mmap
 #: threshold (128 KiB), so the buffer comes from the heap. ``recv(1 << 20)`` mapped,
 #: resized and unmapped a fresh 1 MiB per read (three system calls; 20.5 us against
