@@ -303,8 +303,8 @@ class Slot:
         tasks = None
         if limits.processes is not None and self.pids_file:
             if self.runner_tasks is None:  # its threads, once (read each time, it cost more than the rest)
-                stat = stat(self.pid) if self.pid else None
-                self.runner_tasks = stat[1] if stat else 2
+                info = stat(self.pid) if self.pid else None
+                self.runner_tasks = info[1] if info else 2
             tasks = limits.processes + max(0, self.runner_tasks - 1)  # the runner counts as one process, whatever its threads
         if (memory, tasks) == self.caps:
             return True
@@ -329,8 +329,8 @@ class Slot:
         elsewhere: the charge alone let a 1 MiB cap pass)."""
         version = self.memory_cgroup
         charged = version.charged(self) if version is not None else None
-        stat = stat(self.pid) if self.pid else None
-        return max(charged or 0, stat[2] if stat else 0)
+        info = stat(self.pid) if self.pid else None
+        return max(charged or 0, info[2] if info else 0)
 
     def memory_counters(self) -> tuple[int, int]:
         """(OOM kills, memory cap hits) in this slot so far (v1: the hits are judged from
