@@ -152,8 +152,7 @@ class Supervisor:
         was_subreaper = procs.set_subreaper(True)
         watchdog = WatchdogLink(self.id)
         try:
-            # The child slots' cgroups: the watchdog kills them if we die.
-            self.confinement = confinement = Confinement.detect(self.id.rsplit(":", 1)[-1])
+            self.confinement = confinement = Confinement.detect(self.id.rsplit(":", 1)[-1])  # the slots' cgroups
             watchdog.cgroups(confinement.dirs)
             log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here
             # Each part reaches the others only through their inboxes (posted messages).
