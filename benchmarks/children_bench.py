@@ -148,13 +148,13 @@ class ChildBenches:
 
     def cgroup_moves(self, times: int = 5, pause: float = 0.2) -> dict[str, Any]:
         """What one move of a process into a slot's cgroups costs on this host (the
-        supervisor's own :meth:`cyclone_mp.slots.Slot.enter`, timed on a ``sleep``
+        supervisor's own :meth:`cyclone_mp.limits.slot.Slot.enter`, timed on a ``sleep``
         process, ``pause`` seconds after the last move): the first move after a pause
         waits for a kernel RCU grace period unless a hierarchy is mounted with
         ``favordynmods`` (docs/operating.md, "How children start"). Empty without cgroups."""
-        from cyclone_mp import slots
+        from cyclone_mp.limits.confinement import Confinement
 
-        confinement = slots.Confinement.detect("b9-moves")
+        confinement = Confinement.detect("b9-moves")
         try:
             if not confinement.dirs:
                 return {"cgroup_mechanism": confinement.mechanism.describe()}

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cyclone_mp import RunStatus, StepStatus
-from cyclone_mp.limits import format_size
+from cyclone_mp.limits.declared import format_size
 
 STATE_STYLES = {
     "completed": "green", "discarded": "red", "cancelled": "yellow", "running": "cyan",

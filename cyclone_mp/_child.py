@@ -14,7 +14,7 @@ An ``async def`` handler runs as a task on the child's own event loop, kept betw
 attempts (side by side with others of its step under ``async_concurrency``); a cancel
 cancels that task, and a loop blocked in C is ended by the supervisor's kill. The runner
 is a child subreaper, so a process its handler orphaned is swept with its attempt; a task
-with resource limits runs under soft rlimits (:class:`TaskLimits`) that its tree inherits.
+with resource limits runs under soft rlimits (:class:`~cyclone_mp.limits.rlimits.TaskLimits`) that its tree inherits.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 from . import protocol, unhealable
-from .proctree import own_user_namespace, tree_size
+from .limits.procfs import PeakRss, current_rss, has_own_children, peak_rss_kb
+from .limits.proctree import tree_size
+from .limits.rlimits import TaskLimits
+from .limits.userns import USERNS_ENV, own_user_namespace
 from .protocol import storable, unstorable
 from .context import Cancellation, Context
 from .errors import Cancelled, PayloadError, Permanent, Snooze
@@ -67,147 +70,6 @@ def adopt_orphans() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
-class TaskLimits:
-    """The rlimits of tasks with resource limits, which what a handler starts inherits.
-    They stay set while consecutive tasks have the same limits (a task's check is then
-    one comparison, and one ``getrusage`` for a CPU budget) and are put back before a
-    task with other limits or none:
-
-    - ``max_open_files``: ``RLIMIT_NOFILE``, soft and hard, = the descriptors this runner
-      held when the limit was set + ``max_open_files`` (a new descriptor takes the lowest
-      free number, so the handler can open ``max_open_files`` more; a process it starts,
-      holding fewer, a few more). A handler cannot raise a hard limit without
-      ``CAP_SYS_RESOURCE``; root can, so the supervisor also counts the tree's
-      descriptors. Without that capability this runner cannot raise it back either
-      (:attr:`nofile_pinned`, said in the task's result): the supervisor then gives it
-      only tasks with a ``max_open_files`` as small, and replaces it before any other;
-    - ``cpu_limit`` with ``rlimit_cpu`` (no cgroup counts the tree's CPU):
-      ``RLIMIT_CPU`` = this process's CPU seconds so far + the limit + 2, moved on before
-      a task whose budget it would not leave whole (a backstop: the supervisor kills the
-      tree at the limit; SIGXCPU ends a handler that does not ignore it when the
-      supervisor cannot, frozen);
-    - ``max_processes`` with ``rlimit_nproc`` (no pids cgroup; this runner is the first
-      process of a user namespace of its own, where the kernel counts its user's tasks:
-      this tree's): ``RLIMIT_NPROC`` = this runner's threads + the cap, one task over
-      the cap (the runner counts as one process), so a tree that reaches it is seen
-      over its cap (:meth:`Runner.tree_count`) and a fork past it is refused;
-    - ``memory_limit`` with ``rlimit_data`` (no cgroup caps the memory):
-      ``RLIMIT_DATA`` = this process's data segment + 1.5 times the limit: a backstop for
-      one allocation too fast for the supervisor's sampling of the tree (which decides at
-      the limit itself, counting resident memory where the data segment counts
-      mappings); past it the allocation fails (``MemoryError``, a ``memory_limit`` death
-      to the supervisor). The result then also says the largest descendant's peak.
-
-    The others are soft limits only: they can be raised back (and by the handler, which
-    the supervisor's sampling or cgroups cover). A limit the system refuses is left as
-    it was.
-    """
-
-    def __init__(self) -> None:
-        self.applied: dict[str, Any] | None = None
-        self.saved: list[tuple[int, tuple[int, int]]] = []
-        self.cpu_soft: int | None = None
-        self.nproc: int | None = None  # the RLIMIT_NPROC set for the task (tasks of this namespace)
-        self.can_raise_hard: bool | None = None  # this process may raise a hard limit back (found once)
-        self.nofile_pinned = False  # RLIMIT_NOFILE's hard limit was lowered for good
-
-    def apply(self, limits: dict[str, Any] | None) -> None:
-        """Set the rlimits of a task with ``limits`` (None: none), before it runs."""
-        if limits == self.applied:
-            if limits and self.cpu_soft is not None:
-                used = self._cpu_used()
-                if self.cpu_soft - used < float(limits["cpu_limit"]) + 1:
-                    self._lower(resource.RLIMIT_CPU, int(used + float(limits["cpu_limit"])) + 2, save=False)
-            return
-        self.restore()
-        if not limits:
-            return
-        if limits.get("max_open_files"):
-            try:
-                held = len(os.listdir("/proc/self/fd")) - 1  # (without the listing's own descriptor)
-            except OSError:
-                held = 64
-            if self.can_raise_hard is None:
-                self.can_raise_hard = self._may_raise_hard()
-            self._lower(resource.RLIMIT_NOFILE, held + int(limits["max_open_files"]), hard=True)
-            self.nofile_pinned = self.nofile_pinned or not self.can_raise_hard
-        if limits.get("cpu_limit") and limits.get("rlimit_cpu"):
-            self._lower(resource.RLIMIT_CPU, int(self._cpu_used() + float(limits["cpu_limit"])) + 2)
-        if limits.get("max_processes") and limits.get("rlimit_nproc"):
-            try:
-                threads = len(os.listdir("/proc/self/task"))
-            except OSError:
-                threads = threading.active_count()
-            self._lower(resource.RLIMIT_NPROC, threads + int(limits["max_processes"]))
-        if limits.get("memory_limit") and limits.get("rlimit_data"):
-            data = 0
-            try:
-                with open("/proc/self/status", "rb") as fh:
-                    for line in fh:
-                        if line.startswith(b"VmData:"):
-                            data = int(line.split()[1]) * 1024
-                            break
-            except (OSError, ValueError, IndexError):
-                pass
-            self._lower(resource.RLIMIT_DATA, data + int(limits["memory_limit"]) * 3 // 2)
-        self.applied = limits
-
-    def restore(self) -> None:
-        """Put back what :meth:`apply` changed (a hard limit this process cannot raise stays
-        where it is, the soft one as close to the old one as it allows)."""
-        for which, old in reversed(self.saved):
-            try:
-                resource.setrlimit(which, old)
-            except (OSError, ValueError):
-                try:
-                    hard = resource.getrlimit(which)[1]
-                    resource.setrlimit(which, (old[0] if hard == resource.RLIM_INFINITY else min(old[0], hard), hard))
-                except (OSError, ValueError):
-                    pass
-        self.saved, self.applied, self.cpu_soft, self.nproc = [], None, None, None
-
-    @staticmethod
-    def _may_raise_hard() -> bool:
-        """Whether this process may raise a hard limit (``CAP_SYS_RESOURCE``): it lowers
-        ``RLIMIT_NOFILE``'s by one and raises it back (where it cannot, one descriptor of
-        the hard limit is lost)."""
-        try:
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            if hard == resource.RLIM_INFINITY or hard < 2:
-                return False
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, hard - 1), hard - 1))
-        except (OSError, ValueError):
-            return False
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-            return True
-        except (OSError, ValueError):
-            return False
-
-    @staticmethod
-    def _cpu_used() -> float:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-
-    def _lower(self, which: int, soft: int, save: bool = True, hard: bool = False) -> None:
-        """Set ``which``'s soft limit to ``soft`` (never above the hard one), and its hard
-        limit too when ``hard``."""
-        try:
-            old = resource.getrlimit(which)
-            ceiling = old[1]
-            if ceiling != resource.RLIM_INFINITY:
-                soft = min(soft, ceiling)
-            resource.setrlimit(which, (soft, soft if hard else ceiling))
-        except (OSError, ValueError):
-            return
-        if save:
-            self.saved.append((which, old))
-        if which == resource.RLIMIT_CPU:
-            self.cpu_soft = soft
-        elif which == resource.RLIMIT_NPROC:
-            self.nproc = soft
-
-
 class Runner:
     """The child's main loop; see the module docstring."""
 
@@ -222,7 +84,7 @@ class Runner:
         self.modules: dict[tuple[str, str | None], Any] = modules if modules is not None else {}
         self._last_progress = 0.0
         self._pending_progress: dict[str, Any] | None = None
-        self.peak = protocol.PeakRss()
+        self.peak = PeakRss()
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
         self.concurrent: Any = None  # the async handlers running side by side (async_concurrency)
@@ -572,11 +434,11 @@ class Runner:
             result.update({
                 "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
                 "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
-                "maxrss_kb": protocol.peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
-                "children": protocol.has_own_children(),  # the parent scans for leftovers only then
+                "maxrss_kb": peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
+                "children": has_own_children(),  # the parent scans for leftovers only then
             })
             if message.get("rss"):  # max_child_rss: judged on the RSS between tasks, not during the next one
-                result["rss"] = _current_rss()
+                result["rss"] = current_rss()
             if self.limits.nofile_pinned:  # only tasks with a max_open_files as small from now on
                 result["nofile_pinned"] = True
             if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
@@ -885,15 +747,6 @@ def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
     os._exit(0)
 
 
-def _current_rss() -> int | None:
-    """This process's resident set now, in bytes (``/proc/self/statm``), or None."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * protocol.PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def main(argv: list[str]) -> None:
     """``CTRL_FD CANCEL_FD PARENT_PID LIMIT`` (a spawned child), or ``zygote FD
     SUPERVISOR_PID LIMIT`` (the zygote, :mod:`cyclone_mp._zygote`: its children show
@@ -906,7 +759,7 @@ def main(argv: list[str]) -> None:
     ctrl_fd, cancel_fd, parent_pid, limit = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3])
     die_with_parent(parent_pid)
     userns = None
-    if os.environ.pop(protocol.USERNS_ENV, "") == "1":  # while single-threaded: the kernel's rule
+    if os.environ.pop(USERNS_ENV, "") == "1":  # while single-threaded: the kernel's rule
         userns = own_user_namespace() or True
     serve(ctrl_fd, cancel_fd, limit, userns=userns)
 

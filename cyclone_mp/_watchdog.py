@@ -185,7 +185,7 @@ def main(argv: list[str]) -> None:
                     pass
                 kill_child(pid, children.get(pid), groups.get(pid))
     if not clean and cgroups:
-        from .slots import kill_dirs  # lazy: as above
+        from .limits.cgroups import kill_dirs  # lazy: as above
 
         kill_dirs(cgroups)  # first: whole cgroups at once, no fork can race it
     for pid, pidfd in children.items():

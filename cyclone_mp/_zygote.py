@@ -29,7 +29,7 @@ import sys
 
 from . import protocol
 from ._child import die_with_parent, load_module, serve
-from .proctree import own_user_namespace
+from .limits.userns import own_user_namespace
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -262,7 +262,7 @@ class Zygote:
         it a child subreaper, says ``entered`` (or why it could not: it then waits for
         the supervisor's ``start``), imports the handler modules the zygote had not (in
         its slot's cgroups by then, so their memory is charged there) and says ready.
-        Rlimits are set per task (:class:`cyclone_mp._child.TaskLimits`)."""
+        Rlimits are set per task (:class:`cyclone_mp.limits.rlimits.TaskLimits`)."""
         code = 0
         try:
             os.setpgid(0, 0)  # its own group, as a spawned child (the supervisor sets it too)

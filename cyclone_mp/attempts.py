@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .limits import NO_LIMITS, Limits, Usage
+from .limits.declared import NO_LIMITS, Limits
+from .limits.verdicts import Usage
 from .messages import LeaseKey
 
 FENCE_MARGIN = 0.1  #: fraction of lease_ttl: a handler whose lease could not be renewed is dead this long before it could expire
@@ -70,7 +71,7 @@ class Attempt:
     started_wall: float | None = None  # wall-clock epoch seconds it started in its child (None: never started)
     trace: Any = None  # the run's stored trace context (a span per attempt links to it)
     limits: Limits = NO_LIMITS  # its resource caps: sampled while it runs when set
-    base: Any = None  # where its slot's counters stood when it started (slots.Baseline), when limited
+    base: Any = None  # where its slot's counters stood when it started (limits.sampling.Baseline), when limited
     usage: Usage | None = None  # the last sample of its tree
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
     claimed: float = 0.0  # when its row was claimed, as near as this clock knows (midway through the claim)

@@ -19,7 +19,9 @@ from typing import Any, Sequence
 import psutil
 
 from . import procs, protocol
-from .slots import Slot
+from .limits.procfs import peak_rss_kb
+from .limits.slot import Slot
+from .limits.userns import USERNS_ENV
 from .zygote import Zygote
 
 READS_PER_CALL = 16  # reads of protocol.READ_CHUNK bytes (1 MiB) a turn takes from one child at most
@@ -45,7 +47,7 @@ class ChildProc:
         once it is in its slot's cgroups; it is created in the cgroup v2 directory
         ``cgroup_fd`` names where the kernel can (:attr:`in_cgroup`), and moves itself
         into the cgroup directories of ``enter`` (``(key, descriptor)``, the slot's
-        :meth:`~cyclone_mp.slots.Slot.entry`), then says ``entered`` (:attr:`entering`
+        :meth:`~cyclone_mp.limits.slot.Slot.entry`), then says ``entered`` (:attr:`entering`
         until then). Without ``enter`` the caller moves it, then calls :meth:`start`.
         ``userns``: it makes a user namespace of its own at birth, where RLIMIT_NPROC then
         counts its tree alone (:mod:`cyclone_mp.proctree`); its ``ready`` says whether it
@@ -71,7 +73,7 @@ class ChildProc:
             else:
                 env = procs.helper_env({procs.MARKER_ENV: supervisor_id,
                                         protocol.PRELOAD_ENV: json.dumps([list(m) for m in preload]),
-                                        protocol.USERNS_ENV: "1" if userns else ""})
+                                        USERNS_ENV: "1" if userns else ""})
                 self.popen = subprocess.Popen(
                     procs.helper_command("_child", str(child_sock.fileno()), str(cancel_r), str(os.getpid()),
                                          str(limit)),
@@ -194,7 +196,7 @@ class ChildProc:
         killed first where there is one (no fork can race that); then its process group
         and every descendant psutil finds (through pidfds), as without cgroups."""
         self.killed = True
-        self.peak_rss_kb = protocol.peak_rss_kb(self.pid)  # wait4's maxrss includes the pre-exec parent
+        self.peak_rss_kb = peak_rss_kb(self.pid)  # wait4's maxrss includes the pre-exec parent
         hit = self.slot.kill() if self.slot is not None else []
         hit += procs.kill_tree(self.pid, self.pid, list(self.descendants_seen.values()), pidfd=self.pidfd)
         self.wait(timeout=5.0)

@@ -12,7 +12,7 @@ Where each job lives: a lost lease, :meth:`ProcessControl.on_lease_lost`; the
 worker-clock timeout, the fence, the cancel and the kill, :meth:`ProcessControl._enforce`;
 how an attempt ended, :mod:`cyclone_mp.endings`; prefetch and pipelining,
 :mod:`cyclone_mp.holding`; resource limits and causes of death,
-:class:`~cyclone_mp.limitwatch.LimitWatch`; the drain and the hard stop,
+:class:`~cyclone_mp.limits.watch.LimitWatch`; the drain and the hard stop,
 :meth:`ProcessControl._handle_requests`.
 """
 
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import protocol, slots
+from . import protocol
 from .attempts import Attempt, Held
 from .childproc import ChildProc
 from .claiming import Claims
@@ -35,7 +35,9 @@ from .endings import AttemptEndings
 from .enforcement import Deadlines, WatchdogDue
 from .holding import Holding
 from .kills import Kills
-from .limitwatch import LimitWatch
+from .limits.confinement import Confinement
+from .limits.procfs import peak_rss_kb
+from .limits.watch import LimitWatch
 from .mailbox import Inbox
 from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
 from .mux import Mux
@@ -69,7 +71,7 @@ class ProcessControl:
             time of an attempt's span) only.
         observer: told how each attempt ended and of each kill (:mod:`cyclone_mp.telemetry`).
         confinement: the child slots' cgroups and how limits are enforced
-            (:class:`~cyclone_mp.slots.Confinement`; default: none, rlimits and sampling).
+            (:class:`~cyclone_mp.limits.confinement.Confinement`; default: none, rlimits and sampling).
         dedicated: this process runs only the supervisor (``client.run()``): every
             process it adopts is a handler's.
     """
@@ -77,7 +79,7 @@ class ProcessControl:
     def __init__(self, owner: str, mux: Mux, config: Config, *, keeper: Callable[[Any], None], writer: Any,
                  watchdog: WatchdogLink, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, observer: Observer = NO_OBSERVER,
-                 confinement: slots.Confinement | None = None, dedicated: bool = False) -> None:
+                 confinement: Confinement | None = None, dedicated: bool = False) -> None:
         self.owner = owner
         self.mux = mux
         self.config = config
@@ -93,7 +95,7 @@ class ProcessControl:
         # every child imports the handlers' modules before it is ready: no first attempt spends its timeout importing
         preload = sorted({(s.ref.module, s.ref.path) for s in mux.steps.values()}, key=str)
         self.observer = observer
-        self.confinement = confinement or slots.Confinement.none()
+        self.confinement = confinement or Confinement.none()
         if any(s.options.memory_limit is not None or s.options.max_processes is not None for s in mux.steps.values()):
             self.confinement.v1_at_birth = True  # the handlers declare caps held in v1 cgroups (where they are)
         if any(s.options.max_processes is not None for s in mux.steps.values()):
@@ -308,7 +310,7 @@ class ProcessControl:
     def _sample_peaks(self) -> None:
         for att in self.attempts.values():  # a crashed child cannot be read afterwards
             if att.child.attempt is att:
-                att.peak_rss_kb = protocol.peak_rss_kb(att.child.pid) or att.peak_rss_kb
+                att.peak_rss_kb = peak_rss_kb(att.child.pid) or att.peak_rss_kb
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]

@@ -9,7 +9,7 @@ cancel already decided the step (a late completion changes nothing), a failure a
 operator's cancel, a lost lease); the step queued behind it starts at once. A child's
 exit (:meth:`AttemptEndings.on_child_exit`: it died, or was killed) reaps it and says
 what its attempt became from the evidence (who killed it and why, its exit code or
-signal, a cause of death of :class:`~cyclone_mp.limitwatch.LimitWatch`), and gives back
+signal, a cause of death of :class:`~cyclone_mp.limits.watch.LimitWatch`), and gives back
 the steps queued behind it unstarted. Every outcome is gathered for the outcome writer
 (:meth:`AttemptEndings.outcome`); a child due for recycling is retired here.
 """

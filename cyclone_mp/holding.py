@@ -18,21 +18,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from .attempts import Held, fence_margin, hold_bound, startable
 from .config import (PIPELINE_DEPTH, PIPELINE_MAX_STEP, PIPELINE_ONE_MAX_STEP, PREFETCH_FLEET, PREFETCH_MAX_WAIT,
                      PREFETCH_SHARE_MIN)
-from .limits import Limits
+from .flow import rated
+from .limits.declared import row_limits
 from .messages import RELEASE, LeaseDone, LeaseKey, Outcome
 
 if TYPE_CHECKING:
     from .config import Config
     from .childproc import ChildProc
     from .pool import ChildPool
-
-
-def row_limits(row: dict[str, Any]) -> Limits:
-    """A claimed row's resource limits (read once, kept in the row)."""
-    limits = row.get("limits")
-    if limits is None:
-        limits = row["limits"] = Limits.of_row(row)
-    return limits
 
 
 class Holding:
@@ -133,23 +126,23 @@ class Holding:
         a rate-limited row came."""
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else float("inf")
         rows = list(rows)
-        rated = [Held((r["id"], r["lease_generation"]), r, sent, now, now) for r in rows if r.get("rated")]
+        rated_rows = [Held((r["id"], r["lease_generation"]), r, sent, now, now) for r in rows if rated(r)]
         for row in rows:
-            if not row.get("rated"):
+            if not rated(row):
                 bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
                 self.held.append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound))
-        self.held.extendleft(reversed(rated))
+        self.held.extendleft(reversed(rated_rows))
         if rows:
             self.claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
-        return bool(rated)
+        return bool(rated_rows)
 
     def give_back_rated(self) -> None:
         """Release the rate-limited rows no idle child took: a rate limit counts handler
         starts, so they are never held or queued."""
-        if any(h.row.get("rated") for h in self.held):
+        if any(rated(h.row) for h in self.held):
             keep: collections.deque[Held] = collections.deque()
             for item in self.held:
-                (self.release if item.row.get("rated") else keep.append)(item)
+                (self.release if rated(item.row) else keep.append)(item)
             self.held = keep
 
     def drop(self, key: LeaseKey) -> bool:
@@ -249,7 +242,7 @@ class Holding:
             for child in low:
                 if not self.held:
                     return
-                if self.held[0].row.get("rated"):  # a rate-limited step starts at once or not at all
+                if rated(self.held[0].row):  # a rate-limited step starts at once or not at all
                     return
                 if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
                         and child.attempt.cancel_reason is None and not child.recycle_due

@@ -74,7 +74,7 @@ class Kills:
             self.control.deadlines.push(att)
 
     def kill_for_limit(self, att: Attempt, kind: str) -> None:
-        """Kill the tree of an attempt :class:`~cyclone_mp.limitwatch.LimitWatch` found over
+        """Kill the tree of an attempt :class:`~cyclone_mp.limits.watch.LimitWatch` found over
         a cap (unless it ended meanwhile)."""
         child = att.child
         self.control.child_io(child)  # it may have ended just now

@@ -14,7 +14,7 @@ import functools
 from typing import Any, Sequence
 
 from .backoff import storable_backoff
-from .limits import NO_LIMITS, Limits
+from .limits.declared import NO_LIMITS, Limits
 from .steps import Step, StepOptions
 from .workflow import Workflow
 

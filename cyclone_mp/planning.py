@@ -23,6 +23,7 @@ from .errors import (
     UnknownStep,
 )
 from .filters import RunFilter
+from .flow import check_enqueue_key
 from .mux import Mux
 from .noderows import NodeRow, node_rows, task_row
 from .protocol import check_text, check_value
@@ -111,8 +112,7 @@ class ClientBase:
     def _enqueue_options(**raw: Any) -> StepOptions:
         """Per-enqueue options; a backoff given here must be storable (seconds or a list),
         a concurrency key a string."""
-        if raw.get("concurrency_key") is not None and callable(raw["concurrency_key"]):
-            raise ConfigurationError("a per-enqueue concurrency_key is a string (a callable of the input belongs to cy.step)")
+        check_enqueue_key(raw.get("concurrency_key"))
         if callable(raw.get("backoff")):
             raise ConfigurationError(
                 "a per-enqueue backoff must be seconds or a list of seconds (it is stored on the row); "

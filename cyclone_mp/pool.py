@@ -5,7 +5,7 @@ that imported the runner and the handlers' modules once; the default
 ``start_method="zygote"``) or is a fresh interpreter (``cyclone_mp._child`` started through
 :func:`cyclone_mp.procs.helper_command`, ``start_method="spawn"``), never a fork of the
 grown supervisor. Either way it is this process's own child, runs in its own process
-group, in its slot's cgroups where the host has them (:mod:`cyclone_mp.slots`), carries the supervisor's marker in its environment,
+group, in its slot's cgroups where the host has them (:mod:`cyclone_mp.limits.slot`), carries the supervisor's marker in its environment,
 and is reused for many steps until it is killed or recycled. It has imported the
 handlers' modules before it says it is ready.
 """
@@ -24,7 +24,8 @@ import psutil
 from . import procs, protocol
 from .childproc import ChildProc
 from .config import PRELOAD_TIMEOUT
-from .slots import Confinement
+from .limits.confinement import Confinement
+from .limits.procfs import child_pids, has_children
 from .zygote import Zygote, ZygoteError
 
 RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
@@ -45,7 +46,7 @@ class ChildPool:
         selector: process control's selector.
         watchdog: the :class:`~cyclone_mp.watchdoglink.WatchdogLink`.
         clock: local monotonic clock in seconds.
-        confinement: the slots' cgroups (:class:`~cyclone_mp.slots.Confinement`).
+        confinement: the slots' cgroups (:class:`~cyclone_mp.limits.confinement.Confinement`).
         dedicated: the process runs only the supervisor (``client.run()``, the CLI), so
             every process it adopts is a handler's (:func:`~cyclone_mp.procs.strays`).
     """
@@ -71,7 +72,7 @@ class ChildPool:
         self.descended: set[int] = set()  # pids seen as descendants of our children (their zombies are ours to reap)
         # children of this process that are no handler's: those it had before the supervisor
         # started, and (embedded) the program's own, once looked at
-        self._foreign: set[int] = protocol.child_pids() or set()
+        self._foreign: set[int] = child_pids() or set()
         self.stats = {"children_spawned": 0, "children_forked": 0, "killed": 0, "grandchildren_killed": 0}
         # children forked from a zygote that imported the runner and the handlers once
         self.zygote = Zygote(owner, limit, self.preload, selector=selector, clock=clock,
@@ -293,7 +294,7 @@ class ChildPool:
         self.stats["grandchildren_killed"] += self._reap_strays(self._known())
 
     def _reap_strays(self, known: set[int]) -> int:
-        pids = protocol.child_pids()  # cheap: a look at every process (psutil) only when one is unknown
+        pids = child_pids()  # cheap: a look at every process (psutil) only when one is unknown
         if pids is not None and not pids - known - self._foreign:
             return 0
         return procs.reap_strays(self.owner, known | self._foreign, self.descended, dedicated=self.dedicated,
@@ -304,13 +305,13 @@ class ChildPool:
         that died on its own, or that escaped its tree while the child was killed. Each
         child is a subreaper too, so while it lives its tree's orphans are its own (and
         swept with its attempt's leftovers). Returns how many."""
-        pids = protocol.child_pids()
+        pids = child_pids()
         known = self._known()
         if pids is not None and not pids - known - self._foreign:
             return 0
         n = self._reap_strays(known)
         self.stats["grandchildren_killed"] += n
-        left = protocol.child_pids()
+        left = child_pids()
         self._foreign = (left or set()) - known  # not ours (the embedding program's): not looked at again
         return n
 
@@ -321,7 +322,7 @@ class ChildPool:
         if self.confinement.mechanism.where:
             return
         for child in self.children:
-            if child.attempt is None or not protocol.has_children(child.pid):
+            if child.attempt is None or not has_children(child.pid):
                 continue
             for proc in procs.descendants(child.pid):
                 if proc.pid not in child.descendants_seen:

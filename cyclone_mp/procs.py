@@ -4,7 +4,7 @@ Killing (SPEC 4): the child runs in its own process group; a kill is SIGKILL to 
 group and to every descendant psutil still finds (a grandchild that left the group
 with ``setsid()`` included), then reaping, so no zombie and no grandchild survives.
 Where the child's slot has a cgroup, the cgroup is killed first
-(:meth:`cyclone_mp.slots.Slot.kill`: no fork can race it). Every signal to a process
+(:meth:`cyclone_mp.limits.slot.Slot.kill`: no fork can race it). Every signal to a process
 the supervisor did not just reap goes through a pidfd opened for the very process
 psutil saw, so a recycled pid is never hit; a process group is signalled by id only
 while its leader, our child, is not reaped.
@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from .errors import SupervisorInChild
-from .protocol import has_children
+from .limits.procfs import has_children
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37

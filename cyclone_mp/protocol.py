@@ -20,7 +20,6 @@ Decoding is per frame: :meth:`FrameReader.feed` turns a frame it cannot decode i
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
@@ -31,8 +30,7 @@ from .errors import PayloadError, UnstorableText
 
 HEADER = struct.Struct(">Q")
 DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024  # bytes per message; larger outputs become a stored error
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # bytes (/proc counts pages)
-SLOT_CGROUPS = ("v2", "memory", "pids")  # a slot's cgroup directories by hierarchy (slots.Slot.dirs' keys)
+SLOT_CGROUPS = ("v2", "memory", "pids")  # a slot's cgroup directories by hierarchy (limits.slot.Slot.dirs' keys)
 #: Bytes asked of one ``recv`` on a child's socket (either end): under glibc's mmap
 #: threshold (128 KiB), so the buffer comes from the heap. ``recv(1 << 20)`` mapped,
 #: resized and unmapped a fresh 1 MiB per read (three system calls; 20.5 us against
@@ -78,7 +76,6 @@ UNDECODABLE = "undecodable"  # the ``t`` of the marker FrameReader puts in place
 #: task of a frame that cannot be decoded is still known.
 _TASK_HEAD = re.compile(rb'\{"t":"([a-z_]{1,32})","task":"([^"\\]{1,200})"')
 PRELOAD_ENV = "CYCLONE_MP_PRELOAD"  # a child's environment: JSON [[module, path or null], ...] to import before "ready"
-USERNS_ENV = "CYCLONE_MP_USERNS"  # a child's environment: "1": make a user namespace of its own at birth (proctree)
 
 
 
@@ -243,86 +240,6 @@ def check_text(text: str, what: str) -> str:
     if problem:
         raise UnstorableText(unstorable_message(what, problem))
     return text
-
-
-def peak_rss_kb(pid: int | str = "self") -> int | None:
-    """Peak resident set size (``VmHWM``, KiB) of a process since exec or since the last
-    :meth:`PeakRss.reset`; None where /proc does not tell (non-Linux, process gone)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-class PeakRss:
-    """Per-task peak RSS of this process: :meth:`reset` restarts ``VmHWM`` from the
-    current RSS (Linux ``clear_refs`` 5, on a descriptor kept open: under a microsecond),
-    :func:`peak_rss_kb` reads it (about 16 us, so a child reads it only when it matters)."""
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/self/clear_refs", os.O_WRONLY)
-        except OSError:
-            self._fd = None
-
-    def reset(self) -> None:
-        """Restart the peak from the current RSS (a no-op where /proc does not allow it)."""
-        if self._fd is not None:
-            try:
-                os.write(self._fd, b"5")
-            except OSError:
-                self._fd = None
-
-
-
-def has_own_children() -> bool:
-    """True when this process still has a live child. Exited ones (zombies a handler
-    never waited for) are reaped first, so they do not count as leftovers forever.
-    Usually one ``waitpid``; cheaper than :func:`has_children` for the calling process."""
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass  # reaped a zombie: look again
-    except ChildProcessError:
-        return False
-    return True
-
-
-def has_children(pid: int | str = "self") -> bool:
-    """True when the process has a child now (``/proc/PID/task/*/children``; True if unsure)."""
-    pids = child_pids(pid)
-    return pids is None or bool(pids)
-
-
-def child_pids(pid: int | str = "self") -> set[int] | None:
-    """The pids of the process's children now, from ``/proc/PID/task/*/children``
-    (every thread's); None when they cannot be read."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    found: set[int] = set()
-    for tid in tasks:  # (os.open and os.read: half the cost of open(), at every look at a limited attempt)
-        try:
-            fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-        try:
-            data = chunk = os.read(fd, 65536)
-            while len(chunk) == 65536:  # (a /proc file reads short only at its end)
-                chunk = os.read(fd, 65536)
-                data += chunk
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        found.update(int(p) for p in data.split())
-    return found
 
 
 def encode(message: dict[str, Any]) -> bytes:

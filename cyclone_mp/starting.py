@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 from . import decisions
 from .attempts import Attempt, Held, hold_bound
 from .config import PREFETCH_MAX_WAIT
-from .holding import row_limits
-from .limits import format_size
-from .mechanism import PROCESSES_USERNS, SAMPLING
+from .limits.declared import format_size, row_limits
+from .limits.mechanism import PROCESSES_USERNS, SAMPLING
 
 if TYPE_CHECKING:
     from .childproc import ChildProc

@@ -17,46 +17,11 @@ from typing import Any, Callable
 from .backoff import Backoff, check_backoff
 from .durations import Duration, seconds
 from .errors import ConfigurationError
-from .limits import Limits, check_count, parse_size
+from .flow import ConcurrencyKey, check_key, check_rate_limit, key_of
+from .limits.declared import Limits, check_count, parse_size
 from .protocol import check_text
 
-#: A concurrency key: a callable of the step's input, or (at enqueue) a string.
-ConcurrencyKey = Callable[[Any], str] | str
-MAX_KEY_LENGTH = 200
 DEFAULT_QUEUE = "default"
-
-
-def check_key(key: Any) -> str:
-    """``key`` if it is a usable concurrency key (a string of 1 to 200 characters that
-    PostgreSQL can store).
-
-    Raises:
-        ConfigurationError: it is not (:class:`~cyclone_mp.errors.UnstorableText` for a
-            NUL or a lone surrogate).
-    """
-    if isinstance(key, int) and not isinstance(key, bool):
-        key = str(key)
-    if not isinstance(key, str) or not key or len(key) > MAX_KEY_LENGTH:
-        raise ConfigurationError(
-            f"concurrency_key must be a non-empty string of at most {MAX_KEY_LENGTH} characters, got {key!r:.80}")
-    return check_text(key, "concurrency_key")
-
-
-def check_rate_limit(value: Any) -> tuple[int, float] | None:
-    """``(count, seconds)`` normalised, or None.
-
-    Raises:
-        ConfigurationError: not a pair of an int >= 1 and a positive duration.
-    """
-    if value is None:
-        return None
-    try:
-        count, period = value
-    except (TypeError, ValueError):
-        raise ConfigurationError(f"rate_limit must be (count, seconds), got {value!r}") from None
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1 or count > 10_000:
-        raise ConfigurationError(f"rate_limit count must be an int from 1 to 10000, got {count!r}")
-    return count, seconds(period, "rate_limit seconds", allow_none=False)
 
 
 DEFAULT_MAX_ATTEMPTS = 25
@@ -292,15 +257,7 @@ class StepOptions:
         Raises:
             ConfigurationError: the key callable failed or returned no string.
         """
-        key = self.concurrency_key
-        if key is None:
-            return ""
-        if callable(key):
-            try:
-                key = key(input)
-            except Exception as exc:  # noqa: BLE001 - the user's callable: say which and why
-                raise ConfigurationError(f"concurrency_key({input!r:.80}) raised {type(exc).__name__}: {exc}") from exc
-        return check_key(key)
+        return key_of(self.concurrency_key, input)
 
     @property
     def limits(self) -> Limits:

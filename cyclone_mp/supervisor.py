@@ -33,12 +33,13 @@ import time
 import uuid
 from typing import Any, Callable
 
-from . import procs, slots, spawning
+from . import procs, spawning
 from .config import Config
 from .control import ProcessControl
 from .errors import ConfigurationError
 from .health import DatabaseProbe, liveness, readiness
 from .leases import LeaseKeeper
+from .limits.confinement import Confinement
 from .listener import Listener
 from .loader import PayloadLoader
 from .messages import LeaseLost, Poll
@@ -97,7 +98,7 @@ class Supervisor:
         self.wall_clock = wall_clock
         self.dedicated = dedicated
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.confinement: slots.Confinement | None = None
+        self.confinement: Confinement | None = None
         self.running = threading.Event()
         self.stopped = threading.Event()
         self.control: ProcessControl | None = None
@@ -151,8 +152,7 @@ class Supervisor:
         was_subreaper = procs.set_subreaper(True)
         watchdog = WatchdogLink(self.id)
         try:
-            # The child slots' cgroups: the watchdog kills them if we die.
-            self.confinement = confinement = slots.Confinement.detect(self.id.rsplit(":", 1)[-1])
+            self.confinement = confinement = Confinement.detect(self.id.rsplit(":", 1)[-1])  # the slots' cgroups
             watchdog.cgroups(confinement.dirs)
             log.log(*confinement.mechanism.start_line())  # one line: what holds each cap here
             # Each part reaches the others only through their inboxes (posted messages).

@@ -231,7 +231,7 @@ def files_lifted(ctx: cy.Context, inp: dict) -> dict:
 def escape_targets() -> list[str]:
     """The ``cgroup.procs`` of the cgroup just above this process's supervisor's, in each
     hierarchy where this process is in a supervisor's cgroup (``cyclone-mp-<pid>-<tag>``)."""
-    from cyclone_mp.cgroups import find_hierarchies
+    from cyclone_mp.limits.cgroups import find_hierarchies
 
     with open("/proc/self/mountinfo") as fh:
         info = fh.read()

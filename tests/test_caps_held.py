@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_mp import decisions, slots
-from cyclone_mp.cgroups import within
-from cyclone_mp.limits import Limits, Usage, cause_of_death, death_summary, kind_of, over_limit
+from cyclone_mp import decisions
+from cyclone_mp.limits import sampling
+from cyclone_mp.limits.cgroups import HIERARCHY_NAMES, within
+from cyclone_mp.limits.confinement import CGROUPS_ENV, Confinement
+from cyclone_mp.limits.declared import Limits, kind_of
+from cyclone_mp.limits.verdicts import Usage, cause_of_death, death_summary, over_limit
 
 import limit_handlers as lh
 from test_limits import dead, lines, no_cgroup_left_behind, simulated_v2  # noqa: F401 (an autouse fixture)
@@ -32,7 +35,7 @@ MIB = 1 << 20
 def mechanism(request, monkeypatch):
     """Run a test with the host's mechanism and with the fallback (no cgroups)."""
     if request.param == "fallback":
-        monkeypatch.setenv(slots.CGROUPS_ENV, "off")
+        monkeypatch.setenv(CGROUPS_ENV, "off")
     return request.param
 
 
@@ -146,7 +149,7 @@ def test_a_process_past_its_descriptors_is_killed_for_it(cyclone_env_factory, tm
     holds more than it may, as one that raised its limit would. The supervisor (in this
     process) sees it at its next look and kills the tree: kind ``error``, trigger
     ``max_open_files``, the process and its count named, in the error entry and the log."""
-    monkeypatch.setattr(slots, "_open_files", lambda pid: 0)  # the count when the attempt begins
+    monkeypatch.setattr(sampling, "open_files", lambda pid: 0)  # the count when the attempt begins
     env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5, worker="thread")
     env.mux().register(lh.files_lifted, lh.noop)
     env.start_worker()
@@ -176,8 +179,8 @@ def test_a_grandchild_that_leaves_its_cgroups_is_killed(cyclone_env_factory, tmp
     if os.geteuid() != 0:
         pytest.skip("moving a process between cgroups needs root")
     if hierarchies != "host":
-        monkeypatch.setenv(slots.CGROUPS_ENV, hierarchies)
-    probe = slots.Confinement.detect("escape-probe")
+        monkeypatch.setenv(CGROUPS_ENV, hierarchies)
+    probe = Confinement.detect("escape-probe")
     where = probe.mechanism.where
     memory_in_cgroup = probe.mechanism.kernel_memory_cap
     probe.close()
@@ -253,7 +256,7 @@ def test_a_double_forked_grandchild_the_oom_killer_took_still_counts(cyclone_env
     else the sampling kills the tree. Either way the tree had two processes at once, and
     ``tree.processes`` says so (not the one left when the kill came)."""
     if hierarchies != "host":
-        monkeypatch.setenv(slots.CGROUPS_ENV, hierarchies)
+        monkeypatch.setenv(CGROUPS_ENV, hierarchies)
     env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5)
     env.mux().register(lh.double_fork_hog)
     env.start_worker()
@@ -276,7 +279,7 @@ def test_membership_sees_a_process_leave_after_it_was_listed(hierarchies):
 
     if os.geteuid() != 0:
         pytest.skip("moving a process between cgroups needs root")
-    conf = slots.Confinement.detect("membership", environ={slots.CGROUPS_ENV: hierarchies})
+    conf = Confinement.detect("membership", environ={CGROUPS_ENV: hierarchies})
     proc = subprocess.Popen(["sleep", "60"])
     try:
         if not conf.mechanism.where:
@@ -291,7 +294,7 @@ def test_membership_sees_a_process_leave_after_it_was_listed(hierarchies):
             Path(parent, "cgroup.procs").write_text(str(proc.pid))
         listed, left = slot.membership([proc.pid])
         assert proc.pid not in listed and [pid for pid, _ in left] == [proc.pid], (listed, left)
-        assert all(slots.HIERARCHY_NAMES[key] in left[0][1] for key in slot.joined), left
+        assert all(HIERARCHY_NAMES[key] in left[0][1] for key in slot.joined), left
     finally:
         proc.kill()
         proc.wait()

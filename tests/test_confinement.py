@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_mp import slots
-from cyclone_mp.mechanism import PROCESSES_USERNS
+from cyclone_mp.limits.confinement import CGROUPS_ENV, Confinement
+from cyclone_mp.limits.mechanism import PROCESSES_USERNS
 
 import limit_handlers as lh
 
@@ -79,11 +79,11 @@ def fake_host(tmp_path: Path, monkeypatch, *, v2: str | None = None, v1: bool = 
 def detect(files: tuple[Path, Path], environ: dict[str, str] | None = None, userns=lambda: None):
     """Detection on a simulated host (a new supervisor directory each time: a tag of its own)."""
     mountinfo, proc_cgroup = files
-    return slots.Confinement.detect(f"t{next(_tags)}", environ=environ or {}, mountinfo=str(mountinfo),
+    return Confinement.detect(f"t{next(_tags)}", environ=environ or {}, mountinfo=str(mountinfo),
                                     proc_cgroup=str(proc_cgroup), userns=userns, kmsg="/nonexistent")
 
 
-def caps(conf: slots.Confinement) -> tuple[str, str, str, str]:
+def caps(conf: Confinement) -> tuple[str, str, str, str]:
     mech = conf.mechanism
     return mech.kill, mech.memory, mech.processes, mech.cpu
 
@@ -178,7 +178,7 @@ def test_this_host_as_cyclone_mp_cgroups_shapes_it():
     never count CPU nor kill the tree, the v2 one does both; every cap no cgroup holds is
     named in the start line."""
     for value in ("off", "v1", "v2"):
-        conf = slots.Confinement.detect("shape", environ={slots.CGROUPS_ENV: value})
+        conf = Confinement.detect("shape", environ={CGROUPS_ENV: value})
         try:
             mech, line = conf.mechanism, conf.mechanism.start_line()[1]
             hierarchies = {h for h, _ in conf.dirs}
@@ -201,7 +201,7 @@ def test_a_supervisor_with_cgroups_off_says_each_caps_mechanism_in_one_line(cycl
                                                                              caplog):
     """Acceptance: with ``CYCLONE_MP_CGROUPS=off`` the supervisor logs one line at start
     (a warning) naming what holds each cap instead."""
-    monkeypatch.setenv(slots.CGROUPS_ENV, "off")
+    monkeypatch.setenv(CGROUPS_ENV, "off")
     caplog.set_level(logging.INFO, logger="cyclone_mp.supervisor")
     env = cyclone_env_factory(workers=1, lease_ttl=2, worker="thread")
     env.mux().register(lh.noop)

@@ -382,7 +382,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 def test_the_layout_is_the_design_cards_and_process_control_has_no_database():
     """SPEC 1's top level; the supervisor a short composition; the process-control parts
-    (control, endings, pool, procs, attempts, limitwatch, slots, cgroups, limits) import nothing that talks to the database."""
+    (control, endings, pool, procs, attempts, limits/) import nothing that talks to the database."""
     for name in ("pyproject.toml", "cyclone_mp", "cli", "tests", "docs", "README.md"):
         assert (REPO / name).exists(), name
     assert not (REPO / "src").exists()
@@ -390,8 +390,8 @@ def test_the_layout_is_the_design_cards_and_process_control_has_no_database():
     assert len(supervisor.read_text().splitlines()) < 300  # it composes; it does no work of its own
     assert not _imports(supervisor) & {".store", ".connections", "psycopg", "selectors", "subprocess", ".pool"}
     for module in ("control.py", "endings.py", "pool.py", "childproc.py", "procs.py", "watchdoglink.py", "attempts.py",
-                   "messages.py", "mailbox.py", "zygote.py",
-                   "_zygote.py", "_child.py", "limitwatch.py", "slots.py", "cgroups.py", "limits.py"):
+                   "messages.py", "mailbox.py", "zygote.py", "claiming.py", "kills.py", "reports.py", "starting.py",
+                   "_zygote.py", "_child.py", *(f"limits/{m.name}" for m in (REPO / "cyclone_mp" / "limits").glob("*.py"))):
         imported = _imports(REPO / "cyclone_mp" / module)
         assert not imported & {".store", ".connections", ".dbloop", ".leases", ".outcomes", ".sweep", "psycopg", "psycopg_pool"}, (
             module, imported)

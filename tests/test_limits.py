@@ -27,17 +27,19 @@ import psutil
 import pytest
 
 import cyclone_mp as cy
-from cyclone_mp import cgroups, decisions, procs, slots
+from cyclone_mp import decisions, procs
+from cyclone_mp.limits import cgroups
+from cyclone_mp.limits.confinement import CGROUPS_ENV, Confinement
+from cyclone_mp.limits.mechanism import Mechanism
 from cyclone_mp.errors import ConfigurationError
-from cyclone_mp.limits import (
-    GIB, MIB, Limits, Usage, cause_of_death, death_summary, format_size, note_tree_count, over_limit, parse_size,
-)
+from cyclone_mp.limits.declared import GIB, MIB, Limits, format_size, parse_size
+from cyclone_mp.limits.verdicts import Usage, cause_of_death, death_summary, note_tree_count, over_limit
 from cyclone_mp.store import Q, connect
 
 import limit_handlers as lh
 from waiting import wait_for
 
-HOST = slots.Confinement.detect("probe")  # what this machine offers (removed at once below)
+HOST = Confinement.detect("probe")  # what this machine offers (removed at once below)
 HOST.close()
 MECHANISMS = ["host", "fallback"]
 
@@ -85,12 +87,12 @@ def no_cgroup_left_behind():
 def mechanism(request, monkeypatch):
     """Run a test with the host's mechanism and with the fallback (no cgroups)."""
     if request.param == "fallback":
-        monkeypatch.setenv(slots.CGROUPS_ENV, "off")
+        monkeypatch.setenv(CGROUPS_ENV, "off")
     return request.param
 
 
-def expect(mechanism: str) -> slots.Mechanism:
-    return HOST.mechanism if mechanism == "host" else slots.Confinement.none().mechanism
+def expect(mechanism: str) -> Mechanism:
+    return HOST.mechanism if mechanism == "host" else Confinement.none().mechanism
 
 
 def lines(path: Path) -> list[list[str]]:
@@ -342,7 +344,7 @@ def v2_files(directory: Path) -> None:
             (directory / name).write_text(text)
 
 
-def simulated_v2(tmp_path, monkeypatch) -> tuple[slots.Confinement, Path]:
+def simulated_v2(tmp_path, monkeypatch) -> tuple[Confinement, Path]:
     """A confinement detected on a fake cgroup v2 tree (``fake_v2``) whose new
     directories get the kernel's files; and our own fake cgroup."""
     mountinfo, proc_cgroup, mine = fake_v2(tmp_path)
@@ -355,7 +357,7 @@ def simulated_v2(tmp_path, monkeypatch) -> tuple[slots.Confinement, Path]:
 
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(os, "makedirs", lambda p, exist_ok=False: None if os.path.isdir(p) else mkdir(p))
-    return slots.Confinement.detect("sim", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup)), mine
+    return Confinement.detect("sim", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup)), mine
 
 
 def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
@@ -460,7 +462,7 @@ def test_pure_v2_moves_the_supervisor_into_a_leaf_to_enable_controllers(tmp_path
         real_write(path, text)
 
     monkeypatch.setattr(cgroups, "write_text", write)
-    conf = slots.Confinement.detect("leaf", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup))
+    conf = Confinement.detect("leaf", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup))
     leaf = mine / f"cyclone-mp-supervisor-{os.getpid()}"
     assert (str(leaf / "cgroup.procs"), str(os.getpid())) in writes
     assert conf.v2_controllers == {"memory", "pids"}
@@ -468,7 +470,7 @@ def test_pure_v2_moves_the_supervisor_into_a_leaf_to_enable_controllers(tmp_path
     mountinfo, proc_cgroup, mine = fake_v2(tmp_path / "b")
     (mine / "cgroup.procs").write_text(f"{os.getpid()}\n1\n")
     writes.clear()
-    conf = slots.Confinement.detect("busy", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup))
+    conf = Confinement.detect("busy", environ={}, mountinfo=str(mountinfo), proc_cgroup=str(proc_cgroup))
     assert conf.v2_controllers == frozenset() and conf.mechanism.memory != "cgroup v2"
     assert not any("supervisor-" in path for path, _ in writes)
 
@@ -585,7 +587,7 @@ def test_a_runner_that_reaches_the_memory_backstop_is_replaced(cyclone_env_facto
     cap: the attempt fails with memory_limit, and the runner that held the memory is
     retired, as a killed tree would be (it failed one run in eight when the sampling
     happened to miss); the slot runs the next step in a fresh runner."""
-    monkeypatch.setenv(slots.CGROUPS_ENV, "off")
+    monkeypatch.setenv(CGROUPS_ENV, "off")
     env = cyclone_env_factory(workers=1, lease_ttl=2)
     env.mux().register(lh.hog, lh.noop)
     start(env)

@@ -14,14 +14,14 @@ import urllib.request
 import psutil
 import pytest
 
-from cyclone_mp import slots
+from cyclone_mp.limits.confinement import Confinement
 
 import handlers as h
 import limit_handlers as lh
 
 pytest.importorskip("prometheus_client")
 
-HOST = slots.Confinement.detect("probe-metrics")  # what this machine offers (removed at once)
+HOST = Confinement.detect("probe-metrics")  # what this machine offers (removed at once)
 HOST.close()
 KERNEL_PROCESS_CAP = HOST.mechanism.processes in ("cgroup v1", "cgroup v2")
 

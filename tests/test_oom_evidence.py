@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from cyclone_mp import cgroups, slots
+from cyclone_mp.limits import cgroups, confinement
+from cyclone_mp.limits.confinement import CGROUPS_ENV
 
 import limit_handlers as lh
 from waiting import wait_for
@@ -112,7 +113,7 @@ def test_a_sigkill_while_the_machine_wide_counter_moves_is_child_exited(cyclone_
     """The same on any host: the machine's OOM counter is made to move at every look (a
     supervisor that reads it would blame the OOM killer); the cause stays ``child_exited``."""
     counter = itertools.count(100)
-    monkeypatch.setattr(slots, "vm_oom_kills", lambda: next(counter), raising=False)
+    monkeypatch.setattr(confinement, "vm_oom_kills", lambda: next(counter), raising=False)
     env = cyclone_env_factory(workers=1, lease_ttl=2, worker="thread")
     env.mux().register(lh.sigkill_self)
     env.start_worker()
@@ -127,7 +128,7 @@ def test_a_child_the_kernel_log_names_is_oom_killed(cyclone_env_factory, tmp_pat
     from the kernel log's record of its pid (read from ``/dev/kmsg``, which root can)."""
     if not os.access("/dev/kmsg", os.R_OK):
         pytest.skip("/dev/kmsg is not readable here: no kernel-log evidence to name an OOM kill from")
-    monkeypatch.setenv(slots.CGROUPS_ENV, "off")
+    monkeypatch.setenv(CGROUPS_ENV, "off")
     env = cyclone_env_factory(workers=1, lease_ttl=2)
     env.mux().register(lh.oom_victim)
     env.start_worker()

@@ -22,8 +22,10 @@ import psutil
 import pytest
 
 import cyclone_mp as cy
-from cyclone_mp import slots
-from cyclone_mp.limits import Limits
+from cyclone_mp.limits import slot as slot_module
+from cyclone_mp.limits.confinement import Confinement
+from cyclone_mp.limits.declared import Limits
+from cyclone_mp.limits.slot import Slot
 import handlers as h
 import zygote_handlers as zh
 
@@ -100,7 +102,7 @@ def test_a_handler_module_is_imported_once_and_children_are_the_supervisors_own(
         assert handler_pids <= set(imports(counter))
 
 
-HOST = slots.Confinement.detect("zygote-probe")  # what this machine offers (removed at once below)
+HOST = Confinement.detect("zygote-probe")  # what this machine offers (removed at once below)
 HOST.close()
 
 
@@ -111,14 +113,14 @@ V1_KEYS = [key for key, where in (("memory", HOST.memory_v1), ("pids", HOST.pids
 def recorded_moves(monkeypatch) -> list[tuple[str, str]]:
     """Every ``cgroup.procs`` write of the supervisor (a move; in this process: it runs as a thread)."""
     writes: list[tuple[str, str]] = []
-    real_write = slots._write
+    real_write = slot_module.write_text
 
     def recording_write(path, text):
         if path.endswith("cgroup.procs"):
             writes.append((path, text))
         real_write(path, text)
 
-    monkeypatch.setattr(slots, "_write", recording_write)
+    monkeypatch.setattr(slot_module, "write_text", recording_write)
     return writes
 
 
@@ -174,14 +176,14 @@ def test_an_attempt_with_caps_has_its_child_join_their_v1_cgroups_first(cyclone_
     writes = recorded_moves(monkeypatch)
     decoys: list[int] = []  # directories without cgroup.procs, given instead of the slot's
     if not can_move_itself:
-        real_entry = slots.Slot.entry
+        real_entry = Slot.entry
 
         def decoy_entry(self):
             entry = real_entry(self)
             decoys.extend(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY) for _ in entry)
             return [(key, fd) for (key, _), fd in zip(entry, decoys[-len(entry):])]
 
-        monkeypatch.setattr(slots.Slot, "entry", decoy_entry)
+        monkeypatch.setattr(Slot, "entry", decoy_entry)
     try:
         env = cyclone_env_factory(worker="thread", workers=1)
         env.mux().register(zh.cgroups)
@@ -253,7 +255,7 @@ def test_a_child_entering_while_caps_come_into_use_is_booked_in_what_it_entered_
     attempt with caps elsewhere makes new children join v1 at birth. The slot books it
     in v2 only, so its first attempt with caps joins (or replaces) it: a cap written
     into a v1 cgroup it is not in would hold nothing."""
-    conf = slots.Confinement.detect("entering")
+    conf = Confinement.detect("entering")
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         slot = conf.slot(0)
@@ -275,7 +277,7 @@ def test_a_slot_without_its_own_v2_cgroup_has_children_join_v1_at_birth(monkeypa
     """When a slot's v2 directory cannot be made, its v1 cgroups hold its tree: a new
     child enters them at once, caps or not (else it would be in no cgroup of its slot
     and its escaped grandchildren out of every kill's reach)."""
-    conf = slots.Confinement.detect("no-v2-slot")
+    conf = Confinement.detect("no-v2-slot")
     real_makedirs = os.makedirs
 
     def makedirs(path, *args, **kwargs):

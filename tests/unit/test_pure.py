@@ -169,13 +169,13 @@ def test_a_sigkill_is_oom_killed_only_when_the_kernel_log_names_that_pid(tmp_pat
     nobody's known doing (``child_exited``, signal 9)."""
     from types import SimpleNamespace
 
-    from cyclone_mp import slots
-    from cyclone_mp.limits import NO_LIMITS
-    from cyclone_mp.limitwatch import LimitWatch
+    from cyclone_mp.limits.confinement import Confinement
+    from cyclone_mp.limits.declared import NO_LIMITS
+    from cyclone_mp.limits.watch import LimitWatch
 
     log = tmp_path / "kmsg"
     log.write_bytes(b"")
-    conf = slots.Confinement.none(userns=lambda: None, kmsg=str(log))
+    conf = Confinement.none(userns=lambda: None, kmsg=str(log))
     assert conf.kernel_log.readable and conf.mechanism.oom == "kernel log"
     watch = LimitWatch(conf)
 
@@ -198,7 +198,7 @@ def test_a_sigkill_is_oom_killed_only_when_the_kernel_log_names_that_pid(tmp_pat
     assert sigkilled(4242, born=40.0) == "oom_killed"
     # without a readable log: no evidence at all
     conf.close()
-    blind = slots.Confinement.none(userns=lambda: None, kmsg=str(tmp_path / "absent"))
+    blind = Confinement.none(userns=lambda: None, kmsg=str(tmp_path / "absent"))
     assert not blind.kernel_log.readable and blind.mechanism.oom == "none"
     assert "a SIGKILL nobody here sent is child_exited" in blind.mechanism.start_line()[1]
     blind.close()

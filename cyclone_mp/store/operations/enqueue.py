@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from psycopg.types.json import Jsonb
 
 from ...errors import DatabaseError, RunNotFound
-from ...limits import NO_LIMITS, Limits
+from ...limits.declared import NO_LIMITS, Limits
 from ..queries import NodeRow, limit_params, nullable_jsonb, to_us
 from .core import Op, Steps, operation, q
 

@@ -1,9 +1,11 @@
 """The host's cgroups as a supervisor finds and prepares them: where this process's
 cgroups are in each hierarchy, the supervisor's own directory in each
 (``cyclone-mp-<pid>-<tag>``), the v2 controllers its slots need, what dead supervisors
-left behind, and where a given process is (:func:`cgroups_of`, :func:`within`). :mod:`cyclone_mp.slots` builds the slots on top of it. No
-process is moved here but the supervisor itself, when cgroup v2 needs it to enable
-controllers (:func:`enable_controllers`).
+left behind, and where a given process is (:func:`cgroups_of`, :func:`within`);
+the counter files' parsers; the watchdog's kill of what a dead supervisor left in its
+cgroups (:func:`kill_dirs`). :mod:`cyclone_mp.limits.confinement` builds the slots on
+top of it. No process is moved here but the supervisor itself, when cgroup v2 needs it
+to enable controllers (:func:`enable_controllers`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,15 @@ import dataclasses
 import errno
 import logging
 import os
+import time
+from typing import Any
+
+from ..procs import pidfd_kill
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
 PREFIX = "cyclone-mp-"
+HIERARCHY_NAMES = {"v2": "cgroup v2", "memory": "memory cgroup", "pids": "pids cgroup"}  #: a slot's cgroups, in words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +90,31 @@ def to_int(text: str | None) -> int | None:
     with contextlib.suppress(TypeError, ValueError):
         return int((text or "").strip())
     return None
+
+
+def fields(text: str | None) -> dict[str, int]:
+    """``key value`` lines (memory.events, cpu.stat, memory.oom_control, pids.events)."""
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        key, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[key] = int(value)
+    return out
+
+
+def value_after(data: bytes | None, key: bytes, default: Any = 0) -> Any:
+    """The integer after ``key`` in a counter file's bytes (``default`` if absent)."""
+    if not data:
+        return default
+    at = data.find(key)
+    if at < 0 or (at and data[at - 1:at] != b"\n"):
+        return default
+    at += len(key)
+    end = data.find(b"\n", at)
+    try:
+        return int(data[at:end if end >= 0 else None])
+    except ValueError:
+        return default
 
 
 def cgroups_of(pid: int) -> dict[str, str] | None:
@@ -262,3 +294,38 @@ def _own_directory(own: str, name: str, what: str, why: list[str]) -> str | None
         why.append(f"{what} at {own}: {exc.strerror or exc}")
         return None
     return base
+
+
+# -- used by the watchdog once the supervisor is gone ---------------------------------------------
+
+
+def kill_dirs(dirs: list[tuple[str, str]], timeout: float = 2.0) -> int:
+    """Kill every process in a supervisor's cgroups (``(hierarchy, directory)``), then
+    remove them; returns how many processes were listed. v2: ``cgroup.kill`` of the
+    supervisor's directory kills every slot at once."""
+    listed = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        left = False
+        for hierarchy, base in dirs:
+            if hierarchy == "v2" and os.path.exists(os.path.join(base, "cgroup.kill")):
+                with contextlib.suppress(OSError):
+                    write_text(os.path.join(base, "cgroup.kill"), "1")
+            for sub in _subdirs(base) + [base]:
+                pids = (read_text(os.path.join(sub, "cgroup.procs")) or "").split()
+                for pid in pids:
+                    listed += 1
+                    left = True
+                    pidfd_kill(int(pid))
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    while time.monotonic() < deadline and not all(remove_tree(base) for _, base in dirs):
+        time.sleep(0.01)
+    return listed
+
+
+def _subdirs(base: str) -> list[str]:
+    with contextlib.suppress(OSError):
+        return [os.path.join(base, n) for n in os.listdir(base) if os.path.isdir(os.path.join(base, n))]
+    return []

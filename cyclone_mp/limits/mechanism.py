@@ -1,6 +1,6 @@
 """Which mechanism holds each resource cap on this host, in the words operators read.
 
-:class:`Mechanism` is what :meth:`cyclone_mp.slots.Confinement.detect` chose: by cgroup
+:class:`Mechanism` is what :meth:`cyclone_mp.limits.confinement.Confinement.detect` chose: by cgroup
 where the supervisor can write one, else by a fallback (an rlimit in the child and the
 tree sampled by the supervisor). It is shown by ``cyclone-mp workers`` (the registry's
 ``limits``), written into every error entry it judged (``enforced_by``) and said once at

@@ -2,7 +2,7 @@
 
 Process control keeps one :class:`LimitWatch`. An attempt with limits is armed when it
 starts (its slot's counters are noted) and sampled every
-:data:`~cyclone_mp.slots.SAMPLE_INTERVAL` while it runs; :meth:`LimitWatch.over` says
+:data:`~cyclone_mp.limits.sampling.SAMPLE_INTERVAL` while it runs; :meth:`LimitWatch.over` says
 which are over a cap, or hold more descriptors than their ``RLIMIT_NOFILE`` allowed
 (they raised it), or have a process out of their slot's cgroups (said in the log too),
 and process control kills their trees. When an attempt ends badly
@@ -20,12 +20,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import decisions, slots
-from .attempts import Attempt
-from .limits import (LEFT_CGROUPS, NO_LIMITS, OPEN_FILES, TRIGGER_KINDS, Limits, Usage, cause_of_death, death_message,
-                     death_summary, format_size, note_tree_count, over_limit, over_process_cap, what_happened)
+from .. import decisions
+from ..attempts import Attempt
+from ..messages import LeaseKey
+from .confinement import Confinement
+from .declared import LEFT_CGROUPS, NO_LIMITS, OPEN_FILES, TRIGGER_KINDS, Limits, format_size
 from .mechanism import MEMORY_FALLBACK, SAMPLING
-from .messages import LeaseKey
+from .sampling import SAMPLE_INTERVAL
+from .verdicts import (Usage, cause_of_death, death_message, death_summary, note_tree_count, over_limit,
+                       over_process_cap, what_happened)
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -34,11 +37,11 @@ class LimitWatch:
     """The attempts with limits that run now, and their forensics.
 
     Args:
-        confinement: the supervisor's :class:`~cyclone_mp.slots.Confinement` (its
+        confinement: the supervisor's :class:`~cyclone_mp.limits.confinement.Confinement` (its
             mechanism says who enforces each cap).
     """
 
-    def __init__(self, confinement: slots.Confinement) -> None:
+    def __init__(self, confinement: Confinement) -> None:
         self.confinement = confinement
         self.limited: dict[LeaseKey, Attempt] = {}  # running attempts with resource limits: sampled
         self.next_check = 0.0  # process control's clock: when to sample them next
@@ -56,11 +59,11 @@ class LimitWatch:
             del self.limited[att.key]
 
     def due(self, now: float) -> list[tuple[Attempt, str]]:
-        """Every :data:`~cyclone_mp.slots.SAMPLE_INTERVAL` seconds of process control's
+        """Every :data:`~cyclone_mp.limits.sampling.SAMPLE_INTERVAL` seconds of process control's
         clock (``now``) while attempts with limits run: :meth:`over`; else nothing."""
         if not self.limited or now < self.next_check:
             return []
-        self.next_check = now + slots.SAMPLE_INTERVAL
+        self.next_check = now + SAMPLE_INTERVAL
         return self.over()
 
     def wake_at(self) -> float | None:
