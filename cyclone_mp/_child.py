@@ -19,8 +19,6 @@ with resource limits runs under soft rlimits (:class:`~cyclone_mp.limits.rlimits
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import json
 import os
 import resource
@@ -29,45 +27,29 @@ import socket
 import sys
 import threading
 import time
+
 TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
 if TYPE_CHECKING:
     from typing import Any
 
 from . import protocol, unhealable
+from ._process import adopt_orphans, batch_scheduling, die_with_parent, ignore_interrupt
+from ._tasks import (attribute, convert_input, dropped_frame, failure, failure_of, input_annotation, is_coroutine,
+                     load_module, reap_killed, result_frame, spawned_of, success_of, task_inputs, with_spawns)
+from .context import Cancellation, Context
+from .errors import PayloadError
 from .limits.procfs import PeakRss, current_rss, has_own_children, peak_rss_kb
 from .limits.proctree import tree_size
 from .limits.rlimits import TaskLimits
 from .limits.userns import USERNS_ENV, own_user_namespace
-from .protocol import storable, unstorable
-from .context import Cancellation, Context
-from .errors import Cancelled, PayloadError, Permanent, Snooze
+from .protocol import storable
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
-SNOOZE = "snooze"  # a result's kind: the handler raised cy.Snooze (its "snooze": seconds)
 OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
 PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
-# error kinds this runner reports besides "error", "permanent" and "cancelled" (cyclone_mp.decisions)
-OUTPUT_INVALID, NOT_IMPORTABLE, MEMORY_ERROR, EXIT = "output_invalid", "not_importable", "memory_error", "exit"
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent thread dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(70)
-
-
-def adopt_orphans() -> None:
-    """Become a child subreaper (Linux): orphans of the handlers' trees become ours."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 class Runner:
@@ -121,14 +103,14 @@ class Runner:
     def concurrent_tasks(self) -> Any:
         """The async handlers running side by side (made at the first such task)."""
         if self.concurrent is None:
-            from ._concurrent import ConcurrentTasks  # lazy: only async handlers need it (the child's start stays light)
+            from ._concurrent import ConcurrentTasks  # lazy: only async handlers need it
 
             self.concurrent = ConcurrentTasks(self)
         return self.concurrent
 
     def send_result(self, result: dict[str, Any]) -> None:
         """Send one result frame (of a concurrent task: its output checked as any)."""
-        frame = self.checked(result)
+        frame = result_frame(result, self.limit)
         with self.lock:
             self.ctrl.sendall(frame)
 
@@ -263,38 +245,8 @@ class Runner:
             if is_coroutine(output):  # an async def handler (or a callable that returns a coroutine)
                 output = self.run_async(output)
         except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
-            return self.failure_of(exc, self.cancellation)
-        return with_spawns(self.success_of(output), ctx)
-
-    @staticmethod
-    def success_of(output: Any) -> dict[str, Any]:
-        """A returned output as a result (``output_invalid`` when it is not a JSON value)."""
-        try:
-            return {"ok": True, "output": to_json_value(output)}
-        except Exception as exc:  # noqa: BLE001 - e.g. dataclasses.asdict deep-copying a Lock
-            return failure(OUTPUT_INVALID, TypeError(unhealable.not_json(str(exc))))
-
-    @staticmethod
-    def failure_of(exc: BaseException, cancellation: Cancellation) -> dict[str, Any]:
-        """What a handler raised, as a result: its kind, type, message and traceback."""
-        if isinstance(exc, Cancelled):
-            return failure("cancelled", exc)
-        if isinstance(exc, unhealable.NotImportable):  # the import's own exception and traceback, with what to fix
-            return failure(NOT_IMPORTABLE, exc.__cause__ or exc, str(exc))
-        if isinstance(exc, Permanent):
-            return failure("permanent", exc.error if isinstance(exc.error, BaseException) else exc)
-        if isinstance(exc, Snooze):  # run again later, no attempt spent
-            return {"ok": False, "kind": SNOOZE, "snooze": exc.seconds, "type": "cyclone_mp.errors.Snooze",
-                    "message": str(exc)}
-        if isinstance(exc, MemoryError):
-            return failure(MEMORY_ERROR, exc, f"MemoryError: {exc}" if str(exc) else
-                           "MemoryError: the handler ran out of memory (an allocation failed)")
-        if isinstance(exc, SystemExit):
-            return failure(EXIT, exc, exit_message(exc.code))
-        if cancellation.is_set() and is_cancelled_error(exc):  # our cancel, seen as CancelledError
-            return failure("cancelled", exc)
-        kind = getattr(exc, "kind", None) if isinstance(exc, PayloadError) else None
-        return failure(kind or "error", exc)
+            return failure_of(exc, self.cancellation)
+        return with_spawns(success_of(output), ctx)
 
     def run_async(self, coro: Any) -> Any:
         """Run an async handler's coroutine to its end as a task on this child's event
@@ -447,7 +399,7 @@ class Runner:
                     result["children_maxrss_kb"] = kids
             with self.lock:
                 result["progress"], self._pending_progress = self._pending_progress, None
-            frame = self.checked(result)
+            frame = result_frame(result, self.limit)
             # the supervisor answers "go" once it swept the attempt's processes; never while
             # its threads run (it kills this child instead)
             self.held = bool(result["children"]) or bool(result.get("lingering"))
@@ -488,246 +440,6 @@ class Runner:
         processes, tasks = tree_size()
         return {"processes": processes, "tasks": tasks, "nproc": self.limits.nproc}
 
-    def checked(self, result: dict[str, Any]) -> bytes:
-        """The result's frame. An output outside the payload boundary (not JSON, not
-        storable in jsonb, nested deeper than ``MAX_DEPTH``, over ``max_payload``) is
-        never sent: the attempt fails with kind ``output_invalid`` instead, which discards
-        its step (the same code returns the same output on every attempt)."""
-        try:
-            frame = protocol.encode(result)
-        except RecursionError:
-            return self._invalid(result, PayloadError(unhealable.too_deep(protocol.MAX_DEPTH)))
-        except (TypeError, ValueError) as exc:
-            return self._invalid(result, TypeError(unhealable.not_json(str(exc))))
-        output = result.get("output")
-        if protocol.too_deep(frame, output, wrapping=1):
-            return self._invalid(result, PayloadError(unhealable.too_deep(protocol.MAX_DEPTH)))
-        problem = unstorable(output) if b"\\u" in frame else None
-        if problem:
-            return self._invalid(result, ValueError(unhealable.unstorable(problem)))
-        if len(frame) > self.limit:  # then measure the output alone (max_payload is the output's limit)
-            size = len(json.dumps(output, separators=(",", ":"), allow_nan=False).encode())
-            if size > self.limit or len(frame) > self.limit + protocol.FRAME_ENVELOPE:
-                return self._invalid(result, PayloadError(unhealable.too_big(size, self.limit)))
-        return frame
-
-    @staticmethod
-    def _invalid(result: dict[str, Any], exc: BaseException) -> bytes:
-        result.pop("output", None)
-        result.pop("progress", None)  # checked when it was set, but it must not sink the report
-        result.update(failure(OUTPUT_INVALID, exc))
-        return protocol.encode(result)
-
-
-def reap_killed(pids: Any) -> None:
-    """Reap the leftover processes the supervisor killed that are this child's own (a
-    subreaper adopts its handlers' orphans): they would stay zombies until it exits. Only
-    those pids: a process a handler's ``Popen`` still tracks is never taken from it."""
-    for pid in pids:
-        try:
-            os.waitpid(int(pid), os.WNOHANG)
-        except (ChildProcessError, OSError, ValueError, TypeError):
-            pass
-
-
-def is_coroutine(value: Any) -> bool:
-    """True for a coroutine object (what calling an ``async def`` handler returns),
-    without importing asyncio or inspect for the sync handlers' sake."""
-    return type(value).__name__ == "coroutine" and hasattr(value, "send") and hasattr(value, "cr_frame")
-
-
-def is_cancelled_error(exc: BaseException) -> bool:
-    """True for ``asyncio.CancelledError`` (asyncio is only imported once some handler used it)."""
-    asyncio = sys.modules.get("asyncio")
-    return asyncio is not None and isinstance(exc, asyncio.CancelledError)
-
-
-def dropped_frame(token: str, reason: str) -> bytes:
-    """The result frame of a queued task given back unstarted (``reason``: the cancel's)."""
-    return protocol.encode({
-        "t": "result", "task": token, "ok": False, "kind": "cancelled", "dropped": True,
-        "type": "cyclone_mp.errors.Cancelled", "cancel_reason": reason,
-        "message": f"cancelled before it started ({reason})", "cpu": 0.0, "children": False,
-    })
-
-
-def import_ref(ref: dict[str, Any], cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
-    """Import ``ref["module"]`` (or, for a script, load ``ref["path"]``) and return the
-    attribute ``ref["qualname"]``."""
-    return attribute(load_module(ref["module"], ref.get("path"), cache), ref["qualname"])
-
-
-def attribute(module: Any, qualname: str) -> Any:
-    """``module``'s attribute ``qualname``, dots walking attributes (AttributeError if missing)."""
-    target = module
-    for part in qualname.split("."):
-        target = getattr(target, part)
-    return target
-
-
-def load_module(name: str, path: str | None, cache: dict[tuple[str, str | None], Any] | None = None) -> Any:
-    """Import module ``name`` (or, for a script, load ``path``). A script's ``__main__``
-    is loaded as ``__mp_main__``, so its ``if __name__ == "__main__":`` block does not
-    run (as multiprocessing does). A script that fails to load is not left half-run in
-    ``sys.modules`` (as ``import`` does), so the next try raises the same error."""
-    module = cache.get((name, path)) if cache is not None else None
-    if module is not None:
-        return module
-    if path and (name in ("__main__", "__mp_main__") or name not in sys.modules):
-        load_name = "__mp_main__" if name in ("__main__", "__mp_main__") else name
-        import importlib.util as import_util  # deferred: children start faster without it
-
-        spec = import_util.spec_from_file_location(load_name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        module = import_util.module_from_spec(spec)
-        sys.modules[load_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            sys.modules.pop(load_name, None)
-            raise
-    else:
-        module = importlib.import_module(name)
-    if cache is not None:
-        cache[(name, path)] = module
-    return module
-
-
-def failure(kind: str, exc: BaseException, message: str | None = None) -> dict[str, Any]:
-    """Describe an exception as plain data: type, message (``message``, else ``str(exc)``)
-    and traceback (never pickled)."""
-    exc_type = type(exc)
-    try:
-        message = str(exc) if message is None else message
-    except BaseException:  # noqa: BLE001 - a broken __str__ must not lose the failure
-        message = f"<{exc_type.__name__}: str() failed>"
-    try:
-        import traceback  # lazy: only a failure needs it
-
-        tb = "".join(traceback.format_exception(exc))
-    except BaseException:  # noqa: BLE001
-        tb = f"{exc_type.__name__}: {message}"
-    return {
-        "ok": False, "kind": kind, "type": storable(f"{exc_type.__module__}.{exc_type.__qualname__}"),
-        "message": storable(message[:10_000]), "traceback": storable(tb[-50_000:]),
-    }
-
-
-def exit_message(code: Any) -> str:
-    """The stored message of a handler's ``sys.exit(code)``: it names SystemExit and the
-    exit code the process would have had (0 for None, 1 for a message)."""
-    if code is None:
-        return "SystemExit: exit code 0 (sys.exit() without a code)"
-    if isinstance(code, int) and not isinstance(code, bool):
-        return f"SystemExit: exit code {code}"
-    return f"SystemExit: exit code 1 ({str(code)[:1000]})"
-
-
-def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The task's input and upstream outputs. Either is a value (``input``,
-    ``upstream``) or, from a supervisor that hands them on undecoded, JSON text
-    (``input_json``, ``upstream_json``), decoded here with the payload rules; the outputs
-    of upstream map nodes (``maps``) are read from the files the supervisor wrote
-    (:func:`cyclone_mp.mapped.read`).
-
-    Raises:
-        PayloadError: a text that cannot be decoded (nested deeper than ``MAX_DEPTH``...).
-    """
-    if task.get("input_json") is not None:
-        inp = protocol.load_value(task["input_json"], "the run's input")
-    else:
-        inp = task.get("input")
-    if task.get("upstream_json") is not None:
-        upstream = protocol.load_value(task["upstream_json"], "the upstream outputs")
-    else:
-        upstream = task.get("upstream")
-    if task.get("maps"):  # upstream map nodes: their outputs in the files the supervisor wrote
-        from . import mapped  # lazy: only a join's task reads map outputs
-
-        upstream = dict(upstream or {})
-        for node, outputs in task["maps"].items():
-            upstream[node] = mapped.read(outputs["path"], outputs["count"], outputs.get("list", True))
-    return inp, upstream or {}
-
-
-def spawned_of(task: dict[str, Any]) -> Any:
-    """The runs the upstream nodes spawned (``ctx.spawned``), sent as JSON text for a node
-    that waits for them; None otherwise."""
-    text = task.get("spawned_json")
-    return protocol.load_value(text, "the spawned runs") if text is not None else None
-
-
-def with_spawns(result: dict[str, Any], ctx: Context) -> dict[str, Any]:
-    """A successful result carries what the handler spawned (``ctx.spawn``): the
-    supervisor enqueues it with the completion; a failed one drops it."""
-    if result.get("ok") and ctx.spawns:
-        result["spawns"] = ctx.spawns
-    return result
-
-
-def input_annotation(fn: Any) -> Any:
-    """The annotation of the handler's second parameter (its input), or None."""
-    import inspect  # lazy: inspect is slow to import; only typed inputs need it
-
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-        if len(params) < 2:
-            return None
-        ann = getattr(fn, "__annotations__", {}).get(params[1].name)
-        if isinstance(ann, str):
-            ann = inspect.get_annotations(fn, eval_str=True).get(params[1].name)
-        return ann
-    except (ValueError, TypeError, NameError):
-        return None
-
-
-def is_dataclass_type(obj: Any) -> bool:
-    """``dataclasses.is_dataclass`` for a class, without importing dataclasses."""
-    return isinstance(obj, type) and hasattr(obj, "__dataclass_fields__")
-
-
-def convert_input(ann: Any, inp: Any) -> Any:
-    """dict -> dataclass or pydantic model per the annotation; anything else unchanged."""
-    if isinstance(ann, type) and isinstance(inp, dict):
-        if is_dataclass_type(ann):
-            return ann(**inp)
-        if hasattr(ann, "model_validate"):
-            return ann.model_validate(inp)
-    return inp
-
-
-def to_json_value(output: Any) -> Any:
-    """dataclass and pydantic outputs become plain JSON values."""
-    if hasattr(type(output), "__dataclass_fields__") and not isinstance(output, type):
-        import dataclasses  # lazy: only dataclass outputs need it
-
-        return dataclasses.asdict(output)
-    if hasattr(output, "model_dump") and callable(output.model_dump):
-        return output.model_dump(mode="json")
-    return output
-
-
-def batch_scheduling() -> None:
-    """Run this child (and what it starts) under ``SCHED_BATCH`` (Linux; elsewhere a no-op).
-
-    A step is background work: under SCHED_BATCH a child woken by its next task no longer
-    preempts the supervisor or PostgreSQL on its core, and keeps its fair share of the
-    CPU (same nice value). Without it every dispatch handed the core to the child
-    mid-loop: a send to a waiting child took 86 us instead of 18 us, and short steps ran
-    about 12 % slower. The supervisor's timers gain from it too.
-    """
-    try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
-
-
-def _ignore_interrupt(signum: int, frame: Any) -> None:
-    """SIGINT in a child does nothing: Ctrl-C is the supervisor's to handle. A handler,
-    not ``SIG_IGN``: an ignored signal stays ignored across ``exec``, so every program a
-    step started (ffmpeg, a script that stops on KeyboardInterrupt) could not be
-    interrupted; a handler is reset to the default there."""
 
 
 def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
@@ -738,7 +450,7 @@ def serve(ctrl_fd: int, cancel_fd: int, limit: int, *,
     ``SCHED_BATCH`` once ready; ``modules``: those imported already, a zygote's;
     ``preload``, ``entered``, ``userns``: see :meth:`Runner.loop`). Then exit."""
     adopt_orphans()
-    signal.signal(signal.SIGINT, _ignore_interrupt)  # Ctrl-C is the supervisor's to handle
+    signal.signal(signal.SIGINT, ignore_interrupt)  # Ctrl-C is the supervisor's to handle
     ctrl = socket.socket(fileno=ctrl_fd)
     try:
         Runner(ctrl, cancel_fd, limit, modules).loop(preload, entered, userns)

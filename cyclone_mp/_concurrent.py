@@ -17,9 +17,9 @@ import threading
 import time
 from typing import Any
 
+from ._tasks import failure_of, spawned_of, success_of, with_spawns
 from .context import Cancellation, Context
 from .errors import Permanent, Snooze
-from ._child import spawned_of, with_spawns
 
 
 class ConcurrentTasks:
@@ -64,7 +64,7 @@ class ConcurrentTasks:
         try:
             result = await self._attempt(message, cancellation)
         except BaseException as exc:  # noqa: BLE001 - a task's failure is its outcome
-            result = self.runner.failure_of(exc, cancellation)
+            result = failure_of(exc, cancellation)
         finally:
             with self.lock:
                 self.tasks.pop(token, None)
@@ -92,9 +92,9 @@ class ConcurrentTasks:
             task.cancel, f"cyclone_mp: attempt cancelled ({reason})"))
         try:
             output = await task
-            result = with_spawns(self.runner.success_of(output), ctx)
+            result = with_spawns(success_of(output), ctx)
         except (Permanent, Snooze, Exception, asyncio.CancelledError) as exc:
-            result = self.runner.failure_of(exc, cancellation)
+            result = failure_of(exc, cancellation)
         if hooks.get("end"):
             self.runner.end_hooks(hooks["end"], ctx, result)
         return result

@@ -28,7 +28,9 @@ import stat
 import sys
 
 from . import protocol
-from ._child import die_with_parent, load_module, serve
+from ._child import serve
+from ._process import die_with_parent
+from ._tasks import load_module
 from .limits.userns import own_user_namespace
 
 TYPE_CHECKING = False

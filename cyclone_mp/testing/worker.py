@@ -19,7 +19,8 @@ import threading
 import time
 from typing import Any
 
-from .._child import die_with_parent, import_ref
+from .._process import die_with_parent
+from .._tasks import import_ref
 from ..client import Client
 from ..mux import Mux
 from ..steps import Step

@@ -100,7 +100,7 @@ def test_the_hot_statements_fit_psycopgs_parse_cache():
 def test_a_script_that_fails_to_load_raises_its_error_again(tmp_path):
     """A child preloads handler scripts and loads them again for a step if that failed:
     the second try must raise the script's own error, not find a half-run module."""
-    from cyclone_mp._child import import_ref
+    from cyclone_mp._tasks import import_ref
 
     script = tmp_path / "broken_app.py"
     script.write_text("def handler(ctx, inp):\n    return 1\n\nraise RuntimeError('broken on purpose')\n")
