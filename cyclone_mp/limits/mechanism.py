@@ -29,7 +29,7 @@ CGROUPS = (CGROUP_V2, CGROUP_V1)
 
 @dataclasses.dataclass(frozen=True)
 class Mechanism:
-    """How each job is done on this host (see :mod:`cyclone_mp.slots`).
+    """How each job is done on this host (see :mod:`cyclone_mp.limits.confinement`).
 
     Attributes:
         kill: ``"cgroup v2"`` (freeze, list, ``cgroup.kill``) or ``"signals"``.
