@@ -1,20 +1,16 @@
 """The child runner: runs handlers, one at a time, for the supervisor that started it.
 
-Started by the supervisor as ``_boot.py _child CTRL_FD CANCEL_FD PARENT_PID LIMIT`` in
-its own process group, or forked from the zygote (:mod:`cyclone_mp._zygote`). It owns
-only the handler call and the pipe (STYLE pattern 9): it never touches the database. It
-dies with its parent (``PR_SET_PDEATHSIG``), reads tasks from the control socket and
-cancels from the cancellation pipe (on a watcher thread), and sends back progress and one
-result per task, as JSON. Tasks run in arrival order; one queued behind the running one
-is dropped unstarted when cancelled or past its ``start_by`` (``time.monotonic()``
-seconds, the same clock in every process), and after an attempt that left processes
-behind the next waits for the supervisor's "go" (it sweeps them first).
-
+Started as ``_boot.py _child CTRL_FD CANCEL_FD PARENT_PID LIMIT`` in its own process
+group, or forked from the zygote (:mod:`cyclone_mp._zygote`). It owns only the handler
+call and the pipe (STYLE pattern 9): it never touches the database. It dies with its
+parent, reads tasks from the control socket and cancels from the cancellation pipe (on a
+watcher thread), and sends back progress and one result per task, as JSON. Tasks run in
+arrival order; one queued behind the running one is dropped unstarted when cancelled or
+past its ``start_by`` (``time.monotonic()`` seconds), and after an attempt that left
+processes behind the next waits for the supervisor's "go" (it sweeps them first).
 An ``async def`` handler runs as a task on the child's own event loop, kept between
-attempts (side by side with others of its step under ``async_concurrency``); a cancel
-cancels that task, and a loop blocked in C is ended by the supervisor's kill. The runner
-is a child subreaper, so a process its handler orphaned is swept with its attempt; a task
-with resource limits runs under soft rlimits (:class:`~cyclone_mp.limits.rlimits.TaskLimits`) that its tree inherits.
+attempts (side by side under ``async_concurrency``); a cancel cancels that task. A task
+with resource limits runs under soft rlimits (:class:`~cyclone_mp.limits.rlimits.TaskLimits`).
 """
 
 from __future__ import annotations
@@ -33,7 +29,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 from . import protocol, unhealable
-from ._process import adopt_orphans, batch_scheduling, die_with_parent, ignore_interrupt
+from ._process import adopt_orphans, batch_scheduling, die_with_parent, ignore_interrupt, lingering_threads
+from ._progress import Progress
 from ._tasks import (attribute, convert_input, dropped_frame, failure, failure_of, input_annotation, is_coroutine,
                      load_module, reap_killed, result_frame, spawned_of, success_of, task_inputs, with_spawns)
 from .context import Cancellation, Context
@@ -42,14 +39,10 @@ from .limits.procfs import PeakRss, current_rss, has_own_children, peak_rss_kb
 from .limits.proctree import tree_size
 from .limits.rlimits import TaskLimits
 from .limits.userns import USERNS_ENV, own_user_namespace
-from .protocol import storable
 
-PROGRESS_MIN_INTERVAL = 0.05  # seconds between progress messages; the latest value always lands
 DROPPED_KEPT = 1024  # cancelled tokens remembered (a cancel may arrive after its task ended: never read back)
 RELEASED = "released"  # the cancel reason that takes back a queued task (never a started one)
 PEAK_READ_AFTER = 0.01  # seconds: a successful attempt shorter than this reports no peak RSS
-OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
-PROGRESS_MAX_BYTES = 64 * 1024  # a progress value (done, total) as JSON; it is written with every heartbeat
 
 
 class Runner:
@@ -64,8 +57,7 @@ class Runner:
         self.task: str | None = None
         self.cancellation = Cancellation()
         self.modules: dict[tuple[str, str | None], Any] = modules if modules is not None else {}
-        self._last_progress = 0.0
-        self._pending_progress: dict[str, Any] | None = None
+        self.progress = Progress(self)  # the tasks' progress (throttled for the running one)
         self.peak = PeakRss()
         self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
@@ -116,11 +108,7 @@ class Runner:
 
     def progress_for(self, token: str) -> Any:
         """The ``ctx.set_progress`` sink of a concurrent task: sent at once (checked)."""
-        def sink(done: Any, total: Any, message: Any) -> None:
-            protocol.check_value([done, total], "progress (done, total)", PROGRESS_MAX_BYTES)
-            self._send_progress({"t": "progress", "task": token, "done": done, "total": total,
-                                 "message": None if message is None else storable(str(message)[:500])})
-        return sink
+        return self.progress.sink_for(token)
 
     def resolve(self, ref: dict[str, Any]) -> Any:
         """The handler function a task names (a Step object wraps it). Raises
@@ -141,50 +129,6 @@ class Runner:
         if not callable(fn):
             raise unhealable.NotImportable(unhealable.not_callable(ref, fn))
         return fn
-
-    def progress(self, done: Any, total: Any, message: Any) -> None:
-        """Send progress at most every PROGRESS_MIN_INTERVAL seconds; a held-back value
-        is sent by a timer once the interval has passed, so the latest always lands.
-
-        Raises:
-            PayloadError: ``done``/``total`` are not JSON values within the payload
-                boundary (:data:`PROGRESS_MAX_BYTES`): raised in the handler, at its
-                ``set_progress`` call; uncaught, the attempt fails as ``output_invalid``.
-        """
-        try:
-            protocol.check_value([done, total], "progress (done, total)", PROGRESS_MAX_BYTES)
-        except PayloadError as exc:
-            raise unhealable.bad_progress(exc) from None
-        msg = {"t": "progress", "task": self.task, "done": done, "total": total,
-               "message": None if message is None else storable(str(message)[:500])}
-        with self.lock:
-            wait = self._last_progress + PROGRESS_MIN_INTERVAL - time.monotonic()
-            if wait > 0:
-                schedule = self._pending_progress is None
-                self._pending_progress = msg
-                if schedule:
-                    timer = threading.Timer(wait, self._flush_progress)
-                    timer.name = OWN_THREAD_PREFIX + "progress"
-                    timer.daemon = True
-                    timer.start()
-                return
-            self._pending_progress = None
-            self._last_progress = time.monotonic()
-        self._send_progress(msg)
-
-    def _flush_progress(self) -> None:
-        with self.lock:
-            msg, self._pending_progress = self._pending_progress, None
-            if msg is None or msg["task"] != self.task:
-                return
-            self._last_progress = time.monotonic()
-        self._send_progress(msg)
-
-    def _send_progress(self, msg: dict[str, Any]) -> None:
-        try:
-            self.send(msg)
-        except (TypeError, ValueError):
-            pass  # a non-JSON progress value is dropped, never fatal
 
     @staticmethod
     def deadline_of(task: dict[str, Any]) -> Any:
@@ -214,7 +158,7 @@ class Runner:
             return failure("permanent", exc)
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
-            deadline=self.deadline_of(task), upstream=inputs[1], progress_sink=self.progress,
+            deadline=self.deadline_of(task), upstream=inputs[1], progress_sink=self.progress.report,
             cancellation=self.cancellation, spawned=spawned_of(task),
         )
         hooks = task.get("hooks")
@@ -360,7 +304,7 @@ class Runner:
                     continue
                 self.task = message["task"]
                 self.cancellation = Cancellation()
-                self._pending_progress = None
+                self.progress.pending = None
             self.peak.reset()
             started = time.monotonic()
             limits = message.get("limits")
@@ -377,7 +321,7 @@ class Runner:
                 # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
                 # an executor, threads the handler started): then this child is not reused
                 # while they run; it says so, takes nothing more, and is killed
-                lingering = self.lingering_threads(threads_before)
+                lingering = lingering_threads(self.event_loop, threads_before)
                 if lingering:
                     result["lingering"] = [t.name for t in lingering]
             after = resource.getrusage(resource.RUSAGE_SELF)
@@ -398,7 +342,7 @@ class Runner:
                 if kids > kids_before:
                     result["children_maxrss_kb"] = kids
             with self.lock:
-                result["progress"], self._pending_progress = self._pending_progress, None
+                result["progress"], self.progress.pending = self.progress.pending, None
             frame = result_frame(result, self.limit)
             # the supervisor answers "go" once it swept the attempt's processes; never while
             # its threads run (it kills this child instead)
@@ -412,24 +356,6 @@ class Runner:
                 self.send({"t": "threads_done", "task": message["task"]})
             with self.lock:
                 self.task = None
-
-    def lingering_threads(self, before: set[int | None], wait: float = 0.05) -> list[threading.Thread]:
-        """The threads started during the attempt that still run after it was
-        cancelled (waited for up to ``wait`` seconds). The async handlers' default
-        executor is shut down first (its idle workers end; a busy one is the attempt's)
-        and made anew by the next attempt."""
-        loop = self.event_loop
-        executor = getattr(loop, "_default_executor", None) if loop is not None else None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
-            loop._default_executor = None  # the next run_in_executor/to_thread makes a fresh one
-        deadline = time.monotonic() + wait
-        while True:
-            left = [t for t in threading.enumerate()
-                    if t.ident not in before and t.is_alive() and not t.name.startswith(OWN_THREAD_PREFIX)]
-            if not left or time.monotonic() >= deadline:
-                return left
-            time.sleep(0.005)
 
     def tree_count(self) -> dict[str, Any]:
         """This task's tree as its handler ended, where no pids cgroup holds its

@@ -9,6 +9,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
 TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
 if TYPE_CHECKING:
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+OWN_THREAD_PREFIX = "cyclone-"  # the runner's own threads (never a handler's leftovers)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -53,3 +56,21 @@ def ignore_interrupt(signum: int, frame: Any) -> None:
     not ``SIG_IGN``: an ignored signal stays ignored across ``exec``, so every program a
     step started (ffmpeg, a script that stops on KeyboardInterrupt) could not be
     interrupted; a handler is reset to the default there."""
+
+
+def lingering_threads(event_loop: Any, before: set[int | None], wait: float = 0.05) -> list[threading.Thread]:
+    """The threads started during the attempt that still run after it was
+    cancelled (waited for up to ``wait`` seconds). The async handlers' default
+    executor (of ``event_loop``, None: no async handler ran) is shut down first (its
+    idle workers end; a busy one is the attempt's) and made anew by the next attempt."""
+    executor = getattr(event_loop, "_default_executor", None) if event_loop is not None else None
+    if executor is not None:
+        executor.shutdown(wait=False, cancel_futures=True)
+        event_loop._default_executor = None  # the next run_in_executor/to_thread makes a fresh one
+    deadline = time.monotonic() + wait
+    while True:
+        left = [t for t in threading.enumerate()
+                if t.ident not in before and t.is_alive() and not t.name.startswith(OWN_THREAD_PREFIX)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.005)
