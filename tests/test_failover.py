@@ -144,7 +144,9 @@ def run_failover(pair: Pair, tmp_path: Path, *, steps: int, supervisors: int, wo
 
 def test_failover_to_a_promoted_standby_short(pair, tmp_path, capsys):
     assert_a_standby_is_refused_as_read_only(pair)  # on the same pair: one cluster setup less
-    numbers = run_failover(pair, tmp_path, steps=60, supervisors=3, workers=1, seconds=0.05, kill_after=15)
+    # 0.2 s steps: the 45 left take about 3 s, so a loaded machine cannot finish them all
+    # before the promotion (then no completion would be after it to check)
+    numbers = run_failover(pair, tmp_path, steps=60, supervisors=3, workers=1, seconds=0.2, kill_after=15)
     with capsys.disabled():
         print(f"\nfailover (60 steps, 3 supervisors): {numbers}")
 
