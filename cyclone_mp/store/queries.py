@@ -1,6 +1,7 @@
-"""The named SQL (``sql/queries.sql``), the migrations' files, and the shapes of the
-rows and parameters the store's methods take (STYLE pattern 1: every query lives in
-``queries.sql`` under a ``-- name:`` header)."""
+"""The named SQL (the ``sql/*.sql`` files, one per concern), the migrations' files, and
+the shapes of the rows and parameters the store's methods take (STYLE pattern 1: every
+query lives in a ``sql/*.sql`` file under a ``-- name:`` header; a name is unique across
+the files)."""
 
 from __future__ import annotations
 
@@ -44,15 +45,21 @@ def _code(line: str) -> str:
 
 
 def _load_queries() -> dict[str, str]:
-    text = importlib.resources.files("cyclone_mp.sql").joinpath("queries.sql").read_text()
+    """Every ``-- name:`` block of the ``sql/*.sql`` files, by name, without comments and
+    indentation (none of our literals spans lines), fragments spliced in. Raises
+    RuntimeError when two blocks (in one file or two) share a name."""
     queries: dict[str, str] = {}
-    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        name, _, body = block.partition("\n")
-        # without comments and indentation (none of our literals spans lines)
-        body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
-        if name.strip() in queries:  # a second block of one name would silently replace the first
-            raise RuntimeError(f"queries.sql: two blocks named {name.strip()!r}")
-        queries[name.strip()] = body.strip().rstrip(";")
+    where: dict[str, str] = {}
+    files = sorted((f for f in importlib.resources.files("cyclone_mp.sql").iterdir() if f.name.endswith(".sql")),
+                   key=lambda f: f.name)
+    for file in files:
+        for block in re.split(r"^-- name: ", file.read_text(), flags=re.M)[1:]:
+            name, _, body = block.partition("\n")
+            name = name.strip()
+            if name in queries:  # a second block of one name would silently replace the first
+                raise RuntimeError(f"sql/{file.name}: {name!r} is already defined in sql/{where[name]}")
+            body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
+            queries[name], where[name] = body.strip().rstrip(";"), file.name
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
     # them, and into the fragments that cite them, until none is left.
     fragments = {name: sql for name, sql in queries.items() if name.endswith(("_ctes", "_expr"))}
@@ -64,7 +71,7 @@ def _load_queries() -> dict[str, str]:
                 break
             body = spliced
         if left := re.findall(r"\{\w+_(?:ctes|expr)\}", body):
-            raise RuntimeError(f"queries.sql: unknown or circular fragments {left}")
+            raise RuntimeError(f"sql: unknown or circular fragments {left}")
         return body
     return {name: splice(body) for name, body in queries.items()}
 
