@@ -23,7 +23,7 @@ FORENSIC_KEYS = frozenset({
 })
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the
-#: supervisor loads them alone (:meth:`Store.load_payload`), so one huge row never slows
+#: supervisor loads them alone (:meth:`Payloads.load`), so one huge row never slows
 #: a claim past its bound nor holds back its neighbours.
 INLINE_MAX = 512 * 1024
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
@@ -113,7 +113,7 @@ def nullable_jsonb(value: Any) -> Jsonb | None:
 
 @dataclasses.dataclass(frozen=True)
 class FailedAttempt:
-    """One failed attempt for :meth:`Store.settle`: ``kind`` is a
+    """One failed attempt for :meth:`Outcomes.settle`: ``kind`` is a
     :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, ``entry`` the error entry (JSON),
     ``delay`` the backoff in seconds if the step is retried."""
 
@@ -128,14 +128,14 @@ class FailedAttempt:
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """What :meth:`Store.settle` did: the ``(id, lease generation)`` leases whose
+    """What :meth:`Outcomes.settle` did: the ``(id, lease generation)`` leases whose
     completion and whose failure CAS held (with the error kind each failure stored), and
     the claimed rows."""
 
     completed: set[tuple[int, int]]
     failed: set[tuple[int, int]]
     claimed: list[dict[str, Any]]
-    wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)
+    wait: float | None = None  # the claim's rate-limit wait (see ClaimResult.wait)
     failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
     discarded: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # failures that discarded their step
 
