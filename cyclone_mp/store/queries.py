@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import importlib.resources
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from psycopg.types.json import Jsonb
 
@@ -45,21 +45,27 @@ def _code(line: str) -> str:
 
 
 def _load_queries() -> dict[str, str]:
-    """Every ``-- name:`` block of the ``sql/*.sql`` files, by name, without comments and
-    indentation (none of our literals spans lines), fragments spliced in. Raises
-    RuntimeError when two blocks (in one file or two) share a name."""
-    queries: dict[str, str] = {}
-    where: dict[str, str] = {}
+    """Every named block of the ``sql/*.sql`` files (:func:`parse_queries`)."""
     files = sorted((f for f in importlib.resources.files("cyclone_mp.sql").iterdir() if f.name.endswith(".sql")),
                    key=lambda f: f.name)
-    for file in files:
-        for block in re.split(r"^-- name: ", file.read_text(), flags=re.M)[1:]:
+    return parse_queries((f.name, f.read_text()) for f in files)
+
+
+def parse_queries(files: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The ``-- name:`` blocks of ``(file name, text)`` files, by name, without comments
+    and indentation (none of our literals spans lines), fragments spliced in. Raises
+    RuntimeError when two blocks (in one file or two) share a name, or a block cites an
+    unknown fragment."""
+    queries: dict[str, str] = {}
+    where: dict[str, str] = {}
+    for file, text in files:
+        for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
             name, _, body = block.partition("\n")
             name = name.strip()
             if name in queries:  # a second block of one name would silently replace the first
-                raise RuntimeError(f"sql/{file.name}: {name!r} is already defined in sql/{where[name]}")
+                raise RuntimeError(f"sql/{file}: {name!r} is already defined in sql/{where[name]}")
             body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
-            queries[name], where[name] = body.strip().rstrip(";"), file.name
+            queries[name], where[name] = body.strip().rstrip(";"), file
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
     # them, and into the fragments that cite them, until none is left.
     fragments = {name: sql for name, sql in queries.items() if name.endswith(("_ctes", "_expr"))}
