@@ -480,7 +480,7 @@ class Bench(HistoryBenches, ChildBenches, ScaleBenches):
                 for label, store in stores.items():
                     t = time.perf_counter()
                     got = store.claims.claim(owner="bench", queues=["default"], names=[bench_steps.noop_keyed.name],
-                                      limit=8, ttl=60).rows
+                                             limit=8, ttl=60).rows
                     times[label].append(time.perf_counter() - t)
                     assert len(got) == 8
             for label, values in times.items():

@@ -681,7 +681,7 @@ def test_schedules_and_limits_are_shown(fresh: tuple[cy.Client, TestClient]) -> 
     assert "morning" in tc.get("/").text
     ids = client.enqueue_many(fh.per_tenant, [{"tenant": "acme"}] * 3)
     store = Store.open(client.dsn)
-    store.claims.claim(owner="t", queues=["default"], names=["per_tenant"], limit=3, ttl=60).rows  # two take the slots
+    store.claims.claim(owner="t", queues=["default"], names=["per_tenant"], limit=3, ttl=60)  # two take the slots
     store.close()
     views = [tc.get(f"/api/runs/{i}").json()["steps"][0] for i in ids]
     waiting = [v for v in views if v["state"] == "available"]
@@ -726,7 +726,8 @@ def test_a_map_node_is_summarised_on_its_run_page(fresh: tuple[cy.Client, TestCl
     store = Store.open(client.dsn)
     try:
         [row] = store.claims.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=60).rows
-        store.outcomes.complete(owner="t", items=[(row["id"], row["lease_generation"], [{"x": 1}, {"x": 2}, {"x": 3}], None)])
+        store.outcomes.complete(owner="t", items=[(row["id"], row["lease_generation"], [{"x": 1}, {"x": 2}, {"x": 3}],
+                                                   None)])
         [item] = store.claims.claim(owner="t", queues=["default"], names=["square"], limit=1, ttl=60).rows
         store.outcomes.complete(owner="t", items=[(item["id"], item["lease_generation"], 1, None)])
     finally:

@@ -87,12 +87,12 @@ def test_concurrency_limit_holds_in_the_claim_and_frees_with_the_attempt(cyclone
     assert len(got) == 2 and claim(store, 10) == []
     # a completion frees its slot for the claim of the same statement (the settle path)
     settled = store.outcomes.settle(owner="test", completions=[(got[0]["id"], got[0]["lease_generation"], {}, None)],
-                           queues=["default"], names=NAMES, limit=10, ttl=60)
+                                    queues=["default"], names=NAMES, limit=10, ttl=60)
     assert settled.completed == {(got[0]["id"], got[0]["lease_generation"])} and len(settled.claimed) == 1
     assert running_per_key(cyclone_dsn, "per_tenant") == {"t1": 2}
     # a late completion of an attempt that no longer holds the row frees nothing
     late = store.outcomes.settle(owner="test", completions=[(got[0]["id"], got[0]["lease_generation"], {}, None)],
-                        queues=["default"], names=NAMES, limit=10, ttl=60)
+                                 queues=["default"], names=NAMES, limit=10, ttl=60)
     assert late.completed == set() and late.claimed == []
     # a crash: the lease expires and the sweep reclaims; then the slot is free again
     held = settled.claimed[0]["id"]
@@ -130,7 +130,7 @@ def test_concurrent_claims_never_exceed_the_limit(cyclone_dsn):
                 done = [(r["id"], r["lease_generation"], {}, None) for r in held[i] if (r["id"] + round_) % 2]
                 held[i] = [r for r in held[i] if not (r["id"] + round_) % 2]
                 settled = stores[i].outcomes.settle(owner=f"w{i}", completions=done, queues=["default"], names=NAMES,
-                                           limit=3, ttl=60)
+                                                    limit=3, ttl=60)
                 held[i] += settled.claimed
                 barrier.wait()
                 if i == 0:
@@ -198,7 +198,7 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
     store = Store.open(cyclone_dsn, generic_plans=True)
     held = claim(store, 8)  # two per tenant: every slot has a running holder
     store.outcomes.settle(owner="test", completions=[(r["id"], r["lease_generation"], {}, None) for r in held[:4]],
-                 queues=["default"], names=NAMES, limit=0, ttl=60)
+                          queues=["default"], names=NAMES, limit=0, ttl=60)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
         {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0, "start_now": 8,
@@ -230,7 +230,7 @@ def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_ds
     client.enqueue(step, {"tenant": "t1", "key": "t1", "huge": huge})
     client.enqueue_many(step, [{"tenant": "t1", "key": "t1", "n": i} for i in range(2)])
     store = Store.open(cyclone_dsn, generic_plans=True)
-    assert store.claims.claim(owner="test", queues=["default"], names=["no_such_step"], limit=1, ttl=60).rows == []  # marks learnt
+    assert claim(store, 1, names=["no_such_step"]) == []  # marks learnt
     expected = {"plain": "claim_plain", "fair": "claim_fair", "concurrency": "claim_concurrency",
                 "limited": "claim"}[variant]
     assert store.claims.statement("claim", ["default"], 1) == expected
@@ -251,7 +251,8 @@ def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_ds
     assert [r["big"] for r in claimed] == [False, False] and settled.wait is None
     # the failed one is available again (not to the statement that failed it): still big
     done = [(r["id"], r["lease_generation"], {}, None) for r in claimed]
-    again = store.outcomes.settle(owner="test", completions=done, queues=["default"], names=[step.name], limit=5, ttl=60)
+    again = store.outcomes.settle(owner="test", completions=done, queues=["default"], names=[step.name], limit=5,
+                                  ttl=60)
     assert len(again.completed) == 2 and [(r["id"], r["input"], r["big"]) for r in again.claimed] == [(b["id"], None, True)]
     store.close()
     client.close()

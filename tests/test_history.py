@@ -256,7 +256,7 @@ def test_live_runs_are_never_archived_nor_deleted(cyclone_env_factory) -> None:
     client.pause(paused)
     running = client.enqueue(h.ok, {})
     with store_on(dsn) as store:  # claimed by a supervisor that never finishes it
-        store.claims.claim(owner="test-owner", queues=["default"], names=["ok"], limit=1, ttl=3600).rows
+        store.claims.claim(owner="test-owner", queues=["default"], names=["ok"], limit=1, ttl=3600)
     long_ago = db_now(dsn) - dt.timedelta(days=30)
     with connect(dsn) as conn:  # old enough for any setting
         conn.execute("UPDATE cyclone_runs SET created_at = %s", (long_ago,))

@@ -250,7 +250,7 @@ def test_index_row_too_large_is_a_rejected_call_not_an_outage(cyclone_dsn):
         assert not isinstance(info.value, DatabaseUnavailable)
         assert not store.broken
         run_id, created = store.runs.enqueue(name="ok", kind="step", input={}, nodes=[node], delay=0,
-                                            idempotency_key="short")
+                                                 idempotency_key="short")
         assert created and run_id
     finally:
         store.close()

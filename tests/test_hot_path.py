@@ -75,7 +75,7 @@ def test_fail_many_matches_fail(cyclone_env, kind, options, aged, require_timed_
             require_timed_out=require_timed_out)])
         assert applied == {(a["id"], a["lease_generation"])}
         assert store.outcomes.fail(owner=OWNER, id=b["id"], generation=b["lease_generation"], kind=kind, entry=entry,
-                          backoff=lambda n: delay, require_timed_out=require_timed_out).status == "applied"
+                                   backoff=lambda n: delay, require_timed_out=require_timed_out).status == "applied"
         batched, single = row_of(cyclone_env.dsn, a["id"]), row_of(cyclone_env.dsn, b["id"])
         assert batched == single
         assert batched["errors"][0]["kind"] == batched["error_kind"]
@@ -104,7 +104,8 @@ def test_fail_many_leaves_what_it_must_not_decide(cyclone_env):
                                 entry={}, delay=0.0, require_timed_out=False)
         assert store.outcomes.fail_many(owner=OWNER, items=[failure]) == set()
         assert row_of(cyclone_env.dsn, w["id"])["state"] == "running"
-        assert store.outcomes.fail_many(owner=OWNER, items=[failure], workflows=True) == {(w["id"], w["lease_generation"])}
+        applied = store.outcomes.fail_many(owner=OWNER, items=[failure], workflows=True)
+        assert applied == {(w["id"], w["lease_generation"])}
     finally:
         store.close()
 
@@ -141,7 +142,7 @@ def test_fail_many_matches_fail_in_paused_and_workflow_runs(cyclone_env, setup, 
             require_timed_out=False)], workflows="workflow" in setup)
         assert applied == {(first["id"], first["lease_generation"])}
         assert store.outcomes.fail(owner=OWNER, id=second["id"], generation=second["lease_generation"], kind=kind,
-                          entry=entry, backoff=lambda n: 0.0).status == "applied"
+                                   entry=entry, backoff=lambda n: 0.0).status == "applied"
         batched, single = (run_rows(cyclone_env.dsn, r["run_id"]) for r in (first, second))
         assert batched == single
         node = first["node"]
@@ -185,7 +186,7 @@ def test_one_statement_settles_completions_failures_and_the_next_claim(cyclone_e
             completions=[(a["id"], a["lease_generation"], {"done": 1}, None),
                          (b["id"], b["lease_generation"] + 1, {"late": 1}, None)],  # another lease's
             failures=[FailedAttempt(id=c["id"], generation=c["lease_generation"], kind=decisions.ERROR,
-                                    entry={"message": "bad"}, delay=0.0, require_timed_out=False)],
+                                             entry={"message": "bad"}, delay=0.0, require_timed_out=False)],
             queues=["default"], names=["ok"], limit=2, ttl=30,
         )
         assert len(statements) == 1
@@ -287,7 +288,7 @@ def test_an_error_entrys_time_is_utc_text_whatever_the_session_time_zone(cyclone
         (again,) = store.claims.claim(owner=OWNER, queues=["default"], names=[h.raises.name], limit=1, ttl=30).rows
         assert again["id"] == a["id"]  # its retry
         assert store.outcomes.fail(owner=OWNER, id=a["id"], generation=again["lease_generation"], kind=decisions.ERROR,
-                          entry={}, backoff=lambda n: 0.0).status == "applied"
+                                   entry={}, backoff=lambda n: 0.0).status == "applied"
         now = time.time()
         with connect(cyclone_env.dsn) as conn:
             entries = [r["e"] for r in conn.execute(

@@ -350,7 +350,7 @@ def test_runs_and_status_show_keys_limits_and_schedules(cyclone_dsn):
     schedules.run_once(clock.at(utc("2026-06-01T12:01:05")), mux, client.config)
     ids = client.enqueue_many(fh.per_tenant, [{"tenant": "acme"}] * 3)
     store = Store.open(cyclone_dsn)
-    store.claims.claim(owner="t", queues=["default"], names=["per_tenant"], limit=5, ttl=60).rows
+    store.claims.claim(owner="t", queues=["default"], names=["per_tenant"], limit=5, ttl=60)
     store.close()
     runner = CliRunner()
     rows = json.loads(runner.invoke(cli, ["--dsn", cyclone_dsn, "runs", "--json"]).output)

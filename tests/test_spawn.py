@@ -83,7 +83,7 @@ def test_spawn_from_an_attempt_that_loses_its_cas_spawns_nothing(cyclone_env):
         [fresh] = b.claims.claim(owner="b", queues=["default"], names=["fanout"], limit=5, ttl=30).rows
         stale_key, fresh_key = (stale["id"], stale["lease_generation"]), (fresh["id"], fresh["lease_generation"])
         assert a.outcomes.complete(owner="a", items=[(*stale_key, {"by": "a"}, None)],
-                          spawns={stale_key: spawns("a")}) == set()
+                                   spawns={stale_key: spawns("a")}) == set()
         assert children_of(env.dsn, run_id) == []  # the lost CAS spawned nothing
         won = b.outcomes.complete(owner="b", items=[(*fresh_key, {"by": "b"}, None)], spawns={fresh_key: spawns("b")})
         assert won == {fresh_key}

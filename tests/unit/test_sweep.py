@@ -73,7 +73,9 @@ def maintenance(turns: list[Turn | str], counts: dict[str, int] | None = None) -
 
     def attempt(task: str, fn: Any) -> Any:
         answer = next(asks)
-        return sweep.FAILED if answer == "failed" else fn(SimpleNamespace(sweep=SimpleNamespace(turn=lambda owner, every, t: answer)))
+        if answer == "failed":
+            return sweep.FAILED
+        return fn(SimpleNamespace(sweep=SimpleNamespace(turn=lambda owner, every, t: answer)))
 
     def run_sweep() -> dict[str, int]:
         m.swept += 1
