@@ -10,7 +10,7 @@ import time
 
 import flow_handlers as fh
 from cyclone_mp import loader
-from cyclone_mp.store import INLINE_MAX, Payloads, Store
+from cyclone_mp.store import INLINE_MAX, Payloads
 from waiting import wait_for
 
 

@@ -10,14 +10,14 @@
 -- too deep to decode fails its own attempt in the child, never the claim of its batch).
 -- The last row (id NULL) is the claim's meta row, for the store: timeout =
 -- claim_meta.wait, node = claim_meta.cursors, step_name = the queues' marks
--- (flow_marks_expr; JSON texts: columns whose types the claimed rows fix).
+-- (from cyclone_flow_queues; JSON texts: columns whose types the claimed rows fix).
 WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
--- (claim_ctes) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
--- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits: a step with a
+-- The full claim: claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
+-- heartbeat (SPEC 4). Fair by key (the walk) and within limits: a step with a
 -- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
 -- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
 -- concurrency slots are free for this claim.
--- (walk_ctes) the first half of the fair claims: each queue's keys
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -85,6 +85,8 @@ walk (queue, key, p, first) AS (
       FROM cand
      WHERE concurrency IS NOT NULL OR rate_count IS NOT NULL
      GROUP BY step_name, key
+-- Free concurrency slots: the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
 ), cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
@@ -142,12 +144,16 @@ walk (queue, key, p, first) AS (
               LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
              WHERE a.ok IS NULL OR r.gr <= a.ok) e
      WHERE e.rate_count IS NULL OR e.rated_rank <= %(start_now)s
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -212,6 +218,9 @@ walk (queue, key, p, first) AS (
              WHERE g.rate_count IS NOT NULL
                AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
              WHERE z.w IS NOT NULL) AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -227,12 +236,12 @@ walk (queue, key, p, first) AS (
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
 )
--- (claim_rows_expr) what a claim statement returns: the claimed rows, then the claim's meta row
+-- The result: what a claim statement returns: the claimed rows, then the claim's meta row
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
        THEN coalesce(c.item_input, (c.run).input)::text END AS input, CASE WHEN (c.run).parent_id IS NOT NULL AND (c.run).kind = 'step' THEN 'child' ELSE (c.run).kind END AS run_kind, c.upstream,
-       -- (claimed_big_expr) true when a claimed row's input or upstream outputs were left out: for size,
+       -- big: true when a claimed row's input or upstream outputs were left out: for size,
        -- or because a map node is among its upstream nodes (its outputs are read in pages), or
        -- it waited for spawned runs (their outcomes are read with its payload).
        (pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL)
@@ -251,11 +260,11 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 -- claim with the concurrency claim (queues with concurrency limits, no rate limit); the
 -- same rows and meta row.
 WITH RECURSIVE finished AS (SELECT NULL::bigint AS id, NULL::bigint AS generation WHERE false),
--- (claim_concurrency_ctes) the limited claim of queues that no rate-limited step ever entered (see
--- cyclone_flow_queues.rates, migration 0010): claim_ctes with its concurrency slots only,
+-- The concurrency claim: the limited claim of queues that no rate-limited step ever entered (see
+-- cyclone_flow_queues.rates, migration 0010): the full claim with its concurrency slots only,
 -- a plan of about half the nodes (%(rates)s false: a rate-limited step is left to the
--- full claim). Needs a "finished" CTE before it, as claim_ctes does.
--- (walk_ctes) the first half of the fair claims: each queue's keys
+-- full claim). Needs a "finished" CTE before it, as the full claim does.
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -322,6 +331,8 @@ walk (queue, key, p, first) AS (
       FROM cand
      WHERE concurrency IS NOT NULL
      GROUP BY step_name, key
+-- Free concurrency slots: the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
 ), cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
@@ -352,12 +363,16 @@ walk (queue, key, p, first) AS (
       FROM ranked r
      WHERE r.concurrency IS NULL
         OR r.gr <= (SELECT count(*) FROM cslots c WHERE c.step_name = r.step_name AND c.key = r.key)
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -402,6 +417,9 @@ walk (queue, key, p, first) AS (
     RETURNING sl.slot
 ), claim_wait AS (
     SELECT NULL::float8 AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -417,12 +435,12 @@ walk (queue, key, p, first) AS (
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
 )
--- (claim_rows_expr) what a claim statement returns: the claimed rows, then the claim's meta row
+-- The result: what a claim statement returns: the claimed rows, then the claim's meta row
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
        THEN coalesce(c.item_input, (c.run).input)::text END AS input, CASE WHEN (c.run).parent_id IS NOT NULL AND (c.run).kind = 'step' THEN 'child' ELSE (c.run).kind END AS run_kind, c.upstream,
-       -- (claimed_big_expr) true when a claimed row's input or upstream outputs were left out: for size,
+       -- big: true when a claimed row's input or upstream outputs were left out: for size,
        -- or because a map node is among its upstream nodes (its outputs are read in pages), or
        -- it waited for spawned runs (their outcomes are read with its payload).
        (pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL)
@@ -439,6 +457,14 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 
 -- name: claim_fair
 -- claim with the fair claim (queues with keys, no limited step); the same rows and meta row.
+-- The fair claim: the fair claim of queues with keys but no limited step (the walk without the
+-- slots; %(limits)s false: a limited step is left to the limited claims).
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
+-- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
+-- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
+-- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
+-- within their (step, key) group. Without %(limits)s, no step with a limit is taken;
+-- without %(rates)s, no step with a rate limit.
 WITH RECURSIVE walk (queue, key, p, first) AS (
     -- a loose index scan: the next key with a due step, wrapping around once
     SELECT q.name, k.key, 1, k.key
@@ -496,12 +522,16 @@ WITH RECURSIVE walk (queue, key, p, first) AS (
       FROM cand c
 ), eligible AS MATERIALIZED (
     SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority FROM ranked r
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -537,6 +567,9 @@ WITH RECURSIVE walk (queue, key, p, first) AS (
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 ), claim_wait AS (
     SELECT NULL::float8 AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -552,12 +585,12 @@ WITH RECURSIVE walk (queue, key, p, first) AS (
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
 )
--- (claim_rows_expr) what a claim statement returns: the claimed rows, then the claim's meta row
+-- The result: what a claim statement returns: the claimed rows, then the claim's meta row
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
        THEN coalesce(c.item_input, (c.run).input)::text END AS input, CASE WHEN (c.run).parent_id IS NOT NULL AND (c.run).kind = 'step' THEN 'child' ELSE (c.run).kind END AS run_kind, c.upstream,
-       -- (claimed_big_expr) true when a claimed row's input or upstream outputs were left out: for size,
+       -- big: true when a claimed row's input or upstream outputs were left out: for size,
        -- or because a map node is among its upstream nodes (its outputs are read in pages), or
        -- it waited for spawned runs (their outcomes are read with its payload).
        (pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL)
@@ -573,8 +606,11 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
   FROM claim_meta m
 
 -- name: claim_plain
--- The claim of queues without keys or limits (claim_plain_ctes); its meta row carries the
+-- The claim of queues without keys or limits; its meta row carries the
 -- queues' marks only.
+-- The plain claim: the claim of queues no step with a key or a limit ever entered (see
+-- cyclone_flow_queues, migration 0008): one ordered index scan per queue, SKIP LOCKED.
+-- It never takes a step with a key or a limit, whatever the store believes of a queue.
 WITH picked AS (
     -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
     SELECT c.id
@@ -596,6 +632,8 @@ WITH picked AS (
            ) c
      ORDER BY c.priority, c.scheduled_at, c.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -632,12 +670,12 @@ WITH picked AS (
 ), claim_meta AS (
     SELECT NULL::jsonb AS cursors, NULL::float8 AS wait  -- no walk, no rate limit: nothing to say
 )
--- (claim_rows_expr) what a claim statement returns: the claimed rows, then the claim's meta row
+-- The result: what a claim statement returns: the claimed rows, then the claim's meta row
 -- (id NULL; see claim).
 SELECT c.id, c.run_id, c.node, c.step_name, c.attempt, c.max_attempts, c.backoff, c.timeout,
        c.lease_generation, CASE WHEN pg_column_size(coalesce(c.item_input, (c.run).input)) <= %(inline_max)s
        THEN coalesce(c.item_input, (c.run).input)::text END AS input, CASE WHEN (c.run).parent_id IS NOT NULL AND (c.run).kind = 'step' THEN 'child' ELSE (c.run).kind END AS run_kind, c.upstream,
-       -- (claimed_big_expr) true when a claimed row's input or upstream outputs were left out: for size,
+       -- big: true when a claimed row's input or upstream outputs were left out: for size,
        -- or because a map node is among its upstream nodes (its outputs are read in pages), or
        -- it waited for spawned runs (their outcomes are read with its payload).
        (pg_column_size(coalesce(c.item_input, (c.run).input)) > %(inline_max)s OR (c.has_upstream AND c.upstream IS NULL)

@@ -8,6 +8,10 @@
 -- %(limit)s, which may be 0) in one statement and one commit; the last row is the
 -- claim's meta row (what = 'meta', see claim). A failed row's node column carries the
 -- error kind stored (the worker's, or timeout when the DB deadline passed).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH RECURSIVE runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -59,6 +63,10 @@ WITH RECURSIVE runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The failed attempts: one tick's failed attempts, after the completions: each row's CAS as a
+-- completion's, and a timeout the worker clock reported must be past its DB deadline.
+-- Rows of workflow runs only when %(in_tx)s: the caller then advances those runs in the
+-- same transaction.
 ), fail_in AS MATERIALIZED (
     SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
                          %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
@@ -130,12 +138,12 @@ WITH RECURSIVE runs AS (
 ),
 finished AS (SELECT id, lease_generation AS generation FROM done
              UNION ALL SELECT id, lease_generation FROM ended),
--- (claim_ctes) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
--- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits: a step with a
+-- The full claim: claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
+-- heartbeat (SPEC 4). Fair by key (the walk) and within limits: a step with a
 -- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
 -- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
 -- concurrency slots are free for this claim.
--- (walk_ctes) the first half of the fair claims: each queue's keys
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -203,6 +211,8 @@ walk (queue, key, p, first) AS (
       FROM cand
      WHERE concurrency IS NOT NULL OR rate_count IS NOT NULL
      GROUP BY step_name, key
+-- Free concurrency slots: the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
 ), cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
@@ -260,12 +270,16 @@ walk (queue, key, p, first) AS (
               LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
              WHERE a.ok IS NULL OR r.gr <= a.ok) e
      WHERE e.rate_count IS NULL OR e.rated_rank <= %(start_now)s
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -330,6 +344,9 @@ walk (queue, key, p, first) AS (
              WHERE g.rate_count IS NOT NULL
                AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
              WHERE z.w IS NOT NULL) AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -344,6 +361,7 @@ walk (queue, key, p, first) AS (
                                           AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -366,7 +384,7 @@ walk (queue, key, p, first) AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_rows_expr) what a settle statement returns: completed, failed (node: the error kind
+-- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
 -- neither was its map's last nor was discarded leaves it as it is).
@@ -388,6 +406,10 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 
 -- name: settle_concurrency
 -- settle with the concurrency claim (queues with concurrency limits, no rate limit).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH RECURSIVE runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -439,6 +461,10 @@ WITH RECURSIVE runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The failed attempts: one tick's failed attempts, after the completions: each row's CAS as a
+-- completion's, and a timeout the worker clock reported must be past its DB deadline.
+-- Rows of workflow runs only when %(in_tx)s: the caller then advances those runs in the
+-- same transaction.
 ), fail_in AS MATERIALIZED (
     SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
                          %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
@@ -510,11 +536,11 @@ WITH RECURSIVE runs AS (
 ),
 finished AS (SELECT id, lease_generation AS generation FROM done
              UNION ALL SELECT id, lease_generation FROM ended),
--- (claim_concurrency_ctes) the limited claim of queues that no rate-limited step ever entered (see
--- cyclone_flow_queues.rates, migration 0010): claim_ctes with its concurrency slots only,
+-- The concurrency claim: the limited claim of queues that no rate-limited step ever entered (see
+-- cyclone_flow_queues.rates, migration 0010): the full claim with its concurrency slots only,
 -- a plan of about half the nodes (%(rates)s false: a rate-limited step is left to the
--- full claim). Needs a "finished" CTE before it, as claim_ctes does.
--- (walk_ctes) the first half of the fair claims: each queue's keys
+-- full claim). Needs a "finished" CTE before it, as the full claim does.
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -581,6 +607,8 @@ walk (queue, key, p, first) AS (
       FROM cand
      WHERE concurrency IS NOT NULL
      GROUP BY step_name, key
+-- Free concurrency slots: the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
 ), cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
@@ -611,12 +639,16 @@ walk (queue, key, p, first) AS (
       FROM ranked r
      WHERE r.concurrency IS NULL
         OR r.gr <= (SELECT count(*) FROM cslots c WHERE c.step_name = r.step_name AND c.key = r.key)
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -661,6 +693,9 @@ walk (queue, key, p, first) AS (
     RETURNING sl.slot
 ), claim_wait AS (
     SELECT NULL::float8 AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -675,6 +710,7 @@ walk (queue, key, p, first) AS (
                                           AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -697,7 +733,7 @@ walk (queue, key, p, first) AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_rows_expr) what a settle statement returns: completed, failed (node: the error kind
+-- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
 -- neither was its map's last nor was discarded leaves it as it is).
@@ -719,6 +755,10 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 
 -- name: settle_fair
 -- settle with the fair claim (queues with keys, no limited step).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH RECURSIVE runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -770,6 +810,10 @@ WITH RECURSIVE runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The failed attempts: one tick's failed attempts, after the completions: each row's CAS as a
+-- completion's, and a timeout the worker clock reported must be past its DB deadline.
+-- Rows of workflow runs only when %(in_tx)s: the caller then advances those runs in the
+-- same transaction.
 ), fail_in AS MATERIALIZED (
     SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
                          %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
@@ -838,6 +882,14 @@ WITH RECURSIVE runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The fair claim: the fair claim of queues with keys but no limited step (the walk without the
+-- slots; %(limits)s false: a limited step is left to the limited claims).
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
+-- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
+-- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
+-- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
+-- within their (step, key) group. Without %(limits)s, no step with a limit is taken;
+-- without %(rates)s, no step with a rate limit.
 ), walk (queue, key, p, first) AS (
     -- a loose index scan: the next key with a due step, wrapping around once
     SELECT q.name, k.key, 1, k.key
@@ -895,12 +947,16 @@ WITH RECURSIVE runs AS (
       FROM cand c
 ), eligible AS MATERIALIZED (
     SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority FROM ranked r
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -936,6 +992,9 @@ WITH RECURSIVE runs AS (
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 ), claim_wait AS (
     SELECT NULL::float8 AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -950,6 +1009,7 @@ WITH RECURSIVE runs AS (
                                           AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -972,7 +1032,7 @@ WITH RECURSIVE runs AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_rows_expr) what a settle statement returns: completed, failed (node: the error kind
+-- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
 -- neither was its map's last nor was discarded leaves it as it is).
@@ -993,7 +1053,11 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
   FROM claim_meta m
 
 -- name: settle_plain
--- settle with the plain claim (queues without keys or limits: claim_plain_ctes).
+-- settle with the plain claim (queues without keys or limits).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -1045,6 +1109,10 @@ WITH runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The failed attempts: one tick's failed attempts, after the completions: each row's CAS as a
+-- completion's, and a timeout the worker clock reported must be past its DB deadline.
+-- Rows of workflow runs only when %(in_tx)s: the caller then advances those runs in the
+-- same transaction.
 ), fail_in AS MATERIALIZED (
     SELECT * FROM unnest(%(fail_ids)s::bigint[], %(fail_generations)s::bigint[], %(kinds)s::text[],
                          %(entries)s::jsonb[], %(delays_us)s::bigint[], %(require_timed_out)s::boolean[],
@@ -1113,6 +1181,9 @@ WITH runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The plain claim: the claim of queues no step with a key or a limit ever entered (see
+-- cyclone_flow_queues, migration 0008): one ordered index scan per queue, SKIP LOCKED.
+-- It never takes a step with a key or a limit, whatever the store believes of a queue.
 ), picked AS (
     -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
     SELECT c.id
@@ -1134,6 +1205,8 @@ WITH runs AS (
            ) c
      ORDER BY c.priority, c.scheduled_at, c.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -1169,6 +1242,7 @@ WITH runs AS (
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 ), claim_meta AS (
     SELECT NULL::jsonb AS cursors, NULL::float8 AS wait  -- no walk, no rate limit: nothing to say
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -1191,7 +1265,7 @@ WITH runs AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_rows_expr) what a settle statement returns: completed, failed (node: the error kind
+-- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
 -- neither was its map's last nor was discarded leaves it as it is).
@@ -1214,6 +1288,10 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 -- name: settle_completions
 -- The hot path of a tick without failures (most ticks): its completions and the next
 -- claim. A smaller plan than settle's (about 10 % less PostgreSQL CPU for one step).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH RECURSIVE runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -1266,12 +1344,12 @@ WITH RECURSIVE runs AS (
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
 ), finished AS (SELECT id, lease_generation AS generation FROM done),
--- (claim_ctes) claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
--- heartbeat (SPEC 4). Fair by key (walk_ctes) and within limits: a step with a
+-- The full claim: claim up to %(limit)s available steps, SKIP LOCKED; the claim is the first
+-- heartbeat (SPEC 4). Fair by key (the walk) and within limits: a step with a
 -- limit is claimed only with a free slot of its (step, key) (see migration 0007), taken in
 -- this statement. Needs a "finished" CTE before it: attempts this statement ends, whose
 -- concurrency slots are free for this claim.
--- (walk_ctes) the first half of the fair claims: each queue's keys
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -1339,6 +1417,8 @@ walk (queue, key, p, first) AS (
       FROM cand
      WHERE concurrency IS NOT NULL OR rate_count IS NOT NULL
      GROUP BY step_name, key
+-- Free concurrency slots: the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
 ), cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
@@ -1396,12 +1476,16 @@ walk (queue, key, p, first) AS (
               LEFT JOIN allowed a ON a.step_name = r.step_name AND a.key = r.key
              WHERE a.ok IS NULL OR r.gr <= a.ok) e
      WHERE e.rate_count IS NULL OR e.rated_rank <= %(start_now)s
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -1466,6 +1550,9 @@ walk (queue, key, p, first) AS (
              WHERE g.rate_count IS NOT NULL
                AND (SELECT count(*) FROM rslots r WHERE r.step_name = g.step_name AND r.key = g.key) < a.n) z
              WHERE z.w IS NOT NULL) AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -1480,6 +1567,7 @@ walk (queue, key, p, first) AS (
                                           AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -1502,7 +1590,7 @@ walk (queue, key, p, first) AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_completions_rows_expr) settle_rows_expr without failed rows (the settle_completions statements).
+-- The result: a settle statement's, without failed rows.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -1516,6 +1604,10 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 
 -- name: settle_completions_concurrency
 -- settle_completions with the concurrency claim (queues with concurrency limits, no rate limit).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH RECURSIVE runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -1568,11 +1660,11 @@ WITH RECURSIVE runs AS (
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
 ), finished AS (SELECT id, lease_generation AS generation FROM done),
--- (claim_concurrency_ctes) the limited claim of queues that no rate-limited step ever entered (see
--- cyclone_flow_queues.rates, migration 0010): claim_ctes with its concurrency slots only,
+-- The concurrency claim: the limited claim of queues that no rate-limited step ever entered (see
+-- cyclone_flow_queues.rates, migration 0010): the full claim with its concurrency slots only,
 -- a plan of about half the nodes (%(rates)s false: a rate-limited step is left to the
--- full claim). Needs a "finished" CTE before it, as claim_ctes does.
--- (walk_ctes) the first half of the fair claims: each queue's keys
+-- full claim). Needs a "finished" CTE before it, as the full claim does.
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
 -- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
 -- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
 -- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
@@ -1639,6 +1731,8 @@ walk (queue, key, p, first) AS (
       FROM cand
      WHERE concurrency IS NOT NULL
      GROUP BY step_name, key
+-- Free concurrency slots: the free concurrency slots of the limited groups (grp: step_name, key,
+-- concurrency, n wanted), locked SKIP LOCKED, numbered i within their group.
 ), cslots AS MATERIALIZED (
     -- free concurrency slots, locked: the holder attempt no longer runs in a snapshot
     -- that includes the claim that took the slot (else held: it may have just started)
@@ -1669,12 +1763,16 @@ walk (queue, key, p, first) AS (
       FROM ranked r
      WHERE r.concurrency IS NULL
         OR r.gr <= (SELECT count(*) FROM cslots c WHERE c.step_name = r.step_name AND c.key = r.key)
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -1719,6 +1817,9 @@ walk (queue, key, p, first) AS (
     RETURNING sl.slot
 ), claim_wait AS (
     SELECT NULL::float8 AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -1733,6 +1834,7 @@ walk (queue, key, p, first) AS (
                                           AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -1755,7 +1857,7 @@ walk (queue, key, p, first) AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_completions_rows_expr) settle_rows_expr without failed rows (the settle_completions statements).
+-- The result: a settle statement's, without failed rows.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -1769,6 +1871,10 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 
 -- name: settle_completions_fair
 -- settle_completions with the fair claim (queues with keys, no limited step).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH RECURSIVE runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -1820,6 +1926,14 @@ WITH RECURSIVE runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The fair claim: the fair claim of queues with keys but no limited step (the walk without the
+-- slots; %(limits)s false: a limited step is left to the limited claims).
+-- The walk, the first half of the fair claims: the first half of the fair claims: each queue's keys
+-- (concurrency_key) are walked in order from the key after %(cursors)s (one per queue,
+-- NULL: from the first), at most %(limit)s + 2 of them; each walked key's first steps
+-- (its share of the limit) are locked SKIP LOCKED; rn ranks them within their key, gr
+-- within their (step, key) group. Without %(limits)s, no step with a limit is taken;
+-- without %(rates)s, no step with a rate limit.
 ), walk (queue, key, p, first) AS (
     -- a loose index scan: the next key with a due step, wrapping around once
     SELECT q.name, k.key, 1, k.key
@@ -1877,12 +1991,16 @@ WITH RECURSIVE runs AS (
       FROM cand c
 ), eligible AS MATERIALIZED (
     SELECT r.id, r.step_name, r.key, r.queue, r.p, r.rn, r.gr, r.priority FROM ranked r
+-- Picked: round-robin: every key's first step, then every key's second, ... (priority
+-- first), from the eligible candidates.
 ), picked AS MATERIALIZED (
     -- round-robin: every key's first step, then every key's second, ... (priority first)
     SELECT e.id, e.step_name, e.key, e.queue, e.p, e.rn, e.gr
       FROM eligible e
      ORDER BY e.priority, e.rn, e.p, e.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -1918,6 +2036,9 @@ WITH RECURSIVE runs AS (
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 ), claim_wait AS (
     SELECT NULL::float8 AS wait
+-- The meta row: the claim's meta row, for the store (not a claimed row): where each queue's
+-- walk ended, and claim_wait's seconds until a step a rate limit held back may start
+-- (the supervisor may poll again then; see Store.claim_wait).
 ), claim_meta AS (
     -- for the store, not a claimed row: where each queue's walk ended (the next claim
     -- starts after it) and, when a rate limit held a step back, the seconds until its
@@ -1932,6 +2053,7 @@ WITH RECURSIVE runs AS (
                                           AND NOT EXISTS (SELECT 1 FROM picked k WHERE k.id = e.id))
                      ORDER BY w.queue, w.p DESC) x) AS cursors,
            (SELECT wait FROM claim_wait) AS wait
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -1954,7 +2076,7 @@ WITH RECURSIVE runs AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_completions_rows_expr) settle_rows_expr without failed rows (the settle_completions statements).
+-- The result: a settle statement's, without failed rows.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -1968,6 +2090,10 @@ WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, 
 
 -- name: settle_completions_plain
 -- settle_completions with the plain claim (queues without keys or limits).
+-- The completions: one tick's completions. Every row is checked on its own (the
+-- CAS): still running under the same lease_owner and lease_generation, and before its
+-- DB deadline. The runs of every row of the tick (completions and failures) are locked
+-- first, all at once, by id.
 WITH runs AS (
     -- by primary key only: a state predicate here made generic plans scan every running run
     SELECT r.id, r.kind, r.state, r.parent_id
@@ -2019,6 +2145,9 @@ WITH runs AS (
     RETURNING r.id, CASE WHEN EXISTS (SELECT 1 FROM pg_stat_get_activity(NULL) a
     WHERE a.application_name = 'cyclone_mp waiting'
       AND a.datid = (SELECT d.oid FROM pg_database d WHERE d.datname = current_database())) THEN pg_notify('cyclone_mp_runs', r.id::text) END
+-- The plain claim: the claim of queues no step with a key or a limit ever entered (see
+-- cyclone_flow_queues, migration 0008): one ordered index scan per queue, SKIP LOCKED.
+-- It never takes a step with a key or a limit, whatever the store believes of a queue.
 ), picked AS (
     -- one ordered index scan per queue (queue = ANY would read and sort the whole backlog)
     SELECT c.id
@@ -2040,6 +2169,8 @@ WITH runs AS (
            ) c
      ORDER BY c.priority, c.scheduled_at, c.id
      LIMIT %(limit)s
+-- The claim's write: the claim's write: the picked steps become running under this lease, the
+-- claim being their first heartbeat (SPEC 4); returns what the supervisor starts them with.
 ), claimed AS (
     UPDATE cyclone_steps s
        SET state = 'running',
@@ -2075,6 +2206,7 @@ WITH runs AS (
                     WHERE d.run_id = s.run_id AND d.node = ANY(s.depends_on)) END AS upstream
 ), claim_meta AS (
     SELECT NULL::jsonb AS cursors, NULL::float8 AS wait  -- no walk, no rate limit: nothing to say
+-- The settled rows: the rows a settle statement returns: completed, then claimed.
 ), settled_completed AS (
     SELECT 'completed' AS what, d.id, d.run_id::text AS run_id, NULL::text AS node, NULL::text AS step_name,
            NULL::integer AS attempt, NULL::integer AS max_attempts, NULL::jsonb AS backoff,
@@ -2097,7 +2229,7 @@ WITH runs AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- (settle_completions_rows_expr) settle_rows_expr without failed rows (the settle_completions statements).
+-- The result: a settle statement's, without failed rows.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
