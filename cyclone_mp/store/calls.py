@@ -23,7 +23,7 @@ from ..errors import (
     DatabaseStalled,
     DatabaseUnavailable,
 )
-from .session import AsyncStore, Session
+from .base import AsyncStore, StoreBase
 from .pools import (
     POOL_TIMEOUT,
     AsyncConnectionPool,
@@ -45,7 +45,7 @@ class PooledCalls:
     ``config``, ``_embedded()``, ``_explain()``, ``_retryable()`` and ``_call_failed()``),
     on a pool made at the first call."""
 
-    def __init__(self, owner: Any, store_class: type[Session]) -> None:
+    def __init__(self, owner: Any, store_class: type[StoreBase]) -> None:
         self.owner = owner
         self.store_class = store_class
         self.pool_: ConnectionPool | None = None
