@@ -14,6 +14,7 @@ import cyclone_mp as cy
 from cyclone_mp.store import connect
 
 import handlers as h
+from waiting import supervisor_turns, supervisors_idle, wait_for
 
 
 def wait_gone(pids, timeout):
@@ -306,7 +307,9 @@ def test_late_completion_is_discarded_by_the_cas(cyclone_env_factory, tmp_path):
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert marker.exists(), "the handler should have returned late"
-    time.sleep(0.5)
+    # its late result settled (the child idle again), then the writer took claims after it
+    wait_for(lambda: supervisors_idle(env.dsn), 10, "the late result to be settled")
+    supervisor_turns(env.dsn, "claim_statements", 2)
     after = env.status(run_id).step
     assert (after.state, after.output, after.error_kind, after.attempt) == ("discarded", None, "timeout", 1)
     assert len(after.errors) == 1

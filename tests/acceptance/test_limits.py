@@ -37,7 +37,7 @@ from cyclone_mp.limits.verdicts import Usage, cause_of_death, death_summary, not
 from cyclone_mp.store import Q, connect
 
 import limit_handlers as lh
-from waiting import wait_for
+from waiting import counter_grows, wait_for
 
 HOST = Confinement.detect("probe")  # what this machine offers (removed at once below)
 HOST.close()
@@ -852,7 +852,7 @@ def _kill_if_alive(pid: int) -> None:
         pass
 
 
-def test_an_embedding_programs_own_children_are_left_alone(cyclone_env_factory, tmp_path):
+def test_an_embedding_programs_own_children_are_left_alone(cyclone_env_factory, tmp_path, monkeypatch):
     """client.start() in a program: the program's own children (started after the
     supervisor, with a session of their own, no marker) are not the supervisor's to
     kill; an escapee of a handler is."""
@@ -860,14 +860,22 @@ def test_an_embedding_programs_own_children_are_left_alone(cyclone_env_factory, 
 
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=2)
     env.mux().register(lh.escapee)
-    env.start_worker()
+    pool = env.start_worker().client.supervisor.control.pool
+    checks = [0]
+    reap_orphans = pool.reap_orphans
+
+    def counted() -> int:
+        checks[0] += 1
+        return reap_orphans()
+
+    monkeypatch.setattr(pool, "reap_orphans", counted)  # process control's stray checks, counted
     own = subprocess.Popen(["sleep", "30"], start_new_session=True, env={})
     try:
         log = tmp_path / "esc"
         env.run_until_complete(env.enqueue(lh.escapee, {"log": str(log)}), timeout=30)
         pid = escapee_of(log)
         wait_for(lambda: dead(pid), ESCAPEE_WAIT, "the handler's escapee to die")
-        time.sleep(0.6)  # two stray checks
+        counter_grows(lambda: checks[0], 2, 5, "stray checks")
         assert own.poll() is None
     finally:
         own.kill()

@@ -15,7 +15,7 @@ from psycopg import sql
 import handlers as h
 from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
 from cyclone_mp.store import Store, connect, translate
-from waiting import wait_for
+from waiting import registry_infos, wait_for
 
 
 def count_lines(path, prefix):
@@ -82,7 +82,7 @@ def test_second_sigterm_goes_straight_to_the_hard_stop(cyclone_env_factory, tmp_
     wait_for(lambda: count_lines(log, "start"), 15, "the handler to start")
     t0 = time.monotonic()
     env.terminate_worker(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: any(info.get("draining") for info in registry_infos(env.dsn)), 10, "the supervisor to drain")
     assert handle.alive(), "the first SIGTERM drains (shutdown_grace=60)"
     env.terminate_worker(signal.SIGTERM)
     assert handle.popen.wait(timeout=10) == 0

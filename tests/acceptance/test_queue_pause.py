@@ -13,6 +13,7 @@ from cyclone_mp.store import connect
 
 import handlers as h
 from cli_run import run_cli
+from waiting import supervisor_turns
 
 
 def claimed(dsn: str, queue: str) -> int:
@@ -33,8 +34,7 @@ def test_a_paused_queue_is_not_claimed_across_two_supervisors(cyclone_env_factor
     assert client.pause_queue("slow", reason="maintenance window") is True
     assert client.pause_queue("slow") is False  # already
     held = client.enqueue_many(h.ok, [{"i": i} for i in range(20)], queue="slow")
-    env.start_worker()
-    env.start_worker()
+    supervisors = [env.start_worker(), env.start_worker()]
     others = client.enqueue_many(h.ok, [{"i": i} for i in range(20)])  # queue default: runs
     for run_id in others:
         assert env.run_until_complete(run_id, timeout=30).state == "completed"
@@ -42,6 +42,9 @@ def test_a_paused_queue_is_not_claimed_across_two_supervisors(cyclone_env_factor
     while time.monotonic() < deadline:
         assert claimed(env.dsn, "slow") == 0
         time.sleep(0.2)
+    for handle in supervisors:  # each polled meanwhile: the paused queue had its chances to be claimed
+        supervisor_turns(env.dsn, "claim_statements", 2, supervisor_id=handle.supervisor_id)
+    assert claimed(env.dsn, "slow") == 0
     rows = client.workers()
     assert all(r["info"].get("paused_queues") == ["slow"] for r in rows), [r["info"].get("paused_queues") for r in rows]
     listed = json.loads(run_cli("queue", "list", "--json", dsn=env.dsn).stdout)

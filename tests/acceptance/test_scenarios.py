@@ -48,6 +48,7 @@ UTC = dt.timezone.utc
 # -- helpers ------------------------------------------------------------------------------------------
 
 
+from waiting import supervisor_turns
 from waiting import wait_for as wait_until
 
 def present(pid: int) -> bool:
@@ -776,7 +777,9 @@ def test_sc09_poison_steps_are_bounded(cyclone_env_factory, tmp_path, variant):
         assert len(runs) == 4 and supervisors_killed == 4
         assert (st.state, st.error_kind, st.reclaims, st.attempt) == ("discarded", "reclaim_limit", 3, 1)
         assert env.status(poison_id).state == "discarded"
-        time.sleep(1.0)  # no further run after the discard
+        # no further run after the discard: the survivor swept and polled since
+        supervisor_turns(env.dsn, "sweeps", 2, supervisor_id=handle.supervisor_id)
+        supervisor_turns(env.dsn, "claim_statements", 3, supervisor_id=handle.supervisor_id)
         assert len(records(log, "run")) == 4
 
     for rid in normal_ids:

@@ -54,6 +54,7 @@ def ends(folder: Path, node: str) -> int:
     return len(lines(folder, node, "end"))
 
 
+from waiting import supervisor_turns, supervisors_idle
 from waiting import wait_for as wait_until
 
 def wait_run_state(env, run_id: str, state: str, timeout: float = 15.0) -> cy.RunStatus:
@@ -224,7 +225,7 @@ def test_signal_sent_after_the_node_is_reached_and_sent_twice(api_env, tmp_path)
     api_env.start_worker()
     waiting = api_env.wait_for_state(run_id, "approve", "waiting_signal", timeout=15)
     assert waiting.output is None
-    time.sleep(0.3)  # several polls: nothing moves without the signal
+    supervisor_turns(api_env.dsn, "claim_statements", 3)  # several polls: nothing moves without the signal
     run = api_env.status(run_id)
     assert (run.state, run.steps["approve"].state, run.steps["publish"].state) == ("running", "waiting_signal", "pending")
     client = api_env.client()
@@ -293,7 +294,8 @@ def test_timers_fire_once_on_the_database_clock(cyclone_dsn, cyclone_env_factory
     # exactly once: the successor ran once and nothing moves afterwards
     folder = Path(inp["dir"])
     assert (starts(folder, "done"), ends(folder, "done")) == (1, 1)
-    time.sleep(0.3)
+    supervisor_turns(env.dsn, "sweeps", 2)  # timers fire in sweeps, successors start in claims
+    supervisor_turns(env.dsn, "claim_statements", 2)
     again = env.status(run_id)
     assert (again.steps["at"].finished_at, again.steps["after"].finished_at) == (at.finished_at, after.finished_at)
     assert starts(folder, "done") == 1
@@ -461,7 +463,9 @@ def test_cancel_of_a_paused_run_cancels_everything_in_one_transaction(cyclone_en
 
     # the in-flight handler learns of it on its next heartbeat; its late end changes nothing
     wait_until(lambda: lines(folder, "slow", "cancelled"), 5, "the slow handler to see the cancel")
-    time.sleep(0.5)
+    # its end settled (no child busy), then the writer took claims after it
+    wait_until(lambda: supervisors_idle(env.dsn), 10, "the cancelled attempt to be settled")
+    supervisor_turns(env.dsn, "claim_statements", 2)
     after = env.status(run_id)
     # (only dead_by may move: the cancelled attempt's death is recorded once its child is gone)
     assert dataclasses.replace(after, steps={n: dataclasses.replace(s, dead_by=None) for n, s in after.steps.items()}) \
@@ -481,7 +485,8 @@ def test_a_step_that_fails_while_paused_is_not_retried_until_resume(api_env, tmp
     client.pause(run_id)
     release.write_text("go")  # attempt 1 fails while the run is paused
     wait_until(lambda: lines(folder, "flaky", "fail"), 10, "flaky's first attempt to fail")
-    time.sleep(0.5)  # many polls: a retry claimable now would have been claimed
+    wait_until(lambda: api_env.status(run_id).steps["flaky"].paused_from == "available", 10, "the failure written")
+    supervisor_turns(api_env.dsn, "claim_statements", 3)  # polls: a retry claimable now would have been claimed
     flaky = api_env.status(run_id).steps["flaky"]
     assert starts(folder, "flaky") == 1, "the failed step was retried while its run was paused"
     assert (flaky.state, flaky.paused_from, flaky.attempt) == ("paused", "available", 2)
