@@ -77,4 +77,5 @@ def supervisors_idle(dsn: str) -> bool:
     """True when every registered supervisor's last registry row shows no child running a
     step (process control has settled every attempt it had)."""
     infos = registry_infos(dsn)
-    return bool(infos) and not any(kid.get("run_id") is not None for info in infos for kid in info.get("children") or ())
+    busy = [kid for info in infos for kid in info.get("children") or () if kid.get("run_id") is not None]
+    return bool(infos) and not busy
