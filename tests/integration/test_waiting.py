@@ -140,6 +140,21 @@ def test_a_run_that_ended_unheard_as_the_listener_connected_is_found_by_the_catc
     from cyclone_mp.store import Q
 
     monkeypatch.setattr(waiting, "POLL_LISTENING", 60.0)
+    looks: list[tuple[str, str]] = []  # (run id, state) of every waiter's own look (either client's)
+    sync_status, async_status = cy.Client._status_within, cy.AsyncClient._status_within
+
+    def sync_look(self, run_id, within):
+        status = sync_status(self, run_id, within)
+        looks.append((run_id, status.state))
+        return status
+
+    async def async_look(self, run_id, within):
+        status = await async_status(self, run_id, within)
+        looks.append((run_id, status.state))
+        return status
+
+    monkeypatch.setattr(cy.Client, "_status_within", sync_look)
+    monkeypatch.setattr(cy.AsyncClient, "_status_within", async_look)
     client = api_env.client()
     run_id = api_env.enqueue(h.ok, {})
     ender = psycopg.connect(api_env.dsn)  # one transaction, not committed yet
@@ -151,7 +166,7 @@ def test_a_run_that_ended_unheard_as_the_listener_connected_is_found_by_the_catc
         waiter = threading.Thread(target=lambda: result.update(status=client.wait(run_id, timeout=30)))
         waiter.start()
         wait_for(lambda: sessions(api_env.dsn, waiting.LISTENER_NAME) == 1, 10, "the listener")
-        time.sleep(0.3)  # the waiter's own look sees the run running
+        wait_for(lambda: (run_id, "running") in looks, 10, "the waiter's own look to see the run running")
         ender.commit()
         committed = time.monotonic()
         waiter.join(30)
