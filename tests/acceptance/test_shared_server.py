@@ -122,12 +122,25 @@ def _demo_databases(server: EmbeddedServer) -> list[str]:
         return []
 
 
+def _demo_runs_completed(server: EmbeddedServer) -> int:
+    """How many runs the demo's database holds completed (0 before it is made and migrated)."""
+    names = _demo_databases(server)
+    if not names:
+        return 0
+    try:
+        with psycopg.connect(server.uri(names[0]), autocommit=True) as conn:
+            return conn.execute("SELECT count(*) FROM cyclone_runs WHERE state = 'completed'").fetchone()[0]
+    except psycopg.Error:  # not migrated yet
+        return 0
+
+
 def test_a_demo_whose_server_is_stopped_says_so_at_once(default_dir: pathlib.Path) -> None:
     server = EmbeddedServer(default_dir)
     demo = _cli(default_dir, "demo", "--json", "--cpu-steps", "200")
     try:
         wait_for(lambda: _demo_databases(server), 60, "the demo's database")
-        time.sleep(2.0)  # the demo is enqueueing and polling
+        # the demo is enqueueing and polling: its workers have completed some of its runs
+        wait_for(lambda: _demo_runs_completed(server), 60, "the demo's first completed runs")
         assert demo.poll() is None
         server.stop()
         stopped = time.monotonic()
