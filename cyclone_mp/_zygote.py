@@ -3,17 +3,14 @@ forks the supervisor's children from that state, so a new child is ready in mill
 
 Started by the supervisor (:class:`cyclone_mp.zygote.Zygote`) as ``_boot.py _child
 zygote FD SUPERVISOR_PID LIMIT``: a fresh interpreter with a child's scrubbed environment
-(no DSN, no password: :func:`cyclone_mp.procs.helper_env`), in its own process group,
-that never opens a database connection. After each handler module named in
-``CYCLONE_MP_PRELOAD`` it checks that the process is still safe to fork (one thread, no
-socket the module opened: a connection opened at import would be shared by every
-child); a module that is not is reported ``unsafe`` and the zygote exits, and the
-supervisor starts another without it.
-
-It forks with ``clone(CLONE_PARENT)``, so a child's parent is the supervisor's
-process-control thread exactly as for a spawned child (``wait4`` forensics, pidfds and
-``PR_SET_PDEATHSIG`` unchanged; SPEC 1). The zygote dies with the supervisor too.
-docs/operating.md ("How children start") explains the rest.
+(:func:`cyclone_mp.procs.helper_env`), in its own process group, that never opens a
+database connection. After each handler module named in ``CYCLONE_MP_PRELOAD`` it
+checks that the process is still safe to fork (one thread, no socket the module opened:
+it would be shared by every child); a module that is not is reported ``unsafe``, the
+zygote exits and the supervisor starts another without it. It forks with
+``clone(CLONE_PARENT)`` (:mod:`cyclone_mp._clone`), so a child's parent is the
+supervisor's process-control thread exactly as for a spawned child (SPEC 1). It dies
+with the supervisor too; docs/operating.md ("How children start") explains the rest.
 """
 
 from __future__ import annotations
