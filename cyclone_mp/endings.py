@@ -88,6 +88,8 @@ class AttemptEndings:
         self.control.kills.watch(child)
 
     def on_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        """The ``result`` of ``att``, the attempt its child ran: the child is free (the step
+        queued behind starts now), then the attempt is settled (:meth:`settle_result`)."""
         child = att.child
         child.attempt = None
         dropped = bool(result.get("dropped"))  # a queued step the child never started
@@ -117,6 +119,8 @@ class AttemptEndings:
             self.control.take_held()  # the freed child starts its next step now, not after a round trip
 
     def settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        """Sweep what ``att`` left behind, gather the evidence, ask the judge
+        (:func:`~cyclone_mp.judging.of_result`) and carry out its answer."""
         child = att.child
         if result.get("dropped"):
             self.settle_dropped(att, result)
