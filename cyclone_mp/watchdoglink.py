@@ -11,7 +11,7 @@ import logging
 import socket
 import subprocess
 
-from .procs import helper_command, helper_env, kill_tree
+from .procs import helper_command, helper_env
 
 _UNSENT = object()
 
@@ -154,5 +154,5 @@ class WatchdogLink:
         try:
             self.popen.wait(timeout=timeout)
         except Exception:  # noqa: BLE001
-            kill_tree(self.popen.pid, None)  # our unreaped child
+            self.popen.kill()
             self.popen.wait()
