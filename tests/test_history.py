@@ -291,7 +291,8 @@ def test_retention_drops_whole_partitions_and_deletes_only_older_rows(cyclone_en
     finished_at(dsn, late, midnight + dt.timedelta(hours=23))  # the cut-off's day, after it
     finished_at(dsn, failed, midnight - dt.timedelta(hours=12))
     finished_at(dsn, cancelled, midnight - dt.timedelta(hours=12))
-    assert history(dsn)["archived"] == 6
+    history(dsn)  # this pass, or the env's supervisor's own if it came first, archives them
+    assert sql(dsn, "SELECT count(*) AS n FROM cyclone_runs_archive")[0]["n"] == 6
     before = partitions(dsn)
     assert {("completed", day - dt.timedelta(days=1)), ("completed", day), ("discarded", day - dt.timedelta(days=1)),
             ("cancelled", day - dt.timedelta(days=1))} <= before
