@@ -17,25 +17,9 @@ from .errors import DatabaseError, DatabaseStalled, WaitTimeout
 from .status import RunStatus
 from .store import AsyncStore, operations
 from .store.pools import aconnect
-from .waiting import (
-    CATCH_UP,
-    GRACE,
-    IDLE_CLOSE,
-    LISTEN_READY_WITHIN,
-    LISTENER_NAME,
-    POLL_FALLBACK,
-    POLL_LISTENING,
-    RUNS_CHANNEL,
-    STALLED_AFTER,
-    TURN_MAX,
-    WaitBook,
-    listener_target,
-    read_bound,
-    run_ids,
-    say_lost,
-    statuses,
-    timeout_message,
-)
+from .waiting import (CATCH_UP, GRACE, IDLE_CLOSE, LISTEN_READY_WITHIN, LISTENER_NAME, POLL_FALLBACK, POLL_LISTENING,
+                      RUNS_CHANNEL, STALLED_AFTER, TURN_MAX, WaitBook, after_stall, listener_target, read_bound,
+                      run_ids, say_lost, statuses, timeout_message)
 
 log = logging.getLogger("cyclone_mp.client")
 
@@ -49,11 +33,7 @@ async def areread(read: Callable[[float], Any], end: float | None, on_stall: Cal
             return await read(read_bound(stalls, end, time.monotonic()))
         except DatabaseStalled as exc:
             stalls += 1
-            if on_stall is not None:
-                on_stall()
-            if end is not None and time.monotonic() >= end or settled is not None and settled():
-                raise
-            log.info("waiting: %s; reading again on a fresh connection", exc)
+            after_stall(exc, end, on_stall, settled)
 
 
 class _AsyncSlot:

@@ -147,11 +147,19 @@ def reread(read: Callable[[float], Any], end: float | None, on_stall: Callable[[
             return read(read_bound(stalls, end, time.monotonic()))
         except DatabaseStalled as exc:
             stalls += 1
-            if on_stall is not None:
-                on_stall()
-            if end is not None and time.monotonic() >= end or settled is not None and settled():
-                raise
-            log.info("waiting: %s; reading again on a fresh connection", exc)
+            after_stall(exc, end, on_stall, settled)
+
+
+def after_stall(exc: DatabaseStalled, end: float | None, on_stall: Callable[[], None] | None,
+                settled: Callable[[], bool] | None) -> None:
+    """One read of :func:`reread` stalled: tell ``on_stall``; raise ``exc`` again once
+    ``end`` (a monotonic time) has passed or ``settled()`` says the answer is no longer
+    needed, else say that the read is made again."""
+    if on_stall is not None:
+        on_stall()
+    if end is not None and time.monotonic() >= end or settled is not None and settled():
+        raise exc
+    log.info("waiting: %s; reading again on a fresh connection", exc)
 
 
 def timeout_message(run_id: str, status: RunStatus | None, timeout: float) -> str:

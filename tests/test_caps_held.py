@@ -254,14 +254,17 @@ def test_a_double_forked_grandchild_the_oom_killer_took_still_counts(cyclone_env
     """A double-forked grandchild holds the memory under ``memory_limit``: where a cgroup
     holds the cap the kernel's OOM killer takes it (then the supervisor kills the rest);
     else the sampling kills the tree. Either way the tree had two processes at once, and
-    ``tree.processes`` says so (not the one left when the kill came)."""
+    ``tree.processes`` says so (not the one left when the kill came). The grandchild holds
+    120 MiB: over the cap, under the ``RLIMIT_DATA`` backstop it inherits (1.5 times the cap
+    over the runner's data), so without a cgroup the sampling meets it however loaded the
+    host (a grandchild that met the backstop first would fail alone, unseen)."""
     if hierarchies != "host":
         monkeypatch.setenv(CGROUPS_ENV, hierarchies)
     env = cyclone_env_factory(workers=1, lease_ttl=2, kill_grace=0.5)
     env.mux().register(lh.double_fork_hog)
     env.start_worker()
     log = tmp_path / "hog"
-    run = env.run_until_complete(env.enqueue(lh.double_fork_hog, {"total": 400 * MIB, "log": str(log)},
+    run = env.run_until_complete(env.enqueue(lh.double_fork_hog, {"total": 120 * MIB, "log": str(log)},
                                              memory_limit="100MiB"), timeout=60)
     entry = run.step.errors[-1]
     assert run.step.error_kind == "memory_limit", entry

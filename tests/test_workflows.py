@@ -513,8 +513,12 @@ def test_discarded_step_discards_the_run_and_retry_completes_it(api_env, tmp_pat
     assert starts(folder, "finish") == 0
 
     marker.write_text("fixed")
-    assert api_env.client().retry(run_id) == 1
-    reopened = api_env.status(run_id)
+    api_env.freeze_worker()  # else the reopened run may complete before it is read back
+    try:
+        assert api_env.client().retry(run_id) == 1
+        reopened = api_env.status(run_id)
+    finally:
+        api_env.thaw_worker()
     assert reopened.state == "running" and reopened.finished_at is None
     run = api_env.run_until_complete(run_id)
     assert run.state == "completed" and set(states(run).values()) == {"completed"}

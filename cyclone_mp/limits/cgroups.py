@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from ..procs import pidfd_kill
+from .procfs import read_text
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -71,14 +72,6 @@ def find_hierarchies(mountinfo: str, proc_cgroup: str) -> Hierarchies:
         rel = path[len(root):] if root != "/" else path
         found[key] = os.path.join(point, rel.lstrip("/")).rstrip("/") or point
     return Hierarchies(v2=found.get("v2"), memory_v1=found.get("memory"), pids_v1=found.get("pids"))
-
-
-def read_text(path: str) -> str | None:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read().decode()
-    except OSError:
-        return None
 
 
 def write_text(path: str, text: str) -> None:

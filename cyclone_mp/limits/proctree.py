@@ -12,6 +12,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
+TYPE_CHECKING = False  # annotations only: the child imports this module at its start
+if TYPE_CHECKING:
+    from typing import Callable
+
 from .procfs import child_pids, open_files, stat
 
 
@@ -45,19 +49,15 @@ def survey(root: int | None, *, stats: bool = True, fds: bool = False) -> Survey
     out = Survey()
     if root is None:
         return out
-    todo, seen = [root], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
+
+    def visit(pid: int) -> list[int] | None:
         kids = child_pids(pid)
         if kids is None:  # gone
-            continue
+            return None
         if stats:
             info = stat(pid)
             if info is None:
-                continue
+                return None
             out.cpu += info[0] + (info[3] if pid == root else 0.0)
             out.tasks += info[1]
             out.rss += info[2]
@@ -66,7 +66,9 @@ def survey(root: int | None, *, stats: bool = True, fds: bool = False) -> Survey
             if count is not None and (out.fds is None or count > out.fds):
                 out.fds, out.fds_pid = count, pid
         out.pids.append(pid)
-        todo.extend(kids)
+        return kids
+
+    _walk(root, visit)
     return out
 
 
@@ -75,17 +77,30 @@ def tree_size(root: int | None = None) -> tuple[int, int]:
     zombies included (the kernel counts them until they are reaped). The child counts its
     own tree with it as its handler ends, so a burst the sampling missed is still seen."""
     root = os.getpid() if root is None else root
-    procs = tasks = 0
+    counts = [0, 0]  # processes, tasks
+
+    def visit(pid: int) -> list[int] | None:
+        try:
+            counts[1] += len(os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            return None
+        counts[0] += 1
+        return child_pids(pid) or []
+
+    _walk(root, visit)
+    procs, tasks = counts
+    return procs, tasks
+
+
+def _walk(root: int, visit: Callable[[int], list[int] | None]) -> None:
+    """Call ``visit(pid)`` once for ``root`` and each of its descendants; ``visit`` returns
+    the pid's children to walk, or None when it is gone (its children are not walked)."""
     todo, seen = [root], set()
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        try:
-            tasks += len(os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue
-        procs += 1
-        todo.extend(child_pids(pid) or ())
-    return procs, tasks
+        kids = visit(pid)
+        if kids:
+            todo.extend(kids)

@@ -40,6 +40,39 @@ from .pools import (
 POOL_PROBE_EVERY = 1.0
 
 
+def _still_waiting(owner: Any, server: Any, deadline: float, within: float | None) -> Any:
+    """After a wait for a pooled connection timed out: the embedded server the DSN names,
+    looked up the first time (``server`` False until then), returned for the next look.
+
+    Raises:
+        DatabaseUnavailable: that server is stopping (one line that says so).
+        DatabaseStalled: the call's bound ``within`` (seconds) passed at ``deadline``.
+    """
+    if server is False:
+        server = owner._embedded()
+    if server is not None and server.stopping():
+        raise DatabaseUnavailable(server.not_running_message()) from None
+    if time.monotonic() >= deadline and within is not None:
+        raise DatabaseStalled(f"no connection to the database within {within:.3g}s") from None
+    return server
+
+
+@contextlib.contextmanager
+def _call_errors(owner: Any) -> Iterator[None]:
+    """What a failed call raises: a driver error from the pool (a timeout waiting for a
+    connection: an outage) as its :class:`DatabaseError`; a DatabaseError as ``owner``
+    says it to the user (``_call_failed``: a missing schema, a stopped embedded server)."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        raise classify(exc) from exc
+    except DatabaseError as exc:
+        failed = owner._call_failed(exc)
+        if failed is not exc:
+            raise failed from exc
+        raise
+
+
 class PooledCalls:
     """The sync calls of ``owner`` (a :class:`~cyclone_mp.planning.ClientBase`: its ``dsn``,
     ``config``, ``_embedded()``, ``_explain()``, ``_retryable()`` and ``_call_failed()``),
@@ -80,12 +113,7 @@ class PooledCalls:
                 conn = pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
                 break
             except PoolTimeout:
-                if server is False:
-                    server = self.owner._embedded()
-                if server is not None and server.stopping():
-                    raise DatabaseUnavailable(server.not_running_message()) from None
-                if time.monotonic() >= deadline and within is not None:
-                    raise DatabaseStalled(f"no connection to the database within {within:.3g}s") from None
+                server = _still_waiting(self.owner, server, deadline, within)
                 if time.monotonic() >= deadline:
                     try:
                         connect(self.owner.dsn, timeout=5.0).close()
@@ -106,7 +134,7 @@ class PooledCalls:
         same way), and DatabaseStalled is raised. Raises DatabaseError."""
         deadline = None if within is None else time.monotonic() + within
         pool = self.pool(within)
-        try:
+        with _call_errors(self.owner):
             for tries_left in (1, 0):
                 store: Any = None
                 try:
@@ -126,13 +154,6 @@ class PooledCalls:
                 except DatabaseError as exc:
                     if isinstance(exc, DatabaseStalled) or not self.owner._retryable(exc, store, tries_left):
                         raise
-        except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
-            raise classify(exc) from exc
-        except DatabaseError as exc:
-            failed = self.owner._call_failed(exc)
-            if failed is not exc:
-                raise failed from exc
-            raise
 
     def close(self) -> None:
         """Close the pool (a later call makes a new one)."""
@@ -180,12 +201,7 @@ class AsyncPooledCalls:
             try:
                 return await pool.getconn(timeout=max(0.05, min(POOL_PROBE_EVERY, deadline - time.monotonic())))
             except PoolTimeout:
-                if server is False:
-                    server = self.owner._embedded()
-                if server is not None and server.stopping():
-                    raise DatabaseUnavailable(server.not_running_message()) from None
-                if time.monotonic() >= deadline and within is not None:
-                    raise DatabaseStalled(f"no connection to the database within {within:.3g}s") from None
+                server = _still_waiting(self.owner, server, deadline, within)
                 if time.monotonic() >= deadline:
                     raise
 
@@ -195,7 +211,7 @@ class AsyncPooledCalls:
         seconds the call may take (as :meth:`PooledCalls.call`). Raises DatabaseError."""
         deadline = None if within is None else time.monotonic() + within
         pool = await self.pool(within)
-        try:
+        with _call_errors(self.owner):
             for tries_left in (1, 0):
                 store: AsyncStore | None = None
                 try:
@@ -216,13 +232,6 @@ class AsyncPooledCalls:
                 except DatabaseError as exc:
                     if isinstance(exc, DatabaseStalled) or not self.owner._retryable(exc, store, tries_left):
                         raise
-        except psycopg.Error as exc:  # from the pool (a timeout waiting for a connection: an outage)
-            raise classify(exc) from exc
-        except DatabaseError as exc:
-            failed = self.owner._call_failed(exc)
-            if failed is not exc:
-                raise failed from exc
-            raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
