@@ -681,7 +681,7 @@ def test_schedules_and_limits_are_shown(fresh: tuple[cy.Client, TestClient]) -> 
     assert "morning" in tc.get("/").text
     ids = client.enqueue_many(fh.per_tenant, [{"tenant": "acme"}] * 3)
     store = Store.open(client.dsn)
-    store.claim(owner="t", queues=["default"], names=["per_tenant"], limit=3, ttl=60)  # two take the slots
+    store.claims.claim(owner="t", queues=["default"], names=["per_tenant"], limit=3, ttl=60)  # two take the slots
     store.close()
     views = [tc.get(f"/api/runs/{i}").json()["steps"][0] for i in ids]
     waiting = [v for v in views if v["state"] == "available"]
@@ -725,10 +725,11 @@ def test_a_map_node_is_summarised_on_its_run_page(fresh: tuple[cy.Client, TestCl
     run_id = client.enqueue(mh.squares, {"n": 3})
     store = Store.open(client.dsn)
     try:
-        [row] = store.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=60)
-        store.complete(owner="t", items=[(row["id"], row["lease_generation"], [{"x": 1}, {"x": 2}, {"x": 3}], None)])
-        [item] = store.claim(owner="t", queues=["default"], names=["square"], limit=1, ttl=60)
-        store.complete(owner="t", items=[(item["id"], item["lease_generation"], 1, None)])
+        [row] = store.claims.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=60).rows
+        store.outcomes.complete(owner="t", items=[(row["id"], row["lease_generation"], [{"x": 1}, {"x": 2}, {"x": 3}],
+                                                   None)])
+        [item] = store.claims.claim(owner="t", queues=["default"], names=["square"], limit=1, ttl=60).rows
+        store.outcomes.complete(owner="t", items=[(item["id"], item["lease_generation"], 1, None)])
     finally:
         store.close()
     square = next(s for s in tc.get(f"/api/runs/{run_id}").json()["steps"] if s["name"] == "square")
@@ -753,10 +754,10 @@ def test_spawned_runs_link_to_their_parent_and_back(fresh: tuple[cy.Client, Test
     kid = ctx.spawn(mh.child, {"i": 1}, key="only")
     store = Store.open(client.dsn)
     try:
-        [row] = store.claim(owner="t", queues=["default"], names=["fanout"], limit=1, ttl=60)
+        [row] = store.claims.claim(owner="t", queues=["default"], names=["fanout"], limit=1, ttl=60).rows
         lease = (row["id"], row["lease_generation"])
         plans = spawning.plan(mux, client.config.defaults, run_id, "fanout", ctx.spawns)
-        assert store.complete(owner="t", items=[(*lease, {}, None)], spawns={lease: plans}) == {lease}
+        assert store.outcomes.complete(owner="t", items=[(*lease, {}, None)], spawns={lease: plans}) == {lease}
     finally:
         store.close()
     parent = tc.get(f"/api/runs/{run_id}").json()

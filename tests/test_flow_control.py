@@ -12,15 +12,19 @@ import time
 import pytest
 
 import cyclone_mp as cy
-from cyclone_mp.store import INLINE_MAX, Store, connect
+from cyclone_mp.store import INLINE_MAX, ClaimResult, Store, connect
 
 import flow_handlers as fh
 
 NAMES = ["per_tenant", "unlimited_tenant", "rate_limited", "fair", "flow_noop"]
 
 
+def claim_result(store: Store, limit: int, names=NAMES) -> ClaimResult:
+    return store.claims.claim(owner="test", queues=["default"], names=names, limit=limit, ttl=60)
+
+
 def claim(store: Store, limit: int, names=NAMES) -> list[dict]:
-    return store.claim(owner="test", queues=["default"], names=names, limit=limit, ttl=60)
+    return claim_result(store, limit, names).rows
 
 
 def keys_of(dsn: str, rows: list[dict]) -> list[str]:
@@ -82,13 +86,13 @@ def test_concurrency_limit_holds_in_the_claim_and_frees_with_the_attempt(cyclone
     got = claim(store, 10)
     assert len(got) == 2 and claim(store, 10) == []
     # a completion frees its slot for the claim of the same statement (the settle path)
-    settled = store.settle(owner="test", completions=[(got[0]["id"], got[0]["lease_generation"], {}, None)],
-                           queues=["default"], names=NAMES, limit=10, ttl=60)
+    settled = store.outcomes.settle(owner="test", completions=[(got[0]["id"], got[0]["lease_generation"], {}, None)],
+                                    queues=["default"], names=NAMES, limit=10, ttl=60)
     assert settled.completed == {(got[0]["id"], got[0]["lease_generation"])} and len(settled.claimed) == 1
     assert running_per_key(cyclone_dsn, "per_tenant") == {"t1": 2}
     # a late completion of an attempt that no longer holds the row frees nothing
-    late = store.settle(owner="test", completions=[(got[0]["id"], got[0]["lease_generation"], {}, None)],
-                        queues=["default"], names=NAMES, limit=10, ttl=60)
+    late = store.outcomes.settle(owner="test", completions=[(got[0]["id"], got[0]["lease_generation"], {}, None)],
+                                 queues=["default"], names=NAMES, limit=10, ttl=60)
     assert late.completed == set() and late.claimed == []
     # a crash: the lease expires and the sweep reclaims; then the slot is free again
     held = settled.claimed[0]["id"]
@@ -96,7 +100,7 @@ def test_concurrency_limit_holds_in_the_claim_and_frees_with_the_attempt(cyclone
     conn.execute("UPDATE cyclone_steps SET lease_expiry = now() - interval '1 second' WHERE id = %s", (held,))
     conn.close()
     assert claim(store, 10) == []  # expired but not reclaimed yet: still running, still holds its slot
-    assert store.expire(held, lambda name: (lambda n: 0.0), {}) == "reclaim"
+    assert store.sweep.expire(held, lambda name: (lambda n: 0.0), {}).action == "reclaim"
     again = claim(store, 10)
     assert len(again) == 1 and running_per_key(cyclone_dsn, "per_tenant") == {"t1": 2}
     status = client.status(client.runs(limit=1)[0]["id"])  # a queued one: waits on concurrency
@@ -125,8 +129,8 @@ def test_concurrent_claims_never_exceed_the_limit(cyclone_dsn):
                 barrier.wait()
                 done = [(r["id"], r["lease_generation"], {}, None) for r in held[i] if (r["id"] + round_) % 2]
                 held[i] = [r for r in held[i] if not (r["id"] + round_) % 2]
-                settled = stores[i].settle(owner=f"w{i}", completions=done, queues=["default"], names=NAMES,
-                                           limit=3, ttl=60)
+                settled = stores[i].outcomes.settle(owner=f"w{i}", completions=done, queues=["default"], names=NAMES,
+                                                    limit=3, ttl=60)
                 held[i] += settled.claimed
                 barrier.wait()
                 if i == 0:
@@ -153,13 +157,15 @@ def test_a_rate_limit_holds_back_and_says_when_to_claim_again(cyclone_dsn):
     client.enqueue_many(fh.rate_limited, [{"key": "k"}] * 15)
     client.enqueue_many(fh.rate_limited, [{"key": "other"}] * 3)
     store = Store.open(cyclone_dsn)
-    got = claim(store, 30)
-    assert sorted(keys_of(cyclone_dsn, got)) == ["k"] * 10 + ["other"] * 3
+    got = claim_result(store, 30)
+    assert sorted(keys_of(cyclone_dsn, got.rows)) == ["k"] * 10 + ["other"] * 3
     # a rate slot counts from 50 ms after its claim (the handler's start)
-    assert store.claim_wait is not None and 0.9 <= store.claim_wait <= 1.05
-    assert claim(store, 30) == [] and 0 < store.claim_wait <= 1.05
-    time.sleep(store.claim_wait + 0.05)
-    assert len(claim(store, 30)) == 5 and store.claim_wait is None  # all five start: no wait left
+    assert got.wait is not None and 0.9 <= got.wait <= 1.05
+    again = claim_result(store, 30)
+    assert again.rows == [] and 0 < again.wait <= 1.05
+    time.sleep(again.wait + 0.05)
+    last = claim_result(store, 30)
+    assert len(last.rows) == 5 and last.wait is None  # all five start: no wait left
     store.close()
     client.close()
 
@@ -191,8 +197,8 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
     client.enqueue_many(fh.per_tenant, [{"tenant": f"t{i % 4}"} for i in range(40)])
     store = Store.open(cyclone_dsn, generic_plans=True)
     held = claim(store, 8)  # two per tenant: every slot has a running holder
-    store.settle(owner="test", completions=[(r["id"], r["lease_generation"], {}, None) for r in held[:4]],
-                 queues=["default"], names=NAMES, limit=0, ttl=60)
+    store.outcomes.settle(owner="test", completions=[(r["id"], r["lease_generation"], {}, None) for r in held[:4]],
+                          queues=["default"], names=NAMES, limit=0, ttl=60)
     plan = "\n".join(r["QUERY PLAN"] for r in store.conn.execute(
         "EXPLAIN (ANALYZE, COSTS OFF) " + __import__("cyclone_mp.store", fromlist=["Q"]).Q["claim"],
         {"owner": "x", "queues": ["default"], "cursors": [None], "names": NAMES, "limit": 8, "ttl_us": 60_000_000, "kill_within_us": 0, "start_now": 8,
@@ -207,8 +213,8 @@ def test_a_slots_holder_is_looked_up_by_id_not_by_scanning_the_running_steps(cyc
 @pytest.mark.parametrize("step, variant", [(fh.noop, "plain"), (fh.fair, "fair"), (fh.per_tenant, "concurrency"),
                                            (fh.rate_limited, "limited")])
 def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_dsn, step, variant):
-    """The plain, fair, concurrency and full limited claims, alone (Store.claim: the lease keeper's) and with
-    a batch of outcomes (Store.settle: the outcome writer's), return the input as JSON text,
+    """The plain, fair, concurrency and full limited claims, alone (Claims.claim: the lease keeper's) and with
+    a batch of outcomes (Outcomes.settle: the outcome writer's), return the input as JSON text,
     unparsed, and leave out an input stored bigger than INLINE_MAX (``big``: the payload loader
     loads it alone); (id, generation) pairs say which outcomes were written."""
     import base64
@@ -224,17 +230,17 @@ def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_ds
     client.enqueue(step, {"tenant": "t1", "key": "t1", "huge": huge})
     client.enqueue_many(step, [{"tenant": "t1", "key": "t1", "n": i} for i in range(2)])
     store = Store.open(cyclone_dsn, generic_plans=True)
-    assert store.claim(owner="test", queues=["default"], names=["no_such_step"], limit=1, ttl=60) == []  # marks learnt
+    assert claim(store, 1, names=["no_such_step"]) == []  # marks learnt
     expected = {"plain": "claim_plain", "fair": "claim_fair", "concurrency": "claim_concurrency",
                 "limited": "claim"}[variant]
-    assert store._claim_statement("claim", ["default"], 1) == expected
+    assert store.claims.statement("claim", ["default"], 1) == expected
     a, b = claim(store, 2, names=[step.name])
     assert isinstance(a["input"], str) and json.loads(a["input"]) == small and a["upstream"] is None
     assert a["big"] is False
     assert b["input"] is None and b["big"] is True  # left out: loaded alone
-    assert json.loads(store.load_payload(b["id"])["input"])["huge"] == huge
+    assert json.loads(store.payloads.load(b["id"])["input"])["huge"] == huge
     # the writer's statement: one success, one failure, and the next claim in the same statement
-    settled = store.settle(
+    settled = store.outcomes.settle(
         owner="test", completions=[(a["id"], a["lease_generation"], {}, None)],
         failures=[FailedAttempt(b["id"], b["lease_generation"], "error", {"message": "x"}, 0.0, False)],
         queues=["default"], names=[step.name], limit=5, ttl=60)
@@ -245,7 +251,8 @@ def test_every_claim_returns_payloads_as_text_and_leaves_big_ones_out(cyclone_ds
     assert [r["big"] for r in claimed] == [False, False] and settled.wait is None
     # the failed one is available again (not to the statement that failed it): still big
     done = [(r["id"], r["lease_generation"], {}, None) for r in claimed]
-    again = store.settle(owner="test", completions=done, queues=["default"], names=[step.name], limit=5, ttl=60)
+    again = store.outcomes.settle(owner="test", completions=done, queues=["default"], names=[step.name], limit=5,
+                                  ttl=60)
     assert len(again.completed) == 2 and [(r["id"], r["input"], r["big"]) for r in again.claimed] == [(b["id"], None, True)]
     store.close()
     client.close()
@@ -407,15 +414,15 @@ def test_each_claim_takes_what_it_is_made_for_and_the_marks_choose_it(cyclone_ds
     def run(store: Store, statement: str) -> tuple[list[str], dict]:
         rows = store.conn.execute(Q[statement], {
             "owner": "test", "names": NAMES, "limit": 10, "ttl_us": 60_000_000, "kill_within_us": 0, "start_now": 8, "inline_max": INLINE_MAX,
-            **store._claim_params(["default"], statement)}).fetchall()
+            **store.claims.params(["default"], statement)}).fetchall()
         return sorted(keys_of(cyclone_dsn, [r for r in rows if r["id"] is not None])), next(
             json.loads(r["step_name"]) for r in rows if r["id"] is None)
 
     client = cy.Client(cyclone_dsn)
     store = Store.open(cyclone_dsn)
-    assert store._claim_statement("claim", ["default"], 1) == "claim"  # marks not known yet: the full claim
-    assert claim(store, 1) == [] and store.flow_marks == {}
-    assert store._claim_statement("claim", ["default"], 1) == "claim_plain"
+    assert store.claims.statement("claim", ["default"], 1) == "claim"  # marks not known yet: the full claim
+    assert claim(store, 1) == [] and store.claims.marks == {}
+    assert store.claims.statement("claim", ["default"], 1) == "claim_plain"
     client.enqueue_many(fh.noop, [{}] * 2)
     client.enqueue_many(fh.fair, [{"tenant": "k"}] * 2)  # keys, no limit: the queue is marked "keys"
     client.enqueue_many(fh.per_tenant, [{"tenant": "t"}] * 4)  # "limits" (concurrency 2)
@@ -428,18 +435,18 @@ def test_each_claim_takes_what_it_is_made_for_and_the_marks_choose_it(cyclone_ds
     client.enqueue_many(fh.noop, [{}] * 2)
     client.enqueue_many(fh.rate_limited, [{"key": "s"}] * 2)
     stale = Store.open(cyclone_dsn)
-    stale.flow_marks, stale._marks_for = {}, frozenset(["default"])
+    stale.claims.marks, stale.claims.marks_for = {}, frozenset(["default"])
     assert sorted(keys_of(cyclone_dsn, claim(stale, 10))) == ["", "", "s", "s"]
-    assert stale.flow_marks == {"default": "rates"} and stale._claim_statement("claim", ["default"], 1) == "claim"
+    assert stale.claims.marks == {"default": "rates"} and stale.claims.statement("claim", ["default"], 1) == "claim"
     # a queue the store has no marks for (another queue set) gets the full claim again
-    assert stale._claim_statement("claim", ["default", "other"], 1) == "claim"
+    assert stale.claims.statement("claim", ["default", "other"], 1) == "claim"
     stale.close()
     store.close()
     client.close()
 
 
 def test_process_control_polls_when_the_rate_limit_frees_a_slot():
-    """A claim's ``wait`` (Claimed.wait, from Store.claim_wait or Settled.wait) brings the
+    """A claim's ``wait`` (Claimed.wait, from ClaimResult.wait or Settled.wait) brings the
     next poll forward to when the held-back step may start, never later than the poll
     interval's backoff would."""
     from cyclone_mp.config import Config

@@ -256,7 +256,7 @@ def test_live_runs_are_never_archived_nor_deleted(cyclone_env_factory) -> None:
     client.pause(paused)
     running = client.enqueue(h.ok, {})
     with store_on(dsn) as store:  # claimed by a supervisor that never finishes it
-        store.claim(owner="test-owner", queues=["default"], names=["ok"], limit=1, ttl=3600)
+        store.claims.claim(owner="test-owner", queues=["default"], names=["ok"], limit=1, ttl=3600)
     long_ago = db_now(dsn) - dt.timedelta(days=30)
     with connect(dsn) as conn:  # old enough for any setting
         conn.execute("UPDATE cyclone_runs SET created_at = %s", (long_ago,))
@@ -429,7 +429,7 @@ def test_the_supervisors_maintenance_archives_finished_runs(cyclone_env_factory,
 
 def test_the_archive_has_every_column_of_the_hot_tables(cyclone_dsn: str) -> None:
     """A column added to cyclone_runs or cyclone_steps must reach the archive and the
-    column lists that move rows (queries.sql), or a move would lose it."""
+    column lists that move rows (sql/history.sql), or a move would lose it."""
     def columns(table: str) -> list[str]:
         return [r["column_name"] for r in sql(cyclone_dsn, "SELECT column_name FROM information_schema.columns "
                                                            "WHERE table_name = %s ORDER BY ordinal_position", table)]
@@ -550,9 +550,9 @@ def test_the_history_pass_is_one_supervisors_turn_per_interval(cyclone_dsn: str)
     migration 0018, as the sweep's): the first to ask takes it, the others are told when
     it ends."""
     with store_on(cyclone_dsn) as a, store_on(cyclone_dsn) as b:
-        mine = a.sweep_turn("supervisor-a", 5.0, "history").mine
-        theirs, wait, _ = b.sweep_turn("supervisor-b", 5.0, "history")
+        mine = a.sweep.turn("supervisor-a", 5.0, "history").mine
+        theirs, wait, _ = b.sweep.turn("supervisor-b", 5.0, "history")
         assert mine and not theirs and 4.0 < wait <= 5.0
-        assert b.sweep_turn("supervisor-b", 5.0, "sweep")[0]  # each task has its own turn
+        assert b.sweep.turn("supervisor-b", 5.0, "sweep")[0]  # each task has its own turn
     rows = sql(cyclone_dsn, "SELECT task, holder FROM cyclone_maintenance ORDER BY task")
     assert [(r["task"], r["holder"]) for r in rows] == [("history", "supervisor-a"), ("sweep", "supervisor-b")]

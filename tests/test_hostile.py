@@ -22,6 +22,7 @@ import pytest
 
 import cyclone_mp as cy
 from cyclone_mp import decisions, procs, protocol
+from cyclone_mp.store import operations
 from cyclone_mp.errors import (
     ConfigurationError, DatabaseBusy, DatabaseDiskFull, DatabaseError, DatabaseUnavailable, PayloadError,
     QueryRejected, UnstorableText,
@@ -244,12 +245,12 @@ def test_index_row_too_large_is_a_rejected_call_not_an_outage(cyclone_dsn):
         node = NodeRow(node="ok", step_name="ok", kind="task", depends_on=(), queue="default", priority=0,
                        state="available", max_attempts=1, max_reclaims=None, timeout=None)
         with pytest.raises(QueryRejected) as info:
-            store.enqueue_run(name="ok", kind="step", input={}, nodes=[node], delay=0, idempotency_key=key)
+            store.runs.enqueue(name="ok", kind="step", input={}, nodes=[node], delay=0, idempotency_key=key)
         assert info.value.sqlstate == "54000" and "index row requires" in str(info.value)
         assert not isinstance(info.value, DatabaseUnavailable)
         assert not store.broken
-        run_id, created = store.enqueue_run(name="ok", kind="step", input={}, nodes=[node], delay=0,
-                                            idempotency_key="short")
+        run_id, created = store.runs.enqueue(name="ok", kind="step", input={}, nodes=[node], delay=0,
+                                                 idempotency_key="short")
         assert created and run_id
     finally:
         store.close()
@@ -262,7 +263,7 @@ def test_a_terminated_session_is_an_outage(cyclone_dsn):
         with psycopg.connect(cyclone_dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
         with pytest.raises(DatabaseUnavailable):
-            store.list_runs()
+            store.run(operations.list_runs())
     finally:
         store.close()
 
@@ -376,12 +377,12 @@ def test_a_fan_in_is_loaded_with_its_own_statement_timeout(cyclone_env):
     store = Store.open(cyclone_env.dsn, statement_timeout=0.001)
     try:
         with pytest.raises(DatabaseBusy, match="statement timeout"):  # the session's bound alone
-            store.load_payload(join)
-        payload = store.load_payload(join, statement_timeout=60)
+            store.payloads.load(join)
+        payload = store.payloads.load(join, statement_timeout=60)
         upstream = json.loads(payload["upstream"])
         assert sorted(upstream) == [f"part{i}" for i in range(5)] and len(upstream["part0"]) == 400_000
         assert payload["upstream_outputs"] == 5 and payload["upstream_bytes"] == len(payload["upstream"].encode())
-        over = store.load_payload(join, statement_timeout=60, max_upstream=payload["upstream_bytes"] - 1)
+        over = store.payloads.load(join, statement_timeout=60, max_upstream=payload["upstream_bytes"] - 1)
         assert over["upstream"] is None and over["upstream_bytes"] == payload["upstream_bytes"]
     finally:
         store.close()

@@ -1,8 +1,8 @@
 """The hot statement (issue 8): one statement settles a tick, and its failures decide
 exactly as the one-by-one path does.
 
-Each comparison claims two identical steps, fails one with ``Store.fail_many`` (the
-batched statement without completions) and the other with ``Store.fail`` (the path it
+Each comparison claims two identical steps, fails one with ``Outcomes.fail_many`` (the
+batched statement without completions) and the other with ``Outcomes.fail`` (the path it
 replaces), and compares the rows: single-step runs, paused runs and workflow runs.
 """
 
@@ -30,7 +30,7 @@ COLUMNS = ("state, paused_from, attempt, max_attempts, error, error_kind, errors
 
 def claim_two(env: Any, store: Store, step: cy.Step, **options: Any) -> tuple[list[str], list[dict[str, Any]]]:
     ids = [env.client().enqueue(step, {}, **options) for _ in range(2)]
-    rows = store.claim(owner=OWNER, queues=["default"], names=[step.name], limit=2, ttl=30)
+    rows = store.claims.claim(owner=OWNER, queues=["default"], names=[step.name], limit=2, ttl=30).rows
     assert len(rows) == 2
     return ids, rows
 
@@ -70,12 +70,12 @@ def test_fail_many_matches_fail(cyclone_env, kind, options, aged, require_timed_
             age(cyclone_env.dsn, b["id"], 5)
         entry = {"type": "builtins.ValueError", "message": "bad", "pid": 1}
         delay = 7.0 if "backoff" in options else 0.0
-        applied = store.fail_many(owner=OWNER, items=[FailedAttempt(
+        applied = store.outcomes.fail_many(owner=OWNER, items=[FailedAttempt(
             id=a["id"], generation=a["lease_generation"], kind=kind, entry=entry, delay=delay,
             require_timed_out=require_timed_out)])
         assert applied == {(a["id"], a["lease_generation"])}
-        assert store.fail(owner=OWNER, id=b["id"], generation=b["lease_generation"], kind=kind, entry=entry,
-                          backoff=lambda n: delay, require_timed_out=require_timed_out) == "applied"
+        assert store.outcomes.fail(owner=OWNER, id=b["id"], generation=b["lease_generation"], kind=kind, entry=entry,
+                                   backoff=lambda n: delay, require_timed_out=require_timed_out).status == "applied"
         batched, single = row_of(cyclone_env.dsn, a["id"]), row_of(cyclone_env.dsn, b["id"])
         assert batched == single
         assert batched["errors"][0]["kind"] == batched["error_kind"]
@@ -92,19 +92,20 @@ def test_fail_many_leaves_what_it_must_not_decide(cyclone_env):
                               entry={}, delay=0.0, require_timed_out=False)  # another lease's
         early = FailedAttempt(id=b["id"], generation=b["lease_generation"], kind=decisions.TIMEOUT,
                               entry={}, delay=0.0, require_timed_out=True)  # DB deadline 60 s away
-        assert store.fail_many(owner=OWNER, items=[stale, early]) == set()
+        assert store.outcomes.fail_many(owner=OWNER, items=[stale, early]) == set()
         for step_id in (a["id"], b["id"]):
             row = row_of(cyclone_env.dsn, step_id)
             assert (row["attempt"], row["errors"], row["lease_owner"]) == (1, [], OWNER)
         # a workflow's failure needs its run advanced in the same transaction: only when asked
         cyclone_env.mux().register(wh.diamond)
         cyclone_env.enqueue(wh.diamond, {})
-        (w,) = store.claim(owner=OWNER, queues=["default"], names=["a"], limit=1, ttl=30)
+        (w,) = store.claims.claim(owner=OWNER, queues=["default"], names=["a"], limit=1, ttl=30).rows
         failure = FailedAttempt(id=w["id"], generation=w["lease_generation"], kind=decisions.ERROR,
                                 entry={}, delay=0.0, require_timed_out=False)
-        assert store.fail_many(owner=OWNER, items=[failure]) == set()
+        assert store.outcomes.fail_many(owner=OWNER, items=[failure]) == set()
         assert row_of(cyclone_env.dsn, w["id"])["state"] == "running"
-        assert store.fail_many(owner=OWNER, items=[failure], workflows=True) == {(w["id"], w["lease_generation"])}
+        applied = store.outcomes.fail_many(owner=OWNER, items=[failure], workflows=True)
+        assert applied == {(w["id"], w["lease_generation"])}
     finally:
         store.close()
 
@@ -126,7 +127,7 @@ def test_fail_many_matches_fail_in_paused_and_workflow_runs(cyclone_env, setup, 
         if "workflow" in setup:
             cyclone_env.mux().register(wh.diamond)
             run_ids = [cyclone_env.enqueue(wh.diamond, {}) for _ in range(2)]
-            a, b = store.claim(owner=OWNER, queues=["default"], names=["a"], limit=2, ttl=30)
+            a, b = store.claims.claim(owner=OWNER, queues=["default"], names=["a"], limit=2, ttl=30).rows
         else:
             cyclone_env.mux().register(h.raises)
             run_ids, (a, b) = claim_two(cyclone_env, store, h.raises)
@@ -136,12 +137,12 @@ def test_fail_many_matches_fail_in_paused_and_workflow_runs(cyclone_env, setup, 
         entry = {"type": "builtins.ValueError", "message": "bad", "pid": 1}
         by_id = {r["id"]: r for r in (a, b)}
         first, second = (by_id[s] for s in sorted(by_id))  # run order is claim order: match rows to runs
-        applied = store.fail_many(owner=OWNER, items=[FailedAttempt(
+        applied = store.outcomes.fail_many(owner=OWNER, items=[FailedAttempt(
             id=first["id"], generation=first["lease_generation"], kind=kind, entry=entry, delay=0.0,
             require_timed_out=False)], workflows="workflow" in setup)
         assert applied == {(first["id"], first["lease_generation"])}
-        assert store.fail(owner=OWNER, id=second["id"], generation=second["lease_generation"], kind=kind,
-                          entry=entry, backoff=lambda n: 0.0) == "applied"
+        assert store.outcomes.fail(owner=OWNER, id=second["id"], generation=second["lease_generation"], kind=kind,
+                                   entry=entry, backoff=lambda n: 0.0).status == "applied"
         batched, single = (run_rows(cyclone_env.dsn, r["run_id"]) for r in (first, second))
         assert batched == single
         node = first["node"]
@@ -178,14 +179,14 @@ def test_one_statement_settles_completions_failures_and_the_next_claim(cyclone_e
     try:
         cyclone_env.mux().register(h.ok)
         run_ids = [cyclone_env.client().enqueue(h.ok, {"i": i}) for i in range(4)]
-        a, b, c = store.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30)
+        a, b, c = store.claims.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30).rows
         store.conn.cursor_factory = Counting
-        settled = store.settle(
+        settled = store.outcomes.settle(
             owner=OWNER,
             completions=[(a["id"], a["lease_generation"], {"done": 1}, None),
                          (b["id"], b["lease_generation"] + 1, {"late": 1}, None)],  # another lease's
             failures=[FailedAttempt(id=c["id"], generation=c["lease_generation"], kind=decisions.ERROR,
-                                    entry={"message": "bad"}, delay=0.0, require_timed_out=False)],
+                                             entry={"message": "bad"}, delay=0.0, require_timed_out=False)],
             queues=["default"], names=["ok"], limit=2, ttl=30,
         )
         assert len(statements) == 1
@@ -214,8 +215,8 @@ def test_each_completion_is_matched_by_its_lease_and_carries_its_own_output(cycl
         cyclone_env.mux().register(h.ok)
         for i in range(3):
             cyclone_env.client().enqueue(h.ok, {"i": i})
-        a, b, c = store.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30)
-        settled = store.settle(owner=OWNER, completions=[
+        a, b, c = store.claims.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30).rows
+        settled = store.outcomes.settle(owner=OWNER, completions=[
             (c["id"], c["lease_generation"], {"mine": "c"}, {"done": 3}),
             (a["id"], a["lease_generation"] - 1, {"stale": "a"}, None),  # an older lease of a
             (b["id"], b["lease_generation"], [1, "b"], None),
@@ -245,8 +246,8 @@ def test_a_runs_completion_is_a_hot_update(cyclone_env):
     assert {r["attname"] for r in indexed} & {"state", "finished_at", "updated_at"} == set()
     store = Store.open(cyclone_env.dsn)
     try:
-        rows = store.claim(owner=OWNER, queues=["default"], names=["ok"], limit=20, ttl=30)
-        done = store.complete(owner=OWNER, items=[(r["id"], r["lease_generation"], None, None) for r in rows])
+        rows = store.claims.claim(owner=OWNER, queues=["default"], names=["ok"], limit=20, ttl=30).rows
+        done = store.outcomes.complete(owner=OWNER, items=[(r["id"], r["lease_generation"], None, None) for r in rows])
         assert len(done) == 20
     finally:
         store.close()  # a backend flushes its statistics when it exits
@@ -277,17 +278,17 @@ def test_an_error_entrys_time_is_utc_text_whatever_the_session_time_zone(cyclone
         assert store.conn.execute("SHOW timezone").fetchone()["TimeZone"] == "Asia/Kolkata"
         cyclone_env.mux().register(h.raises)
         _, (a, b) = claim_two(cyclone_env, store, h.raises, max_reclaims=0)
-        assert store.fail_many(owner=OWNER, items=[FailedAttempt(
+        assert store.outcomes.fail_many(owner=OWNER, items=[FailedAttempt(
             id=a["id"], generation=a["lease_generation"], kind=decisions.ERROR, entry={}, delay=0.0,
             require_timed_out=False)]) == {(a["id"], a["lease_generation"])}
         with connect(cyclone_env.dsn) as conn:
             conn.execute("UPDATE cyclone_steps SET lease_expiry = now() - interval '1 second' WHERE id = %s",
                          (b["id"],))
-        assert store.expire(b["id"], lambda name: (lambda n: 0.0), {}) == "reclaim_limit"
-        (again,) = store.claim(owner=OWNER, queues=["default"], names=[h.raises.name], limit=1, ttl=30)
+        assert store.sweep.expire(b["id"], lambda name: (lambda n: 0.0), {}).action == "reclaim_limit"
+        (again,) = store.claims.claim(owner=OWNER, queues=["default"], names=[h.raises.name], limit=1, ttl=30).rows
         assert again["id"] == a["id"]  # its retry
-        assert store.fail(owner=OWNER, id=a["id"], generation=again["lease_generation"], kind=decisions.ERROR,
-                          entry={}, backoff=lambda n: 0.0) == "applied"
+        assert store.outcomes.fail(owner=OWNER, id=a["id"], generation=again["lease_generation"], kind=decisions.ERROR,
+                                   entry={}, backoff=lambda n: 0.0).status == "applied"
         now = time.time()
         with connect(cyclone_env.dsn) as conn:
             entries = [r["e"] for r in conn.execute(

@@ -10,19 +10,19 @@ import time
 
 import flow_handlers as fh
 from cyclone_mp import loader
-from cyclone_mp.store import INLINE_MAX, Store
+from cyclone_mp.store import INLINE_MAX, Payloads
 from waiting import wait_for
 
 
 def test_a_slow_load_holds_back_no_sweep_and_its_connection_closes_when_idle(cyclone_env_factory, monkeypatch):
     slow = 4.0
-    real = Store.load_payload
+    real = Payloads.load
 
     def slow_load(self, *args, **kwargs):
         time.sleep(slow)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(Store, "load_payload", slow_load)
+    monkeypatch.setattr(Payloads, "load", slow_load)
     monkeypatch.setattr(loader, "IDLE_CLOSE", 1.0)
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10)
     env.mux().register(fh.noop)

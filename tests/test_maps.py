@@ -209,18 +209,18 @@ def test_the_upstream_result_arriving_twice_maps_once(cyclone_env):
     run_id = env.client().enqueue(mh.squares, {"n": 4})
     a, b = Store.open(env.dsn), Store.open(env.dsn)
     try:
-        [stale] = a.claim(owner="a", queues=["default"], names=["numbers"], limit=5, ttl=30)
+        [stale] = a.claims.claim(owner="a", queues=["default"], names=["numbers"], limit=5, ttl=30).rows
         env.expire_lease(run_id, "numbers")
         assert Sweeper("sweeper", lambda name: lambda attempt: 0.0).run_once(a)["reclaim"] == 1
-        [fresh] = b.claim(owner="b", queues=["default"], names=["numbers"], limit=5, ttl=30)
+        [fresh] = b.claims.claim(owner="b", queues=["default"], names=["numbers"], limit=5, ttl=30).rows
         assert fresh["lease_generation"] == stale["lease_generation"] + 1
         listed = [{"x": i} for i in range(4)]
-        won = b.complete(owner="b", items=[(fresh["id"], fresh["lease_generation"], listed, None)])
+        won = b.outcomes.complete(owner="b", items=[(fresh["id"], fresh["lease_generation"], listed, None)])
         assert won == {(fresh["id"], fresh["lease_generation"])}
         assert len(item_rows(env.dsn, run_id)) == 4
         late = [{"x": i} for i in range(9)]  # the stale attempt's (different) list
-        assert a.complete(owner="a", items=[(stale["id"], stale["lease_generation"], late, None)]) == set()
-        assert b.complete(owner="b", items=[(fresh["id"], fresh["lease_generation"], listed, None)]) == set()
+        assert a.outcomes.complete(owner="a", items=[(stale["id"], stale["lease_generation"], late, None)]) == set()
+        assert b.outcomes.complete(owner="b", items=[(fresh["id"], fresh["lease_generation"], listed, None)]) == set()
         rows = item_rows(env.dsn, run_id)
         assert [(r["node"], r["input"]) for r in rows] == [(f"square[{i}]", {"x": i}) for i in range(4)]
         square = env.status(run_id).steps["square"]
@@ -360,9 +360,9 @@ def test_a_list_over_the_most_items_a_map_may_have_fails_the_map_alone(cyclone_e
     run_id = env.client().enqueue(mh.squares, {})
     store = Store.open(env.dsn)
     try:
-        [row] = store.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=30)
+        [row] = store.claims.claim(owner="t", queues=["default"], names=["numbers"], limit=1, ttl=30).rows
         lease = (row["id"], row["lease_generation"])
-        assert store.complete(owner="t", items=[(*lease, [1, 2, 3, 4], None)]) == {lease}
+        assert store.outcomes.complete(owner="t", items=[(*lease, [1, 2, 3, 4], None)]) == {lease}
     finally:
         store.close()
     run = env.status(run_id)

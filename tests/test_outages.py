@@ -231,9 +231,9 @@ def test_a_completion_that_meets_a_stale_prepared_statement_is_written_again_not
     statement a schema change invalidated: that is no fault of the output, so the write
     is tried again (it used to become a failed attempt: "the database rejected the
     handler's output")."""
-    from cyclone_mp.store import Store
+    from cyclone_mp.store import Outcomes
 
-    real_settle = Store.settle
+    real_settle = Outcomes.settle
     stale_left = [2]
 
     def settle(self, **kwargs):
@@ -245,7 +245,7 @@ def test_a_completion_that_meets_a_stale_prepared_statement_is_written_again_not
                 raise DatabaseError(f"database error: FeatureNotSupported: {cause}") from cause
         return real_settle(self, **kwargs)
 
-    monkeypatch.setattr(Store, "settle", settle)
+    monkeypatch.setattr(Outcomes, "settle", settle)
     env = cyclone_env_factory(worker="thread", workers=2, prefetch=16)
     env.mux().register(h.ok)
     ids = env.client().enqueue_many(h.ok, [{"i": i} for i in range(20)], max_attempts=1)
@@ -276,7 +276,7 @@ def test_a_session_frozen_inside_a_transaction_stalls_the_others_only_briefly(cy
         assert env.run_until_complete(run_id, timeout=30).state == "completed"
         assert time.monotonic() - t0 < 15
         with pytest.raises(DatabaseUnavailable):  # the server ended the frozen session: an outage to its owner
-            frozen.lease_state(0)
+            frozen.leases.state(0)
     finally:
         frozen.close()
 
@@ -304,7 +304,7 @@ def test_a_client_call_whose_session_the_server_ended_mid_transaction_runs_again
     tries = []
 
     def frozen_once(store):
-        with store._tx() as cur:
+        with store.tx() as cur:
             cur.execute("SELECT count(*) AS n FROM cyclone_runs")
             tries.append(store.conn.info.backend_pid)
             if len(tries) == 1:
@@ -312,5 +312,5 @@ def test_a_client_call_whose_session_the_server_ended_mid_transaction_runs_again
             cur.execute("SELECT count(*) AS n FROM cyclone_runs")
             return cur.fetchone()["n"]
 
-    assert client._call(translate(frozen_once)) == 0  # as every Store method is wrapped
+    assert client._call(translate(frozen_once)) == 0  # as every query method is wrapped
     assert len(tries) == 2 and tries[0] != tries[1]  # the second try ran on another session

@@ -1,7 +1,7 @@
 """The engine on the test server's PostgreSQL, whichever version it is (CI runs the suite
 on 14 to 18: ``CYCLONE_TEST_POSTGRES``), and maintenance that fails loudly.
 
-- every named statement of ``queries.sql`` is accepted by this server (PREPARE: syntax,
+- every named statement of the ``sql/*.sql`` files is accepted by this server (PREPARE: syntax,
   functions, operators, catalog columns);
 - a server older than 14 is refused by ``migrate()`` and so by every supervisor, in one line;
 - the maintenance turn works from the row as migration 0018 left it (``ran_at`` =
@@ -50,7 +50,7 @@ def server_version_num(dsn: str) -> int:
 
 
 def test_every_named_statement_is_accepted_by_this_server(cyclone_dsn: str) -> None:
-    """PREPARE each statement of queries.sql (parameters as $n, types inferred by the
+    """PREPARE each statement of the sql/*.sql files (parameters as $n, types inferred by the
     server): what differs between versions in syntax, functions, operators or catalog
     columns fails here, on the version CI runs this on."""
     rejected = {}
@@ -100,12 +100,12 @@ def test_the_maintenance_turn_works_from_a_row_made_by_migration_0018(cyclone_ds
         conn.execute("UPDATE cyclone_maintenance SET ran_at = '-infinity', succeeded_at = NULL")
     store = Store.open(cyclone_dsn)
     try:
-        first = store.sweep_turn("a", 1.0)
-        second = store.sweep_turn("b", 1.0)
+        first = store.sweep.turn("a", 1.0)
+        second = store.sweep.turn("b", 1.0)
         assert first.mine and first.since_success is None
         assert not second.mine and 0.0 < second.wait <= 1.0
-        store.maintenance_succeeded("sweep")
-        assert 0.0 <= store.sweep_turn("b", 1.0).since_success < 5.0
+        store.sweep.succeeded("sweep")
+        assert 0.0 <= store.sweep.turn("b", 1.0).since_success < 5.0
     finally:
         store.close()
 

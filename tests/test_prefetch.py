@@ -13,7 +13,7 @@ import pytest
 
 import cyclone_mp as cy
 from cyclone_mp.childproc import ChildProc
-from cyclone_mp.store import Store, connect
+from cyclone_mp.store import Claims, Outcomes, connect
 
 import handlers as h
 from waiting import wait_for
@@ -141,17 +141,17 @@ def test_prefetch_must_be_a_non_negative_int():
 
 @pytest.mark.parametrize("prefetch", [0, 4])
 def test_an_unexpected_error_in_the_batch_statement_loses_no_outcome(cyclone_env_factory, monkeypatch, prefetch):
-    real = Store.settle
+    real = Outcomes.settle
     calls = {"n": 0, "failures": 0}
 
-    def fails_once(self: Store, **kwargs: Any) -> Any:
+    def fails_once(self: Outcomes, **kwargs: Any) -> Any:
         calls["n"] += 1
         if kwargs.get("failures") and not calls["failures"]:
             calls["failures"] += 1  # the first statement that carries failed attempts
             raise RuntimeError("injected")
         return real(self, **kwargs)
 
-    monkeypatch.setattr(Store, "settle", fails_once)
+    monkeypatch.setattr(Outcomes, "settle", fails_once)
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5, prefetch=prefetch)
     ids = [env.enqueue(h.ok, {"i": i}) for i in range(6)]
     failing = [env.enqueue(h.raises, {}) for _ in range(3)]
@@ -550,17 +550,17 @@ def test_a_claim_that_came_back_late_starts_while_its_lease_can_be_kept(cyclone_
     came back later than that (the supervisor frozen by SIGSTOP, a stalled server) is
     released, never started: helper-17 saw a resumed supervisor start a step whose row
     had meanwhile been reclaimed, so it ran twice."""
-    real_claim = Store.claim
+    real_claim = Claims.claim
     stalled = []
 
     def late_claim(self, **kwargs):
-        rows = real_claim(self, **kwargs)
-        if rows and not stalled:
-            stalled.append(len(rows))
+        claimed = real_claim(self, **kwargs)
+        if claimed.rows and not stalled:
+            stalled.append(len(claimed.rows))
             time.sleep(stall)
-        return rows
+        return claimed
 
-    monkeypatch.setattr(Store, "claim", late_claim)
+    monkeypatch.setattr(Claims, "claim", late_claim)
     env = cyclone_env_factory(worker="thread", workers=1, prefetch=4, lease_ttl=3)
     env.mux().register(h.ok)
     ids = [env.enqueue(h.ok, {"n": i}) for i in range(3)]

@@ -107,7 +107,7 @@ def test_two_definitions_ticking_in_turn_fire_every_slot_once(cyclone_dsn):
     assert [v for s, v in got if s > deploy] == ["new"] * 13
     row = row_of(cyclone_dsn)
     assert (row["runs"], row["skipped"]) == (16, 0)
-    listed = {r["name"]: r for r in clock.store.list_schedules()}["deploy"]  # on the fixed clock
+    listed = {r["name"]: r for r in clock.store.schedules.list_all()}["deploy"]  # on the fixed clock
     assert listed["spec"]["input"] == {"v": "new"} and len(listed["definitions"]) == 2
     assert [d["in_force"] for d in listed["definitions"]] == [True, False]
     clock.store.close()

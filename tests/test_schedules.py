@@ -207,7 +207,7 @@ def test_catch_up_after_downtime_and_a_removed_schedule_stops(cyclone_dsn):
     schedules.run_once(clock.at(utc("2026-06-01T12:25:30")), smaller, client.config)
     assert len(slots_enqueued(cyclone_dsn, "cu_none")) == 1 and len(slots_enqueued(cyclone_dsn, "cu_all")) == 5
     # the rows say what the CLI shows: next slot, runs, skipped
-    rows = {r["name"]: r for r in clock.store.list_schedules()}
+    rows = {r["name"]: r for r in clock.store.schedules.list_all()}
     assert rows["cu_all"]["next_at"] == utc("2026-06-01T12:30:00") and rows["cu_all"]["runs"] == 5
     assert rows["cu_none"]["skipped"] == 3 and rows["cu_none"]["next_at"] == utc("2026-06-01T12:25:00")
     clock.store.close()
@@ -350,7 +350,7 @@ def test_runs_and_status_show_keys_limits_and_schedules(cyclone_dsn):
     schedules.run_once(clock.at(utc("2026-06-01T12:01:05")), mux, client.config)
     ids = client.enqueue_many(fh.per_tenant, [{"tenant": "acme"}] * 3)
     store = Store.open(cyclone_dsn)
-    store.claim(owner="t", queues=["default"], names=["per_tenant"], limit=5, ttl=60)
+    store.claims.claim(owner="t", queues=["default"], names=["per_tenant"], limit=5, ttl=60)
     store.close()
     runner = CliRunner()
     rows = json.loads(runner.invoke(cli, ["--dsn", cyclone_dsn, "runs", "--json"]).output)

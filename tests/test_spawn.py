@@ -77,19 +77,19 @@ def test_spawn_from_an_attempt_that_loses_its_cas_spawns_nothing(cyclone_env):
         return spawning.plan(env.mux(), env.client().config.defaults, run_id, "fanout", ctx.spawns)
 
     try:
-        [stale] = a.claim(owner="a", queues=["default"], names=["fanout"], limit=5, ttl=30)
+        [stale] = a.claims.claim(owner="a", queues=["default"], names=["fanout"], limit=5, ttl=30).rows
         env.expire_lease(run_id, "fanout")
         assert Sweeper("sweeper", lambda name: lambda attempt: 0.0).run_once(a)["reclaim"] == 1
-        [fresh] = b.claim(owner="b", queues=["default"], names=["fanout"], limit=5, ttl=30)
+        [fresh] = b.claims.claim(owner="b", queues=["default"], names=["fanout"], limit=5, ttl=30).rows
         stale_key, fresh_key = (stale["id"], stale["lease_generation"]), (fresh["id"], fresh["lease_generation"])
-        assert a.complete(owner="a", items=[(*stale_key, {"by": "a"}, None)],
-                          spawns={stale_key: spawns("a")}) == set()
+        assert a.outcomes.complete(owner="a", items=[(*stale_key, {"by": "a"}, None)],
+                                   spawns={stale_key: spawns("a")}) == set()
         assert children_of(env.dsn, run_id) == []  # the lost CAS spawned nothing
-        won = b.complete(owner="b", items=[(*fresh_key, {"by": "b"}, None)], spawns={fresh_key: spawns("b")})
+        won = b.outcomes.complete(owner="b", items=[(*fresh_key, {"by": "b"}, None)], spawns={fresh_key: spawns("b")})
         assert won == {fresh_key}
-        again = b.complete(owner="b", items=[(*fresh_key, {"by": "b"}, None)], spawns={fresh_key: spawns("b")})
+        again = b.outcomes.complete(owner="b", items=[(*fresh_key, {"by": "b"}, None)], spawns={fresh_key: spawns("b")})
         assert again == set()
-        a.complete(owner="a", items=[(*stale_key, {"by": "a"}, None)], spawns={stale_key: spawns("a")})
+        a.outcomes.complete(owner="a", items=[(*stale_key, {"by": "a"}, None)], spawns={stale_key: spawns("a")})
         kids = children_of(env.dsn, run_id)
         assert [(k["parent_key"], k["state"]) for k in kids] == [("b0", "running"), ("b1", "running")]
         run = env.status(run_id)

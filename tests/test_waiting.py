@@ -1,5 +1,5 @@
 """Waiting for a run (issue 24): ``client.wait`` and ``client.result`` with each client,
-woken by LISTEN/NOTIFY on run completion (queries.sql's run_ended_expr), polling as the
+woken by LISTEN/NOTIFY on run completion (sql/fragments.sql's run_ended_expr), polling as the
 fallback, and one listening connection for 1,000 waits (acceptance 3; its latency is
 measured in benchmarks/wait.py, never here)."""
 

@@ -1,8 +1,10 @@
-"""The store's connection and transactions, and the client's operations on it: what every
-part of :class:`~cyclone_mp.store.Store` shares, and :class:`AsyncStore` (the async client's).
+"""The store's session: one connection, its transactions, and the client's operations on
+it (:class:`Session`, which every query object of :class:`~cyclone_mp.store.Store` runs
+on), and :class:`AsyncStore` (the async client's).
 
 psycopg errors become :class:`~cyclone_mp.errors.DatabaseError` with the cause kept
-(STYLE pattern 2); :func:`drive` runs an operation planned in :mod:`cyclone_mp.operations`.
+(STYLE pattern 2; :func:`translate`); :func:`drive` runs an operation planned in
+:mod:`cyclone_mp.store.operations`.
 """
 
 from __future__ import annotations
@@ -10,60 +12,42 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Self
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 
-from .. import decisions
-from ..backoff import delay_after
 from ..connections import STALE_PLAN_LOG, classify, configure_session, connect, redact, stale_plan
 from ..errors import DatabaseError, DatabaseUnavailable, QueryRejected
 from . import operations
-from .queries import Q, nullable_jsonb, to_us
-
-if TYPE_CHECKING:
-    from . import Store
+from .queries import Q
 
 log = logging.getLogger("cyclone_mp.store")
 
 
-class StoreBase:
-    """One autocommit connection, its transactions and the operations run on it: the part
-    of :class:`~cyclone_mp.store.Store` the others build on. It also holds what two parts
-    share: :meth:`_end_attempt` (a failed attempt's end, for ``leases.py``'s
-    :meth:`fail` and ``maintenance.py``'s :meth:`expire`), :meth:`_run_of` and
-    :meth:`_advance`, and the state the claims keep between calls (``fair_cursors``,
-    ``claim_wait``, ``flow_marks``: ``leases.py``) and ``last_ended`` (``fail``, ``expire``)."""
+class Session:
+    """One autocommit connection: its transactions, the translation of its errors, and the
+    client's operations (:mod:`cyclone_mp.store.operations`) run on it. The query objects
+    of :class:`~cyclone_mp.store.Store` (``store.claims``, ``store.outcomes``, ...) each
+    run their statements through one.
+
+    Attributes:
+        conn: the psycopg connection (autocommit, dict rows).
+        commits: transactions this session committed.
+        failed_before_commit: whether the last transaction failed in its body (nothing of
+            it committed): the client retries a call that surely did nothing.
+    """
 
     def __init__(self, conn: psycopg.Connection) -> None:
         self.conn = conn
-        self.commits = 0  # transactions this Store committed
-        #: Per queue, the concurrency key the last claim's walk ended at: the next claim
-        #: serves the keys after it first (round-robin).
-        self.fair_cursors: dict[str, str] = {}
-        #: After a claim: seconds until a step that a rate limit held back may start
-        #: (the supervisor's next poll need not come sooner), or None.
-        self.claim_wait: float | None = None
-        #: The marks of the queues the last claim statement asked for (see
-        #: :meth:`_claim_statement`), as its meta row said: queue -> "keys", "limits" or
-        #: "rates" (a queue without a mark is plain); None until a claim said.
-        self.flow_marks: dict[str, str] | None = None
-        self._marks_for: frozenset[str] = frozenset()  # the queues flow_marks covers
-        #: ``(step name, error kind)`` of the attempt the last :meth:`fail` or :meth:`expire`
-        #: ended (what it stored), or None: the supervisor's metrics count it.
-        self.last_ended: tuple[str | None, str] | None = None
-        #: Whether the last :meth:`fail` discarded its step; after :meth:`expire`, the
-        #: discarded step's ``{"run_id", "node", "step_name", "error_kind", "error"}`` or None.
-        self.last_discarded: Any = None
-        self.failed_before_commit = False  # the last transaction failed in its body: nothing of it committed
+        self.commits = 0
+        self.failed_before_commit = False
 
     @classmethod
     def open(cls, dsn: str, *, generic_plans: bool = False, idle_in_transaction: float | None = None,
              lock_timeout: float | None = None, statement_timeout: float | None = None,
              dead_after: float = 30.0, connect_timeout: float = 10.0, application_name: str | None = None,
-             pgbouncer: bool = False, prepare: bool = True) -> "Store":
+             pgbouncer: bool = False, prepare: bool = True) -> Self:
         """Connect to ``dsn``; raises DatabaseError.
 
         ``generic_plans`` makes PostgreSQL reuse one plan per prepared statement
@@ -113,7 +97,7 @@ class StoreBase:
         return self.conn.closed or self.conn.broken
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[psycopg.Cursor]:
+    def tx(self) -> Iterator[psycopg.Cursor]:
         """One transaction. Records whether it failed in its body (before COMMIT: then
         nothing of it was committed, even if the connection died) and counts commits, so
         a caller knows when running it again is safe (:meth:`Client._call`)."""
@@ -126,13 +110,15 @@ class StoreBase:
                 raise
         self.commits += 1
 
-    def _one(self, cur: psycopg.Cursor, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    @staticmethod
+    def one(cur: psycopg.Cursor, name: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """Run the named statement ``name`` on ``cur``; its first row, or None."""
         cur.execute(Q[name], params)
         return cur.fetchone() if cur.description else None
 
     # -- the client's operations (cyclone_mp.operations, shared with AsyncStore) ------------
 
-    def run(self, op: "operations.Op", *, caller_tx: bool = False) -> Any:
+    def run(self, op: operations.Op, *, caller_tx: bool = False) -> Any:
         """Run a planned operation (:mod:`cyclone_mp.operations`) on this store's
         connection: in a transaction of its own when the operation needs one, unless
         ``caller_tx`` (the connection is the caller's, inside the caller's open
@@ -146,7 +132,7 @@ class StoreBase:
             if caller_tx or not op.transaction:
                 with self.conn.cursor(row_factory=dict_row) as cur:
                     return drive(cur, op)
-            with self._tx() as cur:
+            with self.tx() as cur:
                 return drive(cur, op)
         except psycopg.Error as exc:
             raise self._translated(exc) from exc
@@ -165,40 +151,6 @@ class StoreBase:
         Idempotent and safe to run from many processes at once.
         """
         return self.run(operations.migrate())
-
-    def _end_attempt(
-        self, cur: psycopg.Cursor, id: int, row: dict[str, Any], kind: str, entry: dict[str, Any],
-        backoff: Callable[[int], float], progress: Any = None, swept: bool = False,
-    ) -> decisions.AttemptEnd:
-        """Write a failed attempt's end (under the run lock and the step lock). ``swept``:
-        the recovery sweep settles a running attempt whose process may still run: the step
-        is not claimed again before that process is dead (``dead_by``, SPEC 9)."""
-        delay = delay_after(row["attempt"], row.get("backoff"), backoff)
-        end = decisions.end_attempt(
-            attempt=row["attempt"], max_attempts=row["max_attempts"], kind=kind,
-            timed_out=bool(row["timed_out"]), backoff=delay,
-        )
-        entry = {**entry, "attempt": row["attempt"], "kind": end.error_kind}
-        if end.error_kind == decisions.TIMEOUT and kind != decisions.TIMEOUT:
-            entry["reported_kind"] = kind
-        quarantined = (decisions.discard_message(end.error_kind, entry, list(row.get("error_kinds") or []))
-                       if end.state == "discarded" else None)
-        cur.execute(Q["end_attempt"], {
-            "id": id, "state": end.state, "attempt": end.attempt, "delay_us": to_us(end.delay),
-            "error": quarantined or entry.get("message") or end.error_kind, "error_kind": end.error_kind,
-            "entry": Jsonb(entry), "progress": nullable_jsonb(progress), "swept": swept,
-        })
-        self._advance(cur, self._run_of(cur, id))
-        return end
-
-    @staticmethod
-    def _run_of(cur: psycopg.Cursor, id: int) -> str:
-        cur.execute("SELECT run_id::text AS run_id FROM cyclone_steps WHERE id = %s", (id,))
-        return cur.fetchone()["run_id"]
-
-    def _advance(self, cur: psycopg.Cursor, run_id: str) -> None:
-        """Under the run lock: :func:`cyclone_mp.store.operations.advance` on this cursor."""
-        drive(cur, operations.advance(run_id))
 
 
 def drive(cur: psycopg.Cursor, op: Any) -> Any:
@@ -249,7 +201,7 @@ class AsyncStore:
         return self.conn.closed or self.conn.broken
 
     async def run(self, op: Any, *, caller_tx: bool = False) -> Any:
-        """:meth:`Store.run`, awaited."""
+        """:meth:`Session.run`, awaited."""
         try:
             if caller_tx or not op.transaction:
                 async with self.conn.cursor(row_factory=dict_row) as cur:
@@ -288,9 +240,9 @@ def translate(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except psycopg.Error as exc:
-            owner = args[0] if args else None  # a Store, or a reader on one (its ``store``)
-            store = owner if isinstance(owner, StoreBase) else getattr(owner, "store", None)
-            store = store if isinstance(store, StoreBase) else None
+            owner = args[0] if args else None  # a Session, or a query object on one (its ``session`` or ``store``)
+            store = owner if isinstance(owner, Session) else getattr(owner, "session", getattr(owner, "store", None))
+            store = store if isinstance(store, Session) else None
             error = classify(exc, broken=store is not None and store.broken)
             if store is not None and not isinstance(error, DatabaseUnavailable) and stale_plan(exc):
                 store.forget_prepared(error)
