@@ -8,7 +8,7 @@ the seed's WHERE clause, every ``lease_ttl / 3`` with a random initial phase
 renewal: claims are the outcome writer's. It tells process control
 :class:`~cyclone_mp.messages.Renewed` (with the time the renewal was sent: the local
 fence, SPEC 9) or :class:`~cyclone_mp.messages.LeaseLost` (the row says why), and never
-decides what happens to a handler: :meth:`cyclone_mp.control.ProcessControl.on_lease_lost` does.
+decides what happens to a handler: :meth:`cyclone_mp.kills.Kills.on_lease_lost` does.
 
 ``LISTEN`` (new work, cancels) is the :class:`~cyclone_mp.listener.Listener`'s, on a
 thread of its own: opening that connection can take seconds, which a renewal must

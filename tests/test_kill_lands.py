@@ -391,7 +391,8 @@ def test_the_layout_is_the_design_cards_and_process_control_has_no_database():
     assert not _imports(supervisor) & {".store", ".connections", "psycopg", "selectors", "subprocess", ".pool"}
     for module in ("control.py", "endings.py", "pool.py", "childproc.py", "procs.py", "watchdoglink.py", "attempts.py",
                    "messages.py", "mailbox.py", "zygote.py", "claiming.py", "kills.py", "reports.py", "starting.py",
-                   "_zygote.py", "_child.py", "_tasks.py", "_process.py", "_progress.py",
+                   "judging.py", "childio.py",
+                   "_zygote.py", "_clone.py", "_child.py", "_tasks.py", "_process.py", "_progress.py",
                    *(f"limits/{m.name}" for m in (REPO / "cyclone_mp" / "limits").glob("*.py"))):
         imported = _imports(REPO / "cyclone_mp" / module)
         assert not imported & {".store", ".connections", ".dbloop", ".leases", ".outcomes", ".sweep", "psycopg", "psycopg_pool"}, (
