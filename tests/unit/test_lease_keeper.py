@@ -32,7 +32,8 @@ class Clock:
 class FakeStore:
     """The two calls the keeper makes. ``renew_many`` matches every step except those in
     ``lost`` and raises for a statement that holds a step of ``locked``, or the next of
-    ``outages``; ``lease_state`` answers from ``rows``."""
+    ``outages``; ``state`` answers from ``rows``. It stands for the session and its
+    ``leases`` queries both (``store.leases`` is itself)."""
 
     broken = False
 
@@ -42,6 +43,7 @@ class FakeStore:
         self.locked: set[int] = set()
         self.outages = 0
         self.rows: dict[int, dict[str, Any] | None] = {}
+        self.leases = self
 
     def renew_many(self, *, owner: str, items: list[tuple[Any, ...]], ttl: float) -> list[bool]:
         assert owner == OWNER and ttl == 3.0
@@ -53,7 +55,7 @@ class FakeStore:
             raise DatabaseError("lock timeout")
         return [item[0] not in self.lost for item in items]
 
-    def lease_state(self, step_id: int) -> dict[str, Any] | None:
+    def state(self, step_id: int) -> dict[str, Any] | None:
         return self.rows.get(step_id)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ import cyclone_mp as cy
 from cyclone_mp import sweep
 from cyclone_mp.config import VACUUM_WATCH_INTERVAL, Config
 from cyclone_mp.messages import Fleet
-from cyclone_mp.store.maintenance import Turn
+from cyclone_mp.store import Turn
 
 OWNER = "host:1:abc"
 
@@ -34,32 +34,32 @@ class Clock:
 
 class FakeStore:
     """The calls of a maintenance turn: the sweep's turn is always this supervisor's, a
-    sweep pass finds nothing, and ``register_worker`` answers ``(live, paused queues)``."""
+    sweep pass finds nothing, and ``register`` answers ``(live, paused queues)``. It stands
+    for the session and its ``sweep`` and ``registry`` queries (each is itself)."""
 
     broken = False
-    last_ended = None
-    last_discarded = None
 
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.registered: list[dict[str, Any]] = []  # the info of each registry row written
         self.live, self.paused = 1, []
+        self.sweep = self.registry = self
 
-    def sweep_turn(self, owner: str, every: float, task: str) -> Turn:
+    def turn(self, owner: str, every: float, task: str) -> Turn:
         self.calls.append(f"turn {task}")
         return Turn(True, every, None)
 
-    def sweep_candidates(self, limit: int) -> list[dict[str, Any]]:
+    def candidates(self, limit: int) -> list[dict[str, Any]]:
         self.calls.append("sweep")
         return []
 
     def fire_due_timers(self, limit: int) -> int:
         return 0
 
-    def maintenance_succeeded(self, task: str) -> None:
+    def succeeded(self, task: str) -> None:
         pass
 
-    def register_worker(self, *, id: str, hostname: str, pid: int, info: dict[str, Any], live: float,
+    def register(self, *, id: str, hostname: str, pid: int, info: dict[str, Any], live: float,
                         queues: Any) -> tuple[int, list[str]]:
         self.calls.append("register")
         self.registered.append(info)

@@ -15,7 +15,7 @@ from cyclone_mp.config import Config
 from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
 from cyclone_mp.messages import COMPLETE, FAIL, RELEASE, Claimed, LeaseDone, Outcome, Poll, Track, Written
 from cyclone_mp.outcomes import RETRY_AFTER, OutcomeWriter
-from cyclone_mp.store import FORENSIC_KEYS, Settled
+from cyclone_mp.store import FORENSIC_KEYS, ClaimResult, FailResult, Settled
 
 OWNER = "host:1:abc"
 
@@ -34,12 +34,11 @@ class FakeStore:
     """The writer's calls, answering from what the test sets: ``settled`` (or
     ``settle_error``) for the batch statement, ``claimed`` for a claim alone, ``applied``
     for writes alone (``complete``: a bool; ``fail``: "applied", "lost" or "not_yet"),
-    ``rows`` for ``lease_state``. Every call is recorded in ``calls`` as (name, kwargs)."""
+    ``rows`` for ``state``. Every call is recorded in ``calls`` as (name, kwargs). It
+    stands for the session and its ``claims``, ``outcomes`` and ``leases`` queries (each
+    is itself)."""
 
     broken = False
-    claim_wait = None
-    last_ended = None
-    last_discarded = None
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -49,6 +48,7 @@ class FakeStore:
         self.applied: list[Any] = []  # answers of complete/fail/release, in order
         self.fail_error: Exception | None = None
         self.rows: dict[int, dict[str, Any] | None] = {}
+        self.claims = self.outcomes = self.leases = self
 
     def settle(self, **kw: Any) -> Settled:
         self.calls.append(("settle", kw))
@@ -56,20 +56,20 @@ class FakeStore:
             raise self.settle_error
         return self.settled
 
-    def claim(self, **kw: Any) -> list[dict[str, Any]]:
+    def claim(self, **kw: Any) -> ClaimResult:
         self.calls.append(("claim", kw))
-        return self.claimed
+        return ClaimResult(self.claimed, None, None)
 
     def complete(self, **kw: Any) -> bool:
         self.calls.append(("complete", kw))
         return self.applied.pop(0)
 
-    def fail(self, **kw: Any) -> str:
+    def fail(self, **kw: Any) -> FailResult:
         self.calls.append(("fail", kw))
         if self.fail_error is not None:
             error, self.fail_error = self.fail_error, None
             raise error
-        return self.applied.pop(0)
+        return FailResult(self.applied.pop(0))
 
     def release(self, **kw: Any) -> bool:
         self.calls.append(("release", kw))
@@ -78,7 +78,7 @@ class FakeStore:
     def mark_dead(self, keys: list[Any]) -> None:
         self.calls.append(("mark_dead", {"keys": keys}))
 
-    def lease_state(self, step_id: int) -> dict[str, Any] | None:
+    def state(self, step_id: int) -> dict[str, Any] | None:
         return self.rows.get(step_id)
 
     def close(self) -> None:
