@@ -23,13 +23,14 @@ from ..connections import (  # the connections and their errors, re-exported for
     PooledAsyncConnection, PooledConnection, PooledCursor, check_pooled, classify, configure_session, connect,
     database_dsn, redact, server_spoke, session_settings, stale_plan, tcp_bounds,
 )
+from ..noderows import NodeRow, limit_params, node_params, to_us
 from .claims import ClaimResult, Claims
 from .leases import Leases
 from .outcomes import FailResult, Outcomes
 from .payloads import Payloads
 from .queries import (
-    CANCEL_CHANNEL, FORENSIC_KEYS, INLINE_MAX, MIGRATION_LOCK, NOTIFY_CHANNEL, PARSE_CACHE_LENGTH, Q, FailedAttempt, NodeRow, Settled,
-    limit_params, node_params, nullable_jsonb, to_us,
+    CANCEL_CHANNEL, FORENSIC_KEYS, INLINE_MAX, MIGRATION_LOCK, NOTIFY_CHANNEL, PARSE_CACHE_LENGTH, Q, FailedAttempt, Settled,
+    nullable_jsonb,
 )
 from .registry import Registry
 from .runs import Runs

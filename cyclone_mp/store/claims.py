@@ -13,7 +13,8 @@ import dataclasses
 import json
 from typing import Any, Sequence
 
-from .queries import INLINE_MAX, Q, to_us
+from ..noderows import to_us
+from .queries import INLINE_MAX, Q
 from .session import Session, translate
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .queries import Q, nullable_jsonb, to_us
+from ..noderows import to_us
+from .queries import Q, nullable_jsonb
 from .session import Session, translate
 
 

@@ -15,9 +15,10 @@ from psycopg.types.json import Jsonb
 
 from .. import decisions
 from ..backoff import delay_after
+from ..noderows import to_us
 from . import operations
 from .claims import Claims
-from .queries import FORENSIC_KEYS, INLINE_MAX, Q, FailedAttempt, Settled, nullable_jsonb, to_us
+from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, nullable_jsonb
 from .session import Session, drive, translate
 
 if TYPE_CHECKING:

@@ -13,9 +13,6 @@ from typing import Any, Iterable
 
 from psycopg.types.json import Jsonb
 
-from ..noderows import NodeRow, limit_params, node_params, to_us  # noqa: F401 - the rows' shapes, for the store
-
-
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",

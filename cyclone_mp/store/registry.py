@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 from psycopg.types.json import Jsonb
 
+from ..noderows import to_us
 from . import operations
-from .queries import Q, to_us
+from .queries import Q
 from .session import Session, translate
 
 

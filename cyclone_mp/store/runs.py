@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import psycopg
 
+from ..noderows import NodeRow
 from . import operations
-from .queries import NodeRow
 from .session import Session
 
 

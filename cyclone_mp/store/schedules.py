@@ -7,7 +7,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from psycopg.types.json import Jsonb
 
-from .queries import Q, to_us
+from ..noderows import to_us
+from .queries import Q
 from .session import Session, translate
 
 

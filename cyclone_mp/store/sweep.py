@@ -11,8 +11,9 @@ from typing import Any, Callable, NamedTuple
 from psycopg.types.json import Jsonb
 
 from .. import decisions
+from ..noderows import to_us
 from .outcomes import advance, end_attempt, run_of
-from .queries import Q, to_us
+from .queries import Q
 from .session import Session, translate
 
 

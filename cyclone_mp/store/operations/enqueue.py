@@ -16,7 +16,8 @@ from psycopg.types.json import Jsonb
 
 from ...errors import DatabaseError, RunNotFound
 from ...limits.declared import NO_LIMITS, Limits
-from ..queries import NodeRow, limit_params, nullable_jsonb, to_us
+from ...noderows import NodeRow, limit_params, to_us
+from ..queries import nullable_jsonb
 from .core import Op, Steps, operation, q
 
 # -- enqueue -----------------------------------------------------------------------------------
