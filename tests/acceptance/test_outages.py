@@ -182,7 +182,7 @@ def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_f
     """A claim the database rejects (not an outage: say a schema change broke it for a
     while) backs off as an empty claim does; it used to be retried on every tick,
     thousands of times a second."""
-    from cyclone_mp.store import Store
+    from cyclone_mp.store import Claims
 
     env = cyclone_env_factory(worker="thread", workers=1, poll_interval=(0.1, 1.0), prefetch=prefetch)
     env.mux().register(h.ok)
@@ -194,7 +194,7 @@ def test_a_rejected_claim_backs_off_instead_of_retrying_every_tick(cyclone_env_f
         calls.append(time.monotonic())
         raise DatabaseError("database error: FeatureNotSupported: cached plan must not change result type")
 
-    monkeypatch.setattr(Store, "claim", rejected)
+    monkeypatch.setattr(Claims, "claim", rejected)
     time.sleep(2.0)
     monkeypatch.undo()
     assert 1 <= len(calls) <= 12, f"{len(calls)} claims in 2 s"
