@@ -15,18 +15,10 @@ from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
 from cyclone_mp.leases import LeaseKeeper
 from cyclone_mp.messages import DatabaseState, LeaseDone, LeaseLost, Progress, Renewed, Started, Track
 
+from fake_clock import Clock
+
 OWNER = "host:1:abc"
 A, B = (7, 1), (8, 1)  # (step id, lease generation)
-
-
-class Clock:
-    """A local monotonic clock the test moves (seconds)."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeStore:
@@ -67,11 +59,6 @@ def middle_of_every_range(monkeypatch):
     """first_beat's phase and the renewals' jitter take the middle of their range: the
     first renewal 0.75 of an interval after the claim, then one every interval."""
     monkeypatch.setattr(random, "uniform", lambda lo, hi: (lo + hi) / 2)
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 @pytest.fixture

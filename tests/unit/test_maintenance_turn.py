@@ -19,17 +19,9 @@ from cyclone_mp.config import VACUUM_WATCH_INTERVAL, Config
 from cyclone_mp.messages import Fleet
 from cyclone_mp.store import Turn
 
+from fake_clock import Clock
+
 OWNER = "host:1:abc"
-
-
-class Clock:
-    """A local monotonic clock the test moves (seconds)."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeStore:
@@ -72,11 +64,6 @@ class FakeStore:
 @pytest.fixture(autouse=True)
 def no_jitter(monkeypatch):
     monkeypatch.setattr(random, "uniform", lambda lo, hi: lo)
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 @pytest.fixture

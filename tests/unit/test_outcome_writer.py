@@ -17,17 +17,9 @@ from cyclone_mp.messages import COMPLETE, FAIL, RELEASE, Claimed, LeaseDone, Out
 from cyclone_mp.outcomes import RETRY_AFTER, OutcomeWriter
 from cyclone_mp.store import FORENSIC_KEYS, ClaimResult, FailResult, Settled
 
+from fake_clock import Clock
+
 OWNER = "host:1:abc"
-
-
-class Clock:
-    """A local monotonic clock the test moves (seconds)."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeStore:
@@ -86,11 +78,6 @@ class FakeStore:
 
     def named(self, name: str) -> list[dict[str, Any]]:
         return [kw for called, kw in self.calls if called == name]
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 @pytest.fixture
