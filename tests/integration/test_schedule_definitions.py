@@ -14,6 +14,7 @@ from cyclone_mp.schedules import Schedule, take_over
 from cyclone_mp.store import Store, connect
 
 import flow_handlers as fh
+from fixed_clock import FixedClock
 
 UTC = dt.timezone.utc
 PREFIX = "cyclone-schedule:deploy:"
@@ -21,23 +22,6 @@ PREFIX = "cyclone-schedule:deploy:"
 
 def utc(text: str) -> dt.datetime:
     return dt.datetime.fromisoformat(text).replace(tzinfo=UTC)
-
-
-class FixedClock:
-    """A store whose now() is the value the test sets (see tests/integration/test_schedules.py)."""
-
-    def __init__(self, dsn: str):
-        admin = connect(dsn)
-        admin.execute("CREATE SCHEMA IF NOT EXISTS fakeclock")
-        admin.execute("CREATE OR REPLACE FUNCTION fakeclock.now() RETURNS timestamptz LANGUAGE sql STABLE"
-                      " AS $$ SELECT current_setting('cyclone.test_now')::timestamptz $$")
-        admin.close()
-        self.store = Store.open(dsn)
-        self.store.conn.execute("SET search_path = fakeclock, public, pg_catalog")
-
-    def at(self, when: dt.datetime) -> Store:
-        self.store.conn.execute("SELECT set_config('cyclone.test_now', %s, false)", (when.isoformat(),))
-        return self.store
 
 
 def fired(dsn: str) -> list[tuple[dt.datetime, str]]:

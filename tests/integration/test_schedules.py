@@ -16,6 +16,7 @@ from cyclone_mp.schedules import Schedule, plan
 from cyclone_mp.store import Store, connect
 
 import flow_handlers as fh
+from fixed_clock import FixedClock
 
 UTC = dt.timezone.utc
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
@@ -128,24 +129,6 @@ def test_a_long_outage_is_caught_up_in_bounded_ticks():
 
 
 # -- the database clock, fixed: DST and catch-up through the real statements --------------------
-
-
-class FixedClock:
-    """A connection whose now() is a value the test sets: a function now() in a schema that
-    comes before pg_catalog on its search_path (the tables stay in public)."""
-
-    def __init__(self, dsn: str):
-        admin = connect(dsn)
-        admin.execute("CREATE SCHEMA IF NOT EXISTS fakeclock")
-        admin.execute("CREATE OR REPLACE FUNCTION fakeclock.now() RETURNS timestamptz LANGUAGE sql STABLE"
-                      " AS $$ SELECT current_setting('cyclone.test_now')::timestamptz $$")
-        admin.close()
-        self.store = Store.open(dsn)
-        self.store.conn.execute("SET search_path = fakeclock, public, pg_catalog")
-
-    def at(self, when: dt.datetime) -> Store:
-        self.store.conn.execute("SELECT set_config('cyclone.test_now', %s, false)", (when.isoformat(),))
-        return self.store
 
 
 def slots_enqueued(dsn: str, name: str) -> list[dt.datetime]:
