@@ -311,10 +311,12 @@ class OutcomeWriter(DatabaseThread):
         self._done(outcome)
 
     def _entry(self, outcome: Outcome, plain: bool = False) -> dict[str, Any]:
-        """An attempt's error entry as stored: who wrote it, under which lease."""
+        """An attempt's error entry as stored: who wrote it, under which lease. ``plain``:
+        the forensics only, and the message :meth:`_rejected` wrote in place of the
+        handler's (the entry was refused once)."""
         entry = dict(outcome.entry or {})
         if plain:
-            entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+            entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS or k == "message"}
         if outcome.start_delay is not None:  # the handler started this long after its claim (written to start_delay)
             entry["start_delay"] = round(outcome.start_delay, 6)
         return {"worker": self.owner, "lease_generation": outcome.generation, **entry}
