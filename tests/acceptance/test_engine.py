@@ -529,9 +529,13 @@ def test_retry_of_a_step_cancelled_after_a_failure_keeps_its_attempt(cyclone_env
         assert time.monotonic() < deadline, f"attempt 1 never failed: {step}"
         time.sleep(0.02)
     assert (step.state, [e["attempt"] for e in step.errors]) == ("available", [1])
-    cyclone_env.client().cancel(run_id)
-    assert cyclone_env.client().retry(run_id) == 1
-    step = cyclone_env.status(run_id).step
+    cyclone_env.freeze_worker()  # else the retried step may run and fail again before it is read back
+    try:
+        cyclone_env.client().cancel(run_id)
+        assert cyclone_env.client().retry(run_id) == 1
+        step = cyclone_env.status(run_id).step
+    finally:
+        cyclone_env.thaw_worker()
     assert (step.attempt, step.max_attempts) == (2, 3)
     while len((step := cyclone_env.status(run_id).step).errors) < 2:
         assert time.monotonic() < deadline, f"attempt 2 never failed: {step}"
