@@ -25,8 +25,10 @@ from cyclone_mp.limits.declared import Limits, kind_of
 from cyclone_mp.limits.verdicts import Usage, cause_of_death, death_summary, over_limit
 
 import limit_handlers as lh
-from test_limits import dead, lines, no_cgroup_left_behind, simulated_v2  # noqa: F401 (an autouse fixture)
+from limits_support import dead, lines, simulated_v2
 from waiting import wait_for
+
+pytestmark = pytest.mark.usefixtures("no_cgroup_left_behind")
 
 MIB = 1 << 20
 

@@ -1,5 +1,5 @@
 """Issue 19, "A newcomer's first hour": each fault a test (items 2, 4, 5, 6, 8 and 11;
-items 1 and 7 are in test_shared_server.py, 9 in test_dashboard.py, 10 in test_docs.py).
+items 1 and 7 are in test_shared_server.py, 9 in test_dashboard_api.py, 10 in test_docs.py).
 
 Real PostgreSQL and real processes: the CLI and its workers run as subprocesses on a
 fresh database (the ``dsn`` and ``worker`` fixtures of test_cli.py); terminal widths are

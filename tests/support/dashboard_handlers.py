@@ -1,4 +1,4 @@
-"""A module-level workflow for tests/acceptance/test_dashboard.py (worker processes import it by name).
+"""A module-level workflow for tests/acceptance/test_dashboard_*.py (worker processes import it by name).
 
 ``release``: ``fetch`` runs at once; then ``approve`` waits for a signal, ``cooldown`` for a
 one-hour timer, and ``publish`` (pending) for both. Once ``fetch`` completed, the run

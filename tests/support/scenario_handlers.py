@@ -1,4 +1,4 @@
-"""Module-level step handlers for tests/acceptance/test_scenarios.py (SC-01..SC-11).
+"""Module-level step handlers for tests/acceptance/test_scenarios_*.py (SC-01..SC-11).
 
 Children import handlers by module path, so everything here is defined at module level.
 Handlers report what they did by appending JSON lines to a file named in their input
