@@ -33,14 +33,6 @@ pytestmark = pytest.mark.usefixtures("no_cgroup_left_behind")
 MIB = 1 << 20
 
 
-@pytest.fixture(params=["host", "fallback"])
-def mechanism(request, monkeypatch):
-    """Run a test with the host's mechanism and with the fallback (no cgroups)."""
-    if request.param == "fallback":
-        monkeypatch.setenv(CGROUPS_ENV, "off")
-    return request.param
-
-
 def logged_pids(log: Path) -> list[int]:
     return [int(w[2]) for w in lines(log) if w[0] == "pid"]
 
