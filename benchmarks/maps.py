@@ -130,11 +130,11 @@ class MapBenches:
             run_id = client.enqueue(bench_steps.bench_map, {"n": n})
             store = Store.open(dsn)
             try:
-                [claimed] = store.claim(owner="bench", queues=["default"], names=[bench_steps.make_list.name],
-                                        limit=1, ttl=600)
+                [claimed] = store.claims.claim(owner="bench", queues=["default"], names=[bench_steps.make_list.name],
+                                               limit=1, ttl=600).rows
                 t = time.perf_counter()
-                done = store.complete(owner="bench", items=[(claimed["id"], claimed["lease_generation"], [None] * n,
-                                                             None)])
+                done = store.outcomes.complete(owner="bench", items=[
+                    (claimed["id"], claimed["lease_generation"], [None] * n, None)])
                 row["completion_with_fanout_s"] = round(time.perf_counter() - t, 4)
                 assert done, "the list's completion did not apply"
                 row["fanout_s"] = self.fanout_alone(store, run_id, n)

@@ -479,8 +479,8 @@ class Bench(HistoryBenches, ChildBenches, ScaleBenches):
             for _ in range(self.n["b8_claims"]):
                 for label, store in stores.items():
                     t = time.perf_counter()
-                    got = store.claim(owner="bench", queues=["default"], names=[bench_steps.noop_keyed.name],
-                                      limit=8, ttl=60)
+                    got = store.claims.claim(owner="bench", queues=["default"], names=[bench_steps.noop_keyed.name],
+                                             limit=8, ttl=60).rows
                     times[label].append(time.perf_counter() - t)
                     assert len(got) == 8
             for label, values in times.items():

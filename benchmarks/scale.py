@@ -40,7 +40,7 @@ from cyclone_mp.store import Q
 
 PARTS_PREFIX = "cyclone_mp "
 REGISTRY_INTERVAL = 2.0  # seconds: the supervisors' default registry_interval
-#: statement kinds of the report, by the names of sql/queries.sql they come from
+#: statement kinds of the report, by the names of the sql/*.sql files they come from
 KINDS = {
     "sweep": ("sweep_candidates", "due_timer_runs", "sweep_recheck", "reclaim", "discard_reclaim_limit"),
     "sweep_turn": ("sweep_turn",),
@@ -73,7 +73,7 @@ _KNOWN = sorted(((_normal(sql), name) for name, sql in Q.items() if not name.end
 
 
 def statement_name(query: str) -> str | None:
-    """The queries.sql name a ``pg_stat_statements`` query text comes from (the longest
+    """The sql/*.sql name a ``pg_stat_statements`` query text comes from (the longest
     known text it starts with), or None."""
     text = _normal(query)
     for known, name in _KNOWN:
@@ -180,7 +180,7 @@ def pgss_loaded(conn: psycopg.Connection) -> bool:
 
 
 def statement_counts(admin: psycopg.Connection, dbname: str) -> dict[str, int]:
-    """Calls per queries.sql name (unknown ones as ``?<first words>``) in database ``dbname``."""
+    """Calls per sql/*.sql name (unknown ones as ``?<first words>``) in database ``dbname``."""
     rows = admin.execute(
         "SELECT query, calls FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = %s",
         (dbname,)).fetchall()

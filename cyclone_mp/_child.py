@@ -8,9 +8,10 @@ watcher thread), and sends back progress and one result per task, as JSON. Tasks
 arrival order; one queued behind the running one is dropped unstarted when cancelled or
 past its ``start_by`` (``time.monotonic()`` seconds), and after an attempt that left
 processes behind the next waits for the supervisor's "go" (it sweeps them first).
-An ``async def`` handler runs as a task on the child's own event loop, kept between
-attempts (side by side under ``async_concurrency``); a cancel cancels that task. A task
-with resource limits runs under soft rlimits (:class:`~cyclone_mp.limits.rlimits.TaskLimits`).
+Handlers are found and called by :class:`~cyclone_mp._handler.Handlers` (an ``async def``
+one on the child's own event loop; side by side under ``async_concurrency``:
+:mod:`cyclone_mp._concurrent`). A task with resource limits runs under soft rlimits
+(:class:`~cyclone_mp.limits.rlimits.TaskLimits`).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's 
 if TYPE_CHECKING:
     from typing import Any
 
-from . import protocol, unhealable
+from . import protocol
+from ._handler import Handlers
 from ._process import adopt_orphans, batch_scheduling, die_with_parent, ignore_interrupt, lingering_threads
 from ._progress import Progress
-from ._tasks import (attribute, convert_input, dropped_frame, failure, failure_of, input_annotation, is_coroutine,
-                     load_module, reap_killed, result_frame, spawned_of, success_of, task_inputs, with_spawns)
+from ._tasks import dropped_frame, failure, load_module, reap_killed, result_frame, spawned_of, task_inputs
 from .context import Cancellation, Context
 from .errors import PayloadError
 from .limits.procfs import PeakRss, current_rss, has_own_children, peak_rss_kb
@@ -56,14 +57,12 @@ class Runner:
         self.lock = threading.Lock()
         self.task: str | None = None
         self.cancellation = Cancellation()
-        self.modules: dict[tuple[str, str | None], Any] = modules if modules is not None else {}
+        self.handlers = Handlers(modules)  # finding, converting for and calling the tasks' handlers
         self.progress = Progress(self)  # the tasks' progress (throttled for the running one)
         self.peak = PeakRss()
-        self._handlers: dict[Any, Any] = {}  # handler -> the input annotation to convert to
         self.dropped: dict[str, str] = {}  # token -> reason: cancelled before it started
         self.concurrent: Any = None  # the async handlers running side by side (async_concurrency)
         self.held = False  # the last attempt left processes: start nothing until "go"
-        self.event_loop: Any = None  # the event loop of async handlers: made once, reused
         self.limits = TaskLimits()  # the rlimits of tasks with resource limits
 
     def send(self, message: dict[str, Any]) -> None:
@@ -110,47 +109,6 @@ class Runner:
         """The ``ctx.set_progress`` sink of a concurrent task: sent at once (checked)."""
         return self.progress.sink_for(token)
 
-    def resolve(self, ref: dict[str, Any]) -> Any:
-        """The handler function a task names (a Step object wraps it). Raises
-        :class:`~cyclone_mp.unhealable.NotImportable` if its module raises at import
-        (``MemoryError`` aside: the attempt's own memory), lacks the name, or the name is
-        not callable."""
-        try:
-            module = load_module(ref["module"], ref.get("path"), self.modules)
-        except MemoryError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - whatever the module's code raised
-            raise unhealable.NotImportable(unhealable.import_failed(ref, exc)) from exc
-        try:
-            target = attribute(module, ref["qualname"])
-        except AttributeError as exc:
-            raise unhealable.NotImportable(unhealable.no_attribute(ref, exc)) from exc
-        fn = getattr(target, "fn", target)
-        if not callable(fn):
-            raise unhealable.NotImportable(unhealable.not_callable(ref, fn))
-        return fn
-
-    @staticmethod
-    def deadline_of(task: dict[str, Any]) -> Any:
-        """``ctx.deadline`` of a task: the supervisor's worker clock decides it (and may be
-        skewed in tests), or None."""
-        if task.get("deadline") is None:
-            return None
-        import datetime as dt  # here, not at import: a child starts faster without it
-
-        return dt.datetime.fromtimestamp(task["deadline"], dt.timezone.utc)
-
-    @staticmethod
-    def inputs_of(task: dict[str, Any]) -> tuple[Any, Any]:
-        """A task's ``(input, upstream)``; raises PayloadError (an input no retry can fix)."""
-        return task_inputs(task)
-
-    def converted(self, fn: Any, inp: Any) -> Any:
-        """``inp`` as ``fn``'s input annotation asks (a dataclass, a pydantic model)."""
-        if fn not in self._handlers:
-            self._handlers[fn] = input_annotation(fn)
-        return convert_input(self._handlers[fn], inp)
-
     def run_task(self, task: dict[str, Any]) -> dict[str, Any]:
         try:
             inputs = task_inputs(task)
@@ -158,61 +116,14 @@ class Runner:
             return failure("permanent", exc)
         ctx = Context(
             run_id=task["run_id"], step_name=task["step"], node=task["node"], attempt=task["attempt"],
-            deadline=self.deadline_of(task), upstream=inputs[1], progress_sink=self.progress.report,
+            deadline=self.handlers.deadline_of(task), upstream=inputs[1], progress_sink=self.progress.report,
             cancellation=self.cancellation, spawned=spawned_of(task),
         )
         hooks = task.get("hooks")
-        result = self.run_handler(task, ctx, inputs[0], hooks.get("start") if hooks else None)
+        result = self.handlers.call(task, ctx, inputs[0], hooks.get("start") if hooks else None, self.cancellation)
         if hooks and hooks.get("end"):
-            self.end_hooks(hooks["end"], ctx, result)
+            self.handlers.end_hooks(hooks["end"], ctx, result)
         return result
-
-    def end_hooks(self, refs: list[dict[str, Any]], ctx: Context, result: dict[str, Any]) -> None:
-        """``mux.on_attempt_end`` hooks: ``hook(ctx, outcome)``; what they raise is printed
-        to stderr and changes nothing."""
-        outcome = {"ok": bool(result.get("ok")), "kind": result.get("kind"), "error": result.get("message")}
-        for ref in refs:
-            try:
-                self.resolve(ref)(ctx, outcome)
-            except BaseException as exc:  # noqa: BLE001 - a hook never changes the attempt's outcome
-                print(f"cyclone_mp: on_attempt_end hook {ref.get('qualname')} raised {exc!r}", file=sys.stderr)
-
-    def run_handler(self, task: dict[str, Any], ctx: Context, inp: Any,
-                    start_hooks: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """Call the task's handler (after the ``mux.on_attempt_start`` hooks, whose error
-        fails the attempt as the handler's would): the result, as plain data."""
-        try:
-            fn = self.resolve(task["ref"])
-            for ref in start_hooks or ():
-                self.resolve(ref)(ctx)
-            output = fn(ctx, self.converted(fn, inp))
-            if is_coroutine(output):  # an async def handler (or a callable that returns a coroutine)
-                output = self.run_async(output)
-        except BaseException as exc:  # noqa: BLE001 - every handler error is an attempt's outcome
-            return failure_of(exc, self.cancellation)
-        return with_spawns(success_of(output), ctx)
-
-    def run_async(self, coro: Any) -> Any:
-        """Run an async handler's coroutine to its end as a task on this child's event
-        loop (made at the first async attempt, then reused). The attempt's cancel cancels
-        the task from the watcher thread (``call_soon_threadsafe``), so the handler's
-        ``await`` raises ``asyncio.CancelledError`` at once; a cancel that came before it
-        started cancels it before its first step."""
-        import asyncio  # here, not at import: a child of sync handlers starts faster without it
-
-        if self.event_loop is None or self.event_loop.is_closed():
-            self.event_loop = asyncio.new_event_loop()
-        loop = self.event_loop
-        task = loop.create_task(coro)
-
-        def cancel(reason: str) -> None:
-            try:
-                loop.call_soon_threadsafe(task.cancel, f"cyclone_mp: attempt cancelled ({reason})")
-            except RuntimeError:  # the loop is closed: the attempt is over
-                pass
-
-        self.cancellation.on_set(cancel)
-        return loop.run_until_complete(task)
 
     def preload(self, modules: list[list[Any]]) -> None:
         """Import the handlers' modules before saying ready, so the first attempt in a
@@ -223,7 +134,7 @@ class Runner:
         for name, path in modules:
             self.send({"t": "preloading", "module": name, "path": path})
             try:
-                load_module(name, path, self.modules)
+                load_module(name, path, self.handlers.modules)
             except BaseException:  # noqa: BLE001 - its step's attempt reports it
                 pass
 
@@ -305,57 +216,63 @@ class Runner:
                 self.task = message["task"]
                 self.cancellation = Cancellation()
                 self.progress.pending = None
-            self.peak.reset()
-            started = time.monotonic()
-            limits = message.get("limits")
-            self.limits.apply(limits)
-            before = resource.getrusage(resource.RUSAGE_SELF)
-            kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
-            kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
-            threads_before = {t.ident for t in threading.enumerate()}
-            # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
-            result = {"t": "result", "task": message["task"], **self.run_task(message)}
-            if limits and limits.get("max_processes") and limits.get("count_tree"):
-                result["tree_count"] = self.tree_count()
-            if self.cancellation.is_set():
-                # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
-                # an executor, threads the handler started): then this child is not reused
-                # while they run; it says so, takes nothing more, and is killed
-                lingering = lingering_threads(self.event_loop, threads_before)
-                if lingering:
-                    result["lingering"] = [t.name for t in lingering]
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            # The peak is forensics of failed and long attempts; a quick success skips the read.
-            slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
-            result.update({
-                "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
-                "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
-                "maxrss_kb": peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
-                "children": has_own_children(),  # the parent scans for leftovers only then
-            })
-            if message.get("rss"):  # max_child_rss: judged on the RSS between tasks, not during the next one
-                result["rss"] = current_rss()
-            if self.limits.nofile_pinned:  # only tasks with a max_open_files as small from now on
-                result["nofile_pinned"] = True
-            if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
-                kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-                if kids > kids_before:
-                    result["children_maxrss_kb"] = kids
-            with self.lock:
-                result["progress"], self.progress.pending = self.progress.pending, None
-            frame = result_frame(result, self.limit)
-            # the supervisor answers "go" once it swept the attempt's processes; never while
-            # its threads run (it kills this child instead)
-            self.held = bool(result["children"]) or bool(result.get("lingering"))
-            with self.lock:
-                self.ctrl.sendall(frame)
-            if result.get("lingering"):  # the attempt is over once they are (or when it is killed)
-                for thread in lingering:
-                    thread.join()
-                self.held = bool(result["children"])
-                self.send({"t": "threads_done", "task": message["task"]})
-            with self.lock:
-                self.task = None
+            self.run_one(message)
+
+    def run_one(self, message: dict[str, Any]) -> None:
+        """Run the task of ``message`` (this runner's current task by now) under its
+        rlimits, measure it and send its result; then, if it left threads running after
+        its cancel, wait for them and say ``threads_done``."""
+        self.peak.reset()
+        started = time.monotonic()
+        limits = message.get("limits")
+        self.limits.apply(limits)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
+        kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
+        threads_before = {t.ident for t in threading.enumerate()}
+        # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
+        result = {"t": "result", "task": message["task"], **self.run_task(message)}
+        if limits and limits.get("max_processes") and limits.get("count_tree"):
+            result["tree_count"] = self.tree_count()
+        if self.cancellation.is_set():
+            # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
+            # an executor, threads the handler started): then this child is not reused
+            # while they run; it says so, takes nothing more, and is killed
+            lingering = lingering_threads(self.handlers.event_loop, threads_before)
+            if lingering:
+                result["lingering"] = [t.name for t in lingering]
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # The peak is forensics of failed and long attempts; a quick success skips the read.
+        slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
+        result.update({
+            "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
+            "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
+            "maxrss_kb": peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,
+            "children": has_own_children(),  # the parent scans for leftovers only then
+        })
+        if message.get("rss"):  # max_child_rss: judged on the RSS between tasks, not during the next one
+            result["rss"] = current_rss()
+        if self.limits.nofile_pinned:  # only tasks with a max_open_files as small from now on
+            result["nofile_pinned"] = True
+        if kids_peak:  # the largest descendant waited for during the task (the tree's forensics)
+            kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            if kids > kids_before:
+                result["children_maxrss_kb"] = kids
+        with self.lock:
+            result["progress"], self.progress.pending = self.progress.pending, None
+        frame = result_frame(result, self.limit)
+        # the supervisor answers "go" once it swept the attempt's processes; never while
+        # its threads run (it kills this child instead)
+        self.held = bool(result["children"]) or bool(result.get("lingering"))
+        with self.lock:
+            self.ctrl.sendall(frame)
+        if result.get("lingering"):  # the attempt is over once they are (or when it is killed)
+            for thread in lingering:
+                thread.join()
+            self.held = bool(result["children"])
+            self.send({"t": "threads_done", "task": message["task"]})
+        with self.lock:
+            self.task = None
 
     def tree_count(self) -> dict[str, Any]:
         """This task's tree as its handler ended, where no pids cgroup holds its

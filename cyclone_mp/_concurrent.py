@@ -26,8 +26,8 @@ class ConcurrentTasks:
     """The child's concurrent async tasks, on a loop thread of their own.
 
     Args:
-        runner: the child's :class:`cyclone_mp._child.Runner` (its ``resolve``,
-            ``send_result``, ``progress_for``, ``failure`` helpers).
+        runner: the child's :class:`cyclone_mp._child.Runner` (its ``handlers``,
+            :class:`~cyclone_mp._handler.Handlers`, its ``send_result`` and ``progress_for``).
     """
 
     def __init__(self, runner: Any) -> None:
@@ -74,16 +74,16 @@ class ConcurrentTasks:
                                  "elapsed": round(time.monotonic() - started, 6)})
 
     async def _attempt(self, message: dict[str, Any], cancellation: Cancellation) -> dict[str, Any]:
-        inputs = self.runner.inputs_of(message)
+        inputs = self.runner.handlers.inputs_of(message)
         ctx = Context(run_id=message["run_id"], step_name=message["step"], node=message["node"],
-                      attempt=message["attempt"], deadline=self.runner.deadline_of(message), upstream=inputs[1],
+                      attempt=message["attempt"], deadline=self.runner.handlers.deadline_of(message), upstream=inputs[1],
                       progress_sink=self.runner.progress_for(message["task"]), cancellation=cancellation,
                       spawned=spawned_of(message))
-        fn = self.runner.resolve(message["ref"])
+        fn = self.runner.handlers.resolve(message["ref"])
         hooks = message.get("hooks") or {}
         for ref in hooks.get("start") or ():
-            self.runner.resolve(ref)(ctx)
-        coro = fn(ctx, self.runner.converted(fn, inputs[0]))
+            self.runner.handlers.resolve(ref)(ctx)
+        coro = fn(ctx, self.runner.handlers.converted(fn, inputs[0]))
         if not asyncio.iscoroutine(coro):
             raise TypeError(f"async_concurrency needs an async def handler; {message['step']} returned "
                             f"{type(coro).__name__}")
@@ -96,7 +96,7 @@ class ConcurrentTasks:
         except (Permanent, Snooze, Exception, asyncio.CancelledError) as exc:
             result = failure_of(exc, cancellation)
         if hooks.get("end"):
-            self.runner.end_hooks(hooks["end"], ctx, result)
+            self.runner.handlers.end_hooks(hooks["end"], ctx, result)
         return result
 
     def count(self) -> int:

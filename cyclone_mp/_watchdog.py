@@ -1,19 +1,17 @@
 """The supervisor's watchdog: a process that is not frozen when the supervisor is.
 
 Started as ``_boot.py _watchdog FD SUPERVISOR_ID`` and told of each child, its due time
-and its cgroups over a socket (:class:`cyclone_mp.watchdoglink.WatchdogLink`; the messages are
-listed in :func:`main`). When a child's due time passes, the watchdog SIGKILLs it
-(through its pidfd, so a recycled pid is never hit) and its tree, and answers ``killed
-PID``. Process control sets each due time a little after its own kill (the local fence,
-or a cancel's ``kill_grace``): the watchdog acts only when process control could not,
-because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
+and its cgroups over a socket (:class:`cyclone_mp.watchdoglink.WatchdogLink`; the
+messages are listed in :func:`main`). When a child's due time passes, the watchdog
+SIGKILLs it and its tree (:func:`kill_child`) and answers ``killed PID``. Process control
+sets each due time a little after its own kill: the watchdog acts only when process
+control could not, because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
 
-EOF means the supervisor is gone (exited or SIGKILLed): the watchdog kills everything in
-the supervisor's cgroups (then removes them), every child it was told of with its tree,
-every descendant it was told of that still runs, and every process carrying the
-supervisor's marker in its environment, then exits. So a handler's escapee that scrubbed
-its environment and left its session is still killed: by its cgroup where cgroups are
-available, else if the supervisor saw it.
+EOF means the supervisor is gone: the watchdog kills everything in the supervisor's
+cgroups (then removes them), every child it was told of with its tree, every descendant
+it was told of that still runs, and every process carrying the supervisor's marker in
+its environment, then exits. So a handler's escapee that scrubbed its environment and
+left its session is still killed: by its cgroup, else if the supervisor saw it.
 """
 
 from __future__ import annotations
@@ -28,9 +26,10 @@ import time
 
 def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
     """SIGKILL the child ``pid`` (through ``pidfd``) and its tree, if it is still ours:
-    alive or unreaped. Its slot's cgroup is killed whole where there is one; its
-    descendants (orphans of its tree are reparented to it: it is a subreaper) are
-    stopped, then killed, each through a pidfd of its own."""
+    alive or unreaped. Its slot's cgroup is killed whole where there is one; then the
+    tree as process control kills it (:func:`cyclone_mp.procs.kill_tree`: descendants
+    stopped, then killed, each through a pidfd of its own; orphans of its tree are
+    reparented to it, a subreaper)."""
     if pidfd is None:
         return
     try:
@@ -43,29 +42,9 @@ def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
                 fh.write("1")
         except OSError:
             pass
-    descendants = []
-    try:
-        import psutil  # lazy: the watchdog process imports what a kill needs when it kills
+    from .procs import kill_tree  # lazy: the watchdog imports what a kill needs (psutil) when it kills
 
-        descendants = psutil.Process(pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - psutil missing or the process gone
-        pass
-    from .procs import open_pidfd, send  # lazy: as psutil
-
-    fds = [(target, open_pidfd(target)) for target in descendants]
-    try:
-        for target, fd in fds:  # stop forks first, then kill
-            send(target, fd, signal.SIGSTOP)
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        except OSError:
-            pass
-        for target, fd in fds:
-            send(target, fd, signal.SIGKILL)
-    finally:
-        for _, fd in fds:
-            if fd is not None and fd >= 0:
-                os.close(fd)
+    kill_tree(pid, None, pidfd=pidfd)
 
 
 def kill_seen(seen: dict[int, float]) -> int:
@@ -73,9 +52,9 @@ def kill_seen(seen: dict[int, float]) -> int:
     still run as the same process (a pid reused since is left alone); returns how many."""
     hit = 0
     try:
-        import psutil  # lazy: as above
+        import psutil  # lazy: the watchdog imports what a kill needs when it kills
 
-        from .procs import signal_process  # lazy: as above
+        from .procs import signal_process  # lazy: as psutil
     except Exception:  # noqa: BLE001
         return 0
     for pid, started in seen.items():

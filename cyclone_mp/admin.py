@@ -58,7 +58,7 @@ class RunAdmin(ClientBase):
         minute) and ``definitions``: the definitions live supervisors declare (two during
         a rolling deploy that changed it), each with ``fingerprint``, ``target``, ``spec``,
         ``first_seen_at``, ``seen_at`` and ``in_force``, the one in force first."""
-        rows = self._call(lambda store: store.list_schedules(ACTIVE_WITHIN))
+        rows = self._call(lambda store: store.schedules.list_all(ACTIVE_WITHIN))
         return [{**row, "active": row["age"] is not None and row["age"] < ACTIVE_WITHIN} for row in rows]
 
     def delete_schedule(self, name: str) -> None:
@@ -70,7 +70,7 @@ class RunAdmin(ClientBase):
             InvalidTransition: it is active (a supervisor ticked it within the last
                 minute): it would be made again; remove it from the mux first.
         """
-        row = self._call(lambda store: store.delete_schedule(name, ACTIVE_WITHIN))
+        row = self._call(lambda store: store.schedules.delete(name, ACTIVE_WITHIN))
         if row is None:
             raise LookupError(f"no schedule named {name!r}")
         if not row["deleted"]:

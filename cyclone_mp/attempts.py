@@ -1,20 +1,18 @@
 """Process control's view of claimed steps: attempts, held steps, and the local fence (pure).
 
 An :class:`Attempt` is one execution of a step in a child, named by its lease
-(``(step id, lease generation)``, :data:`~cyclone_mp.messages.LeaseKey`). It stays an
-object of its own until its child has ended it (a result) or is dead and reaped,
-whatever happened to the step's row meanwhile: a due kill is carried out even after the
-step was retried, reclaimed, cancelled or completed elsewhere.
+(:data:`~cyclone_mp.messages.LeaseKey`). It lives until its child has ended it or is dead
+and reaped, whatever happened to the step's row meanwhile: a due kill is carried out
+even after the step was retried, reclaimed, cancelled or completed elsewhere.
 
-The local fence (SPEC 9, "one live execution at a time"): the database stamps a lease's
-expiry as ``now() + lease_ttl`` when a claim or renewal *arrives*, so the lease lasts at
-least until ``sent + lease_ttl``, ``sent`` being the local monotonic time at which that
-claim or renewal was sent. A handler whose lease is not renewed is killed by
-``fence - margin``, before any other supervisor can reclaim the step. The only
-assumption: the supervisor's and the database's clocks advance at the same rate
-(their values may differ by hours). ``margin`` is :data:`FENCE_MARGIN` of
-``lease_ttl`` (at least :data:`FENCE_MARGIN_MIN`): far more than the rate error of
-any clock NTP keeps (at most 500 ppm), and room for the kill itself.
+The local fence (SPEC 9): the database stamps a lease's expiry as ``now() + lease_ttl``
+when a claim or renewal *arrives*, so the lease lasts at least until ``sent +
+lease_ttl`` (``sent``: the local monotonic time the claim or renewal was sent). A
+handler whose lease is not renewed is killed by ``fence - margin``, before another
+supervisor can reclaim the step. The only assumption: both clocks advance at the same
+rate. ``margin`` (:data:`FENCE_MARGIN` of ``lease_ttl``, at least
+:data:`FENCE_MARGIN_MIN`) is far more than any NTP-kept clock's rate error, and room
+for the kill itself.
 """
 
 from __future__ import annotations

@@ -192,16 +192,21 @@ class ChildProc:
         self.descendants_seen.update({p.pid: p for p in procs.descendants(self.pid)})
 
     def kill(self) -> list[int]:
-        """SIGKILL the child's tree, then reap; returns pids hit. Its slot's cgroup is
-        killed first where there is one (no fork can race that); then its process group
-        and every descendant psutil finds (through pidfds), as without cgroups."""
+        """SIGKILL the child's tree (:meth:`kill_tree`), then reap; returns pids hit."""
         self.killed = True
         self.peak_rss_kb = peak_rss_kb(self.pid)  # wait4's maxrss includes the pre-exec parent
-        hit = self.slot.kill() if self.slot is not None else []
-        hit += procs.kill_tree(self.pid, self.pid, list(self.descendants_seen.values()), pidfd=self.pidfd)
+        hit = self.kill_tree()
         self.wait(timeout=5.0)
         procs.reap([p for p in set(hit) if p != self.pid], timeout=2.0)
         return sorted(set(hit))
+
+    def kill_tree(self) -> list[int]:
+        """SIGKILL the child's tree, its slot's cgroup first where there is one (no fork can
+        race that), then its process group and every descendant psutil finds or the
+        supervisor saw (:func:`cyclone_mp.procs.kill_tree`); returns the pids hit. Reaps
+        nothing: the child must still be unreaped (its pid and group are ours)."""
+        hit = self.slot.kill() if self.slot is not None else []
+        return hit + procs.kill_tree(self.pid, self.pid, list(self.descendants_seen.values()), pidfd=self.pidfd)
 
     def kill_descendants(self) -> list[int]:
         """Kill whatever a finished task left running under the (reused) child."""

@@ -2,7 +2,7 @@
 
 - **Errors:** :func:`classify` turns a driver error into the engine's
   :class:`~cyclone_mp.errors.DatabaseError` kinds (an outage, a busy row, a read-only
-  primary, a rejected value), and :func:`~cyclone_mp.store.base.translate` does it for every
+  primary, a rejected value), and :func:`~cyclone_mp.store.session.translate` does it for every
   :class:`~cyclone_mp.store.Store` method. :func:`redact` keeps passwords out of messages.
 - **Bounds on this side:** :func:`answered_within` turns a call cut short by
   :data:`~cyclone_mp.calltimer.CALL_TIMER` into :class:`~cyclone_mp.errors.DatabaseStalled`

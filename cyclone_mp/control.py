@@ -1,19 +1,16 @@
-"""Process control: children, pipes, deadlines, fences, cancels, kills, reaping (SPEC 1, 4, 9).
+"""Process control: the supervisor's loop over its children (SPEC 1, 4, 9).
 
 This is the supervisor's own thread (``PR_SET_PDEATHSIG`` follows the thread that
 creates a child). It never calls the database: claims and outcomes are the outcome
-writer's (:mod:`cyclone_mp.outcomes`), renewals the lease keeper's
-(:mod:`cyclone_mp.leases`), the sweep maintenance's (:mod:`cyclone_mp.sweep`); they talk
-by messages (:mod:`cyclone_mp.messages`). So a slow, locked or partitioned database
-delays durable transitions, never a kill. The watchdog is told when each child must be
-dead at the latest, so the fence holds while this thread is frozen too.
-
-Where each job lives: a lost lease, :meth:`ProcessControl.on_lease_lost`; the
-worker-clock timeout, the fence, the cancel and the kill, :meth:`ProcessControl._enforce`;
-how an attempt ended, :mod:`cyclone_mp.endings`; prefetch and pipelining,
-:mod:`cyclone_mp.holding`; resource limits and causes of death,
-:class:`~cyclone_mp.limits.watch.LimitWatch`; the drain and the hard stop,
-:meth:`ProcessControl._handle_requests`.
+writer's (:mod:`cyclone_mp.outcomes`), renewals the lease keeper's, the sweep
+maintenance's; they talk by messages (:mod:`cyclone_mp.messages`), so a slow or
+partitioned database delays durable transitions, never a kill. The watchdog is told
+when each child must be dead at the latest, so the fence holds while this thread is
+frozen too. The loop composes its parts: claims (:mod:`~cyclone_mp.claiming`), held
+steps (:mod:`~cyclone_mp.holding`), starts (:mod:`~cyclone_mp.starting`), the children's
+sockets (:mod:`~cyclone_mp.childio`), lost leases, deadlines and kills
+(:mod:`~cyclone_mp.kills`), endings (:mod:`~cyclone_mp.endings`, judged by
+:mod:`~cyclone_mp.judging`), caps (:class:`~cyclone_mp.limits.watch.LimitWatch`), reports.
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import protocol
 from .attempts import Attempt, Held
+from .childio import ChildIO
 from .childproc import ChildProc
 from .claiming import Claims
 from .config import Config
@@ -50,7 +47,6 @@ from .watchdoglink import WatchdogLink
 log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
-IO_SWEEP_INTERVAL = 1.0  # seconds between reads of every child socket, readiness or not (a safety net)
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
 START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
 SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
@@ -108,7 +104,6 @@ class ProcessControl:
         self.deadlines = Deadlines(config.lease_ttl, config.kill_grace)  # when each attempt needs a look
         self.outcomes: list[tuple[Outcome, float | None]] = []  # (outcome, its attempt's deadline), not yet sent
         self.outcomes_since: float | None = None
-        self._io_ready: set[ChildProc] = set()
         self.watchdog_killed: set[int] = set()
         self.cancelled_unclaimed: dict[LeaseKey, float] = {}  # cancels heard before their claim came back
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
@@ -121,7 +116,6 @@ class ProcessControl:
         start = clock()
         self.next_poll = start
         self.poll_delay = config.poll_interval[0]
-        self._next_io_sweep = start
         self._next_stray_check = start
         self._next_sample = start
         self.limit_watch.next_check = start
@@ -137,7 +131,8 @@ class ProcessControl:
         self.endings = AttemptEndings(self)  # how each attempt ends, from its child's messages and exit
         self.starts = AttemptStarts(self)  # how each attempt starts on a child
         self.claims = Claims(self)  # how many steps to claim, and what a claim that came back does
-        self.kills = Kills(self)  # deadlines, fences, cancels and kills
+        self.kills = Kills(self)  # deadlines, fences, renewals, lost leases, cancels and kills
+        self.io = ChildIO(self, start)  # the children's sockets: written, read, their messages handed on
         self.reports = Reports(self)  # outcomes to the writer, snapshots to the registry
         #: async steps whose attempts run several to a child: step name -> how many at most
         self.side_by_side = {s.name: s.options.async_concurrency for s in mux.steps.values()
@@ -255,7 +250,7 @@ class ProcessControl:
         phase("inbox", self._read_inbox)
         if self.held and self.pool.idle():
             phase("held steps", self.take_held)
-        phase("children's messages", self._check_children_io)
+        phase("children's messages", self.io.check)
         phase("watchdog", self.kills.read_watchdog)
         phase("watchdog", self.watch_due.refresh)
         phase("children's starts", self._check_starts)
@@ -341,8 +336,8 @@ class ProcessControl:
     def _wait(self, timeout: float) -> None:
         for key, _ in self.selector.select(timeout):
             kind, obj = key.data
-            if kind == "child":  # read (or written) in _check_children_io on this turn
-                self._io_ready.add(obj)
+            if kind == "child":  # read (or written) by ChildIO.check on this turn
+                self.io.ready.add(obj)
             elif kind == "zygote" and self.pool.zygote is not None:  # read in the pool's maintain on this turn
                 self.pool.zygote.readable = True
 
@@ -351,7 +346,7 @@ class ProcessControl:
     def _read_inbox(self) -> None:
         for message in self.inbox.take():
             if isinstance(message, Renewed):
-                self.on_renewed(message)
+                self.kills.on_renewed(message)
             elif isinstance(message, Claimed):
                 self.claims.on_claimed(message)
             elif isinstance(message, Written):
@@ -360,7 +355,7 @@ class ProcessControl:
                     self.claim_after_written = False
                     self.next_poll = min(self.next_poll, self.clock())
             elif isinstance(message, LeaseLost):
-                self.on_lease_lost(message)
+                self.kills.on_lease_lost(message)
             elif isinstance(message, Poll):
                 self.next_poll = min(self.next_poll, self.clock())
             elif isinstance(message, Fleet):
@@ -369,32 +364,6 @@ class ProcessControl:
                 self.db_ok = message.ok
                 if message.ok:
                     self.next_poll = self.clock()
-
-    def on_renewed(self, message: Renewed) -> None:
-        """A renewal held: the lease lasts at least until ``sent + lease_ttl`` (the fence)."""
-        att = self.attempts.get(message.key)
-        if att is not None:
-            att.lease_sent = max(att.lease_sent, message.sent)
-            self.kills.watch(att.child)
-            return
-        self.holding.renewed(message.key, message.sent)
-
-    def on_lease_lost(self, message: LeaseLost) -> None:
-        """A renewal matched nothing: cancel the attempt with the reason the row gives
-        (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
-        att = self.attempts.get(message.key)
-        if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
-            self.claims.forget_cancelled(message.key, ours=att is not None or any(h.key == message.key for h in self.held))
-        if att is None:
-            self.holding.drop(message.key)
-            return
-        if att.ended:
-            return
-        reason = "lease_lost" if message.reason == "finished" else message.reason
-        att.fenced = False  # the row says so: nothing to write for it
-        if reason == "lease_lost":
-            self.stats["lease_lost"] += 1
-        self.kills.cancel(att, reason, self.clock())
 
     # -- claiming -----------------------------------------------------------------------------------
 
@@ -414,45 +383,6 @@ class ProcessControl:
         delay = att.start_delay()
         if delay is not None and delay > START_NOTED_AFTER:
             self.keeper(Started(att.key, delay))
-
-    # -- resource limits ----------------------------------------------------------------------------
-
-    # -- the children's messages ------------------------------------------------------------------
-
-    def _check_children_io(self) -> None:
-        """Read the children whose sockets the last wait reported (and, every
-        ``IO_SWEEP_INTERVAL`` seconds, all of them), and write what is queued."""
-        now = self.clock()
-        if now >= self._next_io_sweep:
-            self._next_io_sweep = now + IO_SWEEP_INTERVAL
-            ready = list(self.pool.children)
-        else:
-            ready = [c for c in self.pool.children if c in self._io_ready or c.outbox]
-        self._io_ready.clear()
-        for child in ready:
-            if child in self.pool.children:
-                self.child_io(child)
-
-    def child_io(self, child: ChildProc) -> None:
-        """Write what is queued for ``child``, then read and handle all it has sent."""
-        child.flush()
-        try:
-            messages, eof = child.receive()
-        except protocol.ProtocolError as exc:
-            log.error("child %d sent a bad message (%s); killing it", child.pid, exc)
-            self.kills.kill_for(child, "protocol_error")
-            messages, eof = [], True
-        for message in messages:
-            self.endings.on_message(child, message)
-        if eof:
-            self.endings.on_child_exit(child)
-        self.pool.update_write_interest(child)
-
-    # -- deadlines, fences, cancels, kills ---------------------------------------------------------
-
-    # -- outcomes ----------------------------------------------------------------------------------
-
-    # -- the registry snapshot -----------------------------------------------------------------------
 
     # -- teardown -------------------------------------------------------------------------------------
 

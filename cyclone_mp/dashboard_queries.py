@@ -1,11 +1,11 @@
-"""The dashboard's read-only queries, named ``dash_*`` in ``sql/queries.sql``.
+"""The dashboard's read-only queries, named ``dash_*`` in ``sql/dashboard.sql``.
 
 :class:`DashboardReads` runs them on a :class:`~cyclone_mp.store.Store`'s connection
 (the dashboard's views get one from the :class:`~cyclone_mp.Client`'s pool per page).
 They run unprepared (``prepare=False``): PostgreSQL then plans each with its actual
 parameter values, so an unused optional filter folds away and the index is used (a
 generic prepared plan of "(x IS NULL OR col = x)" would scan the table). Database
-errors are translated as the store's are (:func:`~cyclone_mp.store.base.translate`).
+errors are translated as the store's are (:func:`~cyclone_mp.store.session.translate`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ DEATH_KINDS = (MEMORY_LIMIT, CPU_LIMIT, PROCESS_LIMIT, OOM_KILLED)
 #: Errors no retry can heal: the same code fails the same way on every attempt (the
 #: handler's module does not import, or its output breaks the payload boundary), so
 #: their step is discarded at once, like ``permanent``. Fix the code, then
-#: ``client.retry``. ``permanent_kinds_expr`` in ``sql/queries.sql`` lists them too.
+#: ``client.retry``. The settle statements (``sql/settle.sql``) list them too.
 UNHEALABLE_KINDS = (OUTPUT_INVALID, NOT_IMPORTABLE)
 #: Kinds that discard their step at the attempt that reported them.
 PERMANENT_KINDS = (PERMANENT, *UNHEALABLE_KINDS)
@@ -95,8 +95,8 @@ def discard_message(kind: str, entry: dict[str, object], earlier_kinds: list[str
     same cause: ``"killed 3 times: memory_limit 512 MiB, peak 2.1 GiB"`` (the entry's
     ``cause``), so an operator needs no log. ``earlier_kinds``: the kinds of the step's
     earlier error entries, oldest first (cancelled attempts, which consumed nothing, are
-    skipped). None: the attempt's own message stands. ``fail_ctes`` in
-    ``sql/queries.sql`` (``quarantine_error_expr``) says the same in SQL."""
+    skipped). None: the attempt's own message stands. The settle statements
+    (``sql/settle.sql``, the ``ended`` CTE) say the same in SQL."""
     cause = entry.get("cause")
     if kind not in DEATH_KINDS or not cause:
         return None

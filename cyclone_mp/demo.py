@@ -379,7 +379,7 @@ def run_demo(
     finally:
         if not keep and own_db is None and run_ids:
             with contextlib.suppress(cy.DatabaseError):
-                client._call(lambda store: store.delete_runs(run_ids))
+                client._call(lambda store: store.runs.delete(run_ids))
         client.close()
         if own_db is not None and admin_dsn is not None and not keep:
             with contextlib.suppress(cy.DatabaseError):

@@ -1,17 +1,12 @@
-"""How an attempt ends: a child's messages and its exit, turned into outcomes (SPEC 1, 3, 4).
+"""How an attempt ends: a child's messages and its exit, carried out (SPEC 1, 3, 4).
 
-Part of process control (:mod:`cyclone_mp.control`), on its thread, with its state:
-its :class:`AttemptEndings` reads and changes process control's state. A child's ``result`` ends its attempt
-(:meth:`AttemptEndings.on_result`): a success becomes a ``complete`` outcome unless a
-cancel already decided the step (a late completion changes nothing), a failure a
-``fail`` outcome whose kind is the child's, or a cap's, or the cancel's
-(:meth:`AttemptEndings.settle_cancelled`: ``timeout``, a shutdown's release, an
-operator's cancel, a lost lease); the step queued behind it starts at once. A child's
-exit (:meth:`AttemptEndings.on_child_exit`: it died, or was killed) reaps it and says
-what its attempt became from the evidence (who killed it and why, its exit code or
-signal, a cause of death of :class:`~cyclone_mp.limits.watch.LimitWatch`), and gives back
-the steps queued behind it unstarted. Every outcome is gathered for the outcome writer
-(:meth:`AttemptEndings.outcome`); a child due for recycling is retired here.
+Part of process control (:mod:`cyclone_mp.control`), on its thread: its
+:class:`AttemptEndings` reads a child's messages and its exit, gathers the evidence of
+each ending (the result, the exit status, who killed the child and why, a cap's cause
+of death from :class:`~cyclone_mp.limits.watch.LimitWatch`), asks the pure judge
+(:mod:`cyclone_mp.judging`) what the attempt became and carries that out: the outcome
+gathered for the writer, the step queued behind it started, the steps it held given
+back, a child due for recycling retired.
 """
 
 from __future__ import annotations
@@ -22,9 +17,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import decisions, mapped, procs, protocol, unhealable
+from . import decisions, judging, mapped, procs
 from .attempts import Attempt
-from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, LeaseDone, Outcome, Progress
+from .judging import RELEASED, Cap, Ending
+from .messages import FAIL, RELEASE, SNOOZE, LeaseDone, Outcome, Progress
 
 if TYPE_CHECKING:
     from .childproc import ChildProc
@@ -32,7 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
-RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
 #: Cancel reasons after which the step's row may have moved on while the attempt ran (the
 #: sweep settled its timeout, an operator cancelled it, its lease went elsewhere): when such
 #: an attempt is over, the writer records its processes dead (Reaped), so the step may run
@@ -52,45 +47,7 @@ class AttemptEndings:
         self.control = control
         self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # (step, kind) -> (last line, count)
 
-    # -- a child's messages ---------------------------------------------------------------------------
-
-    def on_message(self, child: ChildProc, message: dict[str, Any]) -> None:
-        kind = message.get("t")
-        if kind == "preloading":
-            child.preloading, child.preloading_since = (message.get("module"), message.get("path")), self.control.clock()
-            return
-        if kind == "ready":
-            self.control.pool.on_ready(child, message)
-            self.control.take_held()
-            return
-        if kind == "entered":
-            self.control.pool.on_entered(child, message)
-            return
-        if kind == protocol.UNDECODABLE:
-            self.on_undecodable(child, message)
-            return
-        if child.concurrent and message.get("task") in child.concurrent:  # an async attempt beside others
-            self.on_side_by_side(child.concurrent[message["task"]], message)
-            return
-        att = child.attempt
-        if att is None or message.get("task") != att.token:
-            if kind == "result" and message.get("dropped"):  # a step queued behind ``att``, taken back
-                for queued in child.queued:
-                    if queued.token == message.get("task"):
-                        child.queued.remove(queued)
-                        self.settle_dropped(queued, message)
-                        break
-            return
-        if kind == "progress":
-            att.progress = {k: message.get(k) for k in ("done", "total", "message")}
-            self.control.keeper(Progress(att.key, att.progress))
-        elif kind == "result" and message.get("lingering") and att.lingering is None:
-            self.on_lingering(att, message)
-        elif kind == "threads_done" and att.lingering is not None:  # they ended before its kill
-            att.lingering = None
-            self.on_result(att, att.lingering_result or {"t": "result", "task": att.token, "ok": False})
-        elif kind == "result":
-            self.on_result(att, message)
+    # -- an attempt's result ------------------------------------------------------------------------
 
     def on_side_by_side(self, att: Attempt, message: dict[str, Any]) -> None:
         """A message of an async attempt running beside others in its child."""
@@ -130,27 +87,9 @@ class AttemptEndings:
                     ", ".join(att.lingering[:3]), child.pid)
         self.control.kills.watch(child)
 
-    def on_undecodable(self, child: ChildProc, marker: dict[str, Any]) -> None:
-        """A frame the child sent that cannot be read (decoding is per frame, so nothing
-        around it is lost). A result of the running attempt fails that attempt
-        (``output_invalid``) and the child is recycled; a progress value is dropped;
-        anything else means the child broke the protocol: it is killed."""
-        att = child.attempt
-        if marker.get("of") == "progress":
-            return
-        if marker.get("of") == "result" and att is not None and marker.get("task") == att.token:
-            child.recycle_due = True
-            self.on_result(att, {
-                "t": "result", "task": att.token, "ok": False, "kind": decisions.OUTPUT_INVALID,
-                "type": "cyclone_mp.errors.PayloadError", "children": True,
-                "message": unhealable.undecodable(marker.get("error")),
-            })
-            return
-        if child.returncode is None:
-            log.error("child %d sent an undecodable message (%s); killing it", child.pid, marker.get("error"))
-            self.control.kills.kill_for(child, "protocol_error")
-
     def on_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        """The ``result`` of ``att``, the attempt its child ran: the child is free (the step
+        queued behind starts now), then the attempt is settled (:meth:`settle_result`)."""
         child = att.child
         child.attempt = None
         dropped = bool(result.get("dropped"))  # a queued step the child never started
@@ -180,6 +119,8 @@ class AttemptEndings:
             self.control.take_held()  # the freed child starts its next step now, not after a round trip
 
     def settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
+        """Sweep what ``att`` left behind, gather the evidence, ask the judge
+        (:func:`~cyclone_mp.judging.of_result`) and carry out its answer."""
         child = att.child
         if result.get("dropped"):
             self.settle_dropped(att, result)
@@ -192,61 +133,43 @@ class AttemptEndings:
         if result.get("children", True) and child.returncode is None:  # it left processes behind (if dead: swept with it)
             self.control.pool.sweep_leftovers(child)
         self.maybe_recycle(child)
-        entry = {
-            "pid": child.pid, "cpu_seconds": result.get("cpu"), "peak_rss_kb": result.get("maxrss_kb"),
-            "elapsed": round(self.control.clock() - att.started, 3),
-        }
-        att.forensics = entry
-        reason = att.cancel_reason
+        entry = judging.result_entry(child.pid, result, self.control.clock() - att.started)
+        ending = judging.of_result(att, result, entry, self._cap_of_result(att, result, entry))
+        att.forensics = ending.entry
+        outcome = ending.outcome
+        if outcome is not None and outcome.kind == FAIL and outcome.error_kind in decisions.UNHEALABLE_KINDS:
+            self.say_unhealable(att, outcome.error_kind, outcome.entry or {})
+        self.settle(att, ending)
+
+    def _cap_of_result(self, att: Attempt, result: dict[str, Any], entry: dict[str, Any]) -> Cap | None:
+        """A cap's cause of death for an attempt whose result came, where a cap could be
+        the cause: a failure (a cap killed part of its tree, or refused a fork) or a success
+        whose tree was over its process cap as it ended (a burst no look saw, where no pids
+        cgroup refused it). None after a cancel (the cancel decides) or for a snooze."""
+        watch = self.control.limit_watch
+        if att.cancel_reason is not None:
+            return None
         tree_count = result.get("tree_count") if att.limits.processes is not None else None
-        if result.get("ok") and reason is None and tree_count:
-            # its handler returned, but its tree was over its process cap as it ended (a
-            # burst no look saw, where no pids cgroup refused it): the cap's failure
-            over = self.control.limit_watch.over_at_end(att, tree_count)
-            if over is not None:
-                kind, usage = over
-                entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
-                self.fail(att, kind, self.control.limit_watch.death_entry(att, kind, usage, entry))
-                return
         if result.get("ok"):
-            if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
-                self.control.stats["late_completions_dropped"] += 1
-                self.observe_end(att, "late", entry)
-                self.control.keeper(LeaseDone((att.key,)))
-                return
-            self.outcome(att, Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow,
-                                       att.backoff_spec, output=result.get("output"), progress=att.progress,
-                                       entry=entry, run_id=att.run_id, node=att.node,
-                                       spawns=tuple(result.get("spawns") or ())))
-            return
-        entry.update({k: result.get(k) for k in ("type", "message", "traceback")})
-        if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent
-            self.outcome(att, Outcome(att.key, SNOOZE, att.step_name, att.attempt, att.workflow,
-                                       progress=att.progress, entry=entry, snooze=float(result.get("snooze") or 0.0)))
-            return
-        if reason is not None:
-            entry["cancel_reason"] = reason
-            self.settle_cancelled(att, entry)
-            return
-        kind = decisions.reported_kind(result.get("kind"))
-        if att.limits:  # the handler failed: maybe because a cap killed part of its tree, or refused a fork
+            found = watch.over_at_end(att, tree_count) if tree_count else None
+        elif att.limits and result.get("kind") != SNOOZE:
             kids = result.get("children_maxrss_kb")
-            memory_error = kind == decisions.MEMORY_ERROR
+            memory_error = decisions.reported_kind(result.get("kind")) == decisions.MEMORY_ERROR
             peak = ((result.get("maxrss_kb") or 0) + kids) * 1024 if kids else None
-            death = self.control.limit_watch.death(att, exit_signal=None, memory_error=memory_error, reported_peak=peak,
-                                           tree_count=tree_count)
-            if death is not None:
-                kind, usage = death
-                entry["killed_by_supervisor"] = att.killed_for is not None  # (a result read after our kill)
-                entry = self.control.limit_watch.death_entry(att, kind, usage, entry)
-                if memory_error and kind == decisions.MEMORY_LIMIT:
-                    # the runner itself reached the cap's backstop (RLIMIT_DATA, before the
-                    # sampling saw the tree cross it): it is retired, as a killed tree would be
-                    child.recycle_due = True
-                    self.maybe_recycle(child)
-        if kind in decisions.UNHEALABLE_KINDS:
-            self.say_unhealable(att, kind, entry)
-        self.fail(att, kind, entry)
+            found = watch.death(att, exit_signal=None, memory_error=memory_error, reported_peak=peak,
+                                tree_count=tree_count)
+            if found is not None and memory_error and found[0] == decisions.MEMORY_LIMIT:
+                # the runner itself reached the cap's backstop (RLIMIT_DATA, before the
+                # sampling saw the tree cross it): it is retired, as a killed tree would be
+                att.child.recycle_due = True
+                self.maybe_recycle(att.child)
+        else:
+            return None
+        if found is None:
+            return None
+        kind, usage = found
+        entry = {**entry, "killed_by_supervisor": att.killed_for is not None}  # (a result read after our kill)
+        return kind, watch.death_entry(att, kind, usage, entry)
 
     def say_unhealable(self, att: Attempt, kind: str, entry: dict[str, Any]) -> None:
         """One line in the worker's log for an error no retry can heal (its step is
@@ -262,45 +185,15 @@ class AttemptEndings:
         log.error("step %r of run %s cannot succeed (%s, discarded without retry): %s%s",
                   att.step_name, att.run_id, kind, entry.get("message"), more)
 
-    def settle_cancelled(self, att: Attempt, entry: dict[str, Any]) -> None:
-        """An attempt that ended after a cancel: its reason decides what is written."""
-        reason = att.cancel_reason
-        if reason == "timeout":
-            entry.setdefault("message", "timed out")
-            self.fail(att, decisions.TIMEOUT, entry, require_timed_out=True)
-        elif reason == "shutdown":  # given back: available at once, nothing counted (SPEC 5)
-            self.outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
-        elif reason == "cancelled" and entry.get("killed_by_supervisor"):
-            # An operator's cancel, ended by our kill: the row is cancelled already (its
-            # CAS cannot apply), but the kill's forensics join the attempt's cancel entry.
-            self.control.stats["cancelled_attempts"] += 1
-            self.fail(att, decisions.ERROR, entry)
-        elif reason in ("cancelled", "lease_lost"):
-            # An operator's cancel or someone else's lease: the row already says what
-            # happened. Killed at the local fence: the lease is left to expire, and the
-            # sweep reclaims the step as after a crash (reclaims + 1, bounded by
-            # max_reclaims). Either way nothing is written and the lease is not renewed.
-            self.control.stats["cancelled_attempts"] += 1
-            self.observe_end(att, reason, entry)
-            self.control.keeper(LeaseDone((att.key,)))
-        else:  # killed for breaking the pipe protocol: a failed attempt like any error
-            self.fail(att, decisions.ERROR, entry)
-
     def settle_dropped(self, att: Attempt, result: dict[str, Any]) -> None:
         """The child gave back a queued step unstarted: our cancel reason, else its own."""
         att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
         self.settle_unstarted(att)
 
     def settle_unstarted(self, att: Attempt) -> None:
-        """A step queued in a child that never started it: nothing ran. It is released
-        (available at once, nothing counted) unless a cancel already decided it."""
+        """A step queued in a child that never started it: nothing ran."""
         self.end(att)
-        if att.cancel_reason in (None, "shutdown", RELEASED):
-            self.outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow,
-                                       held=att.cancel_reason == RELEASED))
-        else:
-            self.settle_cancelled(att, {"pid": att.child.pid, "message": "cancelled before it started",
-                                         "cancel_reason": att.cancel_reason})
+        self.settle(att, judging.of_unstarted(att, att.child.pid))
 
     def release_queued(self, now: float) -> None:
         """Take back steps queued in children that waited too long behind a longer attempt,
@@ -320,7 +213,7 @@ class AttemptEndings:
                     self.control.kills.cancel(att, RELEASED, now)
             if not any(map(past_start_by, child.queued)):
                 continue
-            self.control.child_io(child)  # a result sent before the child looked is handled first
+            self.control.io.read(child)  # a result sent before the child looked is handled first
             overdue = list(filter(past_start_by, child.queued))
             if not overdue:
                 continue
@@ -339,7 +232,7 @@ class AttemptEndings:
         self.control.kills.read_watchdog()
         unread, child.unread = child.unread, []
         for message in unread:  # sent before it died: e.g. the result of the attempt we killed it for
-            self.on_message(child, message)
+            self.control.io.on_message(child, message)
         att = child.attempt  # then maybe the queued step it had started since
         by_watchdog = child.pid in self.control.watchdog_killed
         code = self.control.pool.reap(child, ended_alone=not child.killed and (att is None or not att.killed_by)
@@ -358,40 +251,8 @@ class AttemptEndings:
                 if att.cancel_reason is None:
                     att.cancel_reason, att.fenced = "lease_lost", True
                 entry["killed_by"] = "watchdog"
-            signo = procs.exit_description(code).get("signal")
-            # a cause of death: our kill for a cap, or a death nobody here caused (the evidence decides)
-            judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
-            death = self.control.limit_watch.death(att, exit_signal=signo) if att.cancel_reason is None and judged else None  # type: ignore[arg-type]
-            if death is not None:  # a cause of death: a cap, or the kernel's OOM killer
-                kind, usage = death
-                entry["killed_by_supervisor"] = att.killed_for is not None
-                if att.killed_for is not None:
-                    entry["trigger"] = att.killed_for
-                self.fail(att, kind, self.control.limit_watch.death_entry(att, kind, usage, entry))
-            elif att.killed_by:
-                entry["killed_by_supervisor"] = True
-                entry["trigger"] = att.killed_by
-                if att.lingering:
-                    entry["lingering_threads"] = att.lingering
-                    entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}: threads the "
-                                                f"handler started were still running ({', '.join(att.lingering[:3])})")
-                entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
-                self.settle_cancelled(att, entry)
-            elif child.killed and att.cancel_reason is None:  # started as the attempt in front, being killed, ended
-                entry.update(killed_by_supervisor=True, trigger="previous_attempt", message=(
-                    "child killed by the supervisor to end the attempt before this one, "
-                    "which ended as this one started"))
-                self.fail(att, decisions.CHILD_EXITED, entry)
-            else:
-                entry["killed_by_supervisor"] = False
-                desc = procs.exit_description(code)
-                what = f"signal {desc.get('signal_name', desc.get('signal'))}" if "signal" in desc else f"exit code {code}"
-                entry["message"] = f"child process exited unexpectedly ({what})"
-                if att.cancel_reason is not None:
-                    entry["cancel_reason"] = att.cancel_reason
-                    self.settle_cancelled(att, entry)
-                else:
-                    self.fail(att, decisions.CHILD_EXITED, entry)
+            cap = self._cap_of_exit(att, child, code, entry)
+            self.settle(att, judging.of_exit(att, entry, code, child_killed=child.killed, cap=cap))
         queued, child.queued = list(child.queued), collections.deque()
         for unstarted in queued:
             self.settle_unstarted(unstarted)
@@ -401,26 +262,33 @@ class AttemptEndings:
         self.control.pool.after_exit(child, code)
         self.control.pool.maintain(self.control.clock(), self.control.draining)
 
+    def _cap_of_exit(self, att: Attempt, child: ChildProc, code: int | None, entry: dict[str, Any]) -> Cap | None:
+        """A cause of death for the attempt of a dead child: our kill for a cap, or a death
+        nobody here caused (a cap, or the kernel's OOM killer: the evidence decides). None
+        after a cancel, or when the supervisor killed the child for something else."""
+        signo = procs.exit_description(code).get("signal")
+        judged = att.killed_for is not None or (not att.killed_by and not child.killed and (att.limits or signo))
+        if att.cancel_reason is not None or not judged:
+            return None
+        found = self.control.limit_watch.death(att, exit_signal=signo)  # type: ignore[arg-type]
+        if found is None:
+            return None
+        kind, usage = found
+        entry = {**entry, "killed_by_supervisor": att.killed_for is not None}
+        if att.killed_for is not None:
+            entry["trigger"] = att.killed_for
+        return kind, self.control.limit_watch.death_entry(att, kind, usage, entry)
+
     def end_side_by_side(self, att: Attempt, child: ChildProc, code: int | None) -> None:
-        """An async attempt whose child died. The one the supervisor killed it for ends as
-        that kill (its attempt spent); the others ran beside it and are given back, no
-        attempt spent, to run again (said in the log). Had nobody killed the child (it
-        crashed), nothing tells which attempt did it: each ends as ``child_exited``."""
+        """An async attempt whose child died (:func:`~cyclone_mp.judging.of_side_by_side_exit`)."""
         if att.ended:
             return
         self.end(att)
-        entry = {"pid": child.pid, **procs.exit_description(code), "elapsed": round(self.control.clock() - att.started, 3)}
-        if att.killed_by:
-            entry.update(killed_by_supervisor=True, trigger=att.killed_by,
-                         message=f"child killed by the supervisor after {att.killed_by}")
-            self.settle_cancelled(att, entry)
-        elif child.killed:
+        if not att.killed_by and child.killed:
             log.info("step %s (run %s) ran beside an attempt its child was killed for: it runs again, no attempt "
                      "spent", att.step_name, att.run_id)
-            self.outcome(att, Outcome(att.key, RELEASE, att.step_name, att.attempt, att.workflow))
-        else:
-            entry.update(killed_by_supervisor=False, message="child process exited unexpectedly")
-            self.fail(att, decisions.CHILD_EXITED, entry)
+        entry = {"pid": child.pid, **procs.exit_description(code), "elapsed": round(self.control.clock() - att.started, 3)}
+        self.settle(att, judging.of_side_by_side_exit(att, entry, child_killed=child.killed))
 
     def maybe_recycle(self, child: ChildProc) -> None:
         cfg = self.control.config
@@ -464,23 +332,23 @@ class AttemptEndings:
         if att.cancel_reason in REAPED_REPORTED and att.started_wall is not None:
             self.control.writer.post_dead((att.key,))
 
-    def fail(self, att: Attempt, kind: str, entry: dict[str, Any], *, require_timed_out: bool = False) -> None:
-        self.outcome(att, Outcome(att.key, FAIL, att.step_name, att.attempt, att.workflow, att.backoff_spec,
-                                   progress=att.progress, error_kind=kind, entry=entry,
-                                   require_timed_out=require_timed_out))
+    def settle(self, att: Attempt, ending: Ending) -> None:
+        """Carry out what the judge said ``att`` became: its outcome for the writer, or
+        nothing written and its lease let go."""
+        if ending.counter is not None:
+            self.control.stats[ending.counter] += 1
+        if ending.outcome is not None:
+            self.outcome(att, ending.outcome)
+            return
+        self.observe_end(att, ending.label, ending.entry)
+        self.control.keeper(LeaseDone((att.key,)))
 
     def outcome(self, att: Attempt, outcome: Outcome) -> None:
-        if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended
-            if outcome.kind == COMPLETE:
-                label = "completed"
-            elif outcome.kind in (RELEASE, SNOOZE):
-                label = "released" if outcome.kind == RELEASE else "snoozed"
-            else:
-                label = att.cancel_reason if att.cancel_reason in ("cancelled", "lease_lost") else outcome.error_kind
-            self.observe_end(att, label or decisions.ERROR, outcome.entry or att.forensics)
-        if getattr(att, "started_wall", None) is not None and outcome.kind != RELEASE:
-            outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
-                                          run_id=att.run_id, node=att.node)
+        if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended (tests pass a stand-in)
+            self.observe_end(att, judging.label(att, outcome), outcome.entry or att.forensics)
+            if outcome.kind != RELEASE:
+                outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
+                                              run_id=att.run_id, node=att.node)
         self.control.outcomes.append((outcome, att.deadline))
         if self.control.outcomes_since is None:
             self.control.outcomes_since = self.control.clock()

@@ -4,7 +4,7 @@ A step may run at most ``concurrency`` at once per concurrency key and start at 
 ``rate_limit = (count, seconds)`` times per window per key, across every supervisor;
 claims walk the keys of a queue round-robin (fairness). The database decides all three
 in the claim (``cyclone_slots``, the fair, limited claim statements in
-``sql/queries.sql``, chosen per queue by ``store/leases.py``). What this module owns is
+``sql/claim.sql``, chosen per queue by ``store/claims.py``). What this module owns is
 the rest: the options' checks (:func:`check_key`, :func:`check_rate_limit`,
 :func:`check_enqueue_key`), a step's key for an input (:func:`key_of`), and the rule a
 supervisor follows with a claimed rate-limited row (:func:`rated`): a rate limit counts

@@ -74,7 +74,7 @@ class Policy:
         return any(self.move_after(s) is not None for s in FINISHED_STATES)
 
     def params(self, after: dt.datetime, inclusive: bool, limit: int) -> dict[str, Any]:
-        """The parameters of ``archive_runs`` and ``archive_days`` (queries.sql)."""
+        """The parameters of ``archive_runs`` and ``archive_days`` (sql/history.sql)."""
         moves = [self.move_after(s) for s in FINISHED_STATES]
         return {
             "states": list(FINISHED_STATES),

@@ -1,4 +1,5 @@
-"""Deadlines, fences, cancels and kills for process control: the due actions of
+"""Deadlines, fences, cancels and kills for process control: a renewal that moves a
+lease's fence, a lost lease that cancels its attempt, the due actions of
 :func:`~cyclone_mp.enforcement.due_actions` carried out (a cooperative cancel over the
 child's pipe, then the SIGKILL of its tree at ``kill_grace`` or at the lease's fence),
 a cap's kill, and the watchdog told when each child must be dead at the latest (and
@@ -15,6 +16,7 @@ import psutil
 
 from .attempts import Attempt
 from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, due_actions, running
+from .messages import LeaseLost, Renewed
 
 if TYPE_CHECKING:
     from .childproc import ChildProc
@@ -40,6 +42,33 @@ class Kills:
         att.child.cancel(att.token, reason)
         self.watch(att.child)
 
+    def on_renewed(self, message: Renewed) -> None:
+        """A renewal held: the lease lasts at least until ``sent + lease_ttl`` (the fence)."""
+        att = self.control.attempts.get(message.key)
+        if att is not None:
+            att.lease_sent = max(att.lease_sent, message.sent)
+            self.watch(att.child)
+            return
+        self.control.holding.renewed(message.key, message.sent)
+
+    def on_lease_lost(self, message: LeaseLost) -> None:
+        """A renewal matched nothing: cancel the attempt with the reason the row gives
+        (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
+        att = self.control.attempts.get(message.key)
+        if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
+            ours = att is not None or any(h.key == message.key for h in self.control.held)
+            self.control.claims.forget_cancelled(message.key, ours=ours)
+        if att is None:
+            self.control.holding.drop(message.key)
+            return
+        if att.ended:
+            return
+        reason = "lease_lost" if message.reason == "finished" else message.reason
+        att.fenced = False  # the row says so: nothing to write for it
+        if reason == "lease_lost":
+            self.control.stats["lease_lost"] += 1
+        self.cancel(att, reason, self.control.clock())
+
     def enforce(self, now: float) -> None:
         """Carry out what :func:`~cyclone_mp.enforcement.due_actions` says is due for the
         attempts whose deadlines came (:class:`~cyclone_mp.enforcement.Deadlines`): cancel
@@ -59,7 +88,7 @@ class Kills:
                 self.cancel(att, action.reason, now)
                 continue
             child = att.child
-            self.control.child_io(child)  # it may have ended just now, and the child started the next
+            self.control.io.read(child)  # it may have ended just now, and the child started the next
             if att.ended or not running(att):
                 continue
             if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
@@ -77,7 +106,7 @@ class Kills:
         """Kill the tree of an attempt :class:`~cyclone_mp.limits.watch.LimitWatch` found over
         a cap (unless it ended meanwhile)."""
         child = att.child
-        self.control.child_io(child)  # it may have ended just now
+        self.control.io.read(child)  # it may have ended just now
         if att.ended or child.attempt is not att:
             return
         att.killed_for = att.killed_by = kind

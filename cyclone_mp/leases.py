@@ -4,11 +4,11 @@ It renews every lease its supervisor holds until it is told the lease is done
 (:class:`~cyclone_mp.messages.LeaseDone`): one renewal per step, addressed by id, with
 the seed's WHERE clause, every ``lease_ttl / 3`` with a random initial phase
 (:func:`first_beat`) and +-10 % jitter. Renewals due together go in one round trip
-(:meth:`~cyclone_mp.store.Store.renew_many`). It does nothing else that could delay a
+(:meth:`~cyclone_mp.store.Leases.renew_many`). It does nothing else that could delay a
 renewal: claims are the outcome writer's. It tells process control
 :class:`~cyclone_mp.messages.Renewed` (with the time the renewal was sent: the local
 fence, SPEC 9) or :class:`~cyclone_mp.messages.LeaseLost` (the row says why), and never
-decides what happens to a handler: :meth:`cyclone_mp.control.ProcessControl.on_lease_lost` does.
+decides what happens to a handler: :meth:`cyclone_mp.kills.Kills.on_lease_lost` does.
 
 ``LISTEN`` (new work, cancels) is the :class:`~cyclone_mp.listener.Listener`'s, on a
 thread of its own: opening that connection can take seconds, which a renewal must
@@ -112,7 +112,7 @@ class LeaseKeeper(DatabaseThread):
         sent = self.clock()
         items = [(l.key[0], l.key[1], l.progress if l.progress_dirty else None, l.start_delay) for l in due]
         try:
-            matched = self.call(self.config.call_bound, lambda store: store.renew_many(
+            matched = self.call(self.config.call_bound, lambda store: store.leases.renew_many(
                 owner=self.owner, items=items, ttl=self.config.lease_ttl))
         except DatabaseUnavailable:
             self._retry_soon(due)
@@ -129,7 +129,7 @@ class LeaseKeeper(DatabaseThread):
         """Renew one lease alone; False when the connection was lost."""
         sent = self.clock()
         try:
-            matched = self.call(self.config.call_bound, lambda store: store.renew_many(
+            matched = self.call(self.config.call_bound, lambda store: store.leases.renew_many(
                 owner=self.owner, items=[(lease.key[0], lease.key[1], lease.progress if lease.progress_dirty else None,
                                           lease.start_delay)],
                 ttl=self.config.lease_ttl))
@@ -163,7 +163,7 @@ class LeaseKeeper(DatabaseThread):
         """A renewal matched nothing (seed: Heartbeats): find out why and say so."""
         step_id, generation = lease.key
         try:
-            row = self.call(self.config.call_bound, lambda store: store.lease_state(step_id))
+            row = self.call(self.config.call_bound, lambda store: store.leases.state(step_id))
         except DatabaseError:
             self._retry_soon([lease])  # asked again on the next beat (it matches nothing again)
             return
@@ -196,7 +196,7 @@ def first_beat(interval: float) -> float:
 
 def lost_reason(row: dict[str, Any] | None, owner: str, generation: int) -> str:
     """Why a renewal of ``(step, generation)`` by ``owner`` matched nothing, from the row's
-    :meth:`~cyclone_mp.store.Store.lease_state` (pure)."""
+    :meth:`~cyclone_mp.store.Leases.state` (pure)."""
     if row is None or row["state"] == "cancelled":
         return "cancelled"
     if row["state"] == "running" and row["lease_owner"] == owner and row["lease_generation"] == generation:

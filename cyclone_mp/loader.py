@@ -83,7 +83,7 @@ class PayloadLoader(DatabaseThread):
         limit = upstream_limit(self.config.max_payload)
         unreadable = "the step's input or upstream outputs cannot be read: "
         try:
-            payload = self.call(LOAD_BOUND + LOAD_MARGIN, lambda store: store.load_payload(
+            payload = self.call(LOAD_BOUND + LOAD_MARGIN, lambda store: store.payloads.load(
                 row["id"], statement_timeout=LOAD_BOUND, max_upstream=limit))
         except DatabaseUnavailable:
             payload, message = None, None

@@ -122,7 +122,8 @@ def write_outputs(call: Callable[[Callable[[Any], Any]], Any], run_id: str,
             with OutputsFile(path) as out:
                 written[node] = {"path": path, "count": 0}
                 while True:
-                    rows = call(lambda store, after=out.last: store.map_outputs_page(run_id, node, after, PAGE_ITEMS))
+                    rows = call(lambda store, after=out.last: store.payloads.map_outputs_page(
+                        run_id, node, after, PAGE_ITEMS))
                     out.write_page(rows)
                     if len(rows) < PAGE_ITEMS:
                         break

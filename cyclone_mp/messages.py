@@ -104,7 +104,7 @@ class Claimed:
     was sent; the database stamped the leases later, so they last at least until
     ``sent + lease_ttl``. ``failed``: the claim did not run (an outage, a rejected call).
     ``wait``: seconds after which a step that a rate limit held back from this claim may
-    start (:attr:`cyclone_mp.store.Store.claim_wait`), or None: process control
+    start (:attr:`cyclone_mp.store.ClaimResult.wait`), or None: process control
     polls again no later than that."""
 
     rows: tuple[dict[str, Any], ...]

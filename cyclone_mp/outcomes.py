@@ -3,7 +3,7 @@
 Process control hands it :class:`~cyclone_mp.messages.Batch` values (outcomes: a
 success, a failed attempt, a release; and the claim for the slots they free) and goes
 on; the writer puts whatever has gathered meanwhile, the claim included, in one
-statement (:meth:`~cyclone_mp.store.Store.settle`: each row with its own CAS,
+statement (:meth:`~cyclone_mp.store.Outcomes.settle`: each row with its own CAS,
 SPEC 1), so outcomes share statements whenever they come faster than a round trip.
 A row whose CAS did not hold is looked at alone: a success past its DB deadline still
 counts once, as a timeout (SPEC 3), a failed attempt of a workflow run is written with
@@ -187,12 +187,12 @@ class OutcomeWriter(DatabaseThread):
             self._write_alone(PendingWrite(outcome, self.clock()))
 
     def _mark_dead(self) -> None:
-        """Record the reaped attempts (:meth:`~cyclone_mp.store.Store.mark_dead`, one
+        """Record the reaped attempts (:meth:`~cyclone_mp.store.Leases.mark_dead`, one
         statement); kept for the next turn during an outage. Until recorded, their steps
         wait for ``dead_by`` on the database clock: never sooner than is safe."""
         dead, self.dead = self.dead, []
         try:
-            self.call(self.config.write_bound, lambda store: store.mark_dead(dead))
+            self.call(self.config.write_bound, lambda store: store.leases.mark_dead(dead))
         except DatabaseUnavailable:
             self.dead = dead + self.dead
         except DatabaseError as exc:  # nothing is lost: the steps wait for dead_by
@@ -205,16 +205,15 @@ class OutcomeWriter(DatabaseThread):
         self.count("claim_statements")
         sent = self.clock()
         try:
-            rows, wait = self.call(self.config.write_bound, lambda store: (store.claim(
+            claimed = self.call(self.config.write_bound, lambda store: store.claims.claim(
                 owner=self.owner, queues=self.config.queues, names=self.names, limit=limit,
-                ttl=self.config.lease_ttl, kill_within=self.config.kill_within, start_now=start_now),
-                store.claim_wait))
+                ttl=self.config.lease_ttl, kill_within=self.config.kill_within, start_now=start_now))
         except DatabaseError as exc:
             if not isinstance(exc, DatabaseUnavailable):
                 log.error("claim rejected by the database: %s", exc)
             self._claimed([], sent, limit=limit, failed=True)
             return
-        self._claimed(rows, sent, limit=limit, wait=wait)
+        self._claimed(claimed.rows, sent, limit=limit, wait=claimed.wait)
 
     def _claimed(self, rows: list[dict[str, Any]], sent: float, *, limit: int, failed: bool = False,
                  wait: float | None = None) -> None:
@@ -242,7 +241,7 @@ class OutcomeWriter(DatabaseThread):
             self.count("batches")
         sent = self.clock()
         try:
-            settled = self.call(self.config.write_bound, lambda store: store.settle(
+            settled = self.call(self.config.write_bound, lambda store: store.outcomes.settle(
                 owner=self.owner, completions=completions, failures=failures, workflows=workflows,
                 queues=self.config.queues, names=self.names, limit=claim, ttl=self.config.lease_ttl,
                 kill_within=self.config.kill_within, start_now=start_now))
@@ -294,7 +293,7 @@ class OutcomeWriter(DatabaseThread):
         """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
         Anything else (cancelled, reclaimed, already written) drops it."""
         try:
-            row = self.call(self.config.write_bound, lambda store: store.lease_state(outcome.step_id))
+            row = self.call(self.config.write_bound, lambda store: store.leases.state(outcome.step_id))
         except DatabaseUnavailable:
             self._keep([outcome])
             return
@@ -312,10 +311,12 @@ class OutcomeWriter(DatabaseThread):
         self._done(outcome)
 
     def _entry(self, outcome: Outcome, plain: bool = False) -> dict[str, Any]:
-        """An attempt's error entry as stored: who wrote it, under which lease."""
+        """An attempt's error entry as stored: who wrote it, under which lease. ``plain``:
+        the forensics only, and the message :meth:`_rejected` wrote in place of the
+        handler's (the entry was refused once)."""
         entry = dict(outcome.entry or {})
         if plain:
-            entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
+            entry = {k: v for k, v in entry.items() if k in FORENSIC_KEYS or k == "message"}
         if outcome.start_delay is not None:  # the handler started this long after its claim (written to start_delay)
             entry["start_delay"] = round(outcome.start_delay, 6)
         return {"worker": self.owner, "lease_generation": outcome.generation, **entry}
@@ -350,7 +351,7 @@ class OutcomeWriter(DatabaseThread):
                                                                           "type": type(exc).__name__,
                                                                           "message": str(exc)})
                     return self._apply(write)
-                applied = self.call(self.config.write_bound, lambda store: store.complete(
+                applied = self.call(self.config.write_bound, lambda store: store.outcomes.complete(
                     owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress,
                                               outcome.start_delay)],
                     workflows=outcome.workflow, spawns=spawns))
@@ -362,7 +363,7 @@ class OutcomeWriter(DatabaseThread):
                     self._late_success(outcome)
                 return True
             if outcome.kind == SNOOZE:
-                state = self.call(self.config.write_bound, lambda store: store.snooze(
+                state = self.call(self.config.write_bound, lambda store: store.outcomes.snooze(
                     owner=self.owner, id=outcome.step_id, generation=outcome.generation, seconds=outcome.snooze,
                     max_snoozes=self.max_snoozes(outcome.step_name), progress=outcome.progress,
                     entry=self._entry(outcome)))
@@ -376,14 +377,14 @@ class OutcomeWriter(DatabaseThread):
                 self._done(outcome)
                 return True
             if outcome.kind == RELEASE:
-                released = self.call(self.config.write_bound, lambda store: store.release(
+                released = self.call(self.config.write_bound, lambda store: store.outcomes.release(
                     owner=self.owner, id=outcome.step_id, generation=outcome.generation))
                 if released:
                     self.count("prefetch_released" if outcome.held else "released")
                     self.tell_control(Poll())  # claimable at once, here too
                 self._done(outcome)
                 return True
-            result = self.call(self.config.write_bound, lambda store: store.fail(
+            result = self.call(self.config.write_bound, lambda store: store.outcomes.fail(
                 owner=self.owner, id=outcome.step_id, generation=outcome.generation,
                 kind=outcome.error_kind or decisions.ERROR, entry=self._entry(outcome, write.plain),
                 backoff=self.backoff_for(outcome.step_name), require_timed_out=outcome.require_timed_out,
@@ -396,14 +397,13 @@ class OutcomeWriter(DatabaseThread):
             if stale_plan(exc.__cause__):  # a schema change, not the data: the connection re-prepares
                 return False
             return self._rejected(write, exc)
-        if result == "not_yet":  # the DB deadline has not passed yet: the worker clock never shortens it
+        if result.status == "not_yet":  # the DB deadline has not passed yet: the worker clock never shortens it
             return False
-        if result == "applied":
+        if result.status == "applied":
             self.count("failed")
-            ended = self.store.last_ended if self.store is not None else None
-            kind = ended[1] if ended else outcome.error_kind or decisions.ERROR
+            kind = result.ended[1] if result.ended else outcome.error_kind or decisions.ERROR
             self.observer.written(outcome.step_name, kind)
-            if self.store is not None and self.store.last_discarded:
+            if result.discarded:
                 self._discarded(outcome, kind)
             self.tell_control(Poll())
         self._done(outcome)

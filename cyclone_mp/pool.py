@@ -1,13 +1,13 @@
-"""The supervisor's side of one child process: spawn or fork, pipes, kill, reap.
+"""Process control's children: started (forked from the zygote or spawned), replaced,
+recycled, killed and reaped, with the strays a handler left behind.
 
-A :class:`ChildProc` is forked from the zygote (:mod:`cyclone_mp.zygote`: a process
-that imported the runner and the handlers' modules once; the default
-``start_method="zygote"``) or is a fresh interpreter (``cyclone_mp._child`` started through
-:func:`cyclone_mp.procs.helper_command`, ``start_method="spawn"``), never a fork of the
-grown supervisor. Either way it is this process's own child, runs in its own process
-group, in its slot's cgroups where the host has them (:mod:`cyclone_mp.limits.slot`), carries the supervisor's marker in its environment,
-and is reused for many steps until it is killed or recycled. It has imported the
-handlers' modules before it says it is ready.
+A child (:class:`~cyclone_mp.childproc.ChildProc`) is forked from the zygote
+(:mod:`cyclone_mp.zygote`, the default ``start_method="zygote"``) or is a fresh
+interpreter (``start_method="spawn"``), never a fork of the grown supervisor. Either way
+it is this process's own child, in its own process group and its slot's cgroups where
+the host has them (:mod:`cyclone_mp.limits.slot`), carries the supervisor's marker in its
+environment, imports the handlers' modules before it says it is ready, and is reused
+for many steps until it is killed or recycled.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from . import procs, protocol
+from . import procs
 from .childproc import ChildProc
 from .config import PRELOAD_TIMEOUT
 from .limits.confinement import Confinement
@@ -225,9 +225,7 @@ class ChildPool:
         hit: list[int] = []
         if child.returncode is None and ended_alone:
             child.note_descendants()
-            if child.slot is not None:  # what it left in its cgroup (an escapee that left its session too)
-                hit += child.slot.kill()
-            hit += procs.kill_tree(child.pid, child.pid, list(child.descendants_seen.values()), pidfd=child.pidfd)
+            hit += child.kill_tree()  # with what it left in its cgroup (an escapee that left its session too)
         code = child.wait(timeout=5.0)
         if code is None:  # still alive after SIGKILL (uninterruptible sleep): kill and wait again
             self.kill(child, "protocol_error")

@@ -1,13 +1,13 @@
 """Process-tree control for the supervisor: subreaping, killing a child's whole tree.
 
-Killing (SPEC 4): the child runs in its own process group; a kill is SIGKILL to the
-group and to every descendant psutil still finds (a grandchild that left the group
-with ``setsid()`` included), then reaping, so no zombie and no grandchild survives.
-Where the child's slot has a cgroup, the cgroup is killed first
-(:meth:`cyclone_mp.limits.slot.Slot.kill`: no fork can race it). Every signal to a process
-the supervisor did not just reap goes through a pidfd opened for the very process
-psutil saw, so a recycled pid is never hit; a process group is signalled by id only
-while its leader, our child, is not reaped.
+Killing (SPEC 4): :func:`kill_tree` is the one way a process is killed (a child, the
+watchdog's kill of a child, the zygote, the watchdog). It sends SIGKILL to the child's
+process group and to every descendant psutil finds (a grandchild that left the group
+with ``setsid()`` included), tree stopped first; then reaping, so no zombie and no
+grandchild survives. Where the child's slot has a cgroup, the cgroup is killed first
+(:meth:`cyclone_mp.limits.slot.Slot.kill`). Every signal to a process the supervisor did
+not just reap goes through a pidfd opened for the very process psutil saw
+(:func:`signal_process`), so a recycled pid is never hit.
 
 Adopted processes: the supervisor and each child are child subreapers, so an escapee
 whose parent died is reparented to the child (and swept with its attempt's leftovers),

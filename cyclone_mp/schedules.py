@@ -292,11 +292,11 @@ def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
     schedules = mux.schedules
     if not schedules:
         return counts
-    store.sync_schedules([(s.name, s.fingerprint, s.target.name, s.spec) for s in schedules.values()], ACTIVE_WITHIN)
+    store.schedules.sync([(s.name, s.fingerprint, s.target.name, s.spec) for s in schedules.values()], ACTIVE_WITHIN)
 
     def enqueue(schedule: Schedule, slot: dt.datetime) -> str:
         kind, nodes = node_rows(schedule.target, schedule.input, config.defaults)
-        run_id, _ = store.enqueue_run(
+        run_id, _ = store.runs.enqueue(
             name=schedule.target.name, kind=kind, input=schedule.input, nodes=nodes, delay=0.0,
             idempotency_key=idempotency_key(schedule.name, slot), conn=store.conn,
         )
@@ -329,7 +329,7 @@ def run_once(store: "Store", mux: "Mux", config: "Config") -> dict[str, int]:
                 "fingerprint": schedule.fingerprint, "last_slot": decided.last_slot, "next_at": decided.next_at,
                 "n": n, "skipped": decided.skipped, "run_id": run_id}
 
-    store.tick_schedules({s.name: s.fingerprint for s in schedules.values()}, ACTIVE_WITHIN, decide)
+    store.schedules.tick({s.name: s.fingerprint for s in schedules.values()}, ACTIVE_WITHIN, decide)
     return counts
 
 

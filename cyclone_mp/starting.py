@@ -13,7 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import decisions
+from . import decisions, judging
 from .attempts import Attempt, Held, hold_bound
 from .config import PREFETCH_MAX_WAIT
 from .limits.declared import format_size, row_limits
@@ -92,7 +92,8 @@ class AttemptStarts:
         self.control.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it
             self.control.endings.end(att)
-            self.control.endings.fail(att, decisions.MEMORY_LIMIT, self.control.limit_watch.below_a_fresh_child(child.pid, limits))
+            entry = self.control.limit_watch.below_a_fresh_child(child.pid, limits)
+            self.control.endings.outcome(att, judging.failed(att, decisions.MEMORY_LIMIT, entry))
             return True
         side_by_side = row["step_name"] in self.control.side_by_side
         if side_by_side:  # an async attempt beside the others of its step in this child

@@ -1,26 +1,17 @@
-"""The supervisor (parent process): holds every lease, owns every child (SPEC sections 1, 4, 5).
+"""The supervisor (parent process): holds every lease, owns every child (SPEC 1, 4, 5).
 
-It is six parts with one job each, sharing no mutable state and talking by the
-messages of :mod:`cyclone_mp.messages`:
-
-==========================  ===============================================  ===========
-part                        its job                                          its thread
-==========================  ===============================================  ===========
-:mod:`~cyclone_mp.control`  children, pipes, deadlines, the local fence,     this one
-                            cancels, kills, reaping; never a database call
-:mod:`~cyclone_mp.leases`   renewals: nothing delays them                    its own
-:mod:`~cyclone_mp.listener` LISTEN: new work, cancels (a shortcut only)      its own
-:mod:`~cyclone_mp.outcomes` claims, and every ended attempt's CAS write      its own
-:mod:`~cyclone_mp.sweep`    the recovery sweep, due timers, schedules, the   its own
-                            registry
-:mod:`~cyclone_mp.loader`   payloads too big to come with their claim        its own
-==========================  ===============================================  ===========
-
-Each database part has its own connection and bounds every call
-(:mod:`cyclone_mp.dbloop`), so a slow, locked or partitioned database delays durable
+Six parts with one job each, sharing no mutable state, talking by the messages of
+:mod:`cyclone_mp.messages`: process control (:mod:`~cyclone_mp.control`: children,
+deadlines, the local fence, cancels, kills; never a database call; on this thread);
+on threads of their own, renewals (:mod:`~cyclone_mp.leases`: nothing delays them),
+LISTEN (:mod:`~cyclone_mp.listener`: new work, cancels), claims and the CAS write of
+every ended attempt (:mod:`~cyclone_mp.outcomes`), the sweep, timers, schedules and
+registry (:mod:`~cyclone_mp.sweep`), payloads too big to come with their claim
+(:mod:`~cyclone_mp.loader`). Each database part bounds every call
+(:mod:`cyclone_mp.dbloop`), so a slow or partitioned database delays durable
 transitions, never a kill. The watchdog process (:mod:`cyclone_mp._watchdog`) kills a
-child whose fence passed while this process was frozen, and everything it started once
-it is gone (docs/operating.md explains the whole).
+child whose fence passed while this process was frozen, and all it started once this
+process is gone (docs/operating.md explains the whole).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
 :class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
 :meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
 whose lease expired or whose ``started_at + timeout`` passed on the database clock),
-settles each under the run lock and the step lock (:meth:`cyclone_mp.store.Store.expire`,
+settles each under the run lock and the step lock (:meth:`cyclone_mp.store.Sweep.expire`,
 which asks :func:`cyclone_mp.decisions.expiry`), fires due timers, and returns counts.
 Tests call it directly.
 
 :class:`Maintenance` is the thin loop around it, on a thread and a connection of its
 own. The sweep is one supervisor's at a time: each pass takes the sweep's turn
-(:meth:`cyclone_mp.store.Store.sweep_turn`, a one-statement row lock, so it works through
+(:meth:`cyclone_mp.store.Sweep.turn`, a one-statement row lock, so it works through
 PgBouncer), so the database sees at most one pass per ``poll_interval`` however many
 supervisors run. The same loop refreshes the ``cyclone_workers`` registry (which recovery
 never reads), fires the mux's schedules, takes the ``history`` turn for the archive and
@@ -79,14 +79,15 @@ class Sweeper:
                 next pass finds the same candidates).
         """
         counts = {"timeout": 0, "reclaim": 0, "reclaim_limit": 0, "none": 0, "timers": 0}
-        for row in store.sweep_candidates(SWEEP_LIMIT):
-            counts[store.expire(row["id"], self.backoff_for, {"swept_by": self.owner})] += 1
-            if store.last_ended is not None and self.written is not None:
-                self.written(*store.last_ended)
-            if store.last_discarded and self.discarded is not None:
-                self.discarded(store.last_discarded)
-        counts["timers"] = store.fire_due_timers(SWEEP_LIMIT)
-        store.maintenance_succeeded("sweep")
+        for row in store.sweep.candidates(SWEEP_LIMIT):
+            expired = store.sweep.expire(row["id"], self.backoff_for, {"swept_by": self.owner})
+            counts[expired.action] += 1
+            if expired.ended is not None and self.written is not None:
+                self.written(*expired.ended)
+            if expired.discarded and self.discarded is not None:
+                self.discarded(expired.discarded)
+        counts["timers"] = store.sweep.fire_due_timers(SWEEP_LIMIT)
+        store.sweep.succeeded("sweep")
         return counts
 
 
@@ -247,12 +248,12 @@ class Maintenance(DatabaseThread):
 
     def take_turn(self, task: str, every: float, now: float, *, failed_at: float) -> float | None:
         """Ask for the turn of a maintenance task (``"sweep"`` or ``"history"``, one
-        supervisor's every ``every`` seconds: :meth:`cyclone_mp.store.Store.sweep_turn`).
+        supervisor's every ``every`` seconds: :meth:`cyclone_mp.store.Sweep.turn`).
         None when it is ours (do it now); else when to look again (local monotonic
         seconds): when the turn another supervisor took ends, plus a little jitter (the
         poll interval's minimum; counted as ``sweep_turns_skipped`` or
         ``history_turns_skipped``), or ``failed_at`` when the database failed."""
-        turn = self.attempt(task, lambda store: store.sweep_turn(self.owner, every, task))
+        turn = self.attempt(task, lambda store: store.sweep.turn(self.owner, every, task))
         if turn is FAILED:
             return failed_at
         if task == "sweep":
@@ -267,7 +268,7 @@ class Maintenance(DatabaseThread):
         """Read how many steps wait in each queue served, and since when, for the metrics:
         one bounded statement every ``observer.queue_depth_interval`` seconds, whatever the
         scrape rate (counted as ``queue_depth_reads``)."""
-        rows = self.attempt("queue_depths", lambda store: store.queue_depths(self.config.queues))
+        rows = self.attempt("queue_depths", lambda store: store.registry.queue_depths(self.config.queues))
         if rows is FAILED:
             return
         self.count("queue_depth_reads")
@@ -314,7 +315,7 @@ class Maintenance(DatabaseThread):
         info = {**self.snapshot(), "maintenance": self.health.snapshot(), "paused_queues": self.paused_queues}
         self.busy_written = self._busy(info)
         live_within = max(5.0, 3 * self.config.registry_interval)  # a row missed twice still counts
-        got = self.attempt("registry", lambda store: store.register_worker(
+        got = self.attempt("registry", lambda store: store.registry.register(
             id=self.owner, hostname=socket.gethostname(), pid=os.getpid(), info=info, live=live_within,
             queues=self.config.queues))
         if got is FAILED:
@@ -328,6 +329,6 @@ class Maintenance(DatabaseThread):
         if not self.db_ok:
             return
         try:
-            self.call(0.5, lambda store: store.unregister_worker(self.owner))
+            self.call(0.5, lambda store: store.registry.unregister(self.owner))
         except DatabaseError:
             pass

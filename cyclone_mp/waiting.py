@@ -1,7 +1,7 @@
 """Waiting for runs to end: ``client.wait`` and ``client.result``.
 
 A run that becomes completed, discarded or cancelled sends a ``NOTIFY`` on
-:data:`RUNS_CHANNEL` with its id (``run_ended_expr`` in ``sql/queries.sql``; a payload may
+:data:`RUNS_CHANNEL` with its id (``run_ended_expr`` in ``sql/fragments.sql``; a payload may
 name several runs, comma-separated), but only while a listener is connected to its
 database (a session named :data:`LISTENER_NAME`, ``waiting_expr``): a NOTIFY makes its
 commit wait for every other notifying commit of the server, so with no one waiting the
@@ -35,9 +35,9 @@ from .store import Store, operations
 
 log = logging.getLogger("cyclone_mp.client")
 
-RUNS_CHANNEL = "cyclone_mp_runs"  #: the NOTIFY channel of runs that ended (queries.sql: run_ended_expr)
+RUNS_CHANNEL = "cyclone_mp_runs"  #: the NOTIFY channel of runs that ended (sql/fragments.sql: run_ended_expr)
 #: The listener's application_name: runs that end notify only while a session of that name
-#: is connected to their database (queries.sql: waiting_expr).
+#: is connected to their database (sql/fragments.sql: waiting_expr).
 LISTENER_NAME = "cyclone_mp waiting"
 #: Seconds after a listener starts listening at which it polls once more: a statement that
 #: ended runs and looked for a listener just before this one connected notifies nobody.

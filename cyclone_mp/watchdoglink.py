@@ -11,7 +11,7 @@ import logging
 import socket
 import subprocess
 
-from .procs import helper_command, helper_env
+from .procs import helper_command, helper_env, kill_tree
 
 _UNSENT = object()
 
@@ -154,5 +154,5 @@ class WatchdogLink:
         try:
             self.popen.wait(timeout=timeout)
         except Exception:  # noqa: BLE001
-            self.popen.kill()
+            kill_tree(self.popen.pid, None)  # our unreaped child
             self.popen.wait()

@@ -1,19 +1,17 @@
 """The supervisor's end of its zygote: children forked in milliseconds.
 
-A fresh child (``python -S -P _boot.py cyclone_mp._child ...``) takes tens of
-milliseconds to start an interpreter and import the runner and the handlers' modules,
-and every crash, kill and recycle pays it. With ``start_method="zygote"`` (the default)
-the pool keeps one more process, the zygote (:mod:`cyclone_mp._zygote`), which has done
-that once, and asks it for each new child. The child it forks (``clone(CLONE_PARENT)``)
-is this process's own child exactly as a spawned one: own process group,
-``PR_SET_PDEATHSIG``, slot cgroups, pidfd, ``wait4`` forensics, scrubbed environment
-(SPEC 1).
+A fresh child takes tens of milliseconds to start an interpreter and import the runner
+and the handlers' modules, and every crash, kill and recycle pays it. With
+``start_method="zygote"`` (the default) the pool keeps one more process, the zygote
+(:mod:`cyclone_mp._zygote`), which has done that once, and asks it for each new child.
+The child it forks (``clone(CLONE_PARENT)``) is this process's own child exactly as a
+spawned one: own process group, ``PR_SET_PDEATHSIG``, slot cgroups, pidfd, ``wait4``
+forensics, scrubbed environment (SPEC 1).
 
-:class:`Zygote` is driven by process control's thread and never blocks it for long:
-:meth:`Zygote.fork` waits at most :data:`FORK_TIMEOUT` for the pid. A dead zygote is
-started again, without a module whose import killed or hung it; after
-:data:`DEATHS_MAX` deaths within :data:`DEATHS_WINDOW` seconds, or without
-``clone(CLONE_PARENT)``, children are spawned instead and a warning says so.
+:class:`Zygote` is driven by process control's thread and never blocks it for long
+(:meth:`Zygote.fork` waits at most :data:`FORK_TIMEOUT`). A dead zygote is started again
+without a module whose import killed or hung it; after :data:`DEATHS_MAX` deaths within
+:data:`DEATHS_WINDOW` seconds, or without ``clone(CLONE_PARENT)``, children are spawned.
 """
 
 from __future__ import annotations
@@ -246,8 +244,7 @@ class Zygote:
 
     def _kill(self) -> None:
         if self.popen is not None and self.popen.returncode is None:
-            with contextlib.suppress(OSError):
-                self.popen.kill()  # our unreaped child: its pid cannot have been reused
+            procs.kill_tree(self.popen.pid, None)  # our unreaped child: its pid cannot have been reused
 
     def _reap(self) -> int | None:
         if self.sock is not None:

@@ -16,7 +16,7 @@ root, with a PostgreSQL in ``CYCLONE_DSN``; Django's PostgreSQL backend uses psy
     python -m examples.django_app runserver                        # the web app
     curl -X POST localhost:8000/reports/ -d 'name=sales'
 
-``tests/test_examples.py`` runs it with Django's test client and a real supervisor.
+``tests/acceptance/test_examples.py`` runs it with Django's test client and a real supervisor.
 """
 
 from __future__ import annotations

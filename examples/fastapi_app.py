@@ -16,7 +16,7 @@ server that ``cyclone-mp demo`` uses (started if it is not running)::
     uvicorn examples.fastapi_app:app                     # the web app, in another
     curl -X POST localhost:8000/thumbnails -H 'content-type: application/json' -d '{"path": "cat.png"}'
 
-``tests/test_examples.py`` runs it under Starlette's test client with a real supervisor.
+``tests/acceptance/test_examples.py`` runs it under Starlette's test client with a real supervisor.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Dashboard:
         run times over the last hour."""
         now, runs, archived, steps, per_minute, kills, workers, schedules, hour = self._read(lambda s, d: (
             d.now(), d.run_counts(), d.archived_counts(), d.step_counts(), d.throughput(minutes),
-            d.recent_kills(KILLS_SHOWN), s.list_workers(WORKERS_WITHIN), s.list_schedules(),
+            d.recent_kills(KILLS_SHOWN), s.registry.workers(WORKERS_WITHIN), s.schedules.list_all(),
             (d.pickup(HOUR), d.kills_by_trigger(HOUR), d.durations(HOUR, DURATIONS_SHOWN)),
         ))
         return {
@@ -109,7 +109,7 @@ class Dashboard:
     def run(self, run_id: str) -> dict[str, Any]:
         """Everything about one run. Raises RunNotFound."""
         now, (run, rows), signals = self._read(lambda s, d: (
-            d.now(), s.get_run(run_id), d.run_signals(run_id),
+            d.now(), s.runs.get(run_id), d.run_signals(run_id),
         ))
         steps = [StepStatus.from_row(row) for row in rows]
         received = {row["name"] for row in signals}

@@ -23,7 +23,7 @@ from ..errors import (
     DatabaseStalled,
     DatabaseUnavailable,
 )
-from .base import AsyncStore, StoreBase
+from .session import AsyncStore, Session
 from .pools import (
     POOL_TIMEOUT,
     AsyncConnectionPool,
@@ -78,7 +78,7 @@ class PooledCalls:
     ``config``, ``_embedded()``, ``_explain()``, ``_retryable()`` and ``_call_failed()``),
     on a pool made at the first call."""
 
-    def __init__(self, owner: Any, store_class: type[StoreBase]) -> None:
+    def __init__(self, owner: Any, store_class: type[Session]) -> None:
         self.owner = owner
         self.store_class = store_class
         self.pool_: ConnectionPool | None = None

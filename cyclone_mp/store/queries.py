@@ -1,6 +1,7 @@
-"""The named SQL (``sql/queries.sql``), the migrations' files, and the shapes of the
-rows and parameters the store's methods take (STYLE pattern 1: every query lives in
-``queries.sql`` under a ``-- name:`` header)."""
+"""The named SQL (the ``sql/*.sql`` files, one per concern), the migrations' files, and
+the shapes of the rows and parameters the store's methods take (STYLE pattern 1: every
+query lives in a ``sql/*.sql`` file under a ``-- name:`` header; a name is unique across
+the files)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ import contextlib
 import dataclasses
 import importlib.resources
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from psycopg.types.json import Jsonb
-
-from ..noderows import NodeRow, limit_params, node_params, to_us  # noqa: F401 - the rows' shapes, for the store
-
 
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
@@ -22,7 +20,7 @@ FORENSIC_KEYS = frozenset({
 })
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the
-#: supervisor loads them alone (:meth:`Store.load_payload`), so one huge row never slows
+#: supervisor loads them alone (:meth:`Payloads.load`), so one huge row never slows
 #: a claim past its bound nor holds back its neighbours.
 INLINE_MAX = 512 * 1024
 MIGRATION_LOCK = 0x6379636C6F6E65  # "cyclone": pg_advisory_xact_lock key for migrate()
@@ -44,15 +42,27 @@ def _code(line: str) -> str:
 
 
 def _load_queries() -> dict[str, str]:
-    text = importlib.resources.files("cyclone_mp.sql").joinpath("queries.sql").read_text()
+    """Every named block of the ``sql/*.sql`` files (:func:`parse_queries`)."""
+    files = sorted((f for f in importlib.resources.files("cyclone_mp.sql").iterdir() if f.name.endswith(".sql")),
+                   key=lambda f: f.name)
+    return parse_queries((f.name, f.read_text()) for f in files)
+
+
+def parse_queries(files: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The ``-- name:`` blocks of ``(file name, text)`` files, by name, without comments
+    and indentation (none of our literals spans lines), fragments spliced in. Raises
+    RuntimeError when two blocks (in one file or two) share a name, or a block cites an
+    unknown fragment."""
     queries: dict[str, str] = {}
-    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        name, _, body = block.partition("\n")
-        # without comments and indentation (none of our literals spans lines)
-        body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
-        if name.strip() in queries:  # a second block of one name would silently replace the first
-            raise RuntimeError(f"queries.sql: two blocks named {name.strip()!r}")
-        queries[name.strip()] = body.strip().rstrip(";")
+    where: dict[str, str] = {}
+    for file, text in files:
+        for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+            name, _, body = block.partition("\n")
+            name = name.strip()
+            if name in queries:  # a second block of one name would silently replace the first
+                raise RuntimeError(f"sql/{file}: {name!r} is already defined in sql/{where[name]}")
+            body = "\n".join(code.strip() for code in map(_code, body.strip().splitlines()) if code.strip())
+            queries[name], where[name] = body.strip().rstrip(";"), file
     # Fragments (names ending in _ctes or _expr) are spliced into the queries that cite
     # them, and into the fragments that cite them, until none is left.
     fragments = {name: sql for name, sql in queries.items() if name.endswith(("_ctes", "_expr"))}
@@ -64,7 +74,7 @@ def _load_queries() -> dict[str, str]:
                 break
             body = spliced
         if left := re.findall(r"\{\w+_(?:ctes|expr)\}", body):
-            raise RuntimeError(f"queries.sql: unknown or circular fragments {left}")
+            raise RuntimeError(f"sql: unknown or circular fragments {left}")
         return body
     return {name: splice(body) for name, body in queries.items()}
 
@@ -106,7 +116,7 @@ def nullable_jsonb(value: Any) -> Jsonb | None:
 
 @dataclasses.dataclass(frozen=True)
 class FailedAttempt:
-    """One failed attempt for :meth:`Store.settle`: ``kind`` is a
+    """One failed attempt for :meth:`Outcomes.settle`: ``kind`` is a
     :data:`~cyclone_mp.decisions.FAILURE_KINDS` value, ``entry`` the error entry (JSON),
     ``delay`` the backoff in seconds if the step is retried."""
 
@@ -121,14 +131,14 @@ class FailedAttempt:
 
 @dataclasses.dataclass(frozen=True)
 class Settled:
-    """What :meth:`Store.settle` did: the ``(id, lease generation)`` leases whose
+    """What :meth:`Outcomes.settle` did: the ``(id, lease generation)`` leases whose
     completion and whose failure CAS held (with the error kind each failure stored), and
     the claimed rows."""
 
     completed: set[tuple[int, int]]
     failed: set[tuple[int, int]]
     claimed: list[dict[str, Any]]
-    wait: float | None = None  # the claim's rate-limit wait (see Store.claim_wait)
+    wait: float | None = None  # the claim's rate-limit wait (see ClaimResult.wait)
     failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
     discarded: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # failures that discarded their step
 

@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 
 from ..connections import configure_session, connect, database_dsn
-from .base import translate
+from .session import translate
 
 
 #: pg_try_advisory_lock key of a VACUUM of the hot tables (one supervisor at a time)

@@ -13,53 +13,50 @@ import pytest
 from cyclone_mp import sweep
 from cyclone_mp.config import SWEEP_LIMIT, Config
 from cyclone_mp.health import MaintenanceHealth
-from cyclone_mp.store.maintenance import Turn
+from cyclone_mp.store.sweep import Expired, Turn
 
 
-class FakeStore:
-    """The store calls a sweep pass makes, answering from a script."""
+class FakeSweep:
+    """The store's sweep calls a sweep pass makes (``store.sweep``), answering from a script."""
 
     def __init__(self, actions: list[str], timers: int = 0, discard: set[int] = frozenset()) -> None:
-        self.candidates = [{"id": i} for i in range(len(actions))]
+        self.rows = [{"id": i} for i in range(len(actions))]
         self.actions = actions
         self.timers = timers
         self.discard = discard
         self.expired: list[tuple[int, dict[str, Any]]] = []
-        self.last_ended: tuple[str | None, str] | None = None
-        self.last_discarded: dict[str, Any] | None = None
-        self.succeeded: list[str] = []
+        self.succeeded_tasks: list[str] = []
         self.limits: list[int] = []
 
-    def sweep_candidates(self, limit: int) -> list[dict[str, Any]]:
+    def candidates(self, limit: int) -> list[dict[str, Any]]:
         self.limits.append(limit)
-        return self.candidates[:limit]
+        return self.rows[:limit]
 
-    def expire(self, id: int, backoff_for: Any, entry: dict[str, Any]) -> str:
+    def expire(self, id: int, backoff_for: Any, entry: dict[str, Any]) -> Expired:
         self.expired.append((id, entry))
         action = self.actions[id]
-        self.last_ended = ("step", action) if action in ("timeout", "reclaim_limit") else None
-        self.last_discarded = {"id": id} if id in self.discard else None
-        return action
+        return Expired(action, ("step", action) if action in ("timeout", "reclaim_limit") else None,
+                       {"id": id} if id in self.discard else None)
 
     def fire_due_timers(self, limit: int) -> int:
         return self.timers
 
-    def maintenance_succeeded(self, task: str) -> None:
-        self.succeeded.append(task)
+    def succeeded(self, task: str) -> None:
+        self.succeeded_tasks.append(task)
 
 
 def test_a_pass_settles_each_candidate_once_and_counts_by_action():
     written, discarded = [], []
     sweeper = sweep.Sweeper("sup-1", lambda name: lambda n: 1.0, written=lambda *a: written.append(a),
                             discarded=discarded.append)
-    store = FakeStore(["timeout", "reclaim", "none", "reclaim_limit", "timeout"], timers=2, discard={3})
-    counts = sweeper.run_once(store)
+    fake = FakeSweep(["timeout", "reclaim", "none", "reclaim_limit", "timeout"], timers=2, discard={3})
+    counts = sweeper.run_once(SimpleNamespace(sweep=fake))
     assert counts == {"timeout": 2, "reclaim": 1, "reclaim_limit": 1, "none": 1, "timers": 2}
-    assert [i for i, _ in store.expired] == [0, 1, 2, 3, 4]
-    assert all(entry == {"swept_by": "sup-1"} for _, entry in store.expired)  # who settled it, in the entry
+    assert [i for i, _ in fake.expired] == [0, 1, 2, 3, 4]
+    assert all(entry == {"swept_by": "sup-1"} for _, entry in fake.expired)  # who settled it, in the entry
     assert written == [("step", "timeout"), ("step", "reclaim_limit"), ("step", "timeout")]
     assert discarded == [{"id": 3}]
-    assert store.limits == [SWEEP_LIMIT] and store.succeeded == ["sweep"]
+    assert fake.limits == [SWEEP_LIMIT] and fake.succeeded_tasks == ["sweep"]
 
 
 def maintenance(turns: list[Turn | str], counts: dict[str, int] | None = None) -> Any:
@@ -76,7 +73,9 @@ def maintenance(turns: list[Turn | str], counts: dict[str, int] | None = None) -
 
     def attempt(task: str, fn: Any) -> Any:
         answer = next(asks)
-        return sweep.FAILED if answer == "failed" else fn(SimpleNamespace(sweep_turn=lambda owner, every, t: answer))
+        if answer == "failed":
+            return sweep.FAILED
+        return fn(SimpleNamespace(sweep=SimpleNamespace(turn=lambda owner, every, t: answer)))
 
     def run_sweep() -> dict[str, int]:
         m.swept += 1

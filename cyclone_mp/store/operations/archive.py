@@ -9,8 +9,8 @@ import datetime as dt
 from typing import Any, Sequence
 
 from ...filters import RunFilter
+from ...noderows import to_us
 from ...status import TERMINAL_RUN_STATES
-from ..queries import to_us
 from .core import Steps, operation, q
 from .enqueue import delete_idle_slots
 

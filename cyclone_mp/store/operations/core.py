@@ -84,7 +84,7 @@ def operation(*, transaction: bool) -> Callable[[Callable[..., Steps[T]]], Calla
 
 
 def q(name: str, params: Any = None, *, prepare: bool | None = None) -> Statement:
-    """The named query ``name`` of ``sql/queries.sql`` with ``params``."""
+    """The named query ``name`` of the ``sql/*.sql`` files with ``params``."""
     return Statement(Q[name], params, prepare)
 
 

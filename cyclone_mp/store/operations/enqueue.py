@@ -16,7 +16,8 @@ from psycopg.types.json import Jsonb
 
 from ...errors import DatabaseError, RunNotFound
 from ...limits.declared import NO_LIMITS, Limits
-from ..queries import NodeRow, limit_params, nullable_jsonb, to_us
+from ...noderows import NodeRow, limit_params, to_us
+from ..queries import nullable_jsonb
 from .core import Op, Steps, operation, q
 
 # -- enqueue -----------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def _archived_holder(idempotency_key: str | None, inserted: str) -> Steps[str | 
 def _flag_flow(marks: Sequence[tuple[str, bool, bool]]) -> Steps[None]:
     """Mark the queues ``(queue, limited, rate_limited)`` that a step with a key or a limit
     enters: their claims are the fair or limited ones from then on (see
-    :meth:`cyclone_mp.store.Store._claim_statement`)."""
+    :meth:`cyclone_mp.store.Claims.statement`)."""
     if marks:
         yield q("flag_flow_queues", {"queues": [m[0] for m in marks], "limits": [m[1] for m in marks],
                                      "rates": [m[2] for m in marks]})

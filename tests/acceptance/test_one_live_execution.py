@@ -1,0 +1,321 @@
+"""One live execution of a step, truly (SPEC 9): after a timeout or a cancel, the retry and
+a ``concurrency=1`` sibling wait for the old attempt's child to be dead; cancels are pushed;
+a rate limit counts handler starts.
+
+Every handler notes its pid and start time; a watcher polls each pid until it is gone, so
+each execution is an interval [start, death] and no two of one step (or of one
+concurrency group) may overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+
+import psutil
+import pytest
+
+import live_handlers as lh
+from waiting import supervisor_turns
+from cli_run import run_cli
+
+
+class Lives:
+    """Watches the pids that the handlers note in ``log``: when each was last seen alive
+    and first seen dead (gone, or a zombie), polled every 10 ms on a thread of its own."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+        self.dead: dict[int, float] = {}
+        self.alive: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            for record in lh.records(self.log, "start"):
+                pid = record["pid"]
+                if pid in self.dead:
+                    continue
+                try:
+                    gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    gone = True
+                if gone:
+                    self.dead[pid] = now
+                else:
+                    self.alive[pid] = time.time()  # alive at least until this instant
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def intervals(self) -> list[tuple[float, float, int]]:
+        """(start, end, pid) of every execution noted, by start: ``end`` is when a dead one
+        was last seen alive (its death came within the next 10 ms poll), now for one that
+        lives. Two intervals that overlap were both alive at one instant, for certain: a
+        handler that starts between a death and the poll that sees it is no overlap."""
+        now = time.time()
+        return sorted((r["t"], self.alive.get(r["pid"], r["t"]) if r["pid"] in self.dead else now, r["pid"])
+                      for r in lh.records(self.log, "start"))
+
+
+def overlaps(intervals: list[tuple[float, float, int]]) -> list[tuple]:
+    """Pairs of executions alive at the same instant (a pid noted twice is one process)."""
+    found = []
+    for i, (start, end, pid) in enumerate(intervals):
+        for start2, end2, pid2 in intervals[i + 1:]:
+            if pid2 != pid and start2 < end and start < end2:
+                found.append(((start, end, pid), (start2, end2, pid2)))
+    return found
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture
+def lives(tmp_path):
+    watcher = Lives(str(tmp_path / "live.log"))
+    yield watcher
+    watcher.close()
+
+
+# -- a retry waits for the attempt it replaces ----------------------------------------------------
+
+
+def test_a_retry_starts_only_after_the_timed_out_child_is_reaped(cyclone_env_factory, lives):
+    """timeout=2, kill_grace=5, backoff 0, max_attempts=2, a handler that never looks at
+    its context: the sweep settles attempt 1 at its DB deadline (2 s), but attempt 2
+    starts only once attempt 1's child is killed (7 s) and reaped, within 1 s of that."""
+    env = cyclone_env_factory(workers=2, lease_ttl=3, kill_grace=5, poll_interval=(0.05, 0.5))
+    env.mux().register(lh.live_wedge)
+    run_id = env.enqueue(lh.live_wedge, {"log": lives.log})
+    env.start_worker()
+    assert wait_until(lambda: len(lh.records(lives.log, "start")) >= 2, timeout=30)
+    first, second = sorted(lh.records(lives.log, "start"), key=lambda r: r["t"])[:2]
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert wait_until(lambda: first["pid"] in lives.dead, timeout=5)
+    reaped = lives.dead[first["pid"]]
+    assert not overlaps(lives.intervals()), overlaps(lives.intervals())
+    assert second["t"] >= reaped, (second["t"] - reaped)
+    assert second["t"] - reaped <= 1.0, second["t"] - reaped
+    # the old attempt lived its grace: killed about timeout + kill_grace after it started
+    assert 6.0 <= reaped - first["t"] <= 9.0, reaped - first["t"]
+    status = env.run_until_complete(run_id, timeout=30)
+    assert (status.state, status.step.attempt, status.step.error_kind) == ("discarded", 2, "timeout")
+
+
+def test_the_retry_waits_for_dead_by_when_the_holder_cannot_report(cyclone_env_factory, lives):
+    """The sweep settles the timeout and records dead_by; while it has not passed and the
+    owner has not reported the child dead, status says the step waits on its previous
+    attempt."""
+    env = cyclone_env_factory(workers=1, lease_ttl=3, kill_grace=5, poll_interval=(0.05, 0.5))
+    env.mux().register(lh.live_wedge)
+    run_id = env.enqueue(lh.live_wedge, {"log": lives.log})
+    env.start_worker()
+
+    def waiting():
+        step = env.status(run_id).step
+        return step if step.state == "available" and step.attempt == 2 else None
+
+    step = wait_until(waiting, timeout=15)
+    assert step is not None and step.dead_by is not None and step.waiting_on == "previous_attempt"
+    assert len(lh.records(lives.log, "start")) == 1
+
+
+# -- a concurrency slot waits for the holder's death ----------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["none", pytest.param("sigkill", marks=pytest.mark.long),
+                                   pytest.param("sigstop", marks=pytest.mark.long)])  # (CI runs the long ones too)
+def test_concurrency_one_never_admits_a_second_handler_while_the_first_lives(cyclone_env_factory, lives, fault):
+    """Two wedged steps of a concurrency=1 group: the second starts only after the first's
+    child is dead, also when the holder's supervisor is SIGKILLed or SIGSTOPped during its
+    kill_grace (another supervisor then waits for dead_by, or the watchdog's kill)."""
+    env = cyclone_env_factory(workers=2, lease_ttl=2, kill_grace=3, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_exclusive)
+    holder = env.start_worker()
+    first = env.enqueue(lh.live_exclusive, {"log": lives.log, "key": 1})
+    assert wait_until(lambda: lh.records(lives.log, "start"), timeout=15)
+    second = env.enqueue(lh.live_exclusive, {"log": lives.log, "key": 2})
+    env.start_worker()
+    start = lh.records(lives.log, "start")[0]
+    if fault != "none":
+        wait_until(lambda: time.time() >= start["t"] + 3.0, timeout=10)  # inside the first's kill_grace
+        if fault == "sigkill":
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.popen.wait()
+        else:
+            os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: len(lh.records(lives.log, "start")) >= 2, timeout=40)
+        assert wait_until(lambda: len(lives.dead) >= 1, timeout=10)
+        assert not overlaps(lives.intervals()), overlaps(lives.intervals())
+    finally:
+        if fault == "sigstop":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(holder.pid, signal.SIGCONT)
+    for run_id in (first, second):
+        assert env.run_until_complete(run_id, timeout=40).step.error_kind == "timeout"
+    assert not overlaps(lives.intervals()), overlaps(lives.intervals())
+
+
+def test_a_cancelled_holder_keeps_its_slot_until_its_child_is_dead(cyclone_env_factory, lives):
+    """client.cancel of the running holder of a concurrency=1 group: the next step of the
+    group starts only once the cancelled handler's child is dead (kill_grace later)."""
+    env = cyclone_env_factory(workers=2, lease_ttl=30, kill_grace=2, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_exclusive)
+    env.start_worker()
+    first = env.enqueue(lh.live_exclusive, {"log": lives.log, "key": 1}, timeout=60)
+    assert wait_until(lambda: lh.records(lives.log, "start"), timeout=15)
+    env.enqueue(lh.live_exclusive, {"log": lives.log, "key": 2, "wedge": False}, timeout=60)
+    supervisor_turns(env.dsn, "claim_statements", 2)  # the second was asked for while the first holds the slot
+    assert len(lh.records(lives.log, "start")) == 1
+    env.client().cancel(first)
+    assert wait_until(lambda: len(lh.records(lives.log, "start")) >= 2, timeout=15)
+    assert not overlaps(lives.intervals()), overlaps(lives.intervals())
+    holder_pid = lh.records(lives.log, "start")[0]["pid"]
+    second = lh.records(lives.log, "start")[1]
+    assert second["t"] - lives.dead[holder_pid] <= 1.0
+
+
+# -- cancels are pushed -----------------------------------------------------------------------------
+
+
+def test_a_cancel_reaches_the_handler_within_a_second(cyclone_env_factory, tmp_path):
+    """`cyclone-mp cancel` of a running step with lease_ttl=30 (a renewal every 10 s): the
+    handler's cancellation trips within 1 s of the command (median of 5), pushed by
+    NOTIFY rather than learned at the next renewal."""
+    env = cyclone_env_factory(workers=2, lease_ttl=30, kill_grace=2)
+    env.mux().register(lh.live_waits_for_cancel)
+    env.start_worker()
+    delays = []
+    for i in range(5):
+        log = str(tmp_path / f"cancel-{i}.log")
+        run_id = env.enqueue(lh.live_waits_for_cancel, {"log": log})
+        assert wait_until(lambda: lh.records(log, "start"), timeout=15)
+        time.sleep(0.2)
+        done = run_cli("cancel", run_id, dsn=env.dsn)
+        cancelled_at = time.time()
+        assert done.returncode == 0, done.stderr
+        woke = wait_until(lambda: lh.records(log, "woke"), timeout=15)
+        assert woke and woke[0]["cancelled"] and woke[0]["reason"] == "cancelled"
+        delays.append(woke[0]["t"] - cancelled_at)
+    assert statistics.median(delays) <= 1.0, delays
+
+
+# -- a rate limit counts handler starts -------------------------------------------------------------
+
+
+def most_in_window(times: list[float], seconds: float) -> int:
+    """The most of ``times`` inside any half-open window of ``seconds``."""
+    times = sorted(times)
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while t - times[lo] >= seconds:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_a_rate_limit_bounds_the_handlers_starts(cyclone_env_factory, tmp_path):
+    """rate_limit=(10, 1.0), 60 steps, 2 children, the default prefetch: no window of 1 s
+    of the handlers' own start times holds more than 10 (+1 for clock granularity), and
+    each handler starts within milliseconds of its claim."""
+    log = str(tmp_path / "rated.log")
+    env = cyclone_env_factory(workers=2, lease_ttl=5, poll_interval=(0.02, 0.2))
+    env.mux().register(lh.live_rated)
+    ids = env.client().enqueue_many(lh.live_rated, [{"log": log, "seconds": 0.02}] * 60)
+    env.start_worker()
+    for run_id in ids:
+        assert env.run_until_complete(run_id, timeout=60).state == "completed"
+    starts = [r["t"] for r in lh.records(log, "start")]
+    assert len(starts) == 60
+    assert most_in_window(starts, 1.0) <= 11, most_in_window(starts, 1.0)
+    # the rows' claims bound them too (the slots are taken at claim), and nothing was held
+    statuses = [env.status(run_id).step for run_id in ids]
+    claims = [s.started_at.timestamp() for s in statuses]
+    assert most_in_window(claims, 1.0) <= 10
+    assert all(s.attempt == 1 and s.reclaims == 0 for s in statuses)
+
+
+# -- a child is reused only when nothing of the last attempt runs in it ------------------------------
+
+
+def test_threads_of_a_timed_out_async_attempt_die_before_the_retry_starts(cyclone_env_factory, tmp_path):
+    """An async handler awaiting asyncio.to_thread(<15 s of work>) times out (timeout 1 s,
+    kill_grace 2 s): its task is cancelled at once but the thread runs on, so its child is
+    killed at kill_grace and not reused; no tick of attempt 1's thread is written once
+    attempt 2 has started."""
+    log = str(tmp_path / "async.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=3, kill_grace=2, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_async_thread)
+    run_id = env.enqueue(lh.live_async_thread, {"log": log, "seconds": 15})
+    env.start_worker()
+    assert wait_until(lambda: len(lh.records(log, "start")) >= 2, timeout=30)
+    first, second = sorted(lh.records(log, "start"), key=lambda r: r["t"])[:2]
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert first["pid"] != second["pid"], "the child of the cancelled attempt was reused"
+    late = [r for r in lh.records(log, "tick") if r["pid"] == first["pid"] and r["t"] >= second["t"]]
+    assert not late, f"attempt 1's thread ticked {len(late)} times after attempt 2 started"
+    status = env.run_until_complete(run_id, timeout=40)
+    assert status.step.error_kind == "timeout"
+    entry = status.step.errors[0]
+    assert entry.get("lingering_threads") and entry.get("killed_by_supervisor")
+
+
+def test_a_thread_that_stops_on_cancel_lets_its_child_be_reused(cyclone_env_factory, tmp_path):
+    """The same, but the thread stops 0.3 s after the cancel: the attempt ends then (no
+    kill) and the retry runs in the same child, after the thread is gone."""
+    log = str(tmp_path / "polite.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=3, kill_grace=3, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_async_polite)
+    run_id = env.enqueue(lh.live_async_polite, {"log": log, "seconds": 15})
+    env.start_worker()
+    assert wait_until(lambda: len(lh.records(log, "start")) >= 2, timeout=30)
+    first, second = sorted(lh.records(log, "start"), key=lambda r: r["t"])[:2]
+    assert first["pid"] == second["pid"]
+    # attempt 1's thread stopped 0.3 s after the cancel (at 1 s): the retry came after it
+    assert second["t"] - first["t"] >= 1.2, second["t"] - first["t"]
+    env.client().cancel(run_id)
+    status = env.run_until_complete(run_id, timeout=30)
+    entry = status.step.errors[0]
+    assert entry["kind"] == "timeout" and not entry.get("killed_by_supervisor")
+
+
+def test_started_at_is_the_handlers_start_and_claimed_at_the_claim(cyclone_env_factory, tmp_path):
+    """Steps claimed ahead (prefetch) wait for the child: status says when each row was
+    claimed (claimed_at, the timeout's base) and when its handler started (started_at,
+    within 50 ms of the handler's own clock), also in `status --json`."""
+    log = str(tmp_path / "noted.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=5, poll_interval=(0.02, 0.2))
+    env.mux().register(lh.live_noted)
+    ids = env.client().enqueue_many(lh.live_noted, [{"log": log, "seconds": 0.05}] * 20)
+    env.start_worker()
+    for run_id in ids:
+        assert env.run_until_complete(run_id, timeout=60).state == "completed"
+    noted = {r["run_id"]: r["t"] for r in lh.records(log, "start")}
+    waited = []
+    for run_id in ids:
+        step = env.status(run_id).step
+        assert step.claimed_at <= step.started_at
+        assert abs(step.started_at.timestamp() - noted[run_id]) <= 0.05, (step.started_at.timestamp(), noted[run_id])
+        waited.append((step.started_at - step.claimed_at).total_seconds())
+    assert max(waited) > 0.04, waited  # some were claimed ahead and waited for the child
+    shown = json.loads(run_cli("status", ids[-1], "--json", dsn=env.dsn).stdout)
+    node = next(iter(shown["steps"].values()))
+    assert node["claimed_at"] and node["started_at"] and node["claimed_at"] <= node["started_at"]

@@ -1,0 +1,142 @@
+"""The payload boundary's pure rules, no process: frames decode one by one (a frame the
+parent cannot decode becomes a marker in its place, never losing its neighbours), one
+turn reads at most a megabyte of a child, and values and JSON texts are checked for
+depth, encoding and size without recursing. What a real child and the engine make of the
+same boundary is in ``tests/acceptance/test_hostile_payloads.py``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from cyclone_mp import protocol
+from cyclone_mp.errors import PayloadError
+
+import hostile_handlers as hh
+from hostile_support import LIMIT_WORDS, frame
+
+
+# -- 2. one payload boundary: frames decode one by one ------------------------------------------
+
+
+BAD_FRAMES = {
+    "deep": ("[" * 5000 + "]" * 5000).encode(),
+    "deep_result": b'{"t":"result","task":"7.3","ok":true,"output":' + b"[" * 5000 + b"]" * 5000 + b"}",
+    "not_utf8": b'{"t":"progress","task":"7.3","done":"\xff\xfe"}',
+    "not_json": b'{"t":"result","task":"7.3",',
+    "not_an_object": b"[1, 2]",
+    "huge_integer": b'{"t":"result","task":"7.3","ok":true,"output":' + b"9" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FRAMES))
+@pytest.mark.parametrize("chunk", [None, 1, 7])
+def test_frame_reader_never_loses_a_frame_or_its_neighbours(case, chunk):
+    """Issue 18 fault 2: a frame the parent cannot decode (975-990 deep: RecursionError)
+    was dropped with every other message of the same read. Now it becomes an
+    ``undecodable`` marker in its place, naming its task when its head says it."""
+    before, after = {"t": "progress", "task": "7.3", "done": 1}, {"t": "result", "task": "7.4", "ok": True}
+    data = protocol.encode(before) + frame(BAD_FRAMES[case]) + protocol.encode(after)
+    reader = protocol.FrameReader(1 << 20)
+    if chunk is None:
+        got = reader.feed(data)
+    else:
+        got = [m for i in range(0, len(data), chunk) for m in reader.feed(data[i:i + chunk])]
+    assert len(got) == 3, got
+    assert got[0] == before and got[2] == after
+    marker = got[1]
+    assert marker["t"] == protocol.UNDECODABLE and marker["error"] and marker["size"] == len(BAD_FRAMES[case])
+    if case in ("deep_result", "not_utf8", "not_json", "huge_integer"):
+        assert marker["task"] == "7.3" and marker["of"] in ("result", "progress")
+    else:
+        assert marker["task"] is None
+
+
+def test_frame_reader_still_refuses_an_oversized_header():
+    reader = protocol.FrameReader(1024)
+    with pytest.raises(protocol.ProtocolError, match="exceeds the 1024-byte limit"):
+        reader.feed(protocol.HEADER.pack(4096) + b"{}")
+
+
+def test_one_turn_reads_at_most_a_megabyte_of_a_child_and_a_reaped_child_all():
+    """A child streaming a 3 MiB result: each ``receive`` (one turn of process control)
+    takes at most READS_PER_CALL reads of READ_CHUNK bytes and leaves the rest to the
+    next turn, so one child cannot hold the loop. What a dead child left in its socket
+    is read in one call (``max_reads=None``). The socket is a stand-in that always has
+    more to give, so the bound is what stops a call."""
+    import io
+
+    from cyclone_mp.childproc import READS_PER_CALL, ChildProc
+
+    class Stream:
+        def __init__(self, data: bytes) -> None:
+            self.data, self.reads = io.BytesIO(data), 0
+
+        def recv(self, size: int) -> bytes:
+            self.reads += 1
+            return self.data.read(size)
+
+    big = {"t": "result", "task": "1", "ok": True, "output": "x" * (3 << 20)}
+    for max_reads in (READS_PER_CALL, None):
+        child = ChildProc.__new__(ChildProc)  # its socket and reader only: no process
+        child.sock, child.reader = Stream(protocol.encode(big)), protocol.FrameReader(1 << 30)
+        got, calls = [], []
+        while not got:
+            before = child.sock.reads
+            messages, eof = child.receive(max_reads=max_reads)
+            got, calls = got + messages, calls + [child.sock.reads - before]
+            assert not eof and len(calls) < 10
+        assert got == [big]
+        if max_reads is None:
+            assert len(calls) == 1  # all of it at once
+        else:
+            assert calls[:3] == [READS_PER_CALL] * 3 and len(calls) == 4, calls  # 3 MiB + a header: 49 reads
+
+
+@pytest.mark.parametrize("depth,ok", [(1, True), (200, True), (201, False), (985, False), (3000, False)])
+def test_check_value_limits_depth_without_recursing(depth, ok):
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # a producer that raised its limit (issue 18, fault 3) still gets the rule
+    try:
+        value = hh.nested(depth)
+        if ok:
+            assert json.loads(protocol.check_value(value, "input", 1 << 20)) == value
+        else:
+            with pytest.raises(PayloadError, match=LIMIT_WORDS):
+                protocol.check_value(value, "input", 1 << 20)
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def test_depth_from_the_text_agrees_with_the_walk():
+    """text_depth_over (regex passes over the JSON text) and depth_over (a walk of the
+    value) agree, brackets and quotes inside strings included."""
+    import random
+
+    rng = random.Random(18)
+    for _ in range(300):
+        depth = rng.choice([1, 2, 50, 199, 200, 201, 202, 210, 400])
+        value = rng.choice([[], {}, 'x[{"\\', 1])
+        for _ in range(depth - (1 if isinstance(value, (list, dict)) else 0)):
+            value = [value, ']}"[', {"a": [1]}] if rng.random() < 0.5 else {'k"[\\': value, "z": [[]]}
+        text = json.dumps(value)
+        expected = protocol.depth_over(value)
+        assert protocol.text_depth_over(text) is expected
+        assert protocol.text_depth_over(text.encode()) is expected
+        assert protocol.text_depth_over(json.dumps(value, separators=(",", ":"))) is expected
+
+
+def test_load_value_reports_each_bad_text():
+    with pytest.raises(PayloadError, match=LIMIT_WORDS):
+        protocol.load_value("[" * 5000 + "]" * 5000, "the file")
+    with pytest.raises(PayloadError, match=LIMIT_WORDS):
+        protocol.load_value("[" * 300 + "]" * 300, "the file")
+    with pytest.raises(PayloadError, match="not valid UTF-8"):
+        protocol.load_value(b'{"a": "\xff"}', "the file")
+    with pytest.raises(PayloadError, match="4300 digits"):
+        protocol.load_value("9" * 5000, "the value")
+    with pytest.raises(PayloadError, match="not valid JSON"):
+        protocol.load_value("{", "the value")
+    assert protocol.load_value(b'{"a": [1, 2.5, "\xc3\xa9"]}', "x") == {"a": [1, 2.5, "é"]}
