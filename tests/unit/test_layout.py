@@ -48,3 +48,21 @@ def test_psycopg_only_behind_the_store():
     found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "cyclone_mp").rglob("*"))
              if p.is_file() and "__pycache__" not in p.parts and b"psycopg" in p.read_bytes()]
     assert [p for p in found if not p.startswith(allowed)] == []
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages the wheel installs by hand: every folder of the
+    library with Python in it is listed (a missing one installs fine in editable mode and
+    breaks every non-editable install at its first import), and every listed one exists."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    folders = {"cyclone_mp_cli": ROOT / "cli"}
+    for init in (ROOT / "cyclone_mp").rglob("*.py"):
+        folder = init.parent
+        if "__pycache__" not in folder.parts:
+            folders[".".join(folder.relative_to(ROOT).parts)] = folder
+    assert set(folders) - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
+    missing = {name for name in listed if not (ROOT / setup.get("package-dir", {}).get(name, name.replace(".", "/"))).is_dir()}
+    assert missing == set(), "listed packages that do not exist"
