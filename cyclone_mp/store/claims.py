@@ -85,9 +85,9 @@ class Claims:
         """The fairness cursors of a claim (per queue, the key its last walk ended at) and
         which limited steps it may take: ``limits``, any (the limited claims); ``rates``,
         rate-limited ones too (the full claim only)."""
+        rank = self.rank(statement)
         return {"queues": list(queues), "cursors": [self.cursors.get(q) for q in queues],
-                "limits": not statement.endswith(("_fair", "_plain")),
-                "rates": not statement.endswith(("_fair", "_plain", "_concurrency"))}
+                "limits": rank >= self.CLAIMS.index("_concurrency"), "rates": rank == len(self.CLAIMS) - 1}
 
     def keep_meta(self, meta: dict[str, Any] | None, queues: Sequence[str]) -> float | None:
         """Keep what a claim's meta row says (the queues' marks, where each queue's walk

@@ -164,7 +164,7 @@ class Outcomes:
                 drive(cur, operations.advance_parent(run_id))
         failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
         return Settled(
-            completed={(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"},
+            completed=completed,
             failed=set(failed),
             claimed=[r for r in rows if r["what"] == "claimed"],
             wait=wait,
