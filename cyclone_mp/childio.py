@@ -35,7 +35,8 @@ class ChildIO:
 
     def check(self) -> None:
         """Read the children whose sockets the last wait reported (and, every
-        ``IO_SWEEP_INTERVAL`` seconds, all of them), and write what is queued."""
+        ``IO_SWEEP_INTERVAL`` seconds, all of them), and write what is queued. The
+        children freed meanwhile take held steps once, after the last message."""
         pool = self.control.pool
         now = self.control.clock()
         if now >= self._next_sweep:
@@ -44,9 +45,17 @@ class ChildIO:
         else:
             ready = [c for c in pool.children if c in self.ready or c.outbox]
         self.ready.clear()
-        for child in ready:
-            if child in pool.children:
-                self.read(child)
+        control = self.control
+        control.taking_deferred = True  # freed children take held steps once, after every message is handled
+        try:
+            for child in ready:
+                if child in pool.children:
+                    self.read(child)
+        finally:
+            control.taking_deferred = False
+            if control.take_due:
+                control.take_due = False
+                control.take_held()
 
     def read(self, child: ChildProc) -> None:
         """Write what is queued for ``child``, then read and handle all it has sent."""

@@ -113,6 +113,8 @@ class ProcessControl:
         self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
+        self.taking_deferred = False  # the children's messages are being handled: take_held waits for the last
+        self.take_due = False  # take_held was asked for meanwhile
         start = clock()
         self.next_poll = start
         self.poll_delay = config.poll_interval[0]
@@ -161,7 +163,13 @@ class ProcessControl:
 
     def take_held(self) -> None:
         """Start held steps on idle children and queue more behind busy ones (none while
-        the lease keeper is disconnected: their leases cannot be kept, nor when draining)."""
+        the lease keeper is disconnected: their leases cannot be kept, nor when draining).
+        While the children's messages of a turn are handled (:meth:`ChildIO.check
+        <cyclone_mp.childio.ChildIO.check>`), it is done once after the last of them: one
+        take and one write per child for the many results a read brings, not one per result."""
+        if self.taking_deferred:
+            self.take_due = True
+            return
         if self.holding.held and not self.draining and self.db_ok:
             self.holding.take(step_seconds=self.step_seconds)
 

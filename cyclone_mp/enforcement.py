@@ -58,17 +58,19 @@ def due_at(att: Attempt, lease_ttl: float, kill_grace: float) -> float | None:
     already cancelled: it is dropped unstarted or pushed again as it starts)."""
     if att.ended:
         return None
-    times = []
+    due = None
     if att.cancel_reason is None:
-        if att.deadline is not None:
-            times.append(att.deadline)
-        times.append(fence_cancel_at(att, lease_ttl, kill_grace))
+        due = fence_cancel_at(att, lease_ttl, kill_grace)
+        if att.deadline is not None and att.deadline < due:
+            due = att.deadline
     if running(att):
-        if att.kill_at is not None:
-            times.append(att.kill_at)
+        if att.kill_at is not None and (due is None or att.kill_at < due):
+            due = att.kill_at
         if att.guards_lease():
-            times.append(att.fence(lease_ttl) - fence_margin(lease_ttl))
-    return min(times) if times else None
+            fence_kill = att.fence(lease_ttl) - fence_margin(lease_ttl)
+            if due is None or fence_kill < due:
+                due = fence_kill
+    return due
 
 
 def due_actions(attempts: Iterable[Attempt], now: float, lease_ttl: float,

@@ -60,6 +60,11 @@ class Holding:
         self.fleet = 1  # live supervisors on the database, this one included (from the registry)
         self.hold_off = False  # a held step waited too long: hold none until the next result
         self.claim_hold = PREFETCH_MAX_WAIT  # the shortest hold bound among the last claim's rows
+        #: no held step is due for :meth:`expire` before this (local monotonic seconds): a
+        #: lower bound, kept by :meth:`add` and made exact by each scan, so a turn looks at
+        #: the held steps only when one may be due (steps leave ``held`` in many places, and
+        #: come in only through :meth:`add` or back to its front after a failed start)
+        self.expiry_bound = float("inf")
 
     def __len__(self) -> int:
         return len(self.held)
@@ -125,15 +130,19 @@ class Holding:
         start on an idle child now or be given back (:meth:`give_back_rated`). True when
         a rate-limited row came."""
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else float("inf")
+        ttl = self.config.lease_ttl
         rows = list(rows)
         rated_rows = [Held((r["id"], r["lease_generation"]), r, sent, now, now) for r in rows if rated(r)]
+        first = now if rated_rows else float("inf")  # the earliest release among them
         for row in rows:
             if not rated(row):
-                bound = hold_bound(self.config.lease_ttl, row["timeout"], cap)
+                bound = hold_bound(ttl, row["timeout"], cap)
+                first = min(first, now + bound)
                 self.held.append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound))
         self.held.extendleft(reversed(rated_rows))
         if rows:
-            self.claim_hold = min(hold_bound(self.config.lease_ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+            self.claim_hold = min(hold_bound(ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+            self.expiry_bound = min(self.expiry_bound, first, sent + ttl - fence_margin(ttl))
         return bool(rated_rows)
 
     def give_back_rated(self) -> None:
@@ -164,8 +173,9 @@ class Holding:
                                  item.row["run_kind"] != "step", held=True))
 
     def release_at(self) -> float | None:
-        """When the first held step is due for release (None: none is held)."""
-        return min((h.release_at for h in self.held), default=None)
+        """When a held step may be due for :meth:`expire` (None: none is held): released
+        for waiting too long, or dropped with its lease."""
+        return self.expiry_bound if self.held else None
 
     # -- starting them -------------------------------------------------------------------------------
 
@@ -258,11 +268,17 @@ class Holding:
         at once, no attempt or reclaim counted); drop those whose lease could not be kept
         (their lease expires; the sweep reclaims them)."""
         if not self.held:
+            self.expiry_bound = float("inf")
             return
+        if not draining and now < self.expiry_bound:
+            return  # none is due yet
         ttl = self.config.lease_ttl
+        margin = fence_margin(ttl)
         keep: collections.deque[Held] = collections.deque()
+        bound = float("inf")
         for item in self.held:
-            if now >= item.lease_sent + ttl - fence_margin(ttl):
+            lease_by = item.lease_sent + ttl - margin
+            if now >= lease_by:
                 self.keeper(LeaseDone((item.key,)))
                 continue
             if draining or now >= item.release_at:
@@ -271,4 +287,6 @@ class Holding:
                 self.release(item)
                 continue
             keep.append(item)
+            bound = min(bound, lease_by, item.release_at)
         self.held = keep
+        self.expiry_bound = bound

@@ -74,8 +74,9 @@ def of_result(att: Attempt, result: dict[str, Any], entry: dict[str, Any], cap: 
         if reason == "cancelled" or (reason == "lease_lost" and not att.fenced):
             return Ending(None, "late", entry, "late_completions_dropped")
         return Ending(Outcome(att.key, COMPLETE, att.step_name, att.attempt, att.workflow, att.backoff_spec,
-                              output=result.get("output"), progress=att.progress, entry=entry, run_id=att.run_id,
-                              node=att.node, spawns=tuple(result.get("spawns") or ())), entry=entry)
+                              output=result.get("output"), progress=att.progress, entry=entry,
+                              start_delay=att.start_delay(), run_id=att.run_id, node=att.node,
+                              spawns=tuple(result.get("spawns") or ())), entry=entry)
     if reason is None and result.get("kind") == SNOOZE:  # run again later, no attempt spent
         return Ending(Outcome(att.key, SNOOZE, att.step_name, att.attempt, att.workflow, progress=att.progress,
                               entry=entry, snooze=float(result.get("snooze") or 0.0)), entry=entry)

@@ -242,9 +242,15 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+#: ``json.dumps(message, separators=(",", ":"), allow_nan=False)`` without building an
+#: encoder per call (a frame per task and per result: the supervisor's hot path).
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_DECODE = json.JSONDecoder().decode
+
+
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: 8-byte big-endian length, then UTF-8 JSON (raises TypeError/ValueError)."""
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    body = _ENCODE(message).encode()
     return HEADER.pack(len(body)) + body
 
 
@@ -269,24 +275,31 @@ class FrameReader:
             ProtocolError: a frame header announces more than ``limit`` bytes (the
                 stream cannot be trusted past it).
         """
-        self._buf += data
+        buf = self._buf
+        buf += data
         out = []
-        while len(self._buf) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self._buf)
+        pos, end = 0, len(buf)
+        head = HEADER.size
+        while end - pos >= head:
+            (size,) = HEADER.unpack_from(buf, pos)
             if size > self.limit:
+                del buf[:pos]
                 raise ProtocolError(f"message of {size} bytes exceeds the {self.limit}-byte limit")
-            if len(self._buf) < HEADER.size + size:
+            if end - pos < head + size:
                 break
-            body = bytes(self._buf[HEADER.size:HEADER.size + size])
-            del self._buf[:HEADER.size + size]
-            out.append(decode_frame(body))
+            out.append(decode_frame(buf[pos + head:pos + head + size]))
+            pos += head + size
+        del buf[:pos]  # once for all the frames taken (not a move of the rest per frame)
         return out
 
 
-def decode_frame(body: bytes) -> dict[str, Any]:
+def decode_frame(body: bytes | bytearray) -> dict[str, Any]:
     """One frame's message, or the ``undecodable`` marker (see :class:`FrameReader`)."""
     try:
-        message = json.loads(body)
+        if body[:2] == b'{"':  # what json.loads does for UTF-8 (a first and second byte not NUL), less its checks
+            message = _DECODE(body.decode("utf-8", "surrogatepass"))
+        else:
+            message = json.loads(body)
         if isinstance(message, dict):
             return message
         why = f"a message must be a JSON object, not {type(message).__name__}"

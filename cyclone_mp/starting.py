@@ -35,6 +35,7 @@ class AttemptStarts:
         self._task_limits: dict[Any, dict[str, Any]] = {}  # (limits, rlimit flags) -> what a task message carries
         self._tokens = itertools.count(1)
         self._hooks = control.mux.hook_refs()
+        self._refs: dict[str, dict[str, Any]] = {}  # step name -> its handler's reference, as a task carries it
 
     def start(self, item: Held, child: ChildProc) -> bool:
         """Start one claimed step on ``child``. Its timeout counts from the claim (its
@@ -109,13 +110,16 @@ class AttemptStarts:
             att.start_by = time.monotonic() + hold_bound(self.control.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
         self.control.deadlines.push(att)
-        ref = step.ref
+        ref = self._refs.get(step.name)
+        if ref is None:  # the same small dict in every task of the step (encoded, never changed)
+            ref = self._refs[step.name] = {"module": step.ref.module, "qualname": step.ref.qualname,
+                                           "path": step.ref.path}
         task = {
             "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
             "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
             "deadline": (self.control.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
             "input_json": row["input"], "upstream_json": row["upstream"],
-            "ref": {"module": ref.module, "qualname": ref.qualname, "path": ref.path},
+            "ref": ref,
         }
         if row.get("spawned") is not None:  # it waited for the runs its upstream spawned: ctx.spawned
             task["spawned_json"] = row["spawned"]
