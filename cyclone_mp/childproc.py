@@ -137,7 +137,7 @@ class ChildProc:
 
     def queue(self, message: dict[str, Any]) -> None:
         """Queue a message for the child (written when the socket is writable)."""
-        self.outbox += protocol.encode(message)
+        self.outbox += protocol.encode_own(message)
 
     def flush(self) -> None:
         """Write as much of the outbox as the socket takes now (never blocks)."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+
+import orjson
 TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
 if TYPE_CHECKING:
     from typing import Any
@@ -254,6 +256,19 @@ def encode(message: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
+def encode_own(message: dict[str, Any]) -> bytes:
+    """A frame of a message the supervisor built itself (a task: strings, finite floats,
+    integers within 64 bits, None, and dicts and lists of them), encoded by orjson, about
+    ten times faster than :func:`encode` here. Anything orjson refuses goes through
+    :func:`encode`. Not for a handler's values: orjson writes NaN as ``null`` and has no
+    ``allow_nan``."""
+    try:
+        body = orjson.dumps(message)
+    except orjson.JSONEncodeError:
+        return encode(message)
+    return HEADER.pack(len(body)) + body
+
+
 class FrameReader:
     """Incremental decoder: feed bytes, take whole messages. Rejects frames over ``limit``.
 
@@ -264,9 +279,12 @@ class FrameReader:
     decoded as usual.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, own: bool = False) -> None:
+        """``limit``: the largest frame in bytes. ``own``: the frames come from the
+        supervisor (a child reads its tasks): decoded by orjson first (:func:`decode_own`)."""
         self.limit = limit
         self._buf = bytearray()
+        self._decode = decode_own if own else decode_frame
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Add bytes; return every complete message, in order.
@@ -287,10 +305,21 @@ class FrameReader:
                 raise ProtocolError(f"message of {size} bytes exceeds the {self.limit}-byte limit")
             if end - pos < head + size:
                 break
-            out.append(decode_frame(buf[pos + head:pos + head + size]))
+            out.append(self._decode(buf[pos + head:pos + head + size]))
             pos += head + size
         del buf[:pos]  # once for all the frames taken (not a move of the rest per frame)
         return out
+
+
+def decode_own(body: bytes | bytearray) -> dict[str, Any]:
+    """A frame the supervisor sent (:func:`encode_own`), by orjson; anything orjson refuses
+    is decoded by :func:`decode_frame`, which says what is wrong with it. Not for a
+    handler's values: orjson reads an integer over 64 bits as a float."""
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return decode_frame(body)
+    return message if isinstance(message, dict) else decode_frame(body)
 
 
 def decode_frame(body: bytes | bytearray) -> dict[str, Any]:
