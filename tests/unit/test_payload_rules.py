@@ -31,15 +31,16 @@ BAD_FRAMES = {
 }
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["child_frames", "supervisor_frames"])
 @pytest.mark.parametrize("case", sorted(BAD_FRAMES))
 @pytest.mark.parametrize("chunk", [None, 1, 7])
-def test_frame_reader_never_loses_a_frame_or_its_neighbours(case, chunk):
+def test_frame_reader_never_loses_a_frame_or_its_neighbours(case, chunk, own):
     """Issue 18 fault 2: a frame the parent cannot decode (975-990 deep: RecursionError)
     was dropped with every other message of the same read. Now it becomes an
     ``undecodable`` marker in its place, naming its task when its head says it."""
     before, after = {"t": "progress", "task": "7.3", "done": 1}, {"t": "result", "task": "7.4", "ok": True}
     data = protocol.encode(before) + frame(BAD_FRAMES[case]) + protocol.encode(after)
-    reader = protocol.FrameReader(1 << 20)
+    reader = protocol.FrameReader(1 << 20, own=own)  # own: decoded by orjson first, as a child reads tasks
     if chunk is None:
         got = reader.feed(data)
     else:
@@ -52,6 +53,21 @@ def test_frame_reader_never_loses_a_frame_or_its_neighbours(case, chunk):
         assert marker["task"] == "7.3" and marker["of"] in ("result", "progress")
     else:
         assert marker["task"] is None
+
+
+def test_the_supervisors_own_frames_read_back_as_the_json_module_reads_them():
+    """Task frames go through orjson both ways (encode_own, FrameReader(own=True)); what
+    orjson refuses (a lone surrogate) goes through the json module, and reads back the same."""
+    task = {"t": "task", "task": "12.3", "attempt": 2, "timeout": 1.5, "start_by": None, "deadline": 1.7e9,
+            "input_json": '{"name": "caf\u00e9 \"q\" \\ \u2603"}', "upstream_json": "{}",
+            "ref": {"module": "m", "qualname": "f", "path": None}, "limits": {"memory_limit": 1 << 40}}
+    odd = {**task, "input_json": "\ud800 lone", "node": "\ud800"}
+    for message in (task, odd):
+        data = protocol.encode_own(message)
+        assert json.loads(data[protocol.HEADER.size:]) == message
+        reader = protocol.FrameReader(1 << 20, own=True)
+        assert reader.feed(data) == [message]
+        assert protocol.FrameReader(1 << 20).feed(data) == [message]
 
 
 def test_frame_reader_still_refuses_an_oversized_header():
