@@ -18,7 +18,7 @@ from ..backoff import delay_after
 from ..noderows import to_us
 from . import operations
 from .claims import Claims
-from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, nullable_jsonb
+from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, array_literal, json_text, nullable_jsonb
 from .session import Session, drive, translate
 
 if TYPE_CHECKING:
@@ -131,11 +131,13 @@ class Outcomes:
         with (self.session.tx() if workflows or spawns else self.session.conn.cursor()) as cur:
             cur.execute(Q[statement], {
                 "owner": owner,
-                "ids": [i[0] for i in completions],
-                "leases": [f"{i[0]}:{i[1]}" for i in completions],
-                "outputs": [Jsonb(i[2]) for i in completions],
-                "progress": [nullable_jsonb(i[3]) for i in completions],
-                "start_delays_us": [to_us(i[4]) if len(i) > 4 else None for i in completions],
+                # the completions' arrays as literals (array_literal: one join, not psycopg's dump per element)
+                "ids": array_literal(str(i[0]) for i in completions),
+                "leases": array_literal(f"{i[0]}:{i[1]}" for i in completions),
+                "outputs": array_literal(json_text(i[2]) for i in completions),
+                "progress": array_literal(None if i[3] is None else json_text(i[3]) for i in completions),
+                "start_delays_us": array_literal(None if len(i) < 5 or i[4] is None else str(to_us(i[4]))
+                                                 for i in completions),
                 "fail_ids": [f.id for f in failures],
                 "fail_generations": [f.generation for f in failures],
                 "kinds": [f.kind for f in failures],

@@ -231,6 +231,42 @@ def test_each_completion_is_matched_by_its_lease_and_carries_its_own_output(cycl
         store.close()
 
 
+AWKWARD_OUTPUTS = [
+    None, "", "NULL", 'a "quoted" \\ back\\slash', "{braces}, commas, and spaces", "caf\u00e9 \u2603 \U0001f600",
+    {"k": 'v"}', "nested": [None, {"x": "\\\""}]}, [1, 2.5, -3, 10 ** 30, True, False], 0, "\n\t",
+]
+
+
+def test_awkward_outputs_and_progress_are_stored_exactly(cyclone_env):
+    """A tick's outputs, progress values and start delays reach the statement as array
+    literals (store.queries.array_literal): quotes, backslashes, braces, commas, a
+    JSON null, the text NULL, non-ASCII text and a 31-digit integer are stored as given."""
+    store = Store.open(cyclone_env.dsn, generic_plans=True)
+    try:
+        cyclone_env.mux().register(h.ok)
+        n = len(AWKWARD_OUTPUTS)
+        for i in range(n):
+            cyclone_env.client().enqueue(h.ok, {"i": i})
+        rows = store.claims.claim(owner=OWNER, queues=["default"], names=["ok"], limit=n, ttl=30).rows
+        assert len(rows) == n
+        progress = [None if i % 2 else {"message": out} for i, out in enumerate(AWKWARD_OUTPUTS)]
+        settled = store.outcomes.settle(owner=OWNER, completions=[
+            (r["id"], r["lease_generation"], out, prog, None if i % 3 else 0.25)
+            for i, (r, out, prog) in enumerate(zip(rows, AWKWARD_OUTPUTS, progress))])
+        assert len(settled.completed) == n
+        with connect(cyclone_env.dsn) as conn:
+            got = {r["id"]: r for r in conn.execute(
+                "SELECT id, state, output, progress, extract(epoch FROM start_delay)::float8 AS delay "
+                "FROM cyclone_steps")}
+        for i, (r, out, prog) in enumerate(zip(rows, AWKWARD_OUTPUTS, progress)):
+            row = got[r["id"]]
+            assert (row["state"], row["output"], row["progress"]) == ("completed", out, prog), i
+            if i % 3 == 0:
+                assert row["delay"] == 0.25, i
+    finally:
+        store.close()
+
+
 def test_a_runs_completion_is_a_hot_update(cyclone_env):
     """Migration 0004: no index of cyclone_runs covers what a completion writes, so the
     run's update writes no index entry (PostgreSQL counts it in n_tup_hot_upd)."""
