@@ -346,10 +346,9 @@ class AttemptEndings:
     def outcome(self, att: Attempt, outcome: Outcome) -> None:
         if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended (tests pass a stand-in)
             self.observe_end(att, judging.label(att, outcome), outcome.entry or att.forensics)
-            delay = att.start_delay()  # its handler's start
-            if outcome.kind != RELEASE and (outcome.start_delay, outcome.run_id, outcome.node) != (
-                    delay, att.run_id, att.node):
-                outcome = dataclasses.replace(outcome, start_delay=delay, run_id=att.run_id, node=att.node)
+            if outcome.kind != RELEASE and outcome.run_id != att.run_id:  # (a completion's judge set them)
+                outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
+                                              run_id=att.run_id, node=att.node)
         self.control.outcomes.append((outcome, att.deadline))
         if self.control.outcomes_since is None:
             self.control.outcomes_since = self.control.clock()

@@ -131,17 +131,23 @@ class Holding:
         a rate-limited row came."""
         cap = PREFETCH_MAX_WAIT if self.config.prefetch else float("inf")
         ttl = self.config.lease_ttl
-        rows = list(rows)
-        rated_rows = [Held((r["id"], r["lease_generation"]), r, sent, now, now) for r in rows if rated(r)]
-        first = now if rated_rows else float("inf")  # the earliest release among them
+        rated_rows: list[Held] = []
+        first = float("inf")  # the earliest release among them
+        shortest = PREFETCH_MAX_WAIT  # their shortest hold bound
         for row in rows:
-            if not rated(row):
-                bound = hold_bound(ttl, row["timeout"], cap)
-                first = min(first, now + bound)
-                self.held.append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound))
+            if rated(row):
+                rated_rows.append(Held((row["id"], row["lease_generation"]), row, sent, now, now))
+                first = now
+                shortest = min(shortest, hold_bound(ttl, row["timeout"], PREFETCH_MAX_WAIT))
+                continue
+            short = hold_bound(ttl, row["timeout"], PREFETCH_MAX_WAIT)
+            bound = short if cap == PREFETCH_MAX_WAIT else hold_bound(ttl, row["timeout"], cap)
+            first = min(first, now + bound)
+            shortest = min(shortest, short)
+            self.held.append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound))
         self.held.extendleft(reversed(rated_rows))
-        if rows:
-            self.claim_hold = min(hold_bound(ttl, r["timeout"], PREFETCH_MAX_WAIT) for r in rows)
+        if first != float("inf"):  # some rows came
+            self.claim_hold = shortest
             self.expiry_bound = min(self.expiry_bound, first, sent + ttl - fence_margin(ttl))
         return bool(rated_rows)
 

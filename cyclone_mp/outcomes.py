@@ -160,6 +160,12 @@ class OutcomeWriter(DatabaseThread):
         with self._lock:
             self._outstanding -= 1
 
+    def _done_many(self, outcomes: list[Outcome]) -> None:
+        """:meth:`_done` for many outcomes at once (one lock for the whole tick)."""
+        self._finished.extend(o.key for o in outcomes)
+        with self._lock:
+            self._outstanding -= len(outcomes)
+
     def _tell_finished(self) -> None:
         if self._finished:
             self.tell_keeper(LeaseDone(tuple(self._finished)))
@@ -262,11 +268,12 @@ class OutcomeWriter(DatabaseThread):
         self.count("failed", len(settled.failed))
         if settled.failed:
             self.tell_control(Poll())  # a retry without backoff is claimable at once
+        written = [o for o in done if o.key in settled.completed]
+        for outcome in written:
+            self.observer.written(outcome.step_name, "completed")
+        self._done_many(written)
         for outcome in done:
-            if outcome.key in settled.completed:
-                self.observer.written(outcome.step_name, "completed")
-                self._done(outcome)
-            else:
+            if outcome.key not in settled.completed:
                 self._late_success(outcome)
         # The rest (a lost lease, a timeout not yet due on the DB clock, a run neither
         # running nor paused, a workflow run's failure) go the one-by-one way.

@@ -18,7 +18,7 @@ from ..backoff import delay_after
 from ..noderows import to_us
 from . import operations
 from .claims import Claims
-from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, array_literal, json_text, nullable_jsonb
+from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, jsonb_array_literal, nullable_jsonb, plain_array_literal
 from .session import Session, drive, translate
 
 if TYPE_CHECKING:
@@ -131,13 +131,13 @@ class Outcomes:
         with (self.session.tx() if workflows or spawns else self.session.conn.cursor()) as cur:
             cur.execute(Q[statement], {
                 "owner": owner,
-                # the completions' arrays as literals (array_literal: one join, not psycopg's dump per element)
-                "ids": array_literal(str(i[0]) for i in completions),
-                "leases": array_literal(f"{i[0]}:{i[1]}" for i in completions),
-                "outputs": array_literal(json_text(i[2]) for i in completions),
-                "progress": array_literal(None if i[3] is None else json_text(i[3]) for i in completions),
-                "start_delays_us": array_literal(None if len(i) < 5 or i[4] is None else str(to_us(i[4]))
-                                                 for i in completions),
+                # the completions' arrays as literals (one join each, not psycopg's dump per element)
+                "ids": plain_array_literal(str(i[0]) for i in completions),
+                "leases": plain_array_literal(f"{i[0]}:{i[1]}" for i in completions),
+                "outputs": jsonb_array_literal(i[2] for i in completions),
+                "progress": jsonb_array_literal((i[3] for i in completions), none_is_null=True),
+                "start_delays_us": plain_array_literal(None if len(i) < 5 or i[4] is None else str(to_us(i[4]))
+                                                       for i in completions),
                 "fail_ids": [f.id for f in failures],
                 "fail_generations": [f.generation for f in failures],
                 "kinds": [f.kind for f in failures],

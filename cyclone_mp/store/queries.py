@@ -110,19 +110,25 @@ def _migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-def array_literal(items: Iterable[str | None]) -> str:
-    """A PostgreSQL array literal of ``items``, each an element's text (None: SQL NULL),
-    every one quoted and escaped. The statement casts the parameter (``%(ids)s::bigint[]``)
-    and the server's array input parses it. For the per-step arrays of the hot path:
-    psycopg dumps a list element by element in Python (its ListDumper, with a regular
-    expression per text element), which was most of the outcome writer's CPU per step."""
-    return "{" + ",".join("NULL" if t is None else '"' + t.replace("\\", "\\\\").replace('"', '\\"') + '"'
-                          for t in items) + "}"
+# The per-step arrays of the hot path go to the statement as PostgreSQL array literals
+# (text), built in one join; the statement casts each (``%(ids)s::bigint[]``) and the
+# server's array input parses it. psycopg dumps a list element by element in Python
+# (its ListDumper, a regular expression per text element): that was most of the outcome
+# writer's CPU per step.
 
 
-def json_text(value: Any) -> str:
-    """``value`` as JSON text, as psycopg's ``Jsonb`` dumps it (``json.dumps``)."""
-    return "null" if value is None else json.dumps(value)
+def plain_array_literal(items: Iterable[str | None]) -> str:
+    """An array literal of elements that need no quoting (integers, ``"id:generation"``);
+    None: SQL NULL."""
+    return "{" + ",".join("NULL" if t is None else t for t in items) + "}"
+
+
+def jsonb_array_literal(values: Iterable[Any], *, none_is_null: bool = False) -> str:
+    """An array literal of JSON texts (``json.dumps``, as psycopg's ``Jsonb`` dumps a value),
+    each quoted and escaped. None is JSON ``null``, or SQL NULL with ``none_is_null``."""
+    none = "NULL" if none_is_null else '"null"'
+    return "{" + ",".join(none if v is None else '"' + json.dumps(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+                          for v in values) + "}"
 
 
 def nullable_jsonb(value: Any) -> Jsonb | None:
