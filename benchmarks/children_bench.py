@@ -94,6 +94,7 @@ class ChildBenches:
                 db_cpu = CpuMeter(database=conninfo_to_dict(dsn)["dbname"])
                 samples = [rss_start]
                 client.enqueue_many(bench_steps.noop, [None] * n)
+                db_cpu.take()  # the steps' share from here: not the enqueue's insert
                 conn = psycopg.connect(dsn, autocommit=True)
                 done = 0
                 deadline = time.monotonic() + 600

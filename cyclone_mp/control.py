@@ -113,6 +113,7 @@ class ProcessControl:
         self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
+        self.started: list[tuple[LeaseKey, float]] = []  # (lease, start delay) of this turn's starts, for the keeper
         self.taking_deferred = False  # the children's messages are being handled: take_held waits for the last
         self.take_due = False  # take_held was asked for meanwhile
         start = clock()
@@ -223,6 +224,9 @@ class ProcessControl:
                     break
                 self._turn(now)
                 self.kills.tell_watchdog()
+                if self.started:  # the starts of this turn, in one message
+                    self.keeper(Started(tuple(self.started)))
+                    self.started.clear()
                 self._wait(self._next_wake(self.clock()))
             except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
                 log.exception("unexpected error in the process-control loop; carrying on")
@@ -390,7 +394,7 @@ class ProcessControl:
         self._next_snapshot = min(self._next_snapshot, self.clock() + SNAPSHOT_AFTER_START)
         delay = att.start_delay()
         if delay is not None and delay > START_NOTED_AFTER:
-            self.keeper(Started(att.key, delay))
+            self.started.append((att.key, delay))  # sent at the end of the turn, with the others
 
     # -- teardown -------------------------------------------------------------------------------------
 

@@ -78,9 +78,10 @@ class LeaseKeeper(DatabaseThread):
                 if lease is not None:
                     lease.progress, lease.progress_dirty = message.value, True
             elif isinstance(message, Started):
-                lease = self.leases.get(message.key)
-                if lease is not None:
-                    lease.start_delay = message.delay
+                for key, delay in message.items:
+                    lease = self.leases.get(key)
+                    if lease is not None:
+                        lease.start_delay = delay
             elif isinstance(message, LeaseDone):
                 for key in message.keys:
                     self.leases.pop(key, None)

@@ -58,13 +58,13 @@ class Track:
 
 @dataclasses.dataclass(frozen=True)
 class Started:
-    """The handler of a lease started ``delay`` seconds after its claim (it waited for a
-    child): the lease keeper stores it with the lease's next renewal, so a running step's
-    ``started_at`` tells the truth before its outcome does."""
+    """The handlers of these leases started, each ``delay`` seconds after its claim (they
+    waited for a child): ``items`` are ``(key, delay)``. The lease keeper stores each with
+    its lease's next renewal, so a running step's ``started_at`` tells the truth before its
+    outcome does. Process control sends one per turn for the attempts it started."""
 
     wakes: ClassVar[bool] = False
-    key: LeaseKey
-    delay: float
+    items: tuple[tuple[LeaseKey, float], ...]
 
 
 @dataclasses.dataclass(frozen=True)

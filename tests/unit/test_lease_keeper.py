@@ -115,7 +115,7 @@ def test_leases_due_together_share_one_statement_and_a_done_lease_is_not_renewed
 def test_progress_and_the_start_delay_go_with_the_next_renewal_once(keeper, clock, store):
     keeper.inbox.post(Track((A,), sent=100.0))
     keeper.inbox.post(Progress(A, {"done": 1, "total": 4}))
-    keeper.inbox.post(Started(A, 0.25))
+    keeper.inbox.post(Started(((A, 0.25),)))
     at(keeper, clock, 100.75)
     at(keeper, clock, 101.75)
     assert store.renewals == [[(7, 1, {"done": 1, "total": 4}, 0.25)], [(7, 1, None, None)]]

@@ -70,6 +70,21 @@ def test_the_supervisors_own_frames_read_back_as_the_json_module_reads_them():
         assert protocol.FrameReader(1 << 20).feed(data) == [message]
 
 
+@pytest.mark.parametrize("output", [
+    10 ** 25, -(2 ** 64), 2 ** 63 - 1, 0.1 + 0.2, 1e-320, 1.7976931348623157e308, "\ud800 lone", "caf\u00e9",
+    {"n": [12345678901234567890, 1.5, None, True]}, "digits in text: 12345678901234567890123",
+])
+def test_a_childs_result_frame_reads_back_as_the_json_module_reads_it(output):
+    """Results are read by orjson where it reads them exactly as the json module does, and
+    by the json module otherwise: integers keep every digit, floats every bit, a lone
+    surrogate escape stays."""
+    result = {"t": "result", "task": "7.3", "ok": True, "output": output, "cpu": 0.000123, "children": False}
+    data = protocol.encode(result)
+    got = protocol.FrameReader(1 << 20).feed(data)
+    assert got == [json.loads(data[protocol.HEADER.size:])]
+    assert repr(got[0]["output"]) == repr(output)
+
+
 def test_frame_reader_still_refuses_an_oversized_header():
     reader = protocol.FrameReader(1024)
     with pytest.raises(protocol.ProtocolError, match="exceeds the 1024-byte limit"):
