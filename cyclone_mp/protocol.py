@@ -258,8 +258,8 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def encode_own(message: dict[str, Any]) -> bytes:
     """A frame of a message the supervisor built itself (a task: strings, finite floats,
-    integers within 64 bits, None, and dicts and lists of them), encoded by orjson, about
-    ten times faster than :func:`encode` here. Anything orjson refuses goes through
+    integers within 64 bits, None, and dicts and lists of them), encoded by orjson, several
+    times faster than :func:`encode`. Anything orjson refuses goes through
     :func:`encode`. Not for a handler's values: orjson writes NaN as ``null`` and has no
     ``allow_nan``."""
     try:

@@ -112,9 +112,9 @@ def _migrations() -> list[tuple[int, str, str]]:
 
 # The per-step arrays of the hot path go to the statement as PostgreSQL array literals
 # (text), built in one join; the statement casts each (``%(ids)s::bigint[]``) and the
-# server's array input parses it. psycopg dumps a list element by element in Python
-# (its ListDumper, a regular expression per text element): that was most of the outcome
-# writer's CPU per step.
+# server's array input parses it. psycopg would dump a list element by element in Python
+# (its ListDumper, a regular expression per text element), the larger part of the
+# outcome writer's CPU per step.
 
 
 def plain_array_literal(items: Iterable[str | None]) -> str:
