@@ -148,8 +148,7 @@ class Runner:
         ``userns``: True, this process made a user namespace of its own; a string, why it
         could not (both said with ``ready``)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
-        # tasks come from our parent (input + fan-in, so up to TASK_FRAME_LIMIT): its own frames
-        reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT, own=True)
+        reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
         if entered is not None:
             self.send(entered)

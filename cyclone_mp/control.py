@@ -223,10 +223,10 @@ class ProcessControl:
                 if self._drained(now):
                     break
                 self._turn(now)
-                self.kills.tell_watchdog()
                 if self.started:  # the starts of this turn, in one message
                     self.keeper(Started(tuple(self.started)))
                     self.started.clear()
+                self.kills.tell_watchdog()
                 self._wait(self._next_wake(self.clock()))
             except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
                 log.exception("unexpected error in the process-control loop; carrying on")

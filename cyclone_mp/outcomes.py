@@ -404,6 +404,12 @@ class OutcomeWriter(DatabaseThread):
             if stale_plan(exc.__cause__):  # a schema change, not the data: the connection re-prepares
                 return False
             return self._rejected(write, exc)
+        except Exception as exc:  # noqa: BLE001 - its values failed before the database: never retried as is
+            # (an output too deep to encode, say: the child checks its handler's output,
+            # so only a child that broke the protocol gets here)
+            log.warning("a %s write for step %d failed before reaching the database: %s",
+                        outcome.kind, outcome.step_id, unhealable.one_line(exc))
+            return self._rejected(write, exc)
         if result.status == "not_yet":  # the DB deadline has not passed yet: the worker clock never shortens it
             return False
         if result.status == "applied":
@@ -417,10 +423,12 @@ class OutcomeWriter(DatabaseThread):
         return True
 
     def _rejected(self, write: PendingWrite, exc: Exception) -> bool:
-        """The database refused this write for its data: never retried as is."""
+        """The database refused this write for its data, or its values could not be sent:
+        never retried as is."""
         outcome = write.outcome
         if outcome.kind == COMPLETE:  # output_invalid: discarded without retry, said once in the log
-            message = storable(unhealable.rejected(exc))[:2000]
+            message = storable(unhealable.rejected(exc) if isinstance(exc, DatabaseError)
+                               else unhealable.unsendable(exc))[:2000]
             log.error("step %r (id %d) cannot succeed (output_invalid, discarded without retry): %s",
                       outcome.step_name, outcome.step_id, message)
             self._write_alone(PendingWrite(dataclasses.replace(

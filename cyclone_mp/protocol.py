@@ -263,10 +263,15 @@ def encode_own(message: dict[str, Any]) -> bytes:
     :func:`encode`. Not for a handler's values: orjson writes NaN as ``null`` and has no
     ``allow_nan``."""
     try:
-        body = orjson.dumps(message)
+        body = orjson.dumps(message, option=_OWN_OPTIONS)
     except orjson.JSONEncodeError:
         return encode(message)
     return HEADER.pack(len(body)) + body
+
+
+#: orjson leaves to :func:`encode` (which refuses them, as before) what the json module
+#: would not encode: dataclasses, datetimes, subclasses of str, int, dict and list.
+_OWN_OPTIONS = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_SUBCLASS
 
 
 class FrameReader:
@@ -279,12 +284,9 @@ class FrameReader:
     decoded as usual.
     """
 
-    def __init__(self, limit: int, *, own: bool = False) -> None:
-        """``limit``: the largest frame in bytes. ``own``: the frames come from the
-        supervisor (a child reads its tasks): decoded by orjson first (:func:`decode_own`)."""
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self._buf = bytearray()
-        self._decode = decode_own if own else decode_frame
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         """Add bytes; return every complete message, in order.
@@ -305,33 +307,34 @@ class FrameReader:
                 raise ProtocolError(f"message of {size} bytes exceeds the {self.limit}-byte limit")
             if end - pos < head + size:
                 break
-            out.append(self._decode(buf[pos + head:pos + head + size]))
+            out.append(decode_frame(buf[pos + head:pos + head + size]))
             pos += head + size
         del buf[:pos]  # once for all the frames taken (not a move of the rest per frame)
         return out
 
 
 #: 19 digits in a row: maybe an integer orjson cannot hold (it reads one over 64 bits as a
-#: float, where the json module keeps every digit). Such a frame goes to the json module.
+#: float, where the json module keeps every digit).
 _LONG_DIGITS = re.compile(rb"\d{19}")
 
 
-def decode_own(body: bytes | bytearray) -> dict[str, Any]:
-    """A frame the supervisor sent (:func:`encode_own`), by orjson; anything orjson refuses
-    is decoded by :func:`decode_frame`, which says what is wrong with it."""
-    try:
-        message = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return decode_frame(body)
-    return message if isinstance(message, dict) else decode_frame(body)
+def _orjson_reads_as_json(body: bytes | bytearray) -> bool:
+    """True when orjson reads ``body`` exactly as the json module would, or refuses it: a
+    JSON object with no 19-digit run (no integer over 64 bits) and at most
+    :data:`MAX_DEPTH` brackets in all (no nesting past the json module's own limit, about
+    1,000 levels, which orjson's 1,024 would let through). What orjson refuses (a lone
+    surrogate escape, NaN, invalid UTF-8) goes to the json module anyway."""
+    return (body[:2] == b'{"' and body.count(b"[") + body.count(b"{") <= MAX_DEPTH
+            and _LONG_DIGITS.search(body) is None)
 
 
 def decode_frame(body: bytes | bytearray) -> dict[str, Any]:
     """One frame's message, or the ``undecodable`` marker (see :class:`FrameReader`). A
-    frame orjson reads exactly as the json module would (an object, no 19-digit run) is
+    frame orjson reads exactly as the json module would (:func:`_orjson_reads_as_json`) is
     read by orjson, several times faster; anything else by the json module, whose rules
-    hold (a lone surrogate escape is kept, an integer keeps every digit)."""
-    if body[:2] == b'{"' and _LONG_DIGITS.search(body) is None:
+    hold (a lone surrogate escape is kept, an integer keeps every digit, too deep a value
+    is refused)."""
+    if _orjson_reads_as_json(body):
         try:
             message = orjson.loads(body)
         except orjson.JSONDecodeError:

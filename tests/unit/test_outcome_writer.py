@@ -204,6 +204,34 @@ def test_a_rejected_error_entry_is_written_again_with_its_plain_fields_only(writ
     assert writer.db_ok and told.keeper == [LeaseDone(((2, 1),))]
 
 
+def test_an_output_that_cannot_be_encoded_fails_its_step_and_loses_no_neighbour(writer, store, told):
+    """A write whose values fail before the database (json.dumps raising RecursionError
+    on an output too deep for it) must not take the batch's other outcomes with it: the
+    batch is written again one by one, that step fails as output_invalid, the others are
+    written, and nothing is left pending."""
+    deep = RecursionError("maximum recursion depth exceeded while encoding a JSON object")
+    store.settle_error = deep
+
+    def complete(**kw: Any) -> bool:
+        store.calls.append(("complete", kw))
+        [item] = kw["items"]
+        if item[0] == 2:
+            raise deep
+        return True
+
+    store.complete = complete  # type: ignore[method-assign]
+    store.applied = ["applied"]  # the output_invalid failure of step 2
+    writer.post_batch((done(1), done(2, output=[[1]]), done(3)))
+    writer.turn(100.0)
+    assert [kw["items"][0][0] for kw in store.named("complete")] == [1, 2, 3]
+    [fail] = store.named("fail")
+    assert (fail["id"], fail["kind"]) == (2, decisions.OUTPUT_INVALID)
+    assert "could not be sent to the database (RecursionError" in fail["entry"]["message"]
+    assert writer.idle and writer.pending == []
+    assert {key for message in told.keeper if isinstance(message, LeaseDone) for key in message.keys} == {
+        (1, 1), (2, 1), (3, 1)}
+
+
 def test_a_release_is_written_alone_and_makes_its_step_claimable_at_once(writer, store, told):
     store.applied = [True]
     writer.post_batch((Outcome((3, 1), RELEASE, "ok", 1, False, held=True),))
