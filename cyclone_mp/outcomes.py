@@ -201,7 +201,7 @@ class OutcomeWriter(DatabaseThread):
             self.call(self.config.write_bound, lambda store: store.leases.mark_dead(dead))
         except DatabaseUnavailable:
             self.dead = dead + self.dead
-        except DatabaseError as exc:  # nothing is lost: the steps wait for dead_by
+        except Exception as exc:  # noqa: BLE001 - nothing is lost: the steps wait for dead_by
             log.warning("could not record %d reaped attempt(s): %s", len(dead), exc)
         else:
             self.count("reaped_recorded", len(dead))
@@ -217,6 +217,10 @@ class OutcomeWriter(DatabaseThread):
         except DatabaseError as exc:
             if not isinstance(exc, DatabaseUnavailable):
                 log.error("claim rejected by the database: %s", exc)
+            self._claimed([], sent, limit=limit, failed=True)
+            return
+        except Exception:  # noqa: BLE001 - process control still hears the claim is over (it counts claims in flight)
+            log.exception("the claim failed unexpectedly")
             self._claimed([], sent, limit=limit, failed=True)
             return
         self._claimed(claimed.rows, sent, limit=limit, wait=claimed.wait)

@@ -232,6 +232,19 @@ def test_an_output_that_cannot_be_encoded_fails_its_step_and_loses_no_neighbour(
         (1, 1), (2, 1), (3, 1)}
 
 
+def test_a_claim_that_fails_unexpectedly_is_still_answered(writer, store, told):
+    """Process control counts the steps its claims are bringing: a claim that raised
+    something other than a database error must still say it is over (failed), or those
+    slots would stay counted as on their way and never be claimed for again."""
+    def claim(**kw: Any) -> ClaimResult:
+        raise KeyError("lease_generation")
+
+    store.claim = claim  # type: ignore[method-assign]
+    writer.post_batch((), claim=3)
+    writer.turn(100.0)
+    assert told.control == [Claimed((), 100.0, 3, failed=True), Written(1)]
+
+
 def test_a_release_is_written_alone_and_makes_its_step_claimable_at_once(writer, store, told):
     store.applied = [True]
     writer.post_batch((Outcome((3, 1), RELEASE, "ok", 1, False, held=True),))
