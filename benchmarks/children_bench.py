@@ -13,11 +13,10 @@ from typing import Any
 
 import psutil
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 import bench_steps
 import cyclone_mp as cy
-
-from psycopg.conninfo import conninfo_to_dict
 
 from common import PREFETCH, CpuMeter, SupervisorProcess, all_ready, epoch, mux_of, wait_until
 
