@@ -18,7 +18,7 @@ from psycopg.conninfo import conninfo_to_dict
 import bench_steps
 import cyclone_mp as cy
 
-from common import PREFETCH, CpuMeter, SupervisorProcess, all_ready, epoch, mux_of, wait_until
+from common import PREFETCH, CpuMeter, SupervisorProcess, all_ready, epoch, mux_of, tree_cpu, wait_until
 
 
 def thread_cpu(proc: psutil.Process) -> dict[int, float]:
@@ -26,16 +26,6 @@ def thread_cpu(proc: psutil.Process) -> dict[int, float]:
     with contextlib.suppress(psutil.Error):
         return {t.id: t.user_time + t.system_time for t in proc.threads()}
     return {}
-
-
-def tree_cpu(procs: list[psutil.Process]) -> dict[int, float]:
-    """CPU seconds of each of ``procs`` (by pid; those gone are left out)."""
-    out = {}
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            out[p.pid] = t.user + t.system
-    return out
 
 
 class ChildBenches:

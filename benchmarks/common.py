@@ -163,6 +163,16 @@ def step_times(dsn: str, step_name: str, owner: str) -> dict[str, Any]:
             "max_generation": row[4], "reclaims": int(row[5] or 0), "step_s_p50": row[6]}
 
 
+def tree_cpu(procs: list[psutil.Process]) -> dict[int, float]:
+    """CPU seconds of each of ``procs`` (by pid; those gone are left out)."""
+    out = {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+    return out
+
+
 class CpuMeter:
     """CPU seconds used since the last :meth:`take`: by the PostgreSQL processes of one
     database (its backends and autovacuum workers, found by their process titles:
@@ -186,12 +196,7 @@ class CpuMeter:
                 cmd = " ".join(p.info["cmdline"] or [])
                 if cmd.startswith("postgres: ") and f" {self.database} " in f"{cmd} ":
                     procs.append(p)
-        out = {}
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                t = p.cpu_times()
-                out[p.pid] = t.user + t.system
-        return out
+        return tree_cpu(procs)
 
     def take(self) -> float:
         now = self._now()

@@ -24,6 +24,7 @@ import re
 import struct
 
 import orjson
+
 TYPE_CHECKING = False  # annotations only: not importing typing keeps a child's start fast
 if TYPE_CHECKING:
     from typing import Any
@@ -245,9 +246,8 @@ def check_text(text: str, what: str) -> str:
 
 
 #: ``json.dumps(message, separators=(",", ":"), allow_nan=False)`` without building an
-#: encoder per call (a frame per task and per result: the supervisor's hot path).
+#: encoder per call (a child's frame per result).
 _ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-_DECODE = json.JSONDecoder().decode
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -343,10 +343,7 @@ def decode_frame(body: bytes | bytearray) -> dict[str, Any]:
             if isinstance(message, dict):
                 return message
     try:
-        if body[:2] == b'{"':  # what json.loads does for UTF-8 (a first and second byte not NUL), less its checks
-            message = _DECODE(body.decode("utf-8", "surrogatepass"))
-        else:
-            message = json.loads(body)
+        message = json.loads(body)
         if isinstance(message, dict):
             return message
         why = f"a message must be a JSON object, not {type(message).__name__}"

@@ -123,8 +123,8 @@ def rejected(exc: BaseException) -> str:
 def unsendable(exc: BaseException) -> str:
     """An output the supervisor could not encode for the database (a child that sent one
     past the payload rules its own checks hold)."""
-    return (f"the handler's output could not be sent to the database ({one_line(exc)}): return a JSON value "
-            f"nested at most 200 levels that PostgreSQL's jsonb accepts")
+    return (f"the handler's output could not be sent to the database ({one_line(exc)}): return a plain JSON "
+            f"value that PostgreSQL's jsonb accepts")
 
 
 def one_line(exc: BaseException) -> str:

@@ -18,7 +18,8 @@ from ..backoff import delay_after
 from ..noderows import to_us
 from . import operations
 from .claims import Claims
-from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, jsonb_array_literal, nullable_jsonb, plain_array_literal
+from .queries import (FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, jsonb_array_literal, nullable_jsonb,
+                      plain_array_literal)
 from .session import Session, drive, translate
 
 if TYPE_CHECKING:
