@@ -33,6 +33,16 @@ class ChildIO:
         self.ready: set[ChildProc] = set()  # children whose sockets the last wait reported
         self._next_sweep = start
 
+    def flush_queued(self) -> None:
+        """Write every child's queued tasks now; the watchdog learns their due times first,
+        so it knows a task's due time before the child has the task."""
+        self.control.kills.tell_watchdog()
+        pool = self.control.pool
+        for child in pool.children:
+            if child.outbox:
+                child.flush()
+                pool.update_write_interest(child)
+
     def check(self) -> None:
         """Read the children whose sockets the last wait reported (and, every
         ``IO_SWEEP_INTERVAL`` seconds, all of them), and write what is queued. The

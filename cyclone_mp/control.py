@@ -36,7 +36,7 @@ from .limits.confinement import Confinement
 from .limits.procfs import peak_rss_kb
 from .limits.watch import LimitWatch
 from .mailbox import Inbox
-from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Started, Written
+from .messages import Claimed, DatabaseState, Fleet, LeaseKey, LeaseLost, Outcome, Poll, Renewed, Written
 from .mux import Mux
 from .pool import ChildPool
 from .reports import Reports
@@ -48,8 +48,6 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
-START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
-SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
 class ProcessControl:
@@ -113,7 +111,6 @@ class ProcessControl:
         self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
         self.db_ok = False
         self.claiming = 0  # steps asked for by claims not yet back
-        self.started: list[tuple[LeaseKey, float]] = []  # (lease, start delay) of this turn's starts, for the keeper
         self.taking_deferred = False  # the children's messages are being handled: take_held waits for the last
         self.take_due = False  # take_held was asked for meanwhile
         start = clock()
@@ -122,7 +119,7 @@ class ProcessControl:
         self._next_stray_check = start
         self._next_sample = start
         self.limit_watch.next_check = start
-        self._next_snapshot = start
+        self.next_snapshot = start
         self.draining = False
         self.drain_deadline: float | None = None
         self.hard_stop = False
@@ -146,7 +143,7 @@ class ProcessControl:
         self.stats = {"pipelined": 0, "cancelled_attempts": 0, "fence_kills": 0, "watchdog_kills": 0,
                       "lease_lost": 0, "late_completions_dropped": 0, "limit_kills": 0}
         self.holding = Holding(config, self.pool, writer=writer, keeper=keeper, clock=clock,
-                               side_by_side=self.side_by_side, start=self.starts.start, flush=self._send_queued,
+                               side_by_side=self.side_by_side, start=self.starts.start, flush=self.io.flush_queued,
                                stats=self.stats)
 
     @property
@@ -223,9 +220,7 @@ class ProcessControl:
                 if self._drained(now):
                     break
                 self._turn(now)
-                if self.started:  # the starts of this turn, in one message
-                    self.keeper(Started(tuple(self.started)))
-                    self.started.clear()
+                self.starts.tell_keeper()
                 self.kills.tell_watchdog()
                 self._wait(self._next_wake(self.clock()))
             except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
@@ -281,8 +276,8 @@ class ProcessControl:
         now = self.clock()
         if self.db_ok and not self.draining and now >= self.next_poll:
             phase("claim", lambda: self.claims.request_claim(now))
-        if now >= self._next_snapshot:
-            self._next_snapshot = now + self.config.registry_interval
+        if now >= self.next_snapshot:
+            self.next_snapshot = now + self.config.registry_interval
             phase("snapshot", lambda: self.reports.publish_snapshot(now))
 
     def _phase(self, name: str, fn: Callable[[], Any]) -> None:
@@ -376,25 +371,6 @@ class ProcessControl:
                 self.db_ok = message.ok
                 if message.ok:
                     self.next_poll = self.clock()
-
-    # -- claiming -----------------------------------------------------------------------------------
-
-    def _send_queued(self) -> None:
-        self.kills.tell_watchdog()  # the watchdog knows a task's due time before the child has the task
-        for child in self.pool.children:
-            if child.outbox:
-                child.flush()
-                self.pool.update_write_interest(child)
-
-    def note_start(self, att: Attempt) -> None:
-        """An attempt whose handler started well after its claim (it waited for a child):
-        its lease's next renewal records when (``started_at`` of a running step). And
-        ``cyclone-mp workers`` shows the child busy within SNAPSHOT_AFTER_START, not idle
-        until the next ``registry_interval``."""
-        self._next_snapshot = min(self._next_snapshot, self.clock() + SNAPSHOT_AFTER_START)
-        delay = att.start_delay()
-        if delay is not None and delay > START_NOTED_AFTER:
-            self.started.append((att.key, delay))  # sent at the end of the turn, with the others
 
     # -- teardown -------------------------------------------------------------------------------------
 

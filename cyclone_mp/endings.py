@@ -106,7 +106,7 @@ class AttemptEndings:
             nxt = child.attempt = child.queued.popleft()
             nxt.started, nxt.start_by, nxt.started_wall = self.control.clock(), None, self.control.wall_clock()
             self.control.limit_watch.arm(nxt)
-            self.control.note_start(nxt)
+            self.control.starts.note(nxt)
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it

@@ -18,12 +18,16 @@ from .attempts import Attempt, Held, hold_bound
 from .config import PREFETCH_MAX_WAIT
 from .limits.declared import format_size, row_limits
 from .limits.mechanism import PROCESSES_USERNS, SAMPLING
+from .messages import LeaseKey, Started
 
 if TYPE_CHECKING:
     from .childproc import ChildProc
     from .control import ProcessControl
 
 log = logging.getLogger("cyclone_mp.supervisor")
+
+START_NOTED_AFTER = 0.01  # seconds from claim to start past which a running step's renewal records its start
+SNAPSHOT_AFTER_START = 0.2  # seconds: a child that starts a step shows it in the registry snapshot this soon
 
 
 class AttemptStarts:
@@ -36,6 +40,24 @@ class AttemptStarts:
         self._tokens = itertools.count(1)
         self._hooks = control.mux.hook_refs()
         self._refs: dict[str, dict[str, Any]] = {}  # step name -> its handler's reference, as a task carries it
+        self.started: list[tuple[LeaseKey, float]] = []  # (lease, start delay) of this turn's starts, for the keeper
+
+    def note(self, att: Attempt) -> None:
+        """An attempt whose handler started well after its claim (it waited for a child):
+        its lease's next renewal records when (``started_at`` of a running step). And
+        ``cyclone-mp workers`` shows the child busy within SNAPSHOT_AFTER_START, not idle
+        until the next ``registry_interval``."""
+        control = self.control
+        control.next_snapshot = min(control.next_snapshot, control.clock() + SNAPSHOT_AFTER_START)
+        delay = att.start_delay()
+        if delay is not None and delay > START_NOTED_AFTER:
+            self.started.append((att.key, delay))  # sent at the end of the turn, with the others
+
+    def tell_keeper(self) -> None:
+        """The starts noted this turn, to the lease keeper in one message."""
+        if self.started:
+            self.control.keeper(Started(tuple(self.started)))
+            self.started.clear()
 
     def start(self, item: Held, child: ChildProc) -> bool:
         """Start one claimed step on ``child``. Its timeout counts from the claim (its
@@ -100,12 +122,12 @@ class AttemptStarts:
         if side_by_side:  # an async attempt beside the others of its step in this child
             child.concurrent[token] = att
             att.started_wall = self.control.wall_clock()
-            self.control.note_start(att)
+            self.note(att)
         elif child.attempt is None:
             child.attempt = att
             att.started_wall = self.control.wall_clock()
             self.control.limit_watch.arm(att)
-            self.control.note_start(att)
+            self.note(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
             att.start_by = time.monotonic() + hold_bound(self.control.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
