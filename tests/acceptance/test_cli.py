@@ -421,6 +421,7 @@ def test_demo_on_the_embedded_default(default_env: dict[str, str]) -> None:
         assert word in out
 
 
+@pytest.mark.long  # 6 s: the demo on the embedded default above runs in the default run (CI runs the long ones)
 def test_demo_json_on_a_given_dsn(dsn: str) -> None:
     proc = run_cli("demo", "--json", "--cpu-steps", "8", dsn=dsn, timeout=90)
     report = json.loads(proc.stdout)

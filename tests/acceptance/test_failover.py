@@ -142,6 +142,7 @@ def run_failover(pair: Pair, tmp_path: Path, *, steps: int, supervisors: int, wo
             "reclaims": sum(row[2] for row in rows)}
 
 
+@pytest.mark.long  # 5 s: a standby promoted (CI runs the long ones)
 def test_failover_to_a_promoted_standby_short(pair, tmp_path, capsys):
     assert_a_standby_is_refused_as_read_only(pair)  # on the same pair: one cluster setup less
     # 0.2 s steps: the 45 left take about 3 s, so a loaded machine cannot finish them all

@@ -267,6 +267,7 @@ def _map_across_two_supervisors_with_a_crash(env, tmp_path, n: int, crash_after:
     assert reclaimed and {i.lease_owner for i in items} == {first.supervisor_id, second.supervisor_id}
 
 
+@pytest.mark.long  # 7 s: the smaller maps above take the same SIGKILL in the default run (CI runs the long ones)
 def test_a_map_of_10000_items_across_two_supervisors_survives_a_sigkill(cyclone_env_factory, tmp_path):
     env = cyclone_env_factory(workers=2, lease_ttl=1.0)
     _map_across_two_supervisors_with_a_crash(env, tmp_path, n=10_000, crash_after=3_000, timeout=300)

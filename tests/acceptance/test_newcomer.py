@@ -75,6 +75,7 @@ class Lines:
 # -- item 2: tables at 80 columns ------------------------------------------------------------------
 
 
+@pytest.mark.long  # 8 s: every table; the demo's table is checked in the default run (CI runs the long ones)
 def test_every_table_fits_80_columns_and_shows_state_attempts_and_run_id(
         dsn: str, worker: Callable[..., Worker]) -> None:  # noqa: F811
     w = worker(APP, workers=2)

@@ -74,6 +74,7 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[str, str]:
         pytest.fail(f"{proc.args[3:]} still running after {timeout}s; stderr: {err[-800:]}")
 
 
+@pytest.mark.long  # 11 s: three processes on one default server (CI runs the long ones)
 def test_two_demos_and_a_worker_share_the_default_server(default_dir: pathlib.Path) -> None:
     server = EmbeddedServer(default_dir)
     assert not server.is_running()

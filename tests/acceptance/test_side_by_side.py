@@ -13,6 +13,7 @@ import cyclone_mp as cy
 import async_handlers as ah
 
 
+@pytest.mark.long  # 6 s: the throughput of side-by-side awaits; the kill cases below stay in the default run (CI runs the long ones)
 def test_five_hundred_one_second_awaits_on_two_children(cyclone_env_factory):
     """500 steps of `await asyncio.sleep(1)`, async_concurrency=50, 2 children: under 15 s
     (100 at a time: about 5 s of sleeping)."""

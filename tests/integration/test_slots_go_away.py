@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import cyclone_mp as cy
 from cyclone_mp.store import connect
 
@@ -16,6 +18,7 @@ def slots(dsn: str) -> int:
         return conn.execute("SELECT count(*) AS n FROM cyclone_slots").fetchone()["n"]
 
 
+@pytest.mark.long  # 6 s: 30,000 keys; the history pass's test below prunes slots in the default run (CI runs the long ones)
 def test_prune_leaves_no_slot_of_a_finished_group_among_30000_keys(cyclone_dsn):
     """30,000 keys of a step with a concurrency and a rate limit (3 slot rows each), every
     run finished (cancelled): prune deletes the runs and every slot row; a group with a
