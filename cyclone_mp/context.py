@@ -35,19 +35,24 @@ class Cancellation:
     """
 
     def __init__(self) -> None:
-        self._event = threading.Event()
         self._lock = threading.Lock()
+        self._tripped = False
+        self._event: threading.Event | None = None  # made by the first wait(): most attempts never wait
         self._callbacks: list[Callable[[str], None]] = []
         self.reason: str | None = None
 
     def set(self, reason: str) -> None:
-        """Trip the handle (first reason wins) and call what :meth:`on_set` registered."""
+        """Trip the handle (first reason wins), wake a :meth:`wait` and call what
+        :meth:`on_set` registered."""
         with self._lock:
-            if self._event.is_set():
+            if self._tripped:
                 return
             self.reason = reason
-            self._event.set()
+            self._tripped = True
+            event = self._event
             callbacks, self._callbacks = self._callbacks, []
+        if event is not None:
+            event.set()
         for callback in callbacks:
             callback(reason)
 
@@ -55,7 +60,7 @@ class Cancellation:
         """Call ``callback(reason)`` once the handle trips (now, if it has). It runs on the
         thread that trips it (the child's cancel watcher): it must not block."""
         with self._lock:
-            if not self._event.is_set():
+            if not self._tripped:
                 self._callbacks.append(callback)
                 return
         callback(self.reason or "cancelled")
@@ -81,11 +86,17 @@ class Cancellation:
 
     def is_set(self) -> bool:
         """True once cancellation was requested."""
-        return self._event.is_set()
+        return self._tripped
 
     def wait(self, seconds: float | None = None) -> bool:
         """Sleep up to ``seconds``; return True at once when woken by cancellation."""
-        return self._event.wait(seconds)
+        with self._lock:
+            if self._tripped:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(seconds)
 
 
 class Context:

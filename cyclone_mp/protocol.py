@@ -185,6 +185,12 @@ def load_value(text: str | bytes, what: str) -> Any:
         PayloadError: not UTF-8, not JSON, nested deeper than :data:`MAX_DEPTH`, or a
             number Python refuses (an integer over 4,300 digits).
     """
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if _orjson_reads_as_json(raw):  # read as the json module would, several times faster
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass  # the json module decides, and says why
     try:
         value = json.loads(text)
     except RecursionError:
@@ -313,19 +319,23 @@ class FrameReader:
         return out
 
 
+#: Every digit as ``0``, every other byte as a space: a body translated by it holds
+#: :data:`_LONG_RUN` where it holds 19 digits in a row (one C pass, where a regular
+#: expression's search costs about 15 ns per byte).
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
 #: 19 digits in a row: maybe an integer orjson cannot hold (it reads one over 64 bits as a
 #: float, where the json module keeps every digit).
-_LONG_DIGITS = re.compile(rb"\d{19}")
+_LONG_RUN = b"0" * 19
 
 
 def _orjson_reads_as_json(body: bytes | bytearray) -> bool:
-    """True when orjson reads ``body`` exactly as the json module would, or refuses it: a
-    JSON object with no 19-digit run (no integer over 64 bits) and at most
-    :data:`MAX_DEPTH` brackets in all (no nesting past the json module's own limit, about
-    1,000 levels, which orjson's 1,024 would let through). What orjson refuses (a lone
-    surrogate escape, NaN, invalid UTF-8) goes to the json module anyway."""
-    return (body[:2] == b'{"' and body.count(b"[") + body.count(b"{") <= MAX_DEPTH
-            and _LONG_DIGITS.search(body) is None)
+    """True when orjson reads ``body`` exactly as the json module would, or refuses it: JSON
+    text with no 19-digit run (no integer over 64 bits) and at most :data:`MAX_DEPTH`
+    brackets in all (no nesting past the json module's own limit, about 1,000 levels,
+    which orjson's 1,024 would let through). What orjson refuses (a lone surrogate escape,
+    NaN, invalid UTF-8) goes to the json module anyway."""
+    return (body.count(b"[") + body.count(b"{") <= MAX_DEPTH
+            and _LONG_RUN not in body.translate(_DIGITS_AS_ZERO))
 
 
 def decode_frame(body: bytes | bytearray) -> dict[str, Any]:
@@ -334,7 +344,7 @@ def decode_frame(body: bytes | bytearray) -> dict[str, Any]:
     read by orjson, several times faster; anything else by the json module, whose rules
     hold (a lone surrogate escape is kept, an integer keeps every digit, too deep a value
     is refused)."""
-    if _orjson_reads_as_json(body):
+    if body[:2] == b'{"' and _orjson_reads_as_json(body):
         try:
             message = orjson.loads(body)
         except orjson.JSONDecodeError:

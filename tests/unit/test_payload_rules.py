@@ -6,8 +6,11 @@ same boundary is in ``tests/acceptance/test_hostile_payloads.py``."""
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
+import threading
+import uuid
 
 import pytest
 
@@ -170,3 +173,76 @@ def test_load_value_reports_each_bad_text():
     with pytest.raises(PayloadError, match="not valid JSON"):
         protocol.load_value("{", "the value")
     assert protocol.load_value(b'{"a": [1, 2.5, "\xc3\xa9"]}', "x") == {"a": [1, 2.5, "é"]}
+
+
+@pytest.mark.parametrize("value", [
+    10 ** 25, -(2 ** 64), 2 ** 63 - 1, 0.1 + 0.2, 1e-320, "\ud800 lone", "caf\u00e9", None, [1, "x"],
+    {"n": [12345678901234567890, 1.5, None, True], "s": "digits in text: 12345678901234567890123"},
+])
+def test_load_value_reads_a_text_as_the_json_module_reads_it(value):
+    """A task's input is read by orjson where it reads it exactly as the json module does
+    (no 19-digit run, few brackets), and by the json module otherwise: the same value,
+    from text or bytes."""
+    text = json.dumps(value)
+    for given in (text, text.encode("utf-8", "surrogatepass")):
+        got = protocol.load_value(given, "the input")
+        assert repr(got) == repr(json.loads(text))
+
+
+@pytest.mark.parametrize("text,words", [
+    (b'{"a": "\xff"}', "not valid UTF-8"), ('{"a": ', "not valid JSON"), ("[" * 300 + "]" * 300, "nested deeper"),
+])
+def test_load_value_still_refuses_with_one_clear_error(text, words):
+    with pytest.raises(PayloadError, match=words):
+        protocol.load_value(text, "the input")
+
+
+def test_a_digit_run_is_found_anywhere_in_a_frame():
+    """The gate before orjson: 19 digits in a row anywhere (a number, a string, the end)
+    send the frame to the json module; 18 do not."""
+    for body, long in ((b'{"a":1234567890123456789}', True), (b'{"a":"x1234567890123456789"}', True),
+                       (b'{"a":123456789012345678}', False), (b'{"a":1.23456789012345678,"b":9}', False)):
+        assert protocol._orjson_reads_as_json(body) is not long
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+@pytest.mark.parametrize("output,kept", [
+    (None, True), ("plain", True), (True, True), (1.5, True), (2 ** 64 - 1, True), (-(2 ** 63), True),
+    (2 ** 64, True), ("caf\u00e9", True),
+    (uuid.UUID(int=7), False), (Colour.RED, False), (float("nan"), False), (float("inf"), False),
+    ("a\x00b", False), ("\ud800", False),
+])
+def test_a_result_frame_keeps_what_the_json_module_kept_and_refuses_what_it_refused(output, kept):
+    """Results with a simple output are written by orjson; what orjson would accept but
+    the json module refuses (a UUID, an Enum, NaN) still fails the attempt as
+    ``output_invalid``, and what is sent reads back exactly."""
+    from cyclone_mp._tasks import result_frame
+
+    result = {"t": "result", "task": "7.3", "ok": True, "output": output, "cpu": 0.000123, "cancel_reason": None,
+              "children": False}
+    got = protocol.FrameReader(1 << 20).feed(result_frame(dict(result), 1 << 20))[0]
+    if kept:
+        assert got["ok"] is True and repr(got["output"]) == repr(output)
+    else:
+        assert got["ok"] is False and got["kind"] == "output_invalid" and "output" not in got
+
+
+def test_a_cancellation_wakes_a_waiter_and_calls_back_once():
+    from cyclone_mp.context import Cancellation
+
+    handle, seen = Cancellation(), []
+    handle.on_set(seen.append)
+    assert not handle.is_set() and handle.wait(0.01) is False
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(handle.wait(10)))
+    waiter.start()
+    handle.set("timeout")
+    handle.set("cancelled")  # the first reason wins
+    waiter.join(5)
+    assert woke == [True] and seen == ["timeout"] and handle.reason == "timeout" and handle.is_set()
+    assert handle.wait(0) is True
+    handle.on_set(seen.append)  # registered after: called at once
+    assert seen == ["timeout", "timeout"]
