@@ -28,6 +28,14 @@ def thread_cpu(proc: psutil.Process) -> dict[int, float]:
     return {}
 
 
+def _is_helper(proc: psutil.Process) -> bool:
+    """The supervisor's zygote or watchdog (not a handler child), by its command line."""
+    with contextlib.suppress(psutil.Error):
+        args = proc.cmdline()
+        return "zygote" in args or "cyclone_mp._watchdog" in args
+    return False
+
+
 class ChildBenches:
     """B7 and B9 (the :class:`run.Bench` attributes they use: ``server``, ``n``, ``tmp``)."""
 
@@ -98,7 +106,11 @@ class ChildBenches:
                                             "WHERE state IN ('available', 'running')").fetchone()[0]
                 cpu_s = sum(proc.cpu_times()[:2]) - cpu0
                 threads = {tid: t - threads0.get(tid, 0.0) for tid, t in thread_cpu(proc).items()}
-                kids_s = sum(t - kids0.get(pid, 0.0) for pid, t in tree_cpu(proc.children(recursive=True)).items())
+                kids_now = proc.children(recursive=True)
+                helpers = {k.pid for k in kids_now if _is_helper(k)}  # the zygote and the watchdog
+                kids_by_pid = {pid: t - kids0.get(pid, 0.0) for pid, t in tree_cpu(kids_now).items()}
+                kids_s = sum(kids_by_pid.values())
+                helpers_s = sum(t for pid, t in kids_by_pid.items() if pid in helpers)
                 db_s = db_cpu.take()
                 last = conn.execute("SELECT max(finished_at), min(started_at) FROM cyclone_steps").fetchone()
                 conn.close()
@@ -119,6 +131,7 @@ class ChildBenches:
             "process_control_cpu_us_per_step": round(threads.get(sup.pid, 0.0) * 1e6 / n, 1),
             "other_threads_cpu_us_per_step": round(sum(t for tid, t in threads.items() if tid != sup.pid) * 1e6 / n, 1),
             "children_cpu_us_per_step": round(kids_s * 1e6 / n, 1),
+            "zygote_and_watchdog_cpu_us_per_step": round(helpers_s * 1e6 / n, 1),
             "postgres_cpu_us_per_step": round(db_s * 1e6 / n, 1),
             "sustained_steps_per_s": round(n / (epoch(last[0]) - epoch(last[1])), 1),
             "children_rss_after_mb": [round(k / 2**20, 1) for k in kids],

@@ -120,6 +120,8 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
          None),
         ("B7", "children_cpu_us_per_step", "  the supervisor's processes (children, zygote, watchdog) (us)", "{:.1f}",
          "<= 20 (issue 36)", lambda v, m: v <= 20),
+        ("B7", "zygote_and_watchdog_cpu_us_per_step", "    of which the zygote and the watchdog (us)", "{:.1f}", "",
+         None),
         ("B7", "postgres_cpu_us_per_step", "  PostgreSQL's backends (us)", "{:.1f}", "<= 40 (issue 36)",
          lambda v, m: v <= 40),
         ("B7", "sustained_steps_per_s", f"sustained steps/s over {n['b7_steps']:,} (supervisor process, prefetch={PREFETCH})",
