@@ -196,3 +196,15 @@ def test_the_watchdog_hears_each_marked_child_once_per_turn():
     assert link.said[-1] == (42, None)  # idle
     watch.tell(clock)
     assert len(link.said) == 3  # nothing marked: nothing said
+
+
+def test_an_uncancelled_attempt_needs_its_first_look_at_the_same_time_queued_or_running():
+    """Process control leaves a queued attempt's heap entry as it is when the attempt starts
+    running uncancelled: its next look (fence cancel or deadline) comes before its fence
+    kill, so starting to run changes nothing about when it is due."""
+    for ttl in (0.5, 3.0, 10.0, 60.0):
+        for grace in (0.0, 0.5, 2.0, 30.0, 120.0):
+            for deadline in (None, 0.1, 5.0, 1000.0):
+                queued = attempt("t1", deadline=deadline, lease_sent=1.0, run=False)
+                running = attempt("t2", deadline=deadline, lease_sent=1.0)
+                assert due_at(queued, ttl, grace) == due_at(running, ttl, grace), (ttl, grace, deadline)
