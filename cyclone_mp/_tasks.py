@@ -146,8 +146,9 @@ def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         inp = protocol.load_value(task["input_json"], "the run's input")
     else:
         inp = task.get("input")
-    if task.get("upstream_json") is not None:
-        upstream = protocol.load_value(task["upstream_json"], "the upstream outputs")
+    text = task.get("upstream_json")
+    if text is not None:
+        upstream = None if text == "{}" else protocol.load_value(text, "the upstream outputs")  # (no upstream)
     else:
         upstream = task.get("upstream")
     if task.get("maps"):  # upstream map nodes: their outputs in the files the supervisor wrote
