@@ -37,18 +37,22 @@ class Handlers:
     def __init__(self, modules: dict[tuple[str, str | None], Any] | None = None) -> None:
         self.modules: dict[tuple[str, str | None], Any] = modules if modules is not None else {}
         self._annotations: dict[Any, Any] = {}  # handler -> the input annotation to convert to
-        self._resolved: dict[tuple[Any, ...], Any] = {}  # (module, qualname, path) -> the handler found there
+        self._resolved: dict[tuple[Any, ...], Any] = {}  # (module, qualname, path) -> (module, target, handler)
         self.event_loop: Any = None  # the event loop of async handlers: made once, reused
 
     def resolve(self, ref: dict[str, Any]) -> Any:
         """The handler function a task names (a Step object wraps it). Raises
         :class:`~cyclone_mp.unhealable.NotImportable` if its module raises at import
         (``MemoryError`` aside: the attempt's own memory), lacks the name, or the name is
-        not callable. A handler found once is kept (a task names its handler in every frame)."""
+        not callable. What a top-level name was found to be is kept, and used while the
+        module still holds the same object under that name (reassigned or reloaded, it is
+        looked up again)."""
         where = (ref["module"], ref["qualname"], ref.get("path"))
-        fn = self._resolved.get(where)
-        if fn is not None:
-            return fn
+        found = self._resolved.get(where)
+        if found is not None:
+            module, target, fn = found
+            if getattr(module, ref["qualname"], None) is target and getattr(target, "fn", target) is fn:
+                return fn
         try:
             module = load_module(ref["module"], ref.get("path"), self.modules)
         except MemoryError:
@@ -62,7 +66,8 @@ class Handlers:
         fn = getattr(target, "fn", target)
         if not callable(fn):
             raise unhealable.NotImportable(unhealable.not_callable(ref, fn))
-        self._resolved[where] = fn
+        if "." not in ref["qualname"]:  # (a nested name is looked up each time)
+            self._resolved[where] = (module, target, fn)
         return fn
 
     @staticmethod

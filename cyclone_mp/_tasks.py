@@ -271,19 +271,22 @@ def result_frame(result: dict[str, Any], limit: int) -> bytes:
 
 def _written_alike(result: dict[str, Any]) -> bool:
     """True when orjson (:func:`~cyclone_mp.protocol.encode_own`, several times faster)
-    writes ``result`` as the json module would, byte for byte in length: its output is
-    None, a bool, an ASCII string, a finite float or an integer orjson holds, and it
-    carries no spawns and no progress (a handler's values that the json module checked).
-    Anything else (a dict, a UUID or an Enum orjson would accept where the json module
-    refuses it) goes through :func:`~cyclone_mp.protocol.encode`."""
-    if result.get("spawns") or result.get("progress") is not None:
+    writes ``result`` as the same JSON as the json module, at the same length (a float's
+    exponent aside: ``1e-7`` for ``1e-07``), so every limit decides as before: a success
+    whose output is None, a bool, an ASCII string without DEL (which the json module
+    escapes), a finite float or an integer orjson holds, with no spawns, progress or
+    lingering threads (values of the handler's). Anything else (a failure's message, a
+    dict, a UUID or an Enum orjson would accept where the json module refuses it) goes
+    through :func:`~cyclone_mp.protocol.encode`."""
+    if result.get("ok") is not True or result.get("spawns") or result.get("progress") is not None \
+            or "lingering" in result:
         return False
     output = result.get("output")
     kind = type(output)
     if output is None or kind is bool:
         return True
     if kind is str:
-        return output.isascii()
+        return output.isascii() and "\x7f" not in output
     if kind is int:
         return -(1 << 63) <= output < (1 << 64)
     return kind is float and math.isfinite(output)

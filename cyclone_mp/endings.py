@@ -107,12 +107,12 @@ class AttemptEndings:
             nxt.started, nxt.start_by, nxt.started_wall = self.control.clock(), None, self.control.wall_clock()
             self.control.limit_watch.arm(nxt)
             self.control.starts.note(nxt)
-            # Uncancelled, its next look is when it was queued (a running attempt's fence kill
-            # comes after its fence cancel): its entry stands. Else it is looked at again now.
-            if nxt.cancel_reason is not None:
+            # Uncancelled, its next look is when it was queued (Deadlines.start_keeps_entry):
+            # its entry stands. Else it is looked at again now.
+            if nxt.cancel_reason is not None or not self.control.deadlines.start_keeps_entry:
                 if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if dropped, its result says so)
                     nxt.cancel_reason = None
-                else:  # a cancel the child may have seen too late to drop it
+                elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
                     nxt.kill_at = nxt.started + self.control.config.kill_grace
                 self.control.deadlines.push(nxt)  # running now: its kill times apply
         try:

@@ -186,7 +186,7 @@ def load_value(text: str | bytes, what: str) -> Any:
             number Python refuses (an integer over 4,300 digits).
     """
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    if _orjson_reads_as_json(raw):  # read as the json module would, several times faster
+    if isinstance(raw, (bytes, bytearray)) and _orjson_reads_as_json(raw):  # as the json module reads it, faster
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -4,6 +4,7 @@ failure is never kept)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -30,6 +31,29 @@ def test_a_handler_is_found_once_and_a_missing_one_fails_every_time(tmp_path, mo
         assert handlers.resolve(missing)(None, None) == "found"
     finally:
         sys.modules.pop("cyclone_mp_no_such_module", None)
+
+
+def test_a_handler_reassigned_reloaded_or_removed_is_looked_up_again(tmp_path, monkeypatch):
+    (tmp_path / "cyclone_mp_swapped.py").write_text("def f(ctx, inp):\n    return 'first'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    handlers = Handlers()
+    ref = {"module": "cyclone_mp_swapped", "qualname": "f", "path": None}
+    try:
+        assert handlers.resolve(ref)(None, None) == "first"
+        module = sys.modules["cyclone_mp_swapped"]
+        module.f = lambda ctx, inp: "reassigned"
+        assert handlers.resolve(ref)(None, None) == "reassigned"
+        (tmp_path / "cyclone_mp_swapped.py").write_text("def f(ctx, inp):\n    return 'reloaded'\n")
+        importlib.reload(module)
+        assert handlers.resolve(ref)(None, None) == "reloaded"
+        module.f = 42
+        with pytest.raises(unhealable.NotImportable):
+            handlers.resolve(ref)
+        del module.f
+        with pytest.raises(unhealable.NotImportable):
+            handlers.resolve(ref)
+    finally:
+        sys.modules.pop("cyclone_mp_swapped", None)
 
 
 @pytest.mark.parametrize("upstream_json,upstream", [("{}", {}), ('{"a": [1]}', {"a": [1]}), (None, {})])

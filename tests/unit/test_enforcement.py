@@ -200,11 +200,16 @@ def test_the_watchdog_hears_each_marked_child_once_per_turn():
 
 def test_an_uncancelled_attempt_needs_its_first_look_at_the_same_time_queued_or_running():
     """Process control leaves a queued attempt's heap entry as it is when the attempt starts
-    running uncancelled: its next look (fence cancel or deadline) comes before its fence
-    kill, so starting to run changes nothing about when it is due."""
-    for ttl in (0.5, 3.0, 10.0, 60.0):
+    running uncancelled (``Deadlines.start_keeps_entry``): its next look (fence cancel or
+    deadline) comes before its fence kill, so starting to run changes nothing about when
+    it is due. Under a lease of 0.04 s the fence kill can come first: then it is pushed."""
+    assert not Deadlines(0.02, GRACE).start_keeps_entry and Deadlines(0.04, GRACE).start_keeps_entry
+    queued, running = attempt("t1", lease_sent=1.0, run=False), attempt("t2", lease_sent=1.0)
+    assert due_at(running, 0.02, 0.0) < due_at(queued, 0.02, 0.0)  # 1.010 (the fence kill) before 1.015
+    for ttl in (0.02, 0.03, 0.04, 0.5, 3.0, 10.0, 60.0):
         for grace in (0.0, 0.5, 2.0, 30.0, 120.0):
             for deadline in (None, 0.1, 5.0, 1000.0):
                 queued = attempt("t1", deadline=deadline, lease_sent=1.0, run=False)
                 running = attempt("t2", deadline=deadline, lease_sent=1.0)
-                assert due_at(queued, ttl, grace) == due_at(running, ttl, grace), (ttl, grace, deadline)
+                if Deadlines(ttl, grace).start_keeps_entry:
+                    assert due_at(queued, ttl, grace) == due_at(running, ttl, grace), (ttl, grace, deadline)

@@ -246,3 +246,19 @@ def test_a_cancellation_wakes_a_waiter_and_calls_back_once():
     assert handle.wait(0) is True
     handle.on_set(seen.append)  # registered after: called at once
     assert seen == ["timeout", "timeout"]
+
+
+@pytest.mark.parametrize("result", [
+    {"t": "result", "task": "7.3", "ok": True, "output": "\x7f" * 900, "cpu": 0.1, "children": False},
+    {"t": "result", "task": "7.3", "ok": False, "kind": "error", "type": "builtins.ValueError", "message": "no",
+     "traceback": "\u00e9" * 50000, "cpu": 0.1, "children": False},
+])
+def test_the_payload_limit_decides_as_the_json_module_measures(result):
+    """The limit counts a frame as the json module writes it (DEL and non-ASCII text
+    escaped): an output of 900 DEL characters is 5,402 bytes of JSON, over a 1,024-byte
+    max_payload, and a failure's 300 KB traceback is over it too, whichever encoder is
+    fastest for other results."""
+    from cyclone_mp._tasks import result_frame
+
+    got = protocol.FrameReader(1 << 20).feed(result_frame(dict(result), 1024))[0]
+    assert got["ok"] is False and got["kind"] == "output_invalid", got
