@@ -138,7 +138,7 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
         what = RESOURCES_WHAT.get(state, "the database server is out of resources")
         return (DatabaseDiskFull if state == "53100" else DatabaseUnavailable)(f"{what} (SQLSTATE {state}): {first}")
     if state in BUSY_STATES and not broken:
-        return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})")
+        return DatabaseBusy(f"database busy: {first} (SQLSTATE {state})", lock_wait=state == "55P03")
     if state and state[:2] in REJECTED_CLASSES and not broken:
         return QueryRejected(f"the database rejected the call: {REJECTED_WHAT[state[:2]]}: {first} (SQLSTATE {state})",
                              sqlstate=state)

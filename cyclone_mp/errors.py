@@ -102,7 +102,17 @@ class UnsupportedServer(DatabaseError, ConfigurationError):
 class DatabaseBusy(DatabaseError):
     """The call ran out of time on the server (a lock wait past ``lock_timeout``, a
     statement past ``statement_timeout``): nothing was done; try again later. Neither an
-    outage nor a rejection of the data."""
+    outage nor a rejection of the data.
+
+    Attributes:
+        lock_wait: True when it waited for a lock past ``lock_timeout`` (SQLSTATE 55P03;
+            a lock held a moment elsewhere, as a vacuum truncating a table holds one),
+            False when the statement itself ran past ``statement_timeout``.
+    """
+
+    def __init__(self, message: str | None = None, lock_wait: bool = False) -> None:
+        super().__init__(message)
+        self.lock_wait = lock_wait
 
 
 class QueryRejected(DatabaseError):

@@ -77,8 +77,9 @@ class PayloadLoader(DatabaseThread):
         of its upstream map nodes are written to files, page by page:
         :func:`cyclone_mp.mapped.write_outputs`). A row that cannot be read fails alone (``permanent``): its upstream outputs over
         :func:`~cyclone_mp.protocol.upstream_limit` (the message says their size), a
-        statement past LOAD_BOUND, a value the database refuses. One met by an outage is
-        released."""
+        statement past LOAD_BOUND, a value the database refuses. One met by an outage, or by
+        a lock wait past ``lock_timeout`` (a lock held a moment elsewhere: a vacuum
+        truncating a table), is released and read again once claimed again."""
         key = (row["id"], row["lease_generation"])
         limit = upstream_limit(self.config.max_payload)
         unreadable = "the step's input or upstream outputs cannot be read: "
@@ -87,8 +88,8 @@ class PayloadLoader(DatabaseThread):
                 row["id"], statement_timeout=LOAD_BOUND, max_upstream=limit))
         except DatabaseUnavailable:
             payload, message = None, None
-        except DatabaseBusy as exc:  # its own statement_timeout, or a lock wait
-            payload, message = None, f"{unreadable}not within {LOAD_BOUND:g}s ({exc})"
+        except DatabaseBusy as exc:  # a lock wait (given back, read again), or its own statement_timeout
+            payload, message = None, None if exc.lock_wait else f"{unreadable}not within {LOAD_BOUND:g}s ({exc})"
         except DatabaseError as exc:
             payload, message = None, f"{unreadable}{exc}"
         else:
@@ -104,13 +105,15 @@ class PayloadLoader(DatabaseThread):
                     lambda fn: self.call(LOAD_BOUND + LOAD_MARGIN, fn), row["run_id"], payload["maps"])
             except DatabaseUnavailable:
                 payload, message = None, None
+            except DatabaseBusy as exc:
+                payload, message = None, None if exc.lock_wait else f"{unreadable}{exc}"
             except (DatabaseError, OSError) as exc:
                 payload, message = None, f"{unreadable}{exc}"
         if payload is not None:
             self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
             return
         workflow = row["run_kind"] != "step"  # (a workflow run, or a spawned one: "child")
-        if message is None:  # an outage: give it back (its lease is kept until the writer can)
+        if message is None:  # an outage or a lock wait: give it back (its lease is kept until the writer can)
             self.post_outcome(Outcome(key, RELEASE, row["step_name"], row["attempt"], workflow, held=True))
             return
         log.error("step %d: %s", row["id"], message)
