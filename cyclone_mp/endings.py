@@ -107,13 +107,13 @@ class AttemptEndings:
             nxt.started, nxt.start_by, nxt.started_wall = self.control.clock(), None, self.control.wall_clock()
             self.control.limit_watch.arm(nxt)
             self.control.starts.note(nxt)
-            # Uncancelled, its next look is when it was queued (Deadlines.start_keeps_entry):
-            # its entry stands. Else it is looked at again now.
-            if nxt.cancel_reason is not None or not self.control.deadlines.start_keeps_entry:
-                if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if dropped, its result says so)
-                    nxt.cancel_reason = None
-                elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
-                    nxt.kill_at = nxt.started + self.control.config.kill_grace
+            # uncancelled, its next look is the one it was queued with (Deadlines.start_keeps_entry)
+            keeps_entry = nxt.cancel_reason is None and self.control.deadlines.start_keeps_entry
+            if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
+                nxt.cancel_reason = None
+            elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
+                nxt.kill_at = nxt.started + self.control.config.kill_grace
+            if not keeps_entry:
                 self.control.deadlines.push(nxt)  # running now: its kill times apply
         try:
             self.settle_result(att, result)

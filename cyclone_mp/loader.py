@@ -86,12 +86,14 @@ class PayloadLoader(DatabaseThread):
         try:
             payload = self.call(LOAD_BOUND + LOAD_MARGIN, lambda store: store.payloads.load(
                 row["id"], statement_timeout=LOAD_BOUND, max_upstream=limit))
-        except DatabaseUnavailable:
-            payload, message = None, None
-        except DatabaseBusy as exc:  # a lock wait (given back, read again), or its own statement_timeout
-            payload, message = None, None if exc.lock_wait else f"{unreadable}not within {LOAD_BOUND:g}s ({exc})"
         except DatabaseError as exc:
-            payload, message = None, f"{unreadable}{exc}"
+            payload = None
+            if _given_back(exc):
+                message = None
+            elif isinstance(exc, DatabaseBusy):  # its own statement_timeout
+                message = f"{unreadable}not within {LOAD_BOUND:g}s ({exc})"
+            else:
+                message = f"{unreadable}{exc}"
         else:
             message = None if payload is not None else f"{unreadable}the step is gone"
         self.count("loads")
@@ -103,12 +105,8 @@ class PayloadLoader(DatabaseThread):
             try:
                 payload["maps"] = mapped.write_outputs(
                     lambda fn: self.call(LOAD_BOUND + LOAD_MARGIN, fn), row["run_id"], payload["maps"])
-            except DatabaseUnavailable:
-                payload, message = None, None
-            except DatabaseBusy as exc:
-                payload, message = None, None if exc.lock_wait else f"{unreadable}{exc}"
             except (DatabaseError, OSError) as exc:
-                payload, message = None, f"{unreadable}{exc}"
+                payload, message = None, None if _given_back(exc) else f"{unreadable}{exc}"
         if payload is not None:
             self.tell_control(Claimed(({**row, **payload, "big": False},), sent, 0))
             return
@@ -120,3 +118,9 @@ class PayloadLoader(DatabaseThread):
         self.post_outcome(Outcome(key, FAIL, row["step_name"], row["attempt"], workflow, row.get("backoff"),
                                   error_kind=decisions.PERMANENT, entry={
                                       "type": "cyclone_mp.errors.PayloadError", "message": message[:2000]}))
+
+
+def _given_back(exc: BaseException) -> bool:
+    """A load met an outage or a lock held a moment elsewhere (a vacuum truncating a
+    table): nothing is wrong with the row, so it is given back and read again."""
+    return isinstance(exc, DatabaseUnavailable) or (isinstance(exc, DatabaseBusy) and exc.lock_wait)
