@@ -20,6 +20,7 @@ import pytest
 
 from cyclone_mp import procs
 from cyclone_mp.limits import cgroups
+from cyclone_mp.limits import slot as slot_module
 from cyclone_mp.limits.confinement import Confinement
 from cyclone_mp.limits.declared import MIB, Limits
 from cyclone_mp.limits.verdicts import death_summary, over_limit
@@ -70,6 +71,8 @@ def test_pure_cgroup_v2_path_simulated(tmp_path, monkeypatch):
     controllers in v2), on a fake cgroup tree: what a v2-only host (systemd with
     Delegate=yes, most distributions since 2021) runs."""
     conf, mine = simulated_v2(tmp_path, monkeypatch)
+    # pid 4242 is a fake runner with two threads, whatever process holds that pid on this host
+    monkeypatch.setattr(slot_module, "stat", lambda pid: (0.0, 2, 20 * MIB, 0.0) if pid == 4242 else None)
     mech = conf.mechanism
     assert (mech.kill, mech.memory, mech.processes, mech.cpu) == ("cgroup v2", "cgroup v2", "cgroup v2", "cgroup v2")
     assert (mine / "cgroup.subtree_control").read_text() == "+memory +pids"  # our cgroup is the only one holding us
