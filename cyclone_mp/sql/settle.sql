@@ -21,27 +21,27 @@ WITH RECURSIVE runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -419,27 +419,27 @@ WITH RECURSIVE runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -768,27 +768,27 @@ WITH RECURSIVE runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -1067,27 +1067,27 @@ WITH runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -1301,27 +1301,27 @@ WITH RECURSIVE runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -1617,27 +1617,27 @@ WITH RECURSIVE runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -1884,27 +1884,27 @@ WITH RECURSIVE runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (
@@ -2103,27 +2103,27 @@ WITH runs AS (
      ORDER BY r.id
        FOR UPDATE
 ), done AS (
-    -- Each row's own item (output, progress) is found by its lease, "id:generation", in
-    -- the leases array (array_position, in C): no item for this lease, no update (the
-    -- CAS on the generation; a step listed twice under two leases takes its current
-    -- one's). A join with the unnested arrays compared every row with every row.
+    -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
+    -- of the leases object whose value is the item's position in the arrays (a binary
+    -- search; a search of a text array compared each row with every item, and so did a
+    -- join with the unnested arrays). No item for this lease, no update (the CAS on the
+    -- generation; a step listed twice under two leases takes its current one's).
     UPDATE cyclone_steps s
        SET state = 'completed',
-           output = (%(outputs)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
-           progress = coalesce((%(progress)s::jsonb[])[array_position(%(leases)s::text[], s.id || ':' || s.lease_generation)],
+           output = (%(outputs)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
+           progress = coalesce((%(progress)s::jsonb[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int],
                                s.progress),
            finished_at = now(),
            lease_expiry = NULL,
            error = NULL,
            error_kind = NULL,
-           start_delay = coalesce((%(start_delays_us)s::bigint[])[array_position(%(leases)s::text[],
-                                                                                s.id || ':' || s.lease_generation)]
+           start_delay = coalesce((%(start_delays_us)s::bigint[])[(%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation))::int]
                                   * interval '1 microsecond', s.start_delay)
      WHERE s.id = ANY(%(ids)s::bigint[])  -- by primary key (the supervisor reuses generic plans)
-       AND (s.run_id = ANY(ARRAY(SELECT id FROM runs))) IS TRUE  -- one array, not a join per row (nor an index: by id)
+       AND (s.run_id IN (SELECT id FROM runs)) IS TRUE  -- one hash of the locked runs (not a join, nor an index)
        AND (s.state = 'running') IS TRUE  -- (not the partial index of every running row)
        AND s.lease_owner = %(owner)s
-       AND array_position(%(leases)s::text[], s.id || ':' || s.lease_generation) IS NOT NULL
+       AND (%(leases)s::jsonb ->> (s.id || ':' || s.lease_generation)) IS NOT NULL
        AND (s.timeout IS NULL OR s.started_at + s.timeout > now())
     RETURNING s.id, s.run_id, s.lease_generation, s.map_node
 ), items_done AS (

@@ -19,7 +19,7 @@ from ..noderows import to_us
 from . import operations
 from .claims import Claims
 from .queries import (FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, jsonb_array_literal, nullable_jsonb,
-                      plain_array_literal)
+                      plain_array_literal, positions_object)
 from .session import Session, drive, translate
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class Outcomes:
                 "owner": owner,
                 # the completions' arrays as literals (one join each, not psycopg's dump per element)
                 "ids": plain_array_literal(str(i[0]) for i in completions),
-                "leases": plain_array_literal(f"{i[0]}:{i[1]}" for i in completions),
+                "leases": positions_object(f"{i[0]}:{i[1]}" for i in completions),
                 "outputs": jsonb_array_literal(i[2] for i in completions),
                 "progress": jsonb_array_literal((i[3] for i in completions), none_is_null=True),
                 "start_delays_us": plain_array_literal(None if len(i) < 5 or i[4] is None else str(to_us(i[4]))

@@ -123,6 +123,13 @@ def plain_array_literal(items: Iterable[str | None]) -> str:
     return "{" + ",".join("NULL" if t is None else t for t in items) + "}"
 
 
+def positions_object(keys: Iterable[str]) -> str:
+    """A JSON object text of each key's 1-based position, ``{"7:1": 1, "9:2": 2}``, for
+    keys that need no escaping (``"id:generation"``): a statement finds a row's item in
+    its arrays by its key, with a binary search (jsonb keeps an object's keys sorted)."""
+    return "{" + ",".join(f'"{key}":{n}' for n, key in enumerate(keys, 1)) + "}"
+
+
 def jsonb_array_literal(values: Iterable[Any], *, none_is_null: bool = False) -> str:
     """An array literal of JSON texts (``json.dumps``, as psycopg's ``Jsonb`` dumps a value),
     each quoted and escaped. None is JSON ``null``, or SQL NULL with ``none_is_null``."""

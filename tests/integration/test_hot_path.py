@@ -217,16 +217,18 @@ def test_each_completion_is_matched_by_its_lease_and_carries_its_own_output(cycl
             cyclone_env.client().enqueue(h.ok, {"i": i})
         a, b, c = store.claims.claim(owner=OWNER, queues=["default"], names=["ok"], limit=3, ttl=30).rows
         settled = store.outcomes.settle(owner=OWNER, completions=[
-            (c["id"], c["lease_generation"], {"mine": "c"}, {"done": 3}),
-            (a["id"], a["lease_generation"] - 1, {"stale": "a"}, None),  # an older lease of a
-            (b["id"], b["lease_generation"], [1, "b"], None),
-            (a["id"], a["lease_generation"], {"mine": "a"}, None),
+            (c["id"], c["lease_generation"], {"mine": "c"}, {"done": 3}, 0.25),
+            (a["id"], a["lease_generation"] - 1, {"stale": "a"}, None, 9.0),  # an older lease of a
+            (b["id"], b["lease_generation"], [1, "b"], None, None),
+            (a["id"], a["lease_generation"], {"mine": "a"}, None, 0.5),
         ])
         assert settled.completed == {(x["id"], x["lease_generation"]) for x in (a, b, c)}  # each by its current lease
         with connect(cyclone_env.dsn) as conn:
-            rows = {r["id"]: r for r in conn.execute("SELECT id, state, output, progress FROM cyclone_steps")}
-        assert [(rows[x["id"]]["state"], rows[x["id"]]["output"], rows[x["id"]]["progress"]) for x in (a, b, c)] == [
-            ("completed", {"mine": "a"}, None), ("completed", [1, "b"], None), ("completed", {"mine": "c"}, {"done": 3})]
+            rows = {r["id"]: r for r in conn.execute(
+                "SELECT id, state, output, progress, extract(epoch FROM start_delay)::float8 AS delay FROM cyclone_steps")}
+        assert [tuple(rows[x["id"]][k] for k in ("state", "output", "progress", "delay")) for x in (a, b, c)] == [
+            ("completed", {"mine": "a"}, None, 0.5), ("completed", [1, "b"], None, None),
+            ("completed", {"mine": "c"}, {"done": 3}, 0.25)]
     finally:
         store.close()
 
