@@ -14,6 +14,7 @@ The metrics, their types and labels are listed in ``docs/python-apps.md`` (Metri
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigurationError
@@ -135,6 +136,13 @@ class Metrics(Observer):
             self.completions.labels(step_name or "").inc()
         else:
             self.failures.labels(step_name or "", outcome).inc()
+
+    def written_many(self, step_names: Sequence[str | None], outcome: str) -> None:
+        for step_name, n in collections.Counter(step_names).items():
+            if outcome == "completed":
+                self.completions.labels(step_name or "").inc(n)
+            else:
+                self.failures.labels(step_name or "", outcome).inc(n)
 
     def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
         elapsed = entry.get("elapsed")

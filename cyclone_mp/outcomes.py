@@ -273,8 +273,8 @@ class OutcomeWriter(DatabaseThread):
         if settled.failed:
             self.tell_control(Poll())  # a retry without backoff is claimable at once
         written = [o for o in done if o.key in settled.completed]
-        for outcome in written:
-            self.observer.written(outcome.step_name, "completed")
+        if written:
+            self.observer.written_many([o.step_name for o in written], "completed")
         self._done_many(written)
         for outcome in done:
             if outcome.key not in settled.completed:

@@ -51,6 +51,12 @@ class Observer:
         kind stored (``timeout``, ``error``, ``reclaim_limit``...). Called once per row
         written, by whoever wrote it (the writer, or the sweep)."""
 
+    def written_many(self, step_names: Sequence[str | None], outcome: str) -> None:
+        """:meth:`written` for each row of one write with the same ``outcome`` (the
+        writer's batch of completions: one call per batch, not per row)."""
+        for step_name in step_names:
+            self.written(step_name, outcome)
+
     def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
         """An attempt ended in its child (process control): ``attempt`` is the
         :class:`~cyclone_mp.attempts.Attempt`, ``outcome`` how it ended (``completed``, an
@@ -113,6 +119,9 @@ class Observers(Observer):
 
     def written(self, step_name: str | None, outcome: str) -> None:
         self._each("written", step_name, outcome)
+
+    def written_many(self, step_names: Sequence[str | None], outcome: str) -> None:
+        self._each("written_many", step_names, outcome)
 
     def attempt_ended(self, attempt: Any, outcome: str, entry: dict[str, Any]) -> None:
         self._each("attempt_ended", attempt, outcome, entry)

@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import psycopg
+from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
 from .. import decisions
@@ -18,8 +19,7 @@ from ..backoff import delay_after
 from ..noderows import to_us
 from . import operations
 from .claims import Claims
-from .queries import (FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, jsonb_array_literal, nullable_jsonb,
-                      plain_array_literal, positions_object)
+from .queries import FORENSIC_KEYS, INLINE_MAX, FailedAttempt, Q, Settled, completion_arrays, nullable_jsonb
 from .session import Session, drive, translate
 
 if TYPE_CHECKING:
@@ -132,13 +132,7 @@ class Outcomes:
         with (self.session.tx() if workflows or spawns else self.session.conn.cursor()) as cur:
             cur.execute(Q[statement], {
                 "owner": owner,
-                # the completions' arrays as literals (one join each, not psycopg's dump per element)
-                "ids": plain_array_literal(str(i[0]) for i in completions),
-                "leases": positions_object(f"{i[0]}:{i[1]}" for i in completions),
-                "outputs": jsonb_array_literal(i[2] for i in completions),
-                "progress": jsonb_array_literal((i[3] for i in completions), none_is_null=True),
-                "start_delays_us": plain_array_literal(None if len(i) < 5 or i[4] is None else str(to_us(i[4]))
-                                                       for i in completions),
+                **completion_arrays(completions),
                 "fail_ids": [f.id for f in failures],
                 "fail_generations": [f.generation for f in failures],
                 "kinds": [f.kind for f in failures],
@@ -151,29 +145,33 @@ class Outcomes:
                 "start_now": max(0, limit) if start_now is None else start_now, "in_tx": workflows,
                 **self.claims.params(queues, statement),
             })
+            # tuples, not a dict per row: only the claimed rows and the meta row become dicts
+            cur.row_factory, row_factory = tuple_row, cur.row_factory
             rows = cur.fetchall()
-            wait = self.claims.keep_meta(next((r for r in rows if r["what"] == "meta"), None), queues)
-            completed = {(r["id"], r["lease_generation"]) for r in rows if r["what"] == "completed"}
+            cur.row_factory = row_factory  # (a transaction's cursor goes on to advance runs)
+            names = [c.name for c in cur.description or ()]
+            at = {name: i for i, name in enumerate(names)}
+            key, gen, run_id, run_kind = at["id"], at["lease_generation"], at["run_id"], at["run_kind"]
+            ended = [r for r in rows if r[0] == "completed" or r[0] == "failed"]
+            meta = next((dict(zip(names, r)) for r in rows if r[0] == "meta"), None)
+            wait = self.claims.keep_meta(meta, queues)
+            completed = {(r[key], r[gen]) for r in ended if r[0] == "completed"}
             for lease, plans in (spawns or {}).items():  # before the run moves on: a node may wait for them
                 if lease in completed:
                     drive(cur, operations.insert_spawned(plans))
-            for run_id in sorted({r["run_id"] for r in rows
-                                  if r["what"] in ("completed", "failed") and r["run_kind"] == "workflow"
-                                  and r["moves_run"] is not False}):
-                advance(cur, run_id)
-            for run_id in sorted({r["run_id"] for r in rows  # a spawned single-step run ended: its parent
-                                  if r["what"] in ("completed", "failed") and r["parent_id"] is not None
-                                  and r["run_kind"] == "step"}):
-                drive(cur, operations.advance_parent(run_id))
-        failed = {(r["id"], r["lease_generation"]): r["node"] for r in rows if r["what"] == "failed"}
+            for run in sorted({r[run_id] for r in ended if r[run_kind] == "workflow" and r[at["moves_run"]] is not False}):
+                advance(cur, run)
+            for run in sorted({r[run_id] for r in ended  # a spawned single-step run ended: its parent
+                               if r[at["parent_id"]] is not None and r[run_kind] == "step"}):
+                drive(cur, operations.advance_parent(run))
+        failed = {(r[key], r[gen]): r[at["node"]] for r in ended if r[0] == "failed"}
         return Settled(
             completed=completed,
             failed=set(failed),
-            claimed=[r for r in rows if r["what"] == "claimed"],
+            claimed=[dict(zip(names, r)) for r in rows if r[0] == "claimed"],
             wait=wait,
             failed_kinds=failed,
-            discarded={(r["id"], r["lease_generation"]) for r in rows
-                       if r["what"] == "failed" and r["step_name"] == "discarded"},
+            discarded={(r[key], r[gen]) for r in ended if r[0] == "failed" and r[at["step_name"]] == "discarded"},
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],

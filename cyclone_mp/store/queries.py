@@ -10,7 +10,7 @@ import dataclasses
 import importlib.resources
 import json
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from psycopg.types.json import Jsonb
 
@@ -117,25 +117,33 @@ def _migrations() -> list[tuple[int, str, str]]:
 # outcome writer's CPU per step.
 
 
-def plain_array_literal(items: Iterable[str | None]) -> str:
-    """An array literal of elements that need no quoting (integers, ``"id:generation"``);
-    None: SQL NULL."""
-    return "{" + ",".join("NULL" if t is None else t for t in items) + "}"
+def completion_arrays(completions: Sequence[tuple[Any, ...]]) -> dict[str, str]:
+    """The settle statements' completion parameters, built in one pass over
+    ``(id, generation, output, progress[, start delay in seconds])`` items: ``ids``,
+    ``outputs``, ``progress`` and ``start_delays_us`` as array literals (one join each, not
+    psycopg's dump per element), and ``leases``, a JSON object of each ``"id:generation"``
+    key's 1-based position in those arrays, which the statement finds by a binary search
+    (jsonb keeps an object's keys sorted). An output is JSON text (``json.dumps``, as
+    psycopg's ``Jsonb`` dumps it; None is JSON ``null``); a None progress or start delay is
+    SQL NULL (the row keeps its own)."""
+    ids, leases, outputs, progress, delays = [], [], [], [], []
+    dumps = json.dumps
+    for n, item in enumerate(completions, 1):
+        step_id, generation, output, prog = item[0], item[1], item[2], item[3]
+        ids.append(str(step_id))
+        leases.append(f'"{step_id}:{generation}":{n}')
+        outputs.append('"null"' if output is None else _quoted(dumps(output)))
+        progress.append("NULL" if prog is None else _quoted(dumps(prog)))
+        delay = item[4] if len(item) > 4 else None
+        delays.append("NULL" if delay is None else str(int(round(delay * 1_000_000))))
+    return {"ids": "{" + ",".join(ids) + "}", "leases": "{" + ",".join(leases) + "}",
+            "outputs": "{" + ",".join(outputs) + "}", "progress": "{" + ",".join(progress) + "}",
+            "start_delays_us": "{" + ",".join(delays) + "}"}
 
 
-def positions_object(keys: Iterable[str]) -> str:
-    """A JSON object text of each key's 1-based position, ``{"7:1": 1, "9:2": 2}``, for
-    keys that need no escaping (``"id:generation"``): a statement finds a row's item in
-    its arrays by its key, with a binary search (jsonb keeps an object's keys sorted)."""
-    return "{" + ",".join(f'"{key}":{n}' for n, key in enumerate(keys, 1)) + "}"
-
-
-def jsonb_array_literal(values: Iterable[Any], *, none_is_null: bool = False) -> str:
-    """An array literal of JSON texts (``json.dumps``, as psycopg's ``Jsonb`` dumps a value),
-    each quoted and escaped. None is JSON ``null``, or SQL NULL with ``none_is_null``."""
-    none = "NULL" if none_is_null else '"null"'
-    return "{" + ",".join(none if v is None else '"' + json.dumps(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-                          for v in values) + "}"
+def _quoted(text: str) -> str:
+    """``text`` as an element of an array literal: in double quotes, with ``\\`` and ``"`` escaped."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def nullable_jsonb(value: Any) -> Jsonb | None:

@@ -241,7 +241,7 @@ AWKWARD_OUTPUTS = [
 
 def test_awkward_outputs_and_progress_are_stored_exactly(cyclone_env):
     """A tick's outputs, progress values and start delays reach the statement as array
-    literals (store.queries.jsonb_array_literal, plain_array_literal): quotes, backslashes, braces, commas, a
+    literals (store.queries.completion_arrays): quotes, backslashes, braces, commas, a
     JSON null, the text NULL, non-ASCII text and a 31-digit integer are stored as given."""
     store = Store.open(cyclone_env.dsn, generic_plans=True)
     try:
