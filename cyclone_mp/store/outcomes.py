@@ -149,11 +149,11 @@ class Outcomes:
             cur.row_factory, row_factory = tuple_row, cur.row_factory
             rows = cur.fetchall()
             cur.row_factory = row_factory  # (a transaction's cursor goes on to advance runs)
-            names = [c.name for c in cur.description or ()]
-            at = {name: i for i, name in enumerate(names)}
+            columns = [c.name for c in cur.description or ()]
+            at = {name: i for i, name in enumerate(columns)}
             key, gen, run_id, run_kind = at["id"], at["lease_generation"], at["run_id"], at["run_kind"]
             ended = [r for r in rows if r[0] == "completed" or r[0] == "failed"]
-            meta = next((dict(zip(names, r)) for r in rows if r[0] == "meta"), None)
+            meta = next((dict(zip(columns, r)) for r in rows if r[0] == "meta"), None)
             wait = self.claims.keep_meta(meta, queues)
             completed = {(r[key], r[gen]) for r in ended if r[0] == "completed"}
             for lease, plans in (spawns or {}).items():  # before the run moves on: a node may wait for them
@@ -168,7 +168,7 @@ class Outcomes:
         return Settled(
             completed=completed,
             failed=set(failed),
-            claimed=[dict(zip(names, r)) for r in rows if r[0] == "claimed"],
+            claimed=[dict(zip(columns, r)) for r in rows if r[0] == "claimed"],
             wait=wait,
             failed_kinds=failed,
             discarded={(r[key], r[gen]) for r in ended if r[0] == "failed" and r[at["step_name"]] == "discarded"},
