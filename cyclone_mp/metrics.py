@@ -132,10 +132,7 @@ class Metrics(Observer):
                 self.pickup.labels(step).observe(max(0.0, float(row["pickup"])))
 
     def written(self, step_name: str | None, outcome: str) -> None:
-        if outcome == "completed":
-            self.completions.labels(step_name or "").inc()
-        else:
-            self.failures.labels(step_name or "", outcome).inc()
+        self.written_many((step_name,), outcome)
 
     def written_many(self, step_names: Sequence[str | None], outcome: str) -> None:
         for step_name, n in collections.Counter(step_names).items():

@@ -150,8 +150,9 @@ class Outcomes:
             rows = cur.fetchall()
             cur.row_factory = row_factory  # (a transaction's cursor goes on to advance runs)
             columns = [c.name for c in cur.description or ()]
-            at = {name: i for i, name in enumerate(columns)}
-            key, gen, run_id, run_kind = at["id"], at["lease_generation"], at["run_id"], at["run_kind"]
+            key, gen, run_id, run_kind, moves_run, parent_id, node, step_name = (
+                columns.index(c) for c in ("id", "lease_generation", "run_id", "run_kind", "moves_run", "parent_id",
+                                           "node", "step_name"))
             ended = [r for r in rows if r[0] == "completed" or r[0] == "failed"]
             meta = next((dict(zip(columns, r)) for r in rows if r[0] == "meta"), None)
             wait = self.claims.keep_meta(meta, queues)
@@ -159,19 +160,20 @@ class Outcomes:
             for lease, plans in (spawns or {}).items():  # before the run moves on: a node may wait for them
                 if lease in completed:
                     drive(cur, operations.insert_spawned(plans))
-            for run in sorted({r[run_id] for r in ended if r[run_kind] == "workflow" and r[at["moves_run"]] is not False}):
+            for run in sorted({r[run_id] for r in ended
+                               if r[run_kind] == "workflow" and r[moves_run] is not False}):
                 advance(cur, run)
             for run in sorted({r[run_id] for r in ended  # a spawned single-step run ended: its parent
-                               if r[at["parent_id"]] is not None and r[run_kind] == "step"}):
+                               if r[parent_id] is not None and r[run_kind] == "step"}):
                 drive(cur, operations.advance_parent(run))
-        failed = {(r[key], r[gen]): r[at["node"]] for r in ended if r[0] == "failed"}
+        failed = {(r[key], r[gen]): r[node] for r in ended if r[0] == "failed"}
         return Settled(
             completed=completed,
             failed=set(failed),
             claimed=[dict(zip(columns, r)) for r in rows if r[0] == "claimed"],
             wait=wait,
             failed_kinds=failed,
-            discarded={(r[key], r[gen]) for r in ended if r[0] == "failed" and r[at["step_name"]] == "discarded"},
+            discarded={(r[key], r[gen]) for r in ended if r[0] == "failed" and r[step_name] == "discarded"},
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],

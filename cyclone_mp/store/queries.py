@@ -14,6 +14,8 @@ from typing import Any, Iterable, Sequence
 
 from psycopg.types.json import Jsonb
 
+from ..noderows import to_us
+
 #: Keys of an error entry that describe how the child ended (SPEC 4, "Every attempt that ends").
 FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
@@ -135,7 +137,7 @@ def completion_arrays(completions: Sequence[tuple[Any, ...]]) -> dict[str, str]:
         outputs.append('"null"' if output is None else _quoted(dumps(output)))
         progress.append("NULL" if prog is None else _quoted(dumps(prog)))
         delay = item[4] if len(item) > 4 else None
-        delays.append("NULL" if delay is None else str(int(round(delay * 1_000_000))))
+        delays.append("NULL" if delay is None else str(to_us(delay)))
     return {"ids": "{" + ",".join(ids) + "}", "leases": "{" + ",".join(leases) + "}",
             "outputs": "{" + ",".join(outputs) + "}", "progress": "{" + ",".join(progress) + "}",
             "start_delays_us": "{" + ",".join(delays) + "}"}
