@@ -89,7 +89,7 @@ def test_client_cancel_reaches_the_task_and_ctx_cancellation_is_awaitable(cyclon
 
 
 def test_shutdown_cancels_the_task_and_releases_the_step(cyclone_env_factory, tmp_path):
-    env = cyclone_env_factory(shutdown_grace=0.2)
+    env = cyclone_env_factory(shutdown_grace=0.2, lease_ttl=2)  # no fence from a late renewal first
     marker = tmp_path / "marker"
     run_id = env.enqueue(ah.watcher, {"marker": str(marker)})
     env.start_worker()

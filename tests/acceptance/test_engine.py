@@ -218,7 +218,9 @@ def test_retry_raises_max_attempts_and_clears_the_error(api_env):
 
 
 def test_graceful_shutdown_releases_without_counting(cyclone_env_factory):
-    env = cyclone_env_factory(worker="thread", shutdown_grace=0.3, kill_grace=0.3)
+    # a lease long enough that a busy machine's late renewal cannot fence the attempt first
+    # (a fenced attempt is left for the sweep to reclaim, not released)
+    env = cyclone_env_factory(worker="thread", shutdown_grace=0.3, kill_grace=0.3, lease_ttl=2)
     run_id = env.enqueue(h.sleeper, {"seconds": 30})
     handle = env.start_worker()
     env.wait_for_state(run_id, None, "running")
