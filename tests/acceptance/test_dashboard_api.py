@@ -351,6 +351,7 @@ def assert_no_overflow(page: Any) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing (apt-get install -y chromium)")
+@pytest.mark.long  # 11 s of Chromium (the script's refresh, the layout); the pages and actions are checked over HTTP in the default run
 def test_browser_overview_run_forensics_and_cancel(world: World) -> None:
     from playwright.sync_api import expect, sync_playwright
 

@@ -138,6 +138,7 @@ def _verdict(value, max_bytes):
     return True, json.loads(text)
 
 
+@pytest.mark.long  # 7 s of generated values; each hostile kind above has its own case in the default run
 def test_fuzz_values_end_stored_or_clearly_refused(cyclone_env_factory):
     """Random JSON-ish values (seeded: ordinary ones, deep ones around and past the
     limits, huge ones past max_payload, NUL, lone surrogates, NaN, sets) go through

@@ -254,7 +254,7 @@ def test_enqueue_wait_warns_at_once_when_no_supervisor_serves_the_queue(
         assert served.returncode == 0 and "Warning" not in served.stderr, served.stderr
         started = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "cyclone_mp_cli.main", "--dsn", dsn, "enqueue", APP, "echo",
-                                 "--input", "{}", "--queue", "nowhere", "--wait", "--wait-timeout", "6"],
+                                 "--input", "{}", "--queue", "nowhere", "--wait", "--wait-timeout", "3"],
                                 cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         err = Lines(proc.stderr)
         at, line = err.first("Warning: no live supervisor serves queue 'nowhere'", 5)
@@ -262,7 +262,7 @@ def test_enqueue_wait_warns_at_once_when_no_supervisor_serves_the_queue(
         proc.wait(timeout=30)
         proc.stdout.close()
         text = err.text()
-        assert proc.returncode == 1 and "has not started after 6s: it waits in queue 'nowhere'" in text, text
+        assert proc.returncode == 1 and "has not started after 3s: it waits in queue 'nowhere'" in text, text
         frame = [line for line in text.splitlines() if "│ echo" in line]
         assert frame and "0/3" in frame[-1] and "1/3" not in text, text  # it never ran
         assert "running (queued: no step started yet)" in text, text  # the header says so too, not a bare "running"

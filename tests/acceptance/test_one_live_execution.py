@@ -87,6 +87,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.02):
         time.sleep(interval)
 
 
+def crash_workers(env) -> None:
+    """SIGKILL the test's supervisors once its assertions are made: their wedged children
+    die with them (PDEATHSIG), where a drain would wait out ``kill_grace`` again."""
+    while any(w.alive() for w in env.workers):
+        env.crash_worker()
+
+
 @pytest.fixture
 def lives(tmp_path):
     watcher = Lives(str(tmp_path / "live.log"))
@@ -117,6 +124,7 @@ def test_a_retry_starts_only_after_the_timed_out_child_is_reaped(cyclone_env_fac
     assert 6.0 <= reaped - first["t"] <= 9.0, reaped - first["t"]
     status = env.run_until_complete(run_id, timeout=30)
     assert (status.state, status.step.attempt, status.step.error_kind) == ("discarded", 2, "timeout")
+    crash_workers(env)
 
 
 def test_the_retry_waits_for_dead_by_when_the_holder_cannot_report(cyclone_env_factory, lives):
@@ -135,6 +143,7 @@ def test_the_retry_waits_for_dead_by_when_the_holder_cannot_report(cyclone_env_f
     step = wait_until(waiting, timeout=15)
     assert step is not None and step.dead_by is not None and step.waiting_on == "previous_attempt"
     assert len(lh.records(lives.log, "start")) == 1
+    crash_workers(env)
 
 
 # -- a concurrency slot waits for the holder's death ----------------------------------------------
@@ -172,6 +181,7 @@ def test_concurrency_one_never_admits_a_second_handler_while_the_first_lives(cyc
     for run_id in (first, second):
         assert env.run_until_complete(run_id, timeout=40).step.error_kind == "timeout"
     assert not overlaps(lives.intervals()), overlaps(lives.intervals())
+    crash_workers(env)
 
 
 def test_a_cancelled_holder_keeps_its_slot_until_its_child_is_dead(cyclone_env_factory, lives):
@@ -276,6 +286,7 @@ def test_threads_of_a_timed_out_async_attempt_die_before_the_retry_starts(cyclon
     assert status.step.error_kind == "timeout"
     entry = status.step.errors[0]
     assert entry.get("lingering_threads") and entry.get("killed_by_supervisor")
+    crash_workers(env)
 
 
 def test_a_thread_that_stops_on_cancel_lets_its_child_be_reused(cyclone_env_factory, tmp_path):

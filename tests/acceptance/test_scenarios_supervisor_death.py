@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import pytest
+
 from cyclone_mp.config import Config
 from cyclone_mp.store import connect
 from cyclone_mp.supervisor import Supervisor
@@ -62,6 +64,7 @@ class Repeater:
 # -- SC-04 ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long  # 9 s; test_engine's crash reclaim and SC-05 below take a SIGKILLed supervisor in the default run
 def test_sc04_supervisor_sigkilled_mid_step(cyclone_env_factory, tmp_path):
     """SC-04: the handler appends a line every 100 ms for 5 s; 2 s in, only the
     supervisor is SIGKILLed. The old child stops writing within about 1 s; after

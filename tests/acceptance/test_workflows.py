@@ -244,7 +244,8 @@ def test_signal_sent_after_the_node_is_reached_and_sent_twice(api_env, tmp_path)
 # -- 4. timers on the database clock (SC-12) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("skew", [3600.0, -3600.0, "below_zero"], ids=["worker+1h", "worker-1h", "worker-clock-below-zero"])
+@pytest.mark.parametrize("skew", [pytest.param(3600.0, marks=pytest.mark.long), -3600.0, "below_zero"],
+                         ids=["worker+1h", "worker-1h", "worker-clock-below-zero"])  # (CI runs the long one too)
 def test_timers_fire_once_on_the_database_clock(cyclone_dsn, cyclone_env_factory, tmp_path, skew):
     if skew == "below_zero":
         # -1 h on a host up for less than an hour: the supervisor's local clock reads below
@@ -365,6 +366,7 @@ def test_timer_instants_in_the_fall_back_hour_are_stored_exactly(cyclone_dsn, cy
 # -- 5. pause, resume, cancel ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("client_kind", ["Client", pytest.param("AsyncClient", marks=pytest.mark.long)])  # 5 s each
 def test_pause_holds_everything_but_the_running_step_and_resume_restores(cyclone_env_factory, tmp_path, client_kind):
     env = cyclone_env_factory(workers=1)
     if client_kind == "AsyncClient":
