@@ -1,5 +1,6 @@
 """Shared test setup: bytecode written once for the processes the tests start, and every
-test must leave no child, grandchild or zombie behind."""
+test must leave no child, grandchild or zombie behind (the supervisors' fork server, started
+first, is the session's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import psutil
 import pytest
+
+from cyclone_mp.testing.forkserver import ForkServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,6 +25,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     for name in ("cyclone_mp", "cli", "tests"):
         if (REPO / name).is_dir():
             compileall.compile_dir(str(REPO / name), quiet=2)
+    ForkServer.shared()  # before any test: the supervisors' fork server is no test's leftover
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,7 @@ from ..mux import Mux
 from ..steps import Step
 from ..store import connect
 from ..workflow import Workflow
+from .forkserver import ForkedProcess, ForkServer
 from .network import FaultProxy
 
 
@@ -41,7 +42,7 @@ class WorkerHandle:
     ``proxy``: the :class:`~cyclone_mp.testing.network.FaultProxy` between it and
     PostgreSQL (``Env(proxy=True)``), or None."""
 
-    def __init__(self, *, popen: subprocess.Popen[bytes] | None = None, client: Client | None = None,
+    def __init__(self, *, popen: subprocess.Popen[bytes] | ForkedProcess | None = None, client: Client | None = None,
                  supervisor_id: str = "", proxy: FaultProxy | None = None) -> None:
         self.popen = popen
         self.client = client
@@ -205,10 +206,16 @@ class Env:
             "ready_file": ready, "parent_pid": os.getpid(), "sys_path": [p for p in sys.path if p],
             "clock_skew": self.clock_skew,
         }
-        popen = subprocess.Popen([*(prefix or []), python or sys.executable, "-m", "cyclone_mp.testing.worker",
-                                  json.dumps(config)], stdin=subprocess.DEVNULL,
-                                 env=environ if user is not None else {**os.environ, **environ} if environ else None,
-                                 **identity)
+        server = ForkServer.shared() if not (prefix or environ or user or python) else None
+        popen: Any
+        if server is not None:  # a fork of a process that imported the worker: 0.3 s sooner
+            config["parent_pid"] = server.pid
+            popen = server.start([json.dumps(config)], env=dict(os.environ), cwd=os.getcwd())
+        else:
+            popen = subprocess.Popen([*(prefix or []), python or sys.executable, "-m", "cyclone_mp.testing.worker",
+                                      json.dumps(config)], stdin=subprocess.DEVNULL,
+                                     env=environ if user is not None else {**os.environ, **environ} if environ else None,
+                                     **identity)
         self._pids_seen.add(popen.pid)
         deadline = time.monotonic() + 30
         while not os.path.exists(ready):
