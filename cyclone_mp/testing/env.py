@@ -207,11 +207,14 @@ class Env:
             "clock_skew": self.clock_skew,
         }
         server = ForkServer.shared() if not (prefix or environ or user or python) else None
-        popen: Any
+        popen: Any = None
         if server is not None:  # a fork of a process that imported the worker: 0.3 s sooner
-            config["parent_pid"] = server.pid
-            popen = server.start([json.dumps(config)], env=dict(os.environ), cwd=os.getcwd())
-        else:
+            try:
+                popen = server.start([json.dumps({**config, "parent_pid": server.pid})], env=dict(os.environ),
+                                     cwd=os.getcwd())
+            except (OSError, RuntimeError):  # a request past the socket's buffer, a server gone: spawn
+                popen = None
+        if popen is None:
             popen = subprocess.Popen([*(prefix or []), python or sys.executable, "-m", "cyclone_mp.testing.worker",
                                       json.dumps(config)], stdin=subprocess.DEVNULL,
                                      env=environ if user is not None else {**os.environ, **environ} if environ else None,

@@ -18,7 +18,9 @@ turns it off (every supervisor then starts from a fresh interpreter). Docs:
 from __future__ import annotations
 
 import contextlib
+import atexit
 import fcntl
+import itertools
 import json
 import os
 import queue
@@ -32,7 +34,10 @@ import time
 import traceback
 from typing import Any
 
-_MAX_MESSAGE = 1 << 22  # a request carries the worker's config and the caller's environment
+# A request carries the worker's config and the caller's environment. What one message may
+# hold is the socket's send buffer (about 208 KiB on Linux): a bigger request fails to
+# send (OSError) and the caller spawns the supervisor instead.
+_MAX_MESSAGE = 1 << 20
 
 
 class ForkedProcess:
@@ -79,12 +84,16 @@ class ForkServer:
     @classmethod
     def shared(cls) -> ForkServer | None:
         """This test process's server, started on first use; None when it is turned off
-        (``CYCLONE_TEST_FORKSERVER=0``) or could not start (callers then spawn)."""
+        (``CYCLONE_TEST_FORKSERVER=0``), could not start, or would be started from a
+        thread other than the main one (callers then spawn). The server dies with the
+        thread that started it (``PR_SET_PDEATHSIG``), so only the main thread starts one."""
         if os.environ.get("CYCLONE_TEST_FORKSERVER", "1") == "0":
             return None
         with cls._shared_lock:
             server = cls._shared
             if server is None or server.owner != os.getpid() or not server.alive():
+                if threading.current_thread() is not threading.main_thread():
+                    return None
                 try:
                     server = cls._shared = cls()
                 except (OSError, RuntimeError):
@@ -102,12 +111,7 @@ class ForkServer:
                                           env={**os.environ, "CYCLONE_FORKSERVER_FD": str(theirs.fileno())})
         finally:
             theirs.close()
-        self.sock = ours
-        self._replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-        self._exits: dict[int, int] = {}
-        self._changed = threading.Condition()
-        self._lock = threading.Lock()  # one request at a time: replies come in order
-        threading.Thread(target=self._read, name="cyclone-forkserver", daemon=True).start()
+        self._attach(ours)
         try:
             hello = self._replies.get(timeout=30)
         except queue.Empty:
@@ -118,37 +122,61 @@ class ForkServer:
             raise RuntimeError(f"the fork server did not start: {hello.get('error', 'no answer in 30 s')}")
         self.pid = self.popen.pid
 
+    def _attach(self, sock: socket.socket) -> None:
+        """Talk to the server over ``sock``: its replies and its forks' exits are read on a
+        thread of their own."""
+        self.sock = sock
+        self._replies: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._exits: dict[int, int] = {}  # pid -> exit code, of forks not since replaced by a new one of that pid
+        self._changed = threading.Condition()
+        self.ended = False  # the server is gone: its forks died with it (PR_SET_PDEATHSIG)
+        self._lock = threading.Lock()  # one request at a time
+        self._seq = itertools.count(1)  # a reply names its request: a late one is never taken for the next
+        threading.Thread(target=self._read, name="cyclone-forkserver", daemon=True).start()
+
     def alive(self) -> bool:
-        return self.popen.poll() is None
+        return not self.ended and self.popen.poll() is None
 
     def start(self, argv: list[str], *, env: dict[str, str], cwd: str) -> ForkedProcess:
         """Fork a supervisor running ``cyclone_mp.testing.worker.main(argv)`` with ``env``
         as its environment, ``cwd`` as its directory, and this process's stdout and
-        stderr. Raises RuntimeError when the server cannot fork."""
-        request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        stderr. Raises RuntimeError when the server cannot fork or answer, OSError when
+        the request cannot be sent (one bigger than the socket's buffer)."""
         with self._lock:
+            seq = next(self._seq)
+            request = json.dumps({"seq": seq, "argv": argv, "env": env, "cwd": cwd}).encode()
             socket.send_fds(self.sock, [request], [1, 2])  # what a spawned process inherits
-            try:
-                reply = self._replies.get(timeout=30)
-            except queue.Empty:
-                raise RuntimeError("the fork server did not answer in 30 s") from None
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    reply = self._replies.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise RuntimeError("the fork server did not answer in 30 s") from None
+                if reply.get("seq") in (seq, None):  # ours, or the server's end
+                    break
+                if "pid" in reply:  # a fork whose caller gave up waiting: nobody will stop it
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(reply["pid"]), signal.SIGKILL)
         if "pid" not in reply:
             raise RuntimeError(f"the fork server could not fork: {reply.get('error')}")
         return ForkedProcess(self, int(reply["pid"]))
 
     def exit_code(self, pid: int) -> int | None:
+        """``pid``'s exit code; None while it runs. Once the server is gone, a fork it did
+        not report ended by its SIGKILL (``PR_SET_PDEATHSIG``)."""
         with self._changed:
-            return self._exits.get(pid)
+            code = self._exits.get(pid)
+            return -signal.SIGKILL if code is None and self.ended else code
 
     def wait_exit(self, pid: int, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
-            while pid not in self._exits:
+            while pid not in self._exits and not self.ended:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self._changed.wait(left if left is not None else 1.0)
-            return self._exits[pid]
+            return self._exits.get(pid, -signal.SIGKILL)
 
     def _read(self) -> None:
         while True:
@@ -157,6 +185,9 @@ class ForkServer:
             except OSError:
                 data = b""
             if not data:  # the server ended: no fork of it can be reaped or heard any more
+                with self._changed:
+                    self.ended = True
+                    self._changed.notify_all()
                 self._replies.put({"error": "the fork server ended"})
                 return
             message = json.loads(data)
@@ -165,6 +196,9 @@ class ForkServer:
                     self._exits[int(message["exit"])] = int(message["code"])
                     self._changed.notify_all()
             else:
+                if "pid" in message:  # a new fork may have the pid of one reaped before
+                    with self._changed:
+                        self._exits.pop(int(message["pid"]), None)
                 self._replies.put(message)
 
 
@@ -205,13 +239,13 @@ def _serve(sock: socket.socket, parent: int) -> None:
             except OSError as exc:
                 for fd in fds:
                     os.close(fd)
-                sock.send(json.dumps({"error": str(exc)}).encode())
+                sock.send(json.dumps({"seq": request["seq"], "error": str(exc)}).encode())
                 continue
             if pid == 0:
                 _run_worker(worker, request, fds, sock, (wake_r, wake_w))
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"pid": pid}).encode())
+            sock.send(json.dumps({"seq": request["seq"], "pid": pid}).encode())  # before any exit of it
 
 
 def _reap(sock: socket.socket) -> None:
@@ -246,12 +280,16 @@ def _run_worker(worker: Any, request: dict[str, Any], fds: list[int], sock: sock
         sys.argv = [worker.__file__, *request["argv"]]
         worker.main(request["argv"])
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # as the interpreter reads it: None is 0, a message is printed and 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - as an uncaught error ends a fresh interpreter
         traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
+            atexit._run_exitfuncs()  # as at an interpreter's exit (logging's shutdown, say)
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
