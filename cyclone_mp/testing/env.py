@@ -213,7 +213,7 @@ class Env:
                 popen = server.start([json.dumps({**config, "parent_pid": server.pid})], env=dict(os.environ),
                                      cwd=os.getcwd())
             except (OSError, RuntimeError):  # a request past the socket's buffer, a server gone: spawn
-                popen = None
+                pass
         if popen is None:
             popen = subprocess.Popen([*(prefix or []), python or sys.executable, "-m", "cyclone_mp.testing.worker",
                                       json.dumps(config)], stdin=subprocess.DEVNULL,

@@ -18,7 +18,6 @@ turns it off (every supervisor then starts from a fresh interpreter). Docs:
 from __future__ import annotations
 
 import contextlib
-import atexit
 import fcntl
 import itertools
 import json
@@ -288,11 +287,7 @@ def _run_worker(worker: Any, request: dict[str, Any], fds: list[int], sock: sock
     except BaseException:  # noqa: BLE001 - as an uncaught error ends a fresh interpreter
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
-            atexit._run_exitfuncs()  # as at an interpreter's exit (logging's shutdown, say)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        worker._exit_now(code)  # atexit functions and the streams' flush, as an interpreter ends
 
 
 def main() -> None:
