@@ -18,6 +18,7 @@ for the kill itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from .limits.declared import NO_LIMITS, Limits
@@ -33,7 +34,7 @@ def fence_margin(lease_ttl: float) -> float:
     return max(FENCE_MARGIN_MIN, lease_ttl * FENCE_MARGIN)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Attempt:
     """One attempt in a child (or queued in one behind another: pipelining).
 
@@ -63,7 +64,7 @@ class Attempt:
     ended: bool = False  # its outcome is decided (a result came, or its child is dead)
     fenced: bool = False  # cancelled by the local fence: its lease may still be ours (a success is still written)
     cpu_start: float = 0.0  # the child's CPU seconds when the attempt began (children are reused)
-    forensics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    forensics: Mapping[str, Any] | None = None  # its error entry as judged (None until it ends)
     peak_rss_kb: int | None = None  # sampled while it runs (a crashed child cannot be read)
     start_by: float | None = None  # queued in a child: the child never starts it after this (time.monotonic())
     started_wall: float | None = None  # wall-clock epoch seconds it started in its child (None: never started)

@@ -12,7 +12,6 @@ back, a child due for recycling retired.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -348,10 +347,10 @@ class AttemptEndings:
 
     def outcome(self, att: Attempt, outcome: Outcome) -> None:
         if getattr(att, "started_wall", None) is not None:  # it ran: say how it ended (tests pass a stand-in)
-            self.observe_end(att, judging.label(att, outcome), outcome.entry or att.forensics)
+            self.observe_end(att, judging.label(att, outcome), outcome.entry or att.forensics or {})
             if outcome.kind != RELEASE and outcome.run_id != att.run_id:  # (a completion's judge set them)
-                outcome = dataclasses.replace(outcome, start_delay=att.start_delay(),  # its handler's start
-                                              run_id=att.run_id, node=att.node)
+                outcome = outcome._replace(start_delay=att.start_delay(),  # its handler's start
+                                           run_id=att.run_id, node=att.node)
         self.control.outcomes.append((outcome, att.deadline))
         if self.control.outcomes_since is None:
             self.control.outcomes_since = self.control.clock()

@@ -10,8 +10,9 @@ written (the row already says what happened) and the lease let go.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+import types
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from . import decisions
 from .attempts import Attempt
@@ -21,22 +22,23 @@ from .procs import exit_description
 RELEASED = "released"  # the cancel reason that takes back a step queued in a child (pipelining)
 #: A cap's cause of death: ``(error kind, error entry)`` (the entry from ``LimitWatch.death_entry``).
 Cap = tuple[str, dict[str, Any]]
+NO_ENTRY: Mapping[str, Any] = types.MappingProxyType({})  #: the entry of an ending that has none
 
 
-@dataclasses.dataclass(frozen=True)
-class Ending:
+class Ending(NamedTuple):
     """What an attempt became.
 
     ``outcome``: what the outcome writer applies, or None when nothing is written (an
     operator's cancel, someone else's lease, a late completion: the row says what
     happened, the lease is let go); ``label``: how the observer hears of an ending with
     nothing written; ``entry``: the attempt's error entry as judged; ``counter``: the
-    process-control stat the ending adds one to, if any.
+    process-control stat the ending adds one to, if any. A named tuple (one per attempt,
+    made cheaply); an ending without an entry shares one empty, read-only mapping.
     """
 
     outcome: Outcome | None
     label: str = ""
-    entry: dict[str, Any] = dataclasses.field(default_factory=dict)
+    entry: Mapping[str, Any] = NO_ENTRY
     counter: str | None = None
 
 

@@ -20,7 +20,7 @@ Times are the local monotonic clock, in seconds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 LeaseKey = tuple[int, int]  #: ``(step id, lease generation)``
 
@@ -180,8 +180,7 @@ class Batch:
     start_now: int = 0  #: of ``claim``, how many idle children can start at once (rate-limited steps: no more)
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """How one attempt ended, to be written with the CAS guard (SPEC 1).
 
     ``kind`` is :data:`COMPLETE` (``output``), :data:`FAIL` (``error_kind``, a
@@ -192,6 +191,10 @@ class Outcome:
     :data:`SNOOZE` (the handler raised ``cy.Snooze``: available ``snooze`` seconds later,
     no attempt spent).
     ``attempt`` and ``backoff_spec`` decide the backoff of a retried failure.
+
+    A named tuple, not a frozen dataclass: one is made per attempt, and a frozen
+    dataclass's ``__init__`` sets each of its 17 fields through ``object.__setattr__``
+    (four times the cost). Change one with ``outcome._replace(...)``.
     """
 
     key: LeaseKey

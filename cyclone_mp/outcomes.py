@@ -314,8 +314,8 @@ class OutcomeWriter(DatabaseThread):
                 and row["lease_generation"] == outcome.generation and row["timed_out"]):
             entry = {k: v for k, v in (outcome.entry or {}).items()}
             entry["message"] = "returned after the database deadline"
-            self._write_alone(PendingWrite(dataclasses.replace(
-                outcome, kind=FAIL, error_kind=decisions.TIMEOUT, entry=entry, require_timed_out=True,
+            self._write_alone(PendingWrite(outcome._replace(
+                kind=FAIL, error_kind=decisions.TIMEOUT, entry=entry, require_timed_out=True,
                 output=None), self.clock()))
             return
         self.count("late_completions_dropped")
@@ -357,10 +357,9 @@ class OutcomeWriter(DatabaseThread):
                 try:
                     spawns = {outcome.key: self.plan_spawns(outcome)} if outcome.spawns else None
                 except (ConfigurationError, UnknownStep) as exc:  # a spawn this worker cannot enqueue: the attempt fails
-                    write.outcome = dataclasses.replace(outcome, kind=FAIL, error_kind=decisions.ERROR, output=None,
-                                                        spawns=(), entry={**(outcome.entry or {}),
-                                                                          "type": type(exc).__name__,
-                                                                          "message": str(exc)})
+                    write.outcome = outcome._replace(kind=FAIL, error_kind=decisions.ERROR, output=None, spawns=(),
+                                                     entry={**(outcome.entry or {}), "type": type(exc).__name__,
+                                                            "message": str(exc)})
                     return self._apply(write)
                 applied = self.call(self.config.write_bound, lambda store: store.outcomes.complete(
                     owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress,
@@ -435,15 +434,15 @@ class OutcomeWriter(DatabaseThread):
                                else unhealable.unsendable(exc))[:2000]
             log.error("step %r (id %d) cannot succeed (output_invalid, discarded without retry): %s",
                       outcome.step_name, outcome.step_id, message)
-            self._write_alone(PendingWrite(dataclasses.replace(
-                outcome, kind=FAIL, error_kind=decisions.OUTPUT_INVALID, output=None, require_timed_out=False, entry={
+            self._write_alone(PendingWrite(outcome._replace(
+                kind=FAIL, error_kind=decisions.OUTPUT_INVALID, output=None, require_timed_out=False, entry={
                     "type": "cyclone_mp.errors.PayloadError", "message": message,
                 }), self.clock()))
             return True
         if outcome.kind == FAIL and not write.plain:
             entry = {k: v for k, v in (outcome.entry or {}).items() if k in FORENSIC_KEYS}
             entry["message"] = storable(f"error entry rejected by the database: {exc}")[:2000]
-            self._write_alone(PendingWrite(dataclasses.replace(outcome, entry=entry), self.clock(), plain=True))
+            self._write_alone(PendingWrite(outcome._replace(entry=entry), self.clock(), plain=True))
             return True
         log.error("giving up on a %s write for step %d: %s", outcome.kind, outcome.step_id, exc)
         self._done(outcome)

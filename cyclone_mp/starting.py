@@ -99,12 +99,13 @@ class AttemptStarts:
                 log.info("child %d holds more than memory_limit %s of step %s: replacing it", child.pid,
                          format_size(limits.memory), row["step_name"])
                 return self.replace(child)
-        now = self.control.clock()
-        step = self.control.mux.steps[row["step_name"]]
+        control = self.control
+        now = control.clock()
+        name = row["step_name"]
         timeout = row["timeout"]
         token = f"{child.pid}.{next(self._tokens)}"
         att = Attempt(
-            key=item.key, run_id=row["run_id"], node=row["node"], step_name=row["step_name"],
+            key=item.key, run_id=row["run_id"], node=row["node"], step_name=name,
             attempt=row["attempt"], timeout=timeout, token=token, child=child,
             workflow=row["run_kind"] != "step", started=now,  # (a workflow run, or a spawned one: "child")
             deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
@@ -112,34 +113,35 @@ class AttemptStarts:
             claimed=(item.sent + item.arrived) / 2,
         )
         att.cpu_start = child.cpu_total
-        self.control.attempts[att.key] = att
+        control.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it
-            self.control.endings.end(att)
-            entry = self.control.limit_watch.below_a_fresh_child(child.pid, limits)
-            self.control.endings.outcome(att, judging.failed(att, decisions.MEMORY_LIMIT, entry))
+            control.endings.end(att)
+            entry = control.limit_watch.below_a_fresh_child(child.pid, limits)
+            control.endings.outcome(att, judging.failed(att, decisions.MEMORY_LIMIT, entry))
             return True
-        side_by_side = row["step_name"] in self.control.side_by_side
+        side_by_side = name in control.side_by_side
         if side_by_side:  # an async attempt beside the others of its step in this child
             child.concurrent[token] = att
-            att.started_wall = self.control.wall_clock()
+            att.started_wall = control.wall_clock()
             self.note(att)
         elif child.attempt is None:
             child.attempt = att
-            att.started_wall = self.control.wall_clock()
-            self.control.limit_watch.arm(att)
+            att.started_wall = control.wall_clock()
+            control.limit_watch.arm(att)
             self.note(att)
         else:  # pipelined: it starts when the child's current attempt ends, if by start_by
-            att.start_by = time.monotonic() + hold_bound(self.control.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
+            att.start_by = time.monotonic() + hold_bound(control.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
-        self.control.deadlines.push(att)
-        ref = self._refs.get(step.name)
+        control.deadlines.push(att)
+        ref = self._refs.get(name)
         if ref is None:  # the same small dict in every task of the step (encoded, never changed)
-            ref = self._refs[step.name] = {"module": step.ref.module, "qualname": step.ref.qualname,
-                                           "path": step.ref.path}
+            step = control.mux.steps[name]
+            ref = self._refs[name] = {"module": step.ref.module, "qualname": step.ref.qualname,
+                                      "path": step.ref.path}
         task = {
-            "t": "task", "task": token, "run_id": att.run_id, "step": att.step_name, "node": att.node,
+            "t": "task", "task": token, "run_id": att.run_id, "step": name, "node": att.node,
             "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,
-            "deadline": (self.control.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
+            "deadline": (control.wall_clock() + (att.deadline - now)) if att.deadline is not None else None,
             "input_json": row["input"], "upstream_json": row["upstream"],
             "ref": ref,
         }
@@ -148,7 +150,7 @@ class AttemptStarts:
         if row.get("maps"):  # upstream map nodes: their outputs in files (deleted when the attempt ends)
             task["maps"] = row["maps"]
             att.files = tuple(m["path"] for m in row["maps"].values())
-        if self.control.config.max_child_rss is not None:  # the child says its RSS at the end of the task
+        if control.config.max_child_rss is not None:  # the child says its RSS at the end of the task
             task["rss"] = True
         if self._hooks:  # mux.on_attempt_start / on_attempt_end, run by the child around the handler
             task["hooks"] = self._hooks
@@ -161,7 +163,7 @@ class AttemptStarts:
             flags = (not (slot is not None and slot.kernel_memory_cap), not (slot is not None and slot.confined),
                      not pids_cgroup and child.userns, not pids_cgroup)
             if limits.processes is not None:
-                att.processes_by = (self.control.confinement.mechanism.processes if pids_cgroup else
+                att.processes_by = (control.confinement.mechanism.processes if pids_cgroup else
                                     PROCESSES_USERNS if child.userns else SAMPLING)
             cached = self._task_limits.get((limits, flags))
             if cached is None:
@@ -172,7 +174,7 @@ class AttemptStarts:
                     "count_tree": flags[3]}
             task["limits"] = cached
         child.queue(task)  # written by the caller, with the other tasks of this round
-        self.control.kills.watch(child)
+        control.kills.watch(child)
         return True
 
     def replace(self, child: ChildProc) -> bool:
