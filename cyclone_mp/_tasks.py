@@ -142,8 +142,9 @@ def task_inputs(task: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     Raises:
         PayloadError: a text that cannot be decoded (nested deeper than ``MAX_DEPTH``...).
     """
-    if task.get("input_json") is not None:
-        inp = protocol.load_value(task["input_json"], "the run's input")
+    text = task.get("input_json")
+    if text is not None:
+        inp = None if text == "null" else protocol.load_value(text, "the run's input")  # (no input: not read)
     else:
         inp = task.get("input")
     text = task.get("upstream_json")

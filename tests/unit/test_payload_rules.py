@@ -205,6 +205,21 @@ def test_a_digit_run_is_found_anywhere_in_a_frame():
         assert protocol._orjson_reads_as_json(body) is not long
 
 
+@pytest.mark.parametrize("odd", [None, 2 ** 64 + 1, "x" * 3 + "1234567890123456789", [[[[1]]]] * 60])
+def test_frames_of_one_read_are_gated_together_and_read_as_the_json_module_reads_each(odd):
+    """A read's frames pass the orjson gate together, a group at a time; a group holding
+    one frame the gate refuses (a 19-digit run, an integer over 64 bits) or more brackets
+    than one frame may hold in all reads each frame as the json module does."""
+    messages = [{"t": "result", "task": f"7.{i}", "ok": True, "output": {"i": i, "xs": [i, None]}} for i in range(40)]
+    if odd is not None:
+        messages[21]["output"] = odd
+    data = b"".join(protocol.encode(m) for m in messages)
+    got = protocol.FrameReader(1 << 20).feed(data)
+    assert got == [json.loads(json.dumps(m)) for m in messages]
+    if isinstance(odd, int):
+        assert type(got[21]["output"]) is int and got[21]["output"] == odd
+
+
 class Colour(enum.Enum):
     RED = "red"
 
