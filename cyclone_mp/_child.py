@@ -64,6 +64,7 @@ class Runner:
         self.concurrent: Any = None  # the async handlers running side by side (async_concurrency)
         self.held = False  # the last attempt left processes: start nothing until "go"
         self.limits = TaskLimits()  # the rlimits of tasks with resource limits
+        self.own_threads: frozenset[int | None] = frozenset()  # this runner's threads (main, the cancel watcher)
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -148,6 +149,7 @@ class Runner:
         ``userns``: True, this process made a user namespace of its own; a string, why it
         could not (both said with ``ready``)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
+        self.own_threads = frozenset(t.ident for t in threading.enumerate())
         reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
         if entered is not None:
@@ -229,7 +231,11 @@ class Runner:
         before = resource.getrusage(resource.RUSAGE_SELF)
         kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
         kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
-        threads_before = {t.ident for t in threading.enumerate()}
+        # the threads alive as it starts (those it leaves running after a cancel are the
+        # others): while no thread but this runner's own lives (the cancel watcher ends
+        # only with this process), they are the set known already
+        threads_before = (self.own_threads if threading.active_count() == len(self.own_threads)
+                          else {t.ident for t in threading.enumerate()})
         # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
         result = {"t": "result", "task": message["task"], **self.run_task(message)}
         if limits and limits.get("max_processes") and limits.get("count_tree"):
