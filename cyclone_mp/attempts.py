@@ -57,6 +57,9 @@ class Attempt:
     deadline: float | None
     lease_sent: float
     backoff_spec: Any = None
+    trace: Any = None  # the run's stored trace context (a span per attempt links to it)
+    limits: Limits = NO_LIMITS  # its resource caps: sampled while it runs when set
+    claimed: float = 0.0  # when its row was claimed, as near as this clock knows (midway through the claim)
     progress: Any = None
     cancel_reason: str | None = None
     kill_at: float | None = None
@@ -68,12 +71,9 @@ class Attempt:
     peak_rss_kb: int | None = None  # sampled while it runs (a crashed child cannot be read)
     start_by: float | None = None  # queued in a child: the child never starts it after this (time.monotonic())
     started_wall: float | None = None  # wall-clock epoch seconds it started in its child (None: never started)
-    trace: Any = None  # the run's stored trace context (a span per attempt links to it)
-    limits: Limits = NO_LIMITS  # its resource caps: sampled while it runs when set
     base: Any = None  # where its slot's counters stood when it started (limits.sampling.Baseline), when limited
     usage: Usage | None = None  # the last sample of its tree
     killed_for: str | None = None  # the cap the supervisor killed its tree for (a cause of death)
-    claimed: float = 0.0  # when its row was claimed, as near as this clock knows (midway through the claim)
     lingering: list[str] | None = None  # its handler ended after a cancel, these threads of it did not
     lingering_result: dict[str, Any] | None = None  # the result the child sent meanwhile (used if they end)
     processes_by: str | None = None  # what held its max_processes (a Mechanism word), when it has one

@@ -89,36 +89,39 @@ class AttemptEndings:
     def on_result(self, att: Attempt, result: dict[str, Any]) -> None:
         """The ``result`` of ``att``, the attempt its child ran: the child is free (the step
         queued behind starts now), then the attempt is settled (:meth:`settle_result`)."""
+        control = self.control
         child = att.child
         child.attempt = None
         dropped = bool(result.get("dropped"))  # a queued step the child never started
         child.steps_run += not dropped
         child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
-        child.last_rss = result.get("rss") if isinstance(result.get("rss"), int) else None
+        rss = result.get("rss")
+        child.last_rss = rss if isinstance(rss, int) else None
         if result.get("nofile_pinned") and att.limits.open_files is not None:  # its hard RLIMIT_NOFILE stays lowered
             child.open_files_ceiling = min(child.open_files_ceiling or att.limits.open_files, att.limits.open_files)
         self.end(att)
+        now = control.clock()
         if not dropped:
-            self.note_duration(self.control.clock() - att.started)
-        self.control.holding.hold_off = False
+            self.note_duration(now - att.started)
+        control.holding.hold_off = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
-            nxt.started, nxt.start_by, nxt.started_wall = self.control.clock(), None, self.control.wall_clock()
-            self.control.limit_watch.arm(nxt)
-            self.control.starts.note(nxt)
+            nxt.started, nxt.start_by, nxt.started_wall = now, None, control.wall_clock()
+            control.limit_watch.arm(nxt)
+            control.starts.note(nxt)
             # uncancelled, its next look is the one it was queued with (Deadlines.start_keeps_entry)
-            keeps_entry = nxt.cancel_reason is None and self.control.deadlines.start_keeps_entry
+            keeps_entry = nxt.cancel_reason is None and control.deadlines.start_keeps_entry
             if nxt.cancel_reason == RELEASED:  # too late to take back: it runs (if the child dropped it, its result says so)
                 nxt.cancel_reason = None
             elif nxt.cancel_reason is not None:  # a cancel the child may have seen too late to drop it
-                nxt.kill_at = nxt.started + self.control.config.kill_grace
+                nxt.kill_at = nxt.started + control.config.kill_grace
             if not keeps_entry:
-                self.control.deadlines.push(nxt)  # running now: its kill times apply
+                control.deadlines.push(nxt)  # running now: its kill times apply
         try:
             self.settle_result(att, result)
         finally:
-            self.control.kills.watch(child)
-            self.control.take_held()  # the freed child starts its next step now, not after a round trip
+            control.kills.watch(child)
+            control.take_held()  # the freed child starts its next step now, not after a round trip
 
     def settle_result(self, att: Attempt, result: dict[str, Any]) -> None:
         """Sweep what ``att`` left behind, gather the evidence, ask the judge

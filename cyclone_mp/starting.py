@@ -104,14 +104,12 @@ class AttemptStarts:
         name = row["step_name"]
         timeout = row["timeout"]
         token = f"{child.pid}.{next(self._tokens)}"
-        att = Attempt(
-            key=item.key, run_id=row["run_id"], node=row["node"], step_name=name,
-            attempt=row["attempt"], timeout=timeout, token=token, child=child,
-            workflow=row["run_kind"] != "step", started=now,  # (a workflow run, or a spawned one: "child")
-            deadline=(item.sent + timeout) if timeout is not None else None, lease_sent=item.lease_sent,
-            backoff_spec=row.get("backoff"), trace=row.get("trace"), limits=limits,
-            claimed=(item.sent + item.arrived) / 2,
-        )
+        # by position, in the order of Attempt's fields (by keyword it costs twice as much, once a step)
+        att = Attempt(item.key, row["run_id"], row["node"], name, row["attempt"], timeout, token, child,
+                      row["run_kind"] != "step",  # workflow: a workflow run, or a spawned one ("child")
+                      now, (item.sent + timeout) if timeout is not None else None,  # started, deadline
+                      item.lease_sent, row.get("backoff"), row.get("trace"), limits,
+                      (item.sent + item.arrived) / 2)  # claimed: midway through the claim
         att.cpu_start = child.cpu_total
         control.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it
