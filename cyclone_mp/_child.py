@@ -64,7 +64,9 @@ class Runner:
         self.concurrent: Any = None  # the async handlers running side by side (async_concurrency)
         self.held = False  # the last attempt left processes: start nothing until "go"
         self.limits = TaskLimits()  # the rlimits of tasks with resource limits
-        self.own_threads: frozenset[int | None] = frozenset()  # this runner's threads (main, the cancel watcher)
+        #: main's and the cancel watcher's idents, when no other thread lived as the loop
+        #: started (empty otherwise: a thread that may end would make a count of them wrong)
+        self.own_threads: frozenset[int | None] = frozenset()
 
     def send(self, message: dict[str, Any]) -> None:
         data = protocol.encode(message)
@@ -91,6 +93,14 @@ class Runner:
                 elif reason != RELEASED:  # "released" takes back a queued task only: a started one runs
                     self.cancellation.set(reason)
         os._exit(0)  # the supervisor closed the pipe: it is gone or recycling us
+
+    def note_own_threads(self) -> None:
+        """Once the cancel watcher runs: if it and main are the only threads, their idents
+        are the threads alive before any task while the count stays at two (both live as
+        long as this process). Any other thread then (one a ``sitecustomize`` started, say)
+        may end, and a count could no longer tell the set: each task enumerates."""
+        alive = frozenset(t.ident for t in threading.enumerate())
+        self.own_threads = alive if len(alive) == 2 else frozenset()
 
     def concurrent_tasks(self) -> Any:
         """The async handlers running side by side (made at the first such task)."""
@@ -149,7 +159,7 @@ class Runner:
         ``userns``: True, this process made a user namespace of its own; a string, why it
         could not (both said with ``ready``)."""
         threading.Thread(target=self.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
-        self.own_threads = frozenset(t.ident for t in threading.enumerate())
+        self.note_own_threads()
         reader = protocol.FrameReader(protocol.TASK_FRAME_LIMIT)  # tasks come from our parent: input + fan-in
         inbox: list[dict[str, Any]] = []
         if entered is not None:
@@ -232,10 +242,9 @@ class Runner:
         kids_peak = bool(limits) and bool(limits.get("rlimit_data"))  # no cgroup counts the tree's memory
         kids_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss if kids_peak else 0
         # the threads alive as it starts (those it leaves running after a cancel are the
-        # others): while no thread but this runner's own lives (the cancel watcher ends
-        # only with this process), they are the set known already
+        # others): while only main and the cancel watcher live, the set noted at the start
         threads_before = (self.own_threads if threading.active_count() == len(self.own_threads)
-                          else {t.ident for t in threading.enumerate()})
+                          else frozenset(t.ident for t in threading.enumerate()))
         # "t" and "task" first: the head of every frame names its task (protocol._TASK_HEAD)
         result = {"t": "result", "task": message["task"], **self.run_task(message)}
         if limits and limits.get("max_processes") and limits.get("count_tree"):

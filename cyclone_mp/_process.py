@@ -58,7 +58,7 @@ def ignore_interrupt(signum: int, frame: Any) -> None:
     interrupted; a handler is reset to the default there."""
 
 
-def lingering_threads(event_loop: Any, before: set[int | None], wait: float = 0.05) -> list[threading.Thread]:
+def lingering_threads(event_loop: Any, before: frozenset[int | None], wait: float = 0.05) -> list[threading.Thread]:
     """The threads started during the attempt that still run after it was
     cancelled (waited for up to ``wait`` seconds). The async handlers' default
     executor (of ``event_loop``, None: no async handler ran) is shut down first (its

@@ -316,10 +316,11 @@ class FrameReader:
                 break
             spans.append((pos + head, pos + head + size))
             pos += head + size
+        grouping = True  # until a group fails the gate: then its frames, and the rest, one by one
         for first in range(0, len(spans), GATED_TOGETHER):
             group = spans[first:first + GATED_TOGETHER]
             # one gate for the group: what holds for all of its bytes holds for each frame
-            gated = len(group) > 1 and _orjson_reads_as_json(buf[group[0][0]:group[-1][1]])
+            gated = grouping = grouping and len(group) > 1 and _orjson_reads_as_json(buf[group[0][0]:group[-1][1]])
             for start, stop in group:
                 out.append(decode_frame(buf[start:stop], gated=gated))
         del buf[:pos]  # once for all the frames taken (not a move of the rest per frame)
@@ -336,7 +337,8 @@ _LONG_RUN = b"0" * 19
 
 
 #: Frames of one read whose bytes :func:`_orjson_reads_as_json` tests in one pass (a
-#: group's brackets are counted together, so a larger group fails the test more often).
+#: group's brackets are counted together, so a larger group fails the test more often;
+#: after a group fails, the read's other frames are tested one by one, as before).
 GATED_TOGETHER = 16
 
 

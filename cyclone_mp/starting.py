@@ -100,8 +100,13 @@ class AttemptStarts:
                          format_size(limits.memory), row["step_name"])
                 return self.replace(child)
         control = self.control
-        now = control.clock()
         name = row["step_name"]
+        ref = self._refs.get(name)
+        if ref is None:  # the same small dict in every task of the step (encoded, never changed)
+            step = control.mux.steps[name]
+            ref = self._refs[name] = {"module": step.ref.module, "qualname": step.ref.qualname,
+                                      "path": step.ref.path}
+        now = control.clock()
         timeout = row["timeout"]
         token = f"{child.pid}.{next(self._tokens)}"
         # by position, in the order of Attempt's fields (by keyword it costs twice as much, once a step)
@@ -131,11 +136,6 @@ class AttemptStarts:
             att.start_by = time.monotonic() + hold_bound(control.config.lease_ttl, timeout, PREFETCH_MAX_WAIT)
             child.queued.append(att)
         control.deadlines.push(att)
-        ref = self._refs.get(name)
-        if ref is None:  # the same small dict in every task of the step (encoded, never changed)
-            step = control.mux.steps[name]
-            ref = self._refs[name] = {"module": step.ref.module, "qualname": step.ref.qualname,
-                                      "path": step.ref.path}
         task = {
             "t": "task", "task": token, "run_id": att.run_id, "step": name, "node": att.node,
             "attempt": att.attempt, "timeout": timeout, "start_by": att.start_by,

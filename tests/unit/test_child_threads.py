@@ -1,8 +1,11 @@
 """A cancelled attempt's lingering threads are the ones it started: never a thread an
-earlier attempt left running, never the runner's own (the cancel watcher)."""
+earlier attempt left running, never the runner's own (the cancel watcher), whatever
+threads lived as the runner started."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
 import threading
@@ -33,10 +36,11 @@ def cancelled_with_a_thread(ctx, inp):
 RUNNER: Runner
 
 
-@pytest.fixture
-def runner(monkeypatch):
-    """A runner on a socketpair in this process, its cancel watcher started as its loop
-    starts it (it does not reap this process's children: those are the tests')."""
+@contextlib.contextmanager
+def started_runner(monkeypatch):
+    """A runner on a socketpair in this process, its cancel watcher started and its own
+    threads noted as its loop does (it does not reap this process's children: those are
+    the tests'). Yields ``run(qualname)``: one task of that handler, its result."""
     global RUNNER
     STOP.clear()
     monkeypatch.setattr(child_module, "has_own_children", lambda: False)
@@ -45,7 +49,7 @@ def runner(monkeypatch):
     RUNNER = Runner(ours, cancel_r, 1 << 20)
     RUNNER.watch_cancels = lambda: STOP.wait()  # (a watcher that stays alive, as the real one does)
     threading.Thread(target=RUNNER.watch_cancels, name="cyclone-cancel-watch", daemon=True).start()
-    RUNNER.own_threads = frozenset(t.ident for t in threading.enumerate())
+    RUNNER.note_own_threads()
     reader = protocol.FrameReader(1 << 20)
 
     def run(qualname: str) -> dict:
@@ -57,17 +61,25 @@ def runner(monkeypatch):
         RUNNER.run_one(task)
         return reader.feed(theirs.recv(1 << 20))[0]
 
-    yield run
-    STOP.set()
-    for thread in threading.enumerate():
-        if thread.name in ("left-by-an-earlier-attempt", "started-by-this-attempt", "cyclone-cancel-watch"):
-            thread.join(5)
-    ours.close()
-    theirs.close()
-    os.close(cancel_w)
-    RUNNER.cancel_file.close()
-    if RUNNER.peak._fd is not None:
-        os.close(RUNNER.peak._fd)
+    try:
+        yield run
+    finally:
+        STOP.set()
+        for thread in threading.enumerate():
+            if thread.name in ("left-by-an-earlier-attempt", "started-by-this-attempt", "cyclone-cancel-watch"):
+                thread.join(5)
+        ours.close()
+        theirs.close()
+        os.close(cancel_w)
+        RUNNER.cancel_file.close()
+        if RUNNER.peak._fd is not None:
+            os.close(RUNNER.peak._fd)
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    with started_runner(monkeypatch) as run:
+        yield run
 
 
 def test_a_cancelled_attempt_names_the_threads_it_started(runner):
@@ -80,3 +92,52 @@ def test_a_thread_an_earlier_attempt_left_is_not_the_cancelled_attempts(runner):
     assert "lingering" not in runner("leave_a_thread")
     result = runner("cancelled_with_a_thread")
     assert result["lingering"] == ["started-by-this-attempt"]
+
+
+def test_a_thread_alive_as_the_runner_started_may_end_without_hiding_a_leftover(monkeypatch):
+    """A thread besides main and the watcher as the loop starts (one a sitecustomize
+    started): the runner does not count on the threads it noted then. That thread ends,
+    an attempt leaves one running: the next cancelled attempt names only its own."""
+    early_stop = threading.Event()
+    early = threading.Thread(target=early_stop.wait, name="started-before-the-loop", daemon=True)
+    early.start()
+    try:
+        with started_runner(monkeypatch) as run:
+            assert RUNNER.own_threads == frozenset()  # (more than its own two lived)
+            early_stop.set()
+            early.join(5)
+            assert "lingering" not in run("leave_a_thread")
+            assert run("cancelled_with_a_thread")["lingering"] == ["started-by-this-attempt"]
+    finally:
+        early_stop.set()
+        early.join(5)
+
+
+def test_a_runner_whose_own_two_threads_are_alone_counts_on_them():
+    """In a process of one thread (a child as it starts: here a fork of this test), the
+    runner notes main and the watcher, and a count of two stands for them: a cancelled
+    attempt still names only the thread it started, and after an attempt left one
+    running, the next cancelled attempt names only its own."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the fork: one thread, as a runner's child process starts
+        code = 1
+        try:
+            with started_runner(pytest.MonkeyPatch()) as run:
+                found = {"noted": len(RUNNER.own_threads),
+                         "first": run("cancelled_with_a_thread").get("lingering"),
+                         "left": run("leave_a_thread").get("lingering"),
+                         "second": run("cancelled_with_a_thread").get("lingering")}
+            os.write(write_end, json.dumps(found).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        found = json.loads(os.read(read_end, 4096) or b"null")
+    finally:
+        os.close(read_end)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert found == {"noted": 2, "first": ["started-by-this-attempt"], "left": None,
+                     "second": ["started-by-this-attempt"]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from typing import Any
 
@@ -132,3 +133,11 @@ def test_the_observers_label():
     lost = attempt(cancel_reason="lease_lost")
     assert judging.label(lost, judging.failed(lost, decisions.ERROR, {})) == "lease_lost"
     assert judging.label(att, judging.failed(att, decisions.TIMEOUT, {})) == decisions.TIMEOUT
+
+
+def test_an_attempts_first_fields_are_in_the_order_a_start_passes_them():
+    """AttemptStarts.start builds an Attempt by position (once a step): its first fields
+    keep this order, or each value would land in the wrong field."""
+    names = [f.name for f in dataclasses.fields(Attempt)][:16]
+    assert names == ["key", "run_id", "node", "step_name", "attempt", "timeout", "token", "child", "workflow",
+                     "started", "deadline", "lease_sent", "backoff_spec", "trace", "limits", "claimed"]
