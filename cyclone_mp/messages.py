@@ -193,8 +193,8 @@ class Outcome(NamedTuple):
     ``attempt`` and ``backoff_spec`` decide the backoff of a retried failure.
 
     A named tuple, not a frozen dataclass: one is made per attempt, and a frozen
-    dataclass's ``__init__`` sets each of its 17 fields through ``object.__setattr__``
-    (four times the cost). Change one with ``outcome._replace(...)``.
+    dataclass's ``__init__`` sets each of its fields through ``object.__setattr__``.
+    Change one with ``outcome._replace(...)``.
     """
 
     key: LeaseKey

@@ -109,7 +109,7 @@ class AttemptStarts:
         now = control.clock()
         timeout = row["timeout"]
         token = f"{child.pid}.{next(self._tokens)}"
-        # by position, in the order of Attempt's fields (by keyword it costs twice as much, once a step)
+        # by position, in the order of Attempt's fields (keywords cost more, on every step's path)
         att = Attempt(item.key, row["run_id"], row["node"], name, row["attempt"], timeout, token, child,
                       row["run_kind"] != "step",  # workflow: a workflow run, or a spawned one ("child")
                       now, (item.sent + timeout) if timeout is not None else None,  # started, deadline
