@@ -161,8 +161,8 @@ class Env:
         try:
             if self.mode == "thread":
                 skew = self.clock_skew
-                client = Client(dsn, self._mux, clock=lambda: time.monotonic() + skew,
-                                wall_clock=lambda: time.time() + skew, **options)
+                clocks = {"clock": lambda: time.monotonic() + skew, "wall_clock": lambda: time.time() + skew} if skew else {}
+                client = Client(dsn, self._mux, **clocks, **options)
                 client.start()
                 handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
             else:

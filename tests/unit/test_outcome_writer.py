@@ -133,6 +133,23 @@ def test_outcomes_and_the_claim_they_free_go_in_one_statement(writer, store, tol
     assert writer.stats == {"batches": 1, "claimed": 1, "completed": 1, "failed": 1}
 
 
+def test_batches_posted_while_the_writer_was_busy_go_in_its_next_statement_as_one(writer, store, told):
+    """Process control posts what ends while a statement is in flight; the writer's next
+    turn writes every waiting batch in one statement, with their claims added up, and says
+    so in one Written."""
+    store.settled = Settled(completed={(1, 1), (2, 1)}, failed={(3, 1)}, claimed=claimed_rows(7, 8, 9),
+                            failed_kinds={(3, 1): decisions.ERROR})
+    writer.post_batch((done(1),), claim=2, start_now=1)
+    writer.post_batch((done(2), failed(3)), claim=1, start_now=0)
+    writer.turn(100.0)
+    [call] = store.calls
+    assert call[0] == "settle" and call[1]["limit"] == 3 and call[1]["start_now"] == 1
+    assert [c[:2] for c in call[1]["completions"]] == [(1, 1), (2, 1)]
+    assert [(f.id, f.generation) for f in call[1]["failures"]] == [(3, 1)]
+    assert told.control == [Claimed(tuple(claimed_rows(7, 8, 9)), 100.0, 3), Poll(), Written(2)]
+    assert writer.idle
+
+
 def test_a_claim_with_nothing_ended_is_a_statement_of_its_own(writer, store, told):
     store.claimed = claimed_rows(5, 6)
     writer.post_batch((), claim=3)
