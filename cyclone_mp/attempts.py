@@ -112,22 +112,20 @@ def fence_cancel_at(att: Attempt, lease_ttl: float, kill_grace: float) -> float:
     return max(kill_by - kill_grace, att.lease_sent + 0.75 * lease_ttl)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Held:
     """A claimed step that no child has taken yet (free slots fill at once; more are held
     with ``prefetch``). ``sent``: when its claim was sent (its lease and DB timeout count
     from then); ``arrived``: when the row came back; ``release_at``: released (available
-    at once, no attempt used) if still held then."""
+    at once, no attempt used) if still held then; ``lease_sent``: when the last renewal
+    of its lease that held was sent (the claim's ``sent`` until one is)."""
 
     key: LeaseKey
     row: dict[str, Any]
     sent: float
     arrived: float
     release_at: float
-    lease_sent: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.lease_sent = self.lease_sent or self.sent
+    lease_sent: float
 
 
 def hold_bound(lease_ttl: float, timeout: float | None, cap: float) -> float:

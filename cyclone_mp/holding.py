@@ -134,17 +134,24 @@ class Holding:
         rated_rows: list[Held] = []
         first = float("inf")  # the earliest release among them
         shortest = PREFETCH_MAX_WAIT  # their shortest hold bound
+        bounds: dict[float | None, tuple[float, float]] = {}  # timeout -> (short bound, bound): few distinct
+        append = self.held.append
         for row in rows:
+            timeout = row["timeout"]
+            known = bounds.get(timeout)
+            if known is None:
+                short = hold_bound(ttl, timeout, PREFETCH_MAX_WAIT)
+                known = bounds[timeout] = (short, short if cap == PREFETCH_MAX_WAIT else hold_bound(ttl, timeout, cap))
+            short, bound = known
+            if short < shortest:
+                shortest = short
             if rated(row):
-                rated_rows.append(Held((row["id"], row["lease_generation"]), row, sent, now, now))
+                rated_rows.append(Held((row["id"], row["lease_generation"]), row, sent, now, now, sent))
                 first = now
-                shortest = min(shortest, hold_bound(ttl, row["timeout"], PREFETCH_MAX_WAIT))
                 continue
-            short = hold_bound(ttl, row["timeout"], PREFETCH_MAX_WAIT)
-            bound = short if cap == PREFETCH_MAX_WAIT else hold_bound(ttl, row["timeout"], cap)
-            first = min(first, now + bound)
-            shortest = min(shortest, short)
-            self.held.append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound))
+            if now + bound < first:
+                first = now + bound
+            append(Held((row["id"], row["lease_generation"]), row, sent, now, now + bound, sent))
         self.held.extendleft(reversed(rated_rows))
         if first != float("inf"):  # some rows came
             self.claim_hold = shortest

@@ -84,6 +84,20 @@ def test_held_steps_are_released_at_their_bound_and_dropped_when_their_lease_can
     assert kept == [LeaseDone(((2, 1),))] and not part.held
 
 
+def test_each_held_step_waits_at_most_its_own_bound_and_the_shortest_sets_the_claims_hold():
+    """A held step's bound is min(PREFETCH_MAX_WAIT, lease_ttl / 4, timeout / 10), each
+    row its own, however many rows share a timeout; the shortest among a claim's rows is
+    the hold the next claims size for, and the earliest release is when to look again."""
+    part, _, _ = holding(Config.build(workers=1, prefetch=16, lease_ttl=10))
+    claim = (rows(1, start=1) + rows(1, timeout=2.0, start=2) + rows(1, start=3) + rows(1, timeout=0.5, start=4)
+             + rows(1, timeout=2.0, start=5))
+    part.add(claim, sent=NOW[0] - 0.01, now=NOW[0])
+    assert {h.key[0]: round(h.release_at - NOW[0], 6) for h in part.held} == {
+        1: PREFETCH_MAX_WAIT, 2: 0.2, 3: PREFETCH_MAX_WAIT, 4: 0.05, 5: 0.2}
+    assert {(h.sent, h.arrived, h.lease_sent) for h in part.held} == {(NOW[0] - 0.01, NOW[0], NOW[0] - 0.01)}
+    assert part.claim_hold == 0.05 and part.release_at() == NOW[0] + 0.05
+
+
 def test_rate_limited_rows_go_first_and_are_never_held():
     started: list = []
     part, posted, _ = holding(Config.build(workers=1, prefetch=16), FakePool(idle=1), started)
