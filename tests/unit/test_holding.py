@@ -96,6 +96,16 @@ def test_each_held_step_waits_at_most_its_own_bound_and_the_shortest_sets_the_cl
         1: PREFETCH_MAX_WAIT, 2: 0.2, 3: PREFETCH_MAX_WAIT, 4: 0.05, 5: 0.2}
     assert {(h.sent, h.arrived, h.lease_sent) for h in part.held} == {(NOW[0] - 0.01, NOW[0], NOW[0] - 0.01)}
     assert part.claim_hold == 0.05 and part.release_at() == NOW[0] + 0.05
+    # without prefetch a held step (one that found no idle child) waits up to a quarter
+    # lease, however long; the claims still size for the prefetch bound
+    part, _, _ = holding(Config.build(workers=1, prefetch=0, lease_ttl=10))
+    part.add(rows(1, start=1) + rows(1, timeout=2.0, start=2), sent=NOW[0], now=NOW[0])
+    assert {h.key[0]: round(h.release_at - NOW[0], 6) for h in part.held} == {1: 2.5, 2: 0.2}
+    assert part.claim_hold == 0.2 and part.release_at() == NOW[0] + 0.2
+    # a rate-limited row is due at once (it starts now or is given back)
+    part, _, _ = holding(Config.build(workers=1, prefetch=16, lease_ttl=10))
+    part.add(rows(1, rated=True, start=1), sent=NOW[0], now=NOW[0])
+    assert part.release_at() == NOW[0] and part.claim_hold == PREFETCH_MAX_WAIT
 
 
 def test_rate_limited_rows_go_first_and_are_never_held():
