@@ -85,6 +85,7 @@ class Outcomes:
     def __init__(self, session: Session, claims: Claims) -> None:
         self.session = session
         self.claims = claims
+        self._shapes: dict[str, tuple[list[str], tuple[int, ...]]] = {}  # statement -> (columns, positions)
 
     @translate
     def settle(
@@ -149,10 +150,13 @@ class Outcomes:
             cur.row_factory, row_factory = tuple_row, cur.row_factory
             rows = cur.fetchall()
             cur.row_factory = row_factory  # (a transaction's cursor goes on to advance runs)
-            columns = [c.name for c in cur.description or ()]
-            key, gen, run_id, run_kind, moves_run, parent_id, node, step_name = (
-                columns.index(c) for c in ("id", "lease_generation", "run_id", "run_kind", "moves_run", "parent_id",
-                                           "node", "step_name"))
+            shape = self._shapes.get(statement)
+            if shape is None:  # a statement's columns are its text's: read once (psycopg builds them per call)
+                columns = [c.name for c in cur.description or ()]
+                shape = (columns, tuple(columns.index(c) for c in ("id", "lease_generation", "run_id", "run_kind",
+                                                                   "moves_run", "parent_id", "node", "step_name")))
+                self._shapes[statement] = shape
+            columns, (key, gen, run_id, run_kind, moves_run, parent_id, node, step_name) = shape
             ended = [r for r in rows if r[0] == "completed" or r[0] == "failed"]
             meta = next((dict(zip(columns, r)) for r in rows if r[0] == "meta"), None)
             wait = self.claims.keep_meta(meta, queues)
