@@ -3,6 +3,7 @@ supervisor in this process or in its own, and the settings measured beside the d
 
 from __future__ import annotations
 
+import argparse
 import compileall
 import contextlib
 import datetime as dt
@@ -141,6 +142,16 @@ class Server:
                 self._embedded.destroy()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def no_op_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a script that runs a supervisor in this process over a queue of
+    no-ops (``--steps``, ``--prefetch``, ``--dsn``); the script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40000)
+    parser.add_argument("--prefetch", type=int, default=256)
+    parser.add_argument("--dsn", default=None, help="a server to use (default: an embedded one in a temp dir)")
+    return parser
 
 
 def mux_of(*steps: cy.Step) -> cy.Mux:

@@ -24,18 +24,15 @@ from typing import Any
 
 import bench_steps
 import psycopg
-from common import Server, mux_of
+from common import Server, mux_of, no_op_parser
 
 import cyclone_mp as cy
 from cyclone_mp import control, outcomes
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40000)
-    parser.add_argument("--prefetch", type=int, default=256)
+    parser = no_op_parser(__doc__)
     parser.add_argument("--every", type=float, default=0.002, help="seconds between samples of process control")
-    parser.add_argument("--dsn", default=None, help="a server to use (default: an embedded one in a temp dir)")
     args = parser.parse_args()
     server = Server(args.dsn)
     try:
