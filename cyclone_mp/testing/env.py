@@ -35,6 +35,7 @@ from ..store import connect
 from ..workflow import Workflow
 from .forkserver import ForkedProcess, ForkServer
 from .network import FaultProxy
+from .worker import skewed_clocks
 
 
 class WorkerHandle:
@@ -160,9 +161,7 @@ class Env:
             dsn = through(dsn, fault)
         try:
             if self.mode == "thread":
-                skew = self.clock_skew
-                clocks = {"clock": lambda: time.monotonic() + skew, "wall_clock": lambda: time.time() + skew} if skew else {}
-                client = Client(dsn, self._mux, **clocks, **options)
+                client = Client(dsn, self._mux, **skewed_clocks(self.clock_skew), **options)
                 client.start()
                 handle = WorkerHandle(client=client, supervisor_id=client.supervisor.id)
             else:

@@ -51,6 +51,16 @@ def build_mux(config: dict[str, Any]) -> Mux:
     return mux
 
 
+def skewed_clocks(skew: float) -> dict[str, Any]:
+    """``Client``'s ``clock`` and ``wall_clock`` shifted by ``skew`` seconds
+    (``Env.skew_worker_clock``); none without a skew, so the supervisor keeps its own
+    clocks as a user's does (a wrapper is called several times per step, and the
+    benchmarks measure this supervisor)."""
+    if not skew:
+        return {}
+    return {"clock": lambda: time.monotonic() + skew, "wall_clock": lambda: time.time() + skew}
+
+
 def main(argv: list[str]) -> None:
     config = json.loads(argv[0])
     die_with_parent(config["parent_pid"])
@@ -58,10 +68,7 @@ def main(argv: list[str]) -> None:
                         format="%(asctime)s worker %(process)d %(name)s: %(message)s")
     sys.path[:0] = [p for p in config.get("sys_path", []) if p not in sys.path]
 
-    skew = float(config.get("clock_skew", 0.0))
-    clocks = {"clock": lambda: time.monotonic() + skew, "wall_clock": lambda: time.time() + skew} if skew else {}
-    # (without a skew the supervisor keeps its own clocks, as a user's does: a wrapper is
-    # called several times per step, and the benchmarks measure this supervisor)
+    clocks = skewed_clocks(float(config.get("clock_skew", 0.0)))
     client = Client(config["dsn"], build_mux(config), **clocks, **config["options"])
 
     def announce() -> None:
