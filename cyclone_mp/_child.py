@@ -260,6 +260,7 @@ class Runner:
         # The peak is forensics of failed and long attempts; a quick success skips the read.
         slow = not result.get("ok") or time.monotonic() - started >= PEAK_READ_AFTER
         result.update({
+            "began": started,  # CLOCK_MONOTONIC, one clock for every process of the machine: its start
             "cpu": round((after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime), 6),
             "cpu_total": after.ru_utime + after.ru_stime,  # the parent's baseline for the next task
             "maxrss_kb": peak_rss_kb() if slow else None, "cancel_reason": self.cancellation.reason,

@@ -70,7 +70,7 @@ class ConcurrentTasks:
                 self.tasks.pop(token, None)
         # "t" and "task" first: the head of every frame names its task
         self.runner.send_result({"t": "result", "task": token, **result, "children": False, "concurrent": True,
-                                 "cancel_reason": cancellation.reason,
+                                 "cancel_reason": cancellation.reason, "began": started,
                                  "elapsed": round(time.monotonic() - started, 6)})
 
     async def _attempt(self, message: dict[str, Any], cancellation: Cancellation) -> dict[str, Any]:

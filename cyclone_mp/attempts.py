@@ -59,7 +59,10 @@ class Attempt:
     backoff_spec: Any = None
     trace: Any = None  # the run's stored trace context (a span per attempt links to it)
     limits: Limits = NO_LIMITS  # its resource caps: sampled while it runs when set
-    claimed: float = 0.0  # when its row was claimed, as near as this clock knows (midway through the claim)
+    # When its row was claimed, by this clock: when the claim was sent. The database's
+    # now() is its transaction's start, a one-way trip later; the midpoint of the round
+    # trip would add half the statement's run, long under load (settles ride with claims).
+    claimed: float = 0.0
     progress: Any = None
     cancel_reason: str | None = None
     kill_at: float | None = None
@@ -78,6 +81,21 @@ class Attempt:
     lingering_result: dict[str, Any] | None = None  # the result the child sent meanwhile (used if they end)
     processes_by: str | None = None  # what held its max_processes (a Mechanism word), when it has one
     files: tuple[str, ...] = ()  # the outputs files of its upstream map nodes (cyclone_mp.mapped), deleted at its end
+
+    def began_in_child(self, began: Any, now: float, mono: float) -> None:
+        """Take the child's own start of the handler as its start. ``began`` is a result's
+        ``began``: CLOCK_MONOTONIC in the child, the one clock of every process on the
+        machine (``time.monotonic()``), read as ``mono`` when this attempt's clock read
+        ``now``. The start process control noted (when it sent the task; for a step queued
+        in the child, when it read the result before it) can be tens of milliseconds off
+        under load. A value that is not a float, or lies before the claim or after
+        ``now``, is ignored."""
+        if type(began) is float:  # noqa: E721 - the JSON number a child sends (a bool or an int is not one)
+            at = now - (mono - began)
+            if self.claimed <= at <= now:
+                if self.started_wall is not None:
+                    self.started_wall += at - self.started
+                self.started = at
 
     def start_delay(self) -> float | None:
         """Seconds from its claim to its handler's start (None: it never started)."""

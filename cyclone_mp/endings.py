@@ -59,7 +59,9 @@ class AttemptEndings:
         child = att.child
         del child.concurrent[att.token]
         self.end(att)
-        self.note_duration(self.control.clock() - att.started)
+        now = self.control.clock()
+        att.began_in_child(message.get("began"), now, time.monotonic())
+        self.note_duration(now - att.started)
         try:
             self.settle_result(att, message)
         finally:
@@ -102,6 +104,7 @@ class AttemptEndings:
         self.end(att)
         now = control.clock()
         if not dropped:
+            att.began_in_child(result.get("began"), now, time.monotonic())
             self.note_duration(now - att.started)
         control.holding.hold_off = False
         if child.queued:  # the child starts its queued step now, in the order it was sent

@@ -114,7 +114,7 @@ class AttemptStarts:
                       row["run_kind"] != "step",  # workflow: a workflow run, or a spawned one ("child")
                       now, (item.sent + timeout) if timeout is not None else None,  # started, deadline
                       item.lease_sent, row.get("backoff"), row.get("trace"), limits,
-                      (item.sent + item.arrived) / 2)  # claimed: midway through the claim
+                      item.sent)  # claimed: see Attempt.claimed
         att.cpu_start = child.cpu_total
         control.attempts[att.key] = att
         if not fits:  # a fresh child alone is over the cap: no handler can run under it

@@ -39,9 +39,9 @@ class StepStatus:
             ``started_at``; no attempt consumed, ``error`` unchanged).
         claimed_at: when the last attempt's row was claimed (the database's ``now()``:
             its timeout counts from it). started_at: when its handler started: the claim
-            plus the delay its supervisor reports with the attempt's renewal or outcome (a
-            row waits for a child when held ahead or queued behind a busy one); until
-            reported, the claim. finished_at, scheduled_at, heartbeat_at, lease_expiry:
+            plus the delay its supervisor reports with the attempt's renewal, then with its
+            outcome from the child's own clock (a row waits for a child when held ahead or
+            queued behind a busy one); until reported, the claim. finished_at, scheduled_at, heartbeat_at, lease_expiry:
             DB-clock timestamps (aware datetimes) or None.
         lease_owner: the supervisor id holding (or that last held) the lease.
         output: the handler's JSON output once completed; progress: latest

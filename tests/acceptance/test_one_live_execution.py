@@ -311,22 +311,24 @@ def test_a_thread_that_stops_on_cancel_lets_its_child_be_reused(cyclone_env_fact
 def test_started_at_is_the_handlers_start_and_claimed_at_the_claim(cyclone_env_factory, tmp_path):
     """Steps claimed ahead (prefetch) wait for the child: status says when each row was
     claimed (claimed_at, the timeout's base) and when its handler started (started_at,
-    within 50 ms of the handler's own clock), also in `status --json`."""
+    the child's own start: within 0.1 s of the handler's clock, where some waited over
+    0.15 s, so the claim would be off by more), also in `status --json`."""
     log = str(tmp_path / "noted.log")
     env = cyclone_env_factory(workers=1, lease_ttl=5, poll_interval=(0.02, 0.2))
     env.mux().register(lh.live_noted)
-    ids = env.client().enqueue_many(lh.live_noted, [{"log": log, "seconds": 0.05}] * 20)
+    ids = env.client().enqueue_many(lh.live_noted, [{"log": log, "seconds": 0.2}] * 12)
     env.start_worker()
     for run_id in ids:
         assert env.run_until_complete(run_id, timeout=60).state == "completed"
     noted = {r["run_id"]: r["t"] for r in lh.records(log, "start")}
-    waited = []
+    waited, off = [], []
     for run_id in ids:
         step = env.status(run_id).step
         assert step.claimed_at <= step.started_at
-        assert abs(step.started_at.timestamp() - noted[run_id]) <= 0.05, (step.started_at.timestamp(), noted[run_id])
         waited.append((step.started_at - step.claimed_at).total_seconds())
-    assert max(waited) > 0.04, waited  # some were claimed ahead and waited for the child
+        off.append(round(step.started_at.timestamp() - noted[run_id], 4))
+    assert max(map(abs, off)) <= 0.1, off
+    assert max(waited) > 0.15, waited  # some were claimed ahead and waited for a step of 0.2 s
     shown = json.loads(run_cli("status", ids[-1], "--json", dsn=env.dsn).stdout)
     node = next(iter(shown["steps"].values()))
     assert node["claimed_at"] and node["started_at"] and node["claimed_at"] <= node["started_at"]

@@ -24,3 +24,21 @@ def test_an_unhealable_error_is_said_once_a_minute_per_step_and_kind_with_a_coun
     now[0] += UNHEALABLE_LOG_EVERY
     endings.say_unhealable(att, decisions.NOT_IMPORTABLE, {"message": "no module"})
     assert len(caplog.records) == 3 and "2 more of step 's'" in caplog.records[-1].getMessage()
+
+
+def test_the_childs_own_start_is_the_attempts_start_when_it_lies_between_the_claim_and_now():
+    """A result's ``began`` (the child's CLOCK_MONOTONIC) becomes the start that
+    ``start_delay`` and ``started_wall`` say, mapped onto process control's clock (here
+    skewed 1000 s from the monotonic one); nonsense leaves the noted start alone."""
+    def attempt() -> Attempt:
+        return Attempt(key=(1, 1), run_id="r", node="n", step_name="s", attempt=1, timeout=None, token="t1",
+                       child=None, workflow=False, started=1010.0, deadline=None, lease_sent=1000.0,
+                       claimed=1000.0, started_wall=5010.0)
+
+    att = attempt()  # noted at 1010 (control clock); the child began at monotonic 15.5, i.e. 1015.5
+    att.began_in_child(15.5, now=1020.0, mono=20.0)
+    assert (att.started, att.start_delay(), att.started_wall) == (1015.5, 15.5, 5015.5)
+    for began in (True, 3, "15.5", None, -1.0, 21.0, float("nan")):  # not a float, before the claim, in the future
+        att = attempt()
+        att.began_in_child(began, now=1020.0, mono=20.0)
+        assert (att.started, att.start_delay(), att.started_wall) == (1010.0, 10.0, 5010.0), began
