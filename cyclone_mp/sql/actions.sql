@@ -3,8 +3,8 @@
 
 -- name: cancel_run
 -- client.cancel: every non-terminal step of the run, then the run, in one transaction. A
--- running attempt leaves an entry in errors (kind "cancelled", with its started_at, lease
--- owner and generation, so the supervisor's kill forensics can join it), consuming no
+-- running attempt leaves an entry in errors (kind "cancelled", with its started_at and
+-- claimed_at, lease owner and generation, so the supervisor's kill forensics can join it), consuming no
 -- attempt and leaving error and error_kind as they were: after cancel, retry, cancel the
 -- history still shows both attempts and when each started.
 WITH steps AS (
@@ -18,8 +18,10 @@ WITH steps AS (
                           ELSE dead_by END,
            errors = CASE WHEN state = 'running' AND kind <> 'map' THEN errors || jsonb_build_array(jsonb_build_object(
                         'attempt', attempt, 'kind', 'cancelled', 'message', 'cancelled while running (client.cancel)',
-                        'started_at', started_at, 'at', {utc_now_expr},
-                        'elapsed', round(extract(epoch FROM now() - started_at)::numeric, 3),
+                        -- started_at as status says it: the handler's start once its supervisor reported it
+                        'started_at', started_at + coalesce(start_delay, interval '0'), 'claimed_at', started_at,
+                        'at', {utc_now_expr},
+                        'elapsed', round(extract(epoch FROM now() - started_at - coalesce(start_delay, interval '0'))::numeric, 3),
                         'lease_owner', lease_owner, 'lease_generation', lease_generation))
                     ELSE errors END
      WHERE run_id = %(run_id)s

@@ -61,6 +61,8 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn, 
         inp = {"dsn": cyclone_dsn, "seconds": rng.uniform(0.2, 0.8), "log": str(log)}
         ids[client.enqueue(step, inp)] = step.name
 
+    if cyclone_server.restartable:
+        cyclone_server.checkpoint()  # the restart's recovery replays only what follows
     handles = [env.start_worker() for _ in range(3)]
     ours = {hd.supervisor_id for hd in handles}
     faults = ("supervisor", "child", "freeze", "partition", "latency")

@@ -52,6 +52,7 @@ def test_readyz_follows_the_database_and_healthz_the_loop(cyclone_server, cyclon
     port = free_port()
     env = cyclone_env_factory(workers=1, metrics_port=port, lease_ttl=3)
     env.mux().register(h.ok)
+    cyclone_server.checkpoint()  # the restart's recovery replays only what follows
     env.start_worker()
     assert wait_for(port, "/readyz", 200, timeout=10) is not None
     assert probe(port, "/healthz") == (200, "ok")

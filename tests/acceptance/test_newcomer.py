@@ -292,10 +292,12 @@ def test_cancel_retry_cancel_keeps_both_attempts_in_the_history(cyclone_env: Any
     env.start_worker()
     client = env.client()
     run_id = env.enqueue(h.sleeper, {"seconds": 60})
-    starts = []
+    starts, claims = [], []
     for _ in range(2):
         env.wait_for_state(run_id, None, "running", timeout=20)
-        starts.append(client.status(run_id).step.started_at)
+        running = client.status(run_id).step
+        starts.append(running.started_at)
+        claims.append(running.claimed_at)
         client.cancel(run_id)
         wait_for(lambda: not any(k.get("run_id") == run_id for r in client.workers()
                                  for k in (r["info"] or {}).get("children", [])), 30, "the child to be taken back")
@@ -307,8 +309,12 @@ def test_cancel_retry_cancel_keeps_both_attempts_in_the_history(cyclone_env: Any
     entries = [e for e in step.errors if e["kind"] == "cancelled"]
     assert len(entries) == 2, step.errors
     assert [e["attempt"] for e in entries] == [1, 1]
+    assert [dt.datetime.fromisoformat(e["claimed_at"]) for e in entries] == claims  # each attempt's own claim
     got = [dt.datetime.fromisoformat(e["started_at"]) for e in entries]
-    assert got == starts and got[0] < got[1]  # each attempt's own start, kept
+    # and its handler's start as status said it (once reported, a delay after the claim)
+    assert all(claim <= start and abs((start - seen).total_seconds()) <= 1.0
+               for claim, start, seen in zip(claims, got, starts)), (claims, got, starts)
+    assert got[0] < got[1]
     assert all(e["lease_owner"] and e["lease_generation"] for e in entries)
     assert entries[0]["lease_generation"] < entries[1]["lease_generation"]
 

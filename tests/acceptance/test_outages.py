@@ -38,6 +38,7 @@ def test_postgres_restart_mid_run_loses_nothing(cyclone_server, cyclone_env_fact
     log = tmp_path / "log"
     ids = [env.enqueue(h.sleeper, {"seconds": 0.4, "log": str(log)}) for _ in range(12)]
     env.mux().register(h.ok)
+    cyclone_server.checkpoint()  # the restart's recovery replays only what follows
     handle = env.start_worker()
     env.wait_for_state(ids[1], None, ("running", "completed"), timeout=10)
     time.sleep(0.3)
@@ -59,6 +60,7 @@ def test_outage_longer_than_the_lease_kills_the_child_then_reclaims(cyclone_serv
     env = cyclone_env_factory(workers=1, lease_ttl=1.0, kill_grace=0.3)
     log = tmp_path / "log"
     run_id = env.enqueue(h.sleeper, {"seconds": 3.0, "log": str(log)})
+    cyclone_server.checkpoint()  # the restart's recovery replays only what follows
     handle = env.start_worker()
     env.wait_for_state(run_id, None, "running", timeout=10)
     pids_before = env.child_pids()
