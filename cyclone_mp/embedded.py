@@ -233,8 +233,10 @@ class EmbeddedServer:
                   timeout + 5)
 
     def destroy(self) -> None:
-        """Stop the server and delete its data directory and socket directory."""
-        self.stop()
+        """Stop the server and delete its data directory and socket directory. The stop is
+        ``immediate``: a fast one would first write a shutdown checkpoint of every dirty
+        buffer, to files deleted right after."""
+        self.stop(mode="immediate")
         for path in (self.data_dir, self._socket_dir(), self._initdb_dir()):
             shutil.rmtree(path, ignore_errors=True)
 

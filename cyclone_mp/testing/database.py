@@ -236,8 +236,15 @@ class TestServer:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(str(name))))
 
     def close(self) -> None:
-        """Drop the spare clones and the template and stop whatever this object started."""
+        """Drop the spare clones and the template and stop whatever this object started
+        (an embedded server is deleted with all its databases: nothing is dropped first)."""
         self._pause_filling()
+        if self._embedded is not None:
+            with contextlib.suppress(Exception):
+                self._embedded.destroy()
+            if self._tmpdir is not None:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            return
         while not self._released.empty():
             self.drop_database(self._released.get_nowait())
         while not self._spares.empty():
@@ -247,8 +254,5 @@ class TestServer:
         if self._container is not None:
             with contextlib.suppress(Exception):
                 self._container.stop()
-        if self._embedded is not None:
-            with contextlib.suppress(Exception):
-                self._embedded.destroy()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
