@@ -60,8 +60,9 @@ class Attempt:
     trace: Any = None  # the run's stored trace context (a span per attempt links to it)
     limits: Limits = NO_LIMITS  # its resource caps: sampled while it runs when set
     # When its row was claimed, by this clock: when the claim was sent. The database's
-    # now() is its transaction's start, a one-way trip later; the midpoint of the round
-    # trip would add half the statement's run, long under load (settles ride with claims).
+    # now() is its transaction's start, a one-way trip later (and the statement's
+    # parameters built): a start delay from here is that much long. The midpoint of the
+    # round trip would add half the statement's run, long under load (settles ride with claims).
     claimed: float = 0.0
     progress: Any = None
     cancel_reason: str | None = None
@@ -90,7 +91,7 @@ class Attempt:
         in the child, when it read the result before it) can be tens of milliseconds off
         under load. A value that is not a float, or lies before the claim or after
         ``now``, is ignored."""
-        if type(began) is float:  # noqa: E721 - the JSON number a child sends (a bool or an int is not one)
+        if type(began) is float:  # the JSON number a child sends (a bool or an int is not one)
             at = now - (mono - began)
             if self.claimed <= at <= now:
                 if self.started_wall is not None:

@@ -70,7 +70,8 @@ class Client(RunAdmin):
         metrics_token: when set, a scrape must send ``Authorization: Bearer <token>``.
         listen_dsn: a direct connection string (past PgBouncer) for LISTEN, of the
             supervisor and of :meth:`wait`; default ``dsn``, or none with ``pgbouncer``.
-        clock: local monotonic clock in seconds (injectable; schedules local work only).
+        clock: local monotonic clock in seconds (injectable; schedules local work only). It
+            runs at ``time.monotonic``'s rate (an offset is fine: a child's start is mapped onto it).
         wall_clock: local wall clock in epoch seconds (``ctx.deadline`` only).
 
     ``dsn`` may name several hosts with ``target_session_attrs=read-write`` (a primary

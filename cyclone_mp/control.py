@@ -60,7 +60,8 @@ class ProcessControl:
         keeper: posts a message to the lease keeper.
         writer: the :class:`~cyclone_mp.outcomes.OutcomeWriter` (``post``, ``idle``).
         watchdog: the :class:`~cyclone_mp.watchdoglink.WatchdogLink`.
-        clock: local monotonic clock in seconds (injectable; schedules work only).
+        clock: local monotonic clock in seconds (injectable; schedules work only). It runs at
+            ``time.monotonic``'s rate: a child's own start of a handler is mapped onto it.
         wall_clock: local wall clock in epoch seconds, for ``ctx.deadline`` (and the start
             time of an attempt's span) only.
         observer: told how each attempt ended and of each kill (:mod:`cyclone_mp.telemetry`).

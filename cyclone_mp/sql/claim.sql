@@ -163,6 +163,7 @@ walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -382,6 +383,7 @@ walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -541,6 +543,7 @@ WITH RECURSIVE walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -643,6 +646,7 @@ WITH picked AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess

@@ -289,6 +289,7 @@ walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -658,6 +659,7 @@ walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -966,6 +968,7 @@ WITH RECURSIVE runs AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -1216,6 +1219,7 @@ WITH runs AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -1495,6 +1499,7 @@ walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -1782,6 +1787,7 @@ walk (queue, key, p, first) AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -2010,6 +2016,7 @@ WITH RECURSIVE runs AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess
@@ -2180,6 +2187,7 @@ WITH runs AS (
            lease_generation = s.lease_generation + 1,
            heartbeat_at = now(),
            progress = NULL,
+           start_delay = NULL,  -- this attempt's own, once its supervisor reports it
            dead_by = NULL,
            kill_within = %(kill_within_us)s::bigint * interval '1 microsecond'
      WHERE s.id = ANY(ARRAY(SELECT id FROM picked))  -- by primary key whatever the plan's row guess

@@ -145,8 +145,8 @@ class TestServer:
         was written since. The suite writes much WAL (each test's database is a WAL-logged
         copy of the template), and replaying up to ``max_wal_size`` of it on a loaded
         machine took over a minute, during which the tests after found it starting up."""
-        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
-            conn.execute("CHECKPOINT")
+        with self.quiet(), psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute("CHECKPOINT")  # after the copy or drop in the background: none is replayed
 
     def restart(self, down_for: float = 2.0) -> None:
         """Crash-stop the server (``immediate``), wait ``down_for`` seconds, start it again,

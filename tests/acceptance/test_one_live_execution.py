@@ -10,6 +10,7 @@ concurrency group) may overlap.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import signal
@@ -332,3 +333,76 @@ def test_started_at_is_the_handlers_start_and_claimed_at_the_claim(cyclone_env_f
     shown = json.loads(run_cli("status", ids[-1], "--json", dsn=env.dsn).stdout)
     node = next(iter(shown["steps"].values()))
     assert node["claimed_at"] and node["started_at"] and node["claimed_at"] <= node["started_at"]
+
+
+def test_a_retry_shows_its_own_start_and_a_cancel_keeps_the_start_status_showed(cyclone_env_factory, tmp_path):
+    """Steps of 0.2 s on one child with prefetch: the last of a batch is held and waits.
+    It fails, and is retried at once on the free child: while the retry runs, status shows
+    the retry's own start, not its claim plus the last attempt's wait. Another held one,
+    once its renewal reported its wait, is cancelled: its history entry keeps started_at
+    exactly as status showed it, and its claimed_at."""
+    log = str(tmp_path / "held.log")
+    env = cyclone_env_factory(workers=1, lease_ttl=3, prefetch=4, poll_interval=(0.02, 0.2))
+    env.mux().register(lh.live_noted)
+    env.mux().register(lh.live_fails_once)
+    client = env.client()
+    env.start_worker()
+    assert env.run_until_complete(env.enqueue(lh.live_noted, {"log": log, "seconds": 0.2}), timeout=30).state \
+        == "completed"  # the supervisor knows how long a step takes: it prefetches from now on
+    client.enqueue_many(lh.live_noted, [{"log": log, "seconds": 0.2}] * 4)
+    retried = env.enqueue(lh.live_fails_once, {"log": log, "seconds": 8})
+    assert wait_until(lambda: len(lh.records(log, "start")) >= 7, timeout=30)  # 5 noted, attempts 1 and 2
+    step = client.status(retried).step
+    assert step.state == "running" and step.attempt == 2, step
+    waited = step.errors[0]["start_delay"]
+    assert waited > 0.1, step.errors  # attempt 1 was held while the child ran the others
+    assert (step.started_at - step.claimed_at).total_seconds() < min(0.05, waited / 2), (step, waited)
+    client.cancel(retried)
+
+    client.enqueue_many(lh.live_noted, [{"log": log, "seconds": 0.2}] * 3)
+    held = env.enqueue(lh.live_noted, {"log": log, "seconds": 30})
+
+    def reported() -> bool:
+        step = client.status(held).step
+        return step.state == "running" and (step.started_at - step.claimed_at).total_seconds() > 0.1
+
+    assert wait_until(reported, timeout=20)
+    seen = client.status(held).step
+    client.cancel(held)
+    entry = next(e for e in client.status(held).step.errors if e["kind"] == "cancelled")
+    assert dt.datetime.fromisoformat(entry["started_at"]) == seen.started_at
+    assert dt.datetime.fromisoformat(entry["claimed_at"]) == seen.claimed_at
+    assert 0 <= entry["elapsed"] < 30, entry
+
+
+def test_started_at_is_the_childs_own_start_when_its_task_reaches_it_late(cyclone_env_factory, tmp_path, monkeypatch):
+    """Process control notes an attempt's start as it sends the task. Here every task
+    reaches its child 0.4 s later (a stalled write, as on a loaded machine): started_at is
+    still the handler's own start, because the child says when it began, for an attempt
+    alone in its child and for async ones side by side."""
+    from cyclone_mp.childproc import ChildProc
+
+    queue = ChildProc.queue
+
+    def late(self: ChildProc, message: dict) -> None:
+        if message.get("t") == "task":
+            time.sleep(0.4)  # after process control noted the start
+        queue(self, message)
+
+    log = str(tmp_path / "late.log")
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=30)
+    env.mux().register(lh.live_noted)
+    env.mux().register(lh.live_async_noted)
+    env.start_worker()
+    warm = env.enqueue(lh.live_noted, {"log": str(tmp_path / "warm.log"), "seconds": 0.0})
+    assert env.run_until_complete(warm, timeout=60).state == "completed"  # the child is up: none waits for it
+    monkeypatch.setattr(ChildProc, "queue", late)
+    ids = [env.enqueue(lh.live_noted, {"log": log, "seconds": 0.05}),
+           *env.client().enqueue_many(lh.live_async_noted, [{"log": log, "seconds": 0.3}] * 2)]
+    for run_id in ids:
+        assert env.run_until_complete(run_id, timeout=60).state == "completed"
+    noted = {r["run_id"]: r["t"] for r in lh.records(log, "start")}
+    for run_id in ids:
+        step = env.status(run_id).step
+        assert (step.started_at - step.claimed_at).total_seconds() >= 0.35, step  # the task's late arrival
+        assert abs(step.started_at.timestamp() - noted[run_id]) <= 0.1, (step.started_at, noted[run_id])

@@ -109,6 +109,24 @@ def live_noted(ctx: cy.Context, inp: dict) -> dict:
     return {}
 
 
+@cy.step("live_async_noted", async_concurrency=4, max_attempts=1)
+async def live_async_noted(ctx: cy.Context, inp: dict) -> dict:
+    """As live_noted, for async attempts side by side in one child."""
+    note(inp["log"], event="start", run_id=ctx.run_id)
+    await asyncio.sleep(inp.get("seconds", 0.05))
+    return {}
+
+
+@cy.step("live_fails_once", max_attempts=2, backoff=_no_backoff)
+def live_fails_once(ctx: cy.Context, inp: dict) -> dict:
+    """Notes its start; its first attempt fails at once, the second sleeps ``inp["seconds"]``."""
+    note(inp["log"], event="start", attempt=ctx.attempt)
+    if ctx.attempt == 1:
+        raise RuntimeError("the first attempt fails")
+    time.sleep(inp.get("seconds", 0.05))
+    return {}
+
+
 @cy.step("live_snoozer", max_attempts=1, max_snoozes=5)
 def live_snoozer(ctx: cy.Context, inp: dict) -> dict:
     """Snoozes ``inp["times"]`` times (counting its starts in the log), then succeeds."""
