@@ -59,9 +59,7 @@ class AttemptEndings:
         child = att.child
         del child.concurrent[att.token]
         self.end(att)
-        now = self.control.clock()
-        att.began_in_child(message.get("began"), now, time.monotonic())
-        self.note_duration(now - att.started)
+        self.note_ran(att, message, self.control.clock())
         try:
             self.settle_result(att, message)
         finally:
@@ -104,8 +102,7 @@ class AttemptEndings:
         self.end(att)
         now = control.clock()
         if not dropped:
-            att.began_in_child(result.get("began"), now, time.monotonic())
-            self.note_duration(now - att.started)
+            self.note_ran(att, result, now)
         control.holding.hold_off = False
         if child.queued:  # the child starts its queued step now, in the order it was sent
             nxt = child.attempt = child.queued.popleft()
@@ -321,6 +318,13 @@ class AttemptEndings:
             return
         self.control.pool.retire(child)
         self.control.pool.maintain(self.control.clock(), self.control.draining)
+
+    def note_ran(self, att: Attempt, result: dict[str, Any], now: float) -> None:
+        """An attempt's handler ended (``result`` came at ``now``): its start is the child's
+        own (:meth:`~cyclone_mp.attempts.Attempt.began_in_child`), and how long it ran
+        joins the moving average."""
+        att.began_in_child(result.get("began"), now, time.monotonic())
+        self.note_duration(now - att.started)
 
     def note_duration(self, seconds: float) -> None:
         prev = self.control.step_seconds

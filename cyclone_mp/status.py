@@ -41,8 +41,9 @@ class StepStatus:
             its timeout counts from it). started_at: when its handler started: the claim
             plus the delay its supervisor reports with the attempt's renewal, then with its
             outcome from the child's own clock (a row waits for a child when held ahead or
-            queued behind a busy one); until reported, the claim. finished_at, scheduled_at, heartbeat_at, lease_expiry:
-            DB-clock timestamps (aware datetimes) or None.
+            queued behind a busy one); until reported, the claim. finished_at,
+            scheduled_at, heartbeat_at, lease_expiry: DB-clock timestamps (aware
+            datetimes) or None.
         lease_owner: the supervisor id holding (or that last held) the lease.
         output: the handler's JSON output once completed; progress: latest
             ``{"done", "total", "message"}`` or None.

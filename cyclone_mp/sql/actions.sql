@@ -4,9 +4,9 @@
 -- name: cancel_run
 -- client.cancel: every non-terminal step of the run, then the run, in one transaction. A
 -- running attempt leaves an entry in errors (kind "cancelled", with its started_at and
--- claimed_at, lease owner and generation, so the supervisor's kill forensics can join it), consuming no
--- attempt and leaving error and error_kind as they were: after cancel, retry, cancel the
--- history still shows both attempts and when each started.
+-- claimed_at, lease owner and generation, so the supervisor's kill forensics can join
+-- it), consuming no attempt and leaving error and error_kind as they were: after cancel,
+-- retry, cancel the history still shows both attempts and when each started.
 WITH steps AS (
     UPDATE cyclone_steps
        SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL,
@@ -21,7 +21,8 @@ WITH steps AS (
                         -- started_at as status says it: the handler's start once its supervisor reported it
                         'started_at', started_at + coalesce(start_delay, interval '0'), 'claimed_at', started_at,
                         'at', {utc_now_expr},
-                        'elapsed', round(extract(epoch FROM now() - started_at - coalesce(start_delay, interval '0'))::numeric, 3),
+                        'elapsed', round(extract(epoch FROM now() - started_at
+                                                            - coalesce(start_delay, interval '0'))::numeric, 3),
                         'lease_owner', lease_owner, 'lease_generation', lease_generation))
                     ELSE errors END
      WHERE run_id = %(run_id)s

@@ -242,15 +242,13 @@ class TestServer:
         if self._embedded is not None:
             with contextlib.suppress(Exception):
                 self._embedded.destroy()
-            if self._tmpdir is not None:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-            return
-        while not self._released.empty():
-            self.drop_database(self._released.get_nowait())
-        while not self._spares.empty():
-            self.drop_database(self.dsn_for(self._spares.get_nowait()))
-        with contextlib.suppress(psycopg.Error), psycopg.connect(self.admin_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.template)))
+        else:
+            while not self._released.empty():
+                self.drop_database(self._released.get_nowait())
+            while not self._spares.empty():
+                self.drop_database(self.dsn_for(self._spares.get_nowait()))
+            with contextlib.suppress(psycopg.Error), psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(self.template)))
         if self._container is not None:
             with contextlib.suppress(Exception):
                 self._container.stop()
