@@ -48,6 +48,11 @@ log = logging.getLogger("cyclone_mp.supervisor")
 
 STRAY_CHECK_INTERVAL = 0.25  # seconds between looks for handler processes reparented to us
 ZYGOTE_START_WAIT = 10.0  # seconds the start waits for the zygote's imports before it goes on (children come later)
+#: seconds the loop waits at least (unless a child, the inbox or the watchdog wakes it) after
+#: a turn in which a phase failed: a phase that fails on every turn leaves its due time in
+#: the past (a claim, say), which would otherwise turn the loop without pause on a core
+#: the children need; deadlines and kills are then looked at up to this much late
+PHASE_FAILED_WAIT = 0.05
 
 
 class ProcessControl:
@@ -108,6 +113,7 @@ class ProcessControl:
         self.batches_out = 0  # Batch messages the outcome writer has not said it is done with (Written)
         self.claim_after_written = False  # a claim on its own waited for the statement in flight
         self._phase_errors: dict[str, tuple[int, float]] = {}  # phase -> (errors not logged, last logged)
+        self._phase_failed = False  # a phase of this turn failed (the wait after it is PHASE_FAILED_WAIT at least)
         self.turned_at = time.monotonic()  # when the loop last began a turn (read by /healthz)
         self.watch_due = WatchdogDue(watchdog, config.lease_ttl)  # when each child must be dead at the latest
         self.db_ok = False
@@ -220,10 +226,12 @@ class ProcessControl:
                 self._handle_requests(now)
                 if self._drained(now):
                     break
+                self._phase_failed = False
                 self._turn(now)
                 self.starts.tell_keeper()
                 self.kills.tell_watchdog()
-                self._wait(self._next_wake(self.clock()))
+                wait = self._next_wake(self.clock())
+                self._wait(max(wait, PHASE_FAILED_WAIT) if self._phase_failed else wait)
             except Exception:  # noqa: BLE001 - nothing a step does may end the supervisor
                 log.exception("unexpected error in the process-control loop; carrying on")
                 time.sleep(0.1)
@@ -253,7 +261,8 @@ class ProcessControl:
     def _turn(self, now: float) -> None:
         """One pass of the loop. Each phase runs on its own (:meth:`_phase`): one that fails
         (a descriptor limit hit while reading ``/proc``, say) is logged and the others
-        still run, so the deadlines, fences and kills are enforced on every turn."""
+        still run, so the deadlines, fences and kills are enforced on every turn; the
+        wait after such a turn is :data:`PHASE_FAILED_WAIT` at least."""
         phase = self._phase
         phase("inbox", self._read_inbox)
         if self.held and self.pool.idle():
@@ -287,6 +296,7 @@ class ProcessControl:
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - nothing may stop the loop's other phases
+            self._phase_failed = True
             count, last = self._phase_errors.get(name, (0, -math.inf))
             now = time.monotonic()
             if now - last >= 60.0:

@@ -658,3 +658,39 @@ def test_a_zombie_a_handler_never_waited_for_is_not_a_leftover_forever(cyclone_e
     # Killed once after its step; then the child reaps the zombie itself, so later
     # steps do not report it (and wait for a sweep) again and again.
     assert sup.stats["grandchildren_killed"] == 1
+
+
+def test_a_phase_failing_on_every_turn_neither_spins_the_loop_nor_stops_it(cyclone_env_factory, monkeypatch):
+    """The claim phase raises on every turn for a second: the loop waits between turns
+    (a failed claim leaves its due time in the past; without a floor on the wait the loop
+    turned thousands of times a second on a core the children need). Once the phase works
+    again, a step enqueued meanwhile runs."""
+    from cyclone_mp.claiming import Claims
+    from cyclone_mp.control import ProcessControl
+
+    broken = [True]
+    turns = [0]
+    request_claim, turn = Claims.request_claim, ProcessControl._turn
+
+    def failing_claim(self, now):
+        if broken[0]:
+            raise RuntimeError("claim phase broken on purpose")
+        return request_claim(self, now)
+
+    def counted_turn(self, now):
+        turns[0] += 1
+        return turn(self, now)
+
+    monkeypatch.setattr(Claims, "request_claim", failing_claim)
+    monkeypatch.setattr(ProcessControl, "_turn", counted_turn)
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(h.ok)
+    run_id = env.client().enqueue(h.ok, {"x": 1})
+    env.start_worker()
+    time.sleep(0.5)  # the child is up and the claim has failed on many turns
+    before = turns[0]
+    time.sleep(1.0)
+    assert turns[0] - before <= 60, turns[0] - before  # about 20 at the 0.05 s floor; thousands without it
+    assert env.client().status(run_id).step.state == "available"
+    broken[0] = False
+    assert env.run_until_complete(run_id, timeout=30).step.state == "completed"
