@@ -127,8 +127,15 @@ class DatabaseThread:
                 except Exception:  # noqa: BLE001 - nothing may end a part of the supervisor
                     log.exception("%s: unexpected error; carrying on", self.name)
                     wake_at = self.clock() + 0.1
-                if not self.db_ok and self.wants_connection():
-                    wake_at = min(wake_at, self._reconnect_at)
+                if not self.db_ok:
+                    # Disconnected: what a turn has due (a renewal, a retried write, a sweep)
+                    # needs the database, so a due time already past waits for the next
+                    # connect rather than turning the loop without pause through the outage
+                    # (a message still wakes the thread at once).
+                    if self.wants_connection():
+                        wake_at = self._reconnect_at
+                    else:
+                        wake_at = max(wake_at, self.clock() + RECONNECT_FIRST)
                 self.wait(max(0.0, wake_at - self.clock()))
             self.finish()
         finally:

@@ -139,6 +139,44 @@ def test_held_steps_outlive_a_short_outage(cyclone_server, cyclone_env_factory):
     assert all((s.step.attempt, s.step.reclaims) == (1, 0) for s in statuses)
 
 
+def test_an_outage_does_not_spin_the_database_threads(cyclone_server, cyclone_env_factory, monkeypatch):
+    """While the database refuses connections, the lease keeper (a lease due for renewal),
+    the outcome writer (a completion to write again) and maintenance (a sweep due) wait for
+    their next connect: a due time already past turned each of them 20,000-54,000 times a
+    second through the outage, more than a core between them. Afterwards the step's
+    completion is written once."""
+    from cyclone_mp.leases import LeaseKeeper
+    from cyclone_mp.outcomes import OutcomeWriter
+    from cyclone_mp.sweep import Maintenance
+
+    turns: collections.Counter[str] = collections.Counter()
+    for cls in (LeaseKeeper, OutcomeWriter, Maintenance):
+        def counted(self, now, _turn=cls.turn, _name=cls.__name__):
+            turns[_name] += 1
+            return _turn(self, now)
+        monkeypatch.setattr(cls, "turn", counted)
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=6)
+    env.mux().register(h.sleeper)
+    run_id = env.client().enqueue(h.sleeper, {"seconds": 1.0})
+    sup = env.start_worker().client.supervisor
+    wait_for(lambda: any(c.attempt is not None for c in sup.children), 30, "the step running")
+    dbname = psycopg.conninfo.conninfo_to_dict(env.dsn)["dbname"]
+    with psycopg.connect(cyclone_server.admin_dsn, autocommit=True) as admin:
+        admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(sql.Identifier(dbname)))
+        try:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (dbname,))
+            time.sleep(0.5)  # every part has met the outage (the step ends in it)
+            before = dict(turns)
+            time.sleep(2.0)
+            during = {name: turns[name] - before.get(name, 0) for name in turns}
+        finally:
+            admin.execute(sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(sql.Identifier(dbname)))
+    assert set(during) == {"LeaseKeeper", "OutcomeWriter", "Maintenance"}, during
+    assert all(n <= 100 for n in during.values()), during  # a few reconnects and messages; tens of thousands before
+    status = env.run_until_complete(run_id, timeout=60)
+    assert (status.state, status.step.attempt, status.step.reclaims) == ("completed", 1, 0)
+
+
 def test_a_lost_listen_connection_is_an_outage_not_a_rejected_query(cyclone_env_factory, caplog):
     env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=5)
     env.mux().register(h.ok)
