@@ -275,7 +275,7 @@ class ProcessControl:
         if now >= self._next_stray_check:
             self._next_stray_check = now + STRAY_CHECK_INTERVAL
             phase("stray processes", self._check_strays)
-        phase("resource limits", lambda: self._enforce_limits(now))
+        phase("resource limits", lambda: self.kills.kill_over_limits(now))
         if now >= self._next_sample:
             self._next_sample = now + self.config.heartbeat_interval
             phase("sampling", self._sample_peaks)
@@ -315,10 +315,6 @@ class ProcessControl:
         if self.pool.reap_orphans():
             log.info("killed handler process(es) reparented to the supervisor")
         self.pool.tell_descendants()
-
-    def _enforce_limits(self, now: float) -> None:
-        for att, kind in self.limit_watch.due(now):
-            self.kills.kill_for_limit(att, kind)
 
     def _sample_peaks(self) -> None:
         for att in self.attempts.values():  # a crashed child cannot be read afterwards

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from .attempts import Attempt
-from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, due_actions, running
+from .enforcement import LEASE_FENCE, LEASE_LOST, Cancel, Kill, due_actions, running
 from .messages import LeaseLost, Renewed
 
 if TYPE_CHECKING:
@@ -78,29 +78,53 @@ class Kills:
         due = self.control.deadlines.take_due(now)
         if not due:
             return
-        for action in due_actions(due, now, self.control.config.lease_ttl, self.control.config.kill_grace):
-            att = action.att
-            if isinstance(action, Cancel):
-                if action.reason == LEASE_LOST:  # we could not renew in time: someone else may reclaim it soon
-                    self.control.stats["lease_lost"] += 1
-                    att.fenced = True
-                    log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
-                self.cancel(att, action.reason, now)
-                continue
-            child = att.child
-            self.control.io.read(child)  # it may have ended just now, and the child started the next
-            if att.ended or not running(att):
-                continue
-            if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
-                att.cancel_reason, att.fenced = LEASE_LOST, True
-                child.cancel(att.token, LEASE_LOST)
-            if action.trigger == LEASE_FENCE:
-                self.control.stats["fence_kills"] += 1
-            att.killed_by = action.trigger
-            self.control.pool.kill(child, action.trigger)
-            self.control.endings.on_child_exit(child)
-        for att in due:
-            self.control.deadlines.push(att)
+        failed: Exception | None = None
+        try:
+            for action in due_actions(due, now, self.control.config.lease_ttl, self.control.config.kill_grace):
+                try:
+                    self._carry_out(action, now)
+                except Exception as exc:  # noqa: BLE001 - the others are still carried out; this one next turn
+                    failed = failed or exc
+        finally:  # every attempt taken goes back with its next due time, whatever failed
+            for att in due:
+                self.control.deadlines.push(att)
+        if failed is not None:
+            raise failed  # the phase is logged as failed (and the loop waits a little)
+
+    def _carry_out(self, action: Cancel | Kill, now: float) -> None:
+        att = action.att
+        if isinstance(action, Cancel):
+            if action.reason == LEASE_LOST:  # we could not renew in time: someone else may reclaim it soon
+                self.control.stats["lease_lost"] += 1
+                att.fenced = True
+                log.warning("lease of step %d not renewed in time; cancelling its attempt", att.step_id)
+            self.cancel(att, action.reason, now)
+            return
+        child = att.child
+        self.control.io.read(child)  # it may have ended just now, and the child started the next
+        if att.ended or not running(att):
+            return
+        if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
+            att.cancel_reason, att.fenced = LEASE_LOST, True
+            child.cancel(att.token, LEASE_LOST)
+        if action.trigger == LEASE_FENCE:
+            self.control.stats["fence_kills"] += 1
+        att.killed_by = action.trigger
+        self.control.pool.kill(child, action.trigger)
+        self.control.endings.on_child_exit(child)
+
+    def kill_over_limits(self, now: float) -> None:
+        """Kill every attempt the resource-limit sampling found over a cap (when a sample
+        is due); one kill that fails does not hold back the others (it is raised after them,
+        and that attempt is found over its cap again at the next sample)."""
+        failed: Exception | None = None
+        for att, kind in self.control.limit_watch.due(now):
+            try:
+                self.kill_for_limit(att, kind)
+            except Exception as exc:  # noqa: BLE001 - the others are still killed
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def kill_for_limit(self, att: Attempt, kind: str) -> None:
         """Kill the tree of an attempt :class:`~cyclone_mp.limits.watch.LimitWatch` found over

@@ -277,6 +277,41 @@ def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
     assert entry.get("signal_name") == "SIGKILL" and entry.get("cpu_seconds", 0) > 0.1
 
 
+def test_a_kill_that_fails_once_is_tried_again_on_the_next_turn(cyclone_env_factory, monkeypatch):
+    """The first SIGKILL of a wedged child fails (an EMFILE reading /proc, as when the
+    supervisor is out of descriptors): process control tries again on a later turn and the
+    child dies within timeout + grace, by process control's hand. The failed turn had
+    dropped the attempt's deadline: only the watchdog killed it then, and with the watchdog
+    gone the handler ran on."""
+    import errno
+
+    from cyclone_mp.pool import ChildPool
+
+    tries: list[str] = []
+    kill = ChildPool.kill
+
+    def fails_once(self, child, trigger):
+        tries.append(trigger)
+        if len(tries) == 1:
+            raise OSError(errno.EMFILE, "Too many open files (injected)")
+        return kill(self, child, trigger)
+
+    monkeypatch.setattr(ChildPool, "kill", fails_once)
+    env = cyclone_env_factory(worker="thread", workers=1, kill_grace=0.5, lease_ttl=6)
+    env.mux().register(h.deque_wedge)
+    sup = env.start_worker().client.supervisor
+    run_id = env.client().enqueue(h.deque_wedge, {})
+    env.wait_for_state(run_id, None, "running")
+    t0 = time.monotonic()
+    pids = env.child_pids()
+    assert not wait_gone(pids, timeout=3.0)
+    assert time.monotonic() - t0 < 2.5
+    assert tries[:2] == ["timeout", "timeout"], tries
+    assert sup.stats["watchdog_kills"] == 0
+    step = env.wait_for_state(run_id, None, "discarded", timeout=10)
+    assert step.errors[-1]["kind"] == "timeout"
+
+
 def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
     """With a long kill_grace the sweep records the timeout on the DB clock while the
     wedged child still runs; the kill's forensics then join that entry, and its message
