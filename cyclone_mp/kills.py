@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
+import time
 from typing import TYPE_CHECKING
 
 import psutil
@@ -25,11 +27,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("cyclone_mp.supervisor")
 
 
+WATCHDOG_RESTART_EVERY = 1.0  # seconds: a watchdog that keeps dying is started again no more often
+
+
 class Kills:
     """The kills of ``control`` (a :class:`~cyclone_mp.control.ProcessControl`), on its thread."""
 
     def __init__(self, control: ProcessControl) -> None:
         self.control = control
+        self.watchdog_restart_at = 0.0  # no new watchdog before this (time.monotonic())
 
     def cancel(self, att: Attempt, reason: str, now: float) -> None:
         if att.cancel_reason is not None or att.ended:
@@ -162,3 +168,28 @@ class Kills:
             self.control.stats["watchdog_kills"] += 1
             self.control.observer.killed("watchdog")
             log.warning("the watchdog killed child %d (the supervisor was late: frozen or stalled)", pid)
+        if self.control.watchdog.exited:
+            self.restart_watchdog()
+
+    def restart_watchdog(self) -> None:
+        """The watchdog exited (killed by someone, say): its socket leaves the selector (at
+        end of file it would wake every select) and a new watchdog takes over what it knew
+        (:meth:`~cyclone_mp.watchdoglink.WatchdogLink.restart`), at most once every
+        WATCHDOG_RESTART_EVERY seconds. Until then a frozen supervisor's children and its
+        own death have no backstop."""
+        watchdog, now = self.control.watchdog, time.monotonic()
+        with contextlib.suppress(KeyError, ValueError):
+            self.control.selector.unregister(watchdog.fileno())
+        if now < self.watchdog_restart_at:
+            return
+        self.watchdog_restart_at = now + WATCHDOG_RESTART_EVERY
+        old = watchdog.pid
+        try:
+            watchdog.restart()
+        except OSError as exc:
+            log.error("the watchdog (pid %d) exited and no new one could be started (%s); trying again in %gs",
+                      old, exc, WATCHDOG_RESTART_EVERY)
+            return
+        self.control.selector.register(watchdog.fileno(), selectors.EVENT_READ, ("watchdog", None))
+        self.control.stats["watchdog_restarts"] = self.control.stats.get("watchdog_restarts", 0) + 1
+        log.warning("the watchdog (pid %d) exited; a new one (pid %d) took over", old, watchdog.pid)

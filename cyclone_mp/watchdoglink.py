@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import subprocess
 
 from .procs import helper_command, helper_env, kill_tree
 
 _UNSENT = object()
+SEEN_KEPT = 4096  # descendants seen that a restarted watchdog is told of (the most recent)
 
 
 class WatchdogLink:
@@ -26,10 +28,22 @@ class WatchdogLink:
     """
 
     def __init__(self, supervisor_id: str) -> None:
+        self.supervisor_id = supervisor_id
+        self._due: dict[int, float | None] = {}  # the due times sent, by pid
+        self._held: dict[int, float | None] = {}  # later due times not sent yet (see due())
+        # what a new watchdog is told if this one exits (restart()): the children (a
+        # duplicate of each pidfd, ours until the child is gone), the cgroups, the
+        # descendants seen (the most recent SEEN_KEPT)
+        self._children: dict[int, tuple[int, str | None]] = {}
+        self._cgroups: list[tuple[str, str]] = []
+        self._seen: dict[int, float] = {}
+        self._start()
+
+    def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.popen = subprocess.Popen(
-                helper_command("_watchdog", str(theirs.fileno()), supervisor_id),
+                helper_command("_watchdog", str(theirs.fileno()), self.supervisor_id),
                 pass_fds=(theirs.fileno(),), process_group=0, stdin=subprocess.DEVNULL, close_fds=True,
                 env=helper_env(),
             )
@@ -40,9 +54,27 @@ class WatchdogLink:
             theirs.close()
         self.sock = ours
         self.sock.setblocking(False)
-        self._due: dict[int, float | None] = {}  # the due times sent, by pid
-        self._held: dict[int, float | None] = {}  # later due times not sent yet (see due())
         self._warned = False
+        self.exited = False  # the watchdog closed its end (it died): restart() starts another
+
+    def restart(self) -> None:
+        """Start a new watchdog in place of one that exited (:attr:`exited`), reap the old
+        one, and tell the new one everything the old one knew: the children, the cgroups,
+        the descendants seen and the due times sent. Raises OSError when no process can be
+        started (the link then stays without a watchdog; call again later)."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(Exception):
+            self.popen.wait(timeout=1.0)  # it closed its end: it is gone or going
+        self._start()
+        for hierarchy, path in self._cgroups:
+            self._send(f"cgroup {hierarchy} {path}".encode())
+        for pid, (pidfd, cgroup) in self._children.items():
+            self._send(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
+        for pid, started in self._seen.items():
+            self._send(f"seen {pid} {started!r}".encode())
+        for pid, when in list(self._due.items()):
+            self._send_due(pid, when)
 
     @property
     def pid(self) -> int:
@@ -68,18 +100,31 @@ class WatchdogLink:
         """A new child (its pidfd, so the watchdog never hits a recycled pid; ``cgroup``:
         its slot's v2 cgroup, killed whole with ``cgroup.kill``)."""
         if pidfd is not None:
+            self._forget_child(pid)
+            self._children[pid] = (os.dup(pidfd), cgroup)
             self._send(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
+
+    def _forget_child(self, pid: int) -> None:
+        kept = self._children.pop(pid, None)
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                os.close(kept[0])
 
     def cgroups(self, dirs: list[tuple[str, str]]) -> None:
         """The supervisor's cgroup directories (``(hierarchy, path)``): once the supervisor
         is gone, the watchdog kills everything in them, whatever it did to its environment,
         and removes them."""
         for hierarchy, path in dirs:
+            self._cgroups.append((hierarchy, path))
             self._send(f"cgroup {hierarchy} {path}".encode())
 
     def seen(self, pid: int, started: float) -> None:
         """A handler's descendant (``pid``, its start time per psutil): killed by the watchdog
         once the supervisor is gone, if the same process still runs (no cgroups here)."""
+        self._seen.pop(pid, None)
+        self._seen[pid] = started
+        if len(self._seen) > SEEN_KEPT:
+            del self._seen[next(iter(self._seen))]  # the oldest: long gone, most likely
         self._send(f"seen {pid} {started!r}".encode())
 
     def due(self, pid: int, when: float | None, *, now: float, horizon: float) -> None:
@@ -125,6 +170,7 @@ class WatchdogLink:
         """The child was reaped."""
         self._due.pop(pid, None)
         self._held.pop(pid, None)
+        self._forget_child(pid)
         self._send(f"gone {pid}".encode())
 
     def reports(self) -> list[int]:
@@ -136,8 +182,10 @@ class WatchdogLink:
             except (BlockingIOError, InterruptedError):
                 return killed
             except OSError:
+                self.exited = True
                 return killed
-            if not data:
+            if not data:  # end of file: the watchdog is gone
+                self.exited = True
                 return killed
             words = data.decode().split()
             if len(words) == 2 and words[0] == "killed":
@@ -149,6 +197,8 @@ class WatchdogLink:
         skips the slow look for marked processes across the machine."""
         if clean:
             self._send(b"bye 0")
+        for pid in list(self._children):
+            self._forget_child(pid)
         with contextlib.suppress(OSError):
             self.sock.close()
         try:

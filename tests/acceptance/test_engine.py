@@ -312,6 +312,46 @@ def test_a_kill_that_fails_once_is_tried_again_on_the_next_turn(cyclone_env_fact
     assert step.errors[-1]["kind"] == "timeout"
 
 
+def test_a_killed_watchdog_is_replaced_and_the_new_one_kills_for_a_frozen_supervisor(cyclone_env_factory):
+    """Someone SIGKILLs the supervisor's watchdog: the supervisor starts another (its socket
+    at end of file had woken every select, 39,000 turns a second, and the backstop was gone
+    for good), and tells it the children. Then, with the supervisor frozen (SIGSTOP) while
+    its handler is wedged past timeout + kill_grace, the new watchdog kills the handler."""
+    import signal
+
+    def watchdogs(pid):
+        found = []
+        for proc in psutil.Process(pid).children():
+            try:
+                if "_watchdog" in " ".join(proc.cmdline()):
+                    found.append(proc.pid)
+            except psutil.Error:  # a zombie (a dead watchdog nobody reaped) or gone
+                continue
+        return found
+
+    env = cyclone_env_factory(workers=1, kill_grace=0.5, lease_ttl=3)
+    env.mux().register(h.deque_wedge)
+    handle = env.start_worker()
+    run_id = env.enqueue(h.deque_wedge, {}, timeout=4)
+    env.wait_for_state(run_id, None, "running")
+    pids = env.child_pids()
+    (first,) = watchdogs(handle.pid)
+    os.kill(first, signal.SIGKILL)  # the new watchdog hears of the running child from the supervisor
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [p for p in watchdogs(handle.pid) if p != first and _not_zombie(p)] == []:
+        time.sleep(0.05)
+    assert [p for p in watchdogs(handle.pid) if _not_zombie(p)] not in ([], [first])
+    assert psutil.Process(handle.pid).cpu_percent(interval=0.5) < 50  # no spin (about 90 % with it)
+    os.kill(handle.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert not wait_gone(pids, timeout=10.0), "the handler outlived its due time with the supervisor frozen"
+        print(f"the new watchdog killed the handler {time.monotonic() - t0:.2f} s after the freeze")
+    finally:
+        os.kill(handle.pid, signal.SIGCONT)
+    assert env.wait_for_state(run_id, None, "discarded", timeout=15).errors[-1]["kind"] in ("timeout", "child_exited")
+
+
 def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
     """With a long kill_grace the sweep records the timeout on the DB clock while the
     wedged child still runs; the kill's forensics then join that entry, and its message

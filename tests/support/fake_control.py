@@ -21,6 +21,7 @@ class FakeWatchdog:
         self.r, self.w = os.pipe()
         self.pid = -1
         self.dues: dict[int, Any] = {}
+        self.exited = False
 
     def fileno(self) -> int:
         return self.r

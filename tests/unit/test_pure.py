@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import pytest
 
@@ -132,6 +133,46 @@ def test_a_handler_that_cannot_take_ctx_and_input_is_refused_at_registration() -
 
 
 
+def test_a_new_watchdog_hears_what_the_last_one_knew():
+    """WatchdogLink.restart: the children still alive (each with its pidfd), the cgroups,
+    the descendants seen and the due times sent go to the new watchdog; a child gone
+    before is not mentioned and our copy of its pidfd is closed."""
+    import socket
+
+    from cyclone_mp.watchdoglink import WatchdogLink
+
+    link = WatchdogLink.__new__(WatchdogLink)  # its bookkeeping alone: no watchdog process
+    link._due, link._held, link._warned = {}, {}, False
+    link._children, link._seen, link._cgroups = {}, {}, []
+    sent: list[tuple[str, int]] = []
+    link._send = lambda data, fds=None: sent.append((data.decode(), len(fds or [])))  # type: ignore[method-assign]
+    r, w = os.pipe()  # stand in for two children's pidfds
+    try:
+        link.cgroups([("v2", "/sys/fs/cgroup/sup")])
+        link.child(5, r, "/sys/fs/cgroup/sup/slot-0")
+        link.child(6, w)
+        link.seen(9, 12.5)
+        link.due(5, 130.0, now=100.0, horizon=15.0)
+        link.due(6, 131.0, now=100.0, horizon=15.0)
+        copy_of_6 = link._children[6][0]
+        link.gone(6)
+        with pytest.raises(OSError):
+            os.fstat(copy_of_6)  # closed with the child's going
+        link.sock, _other = socket.socketpair()
+        _other.close()
+        link.popen = type("Exited", (), {"wait": lambda self, timeout=None: 0})()
+        link._start = lambda: None  # type: ignore[method-assign]
+        sent.clear()
+        link.restart()
+        assert sent == [("cgroup v2 /sys/fs/cgroup/sup", 0), ("child 5 /sys/fs/cgroup/sup/slot-0", 1),
+                        ("seen 9 12.5", 0), ("due 5 130.0", 0)]
+    finally:
+        for pid in list(link._children):
+            link._forget_child(pid)
+        os.close(r)
+        os.close(w)
+
+
 def test_the_watchdog_hears_an_earlier_due_at_once_and_a_later_one_before_the_earlier_comes_near():
     """WatchdogLink.due (issue 17): a message per pipelined step cost the supervisor a third
     of its CPU. The time the watchdog holds is never later than the child's real due; a
@@ -140,6 +181,7 @@ def test_the_watchdog_hears_an_earlier_due_at_once_and_a_later_one_before_the_ea
 
     link = WatchdogLink.__new__(WatchdogLink)  # its bookkeeping alone: no watchdog process
     link._due, link._held, link._warned = {}, {}, False
+    link._children, link._seen, link._cgroups = {}, {}, []
     sent: list[str] = []
     link._send = lambda data, fds=None: sent.append(data.decode())  # type: ignore[method-assign]
 
