@@ -29,6 +29,7 @@ from .limits.procfs import child_pids, has_children
 from .zygote import Zygote, ZygoteError
 
 RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
+SPAWN_RETRY_MAX = 1.0  # seconds: the longest wait between tries when the system refuses to start a child
 
 
 class ChildPool:
@@ -100,7 +101,7 @@ class ChildPool:
                 log.warning("the zygote could not fork a child (%s); spawning one", exc)
                 child = ChildProc(self.owner, self.limit, self.preload, userns=userns)
         except OSError as exc:
-            log.error("cannot start a child process: %s", exc)
+            log.error("cannot start a child process (next try in %.2fs): %s", self.respawn_delay, exc)
             return None
         child.slot = slot
         # before it runs anything of the handlers
@@ -143,8 +144,9 @@ class ChildPool:
         if zygote is not None and zygote.state == "starting":
             return
         while len(self.children) < self.workers:
-            if self.spawn() is None:
+            if self.spawn() is None:  # refused (out of descriptors or processes): back off up to SPAWN_RETRY_MAX
                 self.respawn_at = now + self.respawn_delay
+                self.respawn_delay = min(max(SPAWN_RETRY_MAX, self.respawn_delay), self.respawn_delay * 2)
                 return
 
     def await_zygote(self, timeout: float, stop: Any = lambda: False) -> bool:

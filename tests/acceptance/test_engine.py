@@ -352,6 +352,34 @@ def test_a_killed_watchdog_is_replaced_and_the_new_one_kills_for_a_frozen_superv
     assert env.wait_for_state(run_id, None, "discarded", timeout=15).errors[-1]["kind"] in ("timeout", "child_exited")
 
 
+def test_a_system_that_refuses_children_is_tried_again_with_a_backoff(cyclone_env_factory, monkeypatch):
+    """Every start of a child fails (EMFILE, as when the supervisor is out of descriptors)
+    for 1.5 s: the tries back off (0.05 s doubling to 1 s: about 6, where a fixed 0.05 s
+    made about 30, each logged), and once children start again a step runs."""
+    import errno
+
+    from cyclone_mp import pool
+
+    refusing, tries = [True], [0]
+    real = pool.ChildProc
+
+    def child_proc(*args, **kwargs):
+        if refusing[0]:
+            tries[0] += 1
+            raise OSError(errno.EMFILE, "Too many open files (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "ChildProc", child_proc)
+    env = cyclone_env_factory(worker="thread", workers=1, start_method="spawn")
+    env.mux().register(h.ok)
+    run_id = env.client().enqueue(h.ok, {"x": 1})
+    env.start_worker()
+    time.sleep(1.5)
+    refusing[0] = False
+    assert 3 <= tries[0] <= 12, tries[0]
+    assert env.run_until_complete(run_id, timeout=30).step.state == "completed"
+
+
 def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
     """With a long kill_grace the sweep records the timeout on the DB clock while the
     wedged child still runs; the kill's forensics then join that entry, and its message
