@@ -323,6 +323,8 @@ class ProcessControl:
 
     def _next_wake(self, now: float) -> float:
         times = [now + 1.0, self._next_stray_check, self._next_sample]
+        if len(self.pool.children) < self.config.workers and self.pool.respawn_at > now and not self.draining:
+            times.append(self.pool.respawn_at)  # a child to start again after a backoff
         limits_at = self.limit_watch.wake_at()
         if limits_at is not None:
             times.append(limits_at)

@@ -69,6 +69,7 @@ class ChildPool:
         self.children: list[ChildProc] = []
         self.respawn_at = clock()
         self.respawn_delay = RESPAWN_BACKOFF[0]
+        self.refused_delay = RESPAWN_BACKOFF[0]  # the wait before the next try after the system refused a child
         self.ready_seconds: float | None = None  # moving average of a new child's spawn to ready
         self.descended: set[int] = set()  # pids seen as descendants of our children (their zombies are ours to reap)
         # children of this process that are no handler's: those it had before the supervisor
@@ -101,7 +102,7 @@ class ChildPool:
                 log.warning("the zygote could not fork a child (%s); spawning one", exc)
                 child = ChildProc(self.owner, self.limit, self.preload, userns=userns)
         except OSError as exc:
-            log.error("cannot start a child process (next try in %.2fs): %s", self.respawn_delay, exc)
+            log.error("cannot start a child process (next try in %.2fs): %s", self.refused_delay, exc)
             return None
         child.slot = slot
         # before it runs anything of the handlers
@@ -145,9 +146,10 @@ class ChildPool:
             return
         while len(self.children) < self.workers:
             if self.spawn() is None:  # refused (out of descriptors or processes): back off up to SPAWN_RETRY_MAX
-                self.respawn_at = now + self.respawn_delay
-                self.respawn_delay = min(max(SPAWN_RETRY_MAX, self.respawn_delay), self.respawn_delay * 2)
+                self.respawn_at = now + self.refused_delay
+                self.refused_delay = min(SPAWN_RETRY_MAX, self.refused_delay * 2)
                 return
+            self.refused_delay = RESPAWN_BACKOFF[0]
 
     def await_zygote(self, timeout: float, stop: Any = lambda: False) -> bool:
         """Wait up to ``timeout`` seconds (or until ``stop()``) for a starting zygote to be

@@ -11,11 +11,23 @@ import logging
 import os
 import socket
 import subprocess
+import time
+
+import psutil
 
 from .procs import helper_command, helper_env, kill_tree
 
 _UNSENT = object()
 SEEN_KEPT = 4096  # descendants seen that a restarted watchdog is told of (the most recent)
+REPLAY_WAIT = 2.0  # seconds restart() waits at most, in all, for a new watchdog to read what it is told
+
+
+def _runs(pid: int, started: float) -> bool:
+    """The process ``pid`` still runs and is the one that started at ``started`` (psutil)."""
+    try:
+        return psutil.Process(pid).create_time() == started
+    except psutil.Error:
+        return False
 
 
 class WatchdogLink:
@@ -59,22 +71,38 @@ class WatchdogLink:
 
     def restart(self) -> None:
         """Start a new watchdog in place of one that exited (:attr:`exited`), reap the old
-        one, and tell the new one everything the old one knew: the children, the cgroups,
-        the descendants seen and the due times sent. Raises OSError when no process can be
-        started (the link then stays without a watchdog; call again later)."""
+        one, and tell the new one everything the old one knew: the cgroups, the children,
+        their due times, then the descendants seen that still run. The new watchdog reads
+        nothing until its interpreter is up, so these sends wait for it (REPLAY_WAIT
+        seconds at most in all; what does not fit by then is dropped, the descendants
+        first). Raises OSError when no process can be started (the link then stays
+        without a watchdog; call again later)."""
         with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(Exception):
             self.popen.wait(timeout=1.0)  # it closed its end: it is gone or going
         self._start()
-        for hierarchy, path in self._cgroups:
-            self._send(f"cgroup {hierarchy} {path}".encode())
-        for pid, (pidfd, cgroup) in self._children.items():
-            self._send(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
-        for pid, started in self._seen.items():
-            self._send(f"seen {pid} {started!r}".encode())
-        for pid, when in list(self._due.items()):
-            self._send_due(pid, when)
+        messages: list[tuple[bytes, list[int] | None]] = [
+            (f"cgroup {hierarchy} {path}".encode(), None) for hierarchy, path in self._cgroups]
+        messages += [(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
+                     for pid, (pidfd, cgroup) in self._children.items()]
+        messages += [(f"due {pid} {'-' if when is None else repr(when)}".encode(), None)
+                     for pid, when in self._due.items()]
+        for pid, started in list(self._seen.items()):
+            if _runs(pid, started):
+                messages.append((f"seen {pid} {started!r}".encode(), None))
+            else:
+                del self._seen[pid]
+        deadline = time.monotonic() + REPLAY_WAIT
+        try:
+            for data, fds in messages:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.sock.settimeout(left)
+                self._send(data, fds)
+        finally:
+            self.sock.setblocking(False)
 
     @property
     def pid(self) -> int:
@@ -101,7 +129,10 @@ class WatchdogLink:
         its slot's v2 cgroup, killed whole with ``cgroup.kill``)."""
         if pidfd is not None:
             self._forget_child(pid)
-            self._children[pid] = (os.dup(pidfd), cgroup)
+            try:  # our copy, for a watchdog that replaces this one (restart)
+                self._children[pid] = (os.dup(pidfd), cgroup)
+            except OSError:  # out of descriptors: this watchdog still hears of it
+                pass
             self._send(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
 
     def _forget_child(self, pid: int) -> None:
