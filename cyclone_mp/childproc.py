@@ -10,7 +10,6 @@ import collections
 import contextlib
 import json
 import os
-import select
 import socket
 import subprocess
 import time
@@ -22,6 +21,7 @@ from . import procs, protocol
 from .limits.procfs import peak_rss_kb
 from .limits.slot import Slot
 from .limits.userns import USERNS_ENV
+from .mailbox import readable
 from .zygote import Zygote
 
 READS_PER_CALL = 16  # reads of protocol.READ_CHUNK bytes (1 MiB) a turn takes from one child at most
@@ -244,7 +244,7 @@ class ChildProc:
                 return None
             if self.pidfd is not None:  # readable once it has exited: no polling delay
                 with contextlib.suppress(OSError, ValueError):
-                    select.select([self.pidfd], [], [], min(left, 0.05))
+                    readable([self.pidfd], min(left, 0.05))
                     continue
             time.sleep(0.002)
         # What it sent before it died (a result that crossed our kill) is still in the

@@ -140,6 +140,7 @@ class DatabaseThread:
             self.finish()
         finally:
             self._close()
+            self.inbox.close()  # its pipe: a supervisor started and stopped in a long-lived process leaks none
 
     def wait(self, timeout: float) -> None:
         """Wait for a message or ``timeout`` seconds (subclasses may watch more)."""

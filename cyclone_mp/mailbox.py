@@ -9,10 +9,33 @@ that the waiting part watches, so it wakes at once. Messages are the plain value
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import select
 import threading
-from typing import Any
+from typing import Any, Sequence
+
+_READY = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+
+
+def readable(objs: Sequence[Any], timeout: float | None) -> list[Any]:
+    """Those of ``objs`` (descriptors, or objects with ``fileno()``) readable within
+    ``timeout`` seconds (None: no limit), end of file and errors included, as ``select``
+    reports them. Uses ``poll``, which takes descriptors past 1,023 where ``select`` raises
+    ValueError: a supervisor inside an application with many open files. Raises OSError
+    (EBADF) when one of them is closed."""
+    poller = select.poll()
+    by_fd: dict[int, Any] = {}
+    for obj in objs:
+        fd = obj if isinstance(obj, int) else obj.fileno()
+        if fd < 0:
+            raise OSError(errno.EBADF, "a closed descriptor")
+        by_fd[fd] = obj
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    events = poller.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
+    if any(event & select.POLLNVAL for _, event in events):
+        raise OSError(errno.EBADF, "a closed descriptor")
+    return [by_fd[fd] for fd, event in events if event & _READY]
 
 
 class Inbox:
@@ -44,11 +67,15 @@ class Inbox:
         self.wake()
 
     def wake(self) -> None:
-        """Wake the reader without a message (a shutdown request, say)."""
-        try:
-            os.write(self._w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        """Wake the reader without a message (a shutdown request, say). Under the lock:
+        once :meth:`close` released the pipe, its number may be another file's."""
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                os.write(self._w, b"x")
+            except (BlockingIOError, OSError):
+                pass
 
     def take(self) -> list[Any]:
         """Every message posted so far, oldest first (empties the inbox)."""
@@ -73,7 +100,7 @@ class Inbox:
         if self._items:
             timeout = 0.0
         try:
-            ready, _, _ = select.select([self._r, *others], [], [], None if timeout is None else max(0.0, timeout))
+            ready = readable([self._r, *others], timeout)
         except (OSError, ValueError):  # a descriptor of ``others`` was closed meanwhile
             return []
         return [r for r in ready if r is not self._r and r != self._r]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
 import selectors
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from .childproc import ChildProc
 from .config import PRELOAD_TIMEOUT
 from .limits.confinement import Confinement
 from .limits.procfs import child_pids, has_children
+from .mailbox import readable
 from .zygote import Zygote, ZygoteError
 
 RESPAWN_BACKOFF = (0.05, 5.0)  # seconds between starts of children that die before they are ready
@@ -159,7 +159,7 @@ class ChildPool:
         while zygote is not None and zygote.state == "starting" and time.monotonic() < deadline and not stop():
             if zygote.sock is not None:
                 with contextlib.suppress(OSError, ValueError):
-                    select.select([zygote.sock], [], [], 0.05)
+                    readable([zygote.sock], 0.05)
             zygote.poll()
         return zygote is not None and zygote.ready
 

@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import os
-import select
 import selectors
 import socket
 import subprocess
@@ -32,6 +31,7 @@ import psutil
 
 from . import procs, protocol
 from .config import PRELOAD_TIMEOUT
+from .mailbox import readable
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
@@ -311,10 +311,10 @@ class Zygote:
                 self._died()
                 raise ZygoteError("the zygote did not answer")
             try:
-                readable, _, _ = select.select([self.sock], [], [], wait)
+                ready = readable([self.sock], wait)
             except InterruptedError:
                 continue
-            if not readable:
+            if not ready:
                 continue
             data = self._recv()
             if data is None:

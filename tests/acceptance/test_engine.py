@@ -381,6 +381,37 @@ def test_a_system_that_refuses_children_is_tried_again_with_a_backoff(cyclone_en
     assert env.run_until_complete(run_id, timeout=30).step.state == "completed"
 
 
+def test_a_supervisor_in_a_process_with_many_open_files_runs_steps_and_leaves_no_descriptor(cyclone_env_factory):
+    """A supervisor inside an application with over 1,024 open files (its own descriptors
+    numbered past 1,023): ``select`` raised ValueError there, which killed the supervisor's
+    thread as it forked its first child. And a supervisor started and stopped in a process
+    leaves none of its descriptors behind (each part's wake-up pipe stayed open: 8 a run)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1500:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
+    if soft != resource.RLIM_INFINITY and soft < 1500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1500, hard))
+    fillers = []
+    try:
+        while not fillers or fillers[-1] < 1100:
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        for _ in range(2):  # the first run opens what stays for the process (imports, the test server's pool)
+            before = len(os.listdir("/proc/self/fd"))
+            env = cyclone_env_factory(worker="thread", workers=1)
+            env.mux().register(h.ok)
+            run = env.run_until_complete(env.client().enqueue(h.ok, {"x": 1}), timeout=30)
+            assert run.step.state == "completed"
+            env.stop_workers()
+            env.close()
+        assert len(os.listdir("/proc/self/fd")) <= before + 1, os.listdir("/proc/self/fd")
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
     """With a long kill_grace the sweep records the timeout on the DB clock while the
     wedged child still runs; the kill's forensics then join that entry, and its message
