@@ -213,9 +213,12 @@ class ProcessControl:
         zygote, the first children are forked once it has imported the handlers (waited
         for here, at most ``ZYGOTE_START_WAIT``), so they exist when ``running`` is set,
         as spawned ones do."""
-        self.pool.maintain(self.clock(), draining=False)
-        if self.pool.await_zygote(ZYGOTE_START_WAIT, stop=lambda: self._shutdown_req):
+        try:  # the loop starts any child still missing (its "children's starts" phase)
             self.pool.maintain(self.clock(), draining=False)
+            if self.pool.await_zygote(ZYGOTE_START_WAIT, stop=lambda: self._shutdown_req):
+                self.pool.maintain(self.clock(), draining=False)
+        except Exception:  # noqa: BLE001 - nothing may end the supervisor
+            log.exception("starting the first children failed; the loop tries again")
         self.reports.publish_snapshot(self.clock())  # before maintenance's first registry row
         if running is not None:
             running.set()

@@ -412,6 +412,26 @@ def test_a_supervisor_in_a_process_with_many_open_files_runs_steps_and_leaves_no
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_a_failure_starting_the_first_children_does_not_end_the_supervisor(cyclone_env_factory, monkeypatch):
+    """The first start of the children raises (as ``select`` did past descriptor 1,023):
+    the supervisor's thread carries on, its loop starts the children, and a step runs."""
+    from cyclone_mp.pool import ChildPool
+
+    maintain, calls = ChildPool.maintain, [0]
+
+    def fails_first(self, now, draining):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ValueError("filedescriptor out of range in select() (injected)")
+        return maintain(self, now, draining)
+
+    monkeypatch.setattr(ChildPool, "maintain", fails_first)
+    env = cyclone_env_factory(worker="thread", workers=1)
+    env.mux().register(h.ok)
+    run = env.run_until_complete(env.client().enqueue(h.ok, {"x": 1}), timeout=30)
+    assert run.step.state == "completed" and calls[0] > 1
+
+
 def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
     """With a long kill_grace the sweep records the timeout on the DB clock while the
     wedged child still runs; the kill's forensics then join that entry, and its message
