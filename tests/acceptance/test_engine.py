@@ -312,6 +312,7 @@ def test_a_kill_that_fails_once_is_tried_again_on_the_next_turn(cyclone_env_fact
     assert step.errors[-1]["kind"] == "timeout"
 
 
+@pytest.mark.long  # about 10 s: CI runs it with the long tests, outside README's 12 minutes
 def test_a_killed_watchdog_is_replaced_and_the_new_one_kills_for_a_frozen_supervisor(cyclone_env_factory):
     """Someone SIGKILLs the supervisor's watchdog: the supervisor starts another (its socket
     at end of file had woken every select, 39,000 turns a second, and the backstop was gone

@@ -139,6 +139,7 @@ def test_held_steps_outlive_a_short_outage(cyclone_server, cyclone_env_factory):
     assert all((s.step.attempt, s.step.reclaims) == (1, 0) for s in statuses)
 
 
+@pytest.mark.long  # about 6 s: CI runs it with the long tests, outside README's 12 minutes
 def test_an_outage_does_not_spin_the_database_threads(cyclone_server, cyclone_env_factory, monkeypatch):
     """While the database refuses connections, the lease keeper (a lease due for renewal),
     the outcome writer (a completion to write again) and maintenance (a sweep due) wait for
