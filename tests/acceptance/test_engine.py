@@ -14,24 +14,8 @@ import cyclone_mp as cy
 from cyclone_mp.store import connect
 
 import handlers as h
+from waiting import not_zombie, wait_exited
 from waiting import supervisor_turns, supervisors_idle, wait_for
-
-
-def wait_gone(pids, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
-        if not alive:
-            return []
-        time.sleep(0.02)
-    return [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
-
-
-def _not_zombie(pid):
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def read_pids(path: Path, timeout: float = 10.0) -> list[int]:
@@ -245,7 +229,7 @@ def test_native_regex_wedge_is_killed_and_the_slot_returns(cyclone_env_factory, 
     assert len(child) == 1
     t_start = running.started_at  # the attempt start, database clock
     with connect(env.dsn) as conn:
-        assert not wait_gone(child, timeout=4.0), "the wedged child was not killed"
+        assert not wait_exited(child, timeout=4.0), "the wedged child was not killed"
         dead_at = conn.execute("SELECT clock_timestamp() AS n").fetchone()["n"]  # within 20 ms of its death
     assert (dead_at - t_start).total_seconds() < 2.5, "the child must be dead within 2.5 s of the attempt start"
     step = env.wait_for_state(run_id, None, ("available", "discarded"), timeout=5)
@@ -263,7 +247,7 @@ def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
     env.wait_for_state(run_id, None, "running")
     t0 = time.monotonic()
     pids = env.child_pids()
-    assert not wait_gone(pids, timeout=3.0)
+    assert not wait_exited(pids, timeout=3.0)
     assert time.monotonic() - t0 < 2.5
     step = env.wait_for_state(run_id, None, "discarded", timeout=5)
     deadline = time.monotonic() + 5  # the sweep may settle it first; the kill's forensics follow
@@ -275,162 +259,6 @@ def test_wedged_child_dies_within_timeout_plus_grace(cyclone_env_factory):
     # forensics: killed by the supervisor after the timeout trigger, with its usage
     assert entry.get("killed_by_supervisor") is True and entry.get("trigger") == "timeout"
     assert entry.get("signal_name") == "SIGKILL" and entry.get("cpu_seconds", 0) > 0.1
-
-
-def test_a_kill_that_fails_once_is_tried_again_on_the_next_turn(cyclone_env_factory, monkeypatch):
-    """The first SIGKILL of a wedged child fails (an EMFILE reading /proc, as when the
-    supervisor is out of descriptors): process control tries again on a later turn and the
-    child dies within timeout + grace, by process control's hand. The failed turn had
-    dropped the attempt's deadline: only the watchdog killed it then, and with the watchdog
-    gone the handler ran on."""
-    import errno
-
-    from cyclone_mp.pool import ChildPool
-
-    tries: list[str] = []
-    kill = ChildPool.kill
-
-    def fails_once(self, child, trigger):
-        tries.append(trigger)
-        if len(tries) == 1:
-            raise OSError(errno.EMFILE, "Too many open files (injected)")
-        return kill(self, child, trigger)
-
-    monkeypatch.setattr(ChildPool, "kill", fails_once)
-    env = cyclone_env_factory(worker="thread", workers=1, kill_grace=0.5, lease_ttl=6)
-    env.mux().register(h.deque_wedge)
-    sup = env.start_worker().client.supervisor
-    run_id = env.client().enqueue(h.deque_wedge, {})
-    env.wait_for_state(run_id, None, "running")
-    t0 = time.monotonic()
-    pids = env.child_pids()
-    assert not wait_gone(pids, timeout=3.0)
-    assert time.monotonic() - t0 < 2.5
-    assert tries[:2] == ["timeout", "timeout"], tries
-    assert sup.stats["watchdog_kills"] == 0
-    step = env.wait_for_state(run_id, None, "discarded", timeout=10)
-    assert step.errors[-1]["kind"] == "timeout"
-
-
-@pytest.mark.long  # about 10 s: CI runs it with the long tests, outside README's 12 minutes
-def test_a_killed_watchdog_is_replaced_and_the_new_one_kills_for_a_frozen_supervisor(cyclone_env_factory):
-    """Someone SIGKILLs the supervisor's watchdog: the supervisor starts another (its socket
-    at end of file had woken every select, 39,000 turns a second, and the backstop was gone
-    for good), and tells it the children. Then, with the supervisor frozen (SIGSTOP) while
-    its handler is wedged past timeout + kill_grace, the new watchdog kills the handler."""
-    import signal
-
-    def watchdogs(pid):
-        found = []
-        for proc in psutil.Process(pid).children():
-            try:
-                if "_watchdog" in " ".join(proc.cmdline()):
-                    found.append(proc.pid)
-            except psutil.Error:  # a zombie (a dead watchdog nobody reaped) or gone
-                continue
-        return found
-
-    env = cyclone_env_factory(workers=1, kill_grace=0.5, lease_ttl=3)
-    env.mux().register(h.deque_wedge)
-    handle = env.start_worker()
-    run_id = env.enqueue(h.deque_wedge, {}, timeout=6)
-    env.wait_for_state(run_id, None, "running")
-    pids = env.child_pids()
-    (first,) = watchdogs(handle.pid)
-    os.kill(first, signal.SIGKILL)  # the new watchdog hears of the running child from the supervisor
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and [p for p in watchdogs(handle.pid) if p != first and _not_zombie(p)] == []:
-        time.sleep(0.05)
-    assert [p for p in watchdogs(handle.pid) if _not_zombie(p)] not in ([], [first])
-    assert psutil.Process(handle.pid).cpu_percent(interval=0.5) < 50  # no spin (about 90 % with it)
-    os.kill(handle.pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        assert wait_gone(pids, timeout=0) == pids  # alive when the supervisor froze: the kill is the watchdog's
-        assert not wait_gone(pids, timeout=15.0), "the handler outlived its due time with the supervisor frozen"
-        print(f"the new watchdog killed the handler {time.monotonic() - t0:.2f} s after the freeze")
-    finally:
-        os.kill(handle.pid, signal.SIGCONT)
-    assert env.wait_for_state(run_id, None, "discarded", timeout=15).errors[-1]["kind"] in ("timeout", "child_exited")
-
-
-def test_a_system_that_refuses_children_is_tried_again_with_a_backoff(cyclone_env_factory, monkeypatch):
-    """Every start of a child fails (EMFILE, as when the supervisor is out of descriptors)
-    for 1.5 s: the tries back off (0.05 s doubling to 1 s: about 6, where a fixed 0.05 s
-    made about 30, each logged), and once children start again a step runs."""
-    import errno
-
-    from cyclone_mp import pool
-
-    refusing, tries = [True], [0]
-    real = pool.ChildProc
-
-    def child_proc(*args, **kwargs):
-        if refusing[0]:
-            tries[0] += 1
-            raise OSError(errno.EMFILE, "Too many open files (injected)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(pool, "ChildProc", child_proc)
-    env = cyclone_env_factory(worker="thread", workers=1, start_method="spawn")
-    env.mux().register(h.ok)
-    run_id = env.client().enqueue(h.ok, {"x": 1})
-    env.start_worker()
-    time.sleep(1.5)
-    refusing[0] = False
-    assert 3 <= tries[0] <= 12, tries[0]
-    assert env.run_until_complete(run_id, timeout=30).step.state == "completed"
-
-
-def test_a_supervisor_in_a_process_with_many_open_files_runs_steps_and_leaves_no_descriptor(cyclone_env_factory):
-    """A supervisor inside an application with over 1,024 open files (its own descriptors
-    numbered past 1,023): ``select`` raised ValueError there, which killed the supervisor's
-    thread as it forked its first child. And a supervisor started and stopped in a process
-    leaves none of its descriptors behind (each part's wake-up pipe stayed open: 8 a run)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 1500:
-        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
-    if soft != resource.RLIM_INFINITY and soft < 1500:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1500, hard))
-    fillers = []
-    try:
-        while not fillers or fillers[-1] < 1100:
-            fillers.append(os.open(os.devnull, os.O_RDONLY))
-        for _ in range(2):  # the first run opens what stays for the process (imports, the test server's pool)
-            before = len(os.listdir("/proc/self/fd"))
-            env = cyclone_env_factory(worker="thread", workers=1)
-            env.mux().register(h.ok)
-            run = env.run_until_complete(env.client().enqueue(h.ok, {"x": 1}), timeout=30)
-            assert run.step.state == "completed"
-            env.stop_workers()
-            env.close()
-        assert len(os.listdir("/proc/self/fd")) <= before + 1, os.listdir("/proc/self/fd")
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def test_a_failure_starting_the_first_children_does_not_end_the_supervisor(cyclone_env_factory, monkeypatch):
-    """The first start of the children raises (as ``select`` did past descriptor 1,023):
-    the supervisor's thread carries on, its loop starts the children, and a step runs."""
-    from cyclone_mp.pool import ChildPool
-
-    maintain, calls = ChildPool.maintain, [0]
-
-    def fails_first(self, now, draining):
-        calls[0] += 1
-        if calls[0] == 1:
-            raise ValueError("filedescriptor out of range in select() (injected)")
-        return maintain(self, now, draining)
-
-    monkeypatch.setattr(ChildPool, "maintain", fails_first)
-    env = cyclone_env_factory(worker="thread", workers=1)
-    env.mux().register(h.ok)
-    run = env.run_until_complete(env.client().enqueue(h.ok, {"x": 1}), timeout=30)
-    assert run.step.state == "completed" and calls[0] > 1
 
 
 def test_a_timeout_the_sweep_recorded_first_says_the_supervisor_killed_the_child(cyclone_env_factory):
@@ -480,7 +308,7 @@ def test_crashed_supervisor_leaves_no_orphans_and_work_is_done_once(cyclone_env_
     env.start_worker()
     pids = read_pids(pids_file)
     env.crash_worker()
-    assert not wait_gone(pids, timeout=1.5), "child or grandchild outlived the SIGKILLed supervisor"
+    assert not wait_exited(pids, timeout=1.5), "child or grandchild outlived the SIGKILLed supervisor"
     pids_file.unlink()
     t0 = time.monotonic()
     handle = env.start_worker()
@@ -490,7 +318,7 @@ def test_crashed_supervisor_leaves_no_orphans_and_work_is_done_once(cyclone_env_
     assert reclaim_after < 1.0 + 0.1 + 2.0
     new_pids = read_pids(pids_file)
     env.client().cancel(run_id)
-    assert not wait_gone(new_pids, timeout=1.0 + 0.5 + 3.0)
+    assert not wait_exited(new_pids, timeout=1.0 + 0.5 + 3.0)
 
 
 def test_cancel_running_cooperative_and_uncooperative(cyclone_env_factory, tmp_path):
@@ -508,9 +336,9 @@ def test_cancel_running_cooperative_and_uncooperative(cyclone_env_factory, tmp_p
     assert env.status(coop).state == "cancelled" and env.status(stubborn).step.state == "cancelled"
     # the cooperative child returns (and is reused), the stubborn one is killed
     deadline = time.monotonic() + 0.2 + 0.5 + 2.0
-    while time.monotonic() < deadline and sum(1 for p in pids if psutil.pid_exists(p) and _not_zombie(p)) > 1:
+    while time.monotonic() < deadline and sum(1 for p in pids if psutil.pid_exists(p) and not_zombie(p)) > 1:
         time.sleep(0.02)
-    alive = [p for p in pids if psutil.pid_exists(p) and _not_zombie(p)]
+    alive = [p for p in pids if psutil.pid_exists(p) and not_zombie(p)]
     assert len(alive) == 1, "exactly the stubborn child should have been killed"
     assert time.monotonic() - t0 < 0.2 + 0.5 + 2.0
     for run_id in (coop, stubborn):  # no error, no attempt consumed; the history keeps the attempt (issue 19)
@@ -814,39 +642,3 @@ def test_a_zombie_a_handler_never_waited_for_is_not_a_leftover_forever(cyclone_e
     # Killed once after its step; then the child reaps the zombie itself, so later
     # steps do not report it (and wait for a sweep) again and again.
     assert sup.stats["grandchildren_killed"] == 1
-
-
-def test_a_phase_failing_on_every_turn_neither_spins_the_loop_nor_stops_it(cyclone_env_factory, monkeypatch):
-    """The claim phase raises on every turn for a second: the loop waits between turns
-    (a failed claim leaves its due time in the past; without a floor on the wait the loop
-    turned thousands of times a second on a core the children need). Once the phase works
-    again, a step enqueued meanwhile runs."""
-    from cyclone_mp.claiming import Claims
-    from cyclone_mp.control import ProcessControl
-
-    broken = [True]
-    turns = [0]
-    request_claim, turn = Claims.request_claim, ProcessControl._turn
-
-    def failing_claim(self, now):
-        if broken[0]:
-            raise RuntimeError("claim phase broken on purpose")
-        return request_claim(self, now)
-
-    def counted_turn(self, now):
-        turns[0] += 1
-        return turn(self, now)
-
-    monkeypatch.setattr(Claims, "request_claim", failing_claim)
-    monkeypatch.setattr(ProcessControl, "_turn", counted_turn)
-    env = cyclone_env_factory(worker="thread", workers=1)
-    env.mux().register(h.ok)
-    run_id = env.client().enqueue(h.ok, {"x": 1})
-    env.start_worker()
-    time.sleep(0.5)  # the child is up and the claim has failed on many turns
-    before = turns[0]
-    time.sleep(1.0)
-    assert turns[0] - before <= 60, turns[0] - before  # about 20 at the 0.05 s floor; thousands without it
-    assert env.client().status(run_id).step.state == "available"
-    broken[0] = False
-    assert env.run_until_complete(run_id, timeout=30).step.state == "completed"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import psutil
 import pytest
 
 from cyclone_mp.store import connect
@@ -79,3 +80,23 @@ def supervisors_idle(dsn: str) -> bool:
     infos = registry_infos(dsn)
     busy = [kid for info in infos for kid in info.get("children") or () if kid.get("run_id") is not None]
     return bool(infos) and not busy
+
+
+def not_zombie(pid: int) -> bool:
+    """``pid`` runs (exists and is not a zombie)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_exited(pids, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds until none of ``pids`` runs (a zombie counts as
+    exited, whoever must reap it); return those still running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and not_zombie(p)]
+        if not alive:
+            return []
+        time.sleep(0.02)
+    return [p for p in pids if psutil.pid_exists(p) and not_zombie(p)]
