@@ -12,7 +12,7 @@ import contextlib
 import logging
 import selectors
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeVar
 
 import psutil
 
@@ -25,6 +25,20 @@ if TYPE_CHECKING:
     from .control import ProcessControl
 
 log = logging.getLogger("cyclone_mp.supervisor")
+T = TypeVar("T")
+
+
+def each(items: Iterable[T], fn: Callable[[T], Any]) -> None:
+    """``fn`` on every item, one failing holding back none of the others; the first
+    failure is raised once all have run."""
+    failed: Exception | None = None
+    for item in items:
+        try:
+            fn(item)
+        except Exception as exc:  # noqa: BLE001 - raised after the others
+            failed = failed or exc
+    if failed is not None:
+        raise failed
 
 
 WATCHDOG_RESTART_EVERY = 1.0  # seconds: a watchdog that keeps dying is started again no more often
@@ -84,18 +98,12 @@ class Kills:
         due = self.control.deadlines.take_due(now)
         if not due:
             return
-        failed: Exception | None = None
-        try:
-            for action in due_actions(due, now, self.control.config.lease_ttl, self.control.config.kill_grace):
-                try:
-                    self._carry_out(action, now)
-                except Exception as exc:  # noqa: BLE001 - the others are still carried out; this one next turn
-                    failed = failed or exc
+        try:  # this one failing is tried again next turn; the phase is logged as failed
+            each(due_actions(due, now, self.control.config.lease_ttl, self.control.config.kill_grace),
+                 lambda action: self._carry_out(action, now))
         finally:  # every attempt taken goes back with its next due time, whatever failed
             for att in due:
                 self.control.deadlines.push(att)
-        if failed is not None:
-            raise failed  # the phase is logged as failed (and the loop waits a little)
 
     def _carry_out(self, action: Cancel | Kill, now: float) -> None:
         att = action.att
@@ -123,14 +131,7 @@ class Kills:
         """Kill every attempt the resource-limit sampling found over a cap (when a sample
         is due); one kill that fails does not hold back the others (it is raised after them,
         and that attempt is found over its cap again at the next sample)."""
-        failed: Exception | None = None
-        for att, kind in self.control.limit_watch.due(now):
-            try:
-                self.kill_for_limit(att, kind)
-            except Exception as exc:  # noqa: BLE001 - the others are still killed
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        each(self.control.limit_watch.due(now), lambda found: self.kill_for_limit(*found))
 
     def kill_for_limit(self, att: Attempt, kind: str) -> None:
         """Kill the tree of an attempt :class:`~cyclone_mp.limits.watch.LimitWatch` found over

@@ -22,6 +22,22 @@ SEEN_KEPT = 4096  # descendants seen that a restarted watchdog is told of (the m
 REPLAY_WAIT = 2.0  # seconds restart() waits at most, in all, for a new watchdog to read what it is told
 
 
+def _child(pid: int, cgroup: str | None) -> bytes:
+    return f"child {pid}{' ' + cgroup if cgroup else ''}".encode()
+
+
+def _cgroup(hierarchy: str, path: str) -> bytes:
+    return f"cgroup {hierarchy} {path}".encode()
+
+
+def _due(pid: int, when: float | None) -> bytes:
+    return f"due {pid} {'-' if when is None else repr(when)}".encode()
+
+
+def _seen(pid: int, started: float) -> bytes:
+    return f"seen {pid} {started!r}".encode()
+
+
 def _runs(pid: int, started: float) -> bool:
     """The process ``pid`` still runs and is the one that started at ``started`` (psutil)."""
     try:
@@ -82,15 +98,12 @@ class WatchdogLink:
         with contextlib.suppress(Exception):
             self.popen.wait(timeout=1.0)  # it closed its end: it is gone or going
         self._start()
-        messages: list[tuple[bytes, list[int] | None]] = [
-            (f"cgroup {hierarchy} {path}".encode(), None) for hierarchy, path in self._cgroups]
-        messages += [(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
-                     for pid, (pidfd, cgroup) in self._children.items()]
-        messages += [(f"due {pid} {'-' if when is None else repr(when)}".encode(), None)
-                     for pid, when in self._due.items()]
+        messages: list[tuple[bytes, list[int] | None]] = [(_cgroup(*dirs), None) for dirs in self._cgroups]
+        messages += [(_child(pid, cgroup), [pidfd]) for pid, (pidfd, cgroup) in self._children.items()]
+        messages += [(_due(pid, when), None) for pid, when in self._due.items()]
         for pid, started in list(self._seen.items()):
             if _runs(pid, started):
-                messages.append((f"seen {pid} {started!r}".encode(), None))
+                messages.append((_seen(pid, started), None))
             else:
                 del self._seen[pid]
         deadline = time.monotonic() + REPLAY_WAIT
@@ -133,7 +146,7 @@ class WatchdogLink:
                 self._children[pid] = (os.dup(pidfd), cgroup)
             except OSError:  # out of descriptors: this watchdog still hears of it
                 pass
-            self._send(f"child {pid}{' ' + cgroup if cgroup else ''}".encode(), [pidfd])
+            self._send(_child(pid, cgroup), [pidfd])
 
     def _forget_child(self, pid: int) -> None:
         kept = self._children.pop(pid, None)
@@ -147,7 +160,7 @@ class WatchdogLink:
         and removes them."""
         for hierarchy, path in dirs:
             self._cgroups.append((hierarchy, path))
-            self._send(f"cgroup {hierarchy} {path}".encode())
+            self._send(_cgroup(hierarchy, path))
 
     def seen(self, pid: int, started: float) -> None:
         """A handler's descendant (``pid``, its start time per psutil): killed by the watchdog
@@ -156,7 +169,7 @@ class WatchdogLink:
         self._seen[pid] = started
         if len(self._seen) > SEEN_KEPT:
             del self._seen[next(iter(self._seen))]  # the oldest: long gone, most likely
-        self._send(f"seen {pid} {started!r}".encode())
+        self._send(_seen(pid, started))
 
     def due(self, pid: int, when: float | None, *, now: float, horizon: float) -> None:
         """The child must be dead by ``when`` (``time.monotonic()``; None: no bound).
@@ -190,7 +203,7 @@ class WatchdogLink:
 
     def _send_due(self, pid: int, when: float | None) -> None:
         self._due[pid] = when
-        self._send(f"due {pid} {'-' if when is None else repr(when)}".encode())
+        self._send(_due(pid, when))
 
     def next_refresh(self, horizon: float) -> float | None:
         """When :meth:`refresh` has something to send (``time.monotonic()``), or None."""
