@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from cli_run import APP, REPO, _env, dsn, one_error_line, pg, run_cli  # noqa: F401 - fixtures
-from waiting import wait_for
+from waiting import wait_exited, wait_for
 
 WARNING = "Warning: a password in --dsn is visible to other users (ps)"
 
@@ -110,8 +110,7 @@ def test_a_password_on_the_command_line_is_warned_about_and_leaves_the_ps_line(d
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines[0].startswith(WARNING) and sum(WARNING in line for line in lines) == 1, stderr
     assert secret not in stderr
-    wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                             for p in seen), 10, "the worker's children to exit")
+    assert wait_exited(seen, 10) == [], "the worker's children to exit"
 
 
 def test_no_warning_without_a_password_on_the_command_line(dsn):  # noqa: F811

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-import psutil
 import psycopg
 import pytest
 from psycopg import sql
@@ -54,7 +53,7 @@ def ends(folder: Path, node: str) -> int:
     return len(lines(folder, node, "end"))
 
 
-from waiting import supervisor_turns, supervisors_idle
+from waiting import not_zombie, supervisor_turns, supervisors_idle
 from waiting import wait_for as wait_until
 
 def wait_run_state(env, run_id: str, state: str, timeout: float = 15.0) -> cy.RunStatus:
@@ -172,8 +171,7 @@ def test_supervisor_crash_mid_diamond_reclaims_only_the_running_node(cyclone_env
     old_child = int(lines(folder, "b", "start")[0][2])
     env.crash_worker()
     # the crashed supervisor's child dies with it
-    wait_until(lambda: not psutil.pid_exists(old_child) or psutil.Process(old_child).status() == psutil.STATUS_ZOMBIE,
-               3, "the old child of b to die")
+    wait_until(lambda: not not_zombie(old_child), 3, "the old child of b to die")
     second = env.start_worker()
     step = env.wait_for_state(run_id, "b", "running", timeout=15, owner=second)
     assert (step.reclaims, step.attempt, step.errors) == (1, 1, [])

@@ -14,10 +14,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import psycopg
 import pytest
 
@@ -27,6 +25,7 @@ from cyclone_mp.testing.pgbouncer import PgBouncer, PgBouncerMissing
 
 import handlers as h
 import workflow_handlers as wh
+from waiting import wait_exited
 
 MODES = {"prepared-off": 0, "prepared-on": 100}  # PgBouncer's max_prepared_statements
 
@@ -105,10 +104,7 @@ def test_cancel_through_pgbouncer(bounced):
     step = env.status(run_id).step
     assert (step.state, step.attempt, step.error) == ("cancelled", 1, None)
     # the heartbeat (every lease_ttl/3) finds the cancel; the child is killed after kill_grace
-    deadline = time.monotonic() + 1.0 / 3 + 0.5 + 3.0
-    while time.monotonic() < deadline and psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-        time.sleep(0.02)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert wait_exited([pid], 1.0 / 3 + 0.5 + 3.0) == []
 
 
 def test_crash_reclaim_through_pgbouncer(bounced, tmp_path):
