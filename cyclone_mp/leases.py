@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from typing import Any, Callable
 
@@ -68,11 +69,25 @@ class LeaseKeeper(DatabaseThread):
         self.owner = owner
         self.tell = tell
         self.leases: dict[LeaseKey, Lease] = {}
+        self.leases_lock = threading.Lock()  # adding and removing leases, against held() on other threads
 
     # -- messages ----------------------------------------------------------------------------
 
+    def held(self) -> list[LeaseKey]:
+        """The ``(step id, lease generation)`` of every lease this keeper renews now: the
+        attempts running or held, and those whose outcomes are not yet written. Safe to
+        call from any thread (the recovery sweep's: :class:`cyclone_mp.sweep.Sweeper`)."""
+        with self.leases_lock:
+            return list(self.leases)
+
     def _read_inbox(self) -> None:
-        for message in self.inbox.take():
+        messages = self.inbox.take()
+        if messages:
+            with self.leases_lock:
+                self._take(messages)
+
+    def _take(self, messages: list[Any]) -> None:
+        for message in messages:
             if isinstance(message, Progress):
                 lease = self.leases.get(message.key)
                 if lease is not None:
@@ -169,7 +184,8 @@ class LeaseKeeper(DatabaseThread):
             self._retry_soon([lease])  # asked again on the next beat (it matches nothing again)
             return
         reason = lost_reason(row, self.owner, generation)
-        self.leases.pop(lease.key, None)
+        with self.leases_lock:
+            self.leases.pop(lease.key, None)
         if reason == "lease_lost":
             self.count("lease_lost")
         log.info("renewal of step %d matched nothing (%s)", step_id, reason)

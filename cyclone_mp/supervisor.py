@@ -167,7 +167,8 @@ class Supervisor:
                                      wall_clock=self.wall_clock, observer=self.observer, confinement=confinement,
                                      dedicated=self.dedicated)
             self.control = control
-            sweeper = Sweeper(self.id, self.backoff_for, written=self.observer.written, discarded=self.observer.discarded)
+            sweeper = Sweeper(self.id, self.backoff_for, written=self.observer.written, discarded=self.observer.discarded,
+                              held=self.keeper.held)
             self.maintenance = Maintenance(self.dsn, self.config, sweeper=sweeper, mux=self.mux, owner=self.id,
                                            snapshot=self._snapshot, tell_control=control.tell, started=self.running,
                                            observer=self.observer, clock=self.clock)

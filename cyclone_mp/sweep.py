@@ -28,7 +28,7 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Collection, TypeVar
 
 from . import decisions, schedules
 from .config import HISTORY_BUSY_INTERVAL, HISTORY_INTERVAL, SWEEP_LIMIT, VACUUM_BOUND, VACUUM_WATCH_INTERVAL, Config
@@ -37,7 +37,7 @@ from .dbloop import DatabaseThread
 from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .health import MaintenanceHealth
 from .history import History, Policy, VacuumWatch
-from .messages import Fleet, Outcome, Poll
+from .messages import Fleet, LeaseKey, Outcome, Poll
 from .mux import Mux
 from .store import Store
 from .telemetry import NO_OBSERVER, Observer
@@ -58,13 +58,20 @@ class Sweeper:
     Args:
         owner: the sweeping supervisor's id (written into the entries it settles).
         backoff_for: ``step name -> (attempt -> seconds)`` for rows storing no backoff.
+        held: returns the ``(step id, lease generation)`` leases ``owner`` still holds
+            (:meth:`cyclone_mp.leases.LeaseKeeper.held`). A pass never reclaims them: after
+            an outage longer than ``lease_ttl`` they are expired, yet their keeper is about
+            to renew them and their outcome writer may hold their outcomes. Their DB
+            deadlines still apply.
     """
 
     def __init__(self, owner: str, backoff_for: Callable[[str | None], Callable[[int], float]],
                  written: Callable[[str | None, str], None] | None = None,
-                 discarded: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 discarded: Callable[[dict[str, Any]], None] | None = None,
+                 held: Callable[[], Collection[LeaseKey]] = tuple) -> None:
         self.owner = owner
         self.backoff_for = backoff_for
+        self.held = held
         self.written = written  # told of each attempt a pass ends: (step name, error kind stored)
         self.discarded = discarded  # told of each step a pass discards (on_step_discarded)
 
@@ -79,7 +86,7 @@ class Sweeper:
                 next pass finds the same candidates).
         """
         counts = {"timeout": 0, "reclaim": 0, "reclaim_limit": 0, "none": 0, "timers": 0}
-        for row in store.sweep.candidates(SWEEP_LIMIT):
+        for row in store.sweep.candidates(SWEEP_LIMIT, owner=self.owner, held=self.held()):
             expired = store.sweep.expire(row["id"], self.backoff_for, {"swept_by": self.owner})
             counts[expired.action] += 1
             if expired.ended is not None and self.written is not None:

@@ -6,7 +6,7 @@ or whose DB deadline passed, what it writes for each (a timeout, a reclaim, a di
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 from psycopg.types.json import Jsonb
 
@@ -72,10 +72,17 @@ class Sweep:
             cur.execute(Q["maintenance_succeeded"], {"task": task})
 
     @translate
-    def candidates(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Running rows whose lease expired or whose DB deadline passed (one page)."""
+    def candidates(self, limit: int = 100, *, owner: str | None = None,
+                   held: Collection[tuple[int, int]] = ()) -> list[dict[str, Any]]:
+        """Running rows whose lease expired or whose DB deadline passed (one page of at
+        most ``limit``), but not the leases ``owner`` still holds: ``held`` are their
+        ``(step id, lease generation)`` pairs. Such a lease stays ``owner``'s until its
+        DB deadline passes (its keeper renews it, expired or not), so its own sweep never
+        reclaims a step whose outcome it is about to write. Raises DatabaseError."""
         with self.session.conn.cursor() as cur:
-            cur.execute(Q["sweep_candidates"], {"limit": limit})
+            cur.execute(Q["sweep_candidates"], {"limit": limit, "owner": owner,
+                                                "held_ids": [key[0] for key in held],
+                                                "held_generations": [key[1] for key in held]})
             return cur.fetchall()
 
     @translate

@@ -15,7 +15,7 @@ from psycopg import sql
 import handlers as h
 from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
 from cyclone_mp.store import Store, connect, translate
-from waiting import registry_infos, wait_for
+from waiting import counter_grows, registry_infos, wait_for
 
 
 def count_lines(path, prefix):
@@ -355,3 +355,92 @@ def test_a_client_call_whose_session_the_server_ended_mid_transaction_runs_again
 
     assert client._call(translate(frozen_once)) == 0  # as every query method is wrapped
     assert len(tries) == 2 and tries[0] != tries[1]  # the second try ran on another session
+
+
+def test_a_sweep_leaves_the_expired_leases_its_own_supervisor_holds(cyclone_env):
+    """A supervisor's own sweep never reclaims a lease its keeper still renews (expired,
+    say, by an outage longer than ``lease_ttl``): the keeper renews it at its next
+    connect, and the outcome writer may hold its outcome. Its DB deadline still applies,
+    another generation of the step is not protected, and another supervisor's sweep
+    reclaims it as any expired lease."""
+    from cyclone_mp.sweep import Sweeper
+
+    env = cyclone_env
+    env.mux().register(h.ok)
+    run_ids = [env.client().enqueue(h.ok, {"i": i}) for i in range(3)]
+    store = Store.open(env.dsn)
+    try:
+        rows = store.claims.claim(owner="sup-a", queues=["default"], names=["ok"], limit=5, ttl=30).rows
+        held, timed_out, other_generation = sorted(rows, key=lambda r: r["id"])
+        for run_id in run_ids:
+            env.expire_lease(run_id)
+        with connect(env.dsn) as conn:
+            conn.execute("UPDATE cyclone_steps SET timeout = interval '1 millisecond' WHERE id = %s",
+                         (timed_out["id"],))
+        keys = [(r["id"], r["lease_generation"]) for r in (held, timed_out)]
+        keys.append((other_generation["id"], other_generation["lease_generation"] - 1))
+
+        def backoff(name):
+            return lambda attempt: 0.0
+
+        counts = Sweeper("sup-a", backoff, held=lambda: keys).run_once(store)
+        assert (counts["reclaim"], counts["timeout"], counts["none"]) == (1, 1, 0)
+        state = {r["id"]: r["state"] for r in
+                 connect(env.dsn).execute("SELECT id, state FROM cyclone_steps").fetchall()}
+        assert state[held["id"]] == "running"  # still sup-a's: its keeper renews it
+        assert state[other_generation["id"]] == "available"
+        assert Sweeper("sup-b", backoff, held=lambda: keys).run_once(store)["reclaim"] == 1
+        assert env.status(run_ids[run_ids.index(held["run_id"])]).step.reclaims == 1
+    finally:
+        store.close()
+
+
+def test_its_own_sweep_does_not_rerun_a_step_whose_completion_waits_to_be_written(cyclone_env_factory, tmp_path,
+                                                                                  monkeypatch):
+    """A handler ends while the database is out of reach for longer than ``lease_ttl``
+    (here the keeper renews nothing and the outcome writer writes nothing: they stand for
+    an outage both still wait out). The lease expires; the supervisor's own sweep, which
+    got through first, leaves it (without that, it reclaimed the step 5 times out of 5
+    after an 8 s outage, and the handler ran again). The completion is then written, once:
+    attempt 1, no reclaim."""
+    from cyclone_mp.leases import LeaseKeeper
+    from cyclone_mp.outcomes import OutcomeWriter
+
+    reachable = threading.Event()
+    reachable.set()
+    writer_turn, renew_due = OutcomeWriter.turn, LeaseKeeper._renew_due
+
+    def writer_waits(self, now):
+        if reachable.is_set():
+            return writer_turn(self, now)
+        time.sleep(0.02)  # its inbox stays unread
+        return self.clock() + 0.02
+
+    def keeper_waits(self, now):
+        if reachable.is_set():
+            renew_due(self, now)
+
+    monkeypatch.setattr(OutcomeWriter, "turn", writer_waits)
+    monkeypatch.setattr(LeaseKeeper, "_renew_due", keeper_waits)
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=1.5, poll_interval=(0.05, 0.2))
+    env.mux().register(h.sleeper)
+    log = tmp_path / "log"
+    run_id = env.client().enqueue(h.sleeper, {"seconds": 0.3, "log": str(log)})
+    sup = env.start_worker().client.supervisor
+    wait_for(lambda: any(c.attempt is not None for c in sup.children), 30, "the step running")
+    reachable.clear()
+    try:
+        wait_for(lambda: sum(count_lines(log, "end").values()) == 1, 10, "the handler to end")
+        with connect(env.dsn) as conn:
+            wait_for(lambda: conn.execute("SELECT lease_expiry < now() AS expired FROM cyclone_steps "
+                                          "WHERE run_id = %s", (run_id,)).fetchone()["expired"], 10,
+                     "the lease to expire")
+        counter_grows(lambda: sup.stats["sweeps"], 3, what="sweeps")
+        step = env.status(run_id).step
+        assert (step.state, step.reclaims) == ("running", 0)
+    finally:
+        reachable.set()
+    status = env.run_until_complete(run_id, timeout=30)
+    assert (status.state, status.step.attempt, status.step.reclaims) == ("completed", 1, 0)
+    assert sum(count_lines(log, "start").values()) == 1
+    assert sup.stats["late_completions_dropped"] == 0

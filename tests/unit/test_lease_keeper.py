@@ -112,6 +112,19 @@ def test_leases_due_together_share_one_statement_and_a_done_lease_is_not_renewed
     assert len(store.renewals) == 2
 
 
+def test_held_lists_the_leases_it_renews_until_each_is_done_or_lost(keeper, clock, store, told):
+    assert keeper.held() == []
+    keeper.inbox.post(Track((A, B), sent=100.0))
+    at(keeper, clock, 100.0)
+    assert sorted(keeper.held()) == [A, B]
+    keeper.inbox.post(LeaseDone((A,)))
+    at(keeper, clock, 100.5)
+    assert keeper.held() == [B]
+    store.lost, store.rows = {8}, {8: None}
+    at(keeper, clock, 100.75)
+    assert keeper.held() == [] and told[-1] == LeaseLost(B, "cancelled")
+
+
 def test_progress_and_the_start_delay_go_with_the_next_renewal_once(keeper, clock, store):
     keeper.inbox.post(Track((A,), sent=100.0))
     keeper.inbox.post(Progress(A, {"done": 1, "total": 4}))

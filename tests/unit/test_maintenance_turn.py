@@ -41,7 +41,7 @@ class FakeStore:
         self.calls.append(f"turn {task}")
         return Turn(True, every, None)
 
-    def candidates(self, limit: int) -> list[dict[str, Any]]:
+    def candidates(self, limit: int, **held: Any) -> list[dict[str, Any]]:
         self.calls.append("sweep")
         return []
 

@@ -27,9 +27,11 @@ class FakeSweep:
         self.expired: list[tuple[int, dict[str, Any]]] = []
         self.succeeded_tasks: list[str] = []
         self.limits: list[int] = []
+        self.held: list[dict[str, Any]] = []
 
-    def candidates(self, limit: int) -> list[dict[str, Any]]:
+    def candidates(self, limit: int, **held: Any) -> list[dict[str, Any]]:
         self.limits.append(limit)
+        self.held.append(held)
         return self.rows[:limit]
 
     def expire(self, id: int, backoff_for: Any, entry: dict[str, Any]) -> Expired:
@@ -57,6 +59,16 @@ def test_a_pass_settles_each_candidate_once_and_counts_by_action():
     assert written == [("step", "timeout"), ("step", "reclaim_limit"), ("step", "timeout")]
     assert discarded == [{"id": 3}]
     assert fake.limits == [SWEEP_LIMIT] and fake.succeeded_tasks == ["sweep"]
+    assert fake.held == [{"owner": "sup-1", "held": ()}]  # no keeper: nothing held
+
+
+def test_a_pass_asks_for_candidates_without_the_leases_its_keeper_holds_now():
+    held = [[(7, 2)], [(7, 2), (9, 1)]]
+    sweeper = sweep.Sweeper("sup-1", lambda name: lambda n: 1.0, held=lambda: held.pop(0))
+    fake = FakeSweep(["reclaim"])
+    sweeper.run_once(SimpleNamespace(sweep=fake))
+    sweeper.run_once(SimpleNamespace(sweep=fake))
+    assert fake.held == [{"owner": "sup-1", "held": [(7, 2)]}, {"owner": "sup-1", "held": [(7, 2), (9, 1)]}]
 
 
 def maintenance(turns: list[Turn | str], counts: dict[str, int] | None = None) -> Any:
