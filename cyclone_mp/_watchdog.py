@@ -3,7 +3,8 @@
 Started as ``_boot.py _watchdog FD SUPERVISOR_ID`` and told of each child, its due time
 and its cgroups over a socket (:class:`cyclone_mp.watchdoglink.WatchdogLink`; the
 messages are listed in :func:`main`). When a child's due time passes, the watchdog
-SIGKILLs it and its tree (:func:`kill_child`) and answers ``killed PID``. Process control
+SIGKILLs it and its tree (:func:`kill_child`) and, if it was still alive, answers
+``killed PID``. Process control
 sets each due time a little after its own kill: the watchdog acts only when process
 control could not, because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
 
@@ -45,6 +46,17 @@ def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
     from .procs import kill_tree  # lazy: the watchdog imports what a kill needs (psutil) when it kills
 
     kill_tree(pid, None, pidfd=pidfd)
+
+
+def exited(pidfd: int) -> bool:
+    """The child of ``pidfd`` has exited (a zombie not reaped yet, or reaped): a pidfd
+    polls readable from then on."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return False
 
 
 def kill_seen(seen: dict[int, float]) -> int:
@@ -158,11 +170,16 @@ def main(argv: list[str]) -> None:
         for pid, when in list(due.items()):
             if now >= when:
                 del due[pid]
-                try:  # said first: the supervisor reads it before it sees the child's end
-                    sock.send(f"killed {pid}".encode(), socket.MSG_DONTWAIT)
-                except OSError:
-                    pass
-                kill_child(pid, children.get(pid), groups.get(pid))
+                pidfd = children.get(pid)
+                # Said only of a child still alive (one that ended on its own, or was killed
+                # by a watchdog this one replaced, is not this kill's), and said first: the
+                # supervisor reads it before it sees the child's end.
+                if pidfd is not None and not exited(pidfd):
+                    try:
+                        sock.send(f"killed {pid}".encode(), socket.MSG_DONTWAIT)
+                    except OSError:
+                        pass
+                kill_child(pid, pidfd, groups.get(pid))  # an exited child's cgroup still goes
     if not clean and cgroups:
         from .limits.cgroups import kill_dirs  # lazy: as above
 
