@@ -17,6 +17,7 @@ import pytest
 
 import chaos_handlers as ch
 from cyclone_mp.store import connect
+from waiting import not_zombie
 
 N_STEPS = 300
 
@@ -150,5 +151,5 @@ def test_chaos_three_supervisors_random_kills(cyclone_env_factory, cyclone_dsn, 
     env.stop_workers()
     strays = [p for p in psutil.process_iter(["environ"]) if (p.info.get("environ") or {}).get("CYCLONE_MP_SUPERVISOR") in ours]
     time.sleep(0.5)
-    strays = [p for p in strays if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    strays = [p for p in strays if p.is_running() and not_zombie(p.pid)]  # (reaped meanwhile: gone)
     assert not strays, f"handler processes left: {[p.pid for p in strays]}"

@@ -23,7 +23,7 @@ import pytest
 import fence_handlers as fh
 import netbed
 from cyclone_mp.store import connect
-from waiting import wait_for
+from waiting import not_zombie, wait_for
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -359,7 +359,7 @@ def test_sigterm_during_a_partition_exits_in_time_and_leaves_nothing(cyclone_env
     elapsed = time.monotonic() - started
     print(f"SIGTERM during a partition: exited {elapsed:.3f} s later (bound 2.5)")
     assert elapsed <= 1.0 + 0.5 + 1.0, f"exited {elapsed:.2f} s after SIGTERM"
-    wait_for(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 5,
+    wait_for(lambda: not [p for p in tree if p.is_running() and not_zombie(p.pid)], 5,  # (reaped meanwhile: gone)
              "the supervisor's processes to be gone")
     b = env.start_worker(proxy=False)
     run = env.run_until_complete(run_id, timeout=40)
