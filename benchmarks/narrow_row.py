@@ -14,7 +14,8 @@ the outcome writer's usual tick), four ways:
     python benchmarks/narrow_row.py [--steps 40000] [--batch 140] [--rounds 3]
 
 No supervisor and no children. The CPU of the database's backends and autovacuum
-workers (``CpuMeter``, as B7 counts it) is divided by the steps. ``narrow`` and ``lean``
+workers (``CpuMeter``, as B7 counts it) is divided by the steps, and so is the backends'
+alone (autovacuum's share moves a lot from one loop to the next). ``narrow`` and ``lean``
 are floors, not engines; they say how low the statement can go on this machine beside
 issue 36's target (40 us a step).
 """
@@ -27,6 +28,7 @@ import time
 import uuid
 
 import bench_steps
+import psutil
 import psycopg
 from common import CpuMeter, Server, mux_of
 
@@ -34,6 +36,22 @@ import cyclone_mp as cy
 from cyclone_mp.store import Store
 
 OWNER = "narrow-row"
+
+
+class BackendMeter(CpuMeter):
+    """CPU seconds of one database's backends alone, without its autovacuum workers
+    (whose share moves a lot from one loop to the next with when they happen to run)."""
+
+    def _now(self) -> dict[int, float]:
+        return {pid: cpu for pid, cpu in super()._now().items() if pid not in self.vacuums()}
+
+    @staticmethod
+    def vacuums() -> set[int]:
+        found = set()
+        for p in psutil.process_iter(["cmdline"]):
+            if "autovacuum worker" in " ".join(p.info["cmdline"] or []):
+                found.add(p.pid)
+        return found
 
 NARROW_SCHEMA = """
 CREATE TABLE hot_runs (
@@ -107,26 +125,28 @@ def main() -> None:
     print(f"PostgreSQL {server.version} ({server.source}); {args.steps} steps a loop, {args.batch} a statement")
     loops = {"engine": engine_loop, "tables": tables_loop, "narrow": narrow_loop,
              "lean": lambda dsn, args: narrow_loop(dsn, args, lean=True)}
-    results: dict[str, list[tuple[float, float]]] = {label: [] for label in loops}
+    results: dict[str, list[tuple[float, float, float]]] = {label: [] for label in loops}
     try:
         for _ in range(args.rounds):
             for label, loop in loops.items():
                 with server.fresh() as dsn:
-                    cpu_us, rate = loop(dsn, args)
-                results[label].append((cpu_us, rate))
-                print(f"  {label:6s}: {cpu_us:6.1f} us of PostgreSQL CPU a step, {rate:8.0f} steps/s (one connection)")
+                    cpu_us, backend_us, rate = loop(dsn, args)
+                results[label].append((cpu_us, backend_us, rate))
+                print(f"  {label:6s}: {cpu_us:6.1f} us of PostgreSQL CPU a step ({backend_us:6.1f} without "
+                      f"autovacuum), {rate:8.0f} steps/s (one connection)")
     finally:
         server.close()
     for label, rows in results.items():
-        print(f"{label:6s} median: {statistics.median(r[0] for r in rows):6.1f} us a step, "
-              f"{statistics.median(r[1] for r in rows):8.0f} steps/s")
+        print(f"{label:6s} median: {statistics.median(r[0] for r in rows):6.1f} us a step "
+              f"({statistics.median(r[1] for r in rows):6.1f} without autovacuum), "
+              f"{statistics.median(r[2] for r in rows):8.0f} steps/s")
 
 
 def database_of(dsn: str) -> str:
     return psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
 
 
-def engine_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float]:
+def engine_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float, float]:
     """Drain ``args.steps`` no-op runs with the engine's own settle-and-claim statement."""
     with cy.Client(dsn, mux_of(bench_steps.noop)) as client:
         client.enqueue_many(bench_steps.noop, [None] * args.steps)
@@ -137,7 +157,7 @@ def engine_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float]:
     store = Store.open(dsn, generic_plans=True)
     try:
         held: list = []
-        meter = CpuMeter(database_of(dsn))
+        meter, backends = CpuMeter(database_of(dsn)), BackendMeter(database_of(dsn))
         started, done = time.perf_counter(), 0
         while True:
             items = [(r["id"], r["lease_generation"], None, None, 0.001) for r in held]
@@ -145,14 +165,14 @@ def engine_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float]:
             held = store.outcomes.settle(completions=items, limit=args.batch, **where).claimed
             if not held:
                 break
-        elapsed, cpu = time.perf_counter() - started, meter.take()
+        elapsed, cpu, backend = time.perf_counter() - started, meter.take(), backends.take()
     finally:
         store.close()
     assert done == args.steps, (done, args.steps)
-    return cpu * 1e6 / done, done / elapsed
+    return cpu * 1e6 / done, backend * 1e6 / done, done / elapsed
 
 
-def narrow_loop(dsn: str, args: argparse.Namespace, lean: bool = False) -> tuple[float, float]:
+def narrow_loop(dsn: str, args: argparse.Namespace, lean: bool = False) -> tuple[float, float, float]:
     """Drain ``args.steps`` one-step runs of the narrow tables with :data:`NARROW_TICK`;
     ``lean``: without the ``(run_id, node)`` and finished rows' indexes (two index
     entries a step fewer)."""
@@ -172,7 +192,7 @@ def narrow_loop(dsn: str, args: argparse.Namespace, lean: bool = False) -> tuple
         return drain(conn, dsn, NARROW_TICK, ("hot_steps", "hot_runs"), args)
 
 
-def tables_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float]:
+def tables_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float, float]:
     """Drain ``args.steps`` no-op runs of the engine's tables with :data:`ENGINE_TABLES_TICK`."""
     with cy.Client(dsn, mux_of(bench_steps.noop)) as client:
         client.enqueue_many(bench_steps.noop, [None] * args.steps)
@@ -181,14 +201,15 @@ def tables_loop(dsn: str, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def drain(conn: psycopg.Connection, dsn: str, tick: str, tables: tuple[str, str],
-          args: argparse.Namespace) -> tuple[float, float]:
-    """Run ``tick`` until nothing is left to claim; returns (PostgreSQL CPU in us a step,
-    steps/s) and checks that every step and run completed once."""
+          args: argparse.Namespace) -> tuple[float, float, float]:
+    """Run ``tick`` until nothing is left to claim; returns PostgreSQL's CPU a step (us:
+    backends and autovacuum, backends alone) and steps/s, and checks that every step and
+    run completed once."""
     steps, runs = tables
     conn.execute(f"VACUUM ANALYZE {runs}")
     conn.execute(f"VACUUM ANALYZE {steps}")
     held: list[tuple[int, int]] = []
-    meter = CpuMeter(database_of(dsn))
+    meter, backends = CpuMeter(database_of(dsn)), BackendMeter(database_of(dsn))
     started, done = time.perf_counter(), 0
     while True:
         done += len(held)
@@ -197,11 +218,11 @@ def drain(conn: psycopg.Connection, dsn: str, tick: str, tables: tuple[str, str]
         held = [(row[0], row[1]) for row in rows]
         if not held:
             break
-    elapsed, cpu = time.perf_counter() - started, meter.take()
+    elapsed, cpu, backend = time.perf_counter() - started, meter.take(), backends.take()
     ended = conn.execute(f"SELECT (SELECT count(*) FROM {steps} WHERE state = 'completed' AND lease_generation = 1), "
                          f"(SELECT count(*) FROM {runs} WHERE state = 'completed')").fetchone()
     assert done == args.steps and ended == (args.steps, args.steps), (done, ended, args.steps)
-    return cpu * 1e6 / done, done / elapsed
+    return cpu * 1e6 / done, backend * 1e6 / done, done / elapsed
 
 
 if __name__ == "__main__":
