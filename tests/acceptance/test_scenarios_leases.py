@@ -152,8 +152,16 @@ def test_sc07_draining_keeps_heartbeating(cyclone_env_factory, tmp_path):
     assert env.terminate_worker() is w1
     t_term = time.time()
 
-    wait_until(lambda: (registry_row(env, w1.supervisor_id) or {}).get("info", {}).get("draining"),
-               timeout=5, what="w1 draining")
+    seen: list[Any] = []  # the last row read: what the failure shows (CI once saw no drain for 5 s)
+
+    def w1_draining() -> bool:
+        seen[:] = [registry_row(env, w1.supervisor_id)]
+        return bool((seen[0] or {}).get("info", {}).get("draining"))
+
+    deadline = time.monotonic() + 5
+    while not w1_draining():
+        assert time.monotonic() < deadline, f"w1 not draining 5 s after SIGTERM (at {t_term:.3f}); its row: {seen[0]}"
+        time.sleep(0.02)
     other = env.enqueue(sh.sc_ok, {"i": "while draining"})
     other_run = env.run_until_complete(other, timeout=15)
     assert other_run.state == "completed"
