@@ -4,9 +4,9 @@ Started as ``_boot.py _watchdog FD SUPERVISOR_ID`` and told of each child, its d
 and its cgroups over a socket (:class:`cyclone_mp.watchdoglink.WatchdogLink`; the
 messages are listed in :func:`main`). When a child's due time passes, the watchdog
 SIGKILLs it and its tree (:func:`kill_child`) and, if it was still alive, answers
-``killed PID``. Process control
-sets each due time a little after its own kill: the watchdog acts only when process
-control could not, because the supervisor is frozen (SIGSTOP, a paused VM, a stuck thread).
+``killed PID``. Process control sets each due time a little after its own kill: the
+watchdog acts only when process control could not, because the supervisor is frozen
+(SIGSTOP, a paused VM, a stuck thread).
 
 EOF means the supervisor is gone: the watchdog kills everything in the supervisor's
 cgroups (then removes them), every child it was told of with its tree, every descendant
@@ -23,6 +23,8 @@ import signal
 import socket
 import sys
 import time
+
+from .mailbox import readable
 
 
 def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
@@ -51,10 +53,8 @@ def kill_child(pid: int, pidfd: int | None, cgroup: str | None = None) -> None:
 def exited(pidfd: int) -> bool:
     """The child of ``pidfd`` has exited (a zombie not reaped yet, or reaped): a pidfd
     polls readable from then on."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
     try:
-        return bool(poller.poll(0))
+        return bool(readable([pidfd], 0.0))
     except OSError:
         return False
 

@@ -35,21 +35,20 @@ SELECT EXISTS (SELECT 1 FROM took UNION ALL SELECT 1 FROM made) AS mine,
 UPDATE cyclone_maintenance SET succeeded_at = now() WHERE task = %(task)s;
 
 -- name: sweep_candidates
--- Recovery sweep page: running rows whose lease expired or whose DB deadline passed (a
--- running map row holds no lease: its items do). A lease that merely expired is left
--- alone when the sweeping supervisor %(owner)s still holds it: its (id, generation) is
--- among %(held_ids)s / %(held_generations)s, the leases its keeper renews (it renews
--- an expired one too, and its outcome writer may hold the attempt's outcome).
+-- Recovery sweep page: running rows whose DB deadline passed, or whose lease expired (a
+-- running map row holds no lease: its items do) unless the sweeping supervisor %(owner)s
+-- still holds it: its (id, generation) is among %(held_ids)s / %(held_generations)s, the
+-- leases its keeper renews (an expired one too; its outcome writer may hold the outcome).
 SELECT id, run_id::text AS run_id
   FROM cyclone_steps
  WHERE state = 'running'
-   AND (lease_expiry < now() OR (timeout IS NOT NULL AND started_at + timeout <= now()))
    AND kind <> 'map'
-   AND (lease_owner IS DISTINCT FROM %(owner)s
-        OR coalesce(timeout IS NOT NULL AND started_at + timeout <= now(), false)
-        OR (id, lease_generation) NOT IN (
-             SELECT held.id, held.generation
-               FROM unnest(%(held_ids)s::bigint[], %(held_generations)s::bigint[]) AS held (id, generation)))
+   AND ((timeout IS NOT NULL AND started_at + timeout <= now())
+        OR (lease_expiry < now()
+            AND (lease_owner IS DISTINCT FROM %(owner)s
+                 OR (id, lease_generation) NOT IN (
+                      SELECT held.id, held.generation
+                        FROM unnest(%(held_ids)s::bigint[], %(held_generations)s::bigint[]) AS held (id, generation)))))
  ORDER BY id
  LIMIT %(limit)s;
 

@@ -30,6 +30,7 @@ import pytest
 import cyclone_mp
 
 import limit_handlers as lh
+from waiting import not_zombie
 
 USER = "cyclone-caps"
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -188,10 +189,7 @@ def test_an_ordinary_handler_cannot_lift_its_open_file_cap(cyclone_env_factory, 
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+    return not not_zombie(pid)
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

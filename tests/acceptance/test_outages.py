@@ -385,8 +385,8 @@ def test_a_sweep_leaves_the_expired_leases_its_own_supervisor_holds(cyclone_env)
 
         counts = Sweeper("sup-a", backoff, held=lambda: keys).run_once(store)
         assert (counts["reclaim"], counts["timeout"], counts["none"]) == (1, 1, 0)
-        state = {r["id"]: r["state"] for r in
-                 connect(env.dsn).execute("SELECT id, state FROM cyclone_steps").fetchall()}
+        with connect(env.dsn) as conn:
+            state = {r["id"]: r["state"] for r in conn.execute("SELECT id, state FROM cyclone_steps").fetchall()}
         assert state[held["id"]] == "running"  # still sup-a's: its keeper renews it
         assert state[other_generation["id"]] == "available"
         assert Sweeper("sup-b", backoff, held=lambda: keys).run_once(store)["reclaim"] == 1

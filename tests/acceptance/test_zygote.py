@@ -28,13 +28,10 @@ from cyclone_mp.limits.declared import Limits
 from cyclone_mp.limits.slot import Slot
 import handlers as h
 import zygote_handlers as zh
+from waiting import not_zombie
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+alive = not_zombie
 
 
 def wait_for(pred, timeout: float, what: str):

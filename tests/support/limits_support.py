@@ -12,6 +12,7 @@ import psutil
 
 from cyclone_mp.limits.confinement import Confinement
 from cyclone_mp.limits.mechanism import Mechanism
+from waiting import not_zombie
 
 HOST = Confinement.detect("probe")  # what this machine offers (removed at once below)
 HOST.close()
@@ -55,10 +56,7 @@ def lines(path: Path) -> list[list[str]]:
 
 
 def dead(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return True
+    return not not_zombie(pid)
 
 
 def start(env, **options: Any):

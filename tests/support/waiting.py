@@ -94,9 +94,8 @@ def wait_exited(pids, timeout: float) -> list[int]:
     """Wait up to ``timeout`` seconds until none of ``pids`` runs (a zombie counts as
     exited, whoever must reap it); return those still running."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and not_zombie(p)]
-        if not alive:
-            return []
+    while True:
+        alive = [p for p in pids if not_zombie(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
         time.sleep(0.02)
-    return [p for p in pids if psutil.pid_exists(p) and not_zombie(p)]
