@@ -432,16 +432,15 @@ def test_with_prefetch_one_outcome_statement_is_in_flight():
 
 def test_short_steps_with_prefetch_share_statements(cyclone_env_factory):
     """2,000 no-op steps with prefetch=64 on two children: claims ride with outcomes (at
-    most 8 claims alone; claims on their own while outcomes waited took about 18 more
-    statements), and the outcomes share at most 60 statements (40-44 with one statement
-    in flight, 52 with a second suite beside, 58 with a suite and two busy loops; the
-    split budget took about 63)."""
+    most 12 claims alone, 1-5 seen; a claim that never rides made 36), and the outcomes
+    share at most 60 statements (40-44 with one statement in flight, 52 with a second
+    suite beside, 58 with a suite and two busy loops; the split budget took about 63)."""
     env = cyclone_env_factory(worker="thread", workers=2, lease_ttl=30, prefetch=64)
     env.mux().register(h.ok)
     env.client().enqueue_many(h.ok, [{"i": i} for i in range(2000)])
     sup = env.start_worker().client.supervisor
     wait_for(lambda: sup.stats["completed"] == 2000, 120, "2,000 completions")
-    assert sup.stats["claim_statements"] <= 8, dict(sup.stats)
+    assert sup.stats["claim_statements"] <= 12, dict(sup.stats)
     assert sup.stats["batches"] <= 60, dict(sup.stats)
     rows = rows_of(env.dsn, "ok")
     assert {(r["state"], r["attempt"], r["lease_generation"]) for r in rows} == {("completed", 1, 1)}
