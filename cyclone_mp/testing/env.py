@@ -332,12 +332,17 @@ class Env:
     def _marked_children(self, *, zygote: bool) -> list[int]:
         pids: list[int] = []
         for handle in self.workers:
-            if handle.alive():
-                for proc in psutil.Process(handle.pid).children():
-                    with contextlib.suppress(psutil.Error):
-                        ours = proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id
-                        if ours and procs.is_zygote(proc) == zygote:
-                            pids.append(proc.pid)
+            if not handle.alive():
+                continue
+            try:
+                children = psutil.Process(handle.pid).children()
+            except psutil.Error:  # it exited: the fork server reaped it before its exit was heard here
+                continue
+            for proc in children:
+                with contextlib.suppress(psutil.Error):
+                    ours = proc.environ().get(procs.MARKER_ENV) == handle.supervisor_id
+                    if ours and procs.is_zygote(proc) == zygote:
+                        pids.append(proc.pid)
         return pids
 
     # -- waiting -------------------------------------------------------------------------------
