@@ -115,8 +115,8 @@ def test_memory_limit_kills_the_tree_within_half_a_second(cyclone_env_factory, t
     assert entry["tree"]["peak_memory_kb"] * 1024 < bound + 3 * 16 * MIB, entry
 
     runner = 0
-    if grandchild:
-        runner = int(psutil.Process(env.child_pids()[0]).memory_info().rss)
+    if grandchild:  # (the fallback kills the runner with the tree: then its replacement is the slot's)
+        runner = int(psutil.Process(wait_for(env.child_pids, 5, "the slot's runner")[0]).memory_info().rss)
     run, died, log = run_hog(env, tmp_path, "big", total=4 * GIB, chunk=64 * MIB, cap="256MiB", grandchild=grandchild)
     step = run.step
     entry = step.errors[-1]

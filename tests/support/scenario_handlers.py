@@ -216,14 +216,18 @@ def sc06_busy(ctx: cy.Context, inp: dict) -> dict:
 
 
 def _sleep_noting_cancel(ctx: cy.Context, log: str, seconds: float) -> None:
-    """Sleep ``seconds`` in 0.1 s slices, ignoring a cancel but recording the first one seen."""
+    """Sleep ``seconds`` in 0.1 s slices, ignoring a cancel but recording the first one seen
+    (a slice ends when the cancel comes, so its record says when it came)."""
     end = time.monotonic() + seconds
     seen = False
     while time.monotonic() < end:
         if ctx.cancelled and not seen:
             seen = True
             _append(log, {"event": "cancel_seen", "reason": ctx.cancel_reason})
-        time.sleep(0.1)
+        if seen:
+            time.sleep(0.1)
+        else:  # woken by the cancel itself: its time is when it arrived, not up to a slice later
+            ctx.cancellation.wait(max(0.0, min(0.1, end - time.monotonic())))
 
 
 @cy.step("sc07_five_seconds", max_attempts=3)
