@@ -191,7 +191,7 @@ class ProcessControl:
 
     def request_shutdown(self) -> None:
         """Soft stop: claim nothing more; in-flight handlers get ``shutdown_grace`` (SPEC 5).
-        Safe in a signal handler (no lock is taken)."""
+        Safe in a signal handler (it sets flags and wakes the inbox, whose lock is reentrant)."""
         self._shutdown_req = True
         self.inbox.wake()
 

@@ -49,8 +49,10 @@ class Hosting:
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             def on_signal_(signum: int, frame: Any) -> None:
-                # Runs again, nested, when a signal comes while it runs: it takes no lock
-                # (the supervisor's stop requests set plain flags and write to a pipe).
+                # Runs on the main thread, between two of its bytecodes, and again, nested,
+                # when a signal comes while it runs: what it calls takes no lock that thread
+                # may hold (stop requests set plain flags and wake an inbox, whose lock is
+                # reentrant; logging's are too).
                 if sup.stop_requested:
                     return
                 if sup.draining or sup.shutdown_requested:

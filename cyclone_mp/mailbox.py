@@ -43,7 +43,9 @@ class Inbox:
 
     def __init__(self) -> None:
         self._items: collections.deque[Any] = collections.deque()
-        self._lock = threading.Lock()
+        # Reentrant: a wake from a signal handler (the supervisor's SIGTERM) runs on the
+        # main thread, which may hold the lock at that moment (process control's take).
+        self._lock = threading.RLock()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
@@ -68,7 +70,8 @@ class Inbox:
 
     def wake(self) -> None:
         """Wake the reader without a message (a shutdown request, say). Under the lock:
-        once :meth:`close` released the pipe, its number may be another file's."""
+        once :meth:`close` released the pipe, its number may be another file's. Safe in a
+        signal handler, which may interrupt a thread holding the lock (it is reentrant)."""
         with self._lock:
             if self.closed:
                 return
