@@ -165,7 +165,8 @@ class Context:
         return (self.deadline - dt.datetime.now(dt.timezone.utc)).total_seconds()
 
     def set_progress(self, done: float, total: float | None = None, message: str | None = None) -> None:
-        """Report progress; the parent stores the latest value with its next heartbeat.
+        """Report progress; the parent stores the latest value with its next heartbeat,
+        and with the attempt's end (SPEC 2; a timed-out attempt's too).
 
         ``done``/``total`` are numbers (any unit), ``message`` a short string.
         """

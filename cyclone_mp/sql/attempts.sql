@@ -131,21 +131,31 @@ UPDATE cyclone_steps
 -- The sweep settled a timed-out attempt first: add the killing supervisor's forensics to
 -- that attempt's entry (found by its lease owner and generation, wherever it is: the step
 -- may have been retried and failed again before the kill), and %(note)s (what the
--- supervisor did, or NULL) to its message.
+-- supervisor did, or NULL) to its message. The handler's last progress, %(progress)s (NULL:
+-- none), is stored too, unless the step was claimed again since (its lease generation moved
+-- on): the sweep wrote the step's end with only what the heartbeats had stored, which
+-- misses progress reported after the last renewal.
 UPDATE cyclone_steps s
-   SET errors = jsonb_set(s.errors, ARRAY[(e.idx - 1)::text],
-                          e.entry || %(forensics)s::jsonb
-                          || CASE WHEN %(note)s::text IS NULL THEN '{}'::jsonb
-                                  ELSE jsonb_build_object('message', concat_ws('; ', e.entry ->> 'message', %(note)s::text))
-                             END)
-  FROM (SELECT t.entry, t.idx
+   SET errors = CASE WHEN e.idx IS NULL THEN s.errors
+                     ELSE jsonb_set(s.errors, ARRAY[(e.idx - 1)::text],
+                                    e.entry || %(forensics)s::jsonb
+                                    || CASE WHEN %(note)s::text IS NULL THEN '{}'::jsonb
+                                            ELSE jsonb_build_object('message', concat_ws('; ', e.entry ->> 'message', %(note)s::text))
+                                       END)
+                END,
+       progress = CASE WHEN s.lease_generation = %(generation)s AND s.state <> 'running'
+                       THEN coalesce(%(progress)s::jsonb, s.progress)
+                       ELSE s.progress END
+  FROM (SELECT 1) one
+  LEFT JOIN LATERAL (
+        SELECT t.entry, t.idx
           FROM cyclone_steps c, jsonb_array_elements(c.errors) WITH ORDINALITY AS t(entry, idx)
          WHERE c.id = %(id)s
            AND t.entry ->> 'lease_owner' = %(owner)s
            AND (t.entry ->> 'lease_generation')::bigint = %(generation)s
            AND NOT t.entry ? 'killed_by_supervisor'  -- once
          ORDER BY t.idx DESC
-         LIMIT 1) e
+         LIMIT 1) e ON true
  WHERE s.id = %(id)s;
 
 -- name: hold_paused

@@ -216,7 +216,8 @@ class Outcomes:
         ``backoff``: see :func:`end_attempt`).
 
         Returns a :class:`FailResult`: ``"applied"``, ``"lost"`` (the row is no longer this
-        attempt's) or ``"not_yet"`` (``require_timed_out`` and the DB deadline has not
+        attempt's: when the recovery sweep settled it first, the entry's forensics and
+        ``progress`` are added to what the sweep wrote, ``annotate_attempt``) or ``"not_yet"`` (``require_timed_out`` and the DB deadline has not
         passed yet: the worker clock never shortens a durable timeout). Raises DatabaseError.
         """
         with self.session.tx() as cur:
@@ -225,11 +226,12 @@ class Outcomes:
             row = self.session.one(cur, "lock_attempt", {"id": id, "owner": owner, "generation": generation})
             if row is None:
                 forensics = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
-                if forensics:
+                if forensics or progress is not None:
                     cur.execute(Q["annotate_attempt"], {
                         "id": id, "owner": owner, "generation": generation, "forensics": Jsonb(forensics),
                         # what the supervisor says it did ("child killed by the supervisor after ...")
                         "note": entry.get("message") if forensics.get("killed_by_supervisor") else None,
+                        "progress": nullable_jsonb(progress),
                     })
                 return FailResult("lost")
             if require_timed_out and not row["timed_out"]:

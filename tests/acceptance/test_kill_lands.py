@@ -184,6 +184,25 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
         watch.close()
 
 
+def test_a_killed_attempt_keeps_the_progress_its_handler_last_reported(cyclone_env_factory, tmp_path):
+    """Progress reported before the first renewal (5-10 s after the claim with a 30 s
+    lease) reaches only the supervisor. The recovery sweep settles the timeout first (it
+    ticks every 0.05-0.3 s; the kill is due 2 s after the deadline), with the progress the
+    heartbeats stored (none); the killing supervisor then completes that entry with its
+    forensics and the last progress. The demo's grandchild check reads its pids from this
+    progress, and found it missing once on a loaded machine."""
+    env = cyclone_env_factory(workers=1, lease_ttl=30, kill_grace=2, poll_interval=(0.05, 0.3))
+    log = tmp_path / "log"
+    run_id = env.enqueue(fh.progress_then_wedge, {"log": str(log), "message": "spawned pids=1,2"})
+    env.start_worker()
+    env.run_until_complete(run_id, timeout=30)
+    wait_for(lambda: "killed_by_supervisor" in env.status(run_id).step.errors[0], 10, "the kill's forensics")
+    step = env.status(run_id).step
+    assert (step.state, step.error_kind) == ("discarded", "timeout")
+    assert "settled by the recovery sweep" in step.errors[0]["message"], step.errors[0]
+    assert step.progress == {"done": 1, "total": None, "message": "spawned pids=1,2"}, step.progress
+
+
 # -- 1. partitions and freezes: the handler is dead before anyone else runs the step -------
 
 

@@ -339,3 +339,49 @@ def test_an_error_entrys_time_is_utc_text_whatever_the_session_time_zone(cyclone
             assert now - 60 < at <= now + 1
     finally:
         store.close()
+
+
+def test_a_kill_after_the_sweep_stores_the_forensics_and_the_last_progress(cyclone_env):
+    """The recovery sweep settles a timed-out attempt with the progress its heartbeats
+    stored; progress reported after the last renewal reaches only the killing supervisor,
+    whose late failure (its lease lost) adds it with the kill's forensics. Once the step
+    was claimed again, the new attempt's progress stays and only the old entry is annotated."""
+    store = Store.open(cyclone_env.dsn)
+    try:
+        cyclone_env.mux().register(h.raises)
+        ids = [cyclone_env.client().enqueue(h.raises, {}, timeout=1, max_attempts=n) for n in (1, 2)]
+        rows = store.claims.claim(owner=OWNER, queues=["default"], names=[h.raises.name], limit=2, ttl=30).rows
+        assert len(rows) == 2
+        by_run = {r["run_id"]: r for r in rows}
+        once, twice = by_run[ids[0]], by_run[ids[1]]
+        for row in rows:
+            age(cyclone_env.dsn, row["id"], 5)
+            assert store.sweep.expire(row["id"], lambda name: (lambda n: 0.0), {}).action == "timeout"
+        store.leases.mark_dead([(twice["id"], twice["lease_generation"])])  # reaped: its retry is claimable
+        (again,) = store.claims.claim(owner=OWNER, queues=["default"], names=[h.raises.name], limit=1, ttl=30).rows
+        assert again["id"] == twice["id"] and again["lease_generation"] > twice["lease_generation"]
+        assert store.leases.renew_many(owner=OWNER, items=[(again["id"], again["lease_generation"],
+                                                            {"done": 9, "total": None, "message": "retry"})],
+                                       ttl=30) == [True]
+        killed = {"killed_by_supervisor": True, "signal": 9, "trigger": "timeout",
+                  "message": "child killed by the supervisor"}
+        for row in (once, twice):
+            result = store.outcomes.fail(
+                owner=OWNER, id=row["id"], generation=row["lease_generation"], kind=decisions.TIMEOUT,
+                entry=killed, backoff=lambda n: 0.0, require_timed_out=True,
+                progress={"done": 1, "total": None, "message": "pids=1,2"})
+            assert result.status == "lost"
+        with connect(cyclone_env.dsn) as conn:
+            stored = {r["id"]: r for r in conn.execute(
+                "SELECT id, state, progress, errors FROM cyclone_steps WHERE id = ANY(%s)",
+                ([once["id"], twice["id"]],)).fetchall()}
+        assert stored[once["id"]]["state"] == "discarded"
+        assert stored[once["id"]]["progress"] == {"done": 1, "total": None, "message": "pids=1,2"}
+        assert stored[twice["id"]]["state"] == "running"
+        assert stored[twice["id"]]["progress"] == {"done": 9, "total": None, "message": "retry"}
+        for row in stored.values():
+            (entry,) = row["errors"]
+            assert entry["kind"] == "timeout" and entry["killed_by_supervisor"] is True, entry
+            assert entry["message"].endswith("; child killed by the supervisor"), entry
+    finally:
+        store.close()

@@ -37,6 +37,15 @@ def wedge_native(ctx: cy.Context, inp: dict) -> dict:
     return {}
 
 
+@cy.step("progress_then_wedge", timeout=1, max_attempts=1)
+def progress_then_wedge(ctx: cy.Context, inp: dict) -> dict:
+    """Reports progress (``inp["message"]``), then wedges in a C loop holding the GIL."""
+    ctx.set_progress(1, None, inp["message"])
+    note_start(inp, ctx)
+    collections.deque(itertools.repeat(None, 10**12), maxlen=0)
+    return {}
+
+
 def _no_backoff(attempt: int) -> float:
     return 0.0
 
