@@ -24,6 +24,7 @@ import pytest
 
 from cyclone_mp.limits.confinement import CGROUPS_ENV
 from cyclone_mp.limits.declared import GIB, MIB, format_size
+from cyclone_mp.store import connect
 
 import limit_handlers as lh
 from limits_support import HOST, dead, expect, lines, start
@@ -243,12 +244,22 @@ def test_max_processes_names_a_fork_burst_no_look_saw(cyclone_env_factory, tmp_p
         assert len(forked) <= 3, forked  # the runner is one of 4
     elif expect(mechanism).userns_processes:  # an ordinary user: RLIMIT_NPROC refuses the fork past the cap
         assert len(forked) <= 4, forked
-        assert entry["enforced_by"] == expect(mechanism).processes and entry["tree"]["processes"] <= 5, entry
+        assert entry["enforced_by"] == expect(mechanism).processes and entry["tree"]["processes"] <= 5, (
+            f"{entry}; this process saw {expect(mechanism).as_dict()}; the supervisor says {supervisor_mechanisms(env)}")
     else:
-        assert entry["enforced_by"] == "sampling" and entry["tree"]["processes"] > 4, entry
+        assert entry["enforced_by"] == "sampling" and entry["tree"]["processes"] > 4, (
+            f"{entry}; this process saw {expect(mechanism).as_dict()}; the supervisor says {supervisor_mechanisms(env)}")
         assert "over the cap as its handler ended" in entry["message"] or entry["killed_by_supervisor"], entry
     wait_for(lambda: all(dead(int(w[2])) for w in forked), 5, "the burst's processes to die")
     assert env.run_until_complete(env.enqueue(lh.noop, {}), timeout=10).state == "completed"
+
+
+def supervisor_mechanisms(env: Any) -> list[Any]:
+    """What each supervisor's registry row says holds the caps (said when an assertion on
+    ``enforced_by`` fails: a supervisor falls back to sampling when a child cannot make its
+    user namespace, and logs why)."""
+    with connect(env.dsn) as conn:
+        return [r["m"] for r in conn.execute("SELECT info -> 'limits' AS m FROM cyclone_workers").fetchall()]
 
 
 def _cmd(proc: psutil.Process) -> list[str]:
