@@ -302,7 +302,9 @@ class OutcomeWriter(DatabaseThread):
 
     def _late_success(self, outcome: Outcome) -> None:
         """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
-        Anything else (cancelled, reclaimed, already written) drops it."""
+        Anything else (cancelled, reclaimed, already written) drops it; a timeout the
+        recovery sweep wrote first gets the late return's forensics, progress and start
+        delay (:meth:`~cyclone_mp.store.Outcomes.annotate`)."""
         try:
             row = self.call(self.config.write_bound, lambda store: store.leases.state(outcome.step_id))
         except DatabaseUnavailable:
@@ -318,6 +320,16 @@ class OutcomeWriter(DatabaseThread):
                 kind=FAIL, error_kind=decisions.TIMEOUT, entry=entry, require_timed_out=True,
                 output=None), self.clock()))
             return
+        if (row and row["state"] != "running" and row["lease_generation"] == outcome.generation
+                and row["last_error_kind"] == decisions.TIMEOUT
+                and row["last_error_generation"] == outcome.generation):
+            try:
+                self.call(self.config.write_bound, lambda store: store.outcomes.annotate(
+                    owner=self.owner, id=outcome.step_id, generation=outcome.generation,
+                    entry={**self._entry(outcome), "returned_late": True},
+                    note="the handler returned after the database deadline", progress=outcome.progress))
+            except DatabaseError as exc:  # only the entry's details are lost: the attempt's end is written
+                log.warning("could not add a late return's details to step %d: %s", outcome.step_id, exc)
         self.count("late_completions_dropped")
         self._done(outcome)
 

@@ -128,13 +128,14 @@ UPDATE cyclone_steps
    AND (timeout IS NULL OR started_at + timeout > now());
 
 -- name: annotate_attempt
--- The sweep settled a timed-out attempt first: add the killing supervisor's forensics to
+-- The sweep settled a timed-out attempt first: add what its supervisor learnt since to
 -- that attempt's entry (found by its lease owner and generation, wherever it is: the step
--- may have been retried and failed again before the kill), and %(note)s (what the
--- supervisor did, or NULL) to its message. The handler's last progress, %(progress)s (NULL:
--- none), is stored too, unless the step was claimed again since (its lease generation moved
--- on): the sweep wrote the step's end with only what the heartbeats had stored, which
--- misses progress reported after the last renewal.
+-- may have been retried and failed again before the kill): %(forensics)s (the kill's, or a
+-- late return's), and %(note)s (what happened, or NULL) to its message. The handler's last
+-- progress, %(progress)s, and %(start_delay_us)s (its start after the claim), each NULL when
+-- unknown, are stored too unless the step was claimed again since (its lease generation
+-- moved on): the sweep could store only what the heartbeats had, and a handler may report
+-- progress, or start, after the last renewal.
 UPDATE cyclone_steps s
    SET errors = CASE WHEN e.idx IS NULL THEN s.errors
                      ELSE jsonb_set(s.errors, ARRAY[(e.idx - 1)::text],
@@ -145,18 +146,25 @@ UPDATE cyclone_steps s
                 END,
        progress = CASE WHEN s.lease_generation = %(generation)s AND s.state <> 'running'
                        THEN coalesce(%(progress)s::jsonb, s.progress)
-                       ELSE s.progress END
+                       ELSE s.progress END,
+       start_delay = CASE WHEN s.lease_generation = %(generation)s AND s.state <> 'running'
+                          THEN coalesce(%(start_delay_us)s::bigint * interval '1 microsecond', s.start_delay)
+                          ELSE s.start_delay END
   FROM (SELECT 1) one
-  LEFT JOIN LATERAL (
+  LEFT JOIN (
         SELECT t.entry, t.idx
           FROM cyclone_steps c, jsonb_array_elements(c.errors) WITH ORDINALITY AS t(entry, idx)
          WHERE c.id = %(id)s
            AND t.entry ->> 'lease_owner' = %(owner)s
            AND (t.entry ->> 'lease_generation')::bigint = %(generation)s
            AND NOT t.entry ? 'killed_by_supervisor'  -- once
+           AND NOT t.entry ? 'returned_late'         -- once
          ORDER BY t.idx DESC
          LIMIT 1) e ON true
- WHERE s.id = %(id)s;
+ WHERE s.id = %(id)s
+   AND (e.idx IS NOT NULL  -- else nothing to write: the row is left unlocked
+        OR (s.lease_generation = %(generation)s AND s.state <> 'running'
+            AND (%(progress)s::jsonb IS NOT NULL OR %(start_delay_us)s::bigint IS NOT NULL)));
 
 -- name: hold_paused
 -- In a paused run, a step that became claimable or waiting (a retry, a reclaim, a release)

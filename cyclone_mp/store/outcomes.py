@@ -225,19 +225,36 @@ class Outcomes:
                 return FailResult("lost")
             row = self.session.one(cur, "lock_attempt", {"id": id, "owner": owner, "generation": generation})
             if row is None:
-                forensics = {k: v for k, v in entry.items() if k in FORENSIC_KEYS}
-                if forensics or progress is not None:
-                    cur.execute(Q["annotate_attempt"], {
-                        "id": id, "owner": owner, "generation": generation, "forensics": Jsonb(forensics),
-                        # what the supervisor says it did ("child killed by the supervisor after ...")
-                        "note": entry.get("message") if forensics.get("killed_by_supervisor") else None,
-                        "progress": nullable_jsonb(progress),
-                    })
+                # what the supervisor says it did ("child killed by the supervisor after ...")
+                note = entry.get("message") if entry.get("killed_by_supervisor") else None
+                self._annotate(cur, owner, id, generation, entry, note, progress)
                 return FailResult("lost")
             if require_timed_out and not row["timed_out"]:
                 return FailResult("not_yet")
             end = end_attempt(cur, id, row, kind, entry, backoff, progress)
         return FailResult("applied", (row["step_name"], end.error_kind), end.state == "discarded")
+
+    @translate
+    def annotate(self, *, owner: str, id: int, generation: int, entry: dict[str, Any], note: str | None,
+                 progress: Any = None) -> None:
+        """Complete the entry the recovery sweep wrote for this attempt's timeout with what
+        its supervisor learnt after it (``annotate_attempt``): the forensics of ``entry``
+        (:data:`FORENSIC_KEYS`), ``note`` added to its message, and, unless the step was
+        claimed again since, ``progress`` and the handler's start delay (``entry["start_delay"]``,
+        seconds). Once per attempt. Raises DatabaseError."""
+        with self.session.tx() as cur:
+            self._annotate(cur, owner, id, generation, entry, note, progress)
+
+    @staticmethod
+    def _annotate(cur: psycopg.Cursor, owner: str, id: int, generation: int, entry: dict[str, Any],
+                  note: str | None, progress: Any) -> None:
+        delay = entry.get("start_delay")
+        cur.execute(Q["annotate_attempt"], {
+            "id": id, "owner": owner, "generation": generation, "note": note,
+            "forensics": Jsonb({k: v for k, v in entry.items() if k in FORENSIC_KEYS}),
+            "progress": nullable_jsonb(progress),
+            "start_delay_us": to_us(delay) if isinstance(delay, (int, float)) else None,
+        })
 
     @translate
     def snooze(self, *, owner: str, id: int, generation: int, seconds: float, max_snoozes: int,

@@ -20,6 +20,7 @@ from ..noderows import to_us
 FORENSIC_KEYS = frozenset({
     "pid", "exit_code", "signal", "signal_name", "killed_by_supervisor", "trigger",
     "cpu_seconds", "peak_rss_kb", "elapsed", "worker", "tree", "limits", "cause", "enforced_by", "lingering_threads",
+    "start_delay", "returned_late",
 })
 #: Stored bytes (``pg_column_size``) up to which a claimed row's input and upstream
 #: outputs come with its claim; a bigger row comes without them ("big") and the

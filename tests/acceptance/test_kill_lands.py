@@ -184,23 +184,32 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
         watch.close()
 
 
-def test_a_killed_attempt_keeps_the_progress_its_handler_last_reported(cyclone_env_factory, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "returned late"])
+def test_a_timed_out_attempt_keeps_the_progress_its_handler_last_reported(cyclone_env_factory, tmp_path, how):
     """Progress reported before the first renewal (5-10 s after the claim with a 30 s
     lease) reaches only the supervisor. The recovery sweep settles the timeout first (it
-    ticks every 0.05-0.3 s; the kill is due 2 s after the deadline), with the progress the
-    heartbeats stored (none); the killing supervisor then completes that entry with its
-    forensics and the last progress. The demo's grandchild check reads its pids from this
-    progress, and found it missing once on a loaded machine."""
+    ticks every 0.05-0.3 s; the kill is due 2 s after the deadline, the late return about
+    1 s after it), with what the heartbeats stored: no progress. The supervisor then
+    completes that entry with what it learnt: the kill's forensics, or that the handler
+    returned late, and the last progress and start delay. The demo's grandchild check
+    reads its pids from such progress, and found it missing once on a loaded machine."""
     env = cyclone_env_factory(workers=1, lease_ttl=30, kill_grace=2, poll_interval=(0.05, 0.3))
     log = tmp_path / "log"
-    run_id = env.enqueue(fh.progress_then_wedge, {"log": str(log), "message": "spawned pids=1,2"})
+    if how == "killed":
+        run_id = env.enqueue(fh.progress_then_wedge, {"log": str(log), "message": "spawned pids=1,2"})
+        added, note = "killed_by_supervisor", "; child killed by the supervisor after timeout"
+    else:
+        run_id = env.enqueue(fh.progress_then_late, {"log": str(log), "message": "spawned pids=1,2", "sleep": 2})
+        added, note = "returned_late", "; the handler returned after the database deadline"
     env.start_worker()
     env.run_until_complete(run_id, timeout=30)
-    wait_for(lambda: "killed_by_supervisor" in env.status(run_id).step.errors[0], 10, "the kill's forensics")
+    wait_for(lambda: added in env.status(run_id).step.errors[0], 10, f"the entry's {added}")
     step = env.status(run_id).step
-    assert (step.state, step.error_kind) == ("discarded", "timeout")
-    assert "settled by the recovery sweep" in step.errors[0]["message"], step.errors[0]
+    assert (step.state, step.error_kind, step.output) == ("discarded", "timeout", None)
+    (entry,) = step.errors
+    assert entry["message"] == "timed out (database clock); settled by the recovery sweep" + note, entry
     assert step.progress == {"done": 1, "total": None, "message": "spawned pids=1,2"}, step.progress
+    assert entry.get("start_delay", 0) > 0 and step.started_at > step.claimed_at, (entry, step)
 
 
 # -- 1. partitions and freezes: the handler is dead before anyone else runs the step -------

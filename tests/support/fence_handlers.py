@@ -46,6 +46,18 @@ def progress_then_wedge(ctx: cy.Context, inp: dict) -> dict:
     return {}
 
 
+@cy.step("progress_then_late", timeout=1, max_attempts=1)
+def progress_then_late(ctx: cy.Context, inp: dict) -> dict:
+    """Reports progress (``inp["message"]``), then sleeps ``inp["sleep"]`` seconds whatever
+    ctx says and returns (after its deadline)."""
+    ctx.set_progress(1, None, inp["message"])
+    note_start(inp, ctx)
+    end = time.monotonic() + inp["sleep"]
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    return {"late": True}
+
+
 def _no_backoff(attempt: int) -> float:
     return 0.0
 

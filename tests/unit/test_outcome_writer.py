@@ -67,6 +67,9 @@ class FakeStore:
         self.calls.append(("release", kw))
         return self.applied.pop(0)
 
+    def annotate(self, **kw: Any) -> None:
+        self.calls.append(("annotate", kw))
+
     def mark_dead(self, keys: list[Any]) -> None:
         self.calls.append(("mark_dead", {"keys": keys}))
 
@@ -194,6 +197,32 @@ def test_a_success_whose_cas_failed_counts_once_as_a_timeout_only_when_past_its_
         assert writer.stats.get("failed") == 1
     else:  # anything else (cancelled, reclaimed, written, or not past its deadline): dropped
         assert store.named("fail") == [] and writer.stats.get("late_completions_dropped") == 1
+    assert told.keeper == [LeaseDone(((1, 1),))] and writer.idle
+
+
+@pytest.mark.parametrize("row, annotated", [
+    ({"state": "discarded", "lease_generation": 1, "last_error_kind": "timeout", "last_error_generation": 1}, True),
+    ({"state": "available", "lease_generation": 1, "last_error_kind": "timeout", "last_error_generation": 1}, True),
+    ({"state": "available", "lease_generation": 1, "last_error_kind": "reclaim_limit", "last_error_generation": 1},
+     False),
+    ({"state": "running", "lease_generation": 2, "last_error_kind": "timeout", "last_error_generation": 1}, False),
+    ({"state": "cancelled", "lease_generation": 1, "last_error_kind": None, "last_error_generation": None}, False),
+], ids=["swept and discarded", "swept and retried", "not a timeout", "claimed again", "cancelled"])
+def test_a_late_success_after_the_sweeps_timeout_adds_its_details_to_that_entry(writer, store, told, row, annotated):
+    """A handler that returned after the recovery sweep wrote its attempt's timeout: the
+    return is still dropped (counted once), and that entry gets its details (progress,
+    start delay, a note) only when it is this attempt's timeout."""
+    store.rows = {1: {"lease_owner": OWNER, "timed_out": True, **row}}
+    writer.post_batch((done(1)._replace(progress={"done": 3}, start_delay=0.5),))
+    writer.turn(100.0)
+    assert store.named("fail") == [] and writer.stats.get("late_completions_dropped") == 1
+    if annotated:
+        [call] = store.named("annotate")
+        assert (call["id"], call["generation"], call["progress"]) == (1, 1, {"done": 3})
+        assert call["entry"]["returned_late"] is True and call["entry"]["start_delay"] == 0.5
+        assert call["note"] == "the handler returned after the database deadline"
+    else:
+        assert store.named("annotate") == []
     assert told.keeper == [LeaseDone(((1, 1),))] and writer.idle
 
 
