@@ -131,8 +131,9 @@ UPDATE cyclone_steps
 -- The sweep settled a timed-out attempt first: add what its supervisor learnt since to
 -- that attempt's entry (found by its lease owner and generation, wherever it is: the step
 -- may have been retried and failed again before the kill): %(forensics)s (the kill's, or a
--- late return's), and %(note)s (what happened, or NULL) to its message. The handler's last
--- progress, %(progress)s, and %(start_delay_us)s (its start after the claim), each NULL when
+-- late return's), and %(note)s (what happened, or NULL) to its message, and to the step's
+-- error while that is this last entry's message. The handler's last progress,
+-- %(progress)s, and %(start_delay_us)s (its start after the claim), each NULL when
 -- unknown, are stored too unless the step was claimed again since (its lease generation
 -- moved on): the sweep could store only what the heartbeats had, and a handler may report
 -- progress, or start, after the last renewal.
@@ -144,6 +145,11 @@ UPDATE cyclone_steps s
                                             ELSE jsonb_build_object('message', concat_ws('; ', e.entry ->> 'message', %(note)s::text))
                                        END)
                 END,
+       -- the step's error is that entry's message while that entry is the last
+       error = CASE WHEN e.idx = jsonb_array_length(s.errors) AND %(note)s::text IS NOT NULL
+                         AND s.error = e.entry ->> 'message'
+                    THEN concat_ws('; ', s.error, %(note)s::text)
+                    ELSE s.error END,
        progress = CASE WHEN s.lease_generation = %(generation)s AND s.state <> 'running'
                        THEN coalesce(%(progress)s::jsonb, s.progress)
                        ELSE s.progress END,

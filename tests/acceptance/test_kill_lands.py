@@ -208,6 +208,7 @@ def test_a_timed_out_attempt_keeps_the_progress_its_handler_last_reported(cyclon
     assert (step.state, step.error_kind, step.output) == ("discarded", "timeout", None)
     (entry,) = step.errors
     assert entry["message"] == "timed out (database clock); settled by the recovery sweep" + note, entry
+    assert step.error == entry["message"]
     assert step.progress == {"done": 1, "total": None, "message": "spawned pids=1,2"}, step.progress
     assert entry.get("start_delay", 0) > 0 and step.started_at > step.claimed_at, (entry, step)
 

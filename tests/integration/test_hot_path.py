@@ -373,7 +373,7 @@ def test_a_kill_after_the_sweep_stores_the_forensics_and_the_last_progress(cyclo
             assert result.status == "lost"
         with connect(cyclone_env.dsn) as conn:
             stored = {r["id"]: r for r in conn.execute(
-                "SELECT id, state, progress, errors, extract(epoch FROM start_delay) AS start_delay"
+                "SELECT id, state, error, progress, errors, extract(epoch FROM start_delay) AS start_delay"
                 "  FROM cyclone_steps WHERE id = ANY(%s)",
                 ([once["id"], twice["id"]],)).fetchall()}
         assert stored[once["id"]]["state"] == "discarded"
@@ -386,5 +386,7 @@ def test_a_kill_after_the_sweep_stores_the_forensics_and_the_last_progress(cyclo
             (entry,) = row["errors"]
             assert entry["kind"] == "timeout" and entry["killed_by_supervisor"] is True, entry
             assert entry["message"].endswith("; child killed by the supervisor"), entry
+        for row in stored.values():  # the step's error is its last entry's message
+            assert row["error"] == row["errors"][-1]["message"], row
     finally:
         store.close()
