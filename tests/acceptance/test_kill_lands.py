@@ -187,19 +187,21 @@ def test_every_wedged_child_dies_whatever_the_grace_and_the_backoff(cyclone_env_
 @pytest.mark.parametrize("how", ["killed", "returned late"])
 def test_a_timed_out_attempt_keeps_the_progress_its_handler_last_reported(cyclone_env_factory, tmp_path, how):
     """Progress reported before the first renewal (5-10 s after the claim with a 30 s
-    lease) reaches only the supervisor. The recovery sweep settles the timeout first (it
-    ticks every 0.05-0.3 s; the kill is due 2 s after the deadline, the late return about
-    1 s after it), with what the heartbeats stored: no progress. The supervisor then
-    completes that entry with what it learnt: the kill's forensics, or that the handler
-    returned late, and the last progress and start delay. The demo's grandchild check
-    reads its pids from such progress, and found it missing once on a loaded machine."""
-    env = cyclone_env_factory(workers=1, lease_ttl=30, kill_grace=2, poll_interval=(0.05, 0.3))
+    lease) reaches only the supervisor. The recovery sweep settles the timeout first, with
+    what the heartbeats stored (no progress): it ticks every 0.05-0.3 s, while the kill is
+    due 2 s after the deadline, or the handler returns 2 s after it (its kill due at 5 s).
+    The supervisor then completes that entry with what it learnt: the kill's forensics, or
+    that the handler returned late, and the last progress and start delay. The demo's
+    grandchild check reads its pids from such progress, and found it missing once on a
+    loaded machine."""
+    env = cyclone_env_factory(workers=1, lease_ttl=30, kill_grace=2 if how == "killed" else 5,
+                              poll_interval=(0.05, 0.3))
     log = tmp_path / "log"
     if how == "killed":
         run_id = env.enqueue(fh.progress_then_wedge, {"log": str(log), "message": "spawned pids=1,2"})
         added, note = "killed_by_supervisor", "; child killed by the supervisor after timeout"
     else:
-        run_id = env.enqueue(fh.progress_then_late, {"log": str(log), "message": "spawned pids=1,2", "sleep": 2})
+        run_id = env.enqueue(fh.progress_then_late, {"log": str(log), "message": "spawned pids=1,2", "sleep": 3})
         added, note = "returned_late", "; the handler returned after the database deadline"
     env.start_worker()
     env.run_until_complete(run_id, timeout=30)
