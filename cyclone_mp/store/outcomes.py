@@ -216,9 +216,10 @@ class Outcomes:
         ``backoff``: see :func:`end_attempt`).
 
         Returns a :class:`FailResult`: ``"applied"``, ``"lost"`` (the row is no longer this
-        attempt's: when the recovery sweep settled it first, the entry's forensics and
-        ``progress`` are added to what the sweep wrote, ``annotate_attempt``) or ``"not_yet"`` (``require_timed_out`` and the DB deadline has not
-        passed yet: the worker clock never shortens a durable timeout). Raises DatabaseError.
+        attempt's; when the recovery sweep settled it first, what :meth:`annotate` adds is
+        added to the sweep's entry) or ``"not_yet"`` (``require_timed_out`` and the DB
+        deadline has not passed yet: the worker clock never shortens a durable timeout).
+        Raises DatabaseError.
         """
         with self.session.tx() as cur:
             if self.session.one(cur, "lock_run_of_step", {"id": id}) is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import psycopg.sql
+from psycopg.types.json import Jsonb
 import pytest
 
 import cyclone_mp as cy
@@ -362,7 +363,7 @@ def test_a_kill_after_the_sweep_stores_the_forensics_and_the_last_progress(cyclo
         assert again["id"] == twice["id"] and again["lease_generation"] > twice["lease_generation"]
         with connect(cyclone_env.dsn) as conn:  # (its heartbeat's write: a renewal past its 1 s timeout matches nothing)
             conn.execute("UPDATE cyclone_steps SET progress = %s WHERE id = %s",
-                         (psycopg.types.json.Jsonb({"done": 9, "total": None, "message": "retry"}), again["id"]))
+                         (Jsonb({"done": 9, "total": None, "message": "retry"}), again["id"]))
         killed = {"killed_by_supervisor": True, "signal": 9, "trigger": "timeout", "start_delay": 0.25,
                   "message": "child killed by the supervisor"}
         for row in (once, twice):
