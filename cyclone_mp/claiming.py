@@ -75,15 +75,18 @@ class Claims:
         cancelled[key] = now
 
     def claim_limit(self, *, standalone: bool) -> int:
-        """Steps to claim now: free slots plus room to hold, minus what is held and what
-        claims on their way will bring (0 when draining or disconnected). A claim rides
-        with the outcomes that free its slots (:meth:`_send_outcomes`: one statement
-        writes them and claims, so a supervisor never holds more rows than it has slots
-        and room); one on its own waits until every outcome sent is written."""
-        if self.control.draining or not self.control.db_ok or (standalone and not self.control.writer.idle):
+        """Steps to claim now: free slots plus room to hold (with prefetch, the free places
+        in busy children's queues too), minus what is held and what claims on their way
+        will bring (0 when draining or disconnected). A claim rides with the outcomes that
+        free its slots (:meth:`_send_outcomes`: one statement writes them and claims, so a
+        supervisor never holds more rows than it has slots and room); one on its own waits
+        until every outcome sent is written."""
+        control = self.control
+        if control.draining or not control.db_ok or (standalone and not control.writer.idle):
             return 0
-        return max(0, len(self.control.pool.idle()) + self.control.holding.side_by_side_room() + self.control.prefetch_room() - len(self.control.held)
-                   - self.control.claiming)
+        room = (len(control.pool.idle()) + control.holding.side_by_side_room() + control.prefetch_room()
+                + control.holding.pipeline_room(draining=control.draining, step_seconds=control.step_seconds))
+        return max(0, room - len(control.held) - control.claiming)
 
     def start_now(self, claim: int) -> int:
         """Of a claim of ``claim`` steps, how many idle children can start at once: the

@@ -32,7 +32,7 @@ PREFETCH_SHARE_MIN = 32  # a supervisor's share of PREFETCH_FLEET is never below
 PREFETCH_DEFAULT = 256  # steps a supervisor may hold beyond its idle children by default (bounded by prefetch_room to what its children start within ~0.25 s)
 COALESCE_MAX = 0.1  # seconds: with prefetch, a finished step's outcome may wait this long for others to share its statement (pgqueuer: 0.1 s)
 COALESCE_PER_WORKER = 4  # outcomes per child that go at once, without waiting COALESCE_MAX (pgqueuer: 10 in all)
-PIPELINE_DEPTH = 16  # steps queued in a busy child, at most (a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
+PIPELINE_DEPTH = 64  # steps queued in a busy child, at most (fewer when they would wait over half the hold bound; a child sleeps less: 20,000 no-ops took ~25 % less CPU with 4 than with 1, and ~18 % less again with 16)
 PRELOAD_TIMEOUT = 30.0  # seconds a new child may spend importing one handler module before it is killed and the module is left to its steps
 PIPELINE_MAX_STEP = 0.01  # seconds: with attempts shorter than this (moving average), a busy child gets up to PIPELINE_DEPTH queued
 ARCHIVE_AFTER_DEFAULT = 600.0  # seconds a finished run stays in the hot tables before maintenance archives it
@@ -77,9 +77,10 @@ class Config:
             the database each holds at most its share of :data:`PREFETCH_FLEET`
             (:meth:`cyclone_mp.holding.Holding.prefetch_share`). See
             :meth:`cyclone_mp.holding.Holding.prefetch_room` for the bounds; while
-            attempts are short a busy child also gets held steps queued (up to
-            ``PIPELINE_DEPTH`` under ``PIPELINE_MAX_STEP``, one under
-            ``PIPELINE_ONE_MAX_STEP``).
+            attempts are short a busy child also gets held steps queued
+            (:meth:`cyclone_mp.holding.Holding.pipeline_depth`: up to ``PIPELINE_DEPTH``
+            under ``PIPELINE_MAX_STEP``, one under ``PIPELINE_ONE_MAX_STEP``), and a claim
+            counts their free places beside ``prefetch``.
         registry_interval: seconds between refreshes of the ``cyclone_workers`` row (what
             ``cyclone-mp workers`` shows; the live rows, refreshed within ``max(5 s, 3 x
             registry_interval)``, size each supervisor's share of the fleet's prefetch).

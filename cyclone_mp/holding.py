@@ -107,6 +107,34 @@ class Holding:
             return 0
         return cap
 
+    def pipeline_depth(self, step_seconds: float | None) -> int:
+        """Steps a busy child may have queued behind the one it runs (0: none). Attempts
+        (``step_seconds``, a moving average) under PIPELINE_MAX_STEP (10 ms) queue as many as
+        start within half the hold bound of the last claim's rows, at most PIPELINE_DEPTH,
+        the rule :meth:`prefetch_room` keeps for held steps; under PIPELINE_ONE_MAX_STEP
+        (0.1 s) one; longer ones none."""
+        if step_seconds is None or step_seconds >= PIPELINE_ONE_MAX_STEP:
+            return 0
+        if step_seconds >= PIPELINE_MAX_STEP:
+            return 1
+        return max(1, min(PIPELINE_DEPTH, int(self.claim_hold / 2 / max(step_seconds, 1e-4))))
+
+    def pipeline_room(self, *, draining: bool, step_seconds: float | None) -> int:
+        """The free places in the busy children's queues (:meth:`pipeline_depth` a child),
+        with prefetch only. A claim counts them beside :meth:`prefetch_room`, so a small
+        ``prefetch`` bounds what waits in the supervisor while the children's queues stay
+        full: one statement is in flight at a time, and its claim is all the steps that
+        arrive before the next."""
+        if not self.prefetch_share() or draining or self.hold_off:
+            return 0
+        depth = self.pipeline_depth(step_seconds)
+        if not depth:
+            return 0
+        young = self.clock() - PIPELINE_ONE_MAX_STEP
+        return sum(depth - len(c.queued) for c in self.pool.children
+                   if c.attempt is not None and c.returncode is None and c.attempt.cancel_reason is None
+                   and not c.recycle_due and c.attempt.started > young and len(c.queued) < depth)
+
     def side_by_side_room(self) -> int:
         """Attempts the children could start beside their running async ones
         (``async_concurrency``), beyond the idle children."""
@@ -248,13 +276,12 @@ class Holding:
     def _pipeline(self, step_seconds: float | None) -> None:
         """Pipelining: while attempts are short, a busy child also gets the next held steps,
         so it starts each the moment the one before ends instead of waiting for process
-        control. Attempts under PIPELINE_MAX_STEP (10 ms) queue up to PIPELINE_DEPTH; under
-        PIPELINE_ONE_MAX_STEP (0.1 s) one; longer ones none, and nothing is queued behind
-        an attempt that has run that long. A queued step that has not started within its
+        control: up to :meth:`pipeline_depth`, and nothing behind an attempt that has run
+        PIPELINE_ONE_MAX_STEP (0.1 s). A queued step that has not started within its
         hold bound is released (``AttemptEndings.release_queued``)."""
-        if step_seconds is None or step_seconds >= PIPELINE_ONE_MAX_STEP:
+        depth = self.pipeline_depth(step_seconds)
+        if not depth:
             return
-        depth = PIPELINE_DEPTH if step_seconds < PIPELINE_MAX_STEP else 1
         cap = self.config.max_steps_per_child
         young = self.clock() - PIPELINE_ONE_MAX_STEP
         low = [c for c in self.pool.children

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import types
 
-from cyclone_mp.config import PREFETCH_FLEET, PREFETCH_MAX_WAIT, PREFETCH_SHARE_MIN, Config
+from cyclone_mp.config import PIPELINE_DEPTH, PREFETCH_FLEET, PREFETCH_MAX_WAIT, PREFETCH_SHARE_MIN, Config
 from cyclone_mp.holding import Holding
+from cyclone_mp.limits.declared import row_limits
 from cyclone_mp.messages import RELEASE, LeaseDone
 
 NOW = [100.0]
@@ -117,3 +118,60 @@ def test_rate_limited_rows_go_first_and_are_never_held():
     part.give_back_rated()
     assert [o.key for o in posted] == [(11, 1)]  # the other rated one is given back at once
     assert [h.key for h in part.held] == [(1, 1), (2, 1)]
+
+
+def busy(pool: FakePool, queued: int, *, started: float | None = None) -> None:
+    """Every child of ``pool`` runs an attempt (started at ``started``, default now) with
+    ``queued`` steps queued behind it."""
+    for child in pool.children:
+        child.attempt = types.SimpleNamespace(started=NOW[0] if started is None else started, cancel_reason=None,
+                                              limits=row_limits(rows(1)[0]))
+        child.steps_run = 0
+        child.queued = [object()] * queued
+
+
+def test_a_busy_childs_queue_is_as_deep_as_half_the_hold_bound_allows():
+    part, _, _ = holding(Config.build(workers=2, prefetch=64))
+    assert part.pipeline_depth(None) == 0  # durations unknown
+    assert part.pipeline_depth(0.2) == 0  # long attempts: none
+    assert part.pipeline_depth(0.02) == 1  # tens of ms: one
+    assert part.pipeline_depth(0.0001) == PIPELINE_DEPTH  # no-ops: the most
+    assert part.pipeline_depth(0.005) == 50  # 0.25 s (half of 0.5) / 5 ms
+    part.add(rows(1, timeout=1.0), sent=NOW[0], now=NOW[0])  # a 1 s timeout: held 0.1 s at most
+    assert part.pipeline_depth(0.005) == 10 and part.pipeline_depth(0.0001) == PIPELINE_DEPTH
+
+
+def test_a_claim_counts_the_free_places_in_busy_childrens_queues_only_with_prefetch():
+    pool = FakePool(idle=2)
+    part, _, _ = holding(Config.build(workers=2, prefetch=64), pool)
+    busy(pool, queued=10)
+    assert part.pipeline_room(draining=False, step_seconds=0.001) == 2 * (PIPELINE_DEPTH - 10)
+    assert part.pipeline_room(draining=False, step_seconds=None) == 0
+    assert part.pipeline_room(draining=True, step_seconds=0.001) == 0
+    pool.children[0].attempt.cancel_reason = "timeout"  # nothing more queues behind a cancelled attempt
+    pool.children[1].queued = [object()] * PIPELINE_DEPTH  # full
+    assert part.pipeline_room(draining=False, step_seconds=0.001) == 0
+    busy(pool, queued=0, started=NOW[0] - 1.0)  # running for 1 s: nothing queues behind it
+    assert part.pipeline_room(draining=False, step_seconds=0.001) == 0
+    part.hold_off = True
+    busy(pool, queued=0)
+    assert part.pipeline_room(draining=False, step_seconds=0.001) == 0  # a held step waited too long
+    without, _, _ = holding(Config.build(workers=2, prefetch=0), pool)
+    assert without.pipeline_room(draining=False, step_seconds=0.001) == 0  # prefetch=0: idle children only
+
+
+def test_pipelining_fills_each_busy_child_up_to_its_depth():
+    pool = FakePool(idle=2)
+    started: list = []
+
+    def start(item, child):
+        child.queued.append(item)
+        started.append(item.key)
+        return True
+
+    part, _, _ = holding(Config.build(workers=2, prefetch=256), pool)
+    part.start = start
+    busy(pool, queued=0)
+    part.add(rows(200), sent=NOW[0], now=NOW[0])
+    part.take(step_seconds=0.005)  # 50 a child
+    assert [len(c.queued) for c in pool.children] == [50, 50] and len(part.held) == 100
