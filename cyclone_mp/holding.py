@@ -130,10 +130,15 @@ class Holding:
         depth = self.pipeline_depth(step_seconds)
         if not depth:
             return 0
+        cap = self.config.max_steps_per_child
         young = self.clock() - PIPELINE_ONE_MAX_STEP
-        return sum(depth - len(c.queued) for c in self.pool.children
-                   if c.attempt is not None and c.returncode is None and c.attempt.cancel_reason is None
-                   and not c.recycle_due and c.attempt.started > young and len(c.queued) < depth)
+        room = 0
+        for c in self.pool.children:
+            if (c.attempt is not None and c.returncode is None and c.attempt.cancel_reason is None
+                    and not c.recycle_due and c.attempt.started > young):
+                most = depth if cap is None else min(depth, cap - c.steps_run - 1)  # as _pipeline queues
+                room += max(0, most - len(c.queued))
+        return room
 
     def side_by_side_room(self) -> int:
         """Attempts the children could start beside their running async ones
@@ -276,12 +281,14 @@ class Holding:
     def _pipeline(self, step_seconds: float | None) -> None:
         """Pipelining: while attempts are short, a busy child also gets the next held steps,
         so it starts each the moment the one before ends instead of waiting for process
-        control: up to :meth:`pipeline_depth`, and nothing behind an attempt that has run
-        PIPELINE_ONE_MAX_STEP (0.1 s). A queued step that has not started within its
-        hold bound is released (``AttemptEndings.release_queued``)."""
+        control: up to :meth:`pipeline_depth`, a step only where it would start within
+        half its own hold bound (a short timeout's is short), and nothing behind an
+        attempt that has run PIPELINE_ONE_MAX_STEP (0.1 s). A queued step that has not
+        started within its hold bound is released (``AttemptEndings.release_queued``)."""
         depth = self.pipeline_depth(step_seconds)
-        if not depth:
+        if not depth or step_seconds is None:
             return
+        ttl = self.config.lease_ttl
         cap = self.config.max_steps_per_child
         young = self.clock() - PIPELINE_ONE_MAX_STEP
         low = [c for c in self.pool.children
@@ -298,7 +305,9 @@ class Holding:
                         and child.attempt.cancel_reason is None and not child.recycle_due
                         and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)
                         # the slot's caps are set per attempt: only behind an attempt with the same
-                        and row_limits(self.held[0].row) == child.attempt.limits):
+                        and row_limits(self.held[0].row) == child.attempt.limits
+                        and (len(child.queued) + 1) * step_seconds
+                        <= hold_bound(ttl, self.held[0].row["timeout"], PREFETCH_MAX_WAIT) / 2):
                     self.start(self.held.popleft(), child)
                     self.stats["pipelined"] += 1
                     took = True

@@ -175,3 +175,30 @@ def test_pipelining_fills_each_busy_child_up_to_its_depth():
     part.add(rows(200), sent=NOW[0], now=NOW[0])
     part.take(step_seconds=0.005)  # 50 a child
     assert [len(c.queued) for c in pool.children] == [50, 50] and len(part.held) == 100
+
+
+def test_a_step_is_queued_only_where_it_starts_within_half_its_own_hold_bound():
+    """The depth follows the last claim (no timeout: 64 for 1 ms steps), but steps of an
+    earlier claim with a 0.2 s timeout may wait 0.02 s: 10 a child at 1 ms a step."""
+    pool = FakePool(idle=2)
+
+    def start(item, child):
+        child.queued.append(item)
+        return True
+
+    part, _, _ = holding(Config.build(workers=2, prefetch=256), pool)
+    part.start = start
+    busy(pool, queued=0)
+    part.add(rows(40, timeout=0.2), sent=NOW[0], now=NOW[0])
+    part.add(rows(40, start=100), sent=NOW[0], now=NOW[0])
+    assert part.pipeline_depth(0.001) == PIPELINE_DEPTH
+    part.take(step_seconds=0.001)
+    assert [len(c.queued) for c in pool.children] == [10, 10] and len(part.held) == 60
+
+
+def test_the_room_in_a_queue_stops_where_max_steps_per_child_recycles_the_child():
+    pool = FakePool(idle=2)
+    part, _, _ = holding(Config.build(workers=2, prefetch=64, max_steps_per_child=20), pool)
+    busy(pool, queued=3)
+    pool.children[1].steps_run = 18  # _pipeline queues nothing more behind it (18 + 2 + 3 > 20)
+    assert part.pipeline_room(draining=False, step_seconds=0.001) == (20 - 0 - 1 - 3) + 0
