@@ -45,26 +45,37 @@ def own_user_namespace() -> str | None:
     return None
 
 
-def user_namespaces_refused() -> str | None:
+def user_namespaces_refused(tries: int = 3) -> str | None:
     """Why this process's children cannot each hold ``max_processes`` with RLIMIT_NPROC in a
     user namespace of their own, or None when they can (a short-lived child of this process
-    tried: a few milliseconds, once per supervisor)."""
+    tries: a few milliseconds, once per supervisor). A refusal is tried again, up to
+    ``tries`` times in all (a child killed or refused once is not the host's verdict), and
+    the reason names the kernel's error or the signal."""
     if os.geteuid() == 0:
         return "root is never bound by RLIMIT_NPROC"
     if (read_text("/proc/sys/user/max_user_namespaces") or "").strip() == "0":
         return "user namespaces are disabled (user.max_user_namespaces = 0)"
     if (read_text("/proc/sys/kernel/unprivileged_userns_clone") or "").strip() == "0":
         return "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0)"
-    import warnings  # lazy: as above
+    import ctypes  # lazy: as above
+    import warnings
 
-    unshare = _unshare()
-    with warnings.catch_warnings():  # (3.12+ warns of fork in a threaded process: the child below is safe)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # only the bound C function and _exit: other threads may hold locks
-        os._exit(0 if unshare(CLONE_NEWUSER) == 0 else 1)  # type: ignore[operator]
-    try:
-        _, status = os.waitpid(pid, 0)
-    except ChildProcessError:  # reaped by someone else: the children find out at birth
-        return None
-    return None if os.waitstatus_to_exitcode(status) == 0 else "the kernel refused an unprivileged user namespace"
+    unshare, get_errno = _unshare(), ctypes.get_errno
+    why = "the kernel refused an unprivileged user namespace"
+    for _ in range(max(1, tries)):
+        with warnings.catch_warnings():  # (3.12+ warns of fork in a threaded process: the child below is safe)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # only the bound C functions and _exit: other threads may hold locks
+            os._exit(0 if unshare(CLONE_NEWUSER) == 0 else min(255, get_errno() or 255))  # type: ignore[operator]
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:  # reaped by someone else: the children find out at birth
+            return None
+        code = os.waitstatus_to_exitcode(status)
+        if code == 0:
+            return None
+        why = ("the kernel refused an unprivileged user namespace"
+               + (f" ({os.strerror(code)})" if 0 < code < 255 else f" (the probe was killed by signal {-code})"
+                  if code < 0 else ""))
+    return why
