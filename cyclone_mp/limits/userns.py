@@ -58,7 +58,7 @@ def user_namespaces_refused(tries: int = 3) -> str | None:
     if (read_text("/proc/sys/kernel/unprivileged_userns_clone") or "").strip() == "0":
         return "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone = 0)"
     import ctypes  # lazy: as above
-    import warnings
+    import warnings  # lazy: as above
 
     unshare, get_errno = _unshare(), ctypes.get_errno
     why = "the kernel refused an unprivileged user namespace"
