@@ -130,15 +130,19 @@ class Holding:
         depth = self.pipeline_depth(step_seconds)
         if not depth:
             return 0
-        cap = self.config.max_steps_per_child
         young = self.clock() - PIPELINE_ONE_MAX_STEP
-        room = 0
-        for c in self.pool.children:
-            if (c.attempt is not None and c.returncode is None and c.attempt.cancel_reason is None
-                    and not c.recycle_due and c.attempt.started > young):
-                most = depth if cap is None else min(depth, cap - c.steps_run - 1)  # as _pipeline queues
-                room += max(0, most - len(c.queued))
-        return room
+        return sum(max(0, self._queue_most(c, depth, young) - len(c.queued)) for c in self.pool.children)
+
+    def _queue_most(self, child: Any, depth: int, young: float) -> int:
+        """How many steps ``child`` may have queued (0: none): ``depth`` behind a live
+        attempt started after ``young`` and not cancelled, on a child not due for recycling,
+        and no more than ``max_steps_per_child`` lets it run."""
+        att = child.attempt
+        if (att is None or child.returncode is not None or att.cancel_reason is not None or child.recycle_due
+                or att.started <= young):
+            return 0
+        cap = self.config.max_steps_per_child
+        return depth if cap is None else min(depth, cap - child.steps_run - 1)
 
     def side_by_side_room(self) -> int:
         """Attempts the children could start beside their running async ones
@@ -289,7 +293,6 @@ class Holding:
         if not depth or step_seconds is None:
             return
         ttl = self.config.lease_ttl
-        cap = self.config.max_steps_per_child
         young = self.clock() - PIPELINE_ONE_MAX_STEP
         low = [c for c in self.pool.children
                if c.attempt is not None and len(c.queued) <= depth // 2 and c.attempt.started > young]
@@ -301,9 +304,7 @@ class Holding:
                     return
                 if rated(self.held[0].row):  # a rate-limited step starts at once or not at all
                     return
-                if (child.attempt is not None and len(child.queued) < depth and child.returncode is None
-                        and child.attempt.cancel_reason is None and not child.recycle_due
-                        and (cap is None or child.steps_run + 2 + len(child.queued) <= cap)
+                if (len(child.queued) < self._queue_most(child, depth, young)
                         # the slot's caps are set per attempt: only behind an attempt with the same
                         and row_limits(self.held[0].row) == child.attempt.limits
                         and (len(child.queued) + 1) * step_seconds

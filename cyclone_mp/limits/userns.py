@@ -61,7 +61,7 @@ def user_namespaces_refused(tries: int = 3) -> str | None:
     import warnings  # lazy: as above
 
     unshare, get_errno = _unshare(), ctypes.get_errno
-    why = "the kernel refused an unprivileged user namespace"
+    detail = ""
     for _ in range(max(1, tries)):
         with warnings.catch_warnings():  # (3.12+ warns of fork in a threaded process: the child below is safe)
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -75,7 +75,8 @@ def user_namespaces_refused(tries: int = 3) -> str | None:
         code = os.waitstatus_to_exitcode(status)
         if code == 0:
             return None
-        why = ("the kernel refused an unprivileged user namespace"
-               + (f" ({os.strerror(code)})" if 0 < code < 255 else f" (the probe was killed by signal {-code})"
-                  if code < 0 else ""))
-    return why
+        if code < 0:
+            detail = f" (the probe was killed by signal {-code})"
+        elif code < 255:
+            detail = f" ({os.strerror(code)})"
+    return "the kernel refused an unprivileged user namespace" + detail
