@@ -24,7 +24,12 @@ class Claims:
 
     def on_claimed(self, message: Claimed) -> None:
         """Start claimed rows on idle children at once (however long they took to come
-        back: their leases count from the claim's sending), hold the rest. The next poll
+        back: their leases count from the claim's sending), hold the rest. With prefetch,
+        the outcomes gathered while the claim was out go to the writer once the rows are
+        held and before they start (when due, :meth:`Reports.flush_at
+        <cyclone_mp.reports.Reports.flush_at>`), with a claim for the room the rows leave:
+        the database runs that statement while process control starts them, instead of
+        waiting for it between two statements. The next poll
         comes after the poll interval's backoff, and no later than the claim's ``wait``
         (a rate-limited step's next free slot) when it has one."""
         self.control.claiming = max(0, self.control.claiming - message.limit)
@@ -41,6 +46,8 @@ class Claims:
         rated = self.control.holding.add(rows, message.sent, now)
         if self.control.draining:
             self.control.holding.expire(now, draining=True)
+        elif rows and message.limit and self.control.config.prefetch:  # (not the loader's rows)
+            self.control.reports.send_outcomes(arriving=True)
         self.control.take_held()
         if rated:
             self.control.holding.give_back_rated()
@@ -74,19 +81,37 @@ class Claims:
                 del cancelled[old]
         cancelled[key] = now
 
-    def claim_limit(self, *, standalone: bool) -> int:
+    def claim_limit(self, *, standalone: bool, arriving: bool = False) -> int:
         """Steps to claim now: free slots plus room to hold (with prefetch, the free places
         in busy children's queues too), minus what is held and what claims on their way
         will bring (0 when draining or disconnected). A claim rides with the outcomes that
         free its slots (:meth:`_send_outcomes`: one statement writes them and claims, so a
         supervisor never holds more rows than it has slots and room); one on its own waits
-        until every outcome sent is written."""
+        until every outcome sent is written. ``arriving``: the held steps include a claim's
+        rows that are about to start (see :meth:`held_after_start`)."""
         control = self.control
         if control.draining or not control.db_ok or (standalone and not control.writer.idle):
             return 0
-        room = (len(control.pool.idle()) + control.holding.side_by_side_room() + control.prefetch_room()
-                + control.holding.pipeline_room(draining=control.draining, step_seconds=control.step_seconds))
-        return max(0, room - len(control.held) - control.claiming)
+        free = self._free(arriving)
+        if arriving:
+            held = max(0, len(control.held) - free)
+            prefetch = control.holding.prefetch_room(draining=False, step_seconds=control.step_seconds, held=held)
+        else:
+            prefetch = control.prefetch_room()
+        return max(0, free + prefetch - len(control.held) - control.claiming)
+
+    def held_after_start(self) -> int:
+        """The steps still held once the held ones have started on the idle children and
+        filled their queues (:meth:`on_claimed` claims again before they start)."""
+        return max(0, len(self.control.held) - self._free(True))
+
+    def _free(self, arriving: bool) -> int:
+        """Idle children, places beside async attempts and in busy children's queues (and,
+        ``arriving``, in the queues the idle children will have)."""
+        control = self.control
+        return (len(control.pool.idle()) + control.holding.side_by_side_room()
+                + control.holding.pipeline_room(draining=control.draining, step_seconds=control.step_seconds,
+                                                arriving=arriving))
 
     def start_now(self, claim: int) -> int:
         """Of a claim of ``claim`` steps, how many idle children can start at once: the

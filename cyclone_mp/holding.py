@@ -83,7 +83,7 @@ class Holding:
             want = min(want, max(PREFETCH_SHARE_MIN, PREFETCH_FLEET // self.fleet))
         return want
 
-    def prefetch_room(self, *, draining: bool, step_seconds: float | None) -> int:
+    def prefetch_room(self, *, draining: bool, step_seconds: float | None, held: int | None = None) -> int:
         """How many steps to hold beyond the idle children (:meth:`prefetch_share`).
 
         Zero unless ``prefetch`` is set, and zero until attempt durations are known
@@ -93,6 +93,7 @@ class Holding:
         new child's start-up when ``max_steps_per_child`` recycles children. A held step
         released for waiting too long stops prefetching until the next attempt ends. The
         buffer is refilled once it is half empty, so refills ride on few statements.
+        ``held``: the held steps to judge that by (default: those held now).
         """
         want = self.prefetch_share()
         if not want or draining or step_seconds is None or self.hold_off:
@@ -103,7 +104,7 @@ class Holding:
         if self.config.max_steps_per_child is not None and ready is not None:
             cycle += ready / self.config.max_steps_per_child  # a recycled slot's restart, shared
         cap = min(want, int(self.config.workers * wait / cycle))
-        if len(self.held) > cap // 2:
+        if (len(self.held) if held is None else held) > cap // 2:
             return 0
         return cap
 
@@ -119,19 +120,25 @@ class Holding:
             return 1
         return max(1, min(PIPELINE_DEPTH, int(self.claim_hold / 2 / max(step_seconds, 1e-4))))
 
-    def pipeline_room(self, *, draining: bool, step_seconds: float | None) -> int:
+    def pipeline_room(self, *, draining: bool, step_seconds: float | None, arriving: bool = False) -> int:
         """The free places in the busy children's queues (:meth:`pipeline_depth` a child),
         with prefetch only. A claim counts them beside :meth:`prefetch_room`, so a small
         ``prefetch`` bounds what waits in the supervisor while the children's queues stay
         full: one statement is in flight at a time, and its claim is all the steps that
-        arrive before the next."""
+        arrive before the next. ``arriving``: a claim's rows were just held and are about
+        to start (the next claim is made first): each idle child counts as busy with an
+        empty queue, as it will be once they do (not with async steps run side by side,
+        whose children queue nothing)."""
         if not self.prefetch_share() or draining or self.hold_off:
             return 0
         depth = self.pipeline_depth(step_seconds)
         if not depth:
             return 0
         young = self.clock() - PIPELINE_ONE_MAX_STEP
-        return sum(max(0, self._queue_most(c, depth, young) - len(c.queued)) for c in self.pool.children)
+        room = sum(max(0, self._queue_most(c, depth, young) - len(c.queued)) for c in self.pool.children)
+        if arriving and not self.side_by_side:
+            room += sum(self._runs_left(c, depth) for c in self.pool.idle())
+        return room
 
     def _queue_most(self, child: Any, depth: int, young: float) -> int:
         """How many steps ``child`` may have queued (0: none): ``depth`` behind a live
@@ -141,8 +148,13 @@ class Holding:
         if (att is None or child.returncode is not None or att.cancel_reason is not None or child.recycle_due
                 or att.started <= young):
             return 0
+        return self._runs_left(child, depth)
+
+    def _runs_left(self, child: Any, depth: int) -> int:
+        """``depth``, or fewer when ``max_steps_per_child`` recycles ``child`` sooner: the
+        steps it may queue behind the one it runs."""
         cap = self.config.max_steps_per_child
-        return depth if cap is None else min(depth, cap - child.steps_run - 1)
+        return depth if cap is None else max(0, min(depth, cap - child.steps_run - 1))
 
     def side_by_side_room(self) -> int:
         """Attempts the children could start beside their running async ones

@@ -22,36 +22,43 @@ class Reports:
     def __init__(self, control: ProcessControl) -> None:
         self.control = control
 
-    def flush_at(self) -> float | None:
+    def flush_at(self, *, arriving: bool = False) -> float | None:
         """When the gathered outcomes go to the writer (None: there are none). At once,
         except with prefetch while held steps keep every child busy: then they wait up to
         COALESCE_MAX (0.1 s) for COALESCE_PER_WORKER (4) outcomes per child, so steps of
         about 20 ms share statements (pgqueuer buffers its completions the same way). An
-        outcome never waits into the last COALESCE_MAX before its attempt's deadline."""
+        outcome never waits into the last COALESCE_MAX before its attempt's deadline.
+        ``arriving``: the statement in flight came back with rows that are held and about to
+        start; they count as held only if the children and their queues cannot take them."""
         if not self.control.outcomes:
             return None
         since = self.control.outcomes_since if self.control.outcomes_since is not None else self.control.clock()
         due = [d - COALESCE_MAX for _, d in self.control.outcomes if d is not None]
-        if self.control.config.prefetch and self.control.batches_out and not self.control.draining:
+        if self.control.config.prefetch and self.control.batches_out and not self.control.draining and not arriving:
             # One statement in flight: these go in the next one, with all that ends meanwhile
             # and a claim for all the room there is (Written says when; the writer could not
             # start another statement before then anyway).
             return min([since + self.control.config.write_bound, *due])
         workers = self.control.config.workers
-        if (not self.control.config.prefetch or self.control.draining or len(self.control.outcomes) >= COALESCE_PER_WORKER * workers
-                or len(self.control.held) < workers):
+        held = self.control.claims.held_after_start() if arriving else len(self.control.held)
+        if (not self.control.config.prefetch or self.control.draining
+                or len(self.control.outcomes) >= COALESCE_PER_WORKER * workers or held < workers):
             return since
         return min([since + COALESCE_MAX, *due])
 
-    def send_outcomes(self, force: bool = False) -> None:
-        flush_at = self.flush_at()
+    def send_outcomes(self, force: bool = False, arriving: bool = False) -> None:
+        """Post the gathered outcomes when due (``force``: now), with a claim for the room
+        the freed slots leave (one statement). ``arriving``: as for :meth:`flush_at`; the
+        claim leaves those rows their places."""
+        flush_at = self.flush_at(arriving=arriving)
         if flush_at is None or (not force and flush_at > self.control.clock()):
             return
+        claim = self.control.claims.claim_limit(standalone=False, arriving=arriving)
+        start_now = self.control.claims.start_now(claim)
         outcomes, self.control.outcomes, self.control.outcomes_since = self.control.outcomes, [], None
-        claim = self.control.claims.claim_limit(standalone=False)  # the freed slots' next steps ride along (one statement)
         self.control.claiming += claim
         self.control.batches_out += 1
-        self.control.writer.post_batch(tuple(o for o, _ in outcomes), claim, self.control.claims.start_now(claim))
+        self.control.writer.post_batch(tuple(o for o, _ in outcomes), claim, start_now)
 
     def publish_snapshot(self, now: float) -> None:
         """What ``cyclone-mp workers`` shows, as plain data for maintenance to write."""

@@ -178,7 +178,7 @@ def test_pipelining_fills_each_busy_child_up_to_its_depth():
 
 
 def test_a_step_is_queued_only_where_it_starts_within_half_its_own_hold_bound():
-    """The depth follows the last claim (no timeout: 64 for 1 ms steps), but steps of an
+    """The depth follows the last claim (no timeout: the most for 1 ms steps), but steps of an
     earlier claim with a 0.2 s timeout may wait 0.02 s: 10 a child at 1 ms a step."""
     pool = FakePool(idle=2)
 
@@ -202,3 +202,19 @@ def test_the_room_in_a_queue_stops_where_max_steps_per_child_recycles_the_child(
     busy(pool, queued=3)
     pool.children[1].steps_run = 18  # _pipeline queues nothing more behind it (18 + 2 + 3 > 20)
     assert part.pipeline_room(draining=False, step_seconds=0.001) == (20 - 0 - 1 - 3) + 0
+
+
+def test_rows_on_their_way_count_each_idle_child_as_busy_with_an_empty_queue():
+    """A claim made before the last claim's rows are held (``arriving``) leaves them the
+    queues they will fill: an idle child runs one and queues up to its depth."""
+    pool = FakePool(idle=2)
+    part, _, _ = holding(Config.build(workers=2, prefetch=64), pool)
+    busy(pool, queued=10)
+    pool.children[1].attempt = None  # idle
+    pool.children[1].queued = []
+    assert part.pipeline_room(draining=False, step_seconds=0.001) == PIPELINE_DEPTH - 10
+    assert part.pipeline_room(draining=False, step_seconds=0.001, arriving=True) == 2 * PIPELINE_DEPTH - 10
+    assert part.pipeline_room(draining=False, step_seconds=0.2, arriving=True) == 0  # long attempts: no queue
+    capped, _, _ = holding(Config.build(workers=2, prefetch=64, max_steps_per_child=20), pool)
+    pool.children[0].steps_run, pool.children[1].steps_run = 0, 5
+    assert capped.pipeline_room(draining=False, step_seconds=0.001, arriving=True) == (20 - 1 - 10) + (20 - 5 - 1)
