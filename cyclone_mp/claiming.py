@@ -85,8 +85,9 @@ class Claims:
         """Steps to claim now: free slots plus room to hold (with prefetch, the free places
         in busy children's queues too), minus what is held and what claims on their way
         will bring (0 when draining or disconnected). A claim rides with the outcomes that
-        free its slots (:meth:`_send_outcomes`: one statement writes them and claims, so a
-        supervisor never holds more rows than it has slots and room); one on its own waits
+        free its slots (:meth:`Reports.send_outcomes
+        <cyclone_mp.reports.Reports.send_outcomes>`: one statement writes them and claims,
+        so a supervisor never holds more rows than it has slots and room); one on its own waits
         until every outcome sent is written. ``arriving``: the held steps include a claim's
         rows that are about to start (see :meth:`held_after_start`)."""
         control = self.control
@@ -121,8 +122,8 @@ class Claims:
     def request_claim(self, now: float) -> None:
         """A claim on its own (on the poll interval, or when woken), through the outcome
         writer, which makes every claim: the lease keeper only renews. With prefetch one
-        statement is in flight at a time (see :meth:`_flush_at`): the claim waits for it
-        (``Written``)."""
+        statement is in flight at a time (see :meth:`Reports.flush_at
+        <cyclone_mp.reports.Reports.flush_at>`): the claim waits for it (``Written``)."""
         if self.control.config.prefetch and self.control.batches_out:
             self.control.claim_after_written = True
             self.control.next_poll = now + self.control.poll_delay

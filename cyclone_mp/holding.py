@@ -260,6 +260,8 @@ class Holding:
                     break
                 self.release(item)  # frozen or stalled past half its lease: never start it
         self.flush()  # an idle child starts now, before the others' queues are filled
+        if self.held and rated(self.held[0].row):  # (claimed rate-limited rows are held first)
+            self.give_back_rated()  # one no idle child took is never queued
         try:
             self._pipeline(step_seconds)
         finally:

@@ -205,8 +205,8 @@ def test_the_room_in_a_queue_stops_where_max_steps_per_child_recycles_the_child(
 
 
 def test_rows_on_their_way_count_each_idle_child_as_busy_with_an_empty_queue():
-    """A claim made before the last claim's rows are held (``arriving``) leaves them the
-    queues they will fill: an idle child runs one and queues up to its depth."""
+    """A claim made once the last claim's rows are held, before they start (``arriving``),
+    leaves them the queues they will fill: an idle child runs one and queues up to its depth."""
     pool = FakePool(idle=2)
     part, _, _ = holding(Config.build(workers=2, prefetch=64), pool)
     busy(pool, queued=10)
@@ -218,3 +218,26 @@ def test_rows_on_their_way_count_each_idle_child_as_busy_with_an_empty_queue():
     capped, _, _ = holding(Config.build(workers=2, prefetch=64, max_steps_per_child=20), pool)
     pool.children[0].steps_run, pool.children[1].steps_run = 0, 5
     assert capped.pipeline_room(draining=False, step_seconds=0.001, arriving=True) == (20 - 1 - 10) + (20 - 5 - 1)
+
+
+def test_rate_limited_rows_no_idle_child_took_are_given_back_before_the_queues_fill():
+    """They are held first; left at the front, they would keep the steps behind them out
+    of the busy children's queues until the next turn."""
+    pool = FakePool(idle=2)
+
+    def start(item, child):
+        if child.attempt is None:
+            child.attempt = types.SimpleNamespace(started=NOW[0], cancel_reason=None, limits=row_limits(item.row))
+            child.steps_run = 0
+        else:
+            child.queued.append(item)
+        return True
+
+    part, posted, _ = holding(Config.build(workers=2, prefetch=64), pool)
+    part.start = start
+    busy(pool, queued=0)
+    pool.children[1].attempt = None  # one idle child
+    part.add(rows(10, start=10) + rows(3, rated=True), sent=NOW[0], now=NOW[0])
+    part.take(step_seconds=0.001)
+    assert pool.children[1].attempt is not None and [o.key for o in posted] == [(2, 1), (3, 1)]
+    assert not part.held and sum(len(c.queued) for c in pool.children) == 10
