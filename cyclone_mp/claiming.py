@@ -95,16 +95,17 @@ class Claims:
             return 0
         free = self._free(arriving)
         if arriving:
-            held = max(0, len(control.held) - free)
-            prefetch = control.holding.prefetch_room(draining=False, step_seconds=control.step_seconds, held=held)
+            prefetch = control.holding.prefetch_room(draining=False, step_seconds=control.step_seconds,
+                                                     held=self.held_after_start(free))
         else:
             prefetch = control.prefetch_room()
         return max(0, free + prefetch - len(control.held) - control.claiming)
 
-    def held_after_start(self) -> int:
+    def held_after_start(self, free: int | None = None) -> int:
         """The steps still held once the held ones have started on the idle children and
-        filled their queues (:meth:`on_claimed` claims again before they start)."""
-        return max(0, len(self.control.held) - self._free(True))
+        filled their queues (:meth:`on_claimed` claims again before they start); ``free``:
+        those places, when already counted (``_free(True)``)."""
+        return max(0, len(self.control.held) - (self._free(True) if free is None else free))
 
     def _free(self, arriving: bool) -> int:
         """Idle children, places beside async attempts and in busy children's queues (and,
