@@ -90,8 +90,8 @@ class Reaped:
 
 @dataclasses.dataclass(frozen=True)
 class Written:
-    """The outcome writer is done with ``batches`` of the :class:`Batch` messages posted to
-    it (written in one statement, or kept to write again). With prefetch, process control
+    """The outcome writer is done with ``batches`` of the counted :class:`Batch` messages
+    posted to it (written in one statement, or kept to write again). With prefetch, process control
     keeps one statement in flight: what ends meanwhile waits for this, then goes in the
     next statement together, with a claim for all the room there is."""
 
@@ -178,6 +178,9 @@ class Batch:
     outcomes: tuple["Outcome", ...]
     claim: int = 0
     start_now: int = 0  #: of ``claim``, how many idle children can start at once (rate-limited steps: no more)
+    #: process control counts it in ``batches_out`` and waits for its :class:`Written`
+    #: (False: a held step's release, posted outside that count)
+    counted: bool = True
 
 
 class Outcome(NamedTuple):

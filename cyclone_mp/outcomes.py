@@ -93,23 +93,28 @@ class OutcomeWriter(DatabaseThread):
         self.pending: list[PendingWrite] = []
         self.dead: list[Any] = []  # attempts reaped after a cancel or a timeout, to record (mark_dead)
         self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
-        self._taken = 0  # Batch messages read since process control was last told (Written)
+        self._taken = 0  # counted Batch messages read since process control was last told (Written)
         self._lock = threading.Lock()
         self._outstanding = 0  # posted and not yet done (read by process control)
 
     # -- process control's side ------------------------------------------------------------------
 
     def post(self, outcome: Outcome) -> None:
-        """Hand over one outcome (never blocks)."""
-        self.post_batch((outcome,))
+        """Hand over one outcome outside process control's count of batches (a held step's
+        release): no :class:`~cyclone_mp.messages.Written` answers it (never blocks)."""
+        self.post_batch((outcome,), counted=False)
 
-    def post_batch(self, outcomes: tuple[Outcome, ...], claim: int = 0, start_now: int | None = None) -> None:
+    def post_batch(self, outcomes: tuple[Outcome, ...], claim: int = 0, start_now: int | None = None, *,
+                   counted: bool = True) -> None:
         """Hand over outcomes, and a claim of up to ``claim`` steps to make in the same
         statement (its rows go to process control as :class:`~cyclone_mp.messages.Claimed`),
-        of which ``start_now`` (default all) can start on idle children at once."""
+        of which ``start_now`` (default all) can start on idle children at once.
+        ``counted``: process control counts this batch as out until a
+        :class:`~cyclone_mp.messages.Written` says the writer is done with it."""
         with self._lock:
             self._outstanding += len(outcomes)
-        self.inbox.post(Batch(tuple(outcomes), claim, claim if start_now is None else min(claim, start_now)))
+        self.inbox.post(Batch(tuple(outcomes), claim, claim if start_now is None else min(claim, start_now),
+                              counted))
 
     def post_dead(self, keys: tuple[Any, ...]) -> None:
         """Hand over attempts that ended after a cancel or a timeout and whose processes are
@@ -132,7 +137,7 @@ class OutcomeWriter(DatabaseThread):
             self.batch.extend(message.outcomes)
             self.claim += message.claim
             self.start_now += message.start_now
-            self._taken += 1
+            self._taken += message.counted
 
     def turn(self, now: float) -> float:
         self._read_inbox()

@@ -300,6 +300,24 @@ def test_a_release_is_written_alone_and_makes_its_step_claimable_at_once(writer,
     assert told.control == [Poll(), Written(1)] and told.keeper == [LeaseDone(((3, 1),))]
 
 
+def test_a_held_steps_release_is_not_counted_among_the_batches_process_control_waits_for(writer, store, told):
+    """Process control counts the batches it posts (``batches_out``) and posts the next
+    statement once Written says they are done; a held step's release (``post``) is not
+    among them, so Written must not count it, or the count would reach 0 while a
+    statement is still in flight."""
+    store.applied = [True]
+    store.settled = Settled(completed={(1, 1)}, failed=set(), claimed=[])
+    writer.post(Outcome((3, 1), RELEASE, "ok", 1, False, held=True))
+    writer.turn(100.0)
+    assert store.named("release") == [{"owner": OWNER, "id": 3, "generation": 1}]
+    assert told.control == [Poll()]
+    writer.post(Outcome((4, 1), RELEASE, "ok", 1, False, held=True))
+    writer.post_batch((done(1),))
+    store.applied = [True]
+    writer.turn(100.0)
+    assert told.control[1:] == [Poll(), Written(1)]
+
+
 def test_reaped_attempts_are_recorded_after_the_outcomes_posted_before_them(writer, store):
     store.settled = Settled(completed={(1, 1)}, failed=set(), claimed=[])
     writer.post_batch((done(1),))
