@@ -38,8 +38,10 @@ class Claims:
         rows = list(message.rows)
         if self.control.cancelled_unclaimed:
             gone = [r for r in rows if self.control.cancelled_unclaimed.pop((r["id"], r["lease_generation"]), None)]
-            if gone:  # cancelled as the claim came back: nothing to run, nothing to renew
-                self.control.keeper(LeaseDone(tuple((r["id"], r["lease_generation"]) for r in gone)))
+            if gone:  # cancelled as the claim came back: nothing to run, nothing to renew, nothing to wait for
+                keys = tuple((r["id"], r["lease_generation"]) for r in gone)
+                self.control.keeper(LeaseDone(keys))
+                self.control.writer.post_dead(keys, started=False)
                 rows = [r for r in rows if r not in gone]
         # a rate-limited step took its rate slot with this claim: it starts on an idle child
         # now, ahead of what is held, or is given back at once (never held or queued)

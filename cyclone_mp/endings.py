@@ -93,6 +93,8 @@ class AttemptEndings:
         child = att.child
         child.attempt = None
         dropped = bool(result.get("dropped"))  # a queued step the child never started
+        if dropped:  # our cancel's reason, else the child's own (it is ended with it)
+            att.cancel_reason = att.cancel_reason or result.get("cancel_reason")
         child.steps_run += not dropped
         child.cpu_total = float(result.get("cpu_total") or child.cpu_total)
         rss = result.get("rss")
@@ -333,7 +335,13 @@ class AttemptEndings:
     # -- the outcome ---------------------------------------------------------------------------------
 
     def end(self, att: Attempt) -> None:
-        """The attempt is over in its child: forget it here (its outcome follows)."""
+        """The attempt is over in its child: forget it here (its outcome follows). Ended
+        after a cancel, a timeout or a lost lease, it is reported dead, so its step's retry
+        and its concurrency slot need not wait for ``dead_by``: nothing of it runs (its
+        handler returned, its child is gone, or a step queued behind another never
+        started). Once per attempt."""
+        if att.ended:
+            return
         att.ended = True
         for path in att.files:  # the outputs files of its upstream maps: read by now
             mapped.discard(path)
@@ -341,8 +349,8 @@ class AttemptEndings:
             del self.control.attempts[att.key]
         self.control.deadlines.forget()
         self.control.limit_watch.disarm(att)
-        if att.cancel_reason in REAPED_REPORTED and att.started_wall is not None:
-            self.control.writer.post_dead((att.key,))
+        if att.cancel_reason in REAPED_REPORTED:
+            self.control.writer.post_dead((att.key,), started=att.started_wall is not None)
 
     def settle(self, att: Attempt, ending: Ending) -> None:
         """Carry out what the judge said ``att`` became: its outcome for the writer, or

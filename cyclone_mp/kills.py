@@ -73,13 +73,15 @@ class Kills:
 
     def on_lease_lost(self, message: LeaseLost) -> None:
         """A renewal matched nothing: cancel the attempt with the reason the row gives
-        (SPEC 4); ``kill_grace`` later it is killed. A held step is simply dropped."""
+        (SPEC 4); ``kill_grace`` later it is killed. A held step is dropped, and reported
+        dead to the outcome writer (it never started)."""
         att = self.control.attempts.get(message.key)
         if message.reason == "cancelled":  # heard by the listener: the keeper renews it no more
             ours = att is not None or any(h.key == message.key for h in self.control.held)
             self.control.claims.forget_cancelled(message.key, ours=ours)
         if att is None:
-            self.control.holding.drop(message.key)
+            if self.control.holding.drop(message.key):  # held, never started: its retry need not wait
+                self.control.writer.post_dead((message.key,), started=False)
             return
         if att.ended:
             return

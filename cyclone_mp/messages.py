@@ -79,11 +79,13 @@ class LeaseDone:
 @dataclasses.dataclass(frozen=True)
 class Reaped:
     """These attempts ended after a cancel or a timeout, and nothing of them runs any
-    more (their handler returned, or their child is dead and reaped): the outcome writer
-    records it (``dead_by``), so their steps may run again, and their concurrency slots
-    go to others, at once (SPEC 9)."""
+    more (their handler returned, or their child is dead and reaped; or, ``started``
+    False, no handler ever started: held, or queued behind a busy child, when the cancel
+    came): the outcome writer records it (``dead_by``), so their steps may run again,
+    and their concurrency slots go to others, at once (SPEC 9)."""
 
     keys: tuple[LeaseKey, ...]
+    started: bool = True
 
 
 # -- lease keeper, outcome writer, maintenance -> process control ---------------------------------

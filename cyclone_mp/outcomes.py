@@ -92,6 +92,7 @@ class OutcomeWriter(DatabaseThread):
         self.start_now = 0  # of it, the steps idle children can start at once
         self.pending: list[PendingWrite] = []
         self.dead: list[Any] = []  # attempts reaped after a cancel or a timeout, to record (mark_dead)
+        self.unstarted: set[Any] = set()  # of those, the ones whose handlers never started
         self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
         self._taken = 0  # counted Batch messages read since process control was last told (Written)
         self._lock = threading.Lock()
@@ -116,11 +117,11 @@ class OutcomeWriter(DatabaseThread):
         self.inbox.post(Batch(tuple(outcomes), claim, claim if start_now is None else min(claim, start_now),
                               counted))
 
-    def post_dead(self, keys: tuple[Any, ...]) -> None:
+    def post_dead(self, keys: tuple[Any, ...], *, started: bool = True) -> None:
         """Hand over attempts that ended after a cancel or a timeout and whose processes are
-        dead (:class:`~cyclone_mp.messages.Reaped`); recorded after the outcomes posted
-        before them (never blocks)."""
-        self.inbox.post(Reaped(tuple(keys)))
+        dead (:class:`~cyclone_mp.messages.Reaped`); ``started`` False: their handlers never
+        started. Recorded after the outcomes posted before them (never blocks)."""
+        self.inbox.post(Reaped(tuple(keys), started))
 
     @property
     def idle(self) -> bool:
@@ -133,6 +134,8 @@ class OutcomeWriter(DatabaseThread):
         for message in self.inbox.take():
             if isinstance(message, Reaped):
                 self.dead.extend(message.keys)
+                if not message.started:
+                    self.unstarted.update(message.keys)
                 continue
             self.batch.extend(message.outcomes)
             self.claim += message.claim
@@ -202,14 +205,17 @@ class OutcomeWriter(DatabaseThread):
         statement); kept for the next turn during an outage. Until recorded, their steps
         wait for ``dead_by`` on the database clock: never sooner than is safe."""
         dead, self.dead = self.dead, []
+        unstarted = self.unstarted.intersection(dead)
         try:
-            self.call(self.config.write_bound, lambda store: store.leases.mark_dead(dead))
+            self.call(self.config.write_bound, lambda store: store.leases.mark_dead(dead, unstarted=unstarted))
         except DatabaseUnavailable:
             self.dead = dead + self.dead
+            return
         except Exception as exc:  # noqa: BLE001 - nothing is lost: the steps wait for dead_by
             log.warning("could not record %d reaped attempt(s): %s", len(dead), exc)
         else:
             self.count("reaped_recorded", len(dead))
+        self.unstarted -= unstarted
 
     def _claim_alone(self, limit: int, start_now: int) -> None:
         """A claim with no outcome to write (the poll, or a NOTIFY, found slots free)."""

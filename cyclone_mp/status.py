@@ -35,8 +35,10 @@ class StepStatus:
             for an attempt with resource limits or killed by a cause of death also
             ``limits``, ``tree`` (``peak_memory_kb``, ``cpu_seconds``, ``processes`` of the
             whole process tree), ``cause`` and ``enforced_by``;
-            and one per attempt cancelled while it ran (``kind="cancelled"``, with its
-            ``started_at``; no attempt consumed, ``error`` unchanged).
+            and one per claimed attempt cancelled (``kind="cancelled"``, with its
+            ``started_at`` and ``elapsed`` if its handler had started, else the message
+            "cancelled before it started (client.cancel)" once its supervisor says so;
+            no attempt consumed, ``error`` unchanged).
         claimed_at: when the last attempt's row was claimed (the database's ``now()``:
             its timeout counts from it). started_at: when its handler started: the claim
             plus the delay its supervisor reports with the attempt's renewal, then with its

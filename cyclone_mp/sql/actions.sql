@@ -6,7 +6,9 @@
 -- running attempt leaves an entry in errors (kind "cancelled", with its started_at and
 -- claimed_at, lease owner and generation, so the supervisor's kill forensics can join
 -- it), consuming no attempt and leaving error and error_kind as they were: after cancel,
--- retry, cancel the history still shows both attempts and when each started.
+-- retry, cancel the history still shows both attempts and when each started. (A row
+-- claimed but never started, held or queued, is running here too: its supervisor rewrites
+-- that entry once it knows, with mark_dead.)
 WITH steps AS (
     UPDATE cyclone_steps
        SET state = 'cancelled', finished_at = now(), lease_expiry = NULL, paused_from = NULL,

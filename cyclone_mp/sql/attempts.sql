@@ -76,11 +76,19 @@ UPDATE cyclone_steps
 -- A supervisor reaped the processes of these attempts (%(ids)s, %(generations)s) that ended
 -- after a cancel or a timeout: whatever their rows say now, nothing of them runs any more
 -- (dead_by = 'epoch', until the next claim of the step). The queues of the steps this frees
--- are woken (a retry or a concurrency sibling may be claimable now).
+-- are woken (a retry or a concurrency sibling may be claimable now). An attempt whose
+-- handler never started (%(started)s false: held, or queued behind a busy child, when the
+-- cancel came): the entry client.cancel wrote for it (the last, of its lease generation)
+-- loses started_at and elapsed and says so.
 WITH dead AS (
     UPDATE cyclone_steps s
-       SET dead_by = 'epoch'
-      FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[]) AS k(id, generation)
+       SET dead_by = 'epoch',
+           errors = CASE WHEN NOT k.started AND s.errors -> -1 ->> 'kind' = 'cancelled'
+                              AND s.errors -> -1 ->> 'lease_generation' = k.generation::text
+                         THEN jsonb_set(s.errors, '{-1}', ((s.errors -> -1) - 'started_at' - 'elapsed')
+                                        || '{"message": "cancelled before it started (client.cancel)"}'::jsonb)
+                         ELSE s.errors END
+      FROM unnest(%(ids)s::bigint[], %(generations)s::bigint[], %(started)s::boolean[]) AS k(id, generation, started)
      WHERE s.id = k.id AND s.lease_generation = k.generation
        AND (s.dead_by IS NULL OR s.dead_by > 'epoch')
     RETURNING s.queue

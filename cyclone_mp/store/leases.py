@@ -4,7 +4,7 @@ are dead (its step may run again at once). Statements: ``sql/attempts.sql``."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from ..noderows import to_us
 from .queries import Q, nullable_jsonb
@@ -51,14 +51,18 @@ class Leases:
             return self.session.one(cur, "lease_state", {"id": id})
 
     @translate
-    def mark_dead(self, keys: Sequence[tuple[int, int]]) -> int:
+    def mark_dead(self, keys: Sequence[tuple[int, int]], *, unstarted: Collection[tuple[int, int]] = ()) -> int:
         """Record that the processes of these ``(step id, lease generation)`` attempts,
         ended after a cancel or a timeout, are dead and reaped: their steps may run again
         (and their concurrency slots go to others) at once, without waiting for
-        ``dead_by``. Wakes the supervisors of the queues concerned; returns how many
+        ``dead_by``. ``unstarted``: those of them whose handlers never started (held, or
+        queued behind a busy child): the entry ``client.cancel`` wrote for such an
+        attempt loses its ``started_at`` and ``elapsed`` and says it was cancelled before
+        it started. Wakes the supervisors of the queues concerned; returns how many
         queues it woke."""
         if not keys:
             return 0
         with self.session.conn.cursor() as cur:
-            cur.execute(Q["mark_dead"], {"ids": [k[0] for k in keys], "generations": [k[1] for k in keys]})
+            cur.execute(Q["mark_dead"], {"ids": [k[0] for k in keys], "generations": [k[1] for k in keys],
+                                         "started": [k not in unstarted for k in keys]})
             return int(cur.fetchone()["woken"])

@@ -204,6 +204,49 @@ def test_a_cancelled_holder_keeps_its_slot_until_its_child_is_dead(cyclone_env_f
     assert second["t"] - lives.dead[holder_pid] <= 1.0
 
 
+def test_a_step_cancelled_before_its_handler_started_waits_for_nothing(cyclone_env_factory, tmp_path):
+    """One child, prefetch, lease_ttl=10 and kill_grace=5 (a cancelled running step's
+    dead_by is about 15 s away): while a 1.5 s step runs, no-ops wait queued behind it in
+    its child and held in the supervisor. One of each is cancelled: neither handler
+    starts, the supervisor reports both dead at once (nothing of them runs), so a retry of
+    each completes within 3 s instead of waiting for dead_by, and each one's history
+    entry says it was cancelled before it started (no started_at, no elapsed)."""
+    log = str(tmp_path / "queued.log")
+    env = cyclone_env_factory(worker="thread", workers=1, lease_ttl=10, kill_grace=5, poll_interval=(0.02, 0.2))
+    env.mux().register(lh.live_noted)
+    client = env.client()
+    client.enqueue_many(lh.live_noted, [{"log": log, "seconds": 0}] * 300)  # short steps: pipelined
+    slow = env.enqueue(lh.live_noted, {"log": log, "seconds": 1.5})
+    behind = client.enqueue_many(lh.live_noted, [{"log": log, "seconds": 0}] * 300)
+    control = env.start_worker().client.supervisor.control
+    assert wait_until(lambda: any(r["run_id"] == slow for r in lh.records(log, "start")), timeout=30)
+
+    def queued_and_held() -> tuple[str, str] | None:
+        with contextlib.suppress(RuntimeError):  # (read while process control changes them)
+            queued = [a.run_id for child in list(control.pool.children) for a in list(child.queued)]
+            held = [h.row["run_id"] for h in list(control.held)]
+            queued, held = [r for r in behind if r in queued], [r for r in behind if r in held]
+            if queued and held:
+                return queued[-1], held[-1]
+        return None
+
+    picked = wait_until(queued_and_held, timeout=1.0, interval=0.005)
+    assert picked, "no step was both queued in the child and held in the supervisor"
+    for run_id in picked:
+        client.cancel(run_id)
+    assert wait_until(lambda: all(client.status(r).step.dead_by is None for r in picked), timeout=3)  # reported
+    retried_at = time.time()
+    for run_id in picked:
+        client.retry(run_id)
+    for run_id in picked:
+        assert env.run_until_complete(run_id, timeout=3).state == "completed"
+        starts = [r for r in lh.records(log, "start") if r["run_id"] == run_id]
+        assert len(starts) == 1 and starts[0]["t"] >= retried_at, starts  # only the retry ran
+        entry = client.status(run_id).step.errors[-1]
+        assert entry["kind"] == "cancelled" and entry["message"] == "cancelled before it started (client.cancel)"
+        assert "started_at" not in entry and "elapsed" not in entry and "claimed_at" in entry, entry
+
+
 # -- cancels are pushed -----------------------------------------------------------------------------
 
 

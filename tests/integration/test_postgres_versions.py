@@ -6,6 +6,7 @@ on 14 to 18: ``CYCLONE_TEST_POSTGRES``), and maintenance that fails loudly.
 - a server older than 14 is refused by ``migrate()`` and so by every supervisor, in one line;
 - the maintenance turn works from the row as migration 0018 left it (``ran_at`` =
   ``-infinity``, which PostgreSQL before 17 cannot subtract from);
+- a cancelled attempt reported dead (never started, or reaped) frees its step at once;
 - a SIGKILLed supervisor's step is reclaimed and completed by another within
   ``lease_ttl`` + 2 poll intervals, and a wedged step is discarded at its DB deadline;
 - a sweep that keeps failing shows in ``workers``, the dashboard, the metrics and the log.
@@ -111,6 +112,36 @@ def test_the_maintenance_turn_works_from_a_row_made_by_migration_0018(cyclone_ds
 
 
 # -- recovery --------------------------------------------------------------------------------------
+
+
+def test_a_cancelled_attempt_reported_dead_frees_its_step_and_one_that_never_started_says_so(cyclone_env) -> None:
+    """client.cancel of two claimed steps sets dead_by on both; the supervisor reports them
+    dead (mark_dead), one as never started: both may run again at once, and only the
+    unstarted one's cancel entry is rewritten (jsonb_set on the last entry)."""
+    from cyclone_mp.store import Store
+
+    cyclone_env.mux().register(h.ok)
+    client = cyclone_env.client()
+    run_ids = [client.enqueue(h.ok, {}) for _ in range(2)]
+    store = Store.open(cyclone_env.dsn)
+    try:
+        rows = store.claims.claim(owner="test:1:x", queues=["default"], names=[h.ok.name], limit=2, ttl=30).rows
+        keys = {r["run_id"]: (r["id"], r["lease_generation"]) for r in rows}
+        for run_id in run_ids:
+            client.cancel(run_id)
+        assert all(client.status(r).step.dead_by is not None for r in run_ids)
+        ran, unstarted = (keys[r] for r in run_ids)
+        store.leases.mark_dead([ran, unstarted], unstarted={unstarted})
+    finally:
+        store.close()
+    ran_step, unstarted_step = (client.status(r).step for r in run_ids)
+    assert ran_step.dead_by is None and unstarted_step.dead_by is None
+    assert ran_step.errors[-1]["message"] == "cancelled while running (client.cancel)"
+    assert "started_at" in ran_step.errors[-1] and "elapsed" in ran_step.errors[-1]
+    entry = unstarted_step.errors[-1]
+    assert entry["message"] == "cancelled before it started (client.cancel)" and len(unstarted_step.errors) == 1
+    assert "started_at" not in entry and "elapsed" not in entry
+    assert entry["claimed_at"] and entry["lease_generation"] == unstarted[1] and entry["kind"] == "cancelled"
 
 
 def test_a_crashed_supervisors_step_is_reclaimed_and_a_wedged_one_discarded_on_time(cyclone_env_factory, tmp_path):

@@ -39,6 +39,7 @@ class FakeStore:
         self.claimed: list[dict[str, Any]] = []
         self.applied: list[Any] = []  # answers of complete/fail/release, in order
         self.fail_error: Exception | None = None
+        self.mark_dead_error: Exception | None = None
         self.rows: dict[int, dict[str, Any] | None] = {}
         self.claims = self.outcomes = self.leases = self
 
@@ -70,8 +71,11 @@ class FakeStore:
     def annotate(self, **kw: Any) -> None:
         self.calls.append(("annotate", kw))
 
-    def mark_dead(self, keys: list[Any]) -> None:
-        self.calls.append(("mark_dead", {"keys": keys}))
+    def mark_dead(self, keys: list[Any], unstarted: Any = ()) -> None:
+        self.calls.append(("mark_dead", {"keys": keys, "unstarted": set(unstarted)}))
+        if self.mark_dead_error is not None:
+            error, self.mark_dead_error = self.mark_dead_error, None
+            raise error
 
     def state(self, step_id: int) -> dict[str, Any] | None:
         return self.rows.get(step_id)
@@ -324,4 +328,22 @@ def test_reaped_attempts_are_recorded_after_the_outcomes_posted_before_them(writ
     writer.post_dead(((4, 1), (5, 2)))
     writer.turn(100.0)
     assert [name for name, _ in store.calls] == ["settle", "mark_dead"]
-    assert store.named("mark_dead") == [{"keys": [(4, 1), (5, 2)]}] and writer.stats["reaped_recorded"] == 2
+    assert store.named("mark_dead") == [{"keys": [(4, 1), (5, 2)], "unstarted": set()}]
+    assert writer.stats["reaped_recorded"] == 2
+
+
+def test_attempts_that_never_started_are_recorded_dead_as_unstarted(writer, store):
+    """A held or queued step cancelled before its handler started: recorded with the
+    reaped ones in one statement, marked as never started, and kept so through an outage."""
+    writer.post_dead(((4, 1),))
+    writer.post_dead(((6, 3), (7, 1)), started=False)
+    store.mark_dead_error = DatabaseUnavailable("connection lost")
+    writer.turn(100.0)
+    assert store.named("mark_dead") == [{"keys": [(4, 1), (6, 3), (7, 1)], "unstarted": {(6, 3), (7, 1)}}]
+    writer.store, writer.db_ok = store, True  # reconnected
+    writer.post_dead(((8, 1),))
+    writer.turn(100.1)
+    assert store.named("mark_dead")[-1] == {"keys": [(4, 1), (6, 3), (7, 1), (8, 1)], "unstarted": {(6, 3), (7, 1)}}
+    writer.post_dead(((9, 1),))
+    writer.turn(100.2)
+    assert store.named("mark_dead")[-1] == {"keys": [(9, 1)], "unstarted": set()}
