@@ -78,9 +78,9 @@ class Runner:
         for line in self.cancel_file:
             token, _, reason = line.strip().partition(" ")
             reason = reason or "cancelled"
-            if self.concurrent is not None and self.concurrent.cancel(token, reason):
-                continue  # one of the async handlers running side by side
-            with self.lock:
+            with self.lock:  # (the main loop submits a side-by-side task under it: see loop)
+                if self.concurrent is not None and self.concurrent.cancel(token, reason):
+                    continue  # one of the async handlers running side by side
                 if token != self.task:
                     # A task queued behind the current one (or not read yet, or already
                     # finished): it will not start. Said now, not when the current one
@@ -214,7 +214,9 @@ class Runner:
                 held.append(message)
                 continue
             if message.get("concurrent"):  # an async handler beside others (async_concurrency)
-                self.concurrent_tasks().submit(message)
+                with self.lock:  # a cancel the watcher said was dropped before this read: it never starts
+                    if self.dropped.pop(message["task"], None) is None:
+                        self.concurrent_tasks().submit(message)
                 continue
             with self.lock:
                 if self.dropped.pop(message["task"], None) is not None:

@@ -208,7 +208,7 @@ class OutcomeWriter(DatabaseThread):
         unstarted = self.unstarted.intersection(dead)
         try:
             self.call(self.config.write_bound, lambda store: store.leases.mark_dead(dead, unstarted=unstarted))
-        except DatabaseUnavailable:
+        except (DatabaseUnavailable, DatabaseBusy):  # (an outage, a lock wait): kept for the next turn
             self.dead = dead + self.dead
             return
         except Exception as exc:  # noqa: BLE001 - nothing is lost: the steps wait for dead_by
@@ -415,6 +415,10 @@ class OutcomeWriter(DatabaseThread):
                 if released:
                     self.count("prefetch_released" if outcome.held else "released")
                     self.tell_control(Poll())  # claimable at once, here too
+                else:  # the row moved on (a cancel): nothing of a released attempt runs, so
+                    self.dead.append(outcome.key)  # its step need not wait for dead_by
+                    if outcome.held:  # (claimed ahead and never started)
+                        self.unstarted.add(outcome.key)
                 self._done(outcome)
                 return True
             result = self.call(self.config.write_bound, lambda store: store.outcomes.fail(

@@ -12,7 +12,7 @@ import pytest
 
 from cyclone_mp import decisions
 from cyclone_mp.config import Config
-from cyclone_mp.errors import DatabaseError, DatabaseUnavailable
+from cyclone_mp.errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from cyclone_mp.messages import COMPLETE, FAIL, RELEASE, Claimed, LeaseDone, Outcome, Poll, Track, Written
 from cyclone_mp.outcomes import RETRY_AFTER, OutcomeWriter
 from cyclone_mp.store import FORENSIC_KEYS, ClaimResult, FailResult, Settled
@@ -347,3 +347,27 @@ def test_attempts_that_never_started_are_recorded_dead_as_unstarted(writer, stor
     writer.post_dead(((9, 1),))
     writer.turn(100.2)
     assert store.named("mark_dead")[-1] == {"keys": [(9, 1)], "unstarted": set()}
+
+
+def test_a_release_whose_row_moved_on_reports_the_attempt_dead(writer, store, told):
+    """A release is written only once nothing of its attempt runs; when its row moved on
+    (cancelled meanwhile, its dead_by set), the step need not wait for dead_by: the
+    attempt is recorded dead, as never started when it was claimed ahead."""
+    store.applied = [False, False]
+    writer.post(Outcome((3, 1), RELEASE, "ok", 1, False, held=True))
+    writer.post_batch((Outcome((4, 2), RELEASE, "ok", 1, False),))
+    writer.turn(100.0)
+    assert [name for name, _ in store.calls] == ["release", "release", "mark_dead"]
+    assert store.named("mark_dead") == [{"keys": [(3, 1), (4, 2)], "unstarted": {(3, 1)}}]
+    assert LeaseDone(((3, 1), (4, 2))) in told.keeper
+
+
+def test_reaped_attempts_are_kept_through_a_busy_database(writer, store):
+    """A lock wait or a statement timeout: nothing was recorded, so the next turn tries
+    again (else their steps would wait for dead_by)."""
+    writer.post_dead(((4, 1),), started=False)
+    store.mark_dead_error = DatabaseBusy("canceling statement due to lock timeout")
+    writer.turn(100.0)
+    writer.turn(100.1)
+    assert store.named("mark_dead") == [{"keys": [(4, 1)], "unstarted": {(4, 1)}}] * 2
+    assert writer.stats["reaped_recorded"] == 1
