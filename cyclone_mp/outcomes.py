@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from . import decisions, unhealable
 from .backoff import delay_after
@@ -162,14 +162,11 @@ class OutcomeWriter(DatabaseThread):
         return self.clock() + 1.0
 
     def _done(self, outcome: Outcome) -> None:
-        """The outcome's write is over: its lease is no longer renewed (the keeper hears of
-        it at the end of this turn, with the others of the batch)."""
-        self._finished.append(outcome.key)
-        with self._lock:
-            self._outstanding -= 1
+        self._done_many((outcome,))
 
-    def _done_many(self, outcomes: list[Outcome]) -> None:
-        """:meth:`_done` for many outcomes at once (one lock for the whole tick)."""
+    def _done_many(self, outcomes: Sequence[Outcome]) -> None:
+        """These outcomes' writes are over: their leases are no longer renewed (the keeper
+        hears of it at the end of this turn, with the others of the batch); one lock for all."""
         self._finished.extend(o.key for o in outcomes)
         with self._lock:
             self._outstanding -= len(outcomes)
@@ -415,10 +412,9 @@ class OutcomeWriter(DatabaseThread):
                 if released:
                     self.count("prefetch_released" if outcome.held else "released")
                     self.tell_control(Poll())  # claimable at once, here too
-                else:  # the row moved on (a cancel): nothing of a released attempt runs, so
-                    self.dead.append(outcome.key)  # its step need not wait for dead_by
-                    if outcome.held:  # (claimed ahead and never started)
-                        self.unstarted.add(outcome.key)
+                else:  # the row moved on (a cancel): nothing of a released attempt runs, so its step
+                    self.dead.append(outcome.key)  # need not wait for dead_by (held: it never started)
+                    self.unstarted.update((outcome.key,) if outcome.held else ())
                 self._done(outcome)
                 return True
             result = self.call(self.config.write_bound, lambda store: store.outcomes.fail(
