@@ -93,7 +93,7 @@ class Claims:
         until every outcome sent is written. ``arriving``: the held steps include a claim's
         rows that are about to start (see :meth:`held_after_start`)."""
         control = self.control
-        if control.draining or not control.db_ok or (standalone and not control.writer.idle):
+        if control.draining or not control.db_ok or (standalone and control.batches_out):
             return 0
         free = self._free(arriving)
         if arriving:

@@ -4,52 +4,37 @@ Process control hands it :class:`~cyclone_mp.messages.Batch` values (outcomes: a
 success, a failed attempt, a release; and the claim for the slots they free) and goes
 on; the writer puts whatever has gathered meanwhile, the claim included, in one
 statement (:meth:`~cyclone_mp.store.Outcomes.settle`: each row with its own CAS,
-SPEC 1), so outcomes share statements whenever they come faster than a round trip.
-A row whose CAS did not hold is looked at alone: a success past its DB deadline still
-counts once, as a timeout (SPEC 3), a failed attempt of a workflow run is written with
-its run advanced, and a timeout not yet due on the database clock waits for it.
-
-A write the database cannot take now (an outage, a lock wait past ``lock_timeout``) is
-kept and written again; one it rejects (bad data) is never retried as is: a rejected
-success becomes a failed attempt, a rejected error entry is written again with its plain
-fields only. When a write is done (applied, or moot), the lease keeper stops renewing
-that lease (:class:`~cyclone_mp.messages.LeaseDone`): until then the lease is kept, so a
-brief outage does not turn a finished step into a reclaimed one.
+SPEC 1), so outcomes share statements whenever they come faster than a round trip. A
+row whose run another session holds locked is not waited for: its outcome rides with
+later statements until the lock goes, while the others flow. A row whose CAS did not
+hold, and every write the statement could not make, is made alone
+(:mod:`cyclone_mp.writealone`). When a write is done (applied, or moot), the lease
+keeper stops renewing that lease (:class:`~cyclone_mp.messages.LeaseDone`): until then
+the lease is kept, so a brief outage does not turn a finished step into a reclaimed one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-from . import decisions, unhealable
+from . import decisions
 from .backoff import delay_after
 from .config import Config
-from .connections import stale_plan
 from .dbloop import DatabaseThread
-from .errors import ConfigurationError, DatabaseBusy, DatabaseError, DatabaseUnavailable, UnknownStep
+from .errors import DatabaseBusy, DatabaseError, DatabaseUnavailable
 from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, Batch, Claimed, LeaseDone, Load, Outcome, Poll, Reaped, Track, Written
-from .protocol import storable
 from .steps import DEFAULT_MAX_SNOOZES
 from .store import FORENSIC_KEYS, FailedAttempt
 from .telemetry import NO_OBSERVER, Observer
+from .writealone import RETRY_AFTER, AloneWrites, PendingWrite
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
-RETRY_AFTER = 0.05  # seconds before a write that could not be made now is tried again
+DEFER_MAX = 1.0  # seconds: outcomes of runs another session holds locked are tried alone ever later, up to this
 FINAL_FLUSH = 1.0  # seconds the writer may spend on what is left when the supervisor stops (while calls come back)
-
-
-@dataclasses.dataclass
-class PendingWrite:
-    """An outcome written alone, again at ``retry_at`` (local monotonic seconds) if needed."""
-
-    outcome: Outcome
-    retry_at: float
-    plain: bool = False  # the error entry was rejected once: write only its plain fields
 
 
 class OutcomeWriter(DatabaseThread):
@@ -90,7 +75,10 @@ class OutcomeWriter(DatabaseThread):
         self.batch: list[Outcome] = []
         self.claim = 0  # the claim to make with the next batch
         self.start_now = 0  # of it, the steps idle children can start at once
-        self.pending: list[PendingWrite] = []
+        self.alone = AloneWrites(self)  # writes made one at a time, and those kept to make again
+        self.deferred: list[Outcome] = []  # outcomes whose runs another session held locked (Settled.skipped)
+        self.deferred_at = 0.0  # when they are tried again, if no statement takes them before
+        self._defer_delay = 0.0
         self.dead: list[Any] = []  # attempts reaped after a cancel or a timeout, to record (mark_dead)
         self.unstarted: set[Any] = set()  # of those, the ones whose handlers never started
         self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
@@ -147,24 +135,25 @@ class OutcomeWriter(DatabaseThread):
         if self.claim and not self.db_ok:  # no claim during an outage: say so, process control backs off
             claim, self.claim, self.start_now = self.claim, 0, 0
             self._claimed([], self.clock(), limit=claim, failed=True)
-        if self.db_ok and (self.batch or self.claim):
+        if self.db_ok and (self.batch or self.claim or (self.deferred and self.clock() >= self.deferred_at)):
             self._write_batch()
-        if self.db_ok and self.pending:
-            self._retry_pending(self.clock())
+        if self.db_ok and self.alone.pending:
+            self.alone.retry_due(self.clock())
         if self.db_ok and self.dead:
             self._mark_dead()
         self._tell_finished()
         if self._taken:
             self.tell_control(Written(self._taken))
             self._taken = 0
-        if self.pending or self.dead:
-            return min([p.retry_at for p in self.pending] + ([self.clock() + RETRY_AFTER] if self.dead else []))
+        if self.alone.pending or self.dead or self.deferred:
+            return min([p.retry_at for p in self.alone.pending] + ([self.clock() + RETRY_AFTER] if self.dead else [])
+                       + ([self.deferred_at] if self.deferred else []))
         return self.clock() + 1.0
 
-    def _done(self, outcome: Outcome) -> None:
-        self._done_many((outcome,))
+    def done(self, outcome: Outcome) -> None:
+        self.done_many((outcome,))
 
-    def _done_many(self, outcomes: Sequence[Outcome]) -> None:
+    def done_many(self, outcomes: Sequence[Outcome]) -> None:
         """These outcomes' writes are over: their leases are no longer renewed (the keeper
         hears of it at the end of this turn, with the others of the batch); one lock for all."""
         self._finished.extend(o.key for o in outcomes)
@@ -177,7 +166,7 @@ class OutcomeWriter(DatabaseThread):
             self._finished = []
 
     def _write_batch(self) -> None:
-        batch, self.batch = self.batch, []
+        batch, self.batch, self.deferred = self.deferred + self.batch, [], []  # the deferred ones ride along
         claim, self.claim = self.claim, 0
         start_now, self.start_now = min(self.start_now, claim), 0
         # (written alone: rare) releases, snoozes, and completions that spawned runs
@@ -191,11 +180,11 @@ class OutcomeWriter(DatabaseThread):
                 self._settle(done, failed, claim, start_now)
             except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
                 log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
-                self._keep(done + failed)
+                self.alone.keep(done + failed)
                 if claim:
                     self._claimed([], self.clock(), limit=claim, failed=True)
         for outcome in releases:
-            self._write_alone(PendingWrite(outcome, self.clock()))
+            self.alone.write(PendingWrite(outcome, self.clock()))
 
     def _mark_dead(self) -> None:
         """Record the reaped attempts (:meth:`~cyclone_mp.store.Leases.mark_dead`, one
@@ -250,7 +239,7 @@ class OutcomeWriter(DatabaseThread):
         completions = [(o.step_id, o.generation, o.output, o.progress, o.start_delay) for o in done]
         failures = [
             FailedAttempt(id=o.step_id, generation=o.generation, kind=o.error_kind or decisions.ERROR,
-                          entry=self._entry(o), require_timed_out=o.require_timed_out, progress=o.progress,
+                          entry=self.entry_of(o), require_timed_out=o.require_timed_out, progress=o.progress,
                           delay=delay_after(o.attempt, o.backoff_spec, self.backoff_for(o.step_name)))
             for o in failed
         ]
@@ -264,7 +253,7 @@ class OutcomeWriter(DatabaseThread):
                 queues=self.config.queues, names=self.names, limit=claim, ttl=self.config.lease_ttl,
                 kill_within=self.config.kill_within, start_now=start_now))
         except DatabaseUnavailable:
-            self._keep(done + failed)
+            self.alone.keep(done + failed)
             if claim:
                 self._claimed([], sent, limit=claim, failed=True)
             return
@@ -272,7 +261,7 @@ class OutcomeWriter(DatabaseThread):
             if claim:
                 self._claimed([], sent, limit=claim, failed=True)
             for outcome in done + failed:
-                self._write_alone(PendingWrite(outcome, self.clock()))
+                self.alone.write(PendingWrite(outcome, self.clock()))
             return
         if claim:
             self._claimed(settled.claimed, sent, limit=claim, wait=settled.wait)
@@ -283,10 +272,12 @@ class OutcomeWriter(DatabaseThread):
         written = [o for o in done if o.key in settled.completed]
         if written:
             self.observer.written_many([o.step_name for o in written], "completed")
-        self._done_many(written)
-        for outcome in done:
-            if outcome.key not in settled.completed:
-                self._late_success(outcome)
+        self.done_many(written)
+        late = [o for o in done if o.key not in settled.completed]
+        self._defer([o for o in late + failed if o.key in settled.skipped])
+        for outcome in late:
+            if outcome.key not in settled.skipped:
+                self.alone.late_success(outcome)
         # The rest (a lost lease, a timeout not yet due on the DB clock, a run neither
         # running nor paused, a workflow run's failure) go the one-by-one way.
         for outcome in failed:
@@ -294,54 +285,29 @@ class OutcomeWriter(DatabaseThread):
                 kind = settled.failed_kinds.get(outcome.key) or decisions.ERROR
                 self.observer.written(outcome.step_name, kind)
                 if outcome.key in settled.discarded:
-                    self._discarded(outcome, kind)
-                self._done(outcome)
-            else:
-                self._write_alone(PendingWrite(outcome, self.clock()))
+                    self.discarded(outcome, kind)
+                self.done(outcome)
+            elif outcome.key not in settled.skipped:
+                self.alone.write(PendingWrite(outcome, self.clock()))
 
-    def _discarded(self, outcome: Outcome, kind: str, error: str | None = None) -> None:
+    def _defer(self, outcomes: list[Outcome]) -> None:
+        """Outcomes whose runs another session held locked (their CAS not tried, no lock
+        waited for): they ride with each later statement, and go alone after a backoff
+        (RETRY_AFTER doubling to DEFER_MAX) when none comes; the rest flows meanwhile."""
+        if not outcomes:
+            self._defer_delay = 0.0
+            return
+        self.deferred.extend(outcomes)
+        self._defer_delay = min(DEFER_MAX, max(RETRY_AFTER, self._defer_delay * 2))
+        self.deferred_at = self.clock() + self._defer_delay
+        self.count("deferred_for_locks", len(outcomes))
+
+    def discarded(self, outcome: Outcome, kind: str, error: str | None = None) -> None:
         """Tell the observers (``on_step_discarded`` hooks) that this write discarded its step."""
         self.observer.discarded({"run_id": outcome.run_id, "node": outcome.node, "step_name": outcome.step_name,
                                  "error_kind": kind, "error": error or (outcome.entry or {}).get("message")})
 
-    def _keep(self, outcomes: list[Outcome]) -> None:
-        now = self.clock()
-        self.pending.extend(PendingWrite(o, now) for o in outcomes)
-
-    def _late_success(self, outcome: Outcome) -> None:
-        """A success whose CAS failed: a timed-out attempt still counts once, as a timeout.
-        Anything else (cancelled, reclaimed, already written) drops it; a timeout the
-        recovery sweep wrote first gets the late return's forensics, progress and start
-        delay (:meth:`~cyclone_mp.store.Outcomes.annotate`)."""
-        try:
-            row = self.call(self.config.write_bound, lambda store: store.leases.state(outcome.step_id))
-        except DatabaseUnavailable:
-            self._keep([outcome])
-            return
-        except DatabaseError:
-            row = None
-        if (row and row["state"] == "running" and row["lease_owner"] == self.owner
-                and row["lease_generation"] == outcome.generation and row["timed_out"]):
-            entry = {k: v for k, v in (outcome.entry or {}).items()}
-            entry["message"] = "returned after the database deadline"
-            self._write_alone(PendingWrite(outcome._replace(
-                kind=FAIL, error_kind=decisions.TIMEOUT, entry=entry, require_timed_out=True,
-                output=None), self.clock()))
-            return
-        if (row and row["state"] != "running" and row["lease_generation"] == outcome.generation
-                and row["last_error_kind"] == decisions.TIMEOUT
-                and row["last_error_generation"] == outcome.generation):
-            try:
-                self.call(self.config.write_bound, lambda store: store.outcomes.annotate(
-                    owner=self.owner, id=outcome.step_id, generation=outcome.generation,
-                    entry={**self._entry(outcome), "returned_late": True},
-                    note="the handler returned after the database deadline", progress=outcome.progress))
-            except DatabaseError as exc:  # only the entry's details are lost: the attempt's end is written
-                log.warning("could not add a late return's details to step %d: %s", outcome.step_id, exc)
-        self.count("late_completions_dropped")
-        self._done(outcome)
-
-    def _entry(self, outcome: Outcome, plain: bool = False) -> dict[str, Any]:
+    def entry_of(self, outcome: Outcome, plain: bool = False) -> dict[str, Any]:
         """An attempt's error entry as stored: who wrote it, under which lease. ``plain``:
         the forensics only, and the message :meth:`_rejected` wrote in place of the
         handler's (the entry was refused once)."""
@@ -351,125 +317,6 @@ class OutcomeWriter(DatabaseThread):
         if outcome.start_delay is not None:  # the handler started this long after its claim (written to start_delay)
             entry["start_delay"] = round(outcome.start_delay, 6)
         return {"worker": self.owner, "lease_generation": outcome.generation, **entry}
-
-    def _retry_pending(self, now: float) -> None:
-        due = [p for p in self.pending if p.retry_at <= now]
-        if not due:
-            return
-        self.pending = [p for p in self.pending if p.retry_at > now]
-        for write in due:
-            if not self.db_ok:
-                self.pending.append(write)
-                continue
-            self._write_alone(write)
-
-    def _write_alone(self, write: PendingWrite) -> None:
-        """Try one write now; keep it for later unless it is done (applied, moot, or replaced)."""
-        if not self._apply(write):
-            write.retry_at = max(write.retry_at, self.clock() + RETRY_AFTER)
-            self.pending.append(write)
-
-    def _apply(self, write: PendingWrite) -> bool:
-        """One write alone; True when it is over (see the module docstring)."""
-        outcome = write.outcome
-        try:
-            if outcome.kind == COMPLETE:
-                try:
-                    spawns = {outcome.key: self.plan_spawns(outcome)} if outcome.spawns else None
-                except (ConfigurationError, UnknownStep) as exc:  # a spawn this worker cannot enqueue: the attempt fails
-                    write.outcome = outcome._replace(kind=FAIL, error_kind=decisions.ERROR, output=None, spawns=(),
-                                                     entry={**(outcome.entry or {}), "type": type(exc).__name__,
-                                                            "message": str(exc)})
-                    return self._apply(write)
-                applied = self.call(self.config.write_bound, lambda store: store.outcomes.complete(
-                    owner=self.owner, items=[(outcome.step_id, outcome.generation, outcome.output, outcome.progress,
-                                              outcome.start_delay)],
-                    workflows=outcome.workflow, spawns=spawns))
-                if applied:
-                    self.count("completed")
-                    self.observer.written(outcome.step_name, "completed")
-                    self._done(outcome)
-                else:
-                    self._late_success(outcome)
-                return True
-            if outcome.kind == SNOOZE:
-                state = self.call(self.config.write_bound, lambda store: store.outcomes.snooze(
-                    owner=self.owner, id=outcome.step_id, generation=outcome.generation, seconds=outcome.snooze,
-                    max_snoozes=self.max_snoozes(outcome.step_name), progress=outcome.progress,
-                    entry=self._entry(outcome)))
-                if state is None:  # the row moved on (timed out, cancelled): a late end, as for a success
-                    self.count("late_completions_dropped")
-                else:
-                    self.count("snoozed")
-                    if state == "discarded":
-                        self.observer.written(outcome.step_name, decisions.SNOOZE_LIMIT)
-                        self._discarded(outcome, decisions.SNOOZE_LIMIT, "snoozed more than max_snoozes")
-                self._done(outcome)
-                return True
-            if outcome.kind == RELEASE:
-                released = self.call(self.config.write_bound, lambda store: store.outcomes.release(
-                    owner=self.owner, id=outcome.step_id, generation=outcome.generation))
-                if released:
-                    self.count("prefetch_released" if outcome.held else "released")
-                    self.tell_control(Poll())  # claimable at once, here too
-                else:  # the row moved on (a cancel): nothing of a released attempt runs, so its step
-                    self.dead.append(outcome.key)  # need not wait for dead_by (held: it never started)
-                    self.unstarted.update((outcome.key,) if outcome.held else ())
-                self._done(outcome)
-                return True
-            result = self.call(self.config.write_bound, lambda store: store.outcomes.fail(
-                owner=self.owner, id=outcome.step_id, generation=outcome.generation,
-                kind=outcome.error_kind or decisions.ERROR, entry=self._entry(outcome, write.plain),
-                backoff=self.backoff_for(outcome.step_name), require_timed_out=outcome.require_timed_out,
-                progress=None if write.plain else outcome.progress))
-        except DatabaseUnavailable:
-            return False
-        except DatabaseBusy:
-            return False  # a lock wait or a slow statement: nothing was done, try again
-        except DatabaseError as exc:
-            if stale_plan(exc.__cause__):  # a schema change, not the data: the connection re-prepares
-                return False
-            return self._rejected(write, exc)
-        except Exception as exc:  # noqa: BLE001 - its values failed before the database: never retried as is
-            # (an output too deep to encode, say: the child checks its handler's output,
-            # so only a child that broke the protocol gets here)
-            log.warning("a %s write for step %d failed before reaching the database: %s",
-                        outcome.kind, outcome.step_id, unhealable.one_line(exc))
-            return self._rejected(write, exc)
-        if result.status == "not_yet":  # the DB deadline has not passed yet: the worker clock never shortens it
-            return False
-        if result.status == "applied":
-            self.count("failed")
-            kind = result.ended[1] if result.ended else outcome.error_kind or decisions.ERROR
-            self.observer.written(outcome.step_name, kind)
-            if result.discarded:
-                self._discarded(outcome, kind)
-            self.tell_control(Poll())
-        self._done(outcome)
-        return True
-
-    def _rejected(self, write: PendingWrite, exc: Exception) -> bool:
-        """The database refused this write for its data, or its values could not be sent:
-        never retried as is."""
-        outcome = write.outcome
-        if outcome.kind == COMPLETE:  # output_invalid: discarded without retry, said once in the log
-            message = storable(unhealable.rejected(exc) if isinstance(exc, DatabaseError)
-                               else unhealable.unsendable(exc))[:2000]
-            log.error("step %r (id %d) cannot succeed (output_invalid, discarded without retry): %s",
-                      outcome.step_name, outcome.step_id, message)
-            self._write_alone(PendingWrite(outcome._replace(
-                kind=FAIL, error_kind=decisions.OUTPUT_INVALID, output=None, require_timed_out=False, entry={
-                    "type": "cyclone_mp.errors.PayloadError", "message": message,
-                }), self.clock()))
-            return True
-        if outcome.kind == FAIL and not write.plain:
-            entry = {k: v for k, v in (outcome.entry or {}).items() if k in FORENSIC_KEYS}
-            entry["message"] = storable(f"error entry rejected by the database: {exc}")[:2000]
-            self._write_alone(PendingWrite(outcome._replace(entry=entry), self.clock(), plain=True))
-            return True
-        log.error("giving up on a %s write for step %d: %s", outcome.kind, outcome.step_id, exc)
-        self._done(outcome)
-        return True
 
     # -- stopping ----------------------------------------------------------------------------------
 
@@ -486,14 +333,15 @@ class OutcomeWriter(DatabaseThread):
         while self.clock() < deadline:
             self._read_inbox()
             self.claim = self.start_now = 0  # stopping: claim nothing more
+            self.batch, self.deferred = self.deferred + self.batch, []
             if self.dead and self.db_ok:
                 self._mark_dead()
-            if not (self.batch or self.pending) or not self.db_ok:
+            if not (self.batch or self.alone.pending) or not self.db_ok:
                 return
             if self.batch:
                 self._write_batch()
-            for write in self.pending:
+            for write in self.alone.pending:
                 write.retry_at = min(write.retry_at, self.clock())
-            self._retry_pending(self.clock())
-            if self.pending:
+            self.alone.retry_due(self.clock())
+            if self.alone.pending or self.deferred:
                 time.sleep(RETRY_AFTER)

@@ -19,7 +19,7 @@ WITH RECURSIVE runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -388,7 +388,10 @@ walk (queue, key, p, first) AS (
 -- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
--- neither was its map's last nor was discarded leaves it as it is).
+-- neither was its map's last nor was discarded leaves it as it is). The meta row's input
+-- (skipped): the rows of the tick whose run another session holds locked (the runs CTE
+-- skipped it: their CAS was not tried, nothing waited), "id:generation" items joined by
+-- commas, or NULL; the writer keeps their outcomes for a later statement.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
@@ -401,7 +404,11 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[])
+                                EXCEPT SELECT id FROM done EXCEPT SELECT id FROM ended))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -418,7 +425,7 @@ WITH RECURSIVE runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -738,7 +745,10 @@ walk (queue, key, p, first) AS (
 -- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
--- neither was its map's last nor was discarded leaves it as it is).
+-- neither was its map's last nor was discarded leaves it as it is). The meta row's input
+-- (skipped): the rows of the tick whose run another session holds locked (the runs CTE
+-- skipped it: their CAS was not tried, nothing waited), "id:generation" items joined by
+-- commas, or NULL; the writer keeps their outcomes for a later statement.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
@@ -751,7 +761,11 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[])
+                                EXCEPT SELECT id FROM done EXCEPT SELECT id FROM ended))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -768,7 +782,7 @@ WITH RECURSIVE runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -1038,7 +1052,10 @@ WITH RECURSIVE runs AS (
 -- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
--- neither was its map's last nor was discarded leaves it as it is).
+-- neither was its map's last nor was discarded leaves it as it is). The meta row's input
+-- (skipped): the rows of the tick whose run another session holds locked (the runs CTE
+-- skipped it: their CAS was not tried, nothing waited), "id:generation" items joined by
+-- commas, or NULL; the writer keeps their outcomes for a later statement.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
@@ -1051,7 +1068,11 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[])
+                                EXCEPT SELECT id FROM done EXCEPT SELECT id FROM ended))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -1068,7 +1089,7 @@ WITH runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -1272,7 +1293,10 @@ WITH runs AS (
 -- The result: what a settle statement returns: completed, failed (node: the error kind
 -- stored; step_name: the state it got), claimed, then the claim's meta row (what = 'meta').
 -- moves_run: a completed or failed row whose workflow run must move on (an item that
--- neither was its map's last nor was discarded leaves it as it is).
+-- neither was its map's last nor was discarded leaves it as it is). The meta row's input
+-- (skipped): the rows of the tick whose run another session holds locked (the runs CTE
+-- skipped it: their CAS was not tried, nothing waited), "id:generation" items joined by
+-- commas, or NULL; the writer keeps their outcomes for a later statement.
 SELECT * FROM settled_completed
 UNION ALL
 SELECT 'failed', e.id, e.run_id::text, e.error_kind, e.state, NULL, NULL, NULL, NULL, e.lease_generation, NULL, e.run_kind,
@@ -1285,7 +1309,11 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[])
+                                EXCEPT SELECT id FROM done EXCEPT SELECT id FROM ended))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -1303,7 +1331,7 @@ WITH RECURSIVE runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -1595,7 +1623,8 @@ walk (queue, key, p, first) AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- The result: a settle statement's, without failed rows.
+-- The result: a settle statement's, without failed rows (the meta row's input: the rows
+-- skipped for a locked run, as in settle).
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -1603,7 +1632,10 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[]) EXCEPT SELECT id FROM done))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -1620,7 +1652,7 @@ WITH RECURSIVE runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -1863,7 +1895,8 @@ walk (queue, key, p, first) AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- The result: a settle statement's, without failed rows.
+-- The result: a settle statement's, without failed rows (the meta row's input: the rows
+-- skipped for a locked run, as in settle).
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -1871,7 +1904,10 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[]) EXCEPT SELECT id FROM done))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -1888,7 +1924,7 @@ WITH RECURSIVE runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -2083,7 +2119,8 @@ WITH RECURSIVE runs AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- The result: a settle statement's, without failed rows.
+-- The result: a settle statement's, without failed rows (the meta row's input: the rows
+-- skipped for a locked run, as in settle).
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -2091,7 +2128,10 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[]) EXCEPT SELECT id FROM done))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m
 
@@ -2108,7 +2148,7 @@ WITH runs AS (
      WHERE r.id = ANY(ARRAY(SELECT s.run_id FROM cyclone_steps s
                              WHERE s.id = ANY(%(ids)s::bigint[] || %(fail_ids)s::bigint[])))
      ORDER BY r.id
-       FOR UPDATE
+       FOR UPDATE SKIP LOCKED  -- a run another session holds: its rows wait for a later statement
 ), done AS (
     -- Each row's own item (output, progress) is found by its lease, "id:generation", a key
     -- of the leases object whose value is the item's position in the arrays (a binary
@@ -2237,7 +2277,8 @@ WITH runs AS (
            NULL::boolean, NULL::text
       FROM claimed c
 )
--- The result: a settle statement's, without failed rows.
+-- The result: a settle statement's, without failed rows (the meta row's input: the rows
+-- skipped for a locked run, as in settle).
 SELECT * FROM settled_completed
 UNION ALL
 SELECT * FROM settled_claimed
@@ -2245,6 +2286,9 @@ UNION ALL
 SELECT 'meta', NULL, NULL, m.cursors::text, (SELECT coalesce(jsonb_object_agg(f.queue, CASE WHEN f.rates THEN 'rates' WHEN f.limits THEN 'limits' ELSE 'keys' END),
                '{}'::jsonb)::text
  FROM cyclone_flow_queues f
-WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+WHERE f.queue = ANY(%(queues)s::text[])), NULL, NULL, NULL, m.wait, NULL, (SELECT string_agg(w.id || ':' || w.lease_generation, ',')  -- skipped (see above)
+          FROM cyclone_steps w
+         WHERE w.id = ANY(ARRAY(SELECT unnest(%(ids)s::bigint[] || %(fail_ids)s::bigint[]) EXCEPT SELECT id FROM done))
+           AND w.run_id NOT IN (SELECT id FROM runs)), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL
   FROM claim_meta m

@@ -16,6 +16,7 @@ from psycopg.types.json import Jsonb
 
 from .. import decisions
 from ..backoff import delay_after
+from ..errors import DatabaseBusy
 from ..noderows import to_us
 from . import operations
 from .claims import Claims
@@ -171,6 +172,7 @@ class Outcomes:
                                if r[parent_id] is not None and r[run_kind] == "step"}):
                 drive(cur, operations.advance_parent(run))
         failed = {(r[key], r[gen]): r[node] for r in ended if r[0] == "failed"}
+        skipped = (meta or {}).get("input")  # "id:generation,..." (the meta row's input column)
         return Settled(
             completed=completed,
             failed=set(failed),
@@ -178,6 +180,7 @@ class Outcomes:
             wait=wait,
             failed_kinds=failed,
             discarded={(r[key], r[gen]) for r in ended if r[0] == "failed" and r[step_name] == "discarded"},
+            skipped={(int(i), int(g)) for i, g in (k.split(":") for k in skipped.split(","))} if skipped else set(),
         )
 
     def complete(self, *, owner: str, items: Sequence[tuple[int, int, Any, Any]],
@@ -188,7 +191,7 @@ class Outcomes:
         leases whose CAS held."""
         if not items:
             return set()
-        return self.settle(owner=owner, completions=items, workflows=workflows, spawns=spawns).completed
+        return _unless_skipped(self.settle(owner=owner, completions=items, workflows=workflows, spawns=spawns)).completed
 
     def fail_many(self, *, owner: str, items: Sequence[FailedAttempt],
                   workflows: bool = False) -> set[tuple[int, int]]:
@@ -197,7 +200,7 @@ class Outcomes:
         with ``workflows``."""
         if not items:
             return set()
-        return self.settle(owner=owner, failures=items, workflows=workflows).failed
+        return _unless_skipped(self.settle(owner=owner, failures=items, workflows=workflows)).failed
 
     @translate
     def fail(
@@ -291,3 +294,11 @@ class Outcomes:
             if released and run["state"] == "paused":
                 cur.execute(Q["hold_paused"], {"run_id": run["id"]})
             return released
+
+
+def _unless_skipped(settled: Settled) -> Settled:
+    """``settled``, unless a row's run was held locked by another session (its CAS not
+    tried): then DatabaseBusy, as for a lock wait, so the caller writes it again later."""
+    if settled.skipped:
+        raise DatabaseBusy("a run row is locked by another session", lock_wait=True)
+    return settled

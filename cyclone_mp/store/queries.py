@@ -181,4 +181,6 @@ class Settled:
     wait: float | None = None  # the claim's rate-limit wait (see ClaimResult.wait)
     failed_kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)  # the error kind stored
     discarded: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # failures that discarded their step
+    #: outcomes whose run another session held locked: not tried, to write in a later statement
+    skipped: set[tuple[int, int]] = dataclasses.field(default_factory=set)
 

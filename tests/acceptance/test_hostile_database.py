@@ -238,3 +238,42 @@ def test_a_fan_in_over_the_limit_fails_its_join_saying_its_size(cyclone_env_fact
     assert "timeout" not in join.error
     assert all(run.steps[f"part{i}"].state == "completed" for i in range(5))
     assert handle.alive()
+
+
+# -- 4. a run another session holds locked holds back its own step only ------------------------
+
+
+def test_a_run_locked_elsewhere_holds_back_only_its_own_step(cyclone_env_factory):
+    """4,000 no-ops; another session holds the run row of one of them locked (``SELECT
+    ... FOR UPDATE``, as an operator's transaction might). The other 3,999 complete at the
+    supervisor's usual pace: the settle statements skip the locked run instead of
+    waiting on it past lock_timeout (1 s here) and failing with every outcome of their
+    batch and their claim. The locked one completes once the lock goes, its first
+    attempt, never reclaimed."""
+    import time
+
+    env = cyclone_env_factory(workers=2, lease_ttl=30)
+    env.mux().register(h.ok)
+    client = env.client()
+    run_ids = client.enqueue_many(h.ok, [{}] * 4000)
+    locked = run_ids[50]
+    locker = psycopg.connect(env.dsn)
+    try:
+        locker.execute("SELECT 1 FROM cyclone_runs WHERE id = %s FOR UPDATE", (locked,))
+        started = time.monotonic()
+        env.start_worker()
+
+        def finished() -> int:
+            with connect(env.dsn) as conn:
+                return conn.execute("SELECT count(*) AS n FROM cyclone_steps WHERE state = 'completed'").fetchone()["n"]
+
+        wait_for(lambda: finished() == 3999, 60, "the 3,999 other steps")
+        took = time.monotonic() - started
+        print(f"3,999 steps beside a locked run in {took:.2f} s")
+        assert took < 8, took  # waiting on it a second at a time, they were not done after 60 s
+        assert client.status(locked).step.state == "running"
+        locker.rollback()
+        status = env.run_until_complete(locked, timeout=15)
+        assert (status.state, status.step.attempt, status.step.reclaims) == ("completed", 1, 0)
+    finally:
+        locker.close()

@@ -6,6 +6,7 @@ on 14 to 18: ``CYCLONE_TEST_POSTGRES``), and maintenance that fails loudly.
 - a server older than 14 is refused by ``migrate()`` and so by every supervisor, in one line;
 - the maintenance turn works from the row as migration 0018 left it (``ran_at`` =
   ``-infinity``, which PostgreSQL before 17 cannot subtract from);
+- a settle statement skips a row whose run another session holds locked, waiting for nothing;
 - a cancelled attempt reported dead (never started, or reaped) frees its step at once;
 - a SIGKILLed supervisor's step is reclaimed and completed by another within
   ``lease_ttl`` + 2 poll intervals, and a wedged step is discarded at its DB deadline;
@@ -112,6 +113,39 @@ def test_the_maintenance_turn_works_from_a_row_made_by_migration_0018(cyclone_ds
 
 
 # -- recovery --------------------------------------------------------------------------------------
+
+
+def test_a_settle_skips_a_row_whose_run_another_session_holds_locked(cyclone_env) -> None:
+    """Three claimed steps, the run of the second held locked by another session: the
+    settle statement writes the other two at once (no lock wait: lock_timeout is 1 s
+    here), says the second was skipped, and changes nothing of it; a write of it alone
+    raises DatabaseBusy at once; once the lock goes, it is written."""
+    from cyclone_mp.errors import DatabaseBusy
+    from cyclone_mp.store import Store
+
+    cyclone_env.mux().register(h.ok)
+    client = cyclone_env.client()
+    run_ids = [client.enqueue(h.ok, {}) for _ in range(3)]
+    store = Store.open(cyclone_env.dsn)
+    locker = psycopg.connect(cyclone_env.dsn)
+    try:
+        where = {"owner": "test:1:x", "queues": ["default"], "names": [h.ok.name], "ttl": 30}
+        rows = {r["run_id"]: r for r in store.claims.claim(limit=3, **where).rows}
+        items = [(rows[r]["id"], rows[r]["lease_generation"], {"n": i}, None) for i, r in enumerate(run_ids)]
+        locker.execute("SELECT 1 FROM cyclone_runs WHERE id = %s FOR UPDATE", (run_ids[1],))
+        started = time.monotonic()
+        settled = store.outcomes.settle(completions=items, limit=0, **where)
+        assert time.monotonic() - started < 0.5
+        assert settled.completed == {items[0][:2], items[2][:2]} and settled.skipped == {items[1][:2]}
+        with pytest.raises(DatabaseBusy):
+            store.outcomes.complete(owner=where["owner"], items=[items[1]])
+        assert client.status(run_ids[1]).step.state == "running"
+        locker.rollback()
+        assert store.outcomes.complete(owner=where["owner"], items=[items[1]]) == {items[1][:2]}
+    finally:
+        locker.close()
+        store.close()
+    assert [client.status(r).state for r in run_ids] == ["completed"] * 3
 
 
 def test_a_cancelled_attempt_reported_dead_frees_its_step_and_one_that_never_started_says_so(cyclone_env) -> None:

@@ -277,7 +277,7 @@ def test_an_output_that_cannot_be_encoded_fails_its_step_and_loses_no_neighbour(
     [fail] = store.named("fail")
     assert (fail["id"], fail["kind"]) == (2, decisions.OUTPUT_INVALID)
     assert "could not be sent to the database (RecursionError" in fail["entry"]["message"]
-    assert writer.idle and writer.pending == []
+    assert writer.idle and writer.alone.pending == []
     assert {key for message in told.keeper if isinstance(message, LeaseDone) for key in message.keys} == {
         (1, 1), (2, 1), (3, 1)}
 
@@ -371,3 +371,29 @@ def test_reaped_attempts_are_kept_through_a_busy_database(writer, store):
     writer.turn(100.1)
     assert store.named("mark_dead") == [{"keys": [(4, 1)], "unstarted": {(4, 1)}}] * 2
     assert writer.stats["reaped_recorded"] == 1
+
+
+def test_an_outcome_whose_run_is_locked_elsewhere_waits_for_a_later_statement_and_holds_back_nothing(
+        writer, store, told, clock):
+    """The settle statement skipped a row whose run another session holds locked (it
+    waited for nothing): its outcome is neither dropped nor written alone (which would
+    wait for the lock); it rides with the next statement, and goes alone (in a
+    statement of its own, which skips it again) after a backoff when none comes."""
+    store.settled = Settled(completed={(1, 1)}, failed=set(), claimed=claimed_rows(7), skipped={(2, 1)})
+    writer.post_batch((done(1), done(2)), claim=2)
+    writer.turn(100.0)
+    assert told.keeper[-1] == LeaseDone(((1, 1),))  # (2, 1) keeps its lease: its write is still to come
+    assert not writer.idle and writer.alone.pending == [] and writer.deferred == [done(2)]
+    assert Claimed(tuple(claimed_rows(7)), 100.0, 2) in told.control  # the claim went on
+    store.settled = Settled(completed={(3, 1)}, failed=set(), claimed=[], skipped={(2, 1)})
+    writer.post_batch((done(3),))
+    writer.turn(100.0)
+    assert [[i for i, *_ in kw["completions"]] for kw in store.named("settle")] == [[1, 2], [2, 3]]
+    assert writer.turn(100.0) == writer.deferred_at > 100.05  # nothing to write until then: no statement
+    assert len(store.named("settle")) == 2
+    store.settled = Settled(completed={(2, 1)}, failed=set(), claimed=[])
+    clock.now = writer.deferred_at
+    writer.turn(clock.now)
+    assert [[i for i, *_ in kw["completions"]] for kw in store.named("settle")][-1] == [2]
+    assert writer.idle and writer.deferred == [] and told.keeper[-1] == LeaseDone(((2, 1),))
+    assert "complete" not in [name for name, _ in store.calls] and "state" not in [name for name, _ in store.calls]
