@@ -63,7 +63,7 @@ class ProcessControl:
         mux: the registered steps (their handlers' module paths).
         config: the supervisor's :class:`~cyclone_mp.config.Config`.
         keeper: posts a message to the lease keeper.
-        writer: the :class:`~cyclone_mp.outcomes.OutcomeWriter` (``post``, ``idle``).
+        writer: the :class:`~cyclone_mp.outcomes.OutcomeWriter` (``post``, ``post_batch``, ``post_dead``).
         watchdog: the :class:`~cyclone_mp.watchdoglink.WatchdogLink`.
         clock: local monotonic clock in seconds (injectable; schedules work only). It runs at
             ``time.monotonic``'s rate: a child's own start of a handler is mapped onto it.

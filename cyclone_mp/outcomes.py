@@ -33,7 +33,7 @@ from .writealone import RETRY_AFTER, AloneWrites, PendingWrite
 
 log = logging.getLogger("cyclone_mp.supervisor")
 
-DEFER_MAX = 1.0  # seconds: outcomes of runs another session holds locked are tried alone ever later, up to this
+DEFER_FIRST, DEFER_MAX = 0.005, 1.0  # seconds: a statement of their own for outcomes skipped for a locked run
 FINAL_FLUSH = 1.0  # seconds the writer may spend on what is left when the supervisor stops (while calls come back)
 
 
@@ -78,7 +78,7 @@ class OutcomeWriter(DatabaseThread):
         self.alone = AloneWrites(self)  # writes made one at a time, and those kept to make again
         self.deferred: list[Outcome] = []  # outcomes whose runs another session held locked (Settled.skipped)
         self.deferred_at = 0.0  # when they are tried again, if no statement takes them before
-        self._defer_delay = 0.0
+        self._deferrals: dict[Any, int] = {}  # times each deferred outcome was skipped in a row
         self.dead: list[Any] = []  # attempts reaped after a cancel or a timeout, to record (mark_dead)
         self.unstarted: set[Any] = set()  # of those, the ones whose handlers never started
         self._finished: list[Any] = []  # leases whose writes are over, for the keeper (LeaseDone)
@@ -180,7 +180,8 @@ class OutcomeWriter(DatabaseThread):
                 self._settle(done, failed, claim, start_now)
             except Exception:  # noqa: BLE001 - never drop an outcome: keep it to write again
                 log.exception("the batch statement failed unexpectedly; its outcomes will be written again")
-                self.alone.keep(done + failed)
+                over = set(self._finished).union(o.key for o in self.deferred)  # (written, or kept already)
+                self.alone.keep([o for o in done + failed if o.key not in over])
                 if claim:
                     self._claimed([], self.clock(), limit=claim, failed=True)
         for outcome in releases:
@@ -292,15 +293,15 @@ class OutcomeWriter(DatabaseThread):
 
     def _defer(self, outcomes: list[Outcome]) -> None:
         """Outcomes whose runs another session held locked (their CAS not tried, no lock
-        waited for): they ride with each later statement, and go alone after a backoff
-        (RETRY_AFTER doubling to DEFER_MAX) when none comes; the rest flows meanwhile."""
+        waited for): they ride with each later statement, and when none comes, go in a
+        statement of their own after a backoff (DEFER_FIRST, doubling for the outcome
+        skipped the fewest times in a row, to DEFER_MAX); the rest flows meanwhile."""
+        self._deferrals = {o.key: self._deferrals.get(o.key, 0) + 1 for o in outcomes}
         if not outcomes:
-            self._defer_delay = 0.0
             return
         self.deferred.extend(outcomes)
-        self._defer_delay = min(DEFER_MAX, max(RETRY_AFTER, self._defer_delay * 2))
-        self.deferred_at = self.clock() + self._defer_delay
-        self.count("deferred_for_locks", len(outcomes))
+        self.deferred_at = self.clock() + min(DEFER_MAX, DEFER_FIRST * 2 ** (min(self._deferrals.values()) - 1))
+        self.count("skipped_for_locks", len(outcomes))  # (each time an outcome is skipped)
 
     def discarded(self, outcome: Outcome, kind: str, error: str | None = None) -> None:
         """Tell the observers (``on_step_discarded`` hooks) that this write discarded its step."""

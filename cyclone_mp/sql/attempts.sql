@@ -35,8 +35,18 @@ SELECT r.id::text AS id, r.kind, r.state
  WHERE r.id = (SELECT run_id FROM cyclone_steps WHERE id = %(id)s)
    FOR UPDATE;
 
+-- name: lock_run_of_step_nowait
+-- lock_run_of_step for the outcome writer's writes alone: a run another session holds
+-- fails the call at once (55P03, DatabaseBusy: tried again later) instead of holding the
+-- writer, which makes every claim, for lock_timeout.
+SELECT r.id::text AS id, r.kind, r.state
+  FROM cyclone_runs r
+ WHERE r.id = (SELECT run_id FROM cyclone_steps WHERE id = %(id)s)
+   FOR UPDATE NOWAIT;
+
 -- name: lock_attempt
--- Under the run lock: the step row of one attempt, if still running under that lease.
+-- Under the run lock: the step row of one attempt, if still running under that lease
+-- (NOWAIT: see lock_run_of_step_nowait).
 SELECT attempt, max_attempts, reclaims, max_reclaims, step_name, backoff,
        (timeout IS NOT NULL AND started_at + timeout <= now()) AS timed_out,
        ARRAY(SELECT e ->> 'kind' FROM jsonb_array_elements(errors) AS e) AS error_kinds  -- the poison quarantine's
@@ -45,7 +55,7 @@ SELECT attempt, max_attempts, reclaims, max_reclaims, step_name, backoff,
    AND state = 'running'
    AND lease_owner = %(owner)s
    AND lease_generation = %(generation)s
-   FOR UPDATE;
+   FOR UPDATE NOWAIT;
 
 -- name: end_attempt
 -- Record a failed or timed-out attempt (already checked under lock): retry later or discard.

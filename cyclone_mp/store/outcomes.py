@@ -222,10 +222,11 @@ class Outcomes:
         attempt's; when the recovery sweep settled it first, what :meth:`annotate` adds is
         added to the sweep's entry) or ``"not_yet"`` (``require_timed_out`` and the DB
         deadline has not passed yet: the worker clock never shortens a durable timeout).
-        Raises DatabaseError.
+        Raises DatabaseError: DatabaseBusy at once when another session holds the run's
+        row or the step's (NOWAIT: the outcome writer tries again later).
         """
         with self.session.tx() as cur:
-            if self.session.one(cur, "lock_run_of_step", {"id": id}) is None:
+            if self.session.one(cur, "lock_run_of_step_nowait", {"id": id}) is None:
                 return FailResult("lost")
             row = self.session.one(cur, "lock_attempt", {"id": id, "owner": owner, "generation": generation})
             if row is None:
@@ -268,7 +269,7 @@ class Outcomes:
         discarded (``snooze_limit``) once it snoozed more than ``max_snoozes`` times.
         Returns the state written, or None when the row is no longer this attempt's."""
         with self.session.tx() as cur:
-            run = self.session.one(cur, "lock_run_of_step", {"id": id})
+            run = self.session.one(cur, "lock_run_of_step_nowait", {"id": id})
             if run is None:
                 return None
             row = self.session.one(cur, "snooze", {"id": id, "owner": owner, "generation": generation,
@@ -286,7 +287,7 @@ class Outcomes:
     def release(self, *, owner: str, id: int, generation: int) -> bool:
         """Give an unfinished step back at shutdown (available at once, nothing counted)."""
         with self.session.tx() as cur:
-            run = self.session.one(cur, "lock_run_of_step", {"id": id})
+            run = self.session.one(cur, "lock_run_of_step_nowait", {"id": id})
             if run is None:
                 return False
             cur.execute(Q["release"], {"id": id, "owner": owner, "generation": generation})
@@ -298,7 +299,8 @@ class Outcomes:
 
 def _unless_skipped(settled: Settled) -> Settled:
     """``settled``, unless a row's run was held locked by another session (its CAS not
-    tried): then DatabaseBusy, as for a lock wait, so the caller writes it again later."""
+    tried): then DatabaseBusy, as for a lock wait, so the caller writes it again later
+    (the other items of a call of several may have been written: the writer passes one)."""
     if settled.skipped:
         raise DatabaseBusy("a run row is locked by another session", lock_wait=True)
     return settled

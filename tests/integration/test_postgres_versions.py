@@ -118,8 +118,9 @@ def test_the_maintenance_turn_works_from_a_row_made_by_migration_0018(cyclone_ds
 def test_a_settle_skips_a_row_whose_run_another_session_holds_locked(cyclone_env) -> None:
     """Three claimed steps, the run of the second held locked by another session: the
     settle statement writes the other two at once (no lock wait: lock_timeout is 1 s
-    here), says the second was skipped, and changes nothing of it; a write of it alone
-    raises DatabaseBusy at once; once the lock goes, it is written."""
+    here), says the second was skipped, and changes nothing of it; a completion or a
+    failure of it written alone raises DatabaseBusy at once; once the lock goes, it is
+    written."""
     from cyclone_mp.errors import DatabaseBusy
     from cyclone_mp.store import Store
 
@@ -139,6 +140,10 @@ def test_a_settle_skips_a_row_whose_run_another_session_holds_locked(cyclone_env
         assert settled.completed == {items[0][:2], items[2][:2]} and settled.skipped == {items[1][:2]}
         with pytest.raises(DatabaseBusy):
             store.outcomes.complete(owner=where["owner"], items=[items[1]])
+        with pytest.raises(DatabaseBusy):  # a failure written alone: NOWAIT, never lock_timeout
+            store.outcomes.fail(owner=where["owner"], id=items[1][0], generation=items[1][1], kind="error",
+                                entry={"message": "x"}, backoff=lambda attempt: 0.0)
+        assert time.monotonic() - started < 0.5
         assert client.status(run_ids[1]).step.state == "running"
         locker.rollback()
         assert store.outcomes.complete(owner=where["owner"], items=[items[1]]) == {items[1][:2]}
