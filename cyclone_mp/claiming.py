@@ -91,8 +91,8 @@ class Claims:
         <cyclone_mp.reports.Reports.send_outcomes>`: one statement writes them and claims,
         so a supervisor never holds more rows than it has slots and room); one on its own waits
         until the writer is done with every batch posted (a write it keeps for later, a row
-        locked elsewhere or an outage, holds back nothing). ``arriving``: the held steps include a claim's
-        rows that are about to start (see :meth:`held_after_start`)."""
+        locked elsewhere or an outage, holds back nothing). ``arriving``: the held steps
+        include a claim's rows that are about to start (see :meth:`held_after_start`)."""
         control = self.control
         if control.draining or not control.db_ok or (standalone and control.batches_out):
             return 0

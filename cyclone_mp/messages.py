@@ -93,9 +93,9 @@ class Reaped:
 @dataclasses.dataclass(frozen=True)
 class Written:
     """The outcome writer is done with ``batches`` of the counted :class:`Batch` messages
-    posted to it (written in one statement, or kept to write again). With prefetch, process control
-    keeps one statement in flight: what ends meanwhile waits for this, then goes in the
-    next statement together, with a claim for all the room there is."""
+    posted to it (written in one statement, or kept to write again). With prefetch,
+    process control keeps one statement in flight: what ends meanwhile waits for this,
+    then goes in the next statement together, with a claim for all the room there is."""
 
     batches: int
 

@@ -98,12 +98,12 @@ class AloneWrites:
                 continue
             self.write(write)
 
-    def write(self, write: PendingWrite) -> None:
+    def write(self, item: PendingWrite) -> None:
         """Try one write now; keep it for later unless it is done (applied, moot, or replaced)."""
         w = self.writer
-        if not self._apply(write):
-            write.retry_at = max(write.retry_at, w.clock() + RETRY_AFTER)
-            self.pending.append(write)
+        if not self._apply(item):
+            item.retry_at = max(item.retry_at, w.clock() + RETRY_AFTER)
+            self.pending.append(item)
 
     def _apply(self, write: PendingWrite) -> bool:
         """One write alone; True when it is over (see the module docstring)."""
