@@ -116,12 +116,12 @@ class ChildBenches:
                 time.sleep(1.0)
                 rss_end = proc.memory_info().rss
                 kids = [k.memory_info().rss for k in sup.children()]
-                # creep, apart from the high-water mark of the first waves: four more waves,
+                # creep, apart from the high-water mark of the first waves: six more waves,
                 # RSS 1 s after each, and the growth over the last two (the high-water mark
-                # was reached in the second wave in a slow sitting, in the third in a fast
-                # one; after it, 160,000 steps added 0.2 MiB: see benchmarks/README.md)
+                # is reached in the second to the fourth wave, later on a faster machine;
+                # after it, 400,000 steps added nothing: see benchmarks/README.md)
                 waves = []
-                for _ in range(4):
+                for _ in range(6):
                     client.enqueue_many(bench_steps.noop, [None] * n)
                     wait_until(lambda: not conn.execute("SELECT count(*) FROM cyclone_steps "
                                                         "WHERE state IN ('available', 'running')").fetchone()[0], 600, every=0.25)
@@ -135,7 +135,7 @@ class ChildBenches:
             "supervisor_rss_max_mb": round(max(samples + [rss_end]) / 2**20, 1),
             "supervisor_rss_end_mb": round(rss_end / 2**20, 1),
             "supervisor_rss_growth_mb": round((rss_end - rss_start) / 2**20, 1),
-            "supervisor_rss_creep_mb": round((waves[3] - waves[1]) / 2**20, 1),
+            "supervisor_rss_creep_mb": round((waves[5] - waves[3]) / 2**20, 1),
             "supervisor_cpu_ms_per_step": round(cpu_s * 1000 / n, 3),
             # issue 36's target 1, in us per step: the supervisor's threads (process control is
             # the main thread; the others are the outcome writer, the lease keeper, maintenance),

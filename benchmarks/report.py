@@ -113,7 +113,7 @@ def rows_spec(peer: dict[str, float], n: dict[str, int]) -> list[tuple]:
         ("B7", "supervisor_rss_end_mb", "supervisor RSS end (MiB)", "{:.1f}", "", None),
         ("B7", "supervisor_rss_growth_mb", "supervisor RSS growth end - start (MiB; the high-water mark)", "{:.1f}",
          "", None),
-        ("B7", "supervisor_rss_creep_mb", f"supervisor RSS growth over waves 4 and 5 of {n['b7_steps']:,} (MiB)",
+        ("B7", "supervisor_rss_creep_mb", f"supervisor RSS growth over waves 6 and 7 of {n['b7_steps']:,} (MiB)",
          "{:.1f}", "flat (<= 2)", lambda v, m: v <= 2.0),
         ("B7", "supervisor_cpu_ms_per_step", "supervisor CPU per step (ms)", "{:.3f}", "<= 0.030 (issue 36)",
          lambda v, m: v <= 0.030),
