@@ -1,21 +1,19 @@
 """History that stays small: finished runs leave the hot tables, retention deletes them,
 and the hot tables are vacuumed as soon as a long transaction ends (:class:`VacuumWatch`).
 
-A run that finished (completed, discarded, cancelled) more than ``archive_after`` seconds
-ago moves, with its steps and signals, to ``cyclone_runs_archive`` and
-``cyclone_steps_archive``, so the hot tables that the claim, the renewals and the
-completions touch hold the live work and the last minutes of history whatever the
-volume. The archive is partitioned by (state, UTC day of ``finished_at``): a partition
-whose whole day is past its state's ``retain_*`` is dropped (no row deleted, no bloat, no
-vacuum); rows are deleted only in the partition the cut-off falls in, and in the hot
-tables when a retention is shorter than ``archive_after`` (or archiving is off).
+A run finished more than ``archive_after`` seconds ago moves, with its steps and signals,
+to ``cyclone_runs_archive`` and ``cyclone_steps_archive``, so the tables the claim, the
+renewals and the completions touch hold the live work. The archive is partitioned by
+(state, UTC day of ``finished_at``): a partition whose whole day is past its state's
+``retain_*`` is dropped (no row deleted, no bloat); rows are deleted only in the partition
+the cut-off falls in, and in the hot tables when a retention is shorter than
+``archive_after``.
 
 :class:`History` is maintenance work (STYLE pattern 4: :meth:`~History.run_once` returns
-counts). Every pass is bounded (:data:`~cyclone_mp.config.HISTORY_BUDGET` seconds, batches
-of :data:`~cyclone_mp.config.HISTORY_BATCH` step rows, each partition CREATE or DROP
-waiting at most :data:`~cyclone_mp.config.HISTORY_DDL_LOCK_TIMEOUT` for its lock) and one
-supervisor's at a time (a transaction-level advisory lock, PgBouncer-safe), so the others'
-sweeps never wait for it. See docs/operating.md ("History and retention").
+counts), bounded per pass (:data:`~cyclone_mp.config.HISTORY_BUDGET` seconds, batches of
+:data:`~cyclone_mp.config.HISTORY_BATCH` rows, DDL lock waits capped) and one supervisor's
+at a time (a transaction-level advisory lock), so no sweep waits for it. See
+docs/operating.md ("History and retention").
 """
 
 from __future__ import annotations

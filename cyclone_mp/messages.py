@@ -1,18 +1,15 @@
 """What the supervisor's parts tell each other: plain, immutable data.
 
-The supervisor is four parts that share no mutable state (see :mod:`cyclone_mp.supervisor`):
+The supervisor's parts share no mutable state (:mod:`cyclone_mp.supervisor` lists them):
+process control (:mod:`cyclone_mp.control`, the supervisor's own thread, never a database
+call), the lease keeper (:mod:`cyclone_mp.leases`, renewals only), the listener
+(:mod:`cyclone_mp.listener`, LISTEN), the outcome writer (:mod:`cyclone_mp.outcomes`,
+claims and the CAS writes of ended attempts), maintenance (:mod:`cyclone_mp.sweep`) and
+the payload loader (:mod:`cyclone_mp.loader`). Each part reads an
+:class:`~cyclone_mp.mailbox.Inbox`; the others post these messages to it.
 
-- process control (:mod:`cyclone_mp.control`, the supervisor's own thread): children,
-  pipes, deadlines, fences, cancels, kills, reaping; it never calls the database;
-- the lease keeper (:mod:`cyclone_mp.leases`): renewals (and LISTEN), on its own
-  connection, so nothing else ever delays a renewal;
-- the outcome writer (:mod:`cyclone_mp.outcomes`): claims and the CAS writes of ended
-  attempts (a claim rides in the statement that frees its slots);
-- maintenance (:mod:`cyclone_mp.sweep`): the recovery sweep, timers, the registry.
-
-Each part reads an :class:`~cyclone_mp.mailbox.Inbox`; the others post these messages to
-it. A step's lease is named by :data:`LeaseKey`, ``(step id, lease generation)``: one life
-of a step. A step retried or reclaimed is a new life with a new key, so nothing about an
+A step's lease is named by :data:`LeaseKey`, ``(step id, lease generation)``: one life of
+a step. A step retried or reclaimed is a new life with a new key, so nothing about an
 old attempt (its kill, its outcome, its forensics) can be mistaken for the new one's.
 Times are the local monotonic clock, in seconds.
 """

@@ -1,23 +1,18 @@
 """Maintenance: the recovery sweep, due timers, schedules and the registry (SPEC 4).
 
-:class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): a
-:meth:`~Sweeper.run_once` that pages through at most 100 candidates (``running`` rows
-whose lease expired or whose ``started_at + timeout`` passed on the database clock),
-settles each under the run lock and the step lock (:meth:`cyclone_mp.store.Sweep.expire`,
-which asks :func:`cyclone_mp.decisions.expiry`), fires due timers, and returns counts.
-Tests call it directly.
+:class:`Sweeper` is the recovery sweep as River's rescuer is (STYLE pattern 4): its
+:meth:`~Sweeper.run_once` pages through at most 100 ``running`` rows whose lease expired
+or whose ``started_at + timeout`` passed on the database clock, settles each under its run
+and step locks (:meth:`cyclone_mp.store.Sweep.expire`, which asks
+:func:`cyclone_mp.decisions.expiry`), fires due timers, and returns counts.
 
-:class:`Maintenance` is the thin loop around it, on a thread and a connection of its
-own. The sweep is one supervisor's at a time: each pass takes the sweep's turn
-(:meth:`cyclone_mp.store.Sweep.turn`, a one-statement row lock, so it works through
-PgBouncer), so the database sees at most one pass per ``poll_interval`` however many
-supervisors run. The same loop refreshes the ``cyclone_workers`` registry (which recovery
-never reads), fires the mux's schedules, takes the ``history`` turn for the archive and
-retention (:class:`cyclone_mp.history.History`), watches the xmin horizon
-(:class:`cyclone_mp.history.VacuumWatch`); each is a call of its own, so one that fails
-never costs a sweep. Payloads too big to come with their claim are the
-:class:`~cyclone_mp.loader.PayloadLoader`'s, on a thread of its own: a load may take
-minutes, which no sweep waits for. docs/operating.md explains the turns and the history work.
+:class:`Maintenance` is the thin loop around it, on a thread and a connection of its own.
+Each pass takes the sweep's turn (:meth:`cyclone_mp.store.Sweep.turn`, a one-statement row
+lock that works through PgBouncer), so the database sees one pass per ``poll_interval``
+however many supervisors run. The same loop refreshes the ``cyclone_workers`` registry
+(which recovery never reads), fires schedules, and does the history work
+(:mod:`cyclone_mp.history`); each is a call of its own, so one that fails never costs a
+sweep. docs/operating.md explains the turns and the history work.
 """
 
 from __future__ import annotations
