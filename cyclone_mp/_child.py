@@ -251,10 +251,11 @@ class Runner:
         result = {"t": "result", "task": message["task"], **self.run_task(message)}
         if limits and limits.get("max_processes") and limits.get("count_tree"):
             result["tree_count"] = self.tree_count()
-        if self.cancellation.is_set():
-            # a cancelled attempt may leave threads of its own running (asyncio.to_thread,
-            # an executor, threads the handler started): then this child is not reused
-            # while they run; it says so, takes nothing more, and is killed
+        if self.cancellation.is_set() or not result.get("ok"):
+            # a cancelled or failed attempt may leave threads of its own running
+            # (asyncio.to_thread, an executor, threads the handler started): its retry must
+            # not run beside them, so this child says so, takes nothing more until they
+            # end, and is killed if they outlive kill_grace (a success has no retry)
             lingering = lingering_threads(self.handlers.event_loop, threads_before)
             if lingering:
                 result["lingering"] = [t.name for t in lingering]

@@ -60,7 +60,7 @@ def ignore_interrupt(signum: int, frame: Any) -> None:
 
 def lingering_threads(event_loop: Any, before: frozenset[int | None], wait: float = 0.05) -> list[threading.Thread]:
     """The threads started during the attempt that still run after it was
-    cancelled (waited for up to ``wait`` seconds). The async handlers' default
+    cancelled or failed (waited for up to ``wait`` seconds). The async handlers' default
     executor (of ``event_loop``, None: no async handler ran) is shut down first (its
     idle workers end; a busy one is the attempt's) and made anew by the next attempt."""
     executor = getattr(event_loop, "_default_executor", None) if event_loop is not None else None

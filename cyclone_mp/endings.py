@@ -67,12 +67,13 @@ class AttemptEndings:
             self.control.take_held()
 
     def on_lingering(self, att: Attempt, result: dict[str, Any]) -> None:
-        """A cancelled attempt's handler is over but threads it started still run in the
-        child (``asyncio.to_thread``, an executor, its own): the attempt is not over until
-        they are. The child takes nothing more until they end (it then says
+        """A cancelled or failed attempt's handler is over but threads it started still
+        run in the child (``asyncio.to_thread``, an executor, its own): the attempt is not
+        over until they are. The child takes nothing more until they end (it then says
         ``threads_done`` and the attempt ends with the result it sent); at the cancel's
-        ``kill_at`` (``kill_grace`` after the cancel) it is killed and the attempt ends with
-        its death. Either way the step's next execution never runs beside them (SPEC 9)."""
+        ``kill_at`` (``kill_grace`` after the cancel, or after the failure) it is killed and
+        the attempt ends with its death (a failure as the handler failed). Either way the
+        step's next execution never runs beside them (SPEC 9)."""
         att.lingering = list(result.get("lingering") or ())
         att.lingering_result = result
         child = att.child
@@ -81,9 +82,9 @@ class AttemptEndings:
         if att.kill_at is None:
             att.kill_at = self.control.clock() + self.control.config.kill_grace
             self.control.deadlines.push(att)
-        log.warning("step %s (run %s) left %d thread(s) running after its cancel (%s): its child %d is "
+        log.warning("step %s (run %s) left %d thread(s) running after its %s (%s): its child %d is "
                     "killed at kill_grace unless they end first", att.step_name, att.run_id, len(att.lingering),
-                    ", ".join(att.lingering[:3]), child.pid)
+                    "cancel" if att.cancel_reason else "failure", ", ".join(att.lingering[:3]), child.pid)
         self.control.kills.watch(child)
 
     def on_result(self, att: Attempt, result: dict[str, Any]) -> None:

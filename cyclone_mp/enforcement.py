@@ -25,6 +25,8 @@ from .attempts import Attempt, fence_cancel_at, fence_margin
 TIMEOUT = "timeout"
 LEASE_LOST = "lease_lost"
 LEASE_FENCE = "lease_fence"
+#: The trigger of a kill no cancel came before: a failed attempt's threads outlived kill_grace.
+LINGERING = "lingering_threads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,9 @@ def due_actions(attempts: Iterable[Attempt], now: float, lease_ttl: float,
     attempt a cancel (at its deadline: ``timeout``; past the point where its lease can no
     longer be kept: ``lease_lost``), then a kill when its cancel's ``kill_at`` (``now +
     kill_grace`` for a cancel decided here) or its fence's kill (``fence - margin``, while
-    it guards its lease) has come. Ended attempts get nothing. Pure: nothing is changed."""
+    it guards its lease) has come; a failed attempt whose threads outlive it has a
+    ``kill_at`` and no cancel (trigger :data:`LINGERING`). Ended attempts get nothing.
+    Pure: nothing is changed."""
     actions: list[Cancel | Kill] = []
     for att in attempts:
         if att.ended:
@@ -96,7 +100,7 @@ def due_actions(attempts: Iterable[Attempt], now: float, lease_ttl: float,
                 kill_at = now + kill_grace
         if not is_running:
             continue
-        kill_by, trigger = kill_at, reason or "kill"
+        kill_by, trigger = kill_at, reason or LINGERING
         fence_kill = att.fence(lease_ttl) - fence_margin(lease_ttl)
         if reason not in (TIMEOUT, "cancelled") and (kill_by is None or fence_kill < kill_by):
             kill_by, trigger = fence_kill, LEASE_FENCE

@@ -129,6 +129,12 @@ def of_exit(att: Attempt, entry: dict[str, Any], code: int | None, *, child_kill
         entry.update(killed_by_supervisor=True, trigger=att.killed_by)
         if att.lingering:
             entry["lingering_threads"] = att.lingering
+            failure = att.lingering_result
+            if att.cancel_reason is None and failure is not None and not failure.get("ok"):
+                # the handler had failed, and threads it started outlived it by kill_grace:
+                # its failure decides (kind, message, traceback), the kill is forensics
+                entry.update({k: failure.get(k) for k in ("type", "message", "traceback")})
+                return Ending(failed(att, decisions.reported_kind(failure.get("kind")), entry), entry=entry)
             entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}: threads the "
                                         f"handler started were still running ({', '.join(att.lingering[:3])})")
         entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")

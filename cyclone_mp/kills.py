@@ -120,7 +120,7 @@ class Kills:
         self.control.io.read(child)  # it may have ended just now, and the child started the next
         if att.ended or not running(att):
             return
-        if att.cancel_reason is None:  # the fence came before any cancel could: cancel and kill now
+        if att.cancel_reason is None and action.trigger == LEASE_FENCE:  # before any cancel could: cancel, kill now
             att.cancel_reason, att.fenced = LEASE_LOST, True
             child.cancel(att.token, LEASE_LOST)
         if action.trigger == LEASE_FENCE:

@@ -333,6 +333,30 @@ def test_threads_of_a_timed_out_async_attempt_die_before_the_retry_starts(cyclon
     crash_workers(env)
 
 
+def test_threads_of_a_failed_attempt_die_before_its_retry_starts(cyclone_env_factory, tmp_path):
+    """A sync handler starts a thread (15 s of ticks) and raises: the attempt is not over
+    while the thread runs, so its retry waits; the thread outlives kill_grace (1 s), the
+    child is killed, and no tick of attempt 1's thread is written once attempt 2 started.
+    The attempt's entry is the handler's failure, with the threads named."""
+    log = str(tmp_path / "failed.log")
+    env = cyclone_env_factory(workers=2, lease_ttl=3, kill_grace=1, poll_interval=(0.05, 0.3))
+    env.mux().register(lh.live_fails_beside_a_thread)
+    run_id = env.enqueue(lh.live_fails_beside_a_thread, {"log": log, "seconds": 15})
+    env.start_worker()
+    status = env.run_until_complete(run_id, timeout=40)
+    assert status.state == "completed" and status.step.attempt == 2
+    time.sleep(0.5)  # (a tick of a thread still alive would be written by now)
+    first, second = sorted(lh.records(log, "start"), key=lambda r: r["t"])
+    late = [r for r in lh.records(log, "tick") if r["pid"] == first["pid"] and r["t"] >= second["t"]]
+    assert not late, f"attempt 1's thread ticked {len(late)} times after attempt 2 started"
+    assert second["t"] - first["t"] >= 1.0, second["t"] - first["t"]  # (0.2 s without the wait)
+    entry = status.step.errors[0]
+    assert (entry["kind"], entry["type"], entry["message"]) == (
+        "error", "builtins.RuntimeError", "failed after handing work to a thread")
+    assert entry.get("lingering_threads") and entry.get("killed_by_supervisor")
+    crash_workers(env)
+
+
 def test_a_thread_that_stops_on_cancel_lets_its_child_be_reused(cyclone_env_factory, tmp_path):
     """The same, but the thread stops 0.3 s after the cancel: the attempt ends then (no
     kill) and the retry runs in the same child, after the thread is gone."""

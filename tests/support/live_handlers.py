@@ -85,6 +85,18 @@ async def live_async_thread(ctx: cy.Context, inp: dict) -> dict:
     return {}
 
 
+@cy.step("live_fails_beside_a_thread", timeout=60, max_attempts=2, backoff=_no_backoff)
+def live_fails_beside_a_thread(ctx: cy.Context, inp: dict) -> dict:
+    """Hands work to a thread of its own, then fails (its first attempt): the thread
+    ticks on for ``inp["seconds"]`` (attempt 1's only: the second returns at once)."""
+    note(inp["log"], event="start", attempt=ctx.attempt)
+    if ctx.attempt > 1:
+        return {}
+    threading.Thread(target=_ticks, args=(inp["log"], inp.get("seconds", 15)), daemon=inp.get("daemon", False)).start()
+    time.sleep(0.2)
+    raise RuntimeError("failed after handing work to a thread")
+
+
 def _polite_ticks(ctx: cy.Context, path: str, seconds: float) -> None:
     """A worker thread that stops soon after its attempt is cancelled (0.3 s after)."""
     end = time.time() + seconds

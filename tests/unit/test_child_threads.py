@@ -33,6 +33,12 @@ def cancelled_with_a_thread(ctx, inp):
     return "ok"
 
 
+def failed_with_a_thread(ctx, inp):
+    """An attempt that starts a thread and fails while it runs (no cancel)."""
+    threading.Thread(target=STOP.wait, args=(0.3,), name="started-by-this-attempt", daemon=True).start()
+    raise RuntimeError("failed")
+
+
 RUNNER: Runner
 
 
@@ -141,3 +147,9 @@ def test_a_runner_whose_own_two_threads_are_alone_counts_on_them():
     assert os.waitstatus_to_exitcode(status) == 0
     assert found == {"noted": 2, "first": ["started-by-this-attempt"], "left": None,
                      "second": ["started-by-this-attempt"]}
+
+
+def test_a_failed_attempt_names_the_threads_it_started(runner):
+    """Its retry must not run beside them: a failure is looked at as a cancel is."""
+    result = runner("failed_with_a_thread")
+    assert (result["ok"], result["cancel_reason"], result["lingering"]) == (False, None, ["started-by-this-attempt"])

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from cyclone_mp.attempts import Attempt, fence_cancel_at, fence_margin, hold_bound, startable
-from cyclone_mp.enforcement import Cancel, Deadlines, Kill, due_actions, due_at
+from cyclone_mp.enforcement import LINGERING, Cancel, Deadlines, Kill, due_actions, due_at
 
 TTL = 10.0  # lease_ttl: the fence's margin is 1 s, its kill at lease_sent + 9
 GRACE = 2.0  # kill_grace
@@ -48,6 +48,19 @@ def test_a_timeout_cancels_at_the_deadline_and_kills_after_the_grace():
     assert due_at(att, TTL, GRACE) == 7.0  # the kill; a timed-out attempt no longer guards its lease
     assert due_actions([att], 6.99, TTL, GRACE) == []
     assert due_actions([att], 7.0, TTL, GRACE) == [Kill(att, "timeout")]
+
+
+def test_a_failed_attempts_lingering_threads_are_killed_at_its_kill_at_without_a_cancel():
+    """Process control sets kill_at (failure + kill_grace) and no cancel: the kill comes
+    then, named for the threads, and the lease fence still wins if it is earlier."""
+    att = attempt(deadline=50.0, lease_sent=0.0)
+    att.kill_at = 3.0
+    assert due_at(att, TTL, GRACE) == 3.0
+    assert due_actions([att], 2.99, TTL, GRACE) == []
+    assert due_actions([att], 3.0, TTL, GRACE) == [Kill(att, LINGERING)]
+    late = attempt("t2", lease_sent=0.0)
+    late.kill_at = 9.5  # the fence's kill (9) comes first
+    assert due_actions([late], 9.0, TTL, GRACE)[-1] == Kill(late, "lease_fence")
 
 
 def test_an_unrenewed_lease_is_cancelled_then_killed_before_the_fence():

@@ -101,6 +101,16 @@ def test_a_killed_childs_attempt_ends_as_its_kill():
     assert "threads the handler started" in entry["message"]
 
 
+def test_a_failed_attempt_whose_threads_outlived_kill_grace_ends_as_its_failure():
+    att = attempt(killed_by="lingering_threads", lingering=["worker-1"])
+    att.lingering_result = {"t": "result", "ok": False, "type": "ValueError", "message": "bad", "traceback": "tb"}
+    ending = judging.of_exit(att, {"pid": 1}, -signal.SIGKILL, child_killed=True)
+    entry = ending.outcome.entry
+    assert (ending.outcome.error_kind, entry["type"], entry["message"], entry["trigger"]) == (
+        decisions.ERROR, "ValueError", "bad", "lingering_threads")
+    assert entry["lingering_threads"] == ["worker-1"] and entry["killed_by_supervisor"] is True
+
+
 def test_a_child_that_died_on_its_own_fails_its_attempt_with_how_it_died():
     died = judging.of_exit(attempt(), {"pid": 1}, -signal.SIGSEGV, child_killed=False).outcome
     assert (died.error_kind, died.entry["message"]) == (
