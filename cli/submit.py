@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.live import Live
 
-from cyclone_mp.errors import WaitTimeout
+from cyclone_mp.errors import DatabaseBusy, DatabaseUnavailable, WaitTimeout
 from cyclone_mp.steps import INT_MAX, INT_MIN, MAX_NAME_LENGTH
 from cyclone_mp.waiting import timeout_message
 
@@ -129,7 +129,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
             try:
                 status = client.wait(run_id, timeout=WAIT_REFRESH if left is None else min(WAIT_REFRESH, left))
             except WaitTimeout:
-                status = client.status(run_id)  # the progress to show
+                status = _refreshed(client, run_id, status)  # the progress to show
             if view is not None:
                 view.update(render.wait_view(status, time.monotonic() - start))
     except KeyboardInterrupt:
@@ -144,6 +144,16 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
     if not status.terminal:
         raise click.ClickException(timeout_message(run_id, status, timeout))
     return status
+
+
+def _refreshed(client: Any, run_id: str, status: Any) -> Any:
+    """The run's status now, for the live view; ``status`` (the last one read) while the
+    database does not answer (an outage, PgBouncer refusing logins after a restart): the
+    wait goes on, bounded by its own timeout, as ``client.wait`` is (docs/python-apps.md)."""
+    try:
+        return client.status(run_id)
+    except (DatabaseUnavailable, DatabaseBusy):
+        return status
 
 
 COMMANDS = [enqueue]  #: registered on the group by :mod:`main`
