@@ -78,6 +78,15 @@ def test_redact_hides_every_password(text):
     assert "secret" not in out and "cret" not in out and "***" in out
 
 
+@pytest.mark.parametrize("text, shown", [
+    ("postgresql://u@h/x?password=secret: connection failed", "postgresql://u@h/x?password=***: connection failed"),
+    ('at "h" (postgresql://u@h/x?password=secret): failed', 'at "h" (postgresql://u@h/x?password=***): failed'),
+    ("postgresql://u@h/x?password=se:cret&sslmode=require", "postgresql://u@h/x?password=***&sslmode=require"),
+])
+def test_redact_keeps_what_follows_a_password_in_a_message(text, shown):
+    assert redact(text) == shown and redact(redact(text)) == shown
+
+
 def test_sql_loses_its_comments_but_never_a_string():
     assert _code("   AND s.id = ANY(%(ids)s)  -- by primary key") == "   AND s.id = ANY(%(ids)s)"
     assert _code("SELECT '--not a comment' AS x -- a comment") == "SELECT '--not a comment' AS x"
