@@ -262,15 +262,6 @@ class PooledCursor(psycopg.Cursor):  # type: ignore[type-arg]
             super().execute(query, params, prepare=prepare, binary=binary)
         return self
 
-    def executemany(self, query: Any, params_seq: Any, *, returning: bool = False) -> None:
-        settings = self._settings()
-        if settings is None:
-            return super().executemany(query, params_seq, returning=returning)
-        with self.connection.pipeline():
-            psycopg.Cursor(self.connection).execute(*settings, prepare=False)
-            super().executemany(query, params_seq, returning=returning)
-        return None
-
 
 class PooledAsyncConnection(psycopg.AsyncConnection):  # type: ignore[type-arg]
     """:class:`PooledConnection` for the :class:`~cyclone_mp.AsyncClient`: its explicit

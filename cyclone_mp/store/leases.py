@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
+import psycopg
+
 from ..noderows import to_us
 from .queries import Q, nullable_jsonb
 from .session import Session, translate
@@ -23,24 +25,30 @@ class Leases:
         start delay or None])`` items, in one round trip: still one renewal per step,
         addressed by id, with the seed's WHERE clause (the ``heartbeat`` statement: with it
         go the latest progress and the handler's start delay, seconds after the claim),
-        sent together (psycopg's pipelined ``executemany``). They share one implicit
-        transaction: a renewal that fails (a lock wait past ``lock_timeout``) fails them
-        all, and the caller renews one by one. Returns, per item, whether it matched its
-        row. Raises DatabaseError."""
+        each on a cursor of its own in one pipeline with one Sync. (psycopg's
+        ``executemany(returning=True)`` waits for the results before it syncs: two round
+        trips, so a renewal through a distant database took twice its round trip.) They
+        share the pipeline's implicit transaction: a renewal that fails (a lock wait past
+        ``lock_timeout``) fails them all, and the caller renews one by one. Returns, per
+        item, whether it matched its row. Raises DatabaseError."""
         if not items:
             return []
-        with self.session.conn.cursor() as cur:
-            cur.executemany(Q["heartbeat"], [
-                {"id": item[0], "owner": owner, "generation": item[1], "ttl_us": to_us(ttl),
-                 "progress": nullable_jsonb(item[2]), "start_delay_us": to_us(item[3] if len(item) > 3 else None)}
-                for item in items
-            ], returning=True)
-            matched = []
-            while True:
-                matched.append(cur.rowcount == 1)
-                if not cur.nextset():
-                    break
-            return matched
+        conn = self.session.conn
+        cursors = []
+        with conn.pipeline():
+            settings = getattr(conn, "statement_settings", None)  # through PgBouncer: set in this transaction
+            if settings is not None:
+                psycopg.Cursor(conn).execute(*settings, prepare=False)
+            for item in items:
+                cur = conn.cursor()
+                cur.execute(Q["heartbeat"], {
+                    "id": item[0], "owner": owner, "generation": item[1], "ttl_us": to_us(ttl),
+                    "progress": nullable_jsonb(item[2]), "start_delay_us": to_us(item[3] if len(item) > 3 else None)})
+                cursors.append(cur)
+        matched = [cur.rowcount == 1 for cur in cursors]
+        for cur in cursors:
+            cur.close()
+        return matched
 
     @translate
     def state(self, id: int) -> dict[str, Any] | None:

@@ -153,6 +153,37 @@ def test_a_settle_skips_a_row_whose_run_another_session_holds_locked(cyclone_env
     assert [client.status(r).state for r in run_ids] == ["completed"] * 3
 
 
+def test_renewals_due_together_take_one_round_trip(cyclone_env) -> None:
+    """Three leases renewed through a link with 0.3 s of round trip: one round trip for
+    all (a heartbeat must fit in lease_ttl / 3, so a second one halves the distance a
+    database may be), and each says whether it matched (a stale generation does not)."""
+    from cyclone_mp.store import Store
+    from cyclone_mp.testing.env import through, upstream_of
+    from cyclone_mp.testing.network import FaultProxy
+
+    cyclone_env.mux().register(h.ok)
+    for _ in range(3):
+        cyclone_env.client().enqueue(h.ok, {})
+    proxy = FaultProxy(upstream_of(cyclone_env.dsn))
+    store = Store.open(through(cyclone_env.dsn, proxy), generic_plans=True)
+    try:
+        owner = "test:1:rtt"
+        rows = store.claims.claim(owner=owner, queues=["default"], names=[h.ok.name], limit=3, ttl=30).rows
+        items = [(r["id"], r["lease_generation"], {"done": 1}, None) for r in rows]
+        items[2] = (items[2][0], items[2][1] + 1, None, None)  # not its lease
+        proxy.add_latency(0.3)
+        took = []
+        for _ in range(3):
+            started = time.monotonic()
+            assert store.leases.renew_many(owner=owner, items=items, ttl=30) == [True, True, False]
+            took.append(time.monotonic() - started)
+        assert min(took) < 0.5, took  # two round trips would be 0.6 s
+    finally:
+        proxy.add_latency(0)
+        store.close()
+        proxy.close()
+
+
 def test_a_cancelled_attempt_reported_dead_frees_its_step_and_one_that_never_started_says_so(cyclone_env) -> None:
     """client.cancel of two claimed steps sets dead_by on both; the supervisor reports them
     dead (mark_dead), one as never started: both may run again at once, and only the
