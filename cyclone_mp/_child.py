@@ -87,7 +87,10 @@ class Runner:
                     # ends, so the supervisor can release it in time.
                     if token not in self.dropped:
                         self.dropped[token] = reason
-                        self.ctrl.sendall(dropped_frame(token, reason))
+                        try:
+                            self.ctrl.sendall(dropped_frame(token, reason))
+                        except OSError:  # the supervisor closed our socket: it is gone or recycling us
+                            os._exit(0)
                         if len(self.dropped) > DROPPED_KEPT:  # cancels of tasks that had already ended
                             del self.dropped[next(iter(self.dropped))]
                 elif reason != RELEASED:  # "released" takes back a queued task only: a started one runs

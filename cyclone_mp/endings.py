@@ -44,6 +44,7 @@ class AttemptEndings:
 
     def __init__(self, control: ProcessControl) -> None:
         self.control = control
+        self.rss_cap_warned = False  # max_child_rss found below what one step leaves (said once)
         self._unhealable_said: dict[tuple[str, str], tuple[float, int]] = {}  # (step, kind) -> (last line, count)
 
     # -- an attempt's result ------------------------------------------------------------------------
@@ -311,6 +312,11 @@ class AttemptEndings:
                 rss = child.last_rss if child.last_rss is not None else child.rss()
             too_big = rss is not None and cfg.max_child_rss is not None and rss > cfg.max_child_rss
             child.recycle_due = too_many or too_big  # then nothing more is queued in it
+            if too_big and child.steps_run <= 1 and not self.rss_cap_warned:
+                self.rss_cap_warned = True
+                log.warning("max_child_rss (%.1f MiB) is below the RSS of a child after its first step (%.1f MiB): "
+                            "every child is replaced after each step, and the steps queued in it are given back; "
+                            "raise max_child_rss above it", cfg.max_child_rss / 2**20, rss / 2**20)
         if not child.recycle_due:
             return
         if child.concurrent:  # retired once its async attempts are over

@@ -42,3 +42,20 @@ def test_the_childs_own_start_is_the_attempts_start_when_it_lies_between_the_cla
         att = attempt()
         att.began_in_child(began, now=1020.0, mono=20.0)
         assert (att.started, att.start_delay(), att.started_wall) == (1010.0, 10.0, 5010.0), began
+
+
+def test_a_rss_cap_below_what_one_step_leaves_is_said_once(caplog):
+    """A child over max_child_rss after its first step is retired (as any over the cap),
+    and the cap is said to be too low, once: every child would be replaced after each step."""
+    retired = []
+    control = SimpleNamespace(config=SimpleNamespace(max_steps_per_child=None, max_child_rss=5 * 2**20),
+                              pool=SimpleNamespace(retire=retired.append, maintain=lambda now, draining: None),
+                              clock=lambda: 0.0, draining=False)
+    endings = AttemptEndings(control)
+    caplog.set_level(logging.WARNING, logger="cyclone_mp.supervisor")
+    for steps_run in (1, 1, 3):
+        child = SimpleNamespace(returncode=None, recycle_due=False, steps_run=steps_run, last_rss=18 * 2**20,
+                                concurrent={}, attempt=None)
+        endings.maybe_recycle(child)
+        assert child.recycle_due and retired[-1] is child
+    assert len(caplog.records) == 1 and "below the RSS of a child after its first step (18.0 MiB)" in caplog.text
