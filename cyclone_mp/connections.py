@@ -75,14 +75,18 @@ def redact(text: str) -> str:
 
 
 #: What a connection logs when it drops its prepared statements after a stale_plan error.
-STALE_PLAN_LOG = "prepared statements dropped, their plan went stale (a migration changed a column's type?): %s"
+STALE_PLAN_LOG = ("prepared statements dropped, their plan went stale (a migration changed a column's type? or the "
+                  "DSN goes through a transaction-mode pooler such as PgBouncer: then start with --pgbouncer, and "
+                  "prepared statements only with PgBouncer 1.21+ and max_prepared_statements): %s")
 
 
 def stale_plan(exc: BaseException | None) -> bool:
     """True for the errors of a prepared statement that a schema change invalidated:
     "cached plan must not change result type" (0A000) or a statement the server no
-    longer knows (26000). The statement did not run; prepared again, it works."""
-    return isinstance(exc, psycopg.errors.InvalidSqlStatementName) or (
+    longer knows (26000); or one the server knows already (42P05), which a connection
+    sees when a transaction-mode pooler hands it another client's server session. The
+    statement did not run; prepared again, it works (when it was the schema)."""
+    return isinstance(exc, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)) or (
         isinstance(exc, psycopg.errors.FeatureNotSupported) and "cached plan" in str(exc))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 
+import psycopg
 import pytest
 
 from cyclone_mp import RunStatus, StepStatus, backoff, decisions, protocol
@@ -325,3 +326,12 @@ def test_the_call_timer_cuts_a_call_due_before_the_one_it_sleeps_for() -> None:
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_a_prepared_statement_a_pooler_mixed_up_is_a_stale_plan_and_the_log_names_the_pooler():
+    from cyclone_mp.connections import STALE_PLAN_LOG, stale_plan
+
+    assert stale_plan(psycopg.errors.DuplicatePreparedStatement('prepared statement "_pg3_1" already exists'))
+    assert stale_plan(psycopg.errors.InvalidSqlStatementName('prepared statement "_pg3_3" does not exist'))
+    assert not stale_plan(psycopg.errors.UniqueViolation("duplicate key"))
+    assert "--pgbouncer" in STALE_PLAN_LOG
