@@ -142,11 +142,12 @@ class Holding:
 
     def _queue_most(self, child: Any, depth: int, young: float) -> int:
         """How many steps ``child`` may have queued (0: none): ``depth`` behind a live
-        attempt started after ``young`` and not cancelled, on a child not due for recycling,
+        attempt started after ``young``, not cancelled and not waiting for threads it left
+        (they end in a kill, or after kill_grace at most), on a child not due for recycling,
         and no more than ``max_steps_per_child`` lets it run."""
         att = child.attempt
         if (att is None or child.returncode is not None or att.cancel_reason is not None or child.recycle_due
-                or att.started <= young):
+                or att.lingering is not None or att.started <= young):
             return 0
         return self._runs_left(child, depth)
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from . import decisions
 from .attempts import Attempt
+from .enforcement import LEASE_FENCE, LINGERING
 from .messages import COMPLETE, FAIL, RELEASE, SNOOZE, Outcome
 from .procs import exit_description
 
@@ -131,10 +132,10 @@ def of_exit(att: Attempt, entry: dict[str, Any], code: int | None, *, child_kill
             entry["lingering_threads"] = att.lingering
             failure = att.lingering_result
             if att.cancel_reason is None and failure is not None and not failure.get("ok"):
-                # the handler had failed, and threads it started outlived it by kill_grace:
-                # its failure decides (kind, message, traceback), the kill is forensics
+                # the handler had failed (or snoozed), and threads it started outlived it by
+                # kill_grace: what it reported decides, as if they had ended; the kill is forensics
                 entry.update({k: failure.get(k) for k in ("type", "message", "traceback")})
-                return Ending(failed(att, decisions.reported_kind(failure.get("kind")), entry), entry=entry)
+                return of_result(att, failure, entry)
             entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}: threads the "
                                         f"handler started were still running ({', '.join(att.lingering[:3])})")
         entry.setdefault("message", f"child killed by the supervisor after {att.killed_by}")
@@ -152,6 +153,18 @@ def of_exit(att: Attempt, entry: dict[str, Any], code: int | None, *, child_kill
         entry["cancel_reason"] = att.cancel_reason
         return of_cancel(att, entry)
     return Ending(failed(att, decisions.CHILD_EXITED, entry), entry=entry)
+
+
+def watchdog_trigger(att: Attempt, lease_ttl: float) -> str:
+    """What the watchdog's kill of ``att``'s child was for, when process control had not
+    made it (it was frozen or late): the cancel whose ``kill_at`` passed; a failed
+    attempt's lingering threads (its ``kill_at`` and no cancel, before its fence); else
+    the lease fence."""
+    if att.kill_at is not None and att.cancel_reason is not None:
+        return att.cancel_reason
+    if att.kill_at is not None and att.lingering is not None and att.kill_at <= att.fence(lease_ttl):
+        return LINGERING
+    return LEASE_FENCE
 
 
 def of_side_by_side_exit(att: Attempt, entry: dict[str, Any], *, child_killed: bool) -> Ending:

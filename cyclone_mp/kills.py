@@ -57,7 +57,8 @@ class Kills:
         att.cancel_reason = reason
         att.killed_by = None
         if att.child.attempt is att or att.token in att.child.concurrent:  # a queued one is dropped, nothing to kill
-            att.kill_at = now + self.control.config.kill_grace
+            kill_at = now + self.control.config.kill_grace  # (a failed attempt's lingering threads: no later than theirs)
+            att.kill_at = kill_at if att.kill_at is None else min(att.kill_at, kill_at)
             self.control.deadlines.push(att)
         att.child.cancel(att.token, reason)
         self.watch(att.child)

@@ -34,7 +34,7 @@ def control(prefetch: int, *, idle: int = 2, draining: bool = False):
 
     def start(item, child):
         if child.attempt is None:
-            child.attempt = types.SimpleNamespace(started=NOW, cancel_reason=None, limits=row_limits(item.row))
+            child.attempt = types.SimpleNamespace(started=NOW, cancel_reason=None, lingering=None, limits=row_limits(item.row))
         else:
             child.queued.append(item)
         started.append(item.key)

@@ -125,7 +125,7 @@ def busy(pool: FakePool, queued: int, *, started: float | None = None) -> None:
     ``queued`` steps queued behind it."""
     for child in pool.children:
         child.attempt = types.SimpleNamespace(started=NOW[0] if started is None else started, cancel_reason=None,
-                                              limits=row_limits(rows(1)[0]))
+                                              lingering=None, limits=row_limits(rows(1)[0]))
         child.steps_run = 0
         child.queued = [object()] * queued
 
@@ -227,7 +227,7 @@ def test_rate_limited_rows_no_idle_child_took_are_given_back_before_the_queues_f
 
     def start(item, child):
         if child.attempt is None:
-            child.attempt = types.SimpleNamespace(started=NOW[0], cancel_reason=None, limits=row_limits(item.row))
+            child.attempt = types.SimpleNamespace(started=NOW[0], cancel_reason=None, lingering=None, limits=row_limits(item.row))
             child.steps_run = 0
         else:
             child.queued.append(item)

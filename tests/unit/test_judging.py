@@ -111,6 +111,25 @@ def test_a_failed_attempt_whose_threads_outlived_kill_grace_ends_as_its_failure(
     assert entry["lingering_threads"] == ["worker-1"] and entry["killed_by_supervisor"] is True
 
 
+def test_a_snooze_whose_threads_outlived_kill_grace_is_still_a_snooze():
+    """No attempt spent (SPEC 2): what the handler reported decides, as if its threads had ended."""
+    att = attempt(killed_by="lingering_threads", lingering=["worker-1"])
+    att.lingering_result = {"t": "result", "ok": False, "kind": "snooze", "snooze": 30.0,
+                            "type": "cyclone_mp.errors.Snooze", "message": "later"}
+    out = judging.of_exit(att, {"pid": 1}, -signal.SIGKILL, child_killed=True).outcome
+    assert (out.kind, out.snooze, out.entry["lingering_threads"]) == (SNOOZE, 30.0, ["worker-1"])
+
+
+def test_a_watchdog_kill_is_judged_by_what_was_due():
+    """The watchdog killed a child process control missed: a cancel's kill, a failed
+    attempt's lingering threads (its failure then decides, not a lost lease), or the fence."""
+    assert judging.watchdog_trigger(attempt(cancel_reason="timeout", kill_at=12.0), 30.0) == "timeout"
+    lingering = attempt(lingering=["worker-1"], kill_at=12.0)
+    assert judging.watchdog_trigger(lingering, 30.0) == "lingering_threads"
+    assert judging.watchdog_trigger(lingering, 1.0) == "lease_fence"  # its fence (11.0) came first
+    assert judging.watchdog_trigger(attempt(), 30.0) == "lease_fence"
+
+
 def test_a_child_that_died_on_its_own_fails_its_attempt_with_how_it_died():
     died = judging.of_exit(attempt(), {"pid": 1}, -signal.SIGSEGV, child_killed=False).outcome
     assert (died.error_kind, died.entry["message"]) == (
