@@ -126,10 +126,13 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
             left = None if timeout is None else timeout - (time.monotonic() - start)
             if left is not None and left <= 0:
                 break
+            step = WAIT_REFRESH if left is None else min(WAIT_REFRESH, left)
             try:
-                status = client.wait(run_id, timeout=WAIT_REFRESH if left is None else min(WAIT_REFRESH, left))
+                status = client.wait(run_id, timeout=step)
             except WaitTimeout:
                 status = _refreshed(client, run_id, status)  # the progress to show
+            except (DatabaseUnavailable, DatabaseBusy):  # an outage: waited through, within the timeout
+                time.sleep(step)
             if view is not None:
                 view.update(render.wait_view(status, time.monotonic() - start))
     except KeyboardInterrupt:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import types
 
+import click
+import pytest
+
 from cyclone_mp.errors import DatabaseUnavailable, WaitTimeout
 from cyclone_mp_cli import submit
 
@@ -21,7 +24,8 @@ class OutageClient:
         self.status_calls += 1
         if self.status_calls in (2, 3):
             raise DatabaseUnavailable("server login has been failing, try again later (server_login_retry)")
-        return types.SimpleNamespace(terminal=self.status_calls > 3, state="completed")
+        return types.SimpleNamespace(terminal=self.status_calls > 3, state="completed" if self.status_calls > 3
+                                     else "running", steps={})
 
     def wait(self, run_id: str, timeout: float | None = None) -> types.SimpleNamespace:
         self.waits += 1
@@ -34,3 +38,23 @@ def test_a_refresh_during_an_outage_keeps_waiting():
     client = OutageClient()
     status = submit._wait(client, "r1", timeout=30.0, live=False)
     assert status.terminal and client.status_calls == 4 and client.waits == 3
+
+
+class DownClient(OutageClient):
+    """The database is down for the first two waits too (a wait's first look fails)."""
+
+    def wait(self, run_id: str, timeout: float | None = None) -> types.SimpleNamespace:
+        self.waits += 1
+        if self.waits <= 2:
+            raise DatabaseUnavailable("server login has been failing, try again later (server_login_retry)")
+        return super().wait(run_id, timeout)
+
+
+def test_a_wait_that_finds_the_database_down_keeps_waiting_within_its_timeout(monkeypatch):
+    monkeypatch.setattr(submit, "WAIT_REFRESH", 0.01)
+    client = DownClient()
+    assert submit._wait(client, "r1", timeout=30.0, live=False).terminal
+    down = DownClient()
+    down.wait = lambda run_id, timeout=None: (_ for _ in ()).throw(DatabaseUnavailable("down"))
+    with pytest.raises(click.ClickException, match="r1"):  # still down at the timeout: the timeout's message
+        submit._wait(down, "r1", timeout=0.1, live=False)
