@@ -63,14 +63,12 @@ def redact(text: str) -> str:
     (``password=S3cret\\ more``); never print a secret.
     """
     text = re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", text)
-    # (a query value ends at ``&``, ``#`` or white space; in a message quoting the URI, also
-    # before the ": " or ")" that follows it)
-    text = re.sub(r"([?&]password=)[^&\s#]*?(?=:(?:\s|$)|\)(?::|\s|$)|[&\s#]|$)", r"\1***", text, flags=re.I)
+    text = re.sub(r"([?&]password=)[^&\s#]*", r"\1***", text, flags=re.I)
     # An unquoted libpq value ends at white space that no backslash escapes ("S3cret\\ more");
     # an already redacted value (``password=***``, then a space, a colon and space, or the
     # end) is left alone: the CLI redacts whole messages again, and "password=***: connection
     # failed" lost its colon.
-    return re.sub(r"(\bpassword\s*=\s*)(?!\*\*\*(?:[\s;,)&#]|:\s|:?$))('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)",
+    return re.sub(r"(\bpassword\s*=\s*)(?!\*\*\*(?:[\s;,)]|:\s|:?$))('(?:[^'\\]|\\.)*'?|(?:\\.|[^\s'\\])+\\?)",
                   r"\1***", text, flags=re.I)
 
 
