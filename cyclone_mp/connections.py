@@ -81,11 +81,22 @@ STALE_PLAN_LOG = ("prepared statements dropped, their plan went stale (a migrati
 def stale_plan(exc: BaseException | None) -> bool:
     """True for the errors of a prepared statement that a schema change invalidated:
     "cached plan must not change result type" (0A000) or a statement the server no
-    longer knows (26000); or one the server knows already (42P05), which a connection
-    sees when a transaction-mode pooler hands it another client's server session. The
-    statement did not run; prepared again, it works (when it was the schema)."""
-    return isinstance(exc, (psycopg.errors.InvalidSqlStatementName, psycopg.errors.DuplicatePreparedStatement)) or (
+    longer knows (26000). The statement did not run; prepared again, it works. (A
+    statement the server knows already, 42P05, is not one: a transaction-mode pooler
+    without ``--pgbouncer`` causes it, and preparing again would not help; see
+    :func:`pooler_hint`.)"""
+    return isinstance(exc, psycopg.errors.InvalidSqlStatementName) or (
         isinstance(exc, psycopg.errors.FeatureNotSupported) and "cached plan" in str(exc))
+
+
+def pooler_hint(exc: BaseException | None) -> str:
+    """What to add to the message of ``exc`` when a transaction-mode pooler is its likely
+    cause: a prepared statement the server knows already (42P05), which a connection sees
+    when PgBouncer hands it another client's server session. Empty otherwise."""
+    if isinstance(exc, psycopg.errors.DuplicatePreparedStatement):
+        return (" (a prepared statement of another session: the DSN goes through a transaction-mode pooler "
+                "such as PgBouncer; start with --pgbouncer)")
+    return ""
 
 
 #: SQLSTATEs of a session the server ended or cannot serve: an outage (reconnect, write
@@ -150,7 +161,7 @@ def classify(exc: psycopg.Error, broken: bool = False) -> DatabaseError:
             or state is not None and (state in OUTAGE_STATES or state.startswith(OUTAGE_PREFIXES))
             or isinstance(exc, psycopg.OperationalError)):
         return DatabaseUnavailable(f"database unavailable: {text if str(exc).strip() else 'connection lost'}")
-    return DatabaseError(f"database error: {type(exc).__name__}: {text}")
+    return DatabaseError(f"database error: {type(exc).__name__}: {text}{pooler_hint(exc)}")
 
 
 def tcp_bounds(dead_after: float) -> dict[str, int]:

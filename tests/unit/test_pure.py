@@ -321,10 +321,14 @@ def test_the_call_timer_cuts_a_call_due_before_the_one_it_sleeps_for() -> None:
             b.close()
 
 
-def test_a_prepared_statement_a_pooler_mixed_up_is_a_stale_plan_and_the_log_names_the_pooler():
-    from cyclone_mp.connections import STALE_PLAN_LOG, stale_plan
+def test_a_prepared_statement_a_pooler_mixed_up_is_named_and_not_retried_as_a_stale_plan():
+    """42P05 comes from a transaction-mode pooler without --pgbouncer: preparing again
+    would not help (and DEALLOCATE ALL would reach other clients' sessions), so it is no
+    stale plan; its error says what to do."""
+    from cyclone_mp.connections import STALE_PLAN_LOG, classify, stale_plan
 
-    assert stale_plan(psycopg.errors.DuplicatePreparedStatement('prepared statement "_pg3_1" already exists'))
+    dup = psycopg.errors.DuplicatePreparedStatement('prepared statement "_pg3_1" already exists')
+    assert not stale_plan(dup) and "--pgbouncer" in str(classify(dup))
     assert stale_plan(psycopg.errors.InvalidSqlStatementName('prepared statement "_pg3_3" does not exist'))
     assert not stale_plan(psycopg.errors.UniqueViolation("duplicate key"))
     assert "--pgbouncer" in STALE_PLAN_LOG
