@@ -111,6 +111,10 @@ def _warn_unserved(client: Any, status: Any, app: str) -> None:
                    f"the run waits until one starts: cyclone-mp worker {app}{option}", err=True)
 
 
+#: What a wait goes on through: the database down, or too busy to answer now.
+OUTAGE = (DatabaseUnavailable, DatabaseBusy)
+
+
 def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any:
     """``client.wait`` for the run (woken by LISTEN/NOTIFY when it ends), showing a live
     view on stderr refreshed from ``client.status`` every WAIT_REFRESH seconds."""
@@ -131,7 +135,7 @@ def _wait(client: Any, run_id: str, timeout: float | None, *, live: bool) -> Any
                 status = client.wait(run_id, timeout=step)
             except WaitTimeout:
                 status = _refreshed(client, run_id, status)  # the progress to show
-            except (DatabaseUnavailable, DatabaseBusy):  # an outage: waited through, within the timeout
+            except OUTAGE:  # waited through, within the timeout
                 time.sleep(step)
             if view is not None:
                 view.update(render.wait_view(status, time.monotonic() - start))
@@ -155,7 +159,7 @@ def _refreshed(client: Any, run_id: str, status: Any) -> Any:
     wait goes on, bounded by its own timeout, as ``client.wait`` is (docs/python-apps.md)."""
     try:
         return client.status(run_id)
-    except (DatabaseUnavailable, DatabaseBusy):
+    except OUTAGE:
         return status
 
 

@@ -270,10 +270,22 @@ class PooledCursor(psycopg.Cursor):  # type: ignore[type-arg]
         if settings is None or (params is None and ";" in str(query)):  # a script: simple protocol, no pipeline
             super().execute(query, params, prepare=prepare, binary=binary)
             return self
-        with self.connection.pipeline():
-            psycopg.Cursor(self.connection).execute(*settings, prepare=False)
+        with statement_pipeline(self.connection):
             super().execute(query, params, prepare=prepare, binary=binary)
         return self
+
+
+@contextlib.contextmanager
+def statement_pipeline(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A pipeline of autocommit statements on ``conn``: one Sync, one round trip, one
+    implicit transaction. Through PgBouncer (a :class:`PooledConnection`) its
+    ``statement_settings`` go first, so they cover every statement of it; a plain
+    connection set them for its session."""
+    with conn.pipeline():
+        settings = getattr(conn, "statement_settings", None)
+        if settings is not None:
+            psycopg.Cursor(conn).execute(*settings, prepare=False)
+        yield
 
 
 class PooledAsyncConnection(psycopg.AsyncConnection):  # type: ignore[type-arg]

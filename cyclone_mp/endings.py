@@ -257,7 +257,7 @@ class AttemptEndings:
                 entry["peak_rss_kb"] = att.peak_rss_kb  # wait4's maxrss would include the pre-exec parent
             if by_watchdog and not att.killed_by:
                 att.killed_by = judging.watchdog_trigger(att, self.control.config.lease_ttl)
-                if att.killed_by == "lease_fence":
+                if att.killed_by == judging.LEASE_FENCE:
                     att.cancel_reason, att.fenced = "lease_lost", True
                 entry["killed_by"] = "watchdog"
             cap = self._cap_of_exit(att, child, code, entry)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Sequence
 
-import psycopg
-
+from ..connections import statement_pipeline
 from ..noderows import to_us
 from .queries import Q, nullable_jsonb
 from .session import Session, translate
@@ -35,10 +34,7 @@ class Leases:
             return []
         conn = self.session.conn
         cursors = []
-        with conn.pipeline():
-            settings = getattr(conn, "statement_settings", None)  # through PgBouncer: set in this transaction
-            if settings is not None:
-                psycopg.Cursor(conn).execute(*settings, prepare=False)
+        with statement_pipeline(conn):
             for item in items:
                 cur = conn.cursor()
                 cur.execute(Q["heartbeat"], {
